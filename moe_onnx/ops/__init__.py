@@ -1,0 +1,39 @@
+"""The moe_onnx op set: one module per op, each an :class:`OpDef` (schema, validation, reference).
+
+Importing this package registers every op's ``onnx.defs.OpSchema`` in :data:`DOMAIN`, so the
+onnx checker and shape inference validate models that use them.
+"""
+
+from __future__ import annotations
+
+from onnx import defs
+from onnx.reference.op_run import OpRun
+
+from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef
+from .moe import MOE
+
+OPS: dict[str, OpDef] = {op.name: op for op in (MOE,)}
+
+
+def _register_schemas() -> None:
+    for op in OPS.values():
+        if not defs.has(op.name, OPSET_VERSION, DOMAIN):
+            defs.register_schema(op.schema())
+
+
+def _evaluator_class(op: OpDef) -> type[OpRun]:
+    """An onnx.reference op class that runs ``op.reference`` inside ReferenceEvaluator."""
+
+    def _run(self, *inputs, **attributes):
+        attributes = {k: v for k, v in attributes.items() if v is not None}
+        outputs = op.reference(*inputs, _node_name=self.onnx_node.name, **attributes)
+        return tuple(outputs[: len(self.onnx_node.output)])
+
+    return type(op.name, (OpRun,), {"op_domain": DOMAIN, "_run": _run, "__doc__": op.doc})
+
+
+REFERENCE_OPS: list[type[OpRun]] = [_evaluator_class(op) for op in OPS.values()]
+
+_register_schemas()
+
+__all__ = ["DOMAIN", "OPSET_VERSION", "OPS", "REFERENCE_OPS", "MoeOpError", "OpDef"]

@@ -1,0 +1,465 @@
+"""Shared machinery of the op definitions.
+
+Each op module defines one :class:`OpDef`: its formal inputs, outputs and attributes, a
+``validate`` function and a numpy reference. ``validate`` takes a :class:`NodeView` and returns
+the output types; the same function serves three callers, so a rule is written once:
+
+* ONNX shape inference (``ContextView``, static shapes, raises on the first problem),
+* ``moe-onnx check`` (``GraphView``, shapes from a model's value infos and initializers),
+* the numpy reference and the kernels (``ArrayView``, concrete arrays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, defs, helper
+
+DOMAIN = "moe_onnx"
+OPSET_VERSION = 1
+
+Dim = int | str | None  # a known size, a symbolic name, or unknown
+
+
+class MoeOpError(ValueError):
+    """An input or attribute of a moe_onnx op does not meet the op's contract."""
+
+
+# ----------------------------------------------------------------------------- types
+
+FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
+INDEX_TYPES = ("tensor(int32)", "tensor(int64)")
+
+_ELEM_NAMES = {
+    TensorProto.FLOAT: "float32",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
+    TensorProto.INT8: "int8",
+    TensorProto.INT32: "int32",
+    TensorProto.INT64: "int64",
+    TensorProto.DOUBLE: "float64",
+    TensorProto.UINT8: "uint8",
+    TensorProto.BOOL: "bool",
+}
+_NP_TO_ELEM = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
+    np.dtype(np.int8): TensorProto.INT8,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.float64): TensorProto.DOUBLE,
+    np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.bool_): TensorProto.BOOL,
+}
+FLOAT_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+INDEX_ELEMS = (TensorProto.INT32, TensorProto.INT64)
+
+
+def elem_name(elem_type: int) -> str:
+    """Readable name of an ONNX element type, as used in error messages."""
+    return _ELEM_NAMES.get(elem_type) or TensorProto.DataType.Name(elem_type).lower()
+
+
+def elem_of(array: np.ndarray) -> int:
+    """ONNX element type of a numpy array (bfloat16 through ml_dtypes)."""
+    try:
+        return _NP_TO_ELEM[array.dtype]
+    except KeyError:
+        return TensorProto.UNDEFINED
+
+
+def np_dtype(elem_type: int) -> np.dtype:
+    """Numpy dtype of an ONNX element type (bfloat16 through ml_dtypes)."""
+    if elem_type == TensorProto.BFLOAT16:
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """float16 and bfloat16 are computed in float32; float32 stays float32."""
+    return np.dtype(np.float32) if dtype.kind == "f" or dtype == ml_dtypes.bfloat16 else dtype
+
+
+# ----------------------------------------------------------------------------- formal parts
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A formal input or output."""
+
+    name: str
+    type_str: str  # a type-constraint name or a concrete "tensor(...)"
+    doc: str
+    optional: bool = False
+
+
+_ATTR_TYPES = {
+    "int": defs.OpSchema.AttrType.INT,
+    "float": defs.OpSchema.AttrType.FLOAT,
+    "string": defs.OpSchema.AttrType.STRING,
+    "ints": defs.OpSchema.AttrType.INTS,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attr:
+    """A formal attribute; ``default=None`` means required (or, for ``ints``, 'not given')."""
+
+    name: str
+    kind: str  # "int", "float", "string" or "ints"
+    doc: str
+    default: Any = None
+    required: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Element type and shape of a value; ``shape`` is None when the rank is unknown."""
+
+    elem_type: int
+    shape: tuple[Dim, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    """Everything that defines one op: the single source every backend follows."""
+
+    name: str
+    doc: str
+    inputs: tuple[Param, ...]
+    outputs: tuple[Param, ...]
+    type_constraints: tuple[tuple[str, tuple[str, ...], str], ...]
+    attributes: tuple[Attr, ...]
+    validate: Callable[[NodeView], list[TensorInfo | None]]
+    reference: Callable[..., Any]
+
+    def attr_spec(self, name: str) -> Attr:
+        for attr in self.attributes:
+            if attr.name == name:
+                return attr
+        raise KeyError(name)
+
+    def input_index(self, name: str) -> int:
+        return [p.name for p in self.inputs].index(name)
+
+    def schema(self) -> defs.OpSchema:
+        """The onnx OpSchema, with the shared validation as its inference function."""
+        S = defs.OpSchema
+        option = {False: S.FormalParameterOption.Single, True: S.FormalParameterOption.Optional}
+        attributes = []
+        for a in self.attributes:
+            if a.required or a.default is None:
+                attributes.append(S.Attribute(a.name, _ATTR_TYPES[a.kind], a.doc, required=a.required))
+            else:
+                attributes.append(S.Attribute(a.name, helper.make_attribute(a.name, a.default), a.doc))
+        schema = S(
+            self.name,
+            DOMAIN,
+            OPSET_VERSION,
+            self.doc,
+            inputs=[S.FormalParameter(p.name, p.type_str, p.doc, param_option=option[p.optional]) for p in self.inputs],
+            outputs=[S.FormalParameter(p.name, p.type_str, p.doc, param_option=option[p.optional]) for p in self.outputs],
+            type_constraints=[(n, list(t), d) for n, t, d in self.type_constraints],
+            attributes=attributes,
+        )
+        schema.set_type_and_shape_inference_function(self._infer)
+        return schema
+
+    def _infer(self, ctx: Any) -> None:
+        view = ContextView(self, ctx)
+        for i, info in enumerate(self.validate(view)):
+            if info is not None and i < ctx.get_num_outputs() and ctx.has_output(i):
+                ctx.set_output_type(i, _type_proto(info))
+
+
+# ----------------------------------------------------------------------------- node views
+
+class NodeView:
+    """What validation may know about one node: input types/shapes, constants, attributes."""
+
+    op: OpDef
+    node_name: str
+
+    def input(self, i: int) -> TensorInfo | None:
+        """Type and shape of input i, or None when the input is absent."""
+        raise NotImplementedError
+
+    def const(self, i: int) -> np.ndarray | None:
+        """Value of input i when it is known (an initializer or a concrete array)."""
+        raise NotImplementedError
+
+    def _raw_attr(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def has_output(self, i: int) -> bool:
+        raise NotImplementedError
+
+    # -- helpers built on the primitives
+
+    def has(self, i: int) -> bool:
+        return self.input(i) is not None
+
+    def attr(self, name: str) -> Any:
+        """Attribute value, with the default of the OpDef applied."""
+        spec = self.op.attr_spec(name)
+        value = _normalize_attr(self._raw_attr(name))
+        if value is None:
+            if spec.required:
+                self.fail(f"attribute '{name}'", "is required")
+            return list(spec.default) if isinstance(spec.default, (list, tuple)) else spec.default
+        return value
+
+    def where(self) -> str:
+        return f"{self.op.name} node '{self.node_name}'" if self.node_name else self.op.name
+
+    def fail(self, subject: str, message: str) -> None:
+        raise MoeOpError(f"{self.where()}: {subject} {message}")
+
+    def input_name(self, i: int) -> str:
+        return f"input '{self.op.inputs[i].name}'"
+
+    def require(self, i: int) -> TensorInfo:
+        info = self.input(i)
+        if info is None:
+            self.fail(self.input_name(i), "is required")
+        return info
+
+    def expect_elem(self, i: int, allowed: Sequence[int], what: str = "") -> int:
+        info = self.require(i)
+        if info.elem_type not in allowed and info.elem_type != TensorProto.UNDEFINED:
+            names = ", ".join(elem_name(e) for e in allowed)
+            self.fail(self.input_name(i), f"has type {elem_name(info.elem_type)}; expected {what or names}")
+        return info.elem_type
+
+    def expect_same_elem(self, i: int, ref: int) -> None:
+        """Input i must have the element type of input ``ref``."""
+        a, b = self.input(i), self.input(ref)
+        if a is None or b is None or TensorProto.UNDEFINED in (a.elem_type, b.elem_type):
+            return
+        if a.elem_type != b.elem_type:
+            self.fail(self.input_name(i), f"has type {elem_name(a.elem_type)}; expected {elem_name(b.elem_type)}, "
+                      f"the type of {self.input_name(ref)}")
+
+    def expect_rank(self, i: int, rank: int | None = None, min_rank: int | None = None) -> tuple[Dim, ...] | None:
+        """The shape of input i after checking its rank (None when the rank is unknown)."""
+        shape = self.require(i).shape
+        if shape is None:
+            return None
+        if rank is not None and len(shape) != rank:
+            self.fail(self.input_name(i), f"has rank {len(shape)} (shape {fmt_shape(shape)}); expected rank {rank}")
+        if min_rank is not None and len(shape) < min_rank:
+            self.fail(self.input_name(i), f"has rank {len(shape)} (shape {fmt_shape(shape)}); expected rank >= {min_rank}")
+        return shape
+
+
+def fmt_shape(shape: Sequence[Dim] | None) -> str:
+    if shape is None:
+        return "[?]"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+class DimBinder:
+    """Binds named sizes (E, H, k...) to the first known value and reports disagreements."""
+
+    def __init__(self, view: NodeView):
+        self.view = view
+        self.values: dict[str, tuple[Dim, str]] = {}
+
+    def bind(self, symbol: str, value: Dim, source: str) -> Dim:
+        """Record ``symbol = value`` (seen at ``source``); raise when a known value disagrees."""
+        if value is None:
+            return self.values.get(symbol, (None, ""))[0]
+        old = self.values.get(symbol)
+        if old is None or old[0] is None:
+            self.values[symbol] = (value, source)
+            return value
+        if isinstance(old[0], int) and isinstance(value, int) and old[0] != value:
+            self.view.fail(source, f"is {value}; expected {symbol} = {old[0]} (from {old[1]})")
+        if isinstance(old[0], str) and isinstance(value, int):
+            self.values[symbol] = (value, source)
+            return value
+        return old[0]
+
+    def get(self, symbol: str) -> Dim:
+        return self.values.get(symbol, (None, ""))[0]
+
+    def shape(self, i: int, symbols: Sequence[str], shape: tuple[Dim, ...] | None) -> None:
+        """Bind each dim of input i to its symbol: "" skips a dim, "2X" binds X to half an even dim."""
+        if shape is None:
+            return
+        name = self.view.op.inputs[i].name
+        for axis, (symbol, dim) in enumerate(zip(symbols, shape)):
+            if not symbol:
+                continue
+            if symbol.startswith("2") and len(symbol) > 1:
+                if is_known(dim) and dim % 2:
+                    self.view.fail(self.view.input_name(i), f"dim {axis} is {dim}; expected an even size ({symbol})")
+                self.bind(symbol[1:], dim // 2 if is_known(dim) else None, f"input '{name}' dim {axis} (= {symbol})")
+            else:
+                self.bind(symbol, dim, f"input '{name}' dim {axis}")
+
+
+def dim_product(dims: Sequence[Dim]) -> Dim:
+    """Product of dims, None when any is unknown."""
+    total = 1
+    for d in dims:
+        if not isinstance(d, int):
+            return None
+        total *= d
+    return total
+
+
+def is_known(*dims: Dim) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+class ContextView(NodeView):
+    """A node seen through ONNX shape inference."""
+
+    def __init__(self, op: OpDef, ctx: Any):
+        self.op, self.ctx = op, ctx
+        display = ctx.get_display_name()  # 'node MOE[moe_onnx] (name)'
+        self.node_name = display[display.rfind("(") + 1:-1] if display.endswith(")") else ""
+
+    def input(self, i: int) -> TensorInfo | None:
+        if i >= self.ctx.get_num_inputs() or not self.ctx.has_input(i):
+            return None
+        tp = self.ctx.get_input_type(i)
+        if tp is None or not tp.HasField("tensor_type"):
+            return TensorInfo(TensorProto.UNDEFINED, None)
+        return tensor_info_from_type(tp)
+
+    def const(self, i: int) -> np.ndarray | None:
+        if i >= self.ctx.get_num_inputs() or not self.ctx.has_input(i):
+            return None
+        data = self.ctx.get_input_data(i)
+        return None if data is None else onnx.numpy_helper.to_array(data)
+
+    def _raw_attr(self, name: str) -> Any:
+        proto = self.ctx.get_attribute(name)
+        return None if proto is None else helper.get_attribute_value(proto)
+
+    def has_output(self, i: int) -> bool:
+        return i < self.ctx.get_num_outputs() and self.ctx.has_output(i)
+
+
+class ArrayView(NodeView):
+    """A node seen through concrete numpy arrays (references and kernels)."""
+
+    def __init__(self, op: OpDef, inputs: Sequence[np.ndarray | None], attrs: dict[str, Any],
+                 node_name: str = "", n_outputs: int | None = None):
+        self.op, self.node_name = op, node_name
+        self.arrays = list(inputs) + [None] * (len(op.inputs) - len(inputs))
+        unknown = set(attrs) - {a.name for a in op.attributes}
+        if unknown:
+            raise MoeOpError(f"{op.name}: unknown attribute(s) {sorted(unknown)}; "
+                             f"expected some of {[a.name for a in op.attributes]}")
+        self.attrs = {k: v for k, v in attrs.items() if v is not None}
+        self.n_outputs = len(op.outputs) if n_outputs is None else n_outputs
+        for i, arr in enumerate(self.arrays):
+            if arr is not None and not isinstance(arr, np.ndarray):
+                raise MoeOpError(f"{self.where()}: {self.input_name(i)} must be a numpy array, got {type(arr).__name__}")
+
+    def input(self, i: int) -> TensorInfo | None:
+        arr = self.arrays[i] if i < len(self.arrays) else None
+        if arr is None:
+            return None
+        return TensorInfo(elem_of(arr), tuple(int(d) for d in arr.shape))
+
+    def const(self, i: int) -> np.ndarray | None:
+        return self.arrays[i] if i < len(self.arrays) else None
+
+    def _raw_attr(self, name: str) -> Any:
+        return self.attrs.get(name)
+
+    def has_output(self, i: int) -> bool:
+        return i < self.n_outputs
+
+
+class GraphView(NodeView):
+    """A node of a model, with shapes from (inferred) value infos and constants from initializers."""
+
+    def __init__(self, op: OpDef, node: onnx.NodeProto, types: dict[str, onnx.TypeProto],
+                 constants: dict[str, Callable[[], np.ndarray]]):
+        self.op, self.node, self.node_name = op, node, node.name
+        self.types, self.constants = types, constants
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def _name(self, i: int) -> str:
+        return self.node.input[i] if i < len(self.node.input) else ""
+
+    def input(self, i: int) -> TensorInfo | None:
+        name = self._name(i)
+        if not name:
+            return None
+        tp = self.types.get(name)
+        if tp is None or not tp.HasField("tensor_type"):
+            return TensorInfo(TensorProto.UNDEFINED, None)
+        return tensor_info_from_type(tp)
+
+    def const(self, i: int) -> np.ndarray | None:
+        load = self.constants.get(self._name(i))
+        return None if load is None else load()
+
+    def _raw_attr(self, name: str) -> Any:
+        return self.attrs.get(name)
+
+    def has_output(self, i: int) -> bool:
+        return i < len(self.node.output) and bool(self.node.output[i])
+
+
+def _normalize_attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_normalize_attr(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def tensor_info_from_type(tp: onnx.TypeProto) -> TensorInfo:
+    tt = tp.tensor_type
+    if not tt.HasField("shape"):
+        return TensorInfo(tt.elem_type, None)
+    dims: list[Dim] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return TensorInfo(tt.elem_type, tuple(dims))
+
+
+def _type_proto(info: TensorInfo) -> onnx.TypeProto:
+    shape = None if info.shape is None else [d if isinstance(d, (int, str)) else None for d in info.shape]
+    return helper.make_tensor_type_proto(info.elem_type, shape)
+
+
+# ----------------------------------------------------------------------------- value checks
+
+def check_float_attr(view: NodeView, name: str, *, positive: bool = False, allow_inf: bool = False) -> float:
+    """A float attribute that must be finite (or +inf when allowed) and optionally > 0."""
+    value = float(view.attr(name))
+    if math.isnan(value) or (math.isinf(value) and not (allow_inf and value > 0)):
+        view.fail(f"attribute '{name}'", f"is {value}; expected a finite number" + (" or inf" if allow_inf else ""))
+    if positive and not value > 0:
+        view.fail(f"attribute '{name}'", f"is {value}; expected a value > 0")
+    return value
+
+
+def check_choice(view: NodeView, name: str, choices: Sequence[Any]) -> Any:
+    value = view.attr(name)
+    if value not in choices:
+        view.fail(f"attribute '{name}'", f"is {value!r}; expected one of {', '.join(map(repr, choices))}")
+    return value

@@ -1,0 +1,180 @@
+"""MOE: the fused experts block (router outside, top-k weights and indices in).
+
+Meaning (docs/ops/MOE.md): ``y[t] = sum_j routing_weights[t, j] * expert_{idx[t, j]}(x[t])``,
+computing only the selected experts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import (
+    FLOAT_ELEMS,
+    FLOAT_TYPES,
+    INDEX_ELEMS,
+    INDEX_TYPES,
+    ArrayView,
+    Attr,
+    DimBinder,
+    MoeOpError,
+    NodeView,
+    OpDef,
+    Param,
+    TensorInfo,
+    check_choice,
+    check_float_attr,
+    compute_dtype,
+    dim_product,
+)
+
+GEMM2_BIAS_SWIGLU_CLAMP = "GEMM2_BIAS_SWIGLU_CLAMP"
+GEMM3_SWIGLU = "GEMM3_SWIGLU"
+EXPERT_TYPES = (GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU)
+
+# input positions
+HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2 = range(8)
+
+# Expected weight shapes per expert type: input -> symbols of its dims.
+_WEIGHT_SHAPES = {
+    GEMM2_BIAS_SWIGLU_CLAMP: {W0: ("E", "H", "2I"), B0: ("E", "2I"), W1: ("E", "I", "H"), B1: ("E", "H")},
+    GEMM3_SWIGLU: {W0: ("E", "I", "H"), W1: ("E", "I", "H"), W2: ("E", "H", "I")},
+}
+_REQUIRED = {GEMM2_BIAS_SWIGLU_CLAMP: (W0, W1), GEMM3_SWIGLU: (W0, W1, W2)}
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-z))
+
+
+def _validate(v: NodeView) -> list[TensorInfo | None]:
+    expert_type = check_choice(v, "expert_type", EXPERT_TYPES)
+    check_float_attr(v, "expert_alpha")
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+        check_float_attr(v, "expert_beta", positive=True, allow_inf=True)
+    check_choice(v, "gate_parity", (0, 1))
+
+    elem = v.expect_elem(HIDDEN, FLOAT_ELEMS)
+    for i in (ROUTING, W0, B0, W1, B1, W2):
+        if v.has(i):
+            v.expect_elem(i, FLOAT_ELEMS)
+            v.expect_same_elem(i, HIDDEN)
+    v.expect_elem(INDICES, INDEX_ELEMS)
+
+    dims = DimBinder(v)
+    hidden = v.expect_rank(HIDDEN, min_rank=2)
+    if hidden is not None:
+        dims.bind("H", hidden[-1], "input 'hidden_states' dim -1")
+        dims.bind("T", dim_product(hidden[:-1]), "input 'hidden_states' leading dims (product)")
+    for i in (ROUTING, INDICES):
+        shape = v.expect_rank(i, min_rank=1)
+        if shape is not None:
+            name = v.op.inputs[i].name
+            dims.bind("k", shape[-1], f"input '{name}' dim -1")
+            dims.bind("T", dim_product(shape[:-1]), f"input '{name}' leading dims (product)")
+
+    layout = _WEIGHT_SHAPES[expert_type]
+    for i in _REQUIRED[expert_type]:
+        v.require(i)
+    for i in (B0, W1, B1, W2):
+        if v.has(i) and i not in layout:
+            v.fail(v.input_name(i), f"is given, but {expert_type} does not use it; leave it empty")
+    for i, symbols in layout.items():
+        if v.has(i):
+            dims.shape(i, symbols, v.expect_rank(i, rank=len(symbols)))
+
+    out_shape = v.input(HIDDEN).shape
+    return [TensorInfo(elem, out_shape)]
+
+
+def _check_indices(idx: np.ndarray, num_experts: int, where: str) -> None:
+    bad = (idx < 0) | (idx >= num_experts)
+    if bad.any():
+        pos = tuple(int(p) for p in np.argwhere(bad)[0])
+        raise MoeOpError(f"{where}: router_topk_output_indices{list(pos)} = {int(idx[pos])} is outside "
+                         f"[0, {num_experts}) (num_experts from weight_0)")
+
+
+def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0=None, weight_1=None,
+        bias_1=None, weight_2=None, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0,
+        _node_name=""):
+    """numpy reference of MOE; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
+
+    Raises MoeOpError for any input or attribute outside the contract.
+    """
+    attrs = dict(expert_type=expert_type, expert_alpha=expert_alpha, expert_beta=expert_beta,
+                 gate_parity=gate_parity)
+    arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
+    view = ArrayView(MOE, arrays, attrs, node_name=_node_name)
+    MOE.validate(view)
+    expert_type, alpha = view.attr("expert_type"), float(view.attr("expert_alpha"))
+    beta, parity = float(view.attr("expert_beta")), int(view.attr("gate_parity"))
+
+    dtype = hidden_states.dtype
+    acc = compute_dtype(dtype)
+    hidden = hidden_states.shape[-1]
+    x = hidden_states.reshape(-1, hidden).astype(acc)
+    tokens, k = x.shape[0], router_topk_output_indices.shape[-1]
+    idx = router_topk_output_indices.reshape(tokens, k).astype(np.int64)
+    weights = routing_weights.reshape(tokens, k).astype(acc)
+    _check_indices(router_topk_output_indices, weight_0.shape[0], view.where())
+
+    out = np.zeros((tokens, hidden), dtype=acc)
+    slots = idx.reshape(-1)
+    order = np.argsort(slots, kind="stable")
+    bounds = np.searchsorted(slots[order], np.arange(weight_0.shape[0] + 1))
+    for e in range(weight_0.shape[0]):
+        chosen = order[bounds[e]:bounds[e + 1]]
+        if chosen.size == 0:
+            continue
+        rows = chosen // k
+        xe = x[rows]
+        if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+            gu = xe @ weight_0[e].astype(acc)
+            if bias_0 is not None:
+                gu = gu + bias_0[e].astype(acc)
+            gate, up = gu[:, parity::2], gu[:, 1 - parity::2]
+            gate = np.minimum(gate, beta)
+            up = np.clip(up, -beta, beta)
+            act = (up + 1.0) * gate * sigmoid(alpha * gate)
+            ye = act @ weight_1[e].astype(acc)
+            if bias_1 is not None:
+                ye = ye + bias_1[e].astype(acc)
+        else:
+            gate = xe @ weight_0[e].astype(acc).T
+            up = xe @ weight_1[e].astype(acc).T
+            ye = (gate * sigmoid(alpha * gate) * up) @ weight_2[e].astype(acc).T
+        np.add.at(out, rows, ye * weights.reshape(-1)[chosen][:, None])
+    return (out.astype(dtype).reshape(hidden_states.shape),)
+
+
+MOE = OpDef(
+    name="MOE",
+    doc=("Fused Mixture-of-Experts block. Computes only the selected experts: "
+         "y[t] = sum_j routing_weights[t, j] * expert_{idx[t, j]}(hidden_states[t]). See docs/ops/MOE.md."),
+    inputs=(
+        Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
+        Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
+        Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
+        Param("weight_0", "T", "GEMM2: gate_up [E, H, 2I], gate and up interleaved. GEMM3: gate [E, I, H]."),
+        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM3: must be absent.", optional=True),
+        Param("weight_1", "T", "GEMM2: down [E, I, H]. GEMM3: up [E, I, H]."),
+        Param("bias_1", "T", "GEMM2: down bias [E, H]. GEMM3: must be absent.", optional=True),
+        Param("weight_2", "T", "GEMM3: down [E, H, I]. GEMM2: must be absent.", optional=True),
+    ),
+    outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "Floating-point activations and weights."),
+        ("T_ind", INDEX_TYPES, "Expert indices."),
+    ),
+    attributes=(
+        Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS) or GEMM3_SWIGLU (Mixtral, Qwen, OLMoE).",
+             required=True),
+        Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
+        Attr("expert_beta", "float", "GEMM2 only: the clamp bound (> 0, inf for none).", default=0.0),
+        Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
+             default=0),
+    ),
+    validate=_validate,
+    reference=moe,
+)
