@@ -96,7 +96,7 @@ def _check_indices(idx: np.ndarray, num_experts: int, where: str) -> None:
 
 
 def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0=None, weight_1=None,
-        bias_1=None, weight_2=None, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0,
+        bias_1=None, weight_2=None, *, expert_type=None, expert_alpha=None, expert_beta=None, gate_parity=None,
         _node_name=""):
     """numpy reference of MOE; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
 

@@ -1,0 +1,113 @@
+"""Case tables: one module per op, each a list of :class:`Case` run by every backend.
+
+Each module ``cases/<op>.py`` defines ``OP`` (the op name), ``CASES`` and ``oracle`` (an independent,
+slow implementation used to check the numpy reference); :data:`ALL_CASES` and :data:`ORACLES`
+collect them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from moe_onnx.ops import DOMAIN, OPS
+from moe_onnx.ops._common import elem_of
+
+
+@dataclasses.dataclass
+class Case:
+    """One node of one op: inputs by position (None = absent), attributes, and what must happen.
+
+    ``error`` is a regex the error message must match (None: the case is valid); ``constant``
+    names the inputs stored as initializers when the case becomes a model (weights, offsets);
+    ``outputs`` is how many outputs the node has (None: all of the op's outputs);
+    ``rtol``/``atol`` bound the difference between backends and the reference.
+    """
+
+    op: str
+    name: str
+    inputs: list[np.ndarray | None]
+    attrs: dict[str, Any]
+    error: str | None = None
+    constant: tuple[int, ...] = ()
+    outputs: int | None = None
+    rtol: float = 1e-5
+    atol: float = 1e-5
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.name}"
+
+    def run_reference(self) -> tuple[np.ndarray, ...]:
+        outputs = OPS[self.op].reference(*self.inputs, **self.attrs)
+        return tuple(outputs[: self.n_outputs])
+
+    @property
+    def n_outputs(self) -> int:
+        return len(OPS[self.op].outputs) if self.outputs is None else self.outputs
+
+    def input_names(self) -> list[str]:
+        return [p.name if a is not None else "" for p, a in zip(OPS[self.op].inputs, self.padded_inputs())]
+
+    def padded_inputs(self) -> list[np.ndarray | None]:
+        return list(self.inputs) + [None] * (len(OPS[self.op].inputs) - len(self.inputs))
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        """Runtime inputs of the model (the non-constant ones)."""
+        return {name: a for i, (name, a) in enumerate(zip(self.input_names(), self.padded_inputs()))
+                if a is not None and i not in self.constant}
+
+    def model(self, symbolic: bool = False) -> onnx.ModelProto:
+        """A single-node model; runtime inputs keep their shapes (or get symbolic dims)."""
+        op = OPS[self.op]
+        names = self.input_names()
+        while names and not names[-1]:
+            names.pop()
+        out_names = [p.name for p in op.outputs[: self.n_outputs]]
+        node = helper.make_node(op.name, names, out_names, domain=DOMAIN, name=f"{self.op}_node", **self.attrs)
+        graph_inputs, initializers = [], []
+        for i, (name, a) in enumerate(zip(self.input_names(), self.padded_inputs())):
+            if a is None:
+                continue
+            if i in self.constant:
+                initializers.append(_tensor(a, name))
+            else:
+                shape = [f"{name}_d{d}" for d in range(a.ndim)] if symbolic else list(a.shape)
+                graph_inputs.append(helper.make_tensor_value_info(name, elem_of(a), shape))
+        outputs = [onnx.ValueInfoProto(name=n) for n in out_names]
+        graph = helper.make_graph([node], self.id, graph_inputs, outputs, initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
+                                  ir_version=10)
+        try:  # output types as shape inference gives them
+            return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        except Exception:  # an invalid case: declare the outputs with the type of input 0
+            fallback = elem_of(self.inputs[0]) if self.inputs[0] is not None else onnx.TensorProto.FLOAT
+            for out in model.graph.output:
+                out.CopyFrom(helper.make_tensor_value_info(out.name, fallback, None))
+            return model
+
+
+def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:
+    if elem_of(array) == onnx.TensorProto.BFLOAT16:
+        return helper.make_tensor(name, onnx.TensorProto.BFLOAT16, array.shape,
+                                  array.view(np.uint16).tobytes(), raw=True)
+    return onnx.numpy_helper.from_array(array, name)
+
+
+def _collect() -> tuple[list[Case], dict]:
+    import importlib
+    import pkgutil
+
+    cases, oracles = [], {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        cases += module.CASES
+        oracles[module.OP] = module.oracle
+    return cases, oracles
+
+
+ALL_CASES, ORACLES = _collect()

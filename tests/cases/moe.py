@@ -1,0 +1,171 @@
+"""MOE case table and an independent per-token oracle."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from . import Case
+
+OP = "MOE"
+GEMM2, GEMM3 = "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-2, 2e-2), BF16: (5e-2, 5e-2)}
+
+
+def make_inputs(tokens=7, hidden=8, inter=6, experts=4, k=2, expert_type=GEMM2, dtype=np.float32,
+                index_dtype=np.int64, bias=True, lead=None, indices=None, seed=0, scale=1.0):
+    """Random MOE inputs: hidden_states, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, weight_2."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+
+    def rand(*shape, s=1.0):
+        return (rng.standard_normal(shape) * s).astype(np.float32).astype(dtype)
+
+    x = rand(tokens, hidden, s=scale)
+    if lead is not None:
+        x = x.reshape(*lead, hidden)
+    if indices is None:
+        indices = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k))
+    indices = np.asarray(indices).astype(index_dtype).reshape(tokens, k)
+    weights = rng.random((tokens, k)).astype(np.float32)
+    weights = (weights / np.maximum(weights.sum(-1, keepdims=True), 1e-6)).astype(dtype)
+    if expert_type == GEMM2:
+        w0, w1 = rand(experts, hidden, 2 * inter, s=0.3), rand(experts, inter, hidden, s=0.3)
+        b0 = rand(experts, 2 * inter, s=0.3) if bias else None
+        b1 = rand(experts, hidden, s=0.3) if bias else None
+        return [x, weights, indices, w0, b0, w1, b1, None]
+    w0, w1, w2 = rand(experts, inter, hidden, s=0.3), rand(experts, inter, hidden, s=0.3), rand(experts, hidden, inter, s=0.3)
+    return [x, weights, indices, w0, None, w1, None, w2]
+
+
+def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0):
+    """Token by token, slot by slot, in float64: written apart from the reference on purpose."""
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    k = indices.shape[-1]
+    idx = indices.reshape(-1, k)
+    wts = weights.reshape(-1, k).astype(np.float64)
+    out = np.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for j in range(k):
+            e = int(idx[t, j])
+            if expert_type == GEMM2:
+                gu = flat[t] @ w0[e].astype(np.float64) + (0 if b0 is None else b0[e].astype(np.float64))
+                gate = np.array([min(v, expert_beta) for v in gu[gate_parity::2]])
+                up = np.array([max(-expert_beta, min(v, expert_beta)) for v in gu[1 - gate_parity::2]])
+                act = (up + 1) * gate / (1 + np.exp(-expert_alpha * gate))
+                y = act @ w1[e].astype(np.float64) + (0 if b1 is None else b1[e].astype(np.float64))
+            else:
+                gate = w0[e].astype(np.float64) @ flat[t]
+                up = w1[e].astype(np.float64) @ flat[t]
+                y = w2[e].astype(np.float64) @ (gate / (1 + np.exp(-expert_alpha * gate)) * up)
+            out[t] += wts[t, j] * y
+    return out.reshape(x.shape)
+
+
+G2 = dict(expert_type=GEMM2, expert_alpha=1.702, expert_beta=7.0)
+G3 = dict(expert_type=GEMM3)
+WEIGHTS = (3, 4, 5, 6, 7)
+
+
+def _case(name, attrs, error=None, **kw):
+    inputs = make_inputs(expert_type=attrs.get("expert_type", GEMM2), **kw)
+    dtype = inputs[0].dtype
+    rtol, atol = TOL.get(dtype, (1e-5, 1e-5))
+    return Case("MOE", name, inputs, dict(attrs), error=error, constant=WEIGHTS, rtol=rtol, atol=atol)
+
+
+def _mutate(case: Case, name: str, error: str, **changes) -> Case:
+    """A copy of ``case`` with some inputs replaced (by input name) or attributes changed."""
+    from moe_onnx.ops import OPS
+    names = [p.name for p in OPS["MOE"].inputs]
+    inputs = list(case.inputs)
+    attrs = dict(case.attrs)
+    for key, value in changes.items():
+        if key in names:
+            inputs[names.index(key)] = value
+        elif value is None:
+            attrs.pop(key, None)
+        else:
+            attrs[key] = value
+    return Case("MOE", name, inputs, attrs, error=error, constant=case.constant)
+
+
+_base2 = _case("gemm2_fp32", G2)
+_base3 = _case("gemm3_fp32", G3)
+_x, _w, _i = _base2.inputs[:3]
+
+CASES = [
+    _base2,
+    _base3,
+    _case("gemm2_no_bias", G2, bias=False),
+    _case("gemm2_gate_parity_1", {**G2, "gate_parity": 1}),
+    _case("gemm2_no_clamp", {**G2, "expert_beta": float("inf")}, scale=5.0),
+    _case("gemm2_clamp_hit", {**G2, "expert_beta": 0.5}, scale=8.0),
+    _case("gemm2_fp16", G2, dtype=np.float16),
+    _case("gemm2_bf16", G2, dtype=BF16),
+    _case("gemm2_int32_indices", G2, index_dtype=np.int32),
+    _case("gemm2_rank3", G2, tokens=6, lead=(2, 3)),
+    _case("gemm2_rank4", G2, tokens=12, lead=(2, 3, 2)),
+    _case("gemm3_fp16", G3, dtype=np.float16),
+    _case("gemm3_bf16", G3, dtype=BF16),
+    _case("gemm3_int32_indices", G3, index_dtype=np.int32),
+    _case("gemm3_alpha", {**G3, "expert_alpha": 0.5}),
+    _case("gemm3_rank3", G3, tokens=6, lead=(3, 2)),
+    _case("one_token", G2, tokens=1),
+    _case("gemm3_one_token", G3, tokens=1),
+    _case("empty", G2, tokens=0),
+    _case("gemm3_empty", G3, tokens=0, lead=(0, 5)),
+    _case("all_on_one_expert", G2, k=1, indices=np.full(7, 2)),
+    _case("experts_without_tokens", G3, experts=8, k=2, indices=np.tile([1, 3], (7, 1))),
+    _case("k_equals_e", G2, experts=4, k=4),
+    _case("gemm3_k_equals_e", G3, experts=3, k=3),
+    _case("k1", G3, k=1),
+    _case("same_expert_twice", G2, k=2, indices=np.tile([1, 1], (7, 1))),
+    _case("more_tokens", G3, tokens=65, hidden=16, inter=12, experts=8, k=2),
+    Case("MOE", "routing_rank3", [_x, _w.reshape(7, 1, 2), _i.reshape(7, 1, 2), *_base2.inputs[3:]], dict(G2),
+         constant=WEIGHTS),
+    _mutate(_base2, "nan_propagates", None,
+            hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _x).astype(np.float32)),
+    # errors: values
+    _mutate(_base2, "index_too_large", r"router_topk_output_indices\[.*\] = 4 is outside \[0, 4\)",
+            router_topk_output_indices=np.where(_i == _i[2, 1], 4, _i)),
+    _mutate(_base2, "index_negative", r"router_topk_output_indices\[.*\] = -1 is outside \[0, 4\)",
+            router_topk_output_indices=np.where(_i == _i[0, 0], -1, _i)),
+    # errors: attributes
+    _mutate(_base2, "unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
+    _mutate(_base2, "missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
+    _mutate(_base2, "clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
+    _mutate(_base2, "alpha_nan", r"attribute 'expert_alpha' is nan", expert_alpha=float("nan")),
+    _mutate(_base2, "gate_parity_2", r"attribute 'gate_parity' is 2; expected one of 0, 1", gate_parity=2),
+    # errors: shapes and types
+    _mutate(_base2, "hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
+    _mutate(_base2, "weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",
+            weight_0=_base2.inputs[3][0]),
+    _mutate(_base2, "weight_1_wrong_inter", r"input 'weight_1' dim 1 is 5; expected I = 6",
+            weight_1=_base2.inputs[5][:, :5]),
+    _mutate(_base2, "weight_0_odd", r"input 'weight_0' dim 2 is 11; expected an even size",
+            weight_0=_base2.inputs[3][:, :, :11]),
+    _mutate(_base2, "hidden_mismatch", r"input 'weight_0' dim 1 is 7; expected H = 8",
+            weight_0=_base2.inputs[3][:, :7]),
+    _mutate(_base2, "experts_mismatch", r"input 'weight_1' dim 0 is 3; expected E = 4",
+            weight_1=_base2.inputs[5][:3]),
+    _mutate(_base2, "bias_1_wrong", r"input 'bias_1' dim 1 is 4; expected H = 8", bias_1=_base2.inputs[6][:, :4]),
+    _mutate(_base2, "k_mismatch", r"input 'router_topk_output_indices' dim -1 is 1; expected k = 2",
+            router_topk_output_indices=_i[:, :1]),
+    _mutate(_base2, "tokens_mismatch", r"input 'routing_weights' leading dims \(product\) is 6; expected T = 7",
+            routing_weights=_w[:6]),
+    _mutate(_base2, "index_float", r"input 'router_topk_output_indices' has type float32; expected int32, int64",
+            router_topk_output_indices=_i.astype(np.float32)),
+    _mutate(_base2, "routing_fp16", r"input 'routing_weights' has type float16; expected float32",
+            routing_weights=_w.astype(np.float16)),
+    _mutate(_base2, "hidden_int8", r"input 'hidden_states' has type int8; expected float32, float16, bfloat16",
+            hidden_states=_x.astype(np.int8)),
+    _mutate(_base2, "weight_2_for_gemm2", r"input 'weight_2' is given, but GEMM2_BIAS_SWIGLU_CLAMP does not use it",
+            weight_2=_base3.inputs[7]),
+    _mutate(_base3, "bias_for_gemm3", r"input 'bias_0' is given, but GEMM3_SWIGLU does not use it",
+            bias_0=_base2.inputs[4]),
+    _mutate(_base3, "gemm3_missing_down", r"input 'weight_2' is required", weight_2=None),
+    _mutate(_base3, "gemm3_down_shape", r"input 'weight_2' dim 2 is 5; expected I = 6",
+            weight_2=_base3.inputs[7][:, :, :5]),
+]

@@ -1,0 +1,59 @@
+"""Every op's case table against its numpy reference, its oracle and ReferenceEvaluator."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import pytest
+from cases import ALL_CASES, ORACLES
+from onnx.reference import ReferenceEvaluator
+
+from moe_onnx.ops import REFERENCE_OPS, MoeOpError
+
+VALID = [c for c in ALL_CASES if c.error is None]
+INVALID = [c for c in ALL_CASES if c.error is not None]
+
+
+def as_float64(a):
+    return a.astype(np.float64) if a.dtype.kind in "fV" or a.dtype.name == "bfloat16" else a
+
+
+@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+def test_reference_matches_oracle(case):
+    got = case.run_reference()
+    expected = ORACLES[case.op](*case.padded_inputs(), **case.attrs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        np.testing.assert_allclose(as_float64(g), as_float64(e), rtol=max(case.rtol, 1e-4), atol=max(case.atol, 1e-4))
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
+def test_reference_rejects(case):
+    with pytest.raises(MoeOpError, match=case.error) as info:
+        case.run_reference()
+    assert str(info.value).startswith(case.op)
+
+
+@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+def test_model_checks_and_reference_evaluator_runs(case):
+    model = case.model()
+    onnx.checker.check_model(model, full_check=True)
+    symbolic = onnx.shape_inference.infer_shapes(case.model(symbolic=True), strict_mode=True)
+    assert len(symbolic.graph.output) == case.n_outputs
+    got = ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(None, case.feeds())
+    for g, e in zip(got, case.run_reference()):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_array_equal(g, e)
+
+
+STATIC_ERRORS = [c for c in INVALID if not re.search(r"is outside|= -?\d+ is outside|decreas|past", c.error)]
+
+
+@pytest.mark.parametrize("case", STATIC_ERRORS, ids=lambda c: c.id)
+def test_shape_inference_rejects(case):
+    """Errors visible from types, shapes and attributes fail ONNX shape inference, with the same message."""
+    with pytest.raises(Exception, match=case.error):
+        onnx.shape_inference.infer_shapes(case.model(), strict_mode=True)
