@@ -1,0 +1,144 @@
+"""Model validation: the onnx checker, strict shape inference and the moe_onnx ops' own rules.
+
+``check_model`` reports every problem it finds as a readable line that names the node and the
+input or attribute; an empty list means the model is valid. Models with external data are read
+without loading their weights, except the few constants a rule needs (such as expert offsets).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
+from .ops._common import GraphView
+
+
+def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
+    """Validate a model (path or ModelProto); returns the problems found, empty when valid."""
+    path = None if isinstance(model, onnx.ModelProto) else Path(model)
+    proto = model if path is None else onnx.load(path, load_external_data=False)
+    base_dir = "" if path is None else str(path.parent)
+
+    # the checker reads external data files itself when given the path (models over 2 GB included)
+    checkable = path if path is not None and _has_external_data(proto) else proto
+    problems = _check_opset(proto) + _check_our_nodes(proto, base_dir)
+    if problems:  # each names its node; the generic checkers would only repeat them less clearly
+        return problems
+    return _check_structure(checkable) or _check_full(checkable, proto)
+
+
+def summarize(model: onnx.ModelProto) -> str:
+    """One line: node count and the moe_onnx ops used."""
+    counts = collections.Counter(n.op_type for n, _ in _walk(model.graph) if n.domain == DOMAIN)
+    ours = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none"
+    return f"{len(model.graph.node)} nodes; moe_onnx ops: {ours}"
+
+
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _check_structure(model: onnx.ModelProto | Path) -> list[str]:
+    try:
+        onnx.checker.check_model(str(model) if isinstance(model, Path) else model, full_check=False)
+    except (onnx.checker.ValidationError, MoeOpError) as error:
+        return [f"onnx checker: {error}"]
+    return []
+
+
+def _check_opset(model: onnx.ModelProto) -> list[str]:
+    versions = {o.domain: o.version for o in model.opset_import}
+    uses_ours = any(n.domain == DOMAIN for n, _ in _walk(model.graph))
+    if uses_ours and versions.get(DOMAIN) != OPSET_VERSION:
+        return [f"model: opset_import for domain '{DOMAIN}' is {versions.get(DOMAIN)}; expected {OPSET_VERSION}"]
+    return []
+
+
+def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # inference is best effort here; _check_full reports its errors
+        inferred = model
+    problems = []
+    for node, graph in _walk(inferred.graph):
+        if node.domain != DOMAIN:
+            continue
+        op = OPS.get(node.op_type)
+        if op is None:
+            problems.append(f"node '{node.name}': unknown op '{node.op_type}' in domain '{DOMAIN}'; "
+                            f"expected one of {', '.join(OPS)}")
+            continue
+        view = GraphView(op, node, _types(graph), _constants(graph, base_dir))
+        try:
+            op.validate(view)
+        except MoeOpError as error:
+            problems.append(str(error))
+        problems += _check_arity(op, node)
+    return problems
+
+
+def _check_arity(op, node: onnx.NodeProto) -> list[str]:
+    where = f"{op.name} node '{node.name}'"
+    if len(node.input) > len(op.inputs):
+        return [f"{where}: has {len(node.input)} inputs; expected at most {len(op.inputs)}"]
+    if len(node.output) > len(op.outputs):
+        return [f"{where}: has {len(node.output)} outputs; expected at most {len(op.outputs)}"]
+    known = {a.name for a in op.attributes}
+    unknown = [a.name for a in node.attribute if a.name not in known]
+    if unknown:
+        return [f"{where}: unknown attribute(s) {unknown}; expected some of {sorted(known)}"]
+    return []
+
+
+def _check_full(checkable: onnx.ModelProto | Path, proto: onnx.ModelProto) -> list[str]:
+    """The full checker and strict shape inference (standard ops included)."""
+    try:
+        onnx.checker.check_model(str(checkable) if isinstance(checkable, Path) else checkable, full_check=True)
+        onnx.shape_inference.infer_shapes(proto, strict_mode=True, check_type=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, MoeOpError) as error:
+        return [f"shape inference: {error}"]
+    return []
+
+
+def _walk(graph: onnx.GraphProto, parents: tuple[onnx.GraphProto, ...] = ()) -> Iterator[tuple[onnx.NodeProto, tuple]]:
+    """Every node with the chain of graphs it is visible from (subgraphs included)."""
+    scope = parents + (graph,)
+    for node in graph.node:
+        yield node, scope
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _walk(sub, scope)
+
+
+def _types(scope: tuple[onnx.GraphProto, ...]) -> dict[str, onnx.TypeProto]:
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in scope:
+        for tensor in graph.initializer:
+            types[tensor.name] = onnx.helper.make_tensor_type_proto(tensor.data_type, list(tensor.dims))
+        for info in list(graph.input) + list(graph.value_info) + list(graph.output):
+            if info.type.HasField("tensor_type"):
+                types[info.name] = info.type
+    return types
+
+
+def _constants(scope: tuple[onnx.GraphProto, ...], base_dir: str) -> dict[str, Callable[[], np.ndarray]]:
+    """Loaders of the values known before run time: initializers (not overridable) and Constant nodes."""
+    loaders: dict[str, Callable[[], np.ndarray]] = {}
+    for graph in scope:
+        inputs = {i.name for i in graph.input}
+        for tensor in graph.initializer:
+            if tensor.name not in inputs:
+                loaders[tensor.name] = lambda t=tensor: numpy_helper.to_array(t, base_dir)
+        for node in graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+                attr = node.attribute[0]
+                if attr.name == "value":
+                    loaders[node.output[0]] = lambda t=attr.t: numpy_helper.to_array(t, base_dir)
+    return loaders

@@ -1,0 +1,65 @@
+"""Each op's doc page agrees with its schema: inputs, outputs, attributes and types."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from onnx import defs
+
+from moe_onnx.ops import DOMAIN, OPS
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "ops"
+TYPE_NAMES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+              "tensor(int8)": "int8", "tensor(int32)": "int32", "tensor(int64)": "int64"}
+SECTIONS = ("Short description", "Detailed description", "Pseudocode", "Inputs", "Outputs", "Attributes",
+            "Types", "Errors", "Departures from the seed")
+
+
+def _section(text: str, title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"missing section '## {title}'"
+    return match.group(1)
+
+
+def _params(section: str) -> list[tuple[int, str, str, bool]]:
+    found = re.findall(r"^- \*\*(\d+)\*\* `(\w+)` \(`([^`]+)`(, optional)?\)", section, re.M)
+    return [(int(i), name, type_str, bool(opt)) for i, name, type_str, opt in found]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_doc_page_matches_schema(name):
+    op = OPS[name]
+    text = (DOCS / f"{name}.md").read_text()
+    assert text.startswith(f"# {name}\n")
+    for title in SECTIONS:
+        _section(text, title)
+
+    schema = defs.get_schema(name, 1, DOMAIN)
+    expected_inputs = [(i, p.name, p.type_str, p.optional) for i, p in enumerate(op.inputs)]
+    assert _params(_section(text, "Inputs")) == expected_inputs
+    assert [p.name for p in schema.inputs] == [p.name for p in op.inputs]
+    expected_outputs = [(i, p.name, p.type_str, p.optional) for i, p in enumerate(op.outputs)]
+    assert _params(_section(text, "Outputs")) == expected_outputs
+
+    documented = re.findall(r"^- `(\w+)` \((int|float|string|ints), (required|optional|default `([^`]*)`)\)",
+                            _section(text, "Attributes"), re.M)
+    assert [d[0] for d in documented] == [a.name for a in op.attributes]
+    for (attr_name, kind, how, default), attr in zip(documented, op.attributes):
+        assert kind == attr.kind, attr_name
+        if attr.required:
+            assert how == "required", attr_name
+        elif attr.default is None:
+            assert how == "optional", attr_name
+        else:
+            assert default == str(attr.default), attr_name
+            assert schema.attributes[attr_name].default_value.name == attr_name
+
+    types = dict(re.findall(r"^- `(\w+)`: (.+)$", _section(text, "Types"), re.M))
+    constraints = {n: ", ".join(TYPE_NAMES[t] for t in allowed) for n, allowed, _ in op.type_constraints}
+    assert types == constraints
+
+
+def test_every_doc_page_has_an_op():
+    assert sorted(p.stem for p in DOCS.glob("*.md")) == sorted(OPS)
