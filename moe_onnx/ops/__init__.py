@@ -10,9 +10,12 @@ from onnx import defs
 from onnx.reference.op_run import OpRun
 
 from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef
+from .finalize_routing import MOE_FINALIZE_ROUTING
+from .init_routing import MOE_INIT_ROUTING
 from .moe import MOE
+from .row_parallel_linear import ROW_PARALLEL_LINEAR
 
-OPS: dict[str, OpDef] = {op.name: op for op in (MOE,)}
+OPS: dict[str, OpDef] = {op.name: op for op in (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING)}
 
 
 def _register_schemas() -> None:

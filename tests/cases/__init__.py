@@ -22,7 +22,8 @@ from moe_onnx.ops._common import elem_of
 class Case:
     """One node of one op: inputs by position (None = absent), attributes, and what must happen.
 
-    ``error`` is a regex the error message must match (None: the case is valid); ``constant``
+    ``error`` is a regex the error message must match (None: the case is valid); ``runtime`` marks
+    errors only the input values reveal (so shape inference cannot see them); ``constant``
     names the inputs stored as initializers when the case becomes a model (weights, offsets);
     ``outputs`` is how many outputs the node has (None: all of the op's outputs);
     ``rtol``/``atol`` bound the difference between backends and the reference.
@@ -33,10 +34,27 @@ class Case:
     inputs: list[np.ndarray | None]
     attrs: dict[str, Any]
     error: str | None = None
+    runtime: bool = False
     constant: tuple[int, ...] = ()
     outputs: int | None = None
     rtol: float = 1e-5
     atol: float = 1e-5
+
+    def mutated(self, name: str, error: str | None, runtime: bool = False, **changes: Any) -> Case:
+        """A copy with inputs replaced (by input name; None: absent), Case fields (``constant``...) set,
+        or attributes changed (None: removed)."""
+        names = [p.name for p in OPS[self.op].inputs]
+        inputs, attrs, fields = self.padded_inputs(), dict(self.attrs), {}
+        for key, value in changes.items():
+            if key in {"constant", "outputs", "rtol", "atol"}:
+                fields[key] = value
+            elif key in names:
+                inputs[names.index(key)] = value
+            elif value is None:
+                attrs.pop(key, None)
+            else:
+                attrs[key] = value
+        return dataclasses.replace(self, name=name, inputs=inputs, attrs=attrs, error=error, runtime=runtime, **fields)
 
     @property
     def id(self) -> str:

@@ -75,20 +75,6 @@ def _case(name, attrs, error=None, **kw):
     return Case("MOE", name, inputs, dict(attrs), error=error, constant=WEIGHTS, rtol=rtol, atol=atol)
 
 
-def _mutate(case: Case, name: str, error: str, **changes) -> Case:
-    """A copy of ``case`` with some inputs replaced (by input name) or attributes changed."""
-    from moe_onnx.ops import OPS
-    names = [p.name for p in OPS["MOE"].inputs]
-    inputs = list(case.inputs)
-    attrs = dict(case.attrs)
-    for key, value in changes.items():
-        if key in names:
-            inputs[names.index(key)] = value
-        elif value is None:
-            attrs.pop(key, None)
-        else:
-            attrs[key] = value
-    return Case("MOE", name, inputs, attrs, error=error, constant=case.constant)
 
 
 _base2 = _case("gemm2_fp32", G2)
@@ -125,47 +111,47 @@ CASES = [
     _case("more_tokens", G3, tokens=65, hidden=16, inter=12, experts=8, k=2),
     Case("MOE", "routing_rank3", [_x, _w.reshape(7, 1, 2), _i.reshape(7, 1, 2), *_base2.inputs[3:]], dict(G2),
          constant=WEIGHTS),
-    _mutate(_base2, "nan_propagates", None,
+    _base2.mutated("nan_propagates", None,
             hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _x).astype(np.float32)),
     # errors: values
-    _mutate(_base2, "index_too_large", r"router_topk_output_indices\[.*\] = 4 is outside \[0, 4\)",
+    _base2.mutated("index_too_large", runtime=True, error=r"router_topk_output_indices\[.*\] = 4 is outside \[0, 4\)",
             router_topk_output_indices=np.where(_i == _i[2, 1], 4, _i)),
-    _mutate(_base2, "index_negative", r"router_topk_output_indices\[.*\] = -1 is outside \[0, 4\)",
+    _base2.mutated("index_negative", runtime=True, error=r"router_topk_output_indices\[.*\] = -1 is outside \[0, 4\)",
             router_topk_output_indices=np.where(_i == _i[0, 0], -1, _i)),
     # errors: attributes
-    _mutate(_base2, "unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
-    _mutate(_base2, "missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
-    _mutate(_base2, "clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
-    _mutate(_base2, "alpha_nan", r"attribute 'expert_alpha' is nan", expert_alpha=float("nan")),
-    _mutate(_base2, "gate_parity_2", r"attribute 'gate_parity' is 2; expected one of 0, 1", gate_parity=2),
+    _base2.mutated("unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
+    _base2.mutated("missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
+    _base2.mutated("clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
+    _base2.mutated("alpha_nan", r"attribute 'expert_alpha' is nan", expert_alpha=float("nan")),
+    _base2.mutated("gate_parity_2", r"attribute 'gate_parity' is 2; expected one of 0, 1", gate_parity=2),
     # errors: shapes and types
-    _mutate(_base2, "hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
-    _mutate(_base2, "weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",
+    _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
+    _base2.mutated("weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",
             weight_0=_base2.inputs[3][0]),
-    _mutate(_base2, "weight_1_wrong_inter", r"input 'weight_1' dim 1 is 5; expected I = 6",
+    _base2.mutated("weight_1_wrong_inter", r"input 'weight_1' dim 1 is 5; expected I = 6",
             weight_1=_base2.inputs[5][:, :5]),
-    _mutate(_base2, "weight_0_odd", r"input 'weight_0' dim 2 is 11; expected an even size",
+    _base2.mutated("weight_0_odd", r"input 'weight_0' dim 2 is 11; expected an even size",
             weight_0=_base2.inputs[3][:, :, :11]),
-    _mutate(_base2, "hidden_mismatch", r"input 'weight_0' dim 1 is 7; expected H = 8",
+    _base2.mutated("hidden_mismatch", r"input 'weight_0' dim 1 is 7; expected H = 8",
             weight_0=_base2.inputs[3][:, :7]),
-    _mutate(_base2, "experts_mismatch", r"input 'weight_1' dim 0 is 3; expected E = 4",
+    _base2.mutated("experts_mismatch", r"input 'weight_1' dim 0 is 3; expected E = 4",
             weight_1=_base2.inputs[5][:3]),
-    _mutate(_base2, "bias_1_wrong", r"input 'bias_1' dim 1 is 4; expected H = 8", bias_1=_base2.inputs[6][:, :4]),
-    _mutate(_base2, "k_mismatch", r"input 'router_topk_output_indices' dim -1 is 1; expected k = 2",
+    _base2.mutated("bias_1_wrong", r"input 'bias_1' dim 1 is 4; expected H = 8", bias_1=_base2.inputs[6][:, :4]),
+    _base2.mutated("k_mismatch", r"input 'router_topk_output_indices' dim -1 is 1; expected k = 2",
             router_topk_output_indices=_i[:, :1]),
-    _mutate(_base2, "tokens_mismatch", r"input 'routing_weights' leading dims \(product\) is 6; expected T = 7",
+    _base2.mutated("tokens_mismatch", r"input 'routing_weights' leading dims \(product\) is 6; expected T = 7",
             routing_weights=_w[:6]),
-    _mutate(_base2, "index_float", r"input 'router_topk_output_indices' has type float32; expected int32, int64",
+    _base2.mutated("index_float", r"input 'router_topk_output_indices' has type float32; expected int32, int64",
             router_topk_output_indices=_i.astype(np.float32)),
-    _mutate(_base2, "routing_fp16", r"input 'routing_weights' has type float16; expected float32",
+    _base2.mutated("routing_fp16", r"input 'routing_weights' has type float16; expected float32",
             routing_weights=_w.astype(np.float16)),
-    _mutate(_base2, "hidden_int8", r"input 'hidden_states' has type int8; expected float32, float16, bfloat16",
+    _base2.mutated("hidden_int8", r"input 'hidden_states' has type int8; expected float32, float16, bfloat16",
             hidden_states=_x.astype(np.int8)),
-    _mutate(_base2, "weight_2_for_gemm2", r"input 'weight_2' is given, but GEMM2_BIAS_SWIGLU_CLAMP does not use it",
+    _base2.mutated("weight_2_for_gemm2", r"input 'weight_2' is given, but GEMM2_BIAS_SWIGLU_CLAMP does not use it",
             weight_2=_base3.inputs[7]),
-    _mutate(_base3, "bias_for_gemm3", r"input 'bias_0' is given, but GEMM3_SWIGLU does not use it",
+    _base3.mutated("bias_for_gemm3", r"input 'bias_0' is given, but GEMM3_SWIGLU does not use it",
             bias_0=_base2.inputs[4]),
-    _mutate(_base3, "gemm3_missing_down", r"input 'weight_2' is required", weight_2=None),
-    _mutate(_base3, "gemm3_down_shape", r"input 'weight_2' dim 2 is 5; expected I = 6",
+    _base3.mutated("gemm3_missing_down", r"input 'weight_2' is required", weight_2=None),
+    _base3.mutated("gemm3_down_shape", r"input 'weight_2' dim 2 is 5; expected I = 6",
             weight_2=_base3.inputs[7][:, :, :5]),
 ]

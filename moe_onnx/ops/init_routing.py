@@ -1,0 +1,303 @@
+"""MoeInitRouting: sort the (token, k) slots by expert and gather (and optionally quantize) their rows.
+
+Meaning (docs/ops/MoeInitRouting.md): slot ``f = t * k + j`` goes to expert ``expert_idx[t, j]``; the
+slots of the active experts ``[start, end)`` are ordered by expert (ties keep slot order) and
+``expanded_x`` holds ``x[f // k]`` for each, dropless (one row per slot) or padded to ``[E, C, H]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from onnx import TensorProto
+
+from ._common import (
+    FLOAT_ELEMS,
+    INDEX_ELEMS,
+    INDEX_TYPES,
+    ArrayView,
+    Attr,
+    DimBinder,
+    MoeOpError,
+    NodeView,
+    OpDef,
+    Param,
+    TensorInfo,
+    check_choice,
+    dim_product,
+    is_known,
+)
+
+# input positions
+X, EXPERT_IDX, SCALE, OFFSET = range(4)
+# output positions
+EXPANDED_X, EXPANDED_ROW_IDX, TOKEN_COUNTS, EXPANDED_SCALE = range(4)
+
+NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT = -1, 0, 1
+CUMSUM, COUNT, KEY_VALUE = 0, 1, 2
+GATHER, SCATTER = 0, 1
+
+X_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)")
+X_ELEMS = (*FLOAT_ELEMS, TensorProto.INT8)
+_F32 = np.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The checked attributes of one node."""
+
+    expert_num: int
+    active_num: int  # <= 0: no limit
+    capacity: int
+    drop_pad: bool
+    count_type: int
+    count_flag: bool
+    quant_mode: int
+    start: int
+    end: int
+    scatter: bool
+
+    @property
+    def active_experts(self) -> int:
+        return self.end - self.start
+
+
+def read_attributes(v: NodeView) -> Routing:
+    """The node's attributes, each and every combination checked."""
+    expert_num = int(v.attr("expert_num"))
+    if expert_num < 1:
+        v.fail("attribute 'expert_num'", f"is {expert_num}; expected >= 1")
+    drop_pad = check_choice(v, "drop_pad_mode", (0, 1)) == 1
+    count_type = check_choice(v, "expert_tokens_num_type", (CUMSUM, COUNT, KEY_VALUE))
+    count_flag = check_choice(v, "expert_tokens_num_flag", (0, 1)) == 1
+    quant_mode = check_choice(v, "quant_mode", (NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT))
+    scatter = check_choice(v, "row_idx_type", (GATHER, SCATTER)) == SCATTER
+    active_num = int(v.attr("active_num"))
+    if active_num < -1:
+        v.fail("attribute 'active_num'", f"is {active_num}; expected -1 or 0 (no limit) or a positive row limit")
+    capacity = int(v.attr("expert_capacity"))
+    expert_range = v.attr("active_expert_range")
+    if expert_range is None:
+        expert_range = [0, expert_num]
+    if len(expert_range) != 2 or not 0 <= expert_range[0] < expert_range[1] <= expert_num:
+        v.fail("attribute 'active_expert_range'",
+               f"is {list(expert_range)}; expected 0 <= start < end <= expert_num ({expert_num})")
+    start, end = (int(e) for e in expert_range)
+
+    if drop_pad:
+        why = "for drop_pad_mode 1 (drop/pad)"
+        if capacity < 1:
+            v.fail("attribute 'expert_capacity'", f"is {capacity}; expected >= 1 {why}")
+        if scatter:
+            v.fail("attribute 'row_idx_type'", f"is 1 (scatter); expected 0 (gather) {why}")
+        if (start, end) != (0, expert_num):
+            v.fail("attribute 'active_expert_range'", f"is [{start}, {end}]; expected [0, {expert_num}] "
+                   f"(all experts: expanded_x is [expert_num, expert_capacity, H]) {why}")
+        if count_type == KEY_VALUE:
+            v.fail("attribute 'expert_tokens_num_type'", f"is 2 (key_value); expected 0 (cumsum) or 1 (count) {why}")
+        if active_num > 0:
+            v.fail("attribute 'active_num'", f"is {active_num}; expected -1 or 0 {why}: the capacity bounds the rows")
+    elif capacity != 0:
+        v.fail("attribute 'expert_capacity'",
+               f"is {capacity}; expected 0 for drop_pad_mode 0 (dropless has no capacity)")
+    return Routing(expert_num, active_num, capacity, drop_pad, count_type, count_flag, quant_mode, start, end, scatter)
+
+
+def _validate_scale_offset(v: NodeView, mode: Routing, dims: DimBinder) -> None:
+    quant = mode.quant_mode
+    if v.has(OFFSET) and quant != STATIC_QUANT:
+        v.fail(v.input_name(OFFSET), f"is given, but quant_mode {quant} does not use it; leave it empty")
+    if quant == STATIC_QUANT:
+        v.require(SCALE)
+    for i in (SCALE, OFFSET):
+        if not v.has(i):
+            continue
+        v.expect_elem(i, (TensorProto.FLOAT,))
+        if quant == NO_QUANT:  # a per-token scale carried along (x quantized earlier)
+            dims.shape(i, ("N",), v.expect_rank(i, rank=1))
+            continue
+        if quant == STATIC_QUANT:
+            shape = v.expect_rank(i, rank=1)
+            hidden = dims.get("H")
+            allowed, meaning = (1, hidden), f"1 (per tensor) or H = {hidden} (per channel) for static quant"
+        else:
+            shape = v.expect_rank(i, rank=2)
+            dims.shape(i, ("", "H"), shape)
+            allowed = (1, mode.active_experts)
+            meaning = f"1 (one smooth scale) or end - start = {mode.active_experts} (one per active expert)"
+        first = None if shape is None else shape[0]
+        if is_known(first) and first != 1 and is_known(allowed[1]) and first != allowed[1]:
+            v.fail(v.input_name(i), f"dim 0 is {first}; expected {meaning}")
+
+
+def _validate(v: NodeView) -> list[TensorInfo | None]:
+    mode = read_attributes(v)
+    x_elem = v.expect_elem(X, X_ELEMS)
+    v.expect_elem(EXPERT_IDX, INDEX_ELEMS)
+    if mode.quant_mode != NO_QUANT and x_elem == TensorProto.INT8:
+        v.fail(v.input_name(X), f"has type int8; expected float32, float16, bfloat16 for quant_mode "
+               f"{mode.quant_mode} (int8 x is already quantized: use quant_mode -1)")
+    if not mode.count_flag and v.has_output(TOKEN_COUNTS):
+        v.fail("output 'expert_tokens_count_or_cumsum'",
+               "is named, but attribute 'expert_tokens_num_flag' is 0; drop the output or set the flag to 1")
+
+    dims = DimBinder(v)
+    dims.shape(X, ("N", "H"), v.expect_rank(X, rank=2))
+    dims.shape(EXPERT_IDX, ("N", "k"), v.expect_rank(EXPERT_IDX, rank=2))
+    _validate_scale_offset(v, mode, dims)
+
+    slots = dim_product((dims.get("N"), dims.get("k")))
+    if mode.drop_pad:
+        rows: tuple = (mode.expert_num, mode.capacity)
+    elif mode.active_num > 0:
+        rows = (min(mode.active_num, slots) if slots is not None else None,)
+    else:
+        rows = (slots,)
+    out_elem = x_elem if mode.quant_mode == NO_QUANT else TensorProto.INT8
+    count_shape = (mode.active_experts,) if mode.count_type != KEY_VALUE else (mode.active_experts, 2)
+    return [
+        TensorInfo(out_elem, (*rows, dims.get("H"))),
+        TensorInfo(TensorProto.INT32, (slots,)),
+        TensorInfo(TensorProto.INT64, count_shape) if mode.count_flag else None,
+        TensorInfo(TensorProto.FLOAT, rows),
+    ]
+
+
+def _check_expert_ids(expert_idx: np.ndarray, expert_num: int, where: str) -> None:
+    bad = (expert_idx < -1) | (expert_idx >= expert_num)
+    if bad.any():
+        pos = tuple(int(p) for p in np.argwhere(bad)[0])
+        raise MoeOpError(f"{where}: expert_idx{list(pos)} = {int(expert_idx[pos])} is outside [-1, {expert_num}) "
+                         f"(expert_num {expert_num}; -1 means no expert)")
+
+
+def to_int8(values: np.ndarray) -> np.ndarray:
+    """Round half to even and saturate to int8; NaN becomes 0."""
+    return np.nan_to_num(np.clip(np.rint(values), -128, 127), nan=0.0).astype(np.int8)
+
+
+def _expand_rows(x, tokens, relative_experts, mode: Routing, scale, offset):
+    """The rows of the given tokens (quantized as the mode says) and their scales (None: no scale)."""
+    if mode.quant_mode == NO_QUANT:
+        return x[tokens], None if scale is None else scale[tokens]
+    values = x[tokens].astype(_F32)
+    if mode.quant_mode == STATIC_QUANT:
+        shifted = values * scale if offset is None else values * scale + offset
+        return to_int8(shifted), None
+    if scale is not None:
+        values = values * (scale[relative_experts] if scale.shape[0] > 1 else scale)
+    row_scale = np.abs(values).max(axis=1, initial=0.0) / _F32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return to_int8(values / row_scale[:, None]), row_scale
+
+
+def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None, active_num=None,
+                     expert_capacity=None, drop_pad_mode=None, expert_tokens_num_type=None,
+                     expert_tokens_num_flag=None, quant_mode=None, active_expert_range=None, row_idx_type=None,
+                     _node_name=""):
+    """numpy reference of MoeInitRouting.
+
+    Returns ``(expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum, expanded_scale)``; the third
+    is None when ``expert_tokens_num_flag`` is 0. Raises MoeOpError for any input or attribute outside
+    the contract.
+    """
+    attrs = dict(expert_num=expert_num, active_num=active_num, expert_capacity=expert_capacity,
+                 drop_pad_mode=drop_pad_mode, expert_tokens_num_type=expert_tokens_num_type,
+                 expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
+                 active_expert_range=active_expert_range, row_idx_type=row_idx_type)
+    # with the flag off the count output does not exist, so this call does not name it
+    n_outputs = TOKEN_COUNTS if expert_tokens_num_flag == 0 else None
+    view = ArrayView(MOE_INIT_ROUTING, [x, expert_idx, scale, offset], attrs, node_name=_node_name,
+                     n_outputs=n_outputs)
+    infos = MOE_INIT_ROUTING.validate(view)
+    mode = read_attributes(view)
+    _check_expert_ids(expert_idx, mode.expert_num, view.where())
+
+    k = expert_idx.shape[1]
+    flat = expert_idx.reshape(-1).astype(np.int64)
+    active = (flat >= mode.start) & (flat < mode.end)
+    order = np.argsort(np.where(active, flat, mode.end), kind="stable")[: np.count_nonzero(active)]
+    sorted_experts = flat[order] - mode.start  # relative to start
+    counts = np.bincount(sorted_experts, minlength=mode.active_experts)
+    if mode.drop_pad:  # rank inside the expert's run; kept below the capacity; counts stay before the drop
+        first = np.cumsum(counts) - counts
+        rank = np.arange(order.size) - first[sorted_experts]
+        kept = rank < mode.capacity
+        slots, rows = order[kept], sorted_experts[kept] * mode.capacity + rank[kept]
+    else:  # the first rows of the sorted order, up to expanded_x's row count; counts describe those rows
+        slots = order[: infos[EXPANDED_X].shape[0]]
+        rows = np.arange(slots.size)
+        counts = np.bincount(sorted_experts[: slots.size], minlength=mode.active_experts)
+
+    row_idx = np.full(flat.size, -1, dtype=np.int32)
+    if mode.scatter:
+        row_idx[rows] = slots
+    else:
+        row_idx[slots] = rows
+
+    values, row_scale = _expand_rows(x, slots // k, flat[slots] - mode.start, mode, scale, offset)
+    expanded_x = np.zeros(infos[EXPANDED_X].shape, dtype=values.dtype)
+    expanded_x.reshape(-1, x.shape[1])[rows] = values
+    expanded_scale = np.zeros(infos[EXPANDED_SCALE].shape, dtype=_F32)
+    if row_scale is not None:
+        expanded_scale.reshape(-1)[rows] = row_scale
+    return expanded_x, row_idx, _token_counts(counts, mode), expanded_scale
+
+
+def _token_counts(counts: np.ndarray, mode: Routing) -> np.ndarray | None:
+    if not mode.count_flag:
+        return None
+    if mode.count_type == CUMSUM:
+        return np.cumsum(counts).astype(np.int64)
+    if mode.count_type == COUNT:
+        return counts.astype(np.int64)
+    used = np.flatnonzero(counts)
+    pairs = np.tile(np.array([-1, 0], dtype=np.int64), (mode.active_experts, 1))
+    pairs[: used.size, 0] = used + mode.start
+    pairs[: used.size, 1] = counts[used]
+    return pairs
+
+
+MOE_INIT_ROUTING = OpDef(
+    name="MoeInitRouting",
+    doc=("Sorts the (token, k) slots by expert and gathers their rows, dropless [rows, H] or drop/pad "
+         "[E, C, H], optionally quantized to int8. See docs/ops/MoeInitRouting.md."),
+    inputs=(
+        Param("x", "T", "[N, H]: the tokens."),
+        Param("expert_idx", "T_ind", "[N, k]: each token's experts; -1 or an id outside the active range: not routed."),
+        Param("scale", "tensor(float)", "quant_mode -1: [N] per-token scale carried to expanded_scale. "
+              "0: [1] or [H] (required). 1: smooth scale [end - start, H] or [1, H].", optional=True),
+        Param("offset", "tensor(float)", "quant_mode 0 only: [1] or [H] (absent: 0).", optional=True),
+    ),
+    outputs=(
+        Param("expanded_x", "T_out", "Dropless [rows, H], rows = N*k or min(active_num, N*k); drop/pad [E, C, H]. "
+              "int8 when quantized. Unused rows are 0."),
+        Param("expanded_row_idx", "tensor(int32)", "[N*k]: gather form slot -> row, scatter form row -> slot; -1 "
+              "where there is none."),
+        Param("expert_tokens_count_or_cumsum", "tensor(int64)", "[end - start] cumsum or counts, or [end - start, 2] "
+              "(expert, count) pairs padded with (-1, 0).", optional=True),
+        Param("expanded_scale", "tensor(float)", "One scale per row of expanded_x ([rows] or [E, C]); 0 where "
+              "there is none.", optional=True),
+    ),
+    type_constraints=(
+        ("T", X_TYPES, "The tokens."),
+        ("T_ind", INDEX_TYPES, "Expert ids."),
+        ("T_out", X_TYPES, "expanded_x: the type of x, or int8 when quant_mode is 0 or 1."),
+    ),
+    attributes=(
+        Attr("expert_num", "int", "E, the number of experts (>= 1).", required=True),
+        Attr("active_num", "int", "Dropless: at most this many rows (-1 or 0: no limit).", default=-1),
+        Attr("expert_capacity", "int", "Drop/pad: C, the rows per expert (>= 1). Dropless: 0.", default=0),
+        Attr("drop_pad_mode", "int", "0 dropless, 1 drop/pad.", default=0),
+        Attr("expert_tokens_num_type", "int", "0 cumsum, 1 count, 2 key_value.", default=0),
+        Attr("expert_tokens_num_flag", "int", "1: output expert_tokens_count_or_cumsum; 0: no such output.",
+             default=1),
+        Attr("quant_mode", "int", "-1 none, 0 static int8, 1 dynamic int8.", default=-1),
+        Attr("active_expert_range", "ints", "[start, end): the experts routed here (default [0, expert_num])."),
+        Attr("row_idx_type", "int", "expanded_row_idx form: 0 gather (slot -> row), 1 scatter (row -> slot).",
+             default=0),
+    ),
+    validate=_validate,
+    reference=moe_init_routing,
+)

@@ -1,0 +1,243 @@
+"""MoeRowParallelLinear: one linear layer per expert over contiguous row ranges, split along K.
+
+Meaning (docs/ops/MoeRowParallelLinear.md): expert i owns the rows
+``[expert_offset[i], expert_offset[i+1])`` of X (flattened to [rows, K]);
+``Y[rows of i] = X[rows of i] @ W[i]^T + B[i]`` and rows no expert owns are 0. Under tensor
+parallelism each rank holds a K-slice of W (and of X), computes its partial product without bias,
+the partials are all-reduce summed and B is added once: :func:`row_parallel_linear_tensor_parallel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+from ._common import (
+    FLOAT_ELEMS,
+    ArrayView,
+    Attr,
+    Dim,
+    DimBinder,
+    MoeOpError,
+    NodeView,
+    OpDef,
+    Param,
+    TensorInfo,
+    check_choice,
+    compute_dtype,
+    dim_product,
+    elem_name,
+    is_known,
+)
+
+OP_NAME = "MoeRowParallelLinear"
+
+# input positions
+X, OFFSET, W, B = range(4)
+
+_T1_ELEMS = FLOAT_ELEMS + (TensorProto.INT8,)
+_SIZE_ATTRS = (("E", "num_experts"), ("K", "in_features"), ("N", "out_features"))
+
+
+def output_elem(x_elem: int) -> int:
+    """Element type of Y (and B): int8 accumulates into int32, floats keep their type."""
+    return TensorProto.INT32 if x_elem == TensorProto.INT8 else x_elem
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """int8 products are summed in int32; float16 and bfloat16 in float32."""
+    return np.dtype(np.int32) if dtype == np.int8 else compute_dtype(dtype)
+
+
+def _validate(v: NodeView) -> list[TensorInfo | None]:
+    check_choice(v, "input_is_parallel", (0, 1))
+    bias_term = v.attr("bias_term")
+    if bias_term is not None:
+        check_choice(v, "bias_term", (0, 1))
+        if bias_term and not v.has(B):
+            v.fail("attribute 'bias_term'", "is 1, but input 'B' is absent; expected B [E, N], or bias_term = 0")
+        if not bias_term and v.has(B):
+            v.fail(v.input_name(B), "is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1")
+
+    x_elem = v.expect_elem(X, _T1_ELEMS)
+    v.expect_elem(W, _T1_ELEMS)
+    v.expect_same_elem(W, X)
+    v.expect_elem(OFFSET, (TensorProto.INT64,))
+    y_elem = output_elem(x_elem)
+    if v.has(B):
+        b_elem = v.input(B).elem_type
+        if TensorProto.UNDEFINED not in (b_elem, y_elem) and b_elem != y_elem:
+            reason = "int8 X and W accumulate in int32" if x_elem == TensorProto.INT8 else "the type of input 'X'"
+            v.fail(v.input_name(B), f"has type {elem_name(b_elem)}; expected {elem_name(y_elem)} ({reason})")
+
+    dims = DimBinder(v)
+    for symbol, name in _SIZE_ATTRS:
+        value = v.attr(name)
+        if value is not None:
+            if value < 0:
+                v.fail(f"attribute '{name}'", f"is {value}; expected a size >= 0")
+            dims.bind(symbol, value, f"attribute '{name}'")
+    x_shape = v.expect_rank(X, min_rank=1)
+    if x_shape is not None:
+        dims.bind("K", x_shape[-1], "input 'X' dim -1")
+    dims.shape(W, ("E", "N", "K"), v.expect_rank(W, rank=3))
+    if v.has(B):
+        dims.shape(B, ("E", "N"), v.expect_rank(B, rank=2))
+    offset_shape = v.expect_rank(OFFSET, rank=1)
+    if offset_shape is not None:
+        _bind_offset_length(v, dims, offset_shape[0])
+        offsets = v.const(OFFSET)
+        if offsets is not None:
+            _check_offsets(v, offsets, None if x_shape is None else dim_product(x_shape[:-1]))
+
+    out_shape = None if x_shape is None else (*x_shape[:-1], dims.get("N"))
+    return [TensorInfo(y_elem, out_shape)]
+
+
+def _bind_offset_length(v: NodeView, dims: DimBinder, length: Dim) -> None:
+    """expert_offset has E + 1 entries."""
+    if not is_known(length):
+        return
+    experts = dims.get("E")
+    if not is_known(experts):
+        dims.bind("E", length - 1, "input 'expert_offset' dim 0 (minus 1)")
+    elif length != experts + 1:
+        source = dims.values["E"][1]
+        v.fail(v.input_name(OFFSET), f"dim 0 is {length}; expected E + 1 = {experts + 1} (E from {source})")
+
+
+def _check_offsets(v: NodeView, offsets: np.ndarray, rows: int | None) -> None:
+    """0 <= offset[0] <= offset[1] <= ... <= offset[E] <= rows."""
+    if offsets.size == 0:
+        return
+    if offsets[0] < 0:
+        v.fail("input 'expert_offset'[0]", f"= {offsets[0]} is negative; expected 0 <= expert_offset[0]")
+    drops = np.flatnonzero(np.diff(offsets) < 0)
+    if drops.size:
+        i = int(drops[0]) + 1
+        v.fail(f"input 'expert_offset'[{i}]", f"= {offsets[i]} is less than expert_offset[{i - 1}] = "
+               f"{offsets[i - 1]}; expected expert_offset[i] <= expert_offset[i+1]")
+    last = len(offsets) - 1
+    if rows is not None and offsets[last] > rows:
+        v.fail(f"input 'expert_offset'[{last}]", f"= {offsets[last]} is greater than the {rows} rows of input 'X' "
+               f"(the product of its leading dims); expected expert_offset[E] <= {rows}")
+
+
+def partial_product(x_d: np.ndarray, expert_offset: np.ndarray, w_d: np.ndarray) -> np.ndarray:
+    """One rank's bias-free partial result [rows, N] from its K-slices X_d [*, K_d] and W_d [E, N, K_d].
+
+    One matmul per expert, in the accumulation type (float32, or int32 for int8). Inputs are trusted:
+    validate the node first.
+    """
+    acc = accumulation_dtype(x_d.dtype)
+    x_rows = x_d.reshape(int(np.prod(x_d.shape[:-1])), x_d.shape[-1])
+    partial = np.zeros((x_rows.shape[0], w_d.shape[1]), dtype=acc)
+    for expert, (start, stop) in enumerate(zip(expert_offset[:-1], expert_offset[1:])):
+        if stop > start:
+            partial[start:stop] = x_rows[start:stop].astype(acc, copy=False) @ w_d[expert].astype(acc, copy=False).T
+    return partial
+
+
+def finish_reduced(reduced: np.ndarray, expert_offset: np.ndarray, bias: np.ndarray | None,
+                   x: np.ndarray) -> np.ndarray:
+    """Y from the all-reduced partials (updated in place): B[i] added once to expert i's rows, then
+    X's leading dims and Y's type (X's, int32 for int8)."""
+    if bias is not None:
+        counts = np.diff(expert_offset)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        reduced[expert_offset[0]:expert_offset[-1]] += bias[owner].astype(reduced.dtype)
+    out_dtype = np.dtype(np.int32) if x.dtype == np.int8 else x.dtype
+    return reduced.astype(out_dtype).reshape(*x.shape[:-1], reduced.shape[-1])
+
+
+def _validated(inputs: Sequence[np.ndarray | None], attrs: dict, node_name: str) -> None:
+    ROW_PARALLEL_LINEAR.validate(ArrayView(ROW_PARALLEL_LINEAR, inputs, attrs, node_name=node_name))
+
+
+def row_parallel_linear(X, expert_offset, W, B=None, *, num_experts=None, in_features=None, out_features=None,
+                        bias_term=None, input_is_parallel=None, _node_name=""):
+    """numpy reference of MoeRowParallelLinear on one process; returns ``(Y,)``, Y [*, N].
+
+    Y has X's type, int32 for int8 X. Raises MoeOpError for any input or attribute outside the contract.
+    """
+    attrs = dict(num_experts=num_experts, in_features=in_features, out_features=out_features,
+                 bias_term=bias_term, input_is_parallel=input_is_parallel)
+    _validated([X, expert_offset, W, B], attrs, _node_name)
+    return (finish_reduced(partial_product(X, expert_offset, W), expert_offset, B, X),)
+
+
+def row_parallel_linear_tensor_parallel(X, expert_offset, W_shards, B=None, **attrs):
+    """The tensor-parallel meaning: rank d holds ``W_shards[d] = W[:, :, k_d:k_d + K_d]``.
+
+    ``X`` is the full [*, K] when ``input_is_parallel`` is 0 (rank d takes ``X[..., k_d:k_d + K_d]``),
+    else the list of every rank's X_d [*, K_d]. Each rank's partial is computed without bias, the
+    partials are summed (the all-reduce) and B is added once. Returns ``(Y,)`` like
+    :func:`row_parallel_linear`; raises MoeOpError when the shards do not form a valid node.
+    """
+    parallel = attrs.get("input_is_parallel") == 1
+    if parallel and isinstance(X, np.ndarray):
+        raise MoeOpError(f"{OP_NAME}: X is one array; expected the list of every rank's X_d when input_is_parallel = 1")
+    x_shards = list(X) if parallel else None
+    _check_shards(W_shards, x_shards)
+    widths = [w.shape[2] for w in W_shards]
+    full_x = np.concatenate(x_shards, axis=-1) if parallel else X
+    _validated([full_x, expert_offset, np.concatenate(W_shards, axis=2), B], attrs, "")
+    if not parallel:
+        starts = np.cumsum([0] + widths)
+        x_shards = [X[..., start:stop] for start, stop in zip(starts[:-1], starts[1:])]
+    partials = [partial_product(x_d, expert_offset, w_d) for x_d, w_d in zip(x_shards, W_shards)]
+    return (finish_reduced(sum(partials[1:], partials[0]), expert_offset, B, full_x),)
+
+
+def _check_shards(w_shards: Sequence[np.ndarray], x_shards: Sequence[np.ndarray] | None) -> None:
+    """The shards must concatenate along K: the same E and N, and X_d as wide as W_d."""
+    if not w_shards:
+        raise MoeOpError(f"{OP_NAME}: W_shards is empty; expected one W_d [E, N, K_d] per rank")
+    first = w_shards[0]
+    for d, w_d in enumerate(w_shards):
+        if w_d.ndim != 3 or w_d.shape[:2] != first.shape[:2]:
+            raise MoeOpError(f"{OP_NAME}: W shard {d} has shape {list(w_d.shape)}; expected "
+                             f"[{first.shape[0]}, {first.shape[1]}, K_d] (E and N of W shard 0)")
+    if x_shards is None:
+        return
+    if len(x_shards) != len(w_shards):
+        raise MoeOpError(f"{OP_NAME}: {len(x_shards)} X shards for {len(w_shards)} W shards; "
+                         "expected one X_d per rank when input_is_parallel = 1")
+    lead = x_shards[0].shape[:-1]
+    for d, (x_d, w_d) in enumerate(zip(x_shards, w_shards)):
+        if x_d.ndim < 1 or x_d.shape != (*lead, w_d.shape[2]):
+            raise MoeOpError(f"{OP_NAME}: X shard {d} has shape {list(x_d.shape)}; expected "
+                             f"{[*lead, w_d.shape[2]]} (leading dims of X shard 0, K_d of W shard {d})")
+
+
+ROW_PARALLEL_LINEAR = OpDef(
+    name=OP_NAME,
+    doc=("Grouped linear over contiguous row ranges: expert i owns rows [expert_offset[i], expert_offset[i+1]) "
+         "of X and computes X @ W[i]^T + B[i]; other rows are 0. Tensor parallelism splits K, all-reduces the "
+         "partials and adds B once. See docs/ops/MoeRowParallelLinear.md."),
+    inputs=(
+        Param("X", "T1", "[*, K], rank >= 1 (or [*, K_d] per rank when input_is_parallel); rows = product of *."),
+        Param("expert_offset", "tensor(int64)", "[E + 1]: expert i owns rows [expert_offset[i], expert_offset[i+1])."),
+        Param("W", "T1", "[E, N, K] (each rank holds [E, N, K_d]): the nn.Linear weight of each expert."),
+        Param("B", "T2", "[E, N]: the bias of each expert, added once after the all-reduce.", optional=True),
+    ),
+    outputs=(Param("Y", "T2", "[*, N] with X's leading dims; X's type, int32 for int8 X."),),
+    type_constraints=(
+        ("T1", ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)"), "Activations and weights."),
+        ("T2", ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int32)"),
+         "Bias and output: the type of X, int32 for int8 X."),
+    ),
+    attributes=(
+        Attr("num_experts", "int", "E. Optional; must equal W's dim 0 when given."),
+        Attr("in_features", "int", "K, the full input width over all ranks. Optional; on one process it must "
+                                   "equal X's last dim and W's dim 2 when given."),
+        Attr("out_features", "int", "N. Optional; must equal W's dim 1 when given."),
+        Attr("bias_term", "int", "1: B is required; 0: B must be absent. Optional; absent means 'whether B is given'."),
+        Attr("input_is_parallel", "int", "0: every rank gets the full X and takes its K-slice; 1: each rank gets "
+                                         "its own X_d. No effect on one process.", default=0),
+    ),
+    validate=_validate,
+    reference=row_parallel_linear,
+)
