@@ -1,0 +1,144 @@
+"""The optimization pass: run every fusion family in a fixed order and report what changed."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
+
+from ..ops import DOMAIN, OPSET_VERSION
+from . import batched_mm, grouped, loop, tiled
+from ._match import MoeFusion
+
+TARGETS = ("moe", "grouped")
+
+
+def fusions() -> list[MoeFusion]:
+    """Every fusion rule, in the order they run (a fresh instance each call)."""
+    return [cls() for family in (tiled, batched_mm, loop) for cls in family.FUSIONS]
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What an optimization did: fused blocks per rule, near-misses with the check that failed, notes."""
+
+    target: str
+    fused: dict[str, int]
+    near_misses: list[dict[str, str]]
+    notes: list[str]
+    nodes_before: dict[str, int]
+    nodes_after: dict[str, int]
+    parameters_before: int
+    parameters_after: int
+
+    @property
+    def total_fused(self) -> int:
+        return sum(self.fused.values())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def summary(self) -> str:
+        lines = [f"target: {self.target}"]
+        for rule, count in self.fused.items():
+            lines.append(f"  {rule}: {count} block{'s' if count != 1 else ''} fused")
+        for miss in self.near_misses:
+            lines.append(f"  near-miss {miss['rule']} at node '{miss['node']}': {miss['reason']}")
+        lines += [f"  note: {note}" for note in self.notes]
+        before, after = sum(self.nodes_before.values()), sum(self.nodes_after.values())
+        lines.append(f"nodes: {before} -> {after}")
+        gone = sorted(op for op in self.nodes_before if op not in self.nodes_after)
+        new = sorted(op for op in self.nodes_after if op not in self.nodes_before)
+        if gone:
+            lines.append(f"  op types removed: {', '.join(gone)}")
+        if new:
+            lines.append(f"  op types added: {', '.join(new)}")
+        lines.append(f"parameters: {self.parameters_before:,} -> {self.parameters_after:,}")
+        return "\n".join(lines)
+
+
+def _node_counts(model: ir.Model) -> dict[str, int]:
+    counts = collections.Counter(
+        node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        for node in ir.traversal.RecursiveGraphIterator(model.graph))
+    return dict(sorted(counts.items()))
+
+
+def _parameters(model: ir.Model) -> int:
+    return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def optimize_ir(model: ir.Model, target: str = "moe") -> OptimizeReport:
+    """Fuse the MoE blocks of ``model`` in place; returns the report."""
+    if target not in TARGETS:
+        raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
+    nodes_before, parameters_before = _node_counts(model), _parameters(model)
+    # static shapes let the rules check weight layouts without loading data
+    _infer_shapes(model)
+
+    fused, near_misses, notes = {}, [], []
+    for fusion in fusions():
+        tracer = MatchingTracer()
+        count = RewriteRuleSet([fusion.as_rule()]).apply_to_model(model, tracer=tracer)
+        fused[fusion.name] = count
+        notes += fusion.notes
+        live = set(ir.traversal.RecursiveGraphIterator(model.graph))
+        for matches in tracer.best_matches_map.values():
+            for match in matches:
+                if match.status == MatchStatus.CONDITION_FAILED and match.root_node in live:
+                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "",
+                                        "reason": match.match_result.reason or "check failed"})
+    fused = {name: count for name, count in fused.items() if count}
+    if target == "grouped":
+        fused.update(grouped.expand_moe_nodes(model))
+    common_passes.RemoveUnusedNodesPass()(model)
+    common_passes.RemoveUnusedFunctionsPass()(model)
+    common_passes.RemoveUnusedOpsetsPass()(model)
+    if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        model.opset_imports[DOMAIN] = OPSET_VERSION
+    return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
+                          parameters_before, _parameters(model))
+
+
+def _infer_shapes(model: ir.Model) -> None:
+    """onnx shape inference, copied onto the IR values that lack a static shape.
+
+    Serializing keeps external tensors as references, so no weight is loaded.
+    """
+    inferred = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+    known = {info.name: info for info in inferred.graph.value_info}
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            info = known.get(value.name)
+            if info is None or not info.type.HasField("tensor_type"):
+                continue
+            if value.type is None:
+                value.type = ir.serde.deserialize_type_proto_for_type(info.type)
+            shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+            if shape is not None and (value.shape is None or not value.shape.is_static()):
+                value.shape = shape
+
+
+def optimize(model: Any, target: str = "moe") -> tuple[Any, OptimizeReport]:
+    """Fuse the MoE blocks of an exported model into moe_onnx ops.
+
+    ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
+    (a path gives a ModelProto) and comes with an :class:`OptimizeReport`. ``target="moe"`` makes one
+    MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
+    MoeRowParallelLinear -> MoeFinalizeRouting. Raises ValueError for an unknown target.
+    """
+    if isinstance(model, ir.Model):
+        return model, optimize_ir(model, target)
+    if isinstance(model, (str, os.PathLike)):
+        ir_model = ir.load(model)
+    else:
+        ir_model = ir.serde.deserialize_model(model)
+    report = optimize_ir(ir_model, target)
+    return ir.serde.serialize_model(ir_model), report

@@ -1,0 +1,162 @@
+"""Shared pieces of the fusion rules: the rule base class, constant lookup, weights and MOE emission.
+
+Weights are never copied while matching. A rule that needs a weight in another layout (transposed,
+split, stacked) asks for a *lazy* initializer: the transform runs when the model is saved, one
+tensor at a time, so models with external data are rewritten without loading every weight at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
+
+from ..ops import DOMAIN
+
+
+class MoeFusion(RewriteRuleClassBase):
+    """A fusion rule: ``pattern``/``check``/``rewrite`` as in onnxscript, plus notes for the report.
+
+    ``check`` should return ``self.fail("...")`` naming the constant that did not match, so a
+    near-miss is reported with its reason. ``notes`` collects remarks about fused blocks (for
+    example experts missing from a loop export).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name=type(self).__name__)
+        self.notes: list[str] = []
+
+    def as_rule(self) -> RewriteRule:
+        return RewriteRule(self.pattern, self.rewrite, self.check, name=self.name,
+                           remove_nodes=self.remove_nodes, as_function=self.as_function)
+
+    @staticmethod
+    def fail(reason: str) -> MatchResult:
+        return MatchResult().fail(reason)
+
+
+# ----------------------------------------------------------------------------- constants
+
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or Constant output (None when not constant). Loads its data."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
+
+
+def constant_ints(value: ir.Value | None) -> list[int] | None:
+    array = constant(value)
+    return None if array is None or array.dtype.kind not in "iu" else [int(v) for v in array.reshape(-1)]
+
+
+def constant_scalar(value: ir.Value | None) -> float | None:
+    """A constant with exactly one element, as a float."""
+    array = constant(value)
+    return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
+
+
+def same_scalar(a: float | None, b: float, rel: float = 1e-6) -> bool:
+    return a is not None and abs(a - b) <= rel * max(1.0, abs(b))
+
+
+# ----------------------------------------------------------------------------- weights
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A constant tensor reached through layout-only ops (Transpose, Unsqueeze, Squeeze, Reshape, Cast,
+    Identity) from one initializer; ``source`` is that initializer and ``steps`` rebuild the value."""
+
+    source: ir.Value
+    steps: tuple[Callable[[np.ndarray], np.ndarray], ...]
+    shape: tuple[int, ...]
+    dtype: ir.DataType
+
+    def array(self) -> np.ndarray:
+        """The value (loads the source tensor)."""
+        array = self.source.const_value.numpy()
+        for step in self.steps:
+            array = step(array)
+        return array
+
+
+def _layout_step(node: ir.Node) -> Callable[[np.ndarray], np.ndarray] | None:
+    op = node.op_type
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    if op == "Identity":
+        return lambda a: a
+    if op == "Transpose":
+        perm = node.attributes.get("perm")
+        return (lambda a: a.T) if perm is None else (lambda a, p=tuple(perm.as_ints()): a.transpose(p))
+    if op == "Cast":
+        target = ir.DataType(node.attributes["to"].as_int())
+        return lambda a, t=target.numpy(): a.astype(t)
+    if op in ("Unsqueeze", "Squeeze", "Reshape"):
+        shape = node.outputs[0].shape
+        if shape is None or not shape.is_static():
+            return None
+        return lambda a, s=tuple(int(d) for d in shape): a.reshape(s)
+    return None
+
+
+def weight(value: ir.Value | None) -> Weight | None:
+    """Follow layout-only ops back to one initializer; None when the value is not such a constant.
+
+    The shape comes from the value's static shape (shape inference must have run), so nothing is loaded.
+    """
+    steps = []
+    current = value
+    while current is not None and current.const_value is None:
+        node = current.producer()
+        step = None if node is None else _layout_step(node)
+        if step is None:
+            return None
+        steps.append(step)
+        current = node.inputs[0]
+    if current is None or value.shape is None or not value.shape.is_static():
+        return None
+    dtype = value.dtype if value.dtype is not None else current.const_value.dtype
+    return Weight(current, tuple(reversed(steps)), tuple(int(d) for d in value.shape), dtype)
+
+
+_names = itertools.count()
+
+
+def lazy_initializer(op, name: str, compute: Callable[[], np.ndarray], dtype: ir.DataType,
+                     shape: Sequence[int]) -> ir.Value:
+    """A new initializer whose data is computed when the model is saved (or read)."""
+    unique = f"{name}__moe{next(_names)}"
+
+    def make() -> ir.TensorProtocol:
+        array = np.ascontiguousarray(compute())
+        if tuple(array.shape) != tuple(shape):
+            raise ValueError(f"moe_onnx rewrite: {unique} computed shape {array.shape}, expected {tuple(shape)}")
+        return ir.tensor(array, dtype=dtype, name=unique)
+
+    return op.initializer(ir.LazyTensor(make, dtype=dtype, shape=ir.Shape(shape), name=unique), name=unique)
+
+
+def weight_value(op, w: Weight, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+                 shape: Sequence[int] | None = None) -> ir.Value:
+    """An initializer holding ``transform(w)``: the source itself when nothing changes, else a lazy one."""
+    if transform is None and not w.steps:
+        return w.source
+    fn = transform or (lambda a: a)
+    return lazy_initializer(op, name, lambda: fn(w.array()), w.dtype, w.shape if shape is None else shape)
+
+
+# ----------------------------------------------------------------------------- emission
+
+def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value, *, expert_type: str,
+             weight_0: ir.Value, weight_1: ir.Value, bias_0: ir.Value | None = None, bias_1: ir.Value | None = None,
+             weight_2: ir.Value | None = None, **attributes) -> ir.Value:
+    """One MOE node (inputs as docs/ops/MOE.md; absent optional inputs stay empty)."""
+    inputs = [hidden, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, weight_2]
+    while inputs[-1] is None:
+        inputs.pop()
+    return op.MOE(*inputs, _domain=DOMAIN, _version=1, expert_type=expert_type, **attributes)

@@ -1,0 +1,3 @@
+"""Fusions of the batched_mm export form (work in progress)."""
+
+FUSIONS: list = []

@@ -1,0 +1,120 @@
+"""target="grouped": each MOE node becomes the routed chain
+
+    MoeInitRouting -> MoeRowParallelLinear (gate/up) -> activation (standard ops)
+    -> MoeRowParallelLinear (down) -> MoeFinalizeRouting
+
+which computes the same block for any activation and is the form tensor parallelism shards
+(MoeRowParallelLinear's K dimension). Weights are transposed offline into MoeRowParallelLinear's
+[E, N, K] layout, lazily (see _match.lazy_initializer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter._context import TapeBuilder
+
+from ..ops import DOMAIN
+from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
+from ._match import Weight, weight, weight_value
+
+_OURS = dict(_domain=DOMAIN, _version=1)
+
+
+def _attr(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _scalar(op, value: float, dtype: ir.DataType) -> ir.Value:
+    return op.Constant(value=ir.tensor(np.array(value, dtype=dtype.numpy())))
+
+
+def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str, transposed: bool,
+                    bias: ir.Value | None = None) -> ir.Value:
+    """MoeRowParallelLinear with W in [E, N, K]; ``transposed`` says the source is [E, K, N]."""
+    if transposed:
+        experts, k, n = w.shape
+        w_enk = weight_value(op, w, name, lambda a: a.transpose(0, 2, 1), (experts, n, k))
+    else:
+        w_enk = weight_value(op, w, name)
+    inputs = [rows, offsets, w_enk] + ([bias] if bias is not None else [])
+    return op.MoeRowParallelLinear(*inputs, **_OURS)
+
+
+def _swish(op, gate: ir.Value, alpha: float, dtype: ir.DataType) -> ir.Value:
+    scaled = gate if alpha == 1.0 else op.Mul(gate, _scalar(op, alpha, dtype))
+    return op.Mul(gate, op.Sigmoid(scaled))
+
+
+def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | None:
+    hidden, routing, indices, w0, b0, w1, b1, w2 = (list(node.inputs) + [None] * 8)[:8]
+    weights = [weight(w) for w in (w0, w1, w2)]
+    if weights[0] is None or weights[1] is None or (w2 is not None and weights[2] is None):
+        return None  # weights computed at run time: keep the MOE node
+    expert_type = _attr(node, "expert_type", "")
+    alpha = float(_attr(node, "expert_alpha", 1.0))
+    dtype = hidden.dtype
+    experts = weights[0].shape[0]
+
+    op = TapeBuilder()
+    hidden_size = weights[1].shape[2] if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else weights[0].shape[2]
+    rows_in = op.Reshape(hidden, op.Constant(value=ir.tensor(np.array([-1, hidden_size], np.int64))))
+    k = op.Constant(value=ir.tensor(np.array([-1], np.int64)))
+    shape_tk = op.Concat(k, op.Slice(op.Shape(indices), op.Constant(value=ir.tensor(np.array([-1], np.int64))),
+                                     op.Constant(value=ir.tensor(np.array([np.iinfo(np.int64).max], np.int64)))),
+                         axis=0)
+    idx_tk = op.Reshape(indices, shape_tk)
+    scales_tk = op.Reshape(routing, shape_tk)
+    rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **_OURS)
+    offsets = op.Concat(op.Constant(value=ir.tensor(np.zeros(1, np.int64))), cumsum, axis=0)
+
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+        beta = float(_attr(node, "expert_beta", 0.0))
+        parity = int(_attr(node, "gate_parity", 0))
+        gate_up = _grouped_linear(op, rows, offsets, weights[0], "moe_gate_up_enk", True, b0)
+        two_i = weights[0].shape[2]
+
+        def half(start: int) -> ir.Value:
+            const = [op.Constant(value=ir.tensor(np.array([v], np.int64))) for v in (start, two_i, -1, 2)]
+            return op.Slice(gate_up, const[0], const[1], const[2], const[3])
+
+        gate, up = half(parity), half(1 - parity)
+        if math.isfinite(beta):
+            gate = op.Min(gate, _scalar(op, beta, dtype))
+            up = op.Clip(up, _scalar(op, -beta, dtype), _scalar(op, beta, dtype))
+        act = op.Mul(op.Add(up, _scalar(op, 1.0, dtype)), _swish(op, gate, alpha, dtype))
+        down = _grouped_linear(op, act, offsets, weights[1], "moe_down_enk", True, b1)
+    else:
+        gate = _grouped_linear(op, rows, offsets, weights[0], "moe_gate", False)
+        up = _grouped_linear(op, rows, offsets, weights[1], "moe_up", False)
+        down = _grouped_linear(op, op.Mul(_swish(op, gate, alpha, dtype), up), offsets, weights[2], "moe_down", False)
+
+    out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_OURS)
+    y = op.Reshape(out, op.Shape(hidden))
+    return op.nodes, op.initializers, y
+
+
+def expand_moe_nodes(model: ir.Model) -> dict[str, int]:
+    """Replace every MOE node whose weights are constants by the grouped chain; returns the count."""
+    count = 0
+    graph = model.graph
+    for node in list(graph):
+        if node.domain != DOMAIN or node.op_type != "MOE":
+            continue
+        expansion = _expand(node)
+        if expansion is None:
+            continue
+        nodes, initializers, y = expansion
+        for value in initializers:
+            graph.register_initializer(value)
+        graph.insert_before(node, nodes)
+        old = node.outputs[0]
+        name, old.name = old.name, None
+        ir.convenience.replace_all_uses_with(old, y, replace_graph_outputs=True)
+        y.name, y.type, y.shape = name, old.type, old.shape
+        graph.remove(node, safe=True)
+        count += 1
+    return {"MoeToGrouped": count} if count else {}

@@ -1,0 +1,3 @@
+"""Fusions of the loop export form (work in progress)."""
+
+FUSIONS: list = []

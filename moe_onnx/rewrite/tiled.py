@@ -1,0 +1,3 @@
+"""Fusions of the tiled export form (work in progress)."""
+
+FUSIONS: list = []
