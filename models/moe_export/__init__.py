@@ -1,0 +1,1 @@
+"""Builds, exports and describes the MoE block fixtures; see models/README.md."""
