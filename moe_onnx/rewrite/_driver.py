@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import onnx
@@ -75,18 +76,24 @@ def _parameters(model: ir.Model) -> int:
     return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def optimize_ir(model: ir.Model, target: str = "moe") -> OptimizeReport:
-    """Fuse the MoE blocks of ``model`` in place; returns the report."""
+def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None) -> OptimizeReport:
+    """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
+    say = progress or (lambda message: None)
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
-    # static shapes let the rules check weight layouts without loading data
+    say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
 
     fused, near_misses, notes = {}, [], []
     for fusion in fusions():
+        say(f"rule {fusion.name}")
+        rules = RewriteRuleSet([fusion.as_rule()])
+        count = rules.apply_to_model(model)
+        # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
+        # the blocks left unfused and the check that failed
         tracer = MatchingTracer()
-        count = RewriteRuleSet([fusion.as_rule()]).apply_to_model(model, tracer=tracer)
+        rules.apply_to_model(model, tracer=tracer)
         fused[fusion.name] = count
         notes += fusion.notes
         live = set(ir.traversal.RecursiveGraphIterator(model.graph))
@@ -97,6 +104,7 @@ def optimize_ir(model: ir.Model, target: str = "moe") -> OptimizeReport:
                                         "reason": match.match_result.reason or "check failed"})
     fused = {name: count for name, count in fused.items() if count}
     if target == "grouped":
+        say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))
     common_passes.RemoveUnusedNodesPass()(model)
     common_passes.RemoveUnusedFunctionsPass()(model)

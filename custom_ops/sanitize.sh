@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the custom-op libraries with AddressSanitizer + UndefinedBehaviorSanitizer into
+# build/sanitize and runs the kernel tests against them (python is not instrumented: libasan is
+# preloaded). Any finding fails the run. Usage: custom_ops/sanitize.sh [pytest args...]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=$root/build/sanitize
+python=${PYTHON:-python}
+
+cmake -S "$root/custom_ops" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DMOE_ONNX_SANITIZE=address,undefined -DPython_EXECUTABLE="$(command -v "$python")" >/dev/null
+cmake --build "$build"
+
+export MOE_ONNX_CUSTOM_OPS_LIBRARY=$build/libmoe_onnx_ops.so
+export MOE_ONNX_PYTHON_HOST_LIBRARY=$build/libmoe_onnx_python_host.so
+LD_PRELOAD="$(${CXX:-c++} -print-file-name=libasan.so) $(${CXX:-c++} -print-file-name=libubsan.so)"
+export LD_PRELOAD
+# Leaks of the Python interpreter itself are not ours; everything else stops the run.
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+cd "$root"
+"$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_runtime.py "$@"

@@ -1,0 +1,252 @@
+#include "common.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace moe_onnx {
+
+const char* elem_name(ElemType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return "int16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return "uint16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return "uint32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return "uint64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_STRING: return "string";
+    default: return "undefined";
+  }
+}
+
+size_t elem_size(ElemType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32: return 4;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16: return 2;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64: return 8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return 1;
+    default: return 0;
+  }
+}
+
+const std::vector<ElemType>& numeric_types() {
+  static const std::vector<ElemType> types = {
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16,
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,    ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16,  ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16,  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32,
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64,
+      ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL};
+  return types;
+}
+
+std::string py_float(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof buf, "%.*g", precision, value);
+    if (std::strtod(buf, nullptr) == value) break;
+  }
+  std::string s(buf);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string fmt_shape(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+void throw_invalid(const std::string& message) { throw Ort::Exception(std::string(message), ORT_INVALID_ARGUMENT); }
+
+std::vector<Input> read_inputs(const Ort::KernelContext& ctx, size_t n_formal) {
+  std::vector<Input> inputs(n_formal);
+  const size_t n = std::min(ctx.GetInputCount(), n_formal);
+  for (size_t i = 0; i < n; ++i) {
+    Ort::ConstValue value = ctx.GetInput(i);
+    if (!value) continue;
+    Input& in = inputs[i];
+    auto info = value.GetTensorTypeAndShapeInfo();
+    in.present = true;
+    in.type = info.GetElementType();
+    in.shape = info.GetShape();
+    in.count = static_cast<int64_t>(info.GetElementCount());
+    in.data = in.count ? value.GetTensorRawData() : nullptr;
+  }
+  return inputs;
+}
+
+bool AttrReader::has_string(const char* name, std::string* out) const {
+  size_t size = 0;
+  const OrtApi& api = Ort::GetApi();
+  OrtStatus* status = api.KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (status) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  std::string value(size, '\0');
+  Ort::ThrowOnError(api.KernelInfoGetAttribute_string(info, name, &value[0], &size));
+  value.resize(size ? size - 1 : 0);
+  *out = value;
+  return true;
+}
+
+bool AttrReader::has_float(const char* name, float* out) const {
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, out);
+  if (status) Ort::GetApi().ReleaseStatus(status);
+  return status == nullptr;
+}
+
+bool AttrReader::has_int(const char* name, int64_t* out) const {
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, out);
+  if (status) Ort::GetApi().ReleaseStatus(status);
+  return status == nullptr;
+}
+
+void Checker::fail(const std::string& subject, const std::string& message) const {
+  throw_invalid(where_ + ": " + subject + " " + message);
+}
+
+const Input& Checker::require(size_t i) const {
+  if (!has(i)) fail(input_name(i), "is required");
+  return inputs_[i];
+}
+
+ElemType Checker::expect_elem(size_t i, const std::vector<ElemType>& allowed) const {
+  const Input& in = require(i);
+  for (ElemType t : allowed)
+    if (in.type == t) return t;
+  std::string names;
+  for (size_t j = 0; j < allowed.size(); ++j) names += (j ? ", " : "") + std::string(elem_name(allowed[j]));
+  fail(input_name(i), std::string("has type ") + elem_name(in.type) + "; expected " + names);
+}
+
+void Checker::expect_same_elem(size_t i, size_t ref) const {
+  if (!has(i) || !has(ref)) return;
+  if (inputs_[i].type != inputs_[ref].type)
+    fail(input_name(i), std::string("has type ") + elem_name(inputs_[i].type) + "; expected " +
+                            elem_name(inputs_[ref].type) + ", the type of " + input_name(ref));
+}
+
+const std::vector<int64_t>& Checker::expect_rank(size_t i, int rank, int min_rank) const {
+  const auto& shape = require(i).shape;
+  const int r = static_cast<int>(shape.size());
+  if (rank >= 0 && r != rank)
+    fail(input_name(i), "has rank " + std::to_string(r) + " (shape " + fmt_shape(shape) + "); expected rank " +
+                            std::to_string(rank));
+  if (min_rank >= 0 && r < min_rank)
+    fail(input_name(i), "has rank " + std::to_string(r) + " (shape " + fmt_shape(shape) + "); expected rank >= " +
+                            std::to_string(min_rank));
+  return shape;
+}
+
+int64_t DimBinder::bind(const std::string& symbol, int64_t value, const std::string& source) {
+  auto it = values_.find(symbol);
+  if (it == values_.end()) {
+    values_[symbol] = {value, source};
+    return value;
+  }
+  if (it->second.first != value)
+    checker_.fail(source, "is " + std::to_string(value) + "; expected " + symbol + " = " +
+                              std::to_string(it->second.first) + " (from " + it->second.second + ")");
+  return value;
+}
+
+void DimBinder::shape(size_t i, const std::vector<std::string>& symbols) {
+  const auto& shape = checker_.require(i).shape;
+  for (size_t axis = 0; axis < symbols.size() && axis < shape.size(); ++axis) {
+    const std::string& symbol = symbols[axis];
+    const int64_t dim = shape[axis];
+    if (symbol.empty()) continue;
+    if (symbol.size() > 1 && symbol[0] == '2') {
+      if (dim % 2)
+        checker_.fail(checker_.input_name(i), "dim " + std::to_string(axis) + " is " + std::to_string(dim) +
+                                                  "; expected an even size (" + symbol + ")");
+      bind(symbol.substr(1), dim / 2,
+           std::string("input '") + checker_.name(i) + "' dim " + std::to_string(axis) + " (= " + symbol + ")");
+    } else {
+      bind(symbol, dim, std::string("input '") + checker_.name(i) + "' dim " + std::to_string(axis));
+    }
+  }
+}
+
+int64_t DimBinder::get(const std::string& symbol) const {
+  auto it = values_.find(symbol);
+  return it == values_.end() ? -1 : it->second.first;
+}
+
+int64_t product(const std::vector<int64_t>& dims, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= dims[i];
+  return p;
+}
+
+std::string node_where(const char* op, const Ort::ConstKernelInfo& info) {
+  std::string name;
+  try {
+    name = info.GetNodeName();
+  } catch (const Ort::Exception&) {
+  }
+  return name.empty() ? std::string(op) : std::string(op) + " node '" + name + "'";
+}
+
+void to_float(ElemType type, const void* src, float* dst, int64_t n) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      if (n) std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
+      break;
+    }
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+      break;
+    }
+    default:
+      throw_invalid(std::string("internal: to_float of ") + elem_name(type));
+  }
+}
+
+void from_float(ElemType type, const float* src, void* dst, int64_t n) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      if (n) std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+      break;
+    }
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: {
+      auto* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(src[i]);
+      break;
+    }
+    default:
+      throw_invalid(std::string("internal: from_float to ") + elem_name(type));
+  }
+}
+
+}  // namespace moe_onnx

@@ -1,0 +1,163 @@
+// Shared helpers of the kernels: input views, error messages in the words of the numpy references
+// (moe_onnx/ops/_common.py), shape checks and fp16/bf16 <-> fp32 conversions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ort_api.h"
+
+namespace moe_onnx {
+
+using ElemType = ONNXTensorElementDataType;
+
+// Readable name of an element type, as the references print it (float32, int64, bfloat16...).
+const char* elem_name(ElemType type);
+size_t elem_size(ElemType type);
+// Every numeric tensor element type (for registering one kernel variant per type of an input).
+const std::vector<ElemType>& numeric_types();
+
+// Python's repr of a float (shortest round trip, "nan", "inf", "1.0"), for messages.
+std::string py_float(double value);
+// "[7, 8]"
+std::string fmt_shape(const std::vector<int64_t>& shape);
+
+// An error of the op's contract: becomes an onnxruntime INVALID_ARGUMENT error.
+[[noreturn]] void throw_invalid(const std::string& message);
+
+// One input of a node as the kernel sees it at Compute.
+struct Input {
+  bool present = false;
+  ElemType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  int64_t count = 0;  // number of elements
+
+  template <class T>
+  const T* as() const { return static_cast<const T*>(data); }
+};
+
+std::vector<Input> read_inputs(const Ort::KernelContext& ctx, size_t n_formal);
+
+// Reads attributes at kernel creation; absent ones are reported by `has`.
+struct AttrReader {
+  const OrtKernelInfo* info;
+  bool has_string(const char* name, std::string* out) const;
+  bool has_float(const char* name, float* out) const;
+  bool has_int(const char* name, int64_t* out) const;
+};
+
+// The checks of the references' NodeView, with the same wording, over concrete inputs.
+class Checker {
+ public:
+  Checker(std::string where, const std::vector<const char*>& input_names, const std::vector<Input>& inputs)
+      : where_(std::move(where)), names_(input_names), inputs_(inputs) {}
+
+  [[noreturn]] void fail(const std::string& subject, const std::string& message) const;
+  std::string input_name(size_t i) const { return std::string("input '") + names_[i] + "'"; }
+  const char* name(size_t i) const { return names_[i]; }
+  bool has(size_t i) const { return i < inputs_.size() && inputs_[i].present; }
+  const Input& require(size_t i) const;
+  ElemType expect_elem(size_t i, const std::vector<ElemType>& allowed) const;
+  void expect_same_elem(size_t i, size_t ref) const;
+  const std::vector<int64_t>& expect_rank(size_t i, int rank, int min_rank = -1) const;
+  const std::string& where() const { return where_; }
+
+ private:
+  std::string where_;
+  std::vector<const char*> names_;
+  const std::vector<Input>& inputs_;
+};
+
+// Binds named sizes (E, H, k...) to the first value seen and reports disagreements.
+class DimBinder {
+ public:
+  explicit DimBinder(const Checker& checker) : checker_(checker) {}
+  int64_t bind(const std::string& symbol, int64_t value, const std::string& source);
+  // Bind each dim of input i to its symbol: "" skips a dim, "2X" binds X to half an even dim.
+  void shape(size_t i, const std::vector<std::string>& symbols);
+  int64_t get(const std::string& symbol) const;
+
+ private:
+  const Checker& checker_;
+  std::map<std::string, std::pair<int64_t, std::string>> values_;
+};
+
+int64_t product(const std::vector<int64_t>& dims, size_t begin, size_t end);
+
+// "MOE node 'name'" (or "MOE" for an unnamed node), as NodeView.where() says it.
+std::string node_where(const char* op, const Ort::ConstKernelInfo& info);
+
+// ---------------------------------------------------------------------------- conversions
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {  // round to nearest even
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u);
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (ax < 0x38800000u) {                         // below the smallest normal half: subnormal or zero
+    if (ax < 0x33000000u) return sign;            // < 2^-25: rounds to zero
+    const uint32_t e = ax >> 23;
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return sign | static_cast<uint16_t>(r);
+  }
+  uint32_t r = ax + 0xc8000fffu + ((ax >> 13) & 1u);  // rebias (-112 << 23) and round
+  return sign | static_cast<uint16_t>(r >> 13);
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+// dst[i] = float(src[i]) for a float32/float16/bfloat16 buffer.
+void to_float(ElemType type, const void* src, float* dst, int64_t n);
+// dst[i] = T(src[i]) for a float32/float16/bfloat16 destination.
+void from_float(ElemType type, const float* src, void* dst, int64_t n);
+
+}  // namespace moe_onnx

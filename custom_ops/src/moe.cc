@@ -1,0 +1,488 @@
+// MOE kernel. Layout of the work (T tokens, k slots each, E experts, H hidden, I intermediate):
+//
+// 1. Validate every input as moe_onnx/ops/moe.py's _validate does, with the same messages, and the
+//    indices' range, before anything is indexed.
+// 2. Sort the T*k slots by expert (stable counting sort: slot order inside an expert is the token
+//    order) and gather their rows of hidden_states, as fp32, into one [T*k, H] buffer.
+// 3. Per (expert, block of rows, group of panels) task: gate/up = x @ W0 (+ b0) with gate and up
+//    side by side in one 16-wide panel (8 gate columns, the 8 matching up columns), the activation
+//    in the epilogue -> act [T*k, I].
+// 4. Per (expert, block of rows, group of panels) task: y = (act @ W1 + b1) * routing weight,
+//    stored per slot.
+// 5. Per token: out[t] = sum over j = 0..k-1 of y[t*k + j], in that order, then to T.
+// Every element is computed by one task in a fixed order, so 1 or N threads give the same bits.
+//
+// Weights are packed into the GEMM's panels: once at kernel creation when they are initializers
+// (KernelInfo::GetTensorConstantInput, API 15+), else per Compute for the experts in use.
+#include "moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <chrono>
+#include <cstdio>
+
+#include "gemm.h"
+#include "parallel.h"
+
+namespace moe_onnx {
+namespace {
+
+enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, N_INPUTS };
+const std::vector<const char*> kInputNames = {"hidden_states", "routing_weights", "router_topk_output_indices",
+                                              "weight_0", "bias_0", "weight_1", "bias_1", "weight_2"};
+const char* kGemm2 = "GEMM2_BIAS_SWIGLU_CLAMP";
+const char* kGemm3 = "GEMM3_SWIGLU";
+const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                                           ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
+const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
+
+constexpr int64_t kHalf = kPanel / 2;  // gate (or up) columns per gate/up panel
+constexpr int64_t kRowBlock = 48;      // rows of one task (a multiple of the micro-kernel's 6)
+constexpr int64_t kPanelGroup = 8;     // panels of one task
+
+inline float load(ElemType type, const void* p, int64_t i) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+struct WeightSrc {
+  ExpertType type;
+  int64_t parity;
+  const Input* in[N_INPUTS];
+};
+
+// Packs expert e of the weights into dst (whose E, H, I are set and buffers sized).
+void pack_expert(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot) {
+  const int64_t H = dst.H, I = dst.I;
+  const int64_t p0 = (I + kHalf - 1) / kHalf, p1 = panel_count(H);
+  float* w0 = dst.w0.data() + slot * dst.w0_stride();
+  float* b0 = dst.b0.data() + slot * dst.b0_stride();
+  float* w1 = dst.w1.data() + slot * dst.w1_stride();
+  float* b1 = dst.b1.data() + slot * H;
+  std::fill(w0, w0 + dst.w0_stride(), 0.0f);
+  std::fill(b0, b0 + dst.b0_stride(), 0.0f);
+  std::fill(w1, w1 + dst.w1_stride(), 0.0f);
+  std::fill(b1, b1 + H, 0.0f);
+  const Input& W0in = *src.in[W0];
+  const Input& W1in = *src.in[W1];
+  if (src.type == ExpertType::kGemm2BiasSwigluClamp) {
+    // weight_0 [E, H, 2I]: gate column c is 2c + parity, up column c is 2c + 1 - parity.
+    const int64_t base = e * H * 2 * I;
+    for (int64_t p = 0; p < p0; ++p)
+      for (int64_t h = 0; h < H; ++h) {
+        float* row = w0 + (p * H + h) * kPanel;
+        for (int64_t l = 0; l < kHalf; ++l) {
+          const int64_t c = p * kHalf + l;
+          if (c >= I) break;
+          row[l] = load(W0in.type, W0in.data, base + h * 2 * I + 2 * c + src.parity);
+          row[kHalf + l] = load(W0in.type, W0in.data, base + h * 2 * I + 2 * c + 1 - src.parity);
+        }
+      }
+    if (src.in[B0] && src.in[B0]->present) {
+      const Input& B0in = *src.in[B0];
+      for (int64_t c = 0; c < I; ++c) {
+        const int64_t p = c / kHalf, l = c % kHalf;
+        b0[p * kPanel + l] = load(B0in.type, B0in.data, e * 2 * I + 2 * c + src.parity);
+        b0[p * kPanel + kHalf + l] = load(B0in.type, B0in.data, e * 2 * I + 2 * c + 1 - src.parity);
+      }
+    }
+    // weight_1 [E, I, H] is already [K, N].
+    for (int64_t p = 0; p < p1; ++p)
+      for (int64_t i = 0; i < I; ++i) {
+        float* row = w1 + (p * I + i) * kPanel;
+        for (int64_t l = 0; l < kPanel && p * kPanel + l < H; ++l)
+          row[l] = load(W1in.type, W1in.data, (e * I + i) * H + p * kPanel + l);
+      }
+    if (src.in[B1] && src.in[B1]->present)
+      for (int64_t h = 0; h < H; ++h) b1[h] = load(src.in[B1]->type, src.in[B1]->data, e * H + h);
+  } else {
+    // gate = weight_0 [E, I, H], up = weight_1 [E, I, H] (x @ W^T), down = weight_2 [E, H, I].
+    const Input& W2in = *src.in[W2];
+    for (int64_t p = 0; p < p0; ++p)
+      for (int64_t l = 0; l < kHalf; ++l) {
+        const int64_t c = p * kHalf + l;
+        if (c >= I) break;
+        for (int64_t h = 0; h < H; ++h) {
+          w0[(p * H + h) * kPanel + l] = load(W0in.type, W0in.data, (e * I + c) * H + h);
+          w0[(p * H + h) * kPanel + kHalf + l] = load(W1in.type, W1in.data, (e * I + c) * H + h);
+        }
+      }
+    for (int64_t p = 0; p < p1; ++p)
+      for (int64_t l = 0; l < kPanel && p * kPanel + l < H; ++l) {
+        const int64_t h = p * kPanel + l;
+        for (int64_t i = 0; i < I; ++i) w1[(p * I + i) * kPanel + l] = load(W2in.type, W2in.data, (e * H + h) * I + i);
+      }
+  }
+}
+
+void allocate(MoePacked& packed, int64_t slots) {
+  packed.w0.assign(static_cast<size_t>(slots * packed.w0_stride()), 0.0f);
+  packed.b0.assign(static_cast<size_t>(slots * packed.b0_stride()), 0.0f);
+  packed.w1.assign(static_cast<size_t>(slots * packed.w1_stride()), 0.0f);
+  packed.b1.assign(static_cast<size_t>(slots * packed.H), 0.0f);
+}
+
+struct Dims {
+  int64_t T, k, E, H, I;
+};
+
+// The checks of moe.py's _validate, in its order and words. Returns the sizes.
+Dims validate(const MoeKernel& kernel, const Checker& v) {
+  v.expect_elem(HIDDEN, kFloatTypes);
+  for (int i : {ROUTING, W0, B0, W1, B1, W2})
+    if (v.has(i)) {
+      v.expect_elem(i, kFloatTypes);
+      v.expect_same_elem(i, HIDDEN);
+    }
+  v.expect_elem(INDICES, kIndexTypes);
+
+  DimBinder dims(v);
+  const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
+  dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
+  dims.bind("T", product(hidden, 0, hidden.size() - 1), "input 'hidden_states' leading dims (product)");
+  for (int i : {ROUTING, INDICES}) {
+    const auto& shape = v.expect_rank(i, -1, 1);
+    const std::string name = v.name(i);
+    dims.bind("k", shape.back(), "input '" + name + "' dim -1");
+    dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
+  }
+  const bool gemm2 = kernel.type == ExpertType::kGemm2BiasSwigluClamp;
+  const char* type_name = gemm2 ? kGemm2 : kGemm3;
+  std::vector<std::pair<int, std::vector<std::string>>> layout;
+  if (gemm2)
+    layout = {{W0, {"E", "H", "2I"}}, {B0, {"E", "2I"}}, {W1, {"E", "I", "H"}}, {B1, {"E", "H"}}};
+  else
+    layout = {{W0, {"E", "I", "H"}}, {W1, {"E", "I", "H"}}, {W2, {"E", "H", "I"}}};
+  for (int i : gemm2 ? std::vector<int>{W0, W1} : std::vector<int>{W0, W1, W2}) v.require(i);
+  for (int i : {B0, W1, B1, W2}) {
+    const bool used = std::any_of(layout.begin(), layout.end(), [i](const auto& l) { return l.first == i; });
+    if (v.has(i) && !used) v.fail(v.input_name(i), std::string("is given, but ") + type_name + " does not use it; leave it empty");
+  }
+  for (const auto& [i, symbols] : layout)
+    if (v.has(i)) {
+      v.expect_rank(i, static_cast<int>(symbols.size()));
+      dims.shape(i, symbols);
+    }
+  return Dims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
+}
+
+template <class Idx>
+void check_indices(const Input& in, int64_t E, const std::string& where) {
+  const Idx* idx = in.as<Idx>();
+  for (int64_t f = 0; f < in.count; ++f) {
+    const int64_t value = static_cast<int64_t>(idx[f]);
+    if (value < 0 || value >= E) {
+      std::vector<int64_t> pos(in.shape.size());
+      int64_t rest = f;
+      for (size_t a = in.shape.size(); a-- > 0;) {
+        pos[a] = rest % in.shape[a];
+        rest /= in.shape[a];
+      }
+      throw_invalid(where + ": router_topk_output_indices" + fmt_shape(pos) + " = " + std::to_string(value) +
+                    " is outside [0, " + std::to_string(E) + ") (num_experts from weight_0)");
+    }
+  }
+}
+
+}  // namespace
+
+int64_t MoePacked::w0_stride() const { return ((I + kHalf - 1) / kHalf) * H * kPanel; }
+int64_t MoePacked::b0_stride() const { return ((I + kHalf - 1) / kHalf) * kPanel; }
+int64_t MoePacked::w1_stride() const { return panel_count(H) * I * kPanel; }
+
+// Every input is optional for onnxruntime, so that a missing one gets the op's own message.
+OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
+
+OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+  try {
+    *kernel = new MoeKernel(api, info);
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo kinfo(info);
+  where = node_where("MOE", kinfo);
+  AttrReader attrs{info};
+  auto fail = [this](const std::string& subject, const std::string& message) {
+    throw_invalid(where + ": " + subject + " " + message);
+  };
+  std::string expert_type;
+  if (!attrs.has_string("expert_type", &expert_type)) fail("attribute 'expert_type'", "is required");
+  if (expert_type == kGemm2)
+    type = ExpertType::kGemm2BiasSwigluClamp;
+  else if (expert_type == kGemm3)
+    type = ExpertType::kGemm3Swiglu;
+  else
+    fail("attribute 'expert_type'", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
+  if (!attrs.has_float("expert_alpha", &alpha)) alpha = 1.0f;
+  if (!std::isfinite(alpha)) fail("attribute 'expert_alpha'", "is " + py_float(alpha) + "; expected a finite number");
+  if (!attrs.has_float("expert_beta", &beta)) beta = 0.0f;
+  if (type == ExpertType::kGemm2BiasSwigluClamp) {
+    if (std::isnan(beta) || beta == -INFINITY)
+      fail("attribute 'expert_beta'", "is " + py_float(beta) + "; expected a finite number or inf");
+    if (!(beta > 0)) fail("attribute 'expert_beta'", "is " + py_float(beta) + "; expected a value > 0");
+  }
+  if (!attrs.has_int("gate_parity", &parity)) parity = 0;
+  if (parity != 0 && parity != 1)
+    fail("attribute 'gate_parity'", "is " + std::to_string(parity) + "; expected one of 0, 1");
+
+  // Constant weights: pack them all now, if every weight the expert type uses is an initializer
+  // and their shapes agree (otherwise Compute packs per run and reports any error).
+  const size_t n_inputs = kinfo.GetInputCount();
+  std::vector<Input> inputs(N_INPUTS);
+  std::vector<Ort::ConstValue> keep;
+  const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
+  for (int i : {W0, B0, W1, B1, W2}) {
+    if (static_cast<size_t>(i) >= n_inputs || kinfo.GetInputName(i).empty()) continue;
+    int is_constant = 0;
+    Ort::ConstValue value = kinfo.GetTensorConstantInput(i, &is_constant);
+    if (!is_constant || !value) return;  // a runtime weight: pack per Compute
+    auto ti = value.GetTensorTypeAndShapeInfo();
+    Input& in = inputs[i];
+    in.present = true;
+    in.type = ti.GetElementType();
+    in.shape = ti.GetShape();
+    in.count = static_cast<int64_t>(ti.GetElementCount());
+    in.data = in.count ? value.GetTensorRawData() : nullptr;
+  }
+  auto is_float = [](const Input& in) {
+    return std::find(kFloatTypes.begin(), kFloatTypes.end(), in.type) != kFloatTypes.end();
+  };
+  const Input& w0 = inputs[W0];
+  const Input& w1 = inputs[W1];
+  if (!w0.present || !w1.present || !is_float(w0) || w0.shape.size() != 3) return;
+  const int64_t E = w0.shape[0];
+  const int64_t H = gemm2 ? w0.shape[1] : w0.shape[2];
+  const int64_t I = gemm2 ? w0.shape[2] / 2 : w0.shape[1];
+  if (gemm2 && w0.shape[2] % 2) return;
+  auto same = [&](const Input& in, std::vector<int64_t> shape) {
+    return in.present && in.type == w0.type && in.shape == shape;
+  };
+  if (gemm2) {
+    if (!same(w1, {E, I, H}) || inputs[W2].present) return;
+    if (inputs[B0].present && !same(inputs[B0], {E, 2 * I})) return;
+    if (inputs[B1].present && !same(inputs[B1], {E, H})) return;
+  } else {
+    if (!same(w1, {E, I, H}) || !same(inputs[W2], {E, H, I}) || inputs[B0].present || inputs[B1].present) return;
+  }
+  auto packed = std::make_unique<MoePacked>();
+  packed->E = E;
+  packed->H = H;
+  packed->I = I;
+  allocate(*packed, E);
+  WeightSrc src{type, parity, {}};
+  for (int i = 0; i < N_INPUTS; ++i) src.in[i] = &inputs[i];
+  for (int64_t e = 0; e < E; ++e) pack_expert(src, e, *packed, e);
+  for (int i : {W0, B0, W1, B1, W2}) constant_shapes[i] = inputs[i].present ? inputs[i].shape : std::vector<int64_t>{-1};
+  constant = std::move(packed);
+}
+
+OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Compute(context);
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::bad_alloc&) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  }
+}
+
+// Build with -DMOE_ONNX_PROFILE to print the time of each phase to stderr (a debugging aid).
+#ifdef MOE_ONNX_PROFILE
+#define PROF(name) do { auto _n = std::chrono::steady_clock::now(); std::fprintf(stderr, "%s %.2f ms\n", name, std::chrono::duration<double, std::milli>(_n - _t).count()); _t = _n; } while (0)
+#else
+#define PROF(name) do {} while (0)
+#endif
+void MoeKernel::Compute(OrtKernelContext* context) {
+  Ort::KernelContext ctx(context);
+#ifdef MOE_ONNX_PROFILE
+  auto _t = std::chrono::steady_clock::now();
+#endif
+  const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
+  const Checker v(where, kInputNames, inputs);
+  const Dims d = validate(*this, v);
+  const Input& idx = inputs[INDICES];
+  if (idx.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
+    check_indices<int32_t>(idx, d.E, where);
+  else
+    check_indices<int64_t>(idx, d.E, where);
+
+  const Input& x_in = inputs[HIDDEN];
+  const ElemType T_type = x_in.type;
+  Ort::UnownedValue out_value = ctx.GetOutput(0, x_in.shape);
+  void* out = out_value.GetTensorMutableRawData();
+  const int64_t T = d.T, k = d.k, H = d.H, I = d.I, E = d.E;
+  if (T == 0 || H == 0) return;
+  const int64_t S = T * k;  // slots
+  if (S == 0 || (I == 0 && type == ExpertType::kGemm3Swiglu)) {
+    // Nothing reaches any token (with I == 0, GEMM2 still adds its down bias: the general path).
+    std::vector<float> zeros(static_cast<size_t>(H), 0.0f);
+    for (int64_t t = 0; t < T; ++t)
+      from_float(T_type, zeros.data(), static_cast<char*>(out) + t * H * elem_size(T_type), H);
+    return;
+  }
+
+  // Slots sorted by expert (counting sort, stable).
+  std::vector<int64_t> expert_of(static_cast<size_t>(S));
+  for (int64_t f = 0; f < S; ++f)
+    expert_of[f] = idx.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ? idx.as<int32_t>()[f] : idx.as<int64_t>()[f];
+  std::vector<int64_t> start(static_cast<size_t>(E + 1), 0);
+  for (int64_t f = 0; f < S; ++f) ++start[expert_of[f] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> order(static_cast<size_t>(S));  // position -> slot
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t f = 0; f < S; ++f) order[fill[expert_of[f]]++] = f;
+  }
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+
+  // Weights: the constant pack, or the experts in use packed now.
+  const MoePacked* packed = nullptr;
+  MoePacked local;
+  std::vector<int64_t> slot_of_expert;  // expert -> slot in the packed buffers
+  bool constant_ok = constant != nullptr;
+  if (constant_ok)
+    for (int i : {W0, B0, W1, B1, W2}) {
+      const std::vector<int64_t> shape = inputs[i].present ? inputs[i].shape : std::vector<int64_t>{-1};
+      if (shape != constant_shapes[i]) constant_ok = false;
+    }
+  if (constant_ok) {
+    packed = constant.get();
+    slot_of_expert.resize(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) slot_of_expert[e] = e;
+  } else {
+    local.E = E;
+    local.H = H;
+    local.I = I;
+    allocate(local, static_cast<int64_t>(used.size()));
+    slot_of_expert.assign(static_cast<size_t>(E), -1);
+    for (size_t u = 0; u < used.size(); ++u) slot_of_expert[used[u]] = static_cast<int64_t>(u);
+    WeightSrc src{type, parity, {}};
+    for (int i = 0; i < N_INPUTS; ++i) src.in[i] = &inputs[i];
+    parallel_for(ctx, used.size(), [&](size_t u) { pack_expert(src, used[u], local, static_cast<int64_t>(u)); });
+    packed = &local;
+  }
+
+  PROF("validate+sort+pack");
+  // Gather the rows of x in sorted slot order, as fp32.
+  std::vector<float> xs(static_cast<size_t>(S * H));
+  const size_t esz = elem_size(T_type);
+  size_t chunk = 1;
+  size_t n_chunks = chunk_count(static_cast<size_t>(S), 16, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    const int64_t end = std::min<int64_t>(S, static_cast<int64_t>((c + 1) * chunk));
+    for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
+      to_float(T_type, static_cast<const char*>(x_in.data) + (order[pos] / k) * H * esz, xs.data() + pos * H, H);
+  });
+
+  PROF("gather");
+  // Tasks: (expert, first row, rows, first panel, last panel) for both GEMMs.
+  struct Task {
+    int64_t e, row0, rows, p0, p1;
+  };
+  auto make_tasks = [&](int64_t panels) {
+    std::vector<Task> tasks;
+    for (int64_t e : used)
+      for (int64_t r = start[e]; r < start[e + 1]; r += kRowBlock)
+        for (int64_t p = 0; p < panels; p += kPanelGroup)
+          tasks.push_back({e, r, std::min(kRowBlock, start[e + 1] - r), p, std::min(panels, p + kPanelGroup)});
+    return tasks;
+  };
+
+  const int64_t P0 = (I + kHalf - 1) / kHalf;
+  const int64_t ldact = P0 * kHalf;  // act row stride (I rounded up to the half panel)
+  std::vector<float> act(static_cast<size_t>(S * ldact));
+  const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
+  const float a = alpha, b = beta;
+  {
+    const std::vector<Task> tasks = make_tasks(P0);
+    parallel_for(ctx, tasks.size(), [&](size_t ti) {
+      const Task& t = tasks[ti];
+      const int64_t slot = slot_of_expert[t.e];
+      const int64_t ldc = (t.p1 - t.p0) * kPanel;
+      std::vector<float> C(static_cast<size_t>(t.rows * ldc));
+      gemm_panels(xs.data() + t.row0 * H, H, t.rows, H, packed->w0.data() + slot * packed->w0_stride(), t.p0, t.p1,
+                  C.data(), ldc);
+      const float* bias = packed->b0.data() + slot * packed->b0_stride();
+      for (int64_t r = 0; r < t.rows; ++r) {
+        float* dst = act.data() + (t.row0 + r) * ldact;
+        for (int64_t p = t.p0; p < t.p1; ++p) {
+          const float* gu = C.data() + r * ldc + (p - t.p0) * kPanel;
+          const float* bp = bias + p * kPanel;
+          for (int64_t l = 0; l < kHalf; ++l) {
+            float gate = gu[l], up = gu[kHalf + l];
+            if (gemm2) {
+              gate += bp[l];
+              up += bp[kHalf + l];
+              gate = gate > b ? b : gate;  // min(gate, beta), NaN stays NaN
+              up = up < -b ? -b : (up > b ? b : up);
+              dst[p * kHalf + l] = (up + 1.0f) * gate * sigmoid(a * gate);
+            } else {
+              dst[p * kHalf + l] = gate * sigmoid(a * gate) * up;
+            }
+          }
+        }
+      }
+    });
+  }
+
+  PROF("gemm0+act");
+  // y per slot (tokens-major: y[t*k + j]), weighted.
+  const int64_t P1 = panel_count(H);
+  std::vector<float> y(static_cast<size_t>(S * H));
+  const Input& rw = inputs[ROUTING];
+  {
+    const std::vector<Task> tasks = make_tasks(P1);
+    parallel_for(ctx, tasks.size(), [&](size_t ti) {
+      const Task& t = tasks[ti];
+      const int64_t slot = slot_of_expert[t.e];
+      const int64_t ldc = (t.p1 - t.p0) * kPanel;
+      std::vector<float> C(static_cast<size_t>(t.rows * ldc));
+      gemm_panels(act.data() + t.row0 * ldact, ldact, t.rows, I, packed->w1.data() + slot * packed->w1_stride(), t.p0,
+                  t.p1, C.data(), ldc);
+      const float* bias = packed->b1.data() + slot * H;
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const int64_t f = order[t.row0 + r];
+        const float w = load(rw.type, rw.data, f);
+        const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
+        const float* src = C.data() + r * ldc;
+        float* dst = y.data() + f * H;
+        for (int64_t h = h0; h < h1; ++h) dst[h] = (src[h - h0] + bias[h]) * w;
+      }
+    });
+  }
+
+  PROF("gemm1");
+  // out[t] = sum_j y[t*k + j], j in order.
+  n_chunks = chunk_count(static_cast<size_t>(T), 4, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    std::vector<float> row(static_cast<size_t>(H));
+    const int64_t end = std::min<int64_t>(T, static_cast<int64_t>((c + 1) * chunk));
+    for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
+      std::fill(row.begin(), row.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float* src = y.data() + (t * k + j) * H;
+        for (int64_t h = 0; h < H; ++h) row[h] += src[h];
+      }
+      from_float(T_type, row.data(), static_cast<char*>(out) + t * H * esz, H);
+    }
+  });
+  PROF("reduce");
+}
+
+}  // namespace moe_onnx

@@ -1,0 +1,64 @@
+// The library's entry point: RegisterCustomOps adds every kernel to the "moe_onnx" domain.
+// Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
+// that decides the output type, see MoeOp).
+#include <mutex>
+#include <vector>
+
+#include "common.h"
+#include "gemm.h"
+#include "moe.h"
+#include "ort_api.h"
+
+namespace {
+
+const char* kDomain = "moe_onnx";  // moe_onnx.DOMAIN
+
+// One instance of each op for the life of the process (onnxruntime keeps pointers to them).
+template <class Op>
+void add_per_type(std::vector<const OrtCustomOp*>& all) {
+  for (auto type : moe_onnx::numeric_types()) all.push_back(new Op(type));  // never freed
+}
+
+const std::vector<const OrtCustomOp*>& kernels() {
+  static const std::vector<const OrtCustomOp*> all = [] {
+    std::vector<const OrtCustomOp*> ops;
+    add_per_type<moe_onnx::MoeOp>(ops);
+    return ops;
+  }();
+  return all;
+}
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const OrtApiBase* api_base) {
+  // The API table of the headers' version: every onnxruntime from that version up provides it.
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // cannot even report: the runtime is older than the headers
+  Ort::InitApi(api);
+  try {
+    // The domain must outlive every session that uses it: it is kept until the process ends.
+    static std::mutex mutex;
+    static std::vector<OrtCustomOpDomain*> domains;
+    OrtCustomOpDomain* domain = nullptr;
+    Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      domains.push_back(domain);
+    }
+    for (const OrtCustomOp* op : kernels()) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, op));
+    Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
+  } catch (const Ort::Exception& e) {
+    return api->CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}
+
+// The GEMM implementation in use ("avx2-fma" or "portable"), for diagnostics (ctypes).
+__attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
+
+}  // extern "C"

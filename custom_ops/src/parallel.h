@@ -1,0 +1,55 @@
+// Work split on onnxruntime's intra-op thread pool (KernelContext::ParallelFor).
+//
+// Determinism: every task writes its own disjoint part of the output and computes it in a fixed
+// order, so results do not depend on how many threads run the tasks or which thread runs which.
+// Reductions across tasks are never done in completion order: the caller reduces afterwards in
+// index order.
+#pragma once
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+
+#include "ort_api.h"
+
+namespace moe_onnx {
+
+// Runs fn(i) for i in [0, n) on the intra-op pool; the first exception a task throws is rethrown.
+template <class Fn>
+void parallel_for(const Ort::KernelContext& ctx, size_t n, Fn&& fn) {
+  if (n == 0) return;
+  if (n == 1) {
+    fn(size_t{0});
+    return;
+  }
+  struct State {
+    Fn* fn;
+    std::exception_ptr error;
+    std::mutex mutex;
+  } state{&fn, nullptr, {}};
+  auto trampoline = [](void* data, size_t i) {
+    auto* s = static_cast<State*>(data);
+    try {
+      (*s->fn)(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(s->mutex);
+      if (!s->error) s->error = std::current_exception();
+    }
+  };
+  ctx.ParallelFor(trampoline, n, 0, &state);
+  if (state.error) std::rethrow_exception(state.error);
+}
+
+// Splits [0, n) into about `parts` chunks of at least `min_chunk`; returns the chunk count and size.
+inline size_t chunk_count(size_t n, size_t min_chunk, size_t parts, size_t* chunk) {
+  if (n == 0) {
+    *chunk = 1;
+    return 0;
+  }
+  size_t c = (n + parts - 1) / parts;
+  if (c < min_chunk) c = min_chunk;
+  *chunk = c;
+  return (n + c - 1) / c;
+}
+
+}  // namespace moe_onnx

@@ -1,0 +1,328 @@
+"""The batched_mm fusions (moe_onnx/rewrite/batched_mm.py) on the transformers 5 fixtures: every
+family and size fuses on both targets and keeps the numbers; one-constant mutations either fuse
+with the value read from the graph (parity, clamp bound, alpha, swapped halves, missing
+renormalization) or stay unfused with the failed check named, and always keep the numbers."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import moe_onnx
+from moe_onnx.check import check_model
+from moe_onnx.ops import REFERENCE_OPS
+from moe_onnx.rewrite import optimize
+
+FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
+NAMES = sorted(name for name, entry in MANIFEST.items() if entry["style"] == "batched_mm")
+GPT_OSS, SWIGLU = "BatchedMmGptOss", "BatchedMmSwiglu"
+# (batch, seq): one token, the reference shape, and shapes unlike the export's (2, 5)
+SHAPES = [(1, 1), (2, 3), (3, 7)]
+TOL = dict(rtol=1e-4, atol=1e-4)
+UNFUSED = {"GatherND", "Expand", "MatMul", "Split", "Slice", "Clip", "Squeeze", "Unsqueeze"}
+
+
+def rule_of(name: str) -> str:
+    return GPT_OSS if MANIFEST[name]["family"] == "gpt_oss" else SWIGLU
+
+
+@functools.cache
+def original(name: str) -> onnx.ModelProto:
+    return onnx.load(FIXTURES / MANIFEST[name]["file"])
+
+
+@functools.cache
+def optimized(name: str, target: str):
+    return optimize(original(name), target=target)
+
+
+def feeds(model: onnx.ModelProto, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    hidden = model.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+    return {"hidden_states": np.random.default_rng(seed).standard_normal((batch, seq, hidden), dtype=np.float32)}
+
+
+def run_ort(model: onnx.ModelProto, inputs: dict) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["output"], inputs)[0]
+
+
+def run_reference(model: onnx.ModelProto, inputs: dict) -> np.ndarray:
+    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(["output"], inputs)[0]
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def moe_node(model: onnx.ModelProto) -> onnx.NodeProto:
+    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
+    return node
+
+
+def attributes(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+# ----------------------------------------------------------------------------- fixtures fuse
+
+@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("name", NAMES)
+def test_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[rule_of(name)] == 1
+    assert report.near_misses == []
+    before, after = op_counts(original(name)), op_counts(model)
+    # the router (with its renormalization) and Qwen2-MoE's shared expert stay as they are
+    for op in ("Gemm", "TopK", "Softmax", "Div"):
+        assert after[op] == before[op], op
+    assert after["ReduceSum"] == before["ReduceSum"] - 1  # the sum over k went into the fused block
+    if target == "moe":
+        assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+        assert after["MOE"] == 1
+    else:
+        assert (after["MoeInitRouting"], after["MoeFinalizeRouting"], after["MOE"]) == (1, 1, 0)
+        assert after["MoeRowParallelLinear"] == (2 if rule_of(name) == GPT_OSS else 3)
+        assert not {"GatherND", "Expand", "MatMul", "Split"} & set(after)  # the activation is re-emitted
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_moe_node(name):
+    entry = MANIFEST[name]
+    model, _ = optimized(name, "moe")
+    node = moe_node(model)
+    attrs = attributes(node)
+    producers = {out: n for n in model.graph.node for out in n.output}
+    routing, indices = producers[node.input[1]], producers[node.input[2]]
+    assert (indices.op_type, list(indices.output).index(node.input[2])) == ("TopK", 1)
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    if entry["family"] == "gpt_oss":
+        assert attrs == {"expert_type": b"GEMM2_BIAS_SWIGLU_CLAMP", "expert_alpha": pytest.approx(1.702),
+                         "expert_beta": 7.0, "gate_parity": 0}
+        assert routing.op_type == "Softmax"  # the top-k softmax the slots are multiplied by
+        assert [shapes[n] for n in node.input[3:7]] == [[E, H, 2 * I], [E, 2 * I], [E, I, H], [E, H]]
+    else:
+        assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        # renormalized weights where the model renormalizes, else the TopK values themselves
+        assert routing.op_type == ("Div" if entry["renormalize"] else "TopK")
+        assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+
+
+@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("name", NAMES)
+def test_numbers(name, target):
+    model, _ = optimized(name, target)
+    python = moe_onnx.session(model, backend="python")
+    for batch, seq in SHAPES:
+        inputs = feeds(model, batch, seq)
+        expected = run_ort(original(name), inputs)
+        np.testing.assert_allclose(run_reference(model, inputs), expected, **TOL)
+        np.testing.assert_allclose(python.run(["output"], inputs)[0], expected, **TOL)
+    data = np.load(FIXTURES / MANIFEST[name]["reference"])
+    for suffix in ("", "_alt"):
+        got = run_reference(model, {"hidden_states": data["hidden_states" + suffix]})
+        np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
+
+
+def test_two_blocks_in_one_model():
+    """Layers in a row, as in a whole model: GPT-OSS's block feeds Qwen2-MoE's (and its shared expert)."""
+    first, second = original("gpt_oss_batched_mm_tiny"), original("qwen2_moe_batched_mm_tiny")
+    model = onnx.compose.merge_models(first, second, io_map=[("output", "hidden_states")], prefix1="a/", prefix2="b/")
+    for target in ("moe", "grouped"):
+        new, report = optimize(model, target=target)
+        assert (report.fused[GPT_OSS], report.fused[SWIGLU]) == (1, 1)
+        assert check_model(new) == []
+        inputs = {"a/hidden_states": feeds(first, 2, 3)["hidden_states"]}
+        expected = ort.InferenceSession(model.SerializeToString()).run(["b/output"], inputs)[0]
+        got = ReferenceEvaluator(new, new_ops=REFERENCE_OPS).run(["b/output"], inputs)[0]
+        np.testing.assert_allclose(got, expected, **TOL)
+
+
+# ----------------------------------------------------------------------------- mutations
+
+def producer(model: onnx.ModelProto, value: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if value in n.output)
+
+
+def nodes(model: onnx.ModelProto, op_type: str, where: Callable[[onnx.NodeProto], bool] = lambda n: True):
+    return [n for n in model.graph.node if n.op_type == op_type and where(n)]
+
+
+def constant_of(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == name))
+
+
+def set_input(model: onnx.ModelProto, node: onnx.NodeProto, index: int, array) -> None:
+    """Feed ``node`` input ``index`` from a new initializer (shared constants elsewhere stay)."""
+    name = f"mutated_{len(model.graph.initializer)}"
+    model.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+    node.input[index] = name
+
+
+def mutated(name: str, mutate: Callable[[onnx.ModelProto], None]) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(original(name))
+    mutate(model)
+    return model
+
+
+def assert_same_numbers(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    for batch, seq in SHAPES:
+        inputs = feeds(before, batch, seq, seed=1)
+        np.testing.assert_allclose(run_reference(after, inputs), run_ort(before, inputs), **TOL)
+
+
+def gate_clip(m):
+    return nodes(m, "Clip", lambda n: n.input[1] == "")[0]
+
+
+def up_clip(m):
+    return nodes(m, "Clip", lambda n: n.input[1] != "")[0]
+
+
+def plus_one(m):
+    """The Add of +1 to the clamped up half."""
+    return nodes(m, "Add", lambda n: n.input[0] == up_clip(m).output[0])[0]
+
+
+def down_gather(m):
+    """The GatherND of the down weight: the weight operand of the second MatMul."""
+    second = nodes(m, "MatMul")[1]
+    weight_operand = next(v for v in second.input if producer(m, v).op_type == "GatherND")
+    return producer(m, weight_operand)
+
+
+def grow_experts(m, gather: onnx.NodeProto) -> None:
+    """One more (never selected) expert in the gathered weight: E no longer agrees with the router."""
+    w = constant_of(m, gather.input[0])
+    set_input(m, gather, 0, np.concatenate([w, np.zeros_like(w[:1])]))
+
+
+def rewire_sigmoid_to_second_half(m) -> None:
+    split = nodes(m, "Split")[0]
+    first, second = split.output
+    for node in m.graph.node:
+        if node.op_type in ("Sigmoid", "Mul"):
+            node.input[:] = [{first: second, second: first}.get(v, v) for v in node.input]
+
+
+def drop_renormalization(m) -> None:
+    (div,) = nodes(m, "Div")
+    for node in m.graph.node:
+        node.input[:] = [div.input[0] if v == div.output[0] else v for v in node.input]
+
+
+def scale_sigmoid(m, alpha) -> None:
+    """Sigmoid(gate * alpha) instead of SiLU's Sigmoid(gate)."""
+    sigmoid = nodes(m, "Sigmoid")[0]
+    m.graph.initializer.append(numpy_helper.from_array(np.asarray(alpha, np.float32), "alpha"))
+    m.graph.node.insert(list(m.graph.node).index(sigmoid),
+                        onnx.helper.make_node("Mul", [sigmoid.input[0], "alpha"], ["scaled_gate"]))
+    sigmoid.input[0] = "scaled_gate"
+
+
+def transpose_weights(m) -> None:
+    """The weights as a larger export may keep them: an initializer behind a Transpose node."""
+    for gather in nodes(m, "GatherND"):
+        w = constant_of(m, gather.input[0])
+        if w.ndim != 3:
+            continue
+        set_input(m, gather, 0, np.ascontiguousarray(w.transpose(0, 2, 1)))
+        transposed = f"{gather.input[0]}_T"
+        m.graph.node.insert(0, onnx.helper.make_node("Transpose", [gather.input[0]], [transposed], perm=[0, 2, 1]))
+        gather.input[0] = transposed
+
+
+GPT_TINY, QWEN3_TINY, OLMOE_TINY = "gpt_oss_batched_mm_tiny", "qwen3_moe_batched_mm_tiny", "olmoe_batched_mm_tiny"
+
+# (fixture, mutation, the attributes the MOE must get from the mutated graph)
+FUSED_VARIANTS = {
+    "gate on the odd columns": (GPT_TINY, lambda m: (
+        set_input(m, producer(m, gate_clip(m).input[0]), 1, np.array([1])),
+        set_input(m, producer(m, up_clip(m).input[0]), 1, np.array([0]))), {"gate_parity": 1}),
+    "clamp bound 5": (GPT_TINY, lambda m: (
+        set_input(m, gate_clip(m), 2, np.float32(5)), set_input(m, up_clip(m), 1, np.float32(-5)),
+        set_input(m, up_clip(m), 2, np.float32(5))), {"expert_beta": 5.0}),
+    "alpha 1.5": (GPT_TINY, lambda m: set_input(m, producer(m, nodes(m, "Sigmoid")[0].input[0]), 1, np.float32(1.5)),
+                  {"expert_alpha": 1.5}),
+    "weights behind Transpose (gpt_oss)": (GPT_TINY, transpose_weights, {"gate_parity": 0}),
+    "weights behind Transpose (qwen3)": (QWEN3_TINY, transpose_weights, {"expert_alpha": 1.0}),
+    "SiLU on the second half": (QWEN3_TINY, rewire_sigmoid_to_second_half, {"expert_alpha": 1.0}),
+    "no renormalization": (QWEN3_TINY, drop_renormalization, {"expert_alpha": 1.0}),
+    "swish alpha 2 instead of SiLU": (QWEN3_TINY, lambda m: scale_sigmoid(m, 2.0), {"expert_alpha": 2.0}),
+}
+
+
+@pytest.mark.parametrize("variant", FUSED_VARIANTS)
+def test_variant_fuses_with_the_graph_values(variant):
+    name, mutate, expected_attrs = FUSED_VARIANTS[variant]
+    model = mutated(name, mutate)
+    new, report = optimize(model)
+    assert report.fused.get(rule_of(name)) == 1, report.summary()
+    attrs = attributes(moe_node(new))
+    assert {key: attrs[key] for key in expected_attrs} == pytest.approx(expected_attrs)
+    assert check_model(new) == []
+    assert_same_numbers(model, new)
+
+
+def test_swapped_halves_pick_the_other_rows():
+    new, _ = optimize(mutated(QWEN3_TINY, rewire_sigmoid_to_second_half))
+    gate_up = constant_of(original(QWEN3_TINY), nodes(original(QWEN3_TINY), "GatherND")[0].input[0])
+    weights = {i.name: numpy_helper.to_array(i) for i in new.graph.initializer}
+    gate, up = weights[moe_node(new).input[3]], weights[moe_node(new).input[5]]
+    np.testing.assert_array_equal(gate, gate_up[:, 16:])
+    np.testing.assert_array_equal(up, gate_up[:, :16])
+
+
+def test_missing_renormalization_feeds_the_topk_values():
+    new, _ = optimize(mutated(QWEN3_TINY, drop_renormalization))
+    routing = producer(new, moe_node(new).input[1])
+    assert (routing.op_type, list(routing.output).index(moe_node(new).input[1])) == ("TopK", 0)
+
+
+# (fixture, mutation, words the near-miss reason must contain)
+NEAR_MISSES = {
+    "gate and up on the same columns": (GPT_TINY,
+                                        lambda m: set_input(m, producer(m, up_clip(m).input[0]), 1, np.array([0])),
+                                        "start at [0] and [0]"),
+    "gate clamp bound differs from up's": (GPT_TINY, lambda m: set_input(m, gate_clip(m), 2, np.float32(5)),
+                                           "up is clamped to [-7.0, 7.0], expected [-5.0, 5.0]"),
+    "asymmetric up clamp": (GPT_TINY, lambda m: set_input(m, up_clip(m), 1, np.float32(-6)),
+                            "up is clamped to [-6.0, 7.0]"),
+    "gate clamp with a lower bound": (GPT_TINY, lambda m: set_input(m, gate_clip(m), 1, np.float32(-7)),
+                                      "gate clamp has a lower bound"),
+    "negative clamp bound": (GPT_TINY, lambda m: (set_input(m, gate_clip(m), 2, np.float32(-1)),
+                                                  set_input(m, up_clip(m), 1, np.float32(1)),
+                                                  set_input(m, up_clip(m), 2, np.float32(-1))),
+                             "gate clamp bound is -1.0"),
+    "per-channel alpha": (GPT_TINY, lambda m: set_input(m, producer(m, nodes(m, "Sigmoid")[0].input[0]), 1,
+                                                        np.full(16, 1.702, np.float32)), "swish alpha"),
+    "up offset 2": (GPT_TINY, lambda m: set_input(m, plus_one(m), 1, np.float32(2)), "up is offset by 2.0"),
+    "expert count (gpt_oss down)": (GPT_TINY, lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 16, 32]"),
+    "expert count (olmoe down)": (OLMOE_TINY, lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 32, 16]"),
+    "per-channel alpha in a SiLU": (QWEN3_TINY, lambda m: scale_sigmoid(m, np.full(16, 2.0)), "swish alpha"),
+}
+
+
+@pytest.mark.parametrize("case", NEAR_MISSES)
+def test_near_miss_stays_unfused(case):
+    name, mutate, reason = NEAR_MISSES[case]
+    model = mutated(name, mutate)
+    new, report = optimize(model)
+    assert report.fused == {}
+    assert "MOE" not in op_counts(new)
+    reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == rule_of(name)]
+    assert any(reason in r for r in reasons), reasons
+    assert_same_numbers(model, new)

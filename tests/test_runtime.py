@@ -1,0 +1,195 @@
+"""moe_onnx.session / custom_ops_library: model forms, options pass-through, both backends,
+Python kernels' dtypes, optional inputs and exceptions."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cases import ALL_CASES, Case
+from cases.moe import BF16, GEMM2, GEMM3, make_inputs
+
+import moe_onnx
+from moe_onnx import runtime
+from moe_onnx.ops import OPS
+from moe_onnx.runtime import run, session
+
+ort.set_default_logger_severity(4)
+
+BASE = next(c for c in ALL_CASES if c.id == "MOE-gemm2_fp32")
+
+
+def moe_case(**kw) -> Case:
+    expert_type = kw.pop("expert_type", GEMM2)
+    attrs = {"expert_type": expert_type, **({"expert_alpha": 1.702, "expert_beta": 7.0} if expert_type == GEMM2 else {})}
+    return Case("MOE", "t", make_inputs(expert_type=expert_type, **kw), attrs, constant=(3, 4, 5, 6, 7),
+                rtol=5e-2, atol=5e-2)
+
+
+def test_library_paths_exist():
+    assert os.path.isfile(moe_onnx.custom_ops_library())
+    assert os.path.isfile(runtime.python_host_library())
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
+    assert lib.MoeOnnxGemmIsa().decode() in ("avx2-fma", "portable")
+
+
+def test_library_missing_says_how_to_build(monkeypatch):
+    monkeypatch.setenv(runtime.LIBRARY_ENV, "/nonexistent/libmoe_onnx_ops.so")
+    with pytest.raises(FileNotFoundError, match="MOE_ONNX_CUSTOM_OPS_LIBRARY"):
+        moe_onnx.custom_ops_library()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+@pytest.mark.parametrize("form", ["proto", "bytes", "path"])
+def test_model_forms(tmp_path, backend, form):
+    model = BASE.model()
+    if form == "bytes":
+        model = model.SerializeToString()
+    elif form == "path":
+        path = tmp_path / "moe.onnx"
+        onnx.save(model, path)
+        model = str(path)
+    got = session(model, backend=backend).run(None, BASE.feeds())[0]
+    np.testing.assert_allclose(got, BASE.run_reference()[0], rtol=1e-5, atol=1e-5)
+
+
+def test_plain_onnxruntime_with_the_library():
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(moe_onnx.custom_ops_library())
+    sess = ort.InferenceSession(BASE.model().SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, BASE.feeds())[0], BASE.run_reference()[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_sess_options_kept(backend):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.use_env_allocators", "0")
+    sess = session(BASE.model(), backend=backend, sess_options=opts, providers=["CPUExecutionProvider"])
+    assert sess.get_session_options().intra_op_num_threads == 1
+    assert sess.get_session_options().log_severity_level == 3
+    assert sess.get_providers() == ["CPUExecutionProvider"]
+    sess.run(None, BASE.feeds())
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        session(BASE.model(), backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("expert_type", [GEMM2, GEMM3])
+def test_half_types(backend, dtype, expert_type):
+    case = moe_case(dtype=dtype, expert_type=expert_type)
+    got = run(session(case.model(), backend=backend), case.feeds())[0]
+    expected = case.run_reference()[0]
+    assert got.dtype == expected.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_optional_inputs_absent_in_the_middle(backend):
+    case = moe_case(bias=False)  # bias_0 and bias_1 absent: "" in the middle of the inputs
+    model = case.model()
+    assert list(model.graph.node[0].input)[4] == ""
+    got = session(model, backend=backend).run(None, case.feeds())[0]
+    np.testing.assert_allclose(got, case.run_reference()[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_errors_name_op_and_input(backend):
+    x, w, idx, *weights = BASE.inputs
+    bad = Case("MOE", "bad", [x, w, np.where(idx == idx[3, 1], 40, idx), *weights], BASE.attrs,
+               constant=BASE.constant)
+    sess = session(bad.model(), backend=backend)
+    with pytest.raises(Exception, match=r"MOE node 'MOE_node': router_topk_output_indices\[\d+, \d+\] = 40 is "
+                                        r"outside \[0, 4\) \(num_experts from weight_0\)") as info:
+        sess.run(None, bad.feeds())
+    assert "INVALID_ARGUMENT" in str(info.value)
+
+
+def test_python_exception_becomes_ort_error(monkeypatch):
+    """Any Python exception in a Python kernel is raised from session.run, process intact."""
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("kernel bug")
+
+    sess = session(BASE.model(), backend="python")
+    original = OPS["MOE"]
+    monkeypatch.setitem(OPS, "MOE", dataclasses.replace(original, reference=broken))
+    with pytest.raises(Exception, match=r"MOE node 'MOE_node': Python kernel raised ZeroDivisionError: kernel bug"):
+        sess.run(None, BASE.feeds())
+    monkeypatch.setitem(OPS, "MOE", original)
+    np.testing.assert_allclose(sess.run(None, BASE.feeds())[0], BASE.run_reference()[0], rtol=1e-5, atol=1e-5)
+
+
+def test_python_kernel_wrong_output_type(monkeypatch):
+    original = OPS["MOE"]
+
+    def float64_output(*args, **kwargs):
+        return tuple(y.astype(np.float64) for y in original.reference(*args, **kwargs))
+
+    monkeypatch.setitem(OPS, "MOE", dataclasses.replace(original, reference=float64_output))
+    sess = session(BASE.model(), backend="python")
+    with pytest.raises(Exception, match=r"output 0 has type float64; expected float32"):
+        sess.run(None, BASE.feeds())
+
+
+def test_python_kernel_inputs_are_not_copied(monkeypatch):
+    original = OPS["MOE"]
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["writeable"] = args[0].flags.writeable
+        seen["owns"] = args[0].base is not None
+        return original.reference(*args, **kwargs)
+
+    monkeypatch.setitem(OPS, "MOE", dataclasses.replace(original, reference=spy))
+    session(BASE.model(), backend="python").run(None, BASE.feeds())
+    assert seen == {"writeable": False, "owns": True}  # a read-only view of onnxruntime's buffer
+
+
+def test_python_threads_from_ort_pool():
+    """Two sessions run concurrently from Python threads: the host takes the GIL itself."""
+    import threading
+
+    sess = session(BASE.model(), backend="python")
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                sess.run(None, BASE.feeds())
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_bfloat16_run_helper_roundtrip():
+    case = moe_case(dtype=ml_dtypes.bfloat16)
+    out = run(session(case.model()), case.feeds())[0]
+    assert out.dtype == ml_dtypes.bfloat16 and out.shape == case.inputs[0].shape
+
+
+def test_sess_options_reused():
+    opts = ort.SessionOptions()
+    first = session(BASE.model(), sess_options=opts)
+    second = session(BASE.model(), sess_options=opts)
+    for sess in (first, second):
+        np.testing.assert_allclose(sess.run(None, BASE.feeds())[0], BASE.run_reference()[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="already carry the 'cpp' backend"):
+        session(BASE.model(), backend="python", sess_options=opts)
