@@ -1,3 +1,515 @@
-"""Fusions of the loop export form (work in progress)."""
+"""Fusions of the loop export form: the legacy TorchScript exporter's unrolled per-expert loop.
 
-FUSIONS: list = []
+``torch.onnx.export(dynamo=False)`` of transformers 4.x's eager MoE block (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE) unrolls the loop over experts into one branch per expert the trace reached.
+Every branch takes its tokens from a one-hot expert mask, runs the expert's three Linear layers and
+index_add_s the weighted result into the block output, starting from zeros::
+
+    mask_EKT = Transpose(OneHot(topk_indices_TK, E, [0, 1]), perm=[2, 1, 0])
+    branch of expert e (row_KT = mask_EKT[e]):
+        slot_N, token_N = Squeeze(Split(Transpose(NonZero(Cast(row_KT, bool)))))
+        x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1))
+        y_NH = MatMul(Mul(SiLU(MatMul(x_NH, gate_HI)), MatMul(x_NH, up_HI)), down_IH)
+        w_N1 = Reshape(Gather(Flatten(Unsqueeze(routing_TK, 2)), slot_N + token_N * K))
+        acc_TH = Add(acc_TH, ScatterElements(zeros_like(acc_TH), Expand(token_N), Expand(Mul(y_NH, w_N1))))
+    with acc_TH = ConstantOfShape(0) before the first branch.
+
+The mask row e is a constant (OLMoE loops over range(E)) or the i-th expert the trace hit (Mixtral
+and Qwen loop over ``expert_hit = nonzero(mask.sum((-1, -2)) > 0)``, exported as the i-th output of a
+Split of that NonZero; such a graph runs only on inputs that reach exactly the traced experts).
+The whole chain of branches becomes one MOE GEMM3_SWIGLU node fed by the router's TopK indices and
+the routing weights the branches multiply by; experts without a branch get zero weights.
+
+Shapes in names: T tokens, H hidden size, I expert intermediate size, E experts, K experts per
+token, N tokens routed to one expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import MatchResult, RewriteRule
+from onnxscript.rewriter._basics import MatchFailureError
+from onnxscript.rewriter.pattern import SimplePatternMatcher
+
+from ..ops.moe import GEMM3_SWIGLU
+from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, lazy_initializer, weight
+
+_SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
+
+
+def _require(ok: bool, reason: str) -> None:
+    if not ok:
+        raise MatchFailureError(reason)
+
+
+def _standard(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
+    """The node computing ``value``, which must be a standard ``op_type``."""
+    node = None if value is None else value.producer()
+    _require(_standard(node, op_type),
+             f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
+    return node
+
+
+def _ints_input_or_attr(node: ir.Node, index: int, name: str) -> list[int] | None:
+    """An int-list operand given as input ``index`` (recent opsets) or attribute ``name`` (older)."""
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        return constant_ints(node.inputs[index])
+    attr = node.attributes.get(name)
+    return None if attr is None else list(attr.as_ints())
+
+
+def _axes(node: ir.Node, rank: int) -> list[int] | None:
+    """The (non-negative) axes of a Squeeze, Unsqueeze or ReduceSum; ``rank`` normalizes negatives."""
+    axes = _ints_input_or_attr(node, 1, "axes")
+    return None if axes is None else sorted(a % rank for a in axes)
+
+
+def _static_shape(value: ir.Value) -> tuple[int | None, ...] | None:
+    if value.shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else None for d in value.shape)
+
+
+def _skip_identity_casts(value: ir.Value) -> ir.Value:
+    """Follows Casts to the type their input already has (the exporter's ``.to(dtype)``)."""
+    node = value.producer()
+    while _standard(node, "Cast") and node.inputs[0].dtype == ir.DataType(node.attributes.get_int("to", 0)):
+        value = node.inputs[0]
+        node = value.producer()
+    return value
+
+
+def _split_of(value: ir.Value, axis: int, what: str) -> tuple[ir.Node, int]:
+    """The Split into rows/columns of one element that ``Squeeze(value, axis)`` takes; and which output."""
+    squeeze = _producer(value, "Squeeze", what)
+    split = _producer(squeeze.inputs[0], "Split", what)
+    _require(_axes(squeeze, 2) == [axis], f"{what}: Squeeze axes are not [{axis}]")
+    _require(split.attributes.get_int("axis", 0) == axis, f"{what}: Split axis is not {axis}")
+    sizes = _ints_input_or_attr(split, 1, "split")
+    _require(sizes is None or sizes == [1] * len(split.outputs), f"{what}: Split sizes {sizes} are not all 1")
+    return split, list(split.outputs).index(squeeze.inputs[0])
+
+
+def _nonzero_of(value: ir.Value, what: str) -> ir.Value:
+    """The input of ``Transpose(NonZero(x), perm=[1, 0])`` (the exporter's torch.where/nonzero)."""
+    transpose = _producer(value, "Transpose", what)
+    _require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
+    return _producer(transpose.inputs[0], "NonZero", what).inputs[0]
+
+
+def _first_row(value: ir.Value, hidden: int) -> bool:
+    """Whether ``value`` is ``x[0:1, :]`` of an [*, hidden] matrix x (a Slice with constant operands)."""
+    node = value.producer()
+    if not _standard(node, "Slice"):
+        return False
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts, ends = constant_ints(inputs[1]), constant_ints(inputs[2])
+    if starts is None or ends is None:
+        return False
+    axes = constant_ints(inputs[3]) if inputs[3] is not None else list(range(len(starts)))
+    steps = constant_ints(inputs[4]) if inputs[4] is not None else [1] * len(starts)
+    if axes is None or steps is None:
+        return False
+    ranges = {axis % 2: (start, end, step) for axis, start, end, step in zip(axes, starts, ends, steps)}
+    start, end, step = ranges.get(1, (0, hidden, 1))
+    return ranges.get(0) == (0, 1, 1) and (start, step) == (0, 1) and end >= hidden
+
+
+def _is_zero_fill(node: ir.Node) -> bool:
+    """A ConstantOfShape filled with zeros."""
+    fill = node.attributes.get("value")
+    return fill is None or not np.any(fill.as_tensor().numpy())
+
+
+def _accumulation(node: ir.Node | None) -> tuple[ir.Value, ir.Node] | None:
+    """``(acc_TH, scatter)`` when ``node`` is one index_add_:
+    ``Add(acc_TH, ScatterElements(ConstantOfShape(Shape(acc_TH)), index, updates))``."""
+    if not _standard(node, "Add") or len(node.inputs) != 2:
+        return None
+    acc_TH, scattered = node.inputs
+    scatter = None if scattered is None else scattered.producer()
+    if not _standard(scatter, "ScatterElements"):
+        return None
+    zeros = scatter.inputs[0].producer()
+    shape = zeros.inputs[0].producer() if _standard(zeros, "ConstantOfShape") else None
+    return (acc_TH, scatter) if _standard(shape, "Shape") and shape.inputs[0] is acc_TH else None
+
+
+def _accumulates_further(value: ir.Value) -> bool:
+    return any((step := _accumulation(user)) is not None and step[0] is value for user in value.consumers())
+
+
+class _LastAccumulationMatcher(SimplePatternMatcher):
+    """Tries only the last index_add_ of a chain, so each block is matched (and reported) once."""
+
+    def match(self, model, graph_or_function, node, **kwargs):
+        if node.outputs and _accumulates_further(node.outputs[0]):
+            return MatchResult().fail("not the last accumulation of its chain")
+        return super().match(model, graph_or_function, node, **kwargs)
+
+
+# ----------------------------------------------------------------------------- one branch
+
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+    """One unrolled expert: which mask row it reads, its inputs and its weights (MatMul layout)."""
+
+    mask_EKT: ir.Value
+    row: int | tuple[ir.Node, int]  # a constant row, or (Split of the hit experts, output position)
+    tokens_TH: ir.Value
+    routing_TK: ir.Value
+    gate_HI: Weight
+    up_HI: Weight
+    down_IH: Weight
+    alpha: float
+    scope_expert: int | None  # the e of the ".../experts.<e>/..." node names, when they all agree
+
+
+def _silu_input(value: ir.Value) -> tuple[ir.Value, float] | None:
+    """``(g, alpha)`` when ``value`` is ``g * Sigmoid(alpha * g)`` (alpha 1: plain SiLU)."""
+    node = value.producer()
+    if not _standard(node, "Mul"):
+        return None
+    for g, other in (node.inputs, reversed(node.inputs)):
+        sigmoid = other.producer()
+        if not _standard(sigmoid, "Sigmoid"):
+            continue
+        z = sigmoid.inputs[0]
+        if z is g:
+            return g, 1.0
+        scale = z.producer()
+        if _standard(scale, "Mul") and g in scale.inputs:
+            alpha = constant_scalar(scale.inputs[1] if scale.inputs[0] is g else scale.inputs[0])
+            if alpha is not None:
+                return g, alpha
+    return None
+
+
+def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
+    """``(x, W, node)`` of ``value = MatMul(x, W)`` with a constant matrix W."""
+    matmul = _producer(value, "MatMul", what)
+    w = weight(matmul.inputs[1])
+    _require(w is not None and len(w.shape) == 2, f"{what} weight is not a constant matrix")
+    return matmul.inputs[0], w, matmul
+
+
+def _expert(y_NH: ir.Value, where: str) -> tuple[ir.Value, Weight, Weight, Weight, float, list[ir.Node]]:
+    """``(x, gate, up, down, alpha, MatMuls)`` of ``y = MatMul(Mul(swish(x @ gate, alpha), x @ up), down)``;
+    which weight is which follows from the dataflow."""
+    product_NI, down, down_mm = _linear(y_NH, f"{where}: the down projection")
+    product = _producer(product_NI, "Mul", f"{where}: the down projection input")
+    for act, up_value in (product.inputs, reversed(product.inputs)):
+        silu = _silu_input(act)
+        if silu is not None:
+            break
+    else:
+        raise MatchFailureError(f"{where}: neither factor of the gated product is swish(g) = g * Sigmoid(alpha * g)")
+    x_NH, gate, gate_mm = _linear(silu[0], f"{where}: the gate projection")
+    x_up, up, up_mm = _linear(up_value, f"{where}: the up projection")
+    _require(x_up is x_NH, f"{where}: the gate and up projections read different inputs")
+    return x_NH, gate, up, down, silu[1], [gate_mm, up_mm, down_mm]
+
+
+def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value, where: str) -> ir.Value:
+    """The [T, K] routing weights that ``w_N1 = routing_TK[token_N, slot_N, None]`` gathers."""
+    shape = _static_shape(w_N1)
+    _require(shape is not None and len(shape) == 2 and shape[1] == 1, f"{where}: the routing weight is not [N, 1]")
+    value = w_N1
+    while _standard(value.producer(), "Reshape"):  # reshapes to [N, 1] keep the element order
+        value = value.producer().inputs[0]
+    gather = _producer(value, "Gather", f"{where}: the routing weight")
+    _require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the routing weight Gather axis is not 0")
+    flatten = _producer(gather.inputs[0], "Flatten", f"{where}: the gathered routing weights")
+    _require(flatten.attributes.get_int("axis", 1) == 2, f"{where}: the routing weights Flatten axis is not 2")
+    unsqueeze = _producer(flatten.inputs[0], "Unsqueeze", f"{where}: the flattened routing weights")
+    routing_TK = unsqueeze.inputs[0]
+    shape = _static_shape(routing_TK)
+    _require(shape is not None and len(shape) == 2 and shape[1] is not None,
+             f"{where}: the routing weights are not [T, K]")
+    _require(_axes(unsqueeze, 3) == [2], f"{where}: the routing weights are not unsqueezed on axis 2")
+    # the flat index into [T * K, 1] must be slot + token * K
+    add = _producer(gather.inputs[1], "Add", f"{where}: the routing weight index")
+    _require(slot_N in add.inputs, f"{where}: the routing weight index does not add the slot")
+    scaled_token = add.inputs[1] if add.inputs[0] is slot_N else add.inputs[0]
+    mul = _producer(scaled_token, "Mul", f"{where}: the routing weight index")
+    _require(token_N in mul.inputs, f"{where}: the routing weight index does not scale the token")
+    k = mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0]
+    k_value = constant_ints(k)
+    if k_value is None:  # Gather(Shape(routing_TK1), 1)
+        dim = _producer(k, "Gather", f"{where}: the routing weight row length")
+        of_shape = _producer(dim.inputs[0], "Shape", f"{where}: the routing weight row length")
+        axis = constant_ints(dim.inputs[1])
+        k_value = [shape[1]] if of_shape.inputs[0] is unsqueeze.outputs[0] and axis == [1] else None
+    _require(k_value == [shape[1]], f"{where}: the routing weight index does not step by K = {shape[1]} per token")
+    return routing_TK
+
+
+def _mask_row(row_KT: ir.Value, where: str) -> tuple[ir.Value, ir.Value]:
+    """``(mask_EKT, row index)`` of ``row_KT = mask_EKT[index]`` (Gather, Squeeze of a 1-element index)."""
+    node = row_KT.producer()
+    if _standard(node, "Squeeze"):
+        _require(_axes(node, 3) == [0], f"{where}: the mask row Squeeze axes are not [0]")
+        row_KT = node.inputs[0]
+    gather = _producer(row_KT, "Gather", f"{where}: the mask row")
+    _require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the mask row Gather axis is not 0")
+    return gather.inputs[0], gather.inputs[1]
+
+
+def _hit_position(index: ir.Value, mask_EKT: ir.Value, where: str) -> tuple[ir.Node, int]:
+    """The Split output position of ``index = Squeeze(Split(nonzero(ReduceSum(mask, (1, 2)) > 0))[i])``."""
+    split, position = _split_of(index, 0, f"{where}: the hit expert index")
+    hit = _nonzero_of(split.inputs[0], f"{where}: the hit experts")
+    greater = _producer(hit, "Greater", f"{where}: the hit experts")
+    _require(constant_scalar(greater.inputs[1]) == 0, f"{where}: the hit experts are not those with a count > 0")
+    reduce = _producer(greater.inputs[0], "ReduceSum", f"{where}: the expert counts")
+    _require(reduce.inputs[0] is mask_EKT, f"{where}: the expert counts are not summed over the expert mask")
+    _require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
+             f"{where}: the expert counts are not summed over (slot, token) to [E]")
+    return split, position
+
+
+def _branch(scatter: ir.Node, where: str) -> _Branch:
+    """Reads and verifies the branch whose result ``scatter`` writes."""
+    _require(scatter.attributes.get_int("axis", 0) == 0, f"{where}: ScatterElements axis is not 0")
+    reduction = scatter.attributes.get_string("reduction", "none")
+    _require(reduction in ("none", "add"), f"{where}: ScatterElements reduction is {reduction!r}")
+    _require(_is_zero_fill(scatter.inputs[0].producer()), f"{where}: the scatter target is not zeros")
+    zeros_shape = _static_shape(scatter.inputs[0])
+    _require(zeros_shape is not None and len(zeros_shape) == 2 and zeros_shape[1] is not None,
+             f"{where}: the accumulator is not [T, H] with a static H")
+    hidden = zeros_shape[1]
+
+    # updates: Expand(Mul(y_NH, w_N1), Shape(acc[:1])), a broadcast to [N, H] that changes nothing
+    updates = scatter.inputs[2]
+    expand = _producer(updates, "Expand", f"{where}: the scattered rows")
+    target = _producer(expand.inputs[1], "Shape", f"{where}: the scattered rows' shape").inputs[0]
+    _require(_static_shape(target) == (1, hidden) or _first_row(target, hidden), f"{where}: the scattered rows are not "
+             "expanded to the shape of one accumulator row")
+    weighted = _producer(_skip_identity_casts(expand.inputs[0]), "Mul", f"{where}: the weighted expert output")
+
+    # index: Expand(Unsqueeze(token_N, 1), Shape(updates)): row r of the updates goes to token_N[r]
+    index = _producer(scatter.inputs[1], "Expand", f"{where}: the scatter index")
+    _require(_producer(index.inputs[1], "Shape", f"{where}: the scatter index shape").inputs[0] is updates,
+             f"{where}: the scatter index is not expanded to the updates' shape")
+    unsqueeze = _producer(index.inputs[0], "Unsqueeze", f"{where}: the scatter index")
+    _require(_axes(unsqueeze, 2) == [1], f"{where}: the scatter index is not unsqueezed on axis 1")
+    token_N = unsqueeze.inputs[0]
+
+    # token_N and slot_N: the two columns of NonZero(mask row)
+    split, column = _split_of(token_N, 1, f"{where}: the routed tokens")
+    _require(column == 1 and len(split.outputs) == 2,
+             f"{where}: the routed tokens are not column 1 of NonZero(mask row)")
+    slot_N = next((user.outputs[0] for user in split.outputs[0].consumers() if _standard(user, "Squeeze")), None)
+    _require(slot_N is not None and _split_of(slot_N, 1, f"{where}: the slots") == (split, 0),
+             f"{where}: the slots are not column 0 of NonZero(mask row)")
+    row = _nonzero_of(split.inputs[0], f"{where}: the routed tokens")
+    cast = row.producer()
+    if _standard(cast, "Cast"):
+        _require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL,
+                 f"{where}: the mask row is cast to a non-bool type")
+        row = cast.inputs[0]
+    _require(_static_shape(row) is not None and len(row.shape) == 2, f"{where}: the mask row is not [K, T]")
+    mask_EKT, row_index = _mask_row(row, where)
+
+    # the weighted expert output
+    for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
+        if _standard(y_NH.producer(), "MatMul"):
+            break
+    else:
+        raise MatchFailureError(f"{where}: no expert MatMul among the factors of the weighted output")
+    routing_TK = _routing(w_N1, token_N, slot_N, where)
+    x_NH, gate, up, down, alpha, matmuls = _expert(y_NH, where)
+
+    # x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1)) to [N, H]
+    reshape = _producer(x_NH, "Reshape", f"{where}: the expert input")
+    _require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
+             f"{where}: the expert input is not [N, {hidden}]")
+    picked = _producer(reshape.inputs[0], "Gather", f"{where}: the expert input")
+    _require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
+             f"{where}: the expert input does not gather the routed tokens on axis 1")
+    lifted = _producer(picked.inputs[0], "Unsqueeze", f"{where}: the gathered tokens")
+    _require(_axes(lifted, 3) == [0], f"{where}: the tokens are not unsqueezed on axis 0")
+
+    constant_row = constant_ints(row_index)
+    if constant_row is not None:
+        _require(len(constant_row) == 1, f"{where}: the mask row index {constant_row} is not one row")
+        row_ref: int | tuple[ir.Node, int] = constant_row[0]
+    else:
+        row_ref = _hit_position(row_index, mask_EKT, where)
+    scopes = {match.group(1) for node in matmuls if (match := _SCOPE_EXPERT.search(node.name or ""))}
+    scope_expert = int(scopes.pop()) if len(scopes) == 1 and len(matmuls) == 3 else None
+    return _Branch(mask_EKT, row_ref, lifted.inputs[0], routing_TK, gate, up, down, alpha, scope_expert)
+
+
+# ----------------------------------------------------------------------------- the block
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """A verified chain of branches: the MOE inputs and each expert's weights (None: no branch)."""
+
+    tokens_TH: ir.Value
+    routing_TK: ir.Value
+    topk_indices_TK: ir.Value
+    gate_HI: list[Weight | None]
+    up_HI: list[Weight | None]
+    down_IH: list[Weight | None]
+    alpha: float
+    intermediate: int
+
+
+def _router(mask_EKT: ir.Value, routing_TK: ir.Value) -> tuple[ir.Value, int]:
+    """The TopK indices the expert mask one-hot encodes, and E; checks depth, values and layout."""
+    transpose = _producer(mask_EKT, "Transpose", "the expert mask")
+    _require(list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
+             "the expert mask is not OneHot permuted [2, 1, 0]")
+    onehot = _producer(transpose.inputs[0], "OneHot", "the expert mask")
+    _require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
+    values = constant(onehot.inputs[2])
+    _require(values is not None and values.reshape(-1).tolist() == [0, 1],
+             "the expert mask OneHot values are not [0, 1]")
+    depth = constant_ints(onehot.inputs[1])
+    _require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
+    experts = depth[0]
+    topk_indices_TK = onehot.inputs[0]
+    topk = topk_indices_TK.producer()
+    _require(_standard(topk, "TopK") and topk.outputs[1] is topk_indices_TK,
+             "the expert mask does not encode TopK indices")
+    scores = _static_shape(topk.inputs[0])
+    _require(topk.attributes.get_int("axis", -1) in (-1, 1) and scores is not None and len(scores) == 2,
+             "the TopK does not select over the last axis of [T, E] router scores")
+    _require(scores[1] == experts,
+             f"the expert mask OneHot depth {experts} differs from the router's width {scores[1]}")
+    k = constant_ints(topk.inputs[1])
+    _require(k is not None and k == [_static_shape(routing_TK)[1]],
+             f"TopK k = {k} differs from the routing weights' width {_static_shape(routing_TK)[1]}")
+    return topk_indices_TK, experts
+
+
+def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
+    """The expert of each branch: its constant mask row, or its hit position mapped to the traced experts."""
+    if all(isinstance(b.row, int) for b in branches):
+        numbers = [b.row for b in branches]
+    else:
+        _require(all(not isinstance(b.row, int) for b in branches),
+                 "the branches mix constant and hit-expert mask rows")
+        splits = {b.row[0] for b in branches}
+        _require(len(splits) == 1, "the branches read the hit experts of different Splits")
+        positions = [b.row[1] for b in branches]
+        hits = len(next(iter(splits)).outputs)
+        _require(sorted(positions) == list(range(hits)), f"the branches read hit experts {positions} of {hits}")
+        if hits == experts:  # the i-th of all E experts in increasing order is expert i
+            numbers = positions
+        else:  # the trace missed some experts; only the branches' scope names tell which ones it hit
+            numbers = [b.scope_expert for b in branches]
+            by_position = [n for _, n in sorted(zip(positions, numbers, strict=True))]
+            _require(None not in numbers and by_position == sorted(set(by_position)),
+                     f"the loop has {hits} of {experts} experts and its node names do not say which")
+    _require(all(0 <= n < experts for n in numbers), f"expert rows {numbers} are outside [0, {experts})")
+    _require(len(set(numbers)) == len(numbers), f"two branches compute the same expert ({sorted(numbers)})")
+    return numbers
+
+
+def _block(last: ir.Node) -> _Block:
+    """Walks the accumulation chain back from ``last`` and verifies every branch."""
+    scatters = []
+    node: ir.Node | None = last
+    while (step := _accumulation(node)) is not None:
+        acc_TH, scatter = step
+        scatters.append(scatter)
+        node = acc_TH.producer()
+    _require(_standard(node, "ConstantOfShape") and _is_zero_fill(node), "the accumulation does not start from zeros")
+    scatters.reverse()
+    labels = [f"branch {i} ('{scatter.name}')" for i, scatter in enumerate(scatters)]
+    branches = [_branch(scatter, label) for scatter, label in zip(scatters, labels, strict=True)]
+
+    first = branches[0]
+    for name in ("mask_EKT", "tokens_TH", "routing_TK"):
+        _require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
+    dtype = first.tokens_TH.dtype
+    tokens_shape = _static_shape(first.tokens_TH)
+    _require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
+             "the tokens are not [T, H] with a static H")
+    hidden = tokens_shape[1]
+    intermediate = first.gate_HI.shape[1]
+    for b, where in zip(branches, labels, strict=True):
+        for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"), (b.up_HI, (hidden, intermediate), "up"),
+                               (b.down_IH, (intermediate, hidden), "down")):
+            _require(w.shape == shape, f"{where}: the {what} weight is {list(w.shape)}, expected {list(shape)}")
+            _require(w.dtype == dtype, f"{where}: the {what} weight is {w.dtype}, the tokens are {dtype}")
+        _require(b.alpha == first.alpha, f"{where}: swish alpha {b.alpha:g} differs from {first.alpha:g}")
+    topk_indices_TK, experts = _router(first.mask_EKT, first.routing_TK)
+    numbers = _expert_numbers(branches, experts)
+
+    def by_expert(field: str) -> list[Weight | None]:
+        weights: list[Weight | None] = [None] * experts
+        for n, b in zip(numbers, branches, strict=True):
+            weights[n] = getattr(b, field)
+        return weights
+
+    return _Block(first.tokens_TH, first.routing_TK, topk_indices_TK, by_expert("gate_HI"), by_expert("up_HI"),
+                  by_expert("down_IH"), first.alpha, intermediate)
+
+
+def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
+    """A lazy [E, rows, cols] initializer of the transposed per-expert matrices; zeros for absent experts."""
+
+    def compute() -> np.ndarray:
+        out = np.zeros(shape, dtype=dtype.numpy())
+        for e, w in enumerate(weights):
+            if w is not None:
+                out[e] = w.array().T
+        return out
+
+    return lazy_initializer(op, name, compute, dtype, shape)
+
+
+class LoopMoeFusion(MoeFusion):
+    """The unrolled per-expert loop (see the module docstring), matched at its last accumulation::
+
+        acc_TH = Add(acc_TH, ScatterElements(ConstantOfShape(Shape(acc_TH)), token_NH, updates_NH))
+
+    ``check`` walks the chain of such index_add_s back to its zeros and verifies each branch;
+    ``rewrite`` replaces the chain's result by
+    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_EIH, -, up_EIH, -, down_EHI)``.
+    """
+
+    def pattern(self, op, acc_TH, token_NH, updates_NH):
+        return op.Add(acc_TH, op.ScatterElements(op.ConstantOfShape(op.Shape(acc_TH)), token_NH, updates_NH))
+
+    def as_rule(self) -> RewriteRule:
+        # remove_nodes=False: the rule set then drops the whole dead chain at once, so the earlier
+        # accumulations do not become "last" ones for a later matching pass
+        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_LastAccumulationMatcher,
+                           name=self.name, remove_nodes=False)
+
+    def check(self, context, **_) -> MatchResult:
+        self._block = _block(context.root)
+        self._root_name = context.root.outputs[0].name
+        return MatchResult()
+
+    def rewrite(self, op, **_):
+        block, result = self._block, self._root_name
+        experts, hidden = len(block.gate_HI), block.tokens_TH.shape[-1]
+        dtype = block.tokens_TH.dtype
+        missing = [e for e, w in enumerate(block.gate_HI) if w is None]
+        note = (f"block '{result}': experts {missing} have no branch in the export (the trace routed no token "
+                "to them); fused with zero weights, so they contribute nothing")
+        if missing and note not in self.notes:
+            self.notes.append(note)
+        shape_EIH, shape_EHI = (experts, block.intermediate, hidden), (experts, hidden, block.intermediate)
+        return emit_moe(op, block.tokens_TH, block.routing_TK, block.topk_indices_TK, expert_type=GEMM3_SWIGLU,
+                        weight_0=_stacked(op, "loop_gate_EIH", block.gate_HI, dtype, shape_EIH),
+                        weight_1=_stacked(op, "loop_up_EIH", block.up_HI, dtype, shape_EIH),
+                        weight_2=_stacked(op, "loop_down_EHI", block.down_IH, dtype, shape_EHI),
+                        expert_alpha=block.alpha)
+
+
+FUSIONS = [LoopMoeFusion]

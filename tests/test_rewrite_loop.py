@@ -1,0 +1,386 @@
+"""The loop fusion (moe_onnx/rewrite/loop.py) on the legacy TorchScript exports of the eager per-expert
+loop: every family and size fuses into one MOE on both targets and keeps the numbers, an export that
+lacks an expert fuses with zero weights for it and says so, and one-constant mutations stay unfused
+with the failed check named and the numbers kept.
+
+Mixtral/Qwen loop exports run only on inputs that reach exactly the traced experts (the branches
+read the i-th hit expert's mask row). To compare at any (batch, seq), the reference is the original
+with each branch's row pinned to its traced expert (the manifest records the traced set)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import onnxruntime as ort
+import pytest
+from onnx.reference import ReferenceEvaluator
+
+import moe_onnx
+from moe_onnx.check import check_model
+from moe_onnx.ops import REFERENCE_OPS
+from moe_onnx.rewrite import optimize
+
+FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
+NAMES = sorted(name for name, entry in MANIFEST.items() if entry["style"] in ("loop", "loop_missing"))
+RULE = "LoopMoeFusion"
+# (batch, seq): one token, the reference shape, and shapes unlike the export's
+SHAPES = [(1, 1), (2, 3), (3, 7)]
+TOL = dict(rtol=1e-4, atol=1e-4)
+UNFUSED = {"NonZero", "ScatterElements", "OneHot", "Split", "Expand", "Flatten", "ConstantOfShape"}
+
+
+@functools.cache
+def original(name: str) -> onnx.ModelProto:
+    return onnx.load(FIXTURES / MANIFEST[name]["file"])
+
+
+@functools.cache
+def optimized(name: str, target: str):
+    return optimize(original(name), target=target)
+
+
+@functools.cache
+def reference_data(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / MANIFEST[name]["reference"]))
+
+
+def run_ort(model: onnx.ModelProto, hidden: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["output"], {"hidden_states": hidden})[0]
+
+
+def run_reference(model: onnx.ModelProto, hidden: np.ndarray) -> np.ndarray:
+    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(["output"], {"hidden_states": hidden})[0]
+
+
+def random_hidden(name: str, batch: int, seq: int) -> np.ndarray:
+    scale = reference_data(name)["hidden_states"].std()
+    shape = (batch, seq, MANIFEST[name]["hidden_size"])
+    return (np.random.default_rng(batch * 100 + seq).standard_normal(shape) * scale).astype(np.float32)
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    return Counter(node.op_type for node in model.graph.node)
+
+
+def near_misses(report) -> list[dict]:
+    return [miss for miss in report.near_misses if miss["rule"] == RULE]
+
+
+# ----------------------------------------------------------------------------- graph surgery
+
+def _producer_op(value: ir.Value | None) -> str | None:
+    node = None if value is None else value.producer()
+    return None if node is None else node.op_type
+
+
+def _hit_splits(model: ir.Model) -> list[ir.Node]:
+    """The Splits of ``nonzero(mask.sum((-1, -2)) > 0)`` whose outputs the branches read as mask rows."""
+    return [node for node in model.graph if node.op_type == "Split" and _producer_op(node.inputs[0]) == "Transpose"
+            and _producer_op(node.inputs[0].producer().inputs[0]) == "NonZero"
+            and _producer_op(node.inputs[0].producer().inputs[0].producer().inputs[0]) == "Greater"]
+
+
+@functools.cache
+def pinned_original(name: str) -> onnx.ModelProto:
+    """The original with branch i reading the mask row of the i-th traced expert: runs on any input."""
+    model = ir.from_proto(original(name))
+    entry = MANIFEST[name]
+    traced = sorted(set(range(entry["num_experts"])) - set(entry["missing_experts"]))
+    for split in _hit_splits(model):
+        for position, piece in enumerate(split.outputs):
+            for squeeze in list(piece.consumers()):
+                row = ir.Value(name=f"pinned_row_{position}", shape=ir.Shape([1]),
+                               type=ir.TensorType(ir.DataType.INT64),
+                               const_value=ir.tensor(np.array([traced[position]], dtype=np.int64)))
+                model.graph.register_initializer(row)
+                ir.convenience.replace_all_uses_with(squeeze.outputs[0], row)
+    common_passes.RemoveUnusedNodesPass()(model)
+    return ir.to_proto(model)
+
+
+# ----------------------------------------------------------------------------- fixtures fuse
+
+def test_every_loop_fixture_is_covered():
+    families = {MANIFEST[name]["family"] for name in NAMES}
+    assert {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"} <= families
+    assert any(MANIFEST[name]["missing_experts"] for name in NAMES)
+
+
+@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("name", NAMES)
+def test_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[RULE] == 1
+    assert near_misses(report) == []
+    before, after = op_counts(original(name)), op_counts(model)
+    assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+    for op in ("TopK", "Softmax", "Div"):  # the router and its renormalization stay
+        assert after[op] == before[op], op
+    # the expert MatMuls are gone; the router's and Qwen2-MoE's shared expert's stay
+    kept = {node.name for node in original(name).graph.node
+            if node.op_type == "MatMul" and "/experts." not in node.name}
+    assert {node.name for node in model.graph.node if node.op_type == "MatMul"} == kept
+    if target == "moe":
+        assert after["MOE"] == 1
+    else:
+        assert (after["MoeInitRouting"], after["MoeRowParallelLinear"], after["MoeFinalizeRouting"]) == (1, 3, 1)
+        assert after["MOE"] == 0
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_moe_node(name):
+    entry = MANIFEST[name]
+    model, _ = optimized(name, "moe")
+    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+    producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
+    indices, position = producers[node.input[2]]
+    assert (indices.op_type, position) == ("TopK", 1)
+    # renormalized weights where the model renormalizes (Div, then the exporter's Cast), else TopK's values
+    routing = producers[node.input[1]][0]
+    assert producers[routing.input[0]][0].op_type == ("Div" if entry["renormalize"] else "TopK")
+    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert node.input[4] == node.input[6] == "" and len(node.input) == 8
+
+
+def test_weights_are_stacked_lazily():
+    model = ir.from_proto(original("mixtral_loop_small"))
+    optimize(model)
+    (node,) = [n for n in model.graph if n.op_type == "MOE"]
+    assert all(isinstance(node.inputs[i].const_value, ir.LazyTensor) for i in (3, 5, 7))
+
+
+def test_two_blocks_in_one_graph():
+    """Two stacked blocks: each chain is matched at its own last accumulation."""
+    first, second = (onnx.compose.add_prefix(original("olmoe_loop_tiny"), prefix) for prefix in ("a/", "b/"))
+    model = onnx.compose.merge_models(first, second, io_map=[("a/output", "b/hidden_states")], outputs=["b/output"])
+    new, report = optimize(model)
+    assert report.fused[RULE] == 2 and near_misses(report) == []
+    hidden = random_hidden("olmoe_loop_tiny", 2, 3)
+    expected = ort.InferenceSession(model.SerializeToString()).run(None, {"a/hidden_states": hidden})[0]
+    got = ReferenceEvaluator(new, new_ops=REFERENCE_OPS).run(None, {"a/hidden_states": hidden})[0]
+    np.testing.assert_allclose(got, expected, **TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_missing_experts_get_zero_weights_and_a_note(name):
+    missing = MANIFEST[name]["missing_experts"]
+    model, report = optimized(name, "moe")
+    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    for index in (3, 5, 7):
+        stacked = weights[node.input[index]]
+        absent = [e for e in range(len(stacked)) if not stacked[e].any()]
+        assert absent == missing
+    if missing:
+        assert [note for note in report.notes if f"experts {missing}" in note and "zero weights" in note]
+    else:
+        assert report.notes == []
+
+
+@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("name", NAMES)
+def test_numbers(name, target):
+    model, _ = optimized(name, target)
+    data = reference_data(name)
+    # the inputs the export runs on as it is: the torch outputs and the original in onnxruntime
+    for suffix in ("", "_alt"):
+        hidden = data[f"hidden_states{suffix}"]
+        got = run_reference(model, hidden)
+        np.testing.assert_allclose(got, data[f"expected{suffix}"], **TOL)
+        np.testing.assert_allclose(got, run_ort(original(name), hidden), **TOL)
+    # any input, one token included: the original with its branches pinned to the traced experts
+    for batch, seq in SHAPES:
+        hidden = random_hidden(name, batch, seq)
+        expected = run_ort(pinned_original(name), hidden)
+        assert expected.shape == (batch, seq, MANIFEST[name]["hidden_size"])
+        np.testing.assert_allclose(run_reference(model, hidden), expected, **TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_numbers_on_the_python_kernels(name):
+    model, _ = optimized(name, "moe")
+    try:
+        session = moe_onnx.session(model, backend="python")
+    except FileNotFoundError as error:
+        pytest.skip(f"python kernel host not built: {error}")
+    for batch, seq in SHAPES:
+        hidden = random_hidden(name, batch, seq)
+        got = session.run(["output"], {"hidden_states": hidden})[0]
+        np.testing.assert_allclose(got, run_ort(pinned_original(name), hidden), **TOL)
+
+
+# ----------------------------------------------------------------------------- mutations that must not fuse
+
+def _mask(model: ir.Model) -> ir.Value:
+    (onehot,) = [node for node in model.graph if node.op_type == "OneHot"]
+    (transpose,) = onehot.outputs[0].consumers()
+    return transpose.outputs[0]
+
+
+def _set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
+    value = ir.Value(name=f"mutated_{node.name}_{index}", shape=ir.Shape(array.shape),
+                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
+    model.graph.register_initializer(value)
+    node.replace_input_with(index, value)
+
+
+def _expert_nodes(model: ir.Model, expert: int, op_type: str) -> list[ir.Node]:
+    return [node for node in model.graph if node.op_type == op_type and f"/experts.{expert}/" in node.name]
+
+
+def duplicate_mask_row(model: ir.Model, entry: dict) -> None:
+    """OLMoE: branch 1 reads expert 0's mask row."""
+    rows = [node for node in _mask(model).consumers() if node.op_type == "Gather"]
+    _set_input(model, rows[1], 1, np.array(0, dtype=np.int64))
+
+
+def duplicate_hit_expert(model: ir.Model, entry: dict) -> None:
+    """Mixtral: branch 1 reads the mask row of the first hit expert, like branch 0."""
+    (split,) = _hit_splits(model)
+    (squeeze,) = split.outputs[1].consumers()
+    squeeze.replace_input_with(0, split.outputs[0])
+
+
+def onehot_depth(model: ir.Model, entry: dict) -> None:
+    """The expert mask has one more expert than the router."""
+    (onehot,) = [node for node in model.graph if node.op_type == "OneHot"]
+    _set_input(model, onehot, 1, np.array(entry["num_experts"] + 1, dtype=np.int64))
+
+
+def tanh_activation(model: ir.Model, entry: dict) -> None:
+    """Expert 1's SiLU uses Tanh instead of Sigmoid."""
+    (sigmoid,) = _expert_nodes(model, 1, "Sigmoid")
+    sigmoid.op_type = "Tanh"
+
+
+def _scale_swish(model: ir.Model, expert: int, alpha: float) -> None:
+    """Expert ``expert``'s SiLU becomes g * Sigmoid(alpha * g)."""
+    (sigmoid,) = _expert_nodes(model, expert, "Sigmoid")
+    scale = ir.Value(name=f"mutated_alpha_{expert}", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT),
+                     const_value=ir.tensor(np.array(alpha, dtype=np.float32)))
+    model.graph.register_initializer(scale)
+    scaled = ir.Node("", "Mul", [scale, sigmoid.inputs[0]], name=f"mutated_alpha_mul_{expert}")
+    model.graph.insert_before(sigmoid, scaled)
+    sigmoid.replace_input_with(0, scaled.outputs[0])
+
+
+def swish_alpha(model: ir.Model, entry: dict) -> None:
+    """Expert 2's swish is g * Sigmoid(1.702 * g), the others' plain SiLU."""
+    _scale_swish(model, 2, 1.702)
+
+
+def smaller_expert(model: ir.Model, entry: dict) -> None:
+    """Expert 2 has half the intermediate size of the others (a consistent graph that MOE cannot hold)."""
+    for matmul in _expert_nodes(model, 2, "MatMul"):
+        w = matmul.inputs[1].const_value.numpy()
+        half = w[:, : w.shape[1] // 2] if w.shape[0] == entry["hidden_size"] else w[: w.shape[0] // 2]
+        _set_input(model, matmul, 1, np.ascontiguousarray(half))
+
+
+def routing_step(model: ir.Model, entry: dict) -> None:
+    """Branch 0 gathers its routing weight at token * 1 + slot instead of token * K + slot."""
+    flatten = next(node for node in model.graph if node.op_type == "Flatten")
+    unsqueeze = flatten.inputs[0]
+    width = next(node for node in model.graph if node.op_type == "Gather" and _producer_op(node.inputs[0]) == "Shape"
+                 and node.inputs[0].producer().inputs[0] is unsqueeze
+                 and node.outputs[0].consumers()[0].op_type == "Mul")
+    _set_input(model, width, 1, np.array([2], dtype=np.int64))
+
+
+def scatter_reduction(model: ir.Model, entry: dict) -> None:
+    """The first branch scatters with reduction 'mul' (into zeros: its contribution vanishes)."""
+    scatter = next(node for node in model.graph if node.op_type == "ScatterElements")
+    scatter.attributes["reduction"] = ir.AttrString("reduction", "mul")
+
+
+def nonzero_start(model: ir.Model, entry: dict) -> None:
+    """The accumulation starts from ones."""
+    start = next(node for node in model.graph if node.op_type == "ConstantOfShape"
+                 and _producer_op(node.inputs[0]) == "Concat")
+    start.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.array([1.0], dtype=np.float32)))
+
+
+MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
+    ("olmoe_loop_tiny", duplicate_mask_row, "two branches compute the same expert"),
+    ("mixtral_loop_tiny", duplicate_hit_expert, "the branches read hit experts [0, 0, 2, 3] of 4"),
+    ("mixtral_loop_tiny", onehot_depth, "OneHot depth 5 differs from the router's width 4"),
+    ("mixtral_loop_tiny", tanh_activation, "swish"),
+    ("qwen3_moe_loop_tiny", swish_alpha, "swish alpha"),
+    ("olmoe_loop_tiny", smaller_expert, "the gate weight is [32, 8], expected [32, 16]"),
+    ("qwen2_moe_loop_tiny", routing_step, "does not step by K = 2"),
+    ("mixtral_loop_tiny", scatter_reduction, "reduction is 'mul'"),
+    ("olmoe_loop_tiny", nonzero_start, "does not start from zeros"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "reason"), MUTATIONS, ids=[m[1].__name__ for m in MUTATIONS])
+def test_mutation_is_a_near_miss(name, mutate, reason):
+    model = ir.from_proto(original(name))
+    mutate(model, MANIFEST[name])
+    mutated = ir.to_proto(model)
+    new, report = optimize(mutated)
+    assert report.fused.get(RULE, 0) == 0
+    misses = near_misses(report)
+    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
+    assert op_counts(new)["MOE"] == 0
+    for suffix in ("", "_alt"):
+        hidden = reference_data(name)[f"hidden_states{suffix}"]
+        np.testing.assert_allclose(run_ort(new, hidden), run_ort(mutated, hidden), **TOL)
+
+
+# ----------------------------------------------------------------------------- mutations that still fuse
+
+def swish_everywhere(model: ir.Model, entry: dict) -> None:
+    """Every expert's swish is g * Sigmoid(1.702 * g): fused with expert_alpha 1.702."""
+    for expert in range(entry["num_experts"]):
+        _scale_swish(model, expert, 1.702)
+
+
+def gate_up_swapped(model: ir.Model, entry: dict) -> None:
+    """Expert 1's gate and up weights trade places and expert 2's gated product lists up first:
+    the fusion must take the roles from the dataflow."""
+    product = next(node for node in _expert_nodes(model, 1, "Mul") if node.inputs[1].producer().op_type == "MatMul")
+    gate = product.inputs[0].producer().inputs[0].producer()
+    up = product.inputs[1].producer()
+    gate_w, up_w = gate.inputs[1], up.inputs[1]
+    gate.replace_input_with(1, up_w)
+    up.replace_input_with(1, gate_w)
+    product = next(node for node in _expert_nodes(model, 2, "Mul") if node.inputs[1].producer().op_type == "MatMul")
+    first, second = product.inputs
+    product.replace_input_with(0, second)
+    product.replace_input_with(1, first)
+
+
+STILL_FUSE: list[tuple[str, Callable[[ir.Model, dict], None], float]] = [
+    ("qwen3_moe_loop_tiny", swish_everywhere, 1.702),
+    ("mixtral_loop_tiny", gate_up_swapped, 1.0),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "alpha"), STILL_FUSE, ids=[m[1].__name__ for m in STILL_FUSE])
+def test_mutation_still_fuses(name, mutate, alpha):
+    model = ir.from_proto(original(name))
+    mutate(model, MANIFEST[name])
+    mutated = ir.to_proto(model)
+    new, report = optimize(mutated)
+    assert report.fused[RULE] == 1 and near_misses(report) == []
+    (node,) = [n for n in new.graph.node if n.op_type == "MOE"]
+    assert {a.name: a.f for a in node.attribute if a.name == "expert_alpha"} == {"expert_alpha": pytest.approx(alpha)}
+    for suffix in ("", "_alt"):
+        hidden = reference_data(name)[f"hidden_states{suffix}"]
+        np.testing.assert_allclose(run_reference(new, hidden), run_ort(mutated, hidden), **TOL)
