@@ -1,12 +1,30 @@
 """moe-onnx: fused Mixture-of-Experts ops for ONNX.
 
-Public API: :data:`DOMAIN`, :func:`session` (an onnxruntime session running the ops on the C++ or
-the Python kernels), :func:`custom_ops_library` (path of the C++ library for plain onnxruntime).
-Importing the package registers the op schemas with onnx.
+Public API:
+
+* :data:`DOMAIN`: the ops' domain; importing the package registers their onnx schemas.
+* :func:`session`: an onnxruntime session running the ops on the C++ or the Python kernels.
+* :func:`custom_ops_library`: path of the C++ library, for plain onnxruntime.
+* :func:`optimize`: fuse the MoE blocks of an exported model into these ops.
 """
 
 from .ops import DOMAIN, OPSET_VERSION, MoeOpError
 from .runtime import custom_ops_library, session
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "MoeOpError", "session", "custom_ops_library"]
+__all__ = ["DOMAIN", "OPSET_VERSION", "MoeOpError", "custom_ops_library", "optimize", "session"]
 __version__ = "0.1.0"
+
+
+def optimize(model, target: str = "moe"):
+    """Fuse the MoE blocks of an exported model; returns ``(optimized_model, report)``.
+
+    ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` (a path or ModelProto gives a
+    ModelProto back). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
+    MoeInitRouting -> MoeRowParallelLinear -> activation -> MoeRowParallelLinear -> MoeFinalizeRouting.
+    The report (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses
+    with the check that failed, notes, and nodes and parameters before and after. Raises ValueError
+    for an unknown target.
+    """
+    from .rewrite import optimize as _optimize  # onnxscript is imported only when needed
+
+    return _optimize(model, target)

@@ -127,27 +127,63 @@ def weight(value: ir.Value | None) -> Weight | None:
 _names = itertools.count()
 
 
-def lazy_initializer(op, name: str, compute: Callable[[], np.ndarray], dtype: ir.DataType,
-                     shape: Sequence[int]) -> ir.Value:
-    """A new initializer whose data is computed when the model is saved (or read)."""
+class _StreamedTensor(ir.LazyTensor):
+    """A lazy tensor computed and written one slice of its first axis (one expert) at a time.
+
+    After each slice the memory-mapped source tensors are released, so saving a transformed
+    multi-GB weight holds about one expert's worth of data at a time.
+    """
+
+    def __init__(self, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
+                 name: str, sources: Sequence[ir.Value]):
+        super().__init__(lambda: ir.tensor(self._whole(), dtype=dtype, name=name), dtype=dtype,
+                         shape=ir.Shape(shape), name=name)
+        self._expert_slice, self._sources = expert_slice, tuple(sources)
+
+    def _slice(self, index: int) -> np.ndarray:
+        part = np.ascontiguousarray(self._expert_slice(index), dtype=self.dtype.numpy())
+        expected = tuple(self.shape.numpy())[1:]
+        if part.shape != expected:
+            raise ValueError(f"moe_onnx rewrite: {self.name}[{index}] has shape {part.shape}, expected {expected}")
+        return part
+
+    def _release_sources(self) -> None:
+        for value in self._sources:
+            if isinstance(value.const_value, ir.ExternalTensor):
+                value.const_value.release()
+
+    def _whole(self) -> np.ndarray:
+        whole = np.stack([self._slice(i) for i in range(self.shape[0])]) if self.shape[0] else \
+            np.zeros(tuple(self.shape.numpy()), dtype=self.dtype.numpy())
+        self._release_sources()
+        return whole
+
+    def tofile(self, file) -> None:
+        for index in range(self.shape[0]):
+            file.write(self._slice(index).tobytes())
+            self._release_sources()
+
+
+def lazy_initializer(op, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,
+                     shape: Sequence[int], sources: Sequence[ir.Value] = ()) -> ir.Value:
+    """A new initializer computed when the model is saved (or read): ``expert_slice(e)`` gives its
+    slice ``e`` along the first axis; ``sources`` are the initializers those slices read."""
     unique = f"{name}__moe{next(_names)}"
-
-    def make() -> ir.TensorProtocol:
-        array = np.ascontiguousarray(compute())
-        if tuple(array.shape) != tuple(shape):
-            raise ValueError(f"moe_onnx rewrite: {unique} computed shape {array.shape}, expected {tuple(shape)}")
-        return ir.tensor(array, dtype=dtype, name=unique)
-
-    return op.initializer(ir.LazyTensor(make, dtype=dtype, shape=ir.Shape(shape), name=unique), name=unique)
+    return op.initializer(_StreamedTensor(expert_slice, dtype, shape, unique, sources), name=unique)
 
 
 def weight_value(op, w: Weight, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
                  shape: Sequence[int] | None = None) -> ir.Value:
-    """An initializer holding ``transform(w)``: the source itself when nothing changes, else a lazy one."""
+    """An initializer holding ``transform(w)``: the source itself when nothing changes, else a lazy one.
+
+    ``transform`` must keep the first axis (the experts) and should return a view (a transpose or
+    slice): each expert's slice is then taken from it without copying the whole weight.
+    """
     if transform is None and not w.steps:
         return w.source
     fn = transform or (lambda a: a)
-    return lazy_initializer(op, name, lambda: fn(w.array()), w.dtype, w.shape if shape is None else shape)
+    return lazy_initializer(op, name, lambda e: fn(w.array())[e], w.dtype, w.shape if shape is None else shape,
+                            sources=[w.source])
 
 
 # ----------------------------------------------------------------------------- emission

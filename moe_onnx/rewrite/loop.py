@@ -461,14 +461,11 @@ def _block(last: ir.Node) -> _Block:
 def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
     """A lazy [E, rows, cols] initializer of the transposed per-expert matrices; zeros for absent experts."""
 
-    def compute() -> np.ndarray:
-        out = np.zeros(shape, dtype=dtype.numpy())
-        for e, w in enumerate(weights):
-            if w is not None:
-                out[e] = w.array().T
-        return out
+    def expert_slice(e: int) -> np.ndarray:
+        w = weights[e]
+        return np.zeros(shape[1:], dtype=dtype.numpy()) if w is None else w.array().T
 
-    return lazy_initializer(op, name, compute, dtype, shape)
+    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=[w.source for w in weights if w])
 
 
 class LoopMoeFusion(MoeFusion):
