@@ -113,7 +113,7 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     dtype = hidden_states.dtype
     acc = compute_dtype(dtype)
     hidden = hidden_states.shape[-1]
-    x = hidden_states.reshape(-1, hidden).astype(acc)
+    x = hidden_states.reshape(int(np.prod(hidden_states.shape[:-1])), hidden).astype(acc)
     tokens, k = x.shape[0], router_topk_output_indices.shape[-1]
     idx = router_topk_output_indices.reshape(tokens, k).astype(np.int64)
     weights = routing_weights.reshape(tokens, k).astype(acc)

@@ -101,6 +101,7 @@ CASES = [
     _case("one_token", G2, tokens=1),
     _case("gemm3_one_token", G3, tokens=1),
     _case("empty", G2, tokens=0),
+    _case("hidden_size_zero", G3, hidden=0),
     _case("gemm3_empty", G3, tokens=0, lead=(0, 5)),
     _case("all_on_one_expert", G2, k=1, indices=np.full(7, 2)),
     _case("experts_without_tokens", G3, experts=8, k=2, indices=np.tile([1, 3], (7, 1))),
