@@ -41,7 +41,7 @@ def make_inputs(tokens=7, hidden=8, inter=6, experts=4, k=2, expert_type=GEMM2, 
 
 def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0):
     """Token by token, slot by slot, in float64: written apart from the reference on purpose."""
-    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    flat = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1]).astype(np.float64)
     k = indices.shape[-1]
     idx = indices.reshape(-1, k)
     wts = weights.reshape(-1, k).astype(np.float64)
