@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import onnx
 import pytest
 
+from fixture_models import FIXTURES, TARGETS
 from moe_onnx import io
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.verify import verify
 
-FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 
-
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 def test_optimize_verify_and_report(target, tmp_path, capsys):
     out, report = tmp_path / "out.onnx", tmp_path / "report.json"
     status = main(["optimize", str(FIXTURES / "qwen3_moe_batched_mm_tiny.onnx"), "-o", str(out), "--target", target,

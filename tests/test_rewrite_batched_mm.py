@@ -5,31 +5,24 @@ renormalization) or stay unfused with the failed check named, and always keep th
 
 from __future__ import annotations
 
-import functools
-import json
-from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
+from fixture_models import (
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, moe_node, mutable_copy, nodes,
+    op_counts, optimized, original, ort_output, producer, random_feeds, random_hidden, reference_data,
+    reference_output, set_input,
+)
 from moe_onnx.check import check_model
-from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
 
-FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
-MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
-NAMES = sorted(name for name, entry in MANIFEST.items() if entry["style"] == "batched_mm")
+NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU = "BatchedMmGptOss", "BatchedMmSwiglu"
-# (batch, seq): one token, the reference shape, and shapes unlike the export's (2, 5)
-SHAPES = [(1, 1), (2, 3), (3, 7)]
-TOL = dict(rtol=1e-4, atol=1e-4)
 UNFUSED = {"GatherND", "Expand", "MatMul", "Split", "Slice", "Clip", "Squeeze", "Unsqueeze"}
 
 
@@ -37,46 +30,9 @@ def rule_of(name: str) -> str:
     return GPT_OSS if MANIFEST[name]["family"] == "gpt_oss" else SWIGLU
 
 
-@functools.cache
-def original(name: str) -> onnx.ModelProto:
-    return onnx.load(FIXTURES / MANIFEST[name]["file"])
-
-
-@functools.cache
-def optimized(name: str, target: str):
-    return optimize(original(name), target=target)
-
-
-def feeds(model: onnx.ModelProto, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    hidden = model.graph.input[0].type.tensor_type.shape.dim[-1].dim_value
-    return {"hidden_states": np.random.default_rng(seed).standard_normal((batch, seq, hidden), dtype=np.float32)}
-
-
-def run_ort(model: onnx.ModelProto, inputs: dict) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(["output"], inputs)[0]
-
-
-def run_reference(model: onnx.ModelProto, inputs: dict) -> np.ndarray:
-    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(["output"], inputs)[0]
-
-
-def op_counts(model: onnx.ModelProto) -> Counter:
-    return Counter(node.op_type for node in model.graph.node)
-
-
-def moe_node(model: onnx.ModelProto) -> onnx.NodeProto:
-    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
-    return node
-
-
-def attributes(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 # ----------------------------------------------------------------------------- fixtures fuse
 
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_fuses(name, target):
     model, report = optimized(name, target)
@@ -120,19 +76,19 @@ def test_moe_node(name):
         assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
 
 
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
     model, _ = optimized(name, target)
     python = moe_onnx.session(model, backend="python")
     for batch, seq in SHAPES:
-        inputs = feeds(model, batch, seq)
-        expected = run_ort(original(name), inputs)
-        np.testing.assert_allclose(run_reference(model, inputs), expected, **TOL)
+        inputs = random_feeds(name, batch, seq)
+        expected = ort_output(original(name), inputs)
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
         np.testing.assert_allclose(python.run(["output"], inputs)[0], expected, **TOL)
-    data = np.load(FIXTURES / MANIFEST[name]["reference"])
+    data = reference_data(name)
     for suffix in ("", "_alt"):
-        got = run_reference(model, {"hidden_states": data["hidden_states" + suffix]})
+        got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
         np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
 
 
@@ -140,48 +96,28 @@ def test_two_blocks_in_one_model():
     """Layers in a row, as in a whole model: GPT-OSS's block feeds Qwen2-MoE's (and its shared expert)."""
     first, second = original("gpt_oss_batched_mm_tiny"), original("qwen2_moe_batched_mm_tiny")
     model = onnx.compose.merge_models(first, second, io_map=[("output", "hidden_states")], prefix1="a/", prefix2="b/")
-    for target in ("moe", "grouped"):
+    for target in TARGETS:
         new, report = optimize(model, target=target)
         assert (report.fused[GPT_OSS], report.fused[SWIGLU]) == (1, 1)
         assert check_model(new) == []
-        inputs = {"a/hidden_states": feeds(first, 2, 3)["hidden_states"]}
-        expected = ort.InferenceSession(model.SerializeToString()).run(["b/output"], inputs)[0]
-        got = ReferenceEvaluator(new, new_ops=REFERENCE_OPS).run(["b/output"], inputs)[0]
+        inputs = {"a/hidden_states": random_hidden("gpt_oss_batched_mm_tiny", 2, 3)}
+        expected = ort_output(model, inputs, "b/output")
+        got = reference_output(new, inputs, "b/output")
         np.testing.assert_allclose(got, expected, **TOL)
 
 
 # ----------------------------------------------------------------------------- mutations
 
-def producer(model: onnx.ModelProto, value: str) -> onnx.NodeProto:
-    return next(n for n in model.graph.node if value in n.output)
-
-
-def nodes(model: onnx.ModelProto, op_type: str, where: Callable[[onnx.NodeProto], bool] = lambda n: True):
-    return [n for n in model.graph.node if n.op_type == op_type and where(n)]
-
-
-def constant_of(model: onnx.ModelProto, name: str) -> np.ndarray:
-    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == name))
-
-
-def set_input(model: onnx.ModelProto, node: onnx.NodeProto, index: int, array) -> None:
-    """Feed ``node`` input ``index`` from a new initializer (shared constants elsewhere stay)."""
-    name = f"mutated_{len(model.graph.initializer)}"
-    model.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
-    node.input[index] = name
-
-
 def mutated(name: str, mutate: Callable[[onnx.ModelProto], None]) -> onnx.ModelProto:
-    model = onnx.ModelProto()
-    model.CopyFrom(original(name))
+    model = mutable_copy(name)
     mutate(model)
     return model
 
 
-def assert_same_numbers(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+def assert_same_numbers(name: str, before: onnx.ModelProto, after: onnx.ModelProto) -> None:
     for batch, seq in SHAPES:
-        inputs = feeds(before, batch, seq, seed=1)
-        np.testing.assert_allclose(run_reference(after, inputs), run_ort(before, inputs), **TOL)
+        inputs = random_feeds(name, batch, seq, seed=1)
+        np.testing.assert_allclose(reference_output(after, inputs), ort_output(before, inputs), **TOL)
 
 
 def gate_clip(m):
@@ -206,7 +142,7 @@ def down_gather(m):
 
 def grow_experts(m, gather: onnx.NodeProto) -> None:
     """One more (never selected) expert in the gathered weight: E no longer agrees with the router."""
-    w = constant_of(m, gather.input[0])
+    w = initializer(m, gather.input[0])
     set_input(m, gather, 0, np.concatenate([w, np.zeros_like(w[:1])]))
 
 
@@ -236,7 +172,7 @@ def scale_sigmoid(m, alpha) -> None:
 def transpose_weights(m) -> None:
     """The weights as a larger export may keep them: an initializer behind a Transpose node."""
     for gather in nodes(m, "GatherND"):
-        w = constant_of(m, gather.input[0])
+        w = initializer(m, gather.input[0])
         if w.ndim != 3:
             continue
         set_input(m, gather, 0, np.ascontiguousarray(w.transpose(0, 2, 1)))
@@ -274,12 +210,12 @@ def test_variant_fuses_with_the_graph_values(variant):
     attrs = attributes(moe_node(new))
     assert {key: attrs[key] for key in expected_attrs} == pytest.approx(expected_attrs)
     assert check_model(new) == []
-    assert_same_numbers(model, new)
+    assert_same_numbers(name, model, new)
 
 
 def test_swapped_halves_pick_the_other_rows():
     new, _ = optimize(mutated(QWEN3_TINY, rewire_sigmoid_to_second_half))
-    gate_up = constant_of(original(QWEN3_TINY), nodes(original(QWEN3_TINY), "GatherND")[0].input[0])
+    gate_up = initializer(original(QWEN3_TINY), nodes(original(QWEN3_TINY), "GatherND")[0].input[0])
     weights = {i.name: numpy_helper.to_array(i) for i in new.graph.initializer}
     gate, up = weights[moe_node(new).input[3]], weights[moe_node(new).input[5]]
     np.testing.assert_array_equal(gate, gate_up[:, 16:])
@@ -325,4 +261,4 @@ def test_near_miss_stays_unfused(case):
     assert "MOE" not in op_counts(new)
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == rule_of(name)]
     assert any(reason in r for r in reasons), reasons
-    assert_same_numbers(model, new)
+    assert_same_numbers(name, model, new)

@@ -7,18 +7,14 @@ the rules themselves: near-misses, mutations, sizes the export never saw.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import onnx
 import pytest
 
 import moe_onnx
+from fixture_models import FIXTURES, MANIFEST, TARGETS, TOL, reference_data
 from moe_onnx.check import check_model
 
-FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
-MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 UNFUSED_OPS = {"Tile", "GatherND", "NonZero", "OneHot"}
 # which backends run each target: the C++ library has kernels for these ops
 CPP_OPS = {"MOE"}
@@ -33,7 +29,7 @@ def _backends(model: onnx.ModelProto) -> list[str]:
     return ["python"] + (["cpp"] if ours <= CPP_OPS else [])
 
 
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", _names())
 def test_fixture_fuses_and_keeps_the_numbers(name, target):
     model, report = moe_onnx.optimize(FIXTURES / f"{name}.onnx", target=target)
@@ -45,11 +41,11 @@ def test_fixture_fuses_and_keeps_the_numbers(name, target):
     assert ops == ({"MOE"} if target == "moe" else
                    {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"})
 
-    data = np.load(FIXTURES / f"{name}.npz")
+    data = reference_data(name)
     input_name = model.graph.input[0].name
     for backend in _backends(model):
         sess = moe_onnx.session(model, backend=backend)
         for suffix in ("", "_alt"):
             outputs = sess.run(None, {input_name: data[f"hidden_states{suffix}"]})
-            np.testing.assert_allclose(outputs[0], data[f"expected{suffix}"], rtol=1e-4, atol=1e-4,
+            np.testing.assert_allclose(outputs[0], data[f"expected{suffix}"], **TOL,
                                        err_msg=f"{name} {target} on {backend}")

@@ -10,70 +10,41 @@ with each branch's row pinned to its traced expert (the manifest records the tra
 from __future__ import annotations
 
 import functools
-import json
-from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-import onnxruntime as ort
 import pytest
-from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
+from fixture_models import (
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
+    ort_output, random_feeds, reference_data, reference_output,
+)
 from moe_onnx.check import check_model
-from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
 
-FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
-MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
-NAMES = sorted(name for name, entry in MANIFEST.items() if entry["style"] in ("loop", "loop_missing"))
+NAMES = fixture_names("loop", "loop_missing")
 RULE = "LoopMoeFusion"
-# (batch, seq): one token, the reference shape, and shapes unlike the export's
-SHAPES = [(1, 1), (2, 3), (3, 7)]
-TOL = dict(rtol=1e-4, atol=1e-4)
 UNFUSED = {"NonZero", "ScatterElements", "OneHot", "Split", "Expand", "Flatten", "ConstantOfShape"}
 
 
-@functools.cache
-def original(name: str) -> onnx.ModelProto:
-    return onnx.load(FIXTURES / MANIFEST[name]["file"])
-
-
-@functools.cache
-def optimized(name: str, target: str):
-    return optimize(original(name), target=target)
-
-
-@functools.cache
-def reference_data(name: str) -> dict[str, np.ndarray]:
-    return dict(np.load(FIXTURES / MANIFEST[name]["reference"]))
-
-
-def run_ort(model: onnx.ModelProto, hidden: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return session.run(["output"], {"hidden_states": hidden})[0]
-
-
-def run_reference(model: onnx.ModelProto, hidden: np.ndarray) -> np.ndarray:
-    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(["output"], {"hidden_states": hidden})[0]
-
-
-def random_hidden(name: str, batch: int, seq: int) -> np.ndarray:
-    scale = reference_data(name)["hidden_states"].std()
-    shape = (batch, seq, MANIFEST[name]["hidden_size"])
-    return (np.random.default_rng(batch * 100 + seq).standard_normal(shape) * scale).astype(np.float32)
-
-
-def op_counts(model: onnx.ModelProto) -> Counter:
-    return Counter(node.op_type for node in model.graph.node)
+def scaled_random_feeds(name: str, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """Random hidden states on the scale of the fixture's own."""
+    return random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
 
 
 def near_misses(report) -> list[dict]:
     return [miss for miss in report.near_misses if miss["rule"] == RULE]
+
+
+def mutated_copy(name: str, mutate: Callable[[ir.Model, dict], None]) -> onnx.ModelProto:
+    """The fixture after ``mutate(model, its manifest entry)`` on an IR copy."""
+    model = ir.from_proto(original(name))
+    mutate(model, MANIFEST[name])
+    return ir.to_proto(model)
 
 
 # ----------------------------------------------------------------------------- graph surgery
@@ -116,7 +87,7 @@ def test_every_loop_fixture_is_covered():
     assert any(MANIFEST[name]["missing_experts"] for name in NAMES)
 
 
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_fuses(name, target):
     model, report = optimized(name, target)
@@ -142,8 +113,8 @@ def test_fuses(name, target):
 def test_moe_node(name):
     entry = MANIFEST[name]
     model, _ = optimized(name, "moe")
-    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    node = moe_node(model)
+    attrs = attributes(node)
     assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
     producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
     indices, position = producers[node.input[2]]
@@ -170,9 +141,9 @@ def test_two_blocks_in_one_graph():
     model = onnx.compose.merge_models(first, second, io_map=[("a/output", "b/hidden_states")], outputs=["b/output"])
     new, report = optimize(model)
     assert report.fused[RULE] == 2 and near_misses(report) == []
-    hidden = random_hidden("olmoe_loop_tiny", 2, 3)
-    expected = ort.InferenceSession(model.SerializeToString()).run(None, {"a/hidden_states": hidden})[0]
-    got = ReferenceEvaluator(new, new_ops=REFERENCE_OPS).run(None, {"a/hidden_states": hidden})[0]
+    inputs = {"a/hidden_states": scaled_random_feeds("olmoe_loop_tiny", 2, 3)["hidden_states"]}
+    expected = ort_output(model, inputs, "b/output")
+    got = reference_output(new, inputs, "b/output")
     np.testing.assert_allclose(got, expected, **TOL)
 
 
@@ -180,7 +151,7 @@ def test_two_blocks_in_one_graph():
 def test_missing_experts_get_zero_weights_and_a_note(name):
     missing = MANIFEST[name]["missing_experts"]
     model, report = optimized(name, "moe")
-    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
+    node = moe_node(model)
     weights = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
     for index in (3, 5, 7):
         stacked = weights[node.input[index]]
@@ -192,36 +163,33 @@ def test_missing_experts_get_zero_weights_and_a_note(name):
         assert report.notes == []
 
 
-@pytest.mark.parametrize("target", ["moe", "grouped"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
     model, _ = optimized(name, target)
     data = reference_data(name)
     # the inputs the export runs on as it is: the torch outputs and the original in onnxruntime
     for suffix in ("", "_alt"):
-        hidden = data[f"hidden_states{suffix}"]
-        got = run_reference(model, hidden)
+        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
+        got = reference_output(model, inputs)
         np.testing.assert_allclose(got, data[f"expected{suffix}"], **TOL)
-        np.testing.assert_allclose(got, run_ort(original(name), hidden), **TOL)
+        np.testing.assert_allclose(got, ort_output(original(name), inputs), **TOL)
     # any input, one token included: the original with its branches pinned to the traced experts
     for batch, seq in SHAPES:
-        hidden = random_hidden(name, batch, seq)
-        expected = run_ort(pinned_original(name), hidden)
+        inputs = scaled_random_feeds(name, batch, seq)
+        expected = ort_output(pinned_original(name), inputs)
         assert expected.shape == (batch, seq, MANIFEST[name]["hidden_size"])
-        np.testing.assert_allclose(run_reference(model, hidden), expected, **TOL)
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_the_python_kernels(name):
     model, _ = optimized(name, "moe")
-    try:
-        session = moe_onnx.session(model, backend="python")
-    except FileNotFoundError as error:
-        pytest.skip(f"python kernel host not built: {error}")
+    session = moe_onnx.session(model, backend="python")
     for batch, seq in SHAPES:
-        hidden = random_hidden(name, batch, seq)
-        got = session.run(["output"], {"hidden_states": hidden})[0]
-        np.testing.assert_allclose(got, run_ort(pinned_original(name), hidden), **TOL)
+        inputs = scaled_random_feeds(name, batch, seq)
+        got = session.run(["output"], inputs)[0]
+        np.testing.assert_allclose(got, ort_output(pinned_original(name), inputs), **TOL)
 
 
 # ----------------------------------------------------------------------------- mutations that must not fuse
@@ -330,17 +298,15 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 
 @pytest.mark.parametrize(("name", "mutate", "reason"), MUTATIONS, ids=[m[1].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(name, mutate, reason):
-    model = ir.from_proto(original(name))
-    mutate(model, MANIFEST[name])
-    mutated = ir.to_proto(model)
+    mutated = mutated_copy(name, mutate)
     new, report = optimize(mutated)
     assert report.fused.get(RULE, 0) == 0
     misses = near_misses(report)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
     assert op_counts(new)["MOE"] == 0
     for suffix in ("", "_alt"):
-        hidden = reference_data(name)[f"hidden_states{suffix}"]
-        np.testing.assert_allclose(run_ort(new, hidden), run_ort(mutated, hidden), **TOL)
+        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(ort_output(new, inputs), ort_output(mutated, inputs), **TOL)
 
 
 # ----------------------------------------------------------------------------- mutations that still fuse
@@ -374,13 +340,11 @@ STILL_FUSE: list[tuple[str, Callable[[ir.Model, dict], None], float]] = [
 
 @pytest.mark.parametrize(("name", "mutate", "alpha"), STILL_FUSE, ids=[m[1].__name__ for m in STILL_FUSE])
 def test_mutation_still_fuses(name, mutate, alpha):
-    model = ir.from_proto(original(name))
-    mutate(model, MANIFEST[name])
-    mutated = ir.to_proto(model)
+    mutated = mutated_copy(name, mutate)
     new, report = optimize(mutated)
     assert report.fused[RULE] == 1 and near_misses(report) == []
-    (node,) = [n for n in new.graph.node if n.op_type == "MOE"]
+    node = moe_node(new)
     assert {a.name: a.f for a in node.attribute if a.name == "expert_alpha"} == {"expert_alpha": pytest.approx(alpha)}
     for suffix in ("", "_alt"):
-        hidden = reference_data(name)[f"hidden_states{suffix}"]
-        np.testing.assert_allclose(run_reference(new, hidden), run_ort(mutated, hidden), **TOL)
+        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(reference_output(new, inputs), ort_output(mutated, inputs), **TOL)

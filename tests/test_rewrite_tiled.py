@@ -9,63 +9,31 @@ Transpose nodes, no renormalization) and the near-misses they must leave alone, 
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnx.compose
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
+from fixture_models import (
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, mutable_copy, nodes, op_counts,
+    optimized, original, producer, random_feeds, random_hidden, reference_data, run_ort, run_reference, set_input,
+)
 from moe_onnx.check import check_model
-from moe_onnx.ops import DOMAIN, REFERENCE_OPS
+from moe_onnx.ops import DOMAIN
 from moe_onnx.rewrite import optimize, optimize_ir
 
-FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
-MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 RULES = {"tiled": "TiledGptOssFusion", "tiled_dynamo": "TiledGptOssFusion", "tiled3": "TiledSwigluFusion"}
-TILED = sorted(name for name, entry in MANIFEST.items() if entry["style"] in RULES)
-TARGETS = ("moe", "grouped")
-SIZES = [(1, 1), (2, 3), (3, 7)]  # (batch, seq); the exports were traced at (2, 5) or (2, 8)
-TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def load(name: str) -> onnx.ModelProto:
-    return onnx.load(FIXTURES / MANIFEST[name]["file"])
+TILED = fixture_names(*RULES)
 
 
 def load_for_surgery(name: str) -> onnx.ModelProto:
-    """A fixture without its recorded intermediate shapes, which a mutation may invalidate."""
-    model = load(name)
+    """A copy of a fixture without its recorded intermediate shapes, which a mutation may invalidate."""
+    model = mutable_copy(name)
     del model.graph.value_info[:]
     return model
-
-
-@functools.cache
-def optimized(name: str, target: str):
-    return optimize(load(name), target=target)
-
-
-def random_input(hidden: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed + 7 * batch + seq)
-    return {"hidden_states": rng.standard_normal((batch, seq, hidden)).astype(np.float32)}
-
-
-def run_ort(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # mutated copies keep constants nothing reads: no warnings about them
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
-
-
-def run_reference(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
-    return ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(None, feeds)
 
 
 def assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
@@ -73,13 +41,6 @@ def assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
     for g, e in zip(got, expected):
         assert g.shape == e.shape
         np.testing.assert_allclose(g, e, **TOL)
-
-
-def op_counts(model: onnx.ModelProto) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
 
 
 def assert_block_gone(new: onnx.ModelProto, target: str = "moe") -> None:
@@ -97,18 +58,18 @@ def assert_block_gone(new: onnx.ModelProto, target: str = "moe") -> None:
 @pytest.mark.parametrize("name", TILED)
 def test_fixture_fuses(name, target):
     entry = MANIFEST[name]
-    original, (new, report) = load(name), optimized(name, target)
+    new, report = optimized(name, target)
     assert report.fused.get(RULES[entry["style"]]) == 1, report.summary()
     assert report.near_misses == []
     assert_block_gone(new, target)
     # the router's and the shared expert's Gemms, the router's TopK and Softmax stay
-    before, after = op_counts(original), op_counts(new)
+    before, after = op_counts(original(name)), op_counts(new)
     for kept in ("Gemm", "TopK", "Softmax"):
         assert after.get(kept) == before[kept]
     assert check_model(new) == []
     if target == "moe":
         (moe,) = [n for n in new.graph.node if n.domain == DOMAIN]
-        attrs = {a.name: helper.get_attribute_value(a) for a in moe.attribute}
+        attrs = attributes(moe)
         if entry["family"] == "gpt_oss":
             assert attrs["expert_type"] == b"GEMM2_BIAS_SWIGLU_CLAMP"
             assert attrs["expert_alpha"] == pytest.approx(1.702)
@@ -125,23 +86,23 @@ def test_fixture_fuses(name, target):
 @pytest.mark.parametrize("name", TILED)
 def test_fixture_numbers(name, target):
     entry = MANIFEST[name]
-    original, (new, _) = load(name), optimized(name, target)
-    reference = np.load(FIXTURES / entry["reference"])
+    new, _ = optimized(name, target)
+    reference = reference_data(name)
     for suffix in ("", "_alt"):  # torch's outputs: "expected" for the block, "expected_<name>" for the others
         got = run_reference(new, {"hidden_states": reference["hidden_states" + suffix]})
         keys = ["expected"] + [f"expected_{output['name']}" for output in entry["outputs"][1:]]
         assert_same(got, [reference[key + suffix] for key in keys])
     python_kernels = moe_onnx.session(new, backend="python")
-    for batch, seq in SIZES:
-        feeds = random_input(entry["hidden_size"], batch, seq)
-        expected = run_ort(original, feeds)
+    for batch, seq in SHAPES:
+        feeds = random_feeds(name, batch, seq)
+        expected = run_ort(original(name), feeds)
         assert_same(run_reference(new, feeds), expected)
         assert_same(python_kernels.run(None, feeds), expected)
 
 
 def test_weights_are_not_copied_eagerly():
     """Layout changes become lazy initializers; untouched weights are the original initializers."""
-    model = ir.serde.deserialize_model(load("qwen3_moe_tiled3_tiny"))
+    model = ir.serde.deserialize_model(mutable_copy("qwen3_moe_tiled3_tiny"))
     sources = {id(v.const_value) for v in model.graph.initializers.values()}
     report = optimize_ir(model)
     assert report.fused == {"TiledSwigluFusion": 1}
@@ -149,7 +110,7 @@ def test_weights_are_not_copied_eagerly():
     for value in (v for v in moe.inputs[3:] if v is not None):
         assert isinstance(value.const_value, ir.LazyTensor) or id(value.const_value) in sources
 
-    model = ir.serde.deserialize_model(load("gpt_oss_tiled_tiny"))
+    model = ir.serde.deserialize_model(mutable_copy("gpt_oss_tiled_tiny"))
     sources = {id(v.const_value) for v in model.graph.initializers.values()}
     optimize_ir(model)
     (moe,) = [n for n in model.graph if n.domain == DOMAIN]
@@ -159,29 +120,6 @@ def test_weights_are_not_copied_eagerly():
 
 
 # ----------------------------------------------------------------------------- graph surgery helpers
-
-def nodes(model: onnx.ModelProto, op_type: str) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == op_type]
-
-
-def producer(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
-    (node,) = [n for n in model.graph.node if name in n.output]
-    return node
-
-
-def set_input(model: onnx.ModelProto, node: onnx.NodeProto, index: int, array: np.ndarray) -> None:
-    """Give one input of one node a new constant of its own (shared constants stay as they are)."""
-    name = f"mutated_{len(model.graph.initializer)}"
-    model.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
-    while len(node.input) <= index:
-        node.input.append("")
-    node.input[index] = name
-
-
-def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
-    (tensor,) = [t for t in model.graph.initializer if t.name == name]
-    return numpy_helper.to_array(tensor)
-
 
 def replace_initializer(model: onnx.ModelProto, name: str, array: np.ndarray) -> None:
     (tensor,) = [t for t in model.graph.initializer if t.name == name]
@@ -293,7 +231,7 @@ VARIANTS = {
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_fuses(variant, target):
-    name, mutate, rule, attributes = VARIANTS[variant]
+    name, mutate, rule, expected = VARIANTS[variant]
     model = load_for_surgery(name)
     mutate(model)
     onnx.checker.check_model(model)
@@ -303,11 +241,11 @@ def test_variant_fuses(variant, target):
     assert check_model(new) == []
     if target == "moe":
         (moe,) = [n for n in new.graph.node if n.domain == DOMAIN]
-        got = {a.name: helper.get_attribute_value(a) for a in moe.attribute}
-        for key, value in attributes.items():
+        got = attributes(moe)
+        for key, value in expected.items():
             assert got[key] == pytest.approx(value)
-    for batch, seq in SIZES[:2]:
-        feeds = random_input(MANIFEST[name]["hidden_size"], batch, seq)
+    for batch, seq in SHAPES[:2]:
+        feeds = random_feeds(name, batch, seq)
         assert_same(run_reference(new, feeds), run_ort(model, feeds))
 
 
@@ -320,7 +258,7 @@ def test_two_stacked_blocks(name):
     new, report = optimize(model)
     assert report.fused == {RULES[MANIFEST[name]["style"]]: 2}, report.summary()
     assert_block_gone(new)
-    feeds = {"a/hidden_states": random_input(MANIFEST[name]["hidden_size"], 2, 3)["hidden_states"]}
+    feeds = {"a/hidden_states": random_hidden(name, 2, 3)}
     assert_same(run_reference(new, feeds), run_ort(model, feeds))
 
 
@@ -430,5 +368,5 @@ def test_near_miss_is_left_alone(case):
     # only the Constant nodes that a mutation left unused are gone
     assert {op: n for op, n in op_counts(new).items() if op != "Constant"} == \
         {op: n for op, n in op_counts(model).items() if op != "Constant"}
-    feeds = random_input(MANIFEST[name]["hidden_size"], 2, 3)
+    feeds = random_feeds(name, 2, 3)
     assert_same(run_ort(new, feeds), run_ort(model, feeds))

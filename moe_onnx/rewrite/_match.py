@@ -1,4 +1,5 @@
-"""Shared pieces of the fusion rules: the rule base class, constant lookup, weights and MOE emission.
+"""Shared pieces of the fusion rules: the rule base class, failing a check, constant lookup, weights and
+MOE emission.
 
 Weights are never copied while matching. A rule that needs a weight in another layout (transposed,
 split, stacked) asks for a *lazy* initializer: the transform runs when the model is saved, one
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
+from onnxscript.rewriter._basics import MatchFailureError
 
 from ..ops import DOMAIN
 
@@ -21,9 +23,10 @@ from ..ops import DOMAIN
 class MoeFusion(RewriteRuleClassBase):
     """A fusion rule: ``pattern``/``check``/``rewrite`` as in onnxscript, plus notes for the report.
 
-    ``check`` should return ``self.fail("...")`` naming the constant that did not match, so a
-    near-miss is reported with its reason. ``notes`` collects remarks about fused blocks (for
-    example experts missing from a loop export).
+    ``check`` should fail with a reason naming the constant that did not match, so a near-miss is
+    reported with it: return ``self.fail("...")``, or call ``require(ok, "...")`` from helpers
+    (onnxscript turns the MatchFailureError it raises into the same failed match). ``notes``
+    collects remarks about fused blocks (for example experts missing from a loop export).
     """
 
     def __init__(self) -> None:
@@ -39,6 +42,12 @@ class MoeFusion(RewriteRuleClassBase):
         return MatchResult().fail(reason)
 
 
+def require(ok: bool, reason: str) -> None:
+    """Fails the match being checked with ``reason`` unless ``ok``."""
+    if not ok:
+        raise MatchFailureError(reason)
+
+
 # ----------------------------------------------------------------------------- constants
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
@@ -50,6 +59,7 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
 
 
 def constant_ints(value: ir.Value | None) -> list[int] | None:
+    """The elements of an integer constant, flattened (None when not an integer constant)."""
     array = constant(value)
     return None if array is None or array.dtype.kind not in "iu" else [int(v) for v in array.reshape(-1)]
 
@@ -60,7 +70,27 @@ def constant_scalar(value: ir.Value | None) -> float | None:
     return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
 
 
+def is_zeros(value: ir.Value) -> bool:
+    """A zero constant, ConstantOfShape(0), or an Expand of either."""
+    array = constant(value)
+    if array is not None:
+        return not array.any()
+    node = value.producer()
+    if node is None:
+        return False
+    if node.op_type == "ConstantOfShape":
+        fill = node.attributes.get_tensor("value")
+        return fill is None or not fill.numpy().any()
+    return node.op_type == "Expand" and is_zeros(node.inputs[0])
+
+
+def int64s(op, values: Sequence[int]) -> ir.Value:
+    """A Constant node's 1-D int64 tensor (shapes, axes, Slice operands of emitted nodes)."""
+    return op.Constant(value=ir.tensor(np.array(values, np.int64)))
+
+
 def same_scalar(a: float | None, b: float, rel: float = 1e-6) -> bool:
+    """Whether ``a`` is ``b`` within ``rel`` (relative, absolute below 1); False when ``a`` is None."""
     return a is not None and abs(a - b) <= rel * max(1.0, abs(b))
 
 

@@ -20,21 +20,12 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from ._match import MoeFusion, Weight, constant_ints, constant_scalar, emit_moe, weight, weight_value
-
-
-class _NearMiss(Exception):
-    """A matched block that must stay unfused; the message names the check that failed."""
-
-
-def _require(ok: bool, reason: str) -> None:
-    if not ok:
-        raise _NearMiss(reason)
+from ._match import MoeFusion, Weight, constant_ints, constant_scalar, emit_moe, require, weight, weight_value
 
 
 def _ints(value: ir.Value, what: str) -> list[int]:
     ints = constant_ints(value)
-    _require(ints is not None, f"{what} is not an integer constant")
+    require(ints is not None, f"{what} is not an integer constant")
     return ints
 
 
@@ -43,7 +34,7 @@ def _bound(value: ir.Value | None, absent: float, what: str) -> float:
     if value is None:
         return absent
     bound = constant_scalar(value)
-    _require(bound is not None, f"{what} is not a scalar constant")
+    require(bound is not None, f"{what} is not a scalar constant")
     return bound
 
 
@@ -58,18 +49,19 @@ def _weight(value: ir.Value, dtype: ir.DataType, what: str, shape: tuple[int | s
     """The constant behind ``value`` (through layout-only ops), checked against ``shape`` (``layout``
     names its dims, E being the router's expert count); "2I" in ``shape`` stands for any even size."""
     w = weight(value)
-    _require(w is not None, f"{what} is not a constant tensor")
+    require(w is not None, f"{what} is not a constant tensor")
     fits = len(w.shape) == len(shape) and all(
         got == want if isinstance(want, int) else got % 2 == 0 for got, want in zip(w.shape, shape))
-    _require(fits, f"{what} has shape {list(w.shape)}, expected [{', '.join(map(str, shape))}] = {layout}")
-    _require(w.dtype == dtype, f"{what} is {w.dtype}, the tokens are {dtype}")
+    require(fits, f"{what} has shape {list(w.shape)}, expected [{', '.join(map(str, shape))}] = {layout}")
+    require(w.dtype == dtype, f"{what} is {w.dtype}, the tokens are {dtype}")
     return w
 
 
-def _gathered(b: dict, *names: str) -> None:
+def _require_plain_gathers(b: dict, *names: str) -> None:
+    """The GatherNDs that compute these bound values gather whole rows (batch_dims 0)."""
     for name in names:
         node = b[name].producer()
-        _require(node.attributes.get_int("batch_dims", 0) == 0, f"GatherND of {name} has batch_dims != 0")
+        require(node.attributes.get_int("batch_dims", 0) == 0, f"GatherND of {name} has batch_dims != 0")
 
 
 # ----------------------------------------------------------------------------- shared pattern parts
@@ -92,7 +84,7 @@ def _alpha(b: dict) -> float:
     if b.get("alpha") is None:
         return 1.0
     alpha = constant_scalar(b["alpha"])
-    _require(alpha is not None and math.isfinite(alpha), "the swish alpha (Mul before Sigmoid) is not a finite scalar")
+    require(alpha is not None and math.isfinite(alpha), "the swish alpha (Mul before Sigmoid) is not a finite scalar")
     return alpha
 
 
@@ -107,6 +99,8 @@ def _weighted_sum(op, experts_TkH, routing_TK):
 
 @dataclasses.dataclass(frozen=True)
 class _Slots:
+    """What the checks of the shared slot frame read: H, E (the router's width) and the tokens' type."""
+
     hidden: int
     experts: int
     dtype: ir.DataType
@@ -116,50 +110,48 @@ def _check_slots(b: dict) -> _Slots:
     """Checks the repeat, the expert index, the routing weights and the sum over k; returns H, E, type."""
     tokens, indices, routing = b["tokens_TH"], b["topk_indices_TK"], b["routing_TK"]
     topk = indices.producer()
-    _require(topk is not None and topk.op_type == "TopK" and indices.index() == 1,
-             "the expert indices are not the indices output of a TopK")
+    require(topk is not None and topk.op_type == "TopK" and indices.index() == 1,
+            "the expert indices are not the indices output of a TopK")
     k = _ints(topk.inputs[1], "TopK k")[0]
     scores = topk.inputs[0]
     experts = _last_dim(scores)
-    _require(experts is not None, "the router scores have no static expert count (last dim)")
-    _require(topk.attributes.get_int("axis", -1) in (-1, scores.shape.rank() - 1),
-             "TopK does not select along the last (expert) axis")
+    require(experts is not None, "the router scores have no static expert count (last dim)")
+    require(topk.attributes.get_int("axis", -1) in (-1, scores.shape.rank() - 1),
+            "TopK does not select along the last (expert) axis")
     hidden = _last_dim(tokens)
-    _require(tokens.shape is not None and tokens.shape.rank() == 2 and hidden is not None,
-             "the tokens are not [T, H] with a static H")
+    require(tokens.shape is not None and tokens.shape.rank() == 2 and hidden is not None,
+            "the tokens are not [T, H] with a static H")
 
-    _require(_ints(b["repeat_axis"], "repeat_interleave Unsqueeze axes") in ([1], [-2]),
-             "repeat_interleave does not unsqueeze axis 1")
+    require(_ints(b["repeat_axis"], "repeat_interleave Unsqueeze axes") in ([1], [-2]),
+            "repeat_interleave does not unsqueeze axis 1")
     repeat = _ints(b["repeat_shape"], "repeat_interleave Expand shape")
-    _require(repeat == [1, k, 1], f"repeat_interleave expands to {repeat}, expected [1, {k}, 1] (k from TopK)")
-    _require(_ints(b["slots_shape"], "repeated tokens shape") == [-1, hidden],
-             f"the repeated tokens are not reshaped to [-1, {hidden}]")
-    _require(_ints(b["index_flat_shape"], "expert index shape") == [-1], "the expert indices are not flattened")
-    _require(_ints(b["index_axis"], "expert index Unsqueeze axes") in ([1], [-1]),
-             "the expert index is not unsqueezed on its last axis")
+    require(repeat == [1, k, 1], f"repeat_interleave expands to {repeat}, expected [1, {k}, 1] (k from TopK)")
+    require(_ints(b["slots_shape"], "repeated tokens shape") == [-1, hidden],
+            f"the repeated tokens are not reshaped to [-1, {hidden}]")
+    require(_ints(b["index_flat_shape"], "expert index shape") == [-1], "the expert indices are not flattened")
+    require(_ints(b["index_axis"], "expert index Unsqueeze axes") in ([1], [-1]),
+            "the expert index is not unsqueezed on its last axis")
 
-    _require(_last_dim(routing) == k, f"the routing weights are not [T, k={k}]")
-    _require(_ints(b["routing_flat_shape"], "routing weights shape") == [-1], "the routing weights are not flattened")
-    _require(_ints(b["routing_axis"], "routing weights Unsqueeze axes") in ([1], [-1]),
-             "the routing weights are not unsqueezed on their last axis")
+    require(_last_dim(routing) == k, f"the routing weights are not [T, k={k}]")
+    require(_ints(b["routing_flat_shape"], "routing weights shape") == [-1], "the routing weights are not flattened")
+    require(_ints(b["routing_axis"], "routing weights Unsqueeze axes") in ([1], [-1]),
+            "the routing weights are not unsqueezed on their last axis")
     sum_shape = _ints(b["sum_shape"], "sum reshape")
-    _require(sum_shape == [-1, k, hidden],
-             f"the weighted slots are reshaped to {sum_shape}, expected [-1, {k}, {hidden}]")
-    _require(_ints(b["sum_axis"], "ReduceSum axes") in ([1], [-2]), "ReduceSum is not over the k axis")
-    _require(b["out_TH"].producer().attributes.get_int("keepdims", 1) == 0, "ReduceSum keeps the k axis")
-    _require(routing.dtype == tokens.dtype, "the routing weights and the tokens have different types")
+    require(sum_shape == [-1, k, hidden],
+            f"the weighted slots are reshaped to {sum_shape}, expected [-1, {k}, {hidden}]")
+    require(_ints(b["sum_axis"], "ReduceSum axes") in ([1], [-2]), "ReduceSum is not over the k axis")
+    require(b["out_TH"].producer().attributes.get_int("keepdims", 1) == 0, "ReduceSum keeps the k axis")
+    require(routing.dtype == tokens.dtype, "the routing weights and the tokens have different types")
     return _Slots(hidden, experts, tokens.dtype)
 
 
 class _BatchedMmFusion(MoeFusion):
-    """``check`` reads the block with ``_read`` (raising _NearMiss for a failed check) and keeps it
-    for ``rewrite``, which onnxscript calls right after a successful check of the same match."""
+    """``check`` reads the block with ``_read`` (whose ``require`` fails the match with the check that
+    failed) and keeps it for ``rewrite``, which onnxscript calls right after a successful check of
+    the same match."""
 
-    def check(self, context, **bindings) -> pattern.MatchResult | bool:
-        try:
-            self._block = self._read(bindings)
-        except _NearMiss as miss:
-            return self.fail(str(miss))
+    def check(self, context, **bindings) -> bool:
+        self._block = self._read(bindings)
         return True
 
 
@@ -223,31 +215,31 @@ class BatchedMmGptOss(_BatchedMmFusion):
         gate_up_bias = _weight(b["gate_up_bias_E2I"], dtype, "gate_up bias", (E, two_i), "[E, 2I]")
         down = _weight(b["down_EIH"], dtype, "down", (E, two_i // 2, H), "[E, I, H]")
         down_bias = _weight(b["down_bias_EH"], dtype, "down bias", (E, H), "[E, H]")
-        _gathered(b, "gate_up_TkH2I", "gate_up_bias_Tk2I", "down_TkIH", "down_bias_TkH")
+        _require_plain_gathers(b, "gate_up_TkH2I", "gate_up_bias_Tk2I", "down_TkIH", "down_bias_TkH")
         for axis in ("gate_up_row_axis", "down_row_axis"):
-            _require(_ints(b[axis], "bmm Unsqueeze axes") in ([1], [-2]), "the bmm does not multiply [Tk, 1, in] rows")
+            require(_ints(b[axis], "bmm Unsqueeze axes") in ([1], [-2]), "the bmm does not multiply [Tk, 1, in] rows")
 
         starts = (_ints(b["gate_start"], "gate Slice start"), _ints(b["up_start"], "up Slice start"))
-        _require(sorted(starts) == [[0], [1]],
-                 f"the gate and up Slices start at {starts[0]} and {starts[1]}, expected 0 and 1 (interleaved)")
+        require(sorted(starts) == [[0], [1]],
+                f"the gate and up Slices start at {starts[0]} and {starts[1]}, expected 0 and 1 (interleaved)")
         for half, start in zip(("gate", "up"), starts):
             step = _ints(b[f"{half}_step"], f"{half} Slice step")
-            _require(step == [2], f"the {half} Slice step is {step}, expected 2 (interleaved)")
-            _require(_ints(b[f"{half}_axes"], f"{half} Slice axes") in ([1], [-1]),
-                     f"the {half} Slice is not on the last axis")
+            require(step == [2], f"the {half} Slice step is {step}, expected 2 (interleaved)")
+            require(_ints(b[f"{half}_axes"], f"{half} Slice axes") in ([1], [-1]),
+                    f"the {half} Slice is not on the last axis")
             end = _ints(b[f"{half}_end"], f"{half} Slice end")
-            _require(len(end) == 1 and len(range(start[0], min(end[0], two_i), 2)) == two_i // 2,
-                     f"the {half} Slice ends at {end}: not all I = {two_i // 2} columns")
+            require(len(end) == 1 and len(range(start[0], min(end[0], two_i), 2)) == two_i // 2,
+                    f"the {half} Slice ends at {end}: not all I = {two_i // 2} columns")
 
         gate_min = _bound(b["gate_min"], -math.inf, "gate clamp min")
-        _require(gate_min == -math.inf,
-                 f"the gate clamp has a lower bound ({gate_min}); MOE clamps the gate from above only")
+        require(gate_min == -math.inf,
+                f"the gate clamp has a lower bound ({gate_min}); MOE clamps the gate from above only")
         beta = _bound(b["gate_max"], math.inf, "gate clamp max")
-        _require(beta > 0, f"the gate clamp bound is {beta}, must be > 0")
+        require(beta > 0, f"the gate clamp bound is {beta}, must be > 0")
         up_min, up_max = _bound(b["up_min"], -math.inf, "up clamp min"), _bound(b["up_max"], math.inf, "up clamp max")
-        _require(up_min == -beta and up_max == beta,
-                 f"up is clamped to [{up_min}, {up_max}], expected [-{beta}, {beta}] (the gate's bound)")
-        _require(constant_scalar(b["one"]) == 1.0, f"up is offset by {constant_scalar(b['one'])}, expected +1")
+        require(up_min == -beta and up_max == beta,
+                f"up is clamped to [{up_min}, {up_max}], expected [-{beta}, {beta}] (the gate's bound)")
+        require(constant_scalar(b["one"]) == 1.0, f"up is offset by {constant_scalar(b['one'])}, expected +1")
         return _GptOssBlock(gate_up, gate_up_bias, down, down_bias, _alpha(b), beta, starts[0][0])
 
     def rewrite(self, op, tokens_TH, topk_indices_TK, routing_TK, **_):
@@ -307,16 +299,16 @@ class BatchedMmSwiglu(_BatchedMmFusion):
         gate_up = _weight(b["gate_up_E2IH"], dtype, "gate_up", (E, "2I", H), "[E, 2I, H]")
         two_i = gate_up.shape[1]
         down = _weight(b["down_EHI"], dtype, "down", (E, H, two_i // 2), "[E, H, I]")
-        _gathered(b, "gate_up_Tk2IH", "down_TkHI")
+        _require_plain_gathers(b, "gate_up_Tk2IH", "down_TkHI")
         for axis in ("gate_up_col_axis", "down_col_axis"):
-            _require(_ints(b[axis], "bmm Unsqueeze axes") in ([2], [-1]),
-                     "the bmm does not multiply [Tk, in, 1] columns")
+            require(_ints(b[axis], "bmm Unsqueeze axes") in ([2], [-1]),
+                    "the bmm does not multiply [Tk, in, 1] columns")
 
         split = b["first_half"].producer()
-        _require(split.attributes.get_int("axis", 0) in (1, -1), "gate_up is not split along its last axis")
+        require(split.attributes.get_int("axis", 0) in (1, -1), "gate_up is not split along its last axis")
         sizes = constant_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
         halves = sizes == [two_i // 2] * 2 if sizes is not None else split.attributes.get_int("num_outputs", 0) == 2
-        _require(halves, f"gate_up is not split into two halves of I = {two_i // 2}")
+        require(halves, f"gate_up is not split into two halves of I = {two_i // 2}")
         return _SwigluBlock(gate_up, down, b["gate_half"], _alpha(b))
 
     def rewrite(self, op, tokens_TH, topk_indices_TK, routing_TK, **_):

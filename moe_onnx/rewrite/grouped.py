@@ -4,8 +4,9 @@
     -> MoeRowParallelLinear (down) -> MoeFinalizeRouting
 
 which computes the same block for any activation and is the form tensor parallelism shards
-(MoeRowParallelLinear's K dimension). Weights are transposed offline into MoeRowParallelLinear's
-[E, N, K] layout, lazily (see _match.lazy_initializer).
+(MoeRowParallelLinear's K dimension). MoeRowParallelLinear takes its weights as [E, N, K]: the
+GEMM3 ones are that already, the GEMM2 ones are transposed offline, lazily (see
+_match.lazy_initializer).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from onnxscript.rewriter._context import TapeBuilder
 
 from ..ops import DOMAIN
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
-from ._match import Weight, weight, weight_value
+from ._match import Weight, int64s, weight, weight_value
 
-_OURS = dict(_domain=DOMAIN, _version=1)
+_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=1)
 
 
 def _attr(node: ir.Node, name: str, default):
@@ -41,7 +42,7 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
     else:
         w_enk = weight_value(op, w, name)
     inputs = [rows, offsets, w_enk] + ([bias] if bias is not None else [])
-    return op.MoeRowParallelLinear(*inputs, **_OURS)
+    return op.MoeRowParallelLinear(*inputs, **_IN_OUR_DOMAIN)
 
 
 def _swish(op, gate: ir.Value, alpha: float, dtype: ir.DataType) -> ir.Value:
@@ -50,6 +51,7 @@ def _swish(op, gate: ir.Value, alpha: float, dtype: ir.DataType) -> ir.Value:
 
 
 def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | None:
+    """The grouped chain for one MOE node: its nodes, new initializers and output (None: keep the node)."""
     hidden, routing, indices, w0, b0, w1, b1, w2 = (list(node.inputs) + [None] * 8)[:8]
     weights = [weight(w) for w in (w0, w1, w2)]
     if weights[0] is None or weights[1] is None or (w2 is not None and weights[2] is None):
@@ -61,15 +63,14 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
 
     op = TapeBuilder()
     hidden_size = weights[1].shape[2] if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else weights[0].shape[2]
-    rows_in = op.Reshape(hidden, op.Constant(value=ir.tensor(np.array([-1, hidden_size], np.int64))))
-    k = op.Constant(value=ir.tensor(np.array([-1], np.int64)))
-    shape_tk = op.Concat(k, op.Slice(op.Shape(indices), op.Constant(value=ir.tensor(np.array([-1], np.int64))),
-                                     op.Constant(value=ir.tensor(np.array([np.iinfo(np.int64).max], np.int64)))),
-                         axis=0)
+    rows_in = op.Reshape(hidden, int64s(op, [-1, hidden_size]))
+    minus_one = int64s(op, [-1])
+    k = op.Slice(op.Shape(indices), int64s(op, [-1]), int64s(op, [np.iinfo(np.int64).max]))  # [k]: the last dim
+    shape_tk = op.Concat(minus_one, k, axis=0)
     idx_tk = op.Reshape(indices, shape_tk)
     scales_tk = op.Reshape(routing, shape_tk)
-    rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **_OURS)
-    offsets = op.Concat(op.Constant(value=ir.tensor(np.zeros(1, np.int64))), cumsum, axis=0)
+    rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **_IN_OUR_DOMAIN)
+    offsets = op.Concat(int64s(op, [0]), cumsum, axis=0)
 
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
         beta = float(_attr(node, "expert_beta", 0.0))
@@ -78,8 +79,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
         two_i = weights[0].shape[2]
 
         def half(start: int) -> ir.Value:
-            const = [op.Constant(value=ir.tensor(np.array([v], np.int64))) for v in (start, two_i, -1, 2)]
-            return op.Slice(gate_up, const[0], const[1], const[2], const[3])
+            return op.Slice(gate_up, *(int64s(op, [v]) for v in (start, two_i, -1, 2)))
 
         gate, up = half(parity), half(1 - parity)
         if math.isfinite(beta):
@@ -92,7 +92,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
         up = _grouped_linear(op, rows, offsets, weights[1], "moe_up", False)
         down = _grouped_linear(op, op.Mul(_swish(op, gate, alpha, dtype), up), offsets, weights[2], "moe_down", False)
 
-    out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_OURS)
+    out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
     y = op.Reshape(out, op.Shape(hidden))
     return op.nodes, op.initializers, y
 

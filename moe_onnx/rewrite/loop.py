@@ -36,14 +36,10 @@ from onnxscript.rewriter._basics import MatchFailureError
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
 from ..ops.moe import GEMM3_SWIGLU
-from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, lazy_initializer, weight
+from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, is_zeros, \
+    lazy_initializer, require, weight
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
-
-
-def _require(ok: bool, reason: str) -> None:
-    if not ok:
-        raise MatchFailureError(reason)
 
 
 def _standard(node: ir.Node | None, op_type: str) -> bool:
@@ -53,8 +49,8 @@ def _standard(node: ir.Node | None, op_type: str) -> bool:
 def _producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
     """The node computing ``value``, which must be a standard ``op_type``."""
     node = None if value is None else value.producer()
-    _require(_standard(node, op_type),
-             f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
+    require(_standard(node, op_type),
+            f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
     return node
 
 
@@ -91,17 +87,17 @@ def _split_of(value: ir.Value, axis: int, what: str) -> tuple[ir.Node, int]:
     """The Split into rows/columns of one element that ``Squeeze(value, axis)`` takes; and which output."""
     squeeze = _producer(value, "Squeeze", what)
     split = _producer(squeeze.inputs[0], "Split", what)
-    _require(_axes(squeeze, 2) == [axis], f"{what}: Squeeze axes are not [{axis}]")
-    _require(split.attributes.get_int("axis", 0) == axis, f"{what}: Split axis is not {axis}")
+    require(_axes(squeeze, 2) == [axis], f"{what}: Squeeze axes are not [{axis}]")
+    require(split.attributes.get_int("axis", 0) == axis, f"{what}: Split axis is not {axis}")
     sizes = _ints_input_or_attr(split, 1, "split")
-    _require(sizes is None or sizes == [1] * len(split.outputs), f"{what}: Split sizes {sizes} are not all 1")
+    require(sizes is None or sizes == [1] * len(split.outputs), f"{what}: Split sizes {sizes} are not all 1")
     return split, list(split.outputs).index(squeeze.inputs[0])
 
 
 def _nonzero_of(value: ir.Value, what: str) -> ir.Value:
     """The input of ``Transpose(NonZero(x), perm=[1, 0])`` (the exporter's torch.where/nonzero)."""
     transpose = _producer(value, "Transpose", what)
-    _require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
+    require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
     return _producer(transpose.inputs[0], "NonZero", what).inputs[0]
 
 
@@ -121,12 +117,6 @@ def _first_row(value: ir.Value, hidden: int) -> bool:
     ranges = {axis % 2: (start, end, step) for axis, start, end, step in zip(axes, starts, ends, steps)}
     start, end, step = ranges.get(1, (0, hidden, 1))
     return ranges.get(0) == (0, 1, 1) and (start, step) == (0, 1) and end >= hidden
-
-
-def _is_zero_fill(node: ir.Node) -> bool:
-    """A ConstantOfShape filled with zeros."""
-    fill = node.attributes.get("value")
-    return fill is None or not np.any(fill.as_tensor().numpy())
 
 
 def _accumulation(node: ir.Node | None) -> tuple[ir.Value, ir.Node] | None:
@@ -173,7 +163,7 @@ class _Branch:
     scope_expert: int | None  # the e of the ".../experts.<e>/..." node names, when they all agree
 
 
-def _silu_input(value: ir.Value) -> tuple[ir.Value, float] | None:
+def _swish_operand(value: ir.Value) -> tuple[ir.Value, float] | None:
     """``(g, alpha)`` when ``value`` is ``g * Sigmoid(alpha * g)`` (alpha 1: plain SiLU)."""
     node = value.producer()
     if not _standard(node, "Mul"):
@@ -197,7 +187,7 @@ def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
     """``(x, W, node)`` of ``value = MatMul(x, W)`` with a constant matrix W."""
     matmul = _producer(value, "MatMul", what)
     w = weight(matmul.inputs[1])
-    _require(w is not None and len(w.shape) == 2, f"{what} weight is not a constant matrix")
+    require(w is not None and len(w.shape) == 2, f"{what} weight is not a constant matrix")
     return matmul.inputs[0], w, matmul
 
 
@@ -207,40 +197,40 @@ def _expert(y_NH: ir.Value, where: str) -> tuple[ir.Value, Weight, Weight, Weigh
     product_NI, down, down_mm = _linear(y_NH, f"{where}: the down projection")
     product = _producer(product_NI, "Mul", f"{where}: the down projection input")
     for act, up_value in (product.inputs, reversed(product.inputs)):
-        silu = _silu_input(act)
-        if silu is not None:
+        swish = _swish_operand(act)
+        if swish is not None:
             break
     else:
         raise MatchFailureError(f"{where}: neither factor of the gated product is swish(g) = g * Sigmoid(alpha * g)")
-    x_NH, gate, gate_mm = _linear(silu[0], f"{where}: the gate projection")
+    x_NH, gate, gate_mm = _linear(swish[0], f"{where}: the gate projection")
     x_up, up, up_mm = _linear(up_value, f"{where}: the up projection")
-    _require(x_up is x_NH, f"{where}: the gate and up projections read different inputs")
-    return x_NH, gate, up, down, silu[1], [gate_mm, up_mm, down_mm]
+    require(x_up is x_NH, f"{where}: the gate and up projections read different inputs")
+    return x_NH, gate, up, down, swish[1], [gate_mm, up_mm, down_mm]
 
 
 def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value, where: str) -> ir.Value:
     """The [T, K] routing weights that ``w_N1 = routing_TK[token_N, slot_N, None]`` gathers."""
     shape = _static_shape(w_N1)
-    _require(shape is not None and len(shape) == 2 and shape[1] == 1, f"{where}: the routing weight is not [N, 1]")
+    require(shape is not None and len(shape) == 2 and shape[1] == 1, f"{where}: the routing weight is not [N, 1]")
     value = w_N1
     while _standard(value.producer(), "Reshape"):  # reshapes to [N, 1] keep the element order
         value = value.producer().inputs[0]
     gather = _producer(value, "Gather", f"{where}: the routing weight")
-    _require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the routing weight Gather axis is not 0")
+    require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the routing weight Gather axis is not 0")
     flatten = _producer(gather.inputs[0], "Flatten", f"{where}: the gathered routing weights")
-    _require(flatten.attributes.get_int("axis", 1) == 2, f"{where}: the routing weights Flatten axis is not 2")
+    require(flatten.attributes.get_int("axis", 1) == 2, f"{where}: the routing weights Flatten axis is not 2")
     unsqueeze = _producer(flatten.inputs[0], "Unsqueeze", f"{where}: the flattened routing weights")
     routing_TK = unsqueeze.inputs[0]
     shape = _static_shape(routing_TK)
-    _require(shape is not None and len(shape) == 2 and shape[1] is not None,
-             f"{where}: the routing weights are not [T, K]")
-    _require(_axes(unsqueeze, 3) == [2], f"{where}: the routing weights are not unsqueezed on axis 2")
+    require(shape is not None and len(shape) == 2 and shape[1] is not None,
+            f"{where}: the routing weights are not [T, K]")
+    require(_axes(unsqueeze, 3) == [2], f"{where}: the routing weights are not unsqueezed on axis 2")
     # the flat index into [T * K, 1] must be slot + token * K
     add = _producer(gather.inputs[1], "Add", f"{where}: the routing weight index")
-    _require(slot_N in add.inputs, f"{where}: the routing weight index does not add the slot")
+    require(slot_N in add.inputs, f"{where}: the routing weight index does not add the slot")
     scaled_token = add.inputs[1] if add.inputs[0] is slot_N else add.inputs[0]
     mul = _producer(scaled_token, "Mul", f"{where}: the routing weight index")
-    _require(token_N in mul.inputs, f"{where}: the routing weight index does not scale the token")
+    require(token_N in mul.inputs, f"{where}: the routing weight index does not scale the token")
     k = mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0]
     k_value = constant_ints(k)
     if k_value is None:  # Gather(Shape(routing_TK1), 1)
@@ -248,7 +238,7 @@ def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value, where: str) ->
         of_shape = _producer(dim.inputs[0], "Shape", f"{where}: the routing weight row length")
         axis = constant_ints(dim.inputs[1])
         k_value = [shape[1]] if of_shape.inputs[0] is unsqueeze.outputs[0] and axis == [1] else None
-    _require(k_value == [shape[1]], f"{where}: the routing weight index does not step by K = {shape[1]} per token")
+    require(k_value == [shape[1]], f"{where}: the routing weight index does not step by K = {shape[1]} per token")
     return routing_TK
 
 
@@ -256,10 +246,10 @@ def _mask_row(row_KT: ir.Value, where: str) -> tuple[ir.Value, ir.Value]:
     """``(mask_EKT, row index)`` of ``row_KT = mask_EKT[index]`` (Gather, Squeeze of a 1-element index)."""
     node = row_KT.producer()
     if _standard(node, "Squeeze"):
-        _require(_axes(node, 3) == [0], f"{where}: the mask row Squeeze axes are not [0]")
+        require(_axes(node, 3) == [0], f"{where}: the mask row Squeeze axes are not [0]")
         row_KT = node.inputs[0]
     gather = _producer(row_KT, "Gather", f"{where}: the mask row")
-    _require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the mask row Gather axis is not 0")
+    require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the mask row Gather axis is not 0")
     return gather.inputs[0], gather.inputs[1]
 
 
@@ -268,55 +258,55 @@ def _hit_position(index: ir.Value, mask_EKT: ir.Value, where: str) -> tuple[ir.N
     split, position = _split_of(index, 0, f"{where}: the hit expert index")
     hit = _nonzero_of(split.inputs[0], f"{where}: the hit experts")
     greater = _producer(hit, "Greater", f"{where}: the hit experts")
-    _require(constant_scalar(greater.inputs[1]) == 0, f"{where}: the hit experts are not those with a count > 0")
+    require(constant_scalar(greater.inputs[1]) == 0, f"{where}: the hit experts are not those with a count > 0")
     reduce = _producer(greater.inputs[0], "ReduceSum", f"{where}: the expert counts")
-    _require(reduce.inputs[0] is mask_EKT, f"{where}: the expert counts are not summed over the expert mask")
-    _require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
-             f"{where}: the expert counts are not summed over (slot, token) to [E]")
+    require(reduce.inputs[0] is mask_EKT, f"{where}: the expert counts are not summed over the expert mask")
+    require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
+            f"{where}: the expert counts are not summed over (slot, token) to [E]")
     return split, position
 
 
 def _branch(scatter: ir.Node, where: str) -> _Branch:
     """Reads and verifies the branch whose result ``scatter`` writes."""
-    _require(scatter.attributes.get_int("axis", 0) == 0, f"{where}: ScatterElements axis is not 0")
+    require(scatter.attributes.get_int("axis", 0) == 0, f"{where}: ScatterElements axis is not 0")
     reduction = scatter.attributes.get_string("reduction", "none")
-    _require(reduction in ("none", "add"), f"{where}: ScatterElements reduction is {reduction!r}")
-    _require(_is_zero_fill(scatter.inputs[0].producer()), f"{where}: the scatter target is not zeros")
+    require(reduction in ("none", "add"), f"{where}: ScatterElements reduction is {reduction!r}")
+    require(is_zeros(scatter.inputs[0]), f"{where}: the scatter target is not zeros")
     zeros_shape = _static_shape(scatter.inputs[0])
-    _require(zeros_shape is not None and len(zeros_shape) == 2 and zeros_shape[1] is not None,
-             f"{where}: the accumulator is not [T, H] with a static H")
+    require(zeros_shape is not None and len(zeros_shape) == 2 and zeros_shape[1] is not None,
+            f"{where}: the accumulator is not [T, H] with a static H")
     hidden = zeros_shape[1]
 
     # updates: Expand(Mul(y_NH, w_N1), Shape(acc[:1])), a broadcast to [N, H] that changes nothing
     updates = scatter.inputs[2]
     expand = _producer(updates, "Expand", f"{where}: the scattered rows")
     target = _producer(expand.inputs[1], "Shape", f"{where}: the scattered rows' shape").inputs[0]
-    _require(_static_shape(target) == (1, hidden) or _first_row(target, hidden), f"{where}: the scattered rows are not "
-             "expanded to the shape of one accumulator row")
+    require(_static_shape(target) == (1, hidden) or _first_row(target, hidden), f"{where}: the scattered rows are not "
+            "expanded to the shape of one accumulator row")
     weighted = _producer(_skip_identity_casts(expand.inputs[0]), "Mul", f"{where}: the weighted expert output")
 
     # index: Expand(Unsqueeze(token_N, 1), Shape(updates)): row r of the updates goes to token_N[r]
     index = _producer(scatter.inputs[1], "Expand", f"{where}: the scatter index")
-    _require(_producer(index.inputs[1], "Shape", f"{where}: the scatter index shape").inputs[0] is updates,
-             f"{where}: the scatter index is not expanded to the updates' shape")
+    require(_producer(index.inputs[1], "Shape", f"{where}: the scatter index shape").inputs[0] is updates,
+            f"{where}: the scatter index is not expanded to the updates' shape")
     unsqueeze = _producer(index.inputs[0], "Unsqueeze", f"{where}: the scatter index")
-    _require(_axes(unsqueeze, 2) == [1], f"{where}: the scatter index is not unsqueezed on axis 1")
+    require(_axes(unsqueeze, 2) == [1], f"{where}: the scatter index is not unsqueezed on axis 1")
     token_N = unsqueeze.inputs[0]
 
     # token_N and slot_N: the two columns of NonZero(mask row)
     split, column = _split_of(token_N, 1, f"{where}: the routed tokens")
-    _require(column == 1 and len(split.outputs) == 2,
-             f"{where}: the routed tokens are not column 1 of NonZero(mask row)")
+    require(column == 1 and len(split.outputs) == 2,
+            f"{where}: the routed tokens are not column 1 of NonZero(mask row)")
     slot_N = next((user.outputs[0] for user in split.outputs[0].consumers() if _standard(user, "Squeeze")), None)
-    _require(slot_N is not None and _split_of(slot_N, 1, f"{where}: the slots") == (split, 0),
-             f"{where}: the slots are not column 0 of NonZero(mask row)")
+    require(slot_N is not None and _split_of(slot_N, 1, f"{where}: the slots") == (split, 0),
+            f"{where}: the slots are not column 0 of NonZero(mask row)")
     row = _nonzero_of(split.inputs[0], f"{where}: the routed tokens")
     cast = row.producer()
     if _standard(cast, "Cast"):
-        _require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL,
-                 f"{where}: the mask row is cast to a non-bool type")
+        require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL,
+                f"{where}: the mask row is cast to a non-bool type")
         row = cast.inputs[0]
-    _require(_static_shape(row) is not None and len(row.shape) == 2, f"{where}: the mask row is not [K, T]")
+    require(_static_shape(row) is not None and len(row.shape) == 2, f"{where}: the mask row is not [K, T]")
     mask_EKT, row_index = _mask_row(row, where)
 
     # the weighted expert output
@@ -330,17 +320,17 @@ def _branch(scatter: ir.Node, where: str) -> _Branch:
 
     # x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1)) to [N, H]
     reshape = _producer(x_NH, "Reshape", f"{where}: the expert input")
-    _require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
-             f"{where}: the expert input is not [N, {hidden}]")
+    require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
+            f"{where}: the expert input is not [N, {hidden}]")
     picked = _producer(reshape.inputs[0], "Gather", f"{where}: the expert input")
-    _require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
-             f"{where}: the expert input does not gather the routed tokens on axis 1")
+    require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
+            f"{where}: the expert input does not gather the routed tokens on axis 1")
     lifted = _producer(picked.inputs[0], "Unsqueeze", f"{where}: the gathered tokens")
-    _require(_axes(lifted, 3) == [0], f"{where}: the tokens are not unsqueezed on axis 0")
+    require(_axes(lifted, 3) == [0], f"{where}: the tokens are not unsqueezed on axis 0")
 
     constant_row = constant_ints(row_index)
     if constant_row is not None:
-        _require(len(constant_row) == 1, f"{where}: the mask row index {constant_row} is not one row")
+        require(len(constant_row) == 1, f"{where}: the mask row index {constant_row} is not one row")
         row_ref: int | tuple[ir.Node, int] = constant_row[0]
     else:
         row_ref = _hit_position(row_index, mask_EKT, where)
@@ -368,28 +358,28 @@ class _Block:
 def _router(mask_EKT: ir.Value, routing_TK: ir.Value) -> tuple[ir.Value, int]:
     """The TopK indices the expert mask one-hot encodes, and E; checks depth, values and layout."""
     transpose = _producer(mask_EKT, "Transpose", "the expert mask")
-    _require(list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
-             "the expert mask is not OneHot permuted [2, 1, 0]")
+    require(list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
+            "the expert mask is not OneHot permuted [2, 1, 0]")
     onehot = _producer(transpose.inputs[0], "OneHot", "the expert mask")
-    _require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
+    require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
     values = constant(onehot.inputs[2])
-    _require(values is not None and values.reshape(-1).tolist() == [0, 1],
-             "the expert mask OneHot values are not [0, 1]")
+    require(values is not None and values.reshape(-1).tolist() == [0, 1],
+            "the expert mask OneHot values are not [0, 1]")
     depth = constant_ints(onehot.inputs[1])
-    _require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
+    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
     experts = depth[0]
     topk_indices_TK = onehot.inputs[0]
     topk = topk_indices_TK.producer()
-    _require(_standard(topk, "TopK") and topk.outputs[1] is topk_indices_TK,
-             "the expert mask does not encode TopK indices")
+    require(_standard(topk, "TopK") and topk.outputs[1] is topk_indices_TK,
+            "the expert mask does not encode TopK indices")
     scores = _static_shape(topk.inputs[0])
-    _require(topk.attributes.get_int("axis", -1) in (-1, 1) and scores is not None and len(scores) == 2,
-             "the TopK does not select over the last axis of [T, E] router scores")
-    _require(scores[1] == experts,
-             f"the expert mask OneHot depth {experts} differs from the router's width {scores[1]}")
+    require(topk.attributes.get_int("axis", -1) in (-1, 1) and scores is not None and len(scores) == 2,
+            "the TopK does not select over the last axis of [T, E] router scores")
+    require(scores[1] == experts,
+            f"the expert mask OneHot depth {experts} differs from the router's width {scores[1]}")
     k = constant_ints(topk.inputs[1])
-    _require(k is not None and k == [_static_shape(routing_TK)[1]],
-             f"TopK k = {k} differs from the routing weights' width {_static_shape(routing_TK)[1]}")
+    require(k is not None and k == [_static_shape(routing_TK)[1]],
+            f"TopK k = {k} differs from the routing weights' width {_static_shape(routing_TK)[1]}")
     return topk_indices_TK, experts
 
 
@@ -398,22 +388,22 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
     if all(isinstance(b.row, int) for b in branches):
         numbers = [b.row for b in branches]
     else:
-        _require(all(not isinstance(b.row, int) for b in branches),
-                 "the branches mix constant and hit-expert mask rows")
+        require(all(not isinstance(b.row, int) for b in branches),
+                "the branches mix constant and hit-expert mask rows")
         splits = {b.row[0] for b in branches}
-        _require(len(splits) == 1, "the branches read the hit experts of different Splits")
+        require(len(splits) == 1, "the branches read the hit experts of different Splits")
         positions = [b.row[1] for b in branches]
         hits = len(next(iter(splits)).outputs)
-        _require(sorted(positions) == list(range(hits)), f"the branches read hit experts {positions} of {hits}")
+        require(sorted(positions) == list(range(hits)), f"the branches read hit experts {positions} of {hits}")
         if hits == experts:  # the i-th of all E experts in increasing order is expert i
             numbers = positions
         else:  # the trace missed some experts; only the branches' scope names tell which ones it hit
             numbers = [b.scope_expert for b in branches]
             by_position = [n for _, n in sorted(zip(positions, numbers, strict=True))]
-            _require(None not in numbers and by_position == sorted(set(by_position)),
-                     f"the loop has {hits} of {experts} experts and its node names do not say which")
-    _require(all(0 <= n < experts for n in numbers), f"expert rows {numbers} are outside [0, {experts})")
-    _require(len(set(numbers)) == len(numbers), f"two branches compute the same expert ({sorted(numbers)})")
+            require(None not in numbers and by_position == sorted(set(by_position)),
+                    f"the loop has {hits} of {experts} experts and its node names do not say which")
+    require(all(0 <= n < experts for n in numbers), f"expert rows {numbers} are outside [0, {experts})")
+    require(len(set(numbers)) == len(numbers), f"two branches compute the same expert ({sorted(numbers)})")
     return numbers
 
 
@@ -425,26 +415,27 @@ def _block(last: ir.Node) -> _Block:
         acc_TH, scatter = step
         scatters.append(scatter)
         node = acc_TH.producer()
-    _require(_standard(node, "ConstantOfShape") and _is_zero_fill(node), "the accumulation does not start from zeros")
+    require(_standard(node, "ConstantOfShape") and is_zeros(node.outputs[0]),
+            "the accumulation does not start from zeros")
     scatters.reverse()
     labels = [f"branch {i} ('{scatter.name}')" for i, scatter in enumerate(scatters)]
     branches = [_branch(scatter, label) for scatter, label in zip(scatters, labels, strict=True)]
 
     first = branches[0]
     for name in ("mask_EKT", "tokens_TH", "routing_TK"):
-        _require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
+        require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
     dtype = first.tokens_TH.dtype
     tokens_shape = _static_shape(first.tokens_TH)
-    _require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
-             "the tokens are not [T, H] with a static H")
+    require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
+            "the tokens are not [T, H] with a static H")
     hidden = tokens_shape[1]
     intermediate = first.gate_HI.shape[1]
     for b, where in zip(branches, labels, strict=True):
         for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"), (b.up_HI, (hidden, intermediate), "up"),
                                (b.down_IH, (intermediate, hidden), "down")):
-            _require(w.shape == shape, f"{where}: the {what} weight is {list(w.shape)}, expected {list(shape)}")
-            _require(w.dtype == dtype, f"{where}: the {what} weight is {w.dtype}, the tokens are {dtype}")
-        _require(b.alpha == first.alpha, f"{where}: swish alpha {b.alpha:g} differs from {first.alpha:g}")
+            require(w.shape == shape, f"{where}: the {what} weight is {list(w.shape)}, expected {list(shape)}")
+            require(w.dtype == dtype, f"{where}: the {what} weight is {w.dtype}, the tokens are {dtype}")
+        require(b.alpha == first.alpha, f"{where}: swish alpha {b.alpha:g} differs from {first.alpha:g}")
     topk_indices_TK, experts = _router(first.mask_EKT, first.routing_TK)
     numbers = _expert_numbers(branches, experts)
 

@@ -34,8 +34,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, pattern
 
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, same_scalar, weight, \
-    weight_value
+from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, int64s, is_zeros, \
+    same_scalar, weight, weight_value
 
 # One element of a small int64 shape tensor: a known int, (value, axis) for a dim known only at run
 # time, or None when unknown.
@@ -93,8 +93,7 @@ def _show(dims: list[_Dim] | None) -> str:
 
 def _shape_value(op, dims: list[_Dim]) -> ir.Value:
     """A shape tensor with these elements (run-time dims read again with Shape)."""
-    parts = [op.Constant(value=ir.tensor(np.array([d], np.int64))) if isinstance(d, int)
-             else op.Shape(d[0], start=d[1], end=d[1] + 1) for d in dims]
+    parts = [int64s(op, [d]) if isinstance(d, int) else op.Shape(d[0], start=d[1], end=d[1] + 1) for d in dims]
     return op.Concat(*parts, axis=0)
 
 
@@ -139,20 +138,6 @@ def _tiling_problem(tokens_TH: ir.Value, expand_shape, repeats, tokens_shape, ex
     return None
 
 
-def _is_zeros(value: ir.Value) -> bool:
-    """A zero constant, ConstantOfShape(0), or an Expand of either."""
-    array = constant(value)
-    if array is not None:
-        return not array.any()
-    node = value.producer()
-    if node is None:
-        return False
-    if node.op_type == "ConstantOfShape":
-        fill = node.attributes.get_tensor("value")
-        return fill is None or not fill.numpy().any()
-    return node.op_type == "Expand" and _is_zeros(node.inputs[0])
-
-
 def _scalar_text(value: ir.Value | None) -> str:
     array = constant(value)
     if array is None:
@@ -169,7 +154,7 @@ def _routing_problem(dense_TE: ir.Value, experts: int) -> str | None:
         return f"ScatterElements axis {scatter.attributes.get_int('axis', 0)}; expected 1 (experts)"
     if scatter.attributes.get_string("reduction", "none") != "none":
         return f"ScatterElements reduction {scatter.attributes.get_string('reduction')}; expected none"
-    if not _is_zeros(scatter.inputs[0]):
+    if not is_zeros(scatter.inputs[0]):
         return "ScatterElements does not write into zeros"
     if dense_TE.shape is None or len(dense_TE.shape) != 2 or dense_TE.shape[1] != experts:
         return f"dense routing weights of shape {dense_TE.shape}; expected [T, {experts}]"
@@ -263,7 +248,8 @@ class _TiledFusion(MoeFusion):
 # ----------------------------------------------------------------------------- GPT-OSS
 
 def _interleaved_start(node: ir.Node, n: int) -> int | str:
-    """0 or 1 when the Slice takes every other column [start::2] of the last axis of [E, T, n]."""
+    """The start, 0 or 1, of a Slice that takes every other column [start::2] of the last axis of
+    [E, T, n]; else why it does not."""
     starts, ends, axes, steps = (constant_ints(v) for v in (list(node.inputs) + [None] * 5)[1:5])
     if starts not in ([0], [1]) or steps != [2] or axes not in ([2], [-1]) or ends is None or ends[0] < n:
         return f"starts={starts} ends={ends} axes={axes} steps={steps}; expected [0] or [1], [>= {n}], [-1], [2]"
