@@ -99,6 +99,8 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
         elif isinstance(model, bytes):
             model = onnx.ModelProto.FromString(model)
         model = _python_model(model)
+    else:
+        model = _cpp_model(model)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif isinstance(model, os.PathLike):
@@ -149,6 +151,51 @@ def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray],
         else:
             result.append(out.numpy())
     return result
+
+
+# ----------------------------------------------------------------------------- C++ library's private domain
+
+CPP_PRIVATE_DOMAIN = "moe_onnx.cpp"  # custom_ops/src/ops.cc
+
+
+def _graphs(graph: onnx.GraphProto):
+    """The graph and its subgraphs, depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else list(attr.graphs)):
+                yield from _graphs(sub)
+
+
+def _quantizing_init_routing(node: onnx.NodeProto) -> bool:
+    from .ops import DOMAIN
+
+    quant = next((a.i for a in node.attribute if a.name == "quant_mode"), -1)
+    return node.domain == DOMAIN and node.op_type == "MoeInitRouting" and quant in (0, 1)
+
+
+def _cpp_model(model: str | os.PathLike | bytes | onnx.ModelProto):
+    """``model``, or a copy whose quantizing MoeInitRouting nodes are in the C++ library's private
+    domain: their expanded_x is int8 whatever x is, and onnxruntime takes output types from the
+    registration that matches the input types, so these nodes need a registration of their own."""
+    proto = model
+    if isinstance(model, (str, os.PathLike)):
+        proto = onnx.load(os.fspath(model), load_external_data=False)
+    elif isinstance(model, bytes):
+        proto = onnx.ModelProto.FromString(model)
+    if not any(_quantizing_init_routing(n) for g in _graphs(proto.graph) for n in g.node):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        onnx.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(os.fspath(model))))
+    elif proto is model:
+        proto = onnx.ModelProto.FromString(model.SerializeToString())
+    for graph in _graphs(proto.graph):
+        for node in graph.node:
+            if _quantizing_init_routing(node):
+                node.domain = CPP_PRIVATE_DOMAIN
+    if not any(o.domain == CPP_PRIVATE_DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid(CPP_PRIVATE_DOMAIN, 1))
+    return proto
 
 
 # ----------------------------------------------------------------------------- python host protocol

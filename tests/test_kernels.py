@@ -1,5 +1,7 @@
 """Every case of every op's table on the onnxruntime backends (C++ kernels, Python kernels),
-against the numpy reference; plus a property test of the MOE C++ kernel over random shapes/modes.
+against the numpy reference; property tests of the C++ kernels over random shapes/modes; and the
+grouped chain (MoeInitRouting -> MoeRowParallelLinear -> MoeFinalizeRouting) of optimized fixtures
+on the C++ kernels against the original exported graph.
 
 A valid case must give the reference's outputs (the case's rtol/atol); an invalid case must raise
 an onnxruntime error whose message matches the case's regex, on both backends.
@@ -7,6 +9,7 @@ an onnxruntime error whose message matches the case's regex, on both backends.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -15,15 +18,19 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from cases import ALL_CASES, Case
+from cases import finalize_routing as finalize_cases
+from cases import init_routing as init_cases
+from cases import row_parallel_linear as linear_cases
 from cases.moe import BF16, GEMM2, GEMM3, TOL, make_inputs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import moe_onnx
 from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
 
-CPP_OPS = {"MOE"}  # ops with a C++ kernel so far
+CPP_OPS = {"MOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}  # ops with a C++ kernel
 CPP_CASES = [c for c in ALL_CASES if c.op in CPP_OPS]
 
 
@@ -74,7 +81,33 @@ def test_python(case):
     check(case, "python")
 
 
-@pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None], ids=lambda c: c.id)
+def _larger_cases() -> list[Case]:
+    """Cases big enough that the kernels split the work into many tasks."""
+    rng = np.random.default_rng(7)
+    offsets = (0, 40, 41, 41, 200, 290)
+    linear = [linear_cases._case(f"larger_{np.dtype(t).name}", lead=(300,), k=70, n=90, offsets=offsets, dtype=t)
+              for t in (np.float32, BF16, np.int8)]
+    wide = linear_cases._case("larger_k1024", lead=(30,), k=1024, n=20, offsets=(0, 7, 7, 30))  # a 4 KB row stride
+    linear.append(dataclasses.replace(wide, rtol=1e-4, atol=1e-4))
+    ids = rng.integers(-1, 8, size=(300, 3))
+    init = [init_cases._case("larger_dynamic_quant", {"expert_num": 8, "quant_mode": 1, "active_expert_range": [1, 7]},
+                             tokens=300, hidden=40, experts=8, k=3, ids=ids, scale=init_cases._f32(6, 40)),
+            init_cases._case("larger_drop_pad", {"expert_num": 8, "drop_pad_mode": 1, "expert_capacity": 50},
+                             tokens=300, hidden=40, experts=8, k=3, ids=ids, dtype=np.float16)]
+    finalize = [finalize_cases.routed_case("larger_scatter", {"row_idx_type": 1, "active_expert_range": [0, 6]},
+                                           tokens=300, hidden=40, experts=8, k=3, ids=ids)]
+    return linear + init + finalize
+
+
+LARGER_CASES = _larger_cases()
+
+
+@pytest.mark.parametrize("case", LARGER_CASES, ids=lambda c: c.id)
+def test_cpp_larger(case):
+    check(case, "cpp")
+
+
+@pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None] + LARGER_CASES, ids=lambda c: c.id)
 def test_cpp_threads_identical(case):
     one, two = run_case(case, "cpp", threads=1), run_case(case, "cpp", threads=2)
     for a, b in zip(one, two):
@@ -121,8 +154,133 @@ def test_moe_cpp_property(case):
     check(case, "cpp")
 
 
+# ----------------------------------------------------------------------------- routing ops property tests
+
+def _random_ids(rng, tokens: int, k: int, experts: int, dtype) -> np.ndarray:
+    """Expert ids in [-1, experts): -1 and ids outside an active range are not routed."""
+    return rng.integers(-1, experts, size=(tokens, k)).astype(dtype)
+
+
+@st.composite
+def init_routing_cases(draw):
+    dtype = draw(st.sampled_from([np.float32, np.float16, BF16, np.int8]))
+    experts, k, tokens, hidden = draw(st.integers(1, 6)), draw(st.integers(1, 3)), draw(st.integers(0, 12)), \
+        draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    quant = -1 if dtype == np.int8 else draw(st.sampled_from([-1, 0, 1]))
+    attrs = {"expert_num": experts, "quant_mode": quant, "expert_tokens_num_type": draw(st.sampled_from([0, 1, 2])),
+             "expert_tokens_num_flag": draw(st.sampled_from([0, 1]))}
+    start, end = 0, experts
+    if draw(st.booleans()):  # drop/pad
+        attrs.update(drop_pad_mode=1, expert_capacity=draw(st.integers(1, 4)),
+                     expert_tokens_num_type=draw(st.sampled_from([0, 1])))
+    else:
+        start = draw(st.integers(0, experts - 1))
+        end = draw(st.integers(start + 1, experts))
+        attrs.update(active_expert_range=[start, end], row_idx_type=draw(st.sampled_from([0, 1])),
+                     active_num=draw(st.sampled_from([-1, 0, 1, 3, tokens * k, tokens * k + 2])))
+    scale = offset = None
+    if quant == -1 and draw(st.booleans()):
+        scale = rng.uniform(0.5, 2.0, tokens).astype(np.float32)
+    elif quant == 0:
+        scale = rng.uniform(5, 60, draw(st.sampled_from([1, hidden]))).astype(np.float32)
+        if draw(st.booleans()):
+            offset = rng.uniform(-3, 3, draw(st.sampled_from([1, hidden]))).astype(np.float32)
+    elif quant == 1 and draw(st.booleans()):
+        scale = rng.uniform(0.5, 2.0, (draw(st.sampled_from([1, end - start])), hidden)).astype(np.float32)
+    x, _ = init_cases.make_inputs(tokens, hidden, experts, k, dtype=dtype, ids=np.zeros((tokens, k)), seed=seed,
+                                  spread=draw(st.sampled_from([1.0, 4.0])))
+    if dtype != np.int8 and tokens and draw(st.integers(0, 4)) == 0:  # NaN/inf in one row
+        x[rng.integers(tokens), rng.integers(hidden)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    ids = _random_ids(rng, tokens, k, experts, draw(st.sampled_from([np.int32, np.int64])))
+    outputs = 2 if attrs["expert_tokens_num_flag"] == 0 else None
+    return Case("MoeInitRouting", "random", [x, ids, scale, offset], attrs, outputs=outputs, rtol=0, atol=0)
+
+
+@st.composite
+def row_parallel_linear_cases(draw):
+    dtype = draw(st.sampled_from([np.float32, np.float16, BF16, np.int8]))
+    experts, k, n = draw(st.integers(1, 5)), draw(st.integers(0, 37)), draw(st.integers(0, 37))
+    lead = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=3)))
+    rows = int(np.prod(lead))
+    offsets = sorted(draw(st.lists(st.integers(0, rows), min_size=experts + 1, max_size=experts + 1)))
+    bias = draw(st.booleans())
+    inputs = linear_cases.make_inputs(offsets=offsets, lead=lead, k=k, n=n, dtype=dtype, bias=bias,
+                                      seed=draw(st.integers(0, 2**31 - 1)))
+    if dtype == np.int8 and bias and draw(st.booleans()):  # the bias add wraps like numpy's int32
+        inputs[3] = inputs[3] + np.int32(2**31 - 1000)
+    attrs = {"bias_term": int(bias)} if draw(st.booleans()) else {}
+    constant = draw(st.sampled_from([(2, 3), (1, 2, 3), ()]))  # W (and B, offsets) initializers or runtime
+    rtol, atol = linear_cases.TOL.get(np.dtype(dtype), (0, 0))
+    return Case("MoeRowParallelLinear", "random", inputs, attrs, constant=constant, rtol=max(rtol, 1e-5 if rtol else 0),
+                atol=max(atol, 1e-4 if atol else 0))
+
+
+@st.composite
+def finalize_routing_cases(draw):
+    experts, k, tokens = draw(st.integers(1, 6)), draw(st.integers(1, 3)), draw(st.integers(0, 12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    init = {}
+    if draw(st.booleans()):
+        init.update(drop_pad_mode=1, expert_capacity=draw(st.integers(1, 4)))
+    else:
+        start = draw(st.integers(0, experts - 1))
+        init.update(active_expert_range=[start, draw(st.integers(start + 1, experts))],
+                    row_idx_type=draw(st.sampled_from([0, 1])),
+                    active_num=draw(st.sampled_from([-1, 1, 3, tokens * k + 1])))
+    residuals = draw(st.lists(st.sampled_from(["x1", "x2", "scales"]), unique=True))
+    given_ = tuple(residuals) + (("bias", "expert_idx") if draw(st.booleans()) or not residuals else ())
+    ids = _random_ids(np.random.default_rng(seed), tokens, k, experts, np.int64)
+    return finalize_cases.routed_case("random", init, tokens=tokens, hidden=draw(st.integers(1, 12)), experts=experts,
+                                      k=k, ids=ids, dtype=draw(st.sampled_from([np.float32, np.float16, BF16])),
+                                      index_dtype=draw(st.sampled_from([np.int32, np.int64])), given=given_, seed=seed)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(init_routing_cases())
+def test_init_routing_cpp_property(case):
+    check(case, "cpp")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(row_parallel_linear_cases())
+def test_row_parallel_linear_cpp_property(case):
+    check(case, "cpp")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(finalize_routing_cases())
+def test_finalize_routing_cpp_property(case):
+    check(case, "cpp")
+
+
+# ----------------------------------------------------------------------------- grouped chain end to end
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "models", "fixtures")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_batched_mm_tiny", "gpt_oss_tiled_tiny", "mixtral_tiled3_tiny"])
+def test_grouped_target_cpp_matches_original(name):
+    """optimize(target="grouped") run on the C++ kernels equals the exported graph on onnxruntime."""
+    path = os.path.join(FIXTURES, f"{name}.onnx")
+    grouped, _ = moe_onnx.optimize(path, target="grouped")
+    ours = {n.op_type for n in grouped.graph.node if n.domain == moe_onnx.DOMAIN}
+    assert ours == {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}
+    original = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    hidden = original.get_inputs()[0].shape[-1]
+    fast = session(grouped, sess_options=options(2))
+    for shape in [(2, 5, hidden), (1, 1, hidden), (3, 17, hidden)]:
+        feeds = {original.get_inputs()[0].name: np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+        expected = original.run(None, feeds)
+        got = fast.run(None, feeds)
+        assert np.abs(expected[0]).max() > 1e-3  # the block contributes
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_portable_gemm_fallback():
-    """The portable GEMM (no AVX2) gives the reference's results too (run in a fresh process)."""
+    """The portable GEMMs (no AVX2; float and int8) give the reference's results too (run in a fresh process)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -133,13 +291,14 @@ import numpy as np
 sys.path.insert(0, sys.argv[1])
 import moe_onnx
 from cases import ALL_CASES
+import moe_onnx
 from moe_onnx.runtime import run, session
 lib = ctypes.CDLL(moe_onnx.custom_ops_library())
 lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
 assert lib.MoeOnnxGemmIsa() == b"portable", lib.MoeOnnxGemmIsa()
 n = 0
 for case in ALL_CASES:
-    if case.op != "MOE" or case.error is not None:
+    if case.op not in ("MOE", "MoeRowParallelLinear") or case.error is not None:
         continue
     got = run(session(case.model()), case.feeds())[0]
     exp = case.run_reference()[0]

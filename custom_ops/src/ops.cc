@@ -1,17 +1,24 @@
-// The library's entry point: RegisterCustomOps adds every kernel to the "moe_onnx" domain.
+// The library's entry point: RegisterCustomOps adds every kernel to the "moe_onnx" domain (and the
+// variants of kPrivateDomain to theirs).
 // Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
 // that decides the output type, see MoeOp).
 #include <mutex>
 #include <vector>
 
 #include "common.h"
+#include "finalize_routing.h"
 #include "gemm.h"
+#include "init_routing.h"
 #include "moe.h"
+#include "row_parallel_linear.h"
 #include "ort_api.h"
 
 namespace {
 
 const char* kDomain = "moe_onnx";  // moe_onnx.DOMAIN
+// Private domain: variants whose output types onnxruntime cannot infer from input types alone
+// (MoeInitRouting with int8 expanded_x; moe_onnx.runtime moves quantizing nodes here).
+const char* kPrivateDomain = "moe_onnx.cpp";
 
 // One instance of each op for the life of the process (onnxruntime keeps pointers to them).
 template <class Op>
@@ -23,6 +30,18 @@ const std::vector<const OrtCustomOp*>& kernels() {
   static const std::vector<const OrtCustomOp*> all = [] {
     std::vector<const OrtCustomOp*> ops;
     add_per_type<moe_onnx::MoeOp>(ops);
+    for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, false));
+    add_per_type<moe_onnx::RowParallelLinearOp>(ops);
+    add_per_type<moe_onnx::FinalizeRoutingOp>(ops);
+    return ops;
+  }();
+  return all;
+}
+
+const std::vector<const OrtCustomOp*>& private_kernels() {
+  static const std::vector<const OrtCustomOp*> all = [] {
+    std::vector<const OrtCustomOp*> ops;
+    for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, true));
     return ops;
   }();
   return all;
@@ -39,17 +58,19 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (api == nullptr) return nullptr;  // cannot even report: the runtime is older than the headers
   Ort::InitApi(api);
   try {
-    // The domain must outlive every session that uses it: it is kept until the process ends.
+    // The domains must outlive every session that uses them: they are kept until the process ends.
     static std::mutex mutex;
     static std::vector<OrtCustomOpDomain*> domains;
-    OrtCustomOpDomain* domain = nullptr;
-    Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      domains.push_back(domain);
+    for (const auto& [name, ops] : {std::make_pair(kDomain, &kernels()), std::make_pair(kPrivateDomain, &private_kernels())}) {
+      OrtCustomOpDomain* domain = nullptr;
+      Ort::ThrowOnError(api->CreateCustomOpDomain(name, &domain));
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        domains.push_back(domain);
+      }
+      for (const OrtCustomOp* op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, op));
+      Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
     }
-    for (const OrtCustomOp* op : kernels()) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, op));
-    Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());
   } catch (const std::exception& e) {

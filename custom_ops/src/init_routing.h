@@ -1,0 +1,56 @@
+// MoeInitRouting: sort the (token, k) slots by expert and gather (optionally quantize) their rows
+// (moe_onnx/ops/init_routing.py is its meaning; docs/ops/MoeInitRouting.md its doc).
+#pragma once
+
+#include <string>
+
+#include "common.h"
+
+namespace moe_onnx {
+
+// The checked attributes of one node (read_attributes in init_routing.py).
+struct RoutingMode {
+  int64_t expert_num = 0;
+  int64_t active_num = -1;  // <= 0: no limit
+  int64_t capacity = 0;
+  bool drop_pad = false;
+  int64_t count_type = 0;  // 0 cumsum, 1 count, 2 key_value
+  bool count_flag = true;
+  int64_t quant_mode = -1;  // -1 none, 0 static, 1 dynamic
+  int64_t start = 0, end = 0;
+  bool scatter = false;
+  int64_t active_experts() const { return end - start; }
+};
+
+struct InitRoutingKernel {
+  InitRoutingKernel(const OrtKernelInfo* info, ElemType output_type);
+  void Compute(OrtKernelContext* context);
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+  std::string where;
+  RoutingMode mode;
+  ElemType output_type;       // of expanded_x, as this registration declares it
+  bool count_output_named;    // the node names output 2 (expert_tokens_count_or_cumsum)
+};
+
+// onnxruntime learns output types from the registration that matches the input types; it cannot
+// read quant_mode. So there are two sets of registrations, one per element type of x each:
+// in domain "moe_onnx" expanded_x has x's type (quant_mode -1), in the library's private domain
+// "moe_onnx.cpp" it is int8 (quant_mode 0 and 1; moe_onnx.runtime moves such nodes there).
+struct InitRoutingOp : Ort::CustomOpBase<InitRoutingOp, InitRoutingKernel, true> {
+  InitRoutingOp(ElemType x_type, bool quantized) : x_type_(x_type), quantized_(quantized) {}
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return "MoeInitRouting"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
+  size_t GetOutputTypeCount() const { return 4; }
+  ElemType GetOutputType(size_t i) const;
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const;
+
+ private:
+  ElemType x_type_;
+  bool quantized_;
+};
+
+}  // namespace moe_onnx

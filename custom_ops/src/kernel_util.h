@@ -1,0 +1,84 @@
+// Pieces the routing kernels (MoeInitRouting, MoeRowParallelLinear, MoeFinalizeRouting) share:
+// kernel creation and Compute wrappers that turn exceptions into onnxruntime statuses, attribute
+// readers that check in the references' words, and the int32/int64 index loads.
+#pragma once
+
+#include <new>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace moe_onnx {
+
+// Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
+template <class Make>
+OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
+  try {
+    *kernel = make();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+// Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
+template <class Compute>
+OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {
+  try {
+    compute();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::bad_alloc&) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  }
+}
+
+// Attributes of one node, read at kernel creation; failures say "<where>: attribute 'x' ...".
+class Attributes {
+ public:
+  Attributes(const OrtKernelInfo* info, std::string where) : reader_{info}, where_(std::move(where)) {}
+  const std::string& where() const { return where_; }
+  [[noreturn]] void fail(const char* name, const std::string& message) const;
+  bool has_int(const char* name, int64_t* out) const { return reader_.has_int(name, out); }
+  int64_t get_int(const char* name, int64_t fallback) const;
+  bool has_ints(const char* name, std::vector<int64_t>* out) const;
+  // The attribute (or its default) after checking it is one of `choices` (check_choice in Python).
+  int64_t choice(const char* name, int64_t fallback, const std::vector<int64_t>& choices) const;
+
+ private:
+  AttrReader reader_;
+  std::string where_;
+};
+
+// Whether input i of the node is connected (a name, not "").
+bool node_has_input(const Ort::ConstKernelInfo& info, size_t i);
+// Whether output i of the node is named.
+bool node_has_output(const Ort::ConstKernelInfo& info, size_t i);
+// An input that is an initializer, viewed as an Input (not present when it is computed at run time).
+// The view stays valid for the life of the session.
+Input constant_input(const Ort::ConstKernelInfo& info, size_t i);
+
+// Element f of an int32 or int64 tensor, widened.
+inline int64_t load_index(const Input& in, int64_t f) {
+  return in.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ? in.as<int32_t>()[f] : in.as<int64_t>()[f];
+}
+
+// Element i of a float32, float16 or bfloat16 buffer, as float32.
+inline float load_float(ElemType type, const void* p, int64_t i) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// "[2, 1]": the position of flat element f in a tensor of this shape (numpy's unravel_index).
+std::string fmt_position(const std::vector<int64_t>& shape, int64_t f);
+
+}  // namespace moe_onnx

@@ -1,0 +1,53 @@
+// MoeRowParallelLinear: one linear layer per expert over contiguous row ranges
+// (moe_onnx/ops/row_parallel_linear.py is its meaning; docs/ops/MoeRowParallelLinear.md its doc).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace moe_onnx {
+
+// W [E, N, K] in a GEMM's packed layout: float panels (gemm.h) for float32/float16/bfloat16 W,
+// int16 pair panels (int8_gemm.h) for int8 W. Only the experts in `slot_of_expert` >= 0 are packed.
+struct PackedExpertWeights {
+  ElemType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // of W
+  std::vector<int64_t> shape;                               // of W
+  std::vector<int64_t> slot_of_expert;
+  std::vector<float> f32;
+  std::vector<int16_t> i16;
+  int64_t stride = 0;  // elements per packed expert
+};
+
+struct RowParallelLinearKernel {
+  RowParallelLinearKernel(const OrtKernelInfo* info);
+  void Compute(OrtKernelContext* context);
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+  std::string where;
+  bool has_bias_term = false;
+  // num_experts, in_features, out_features as given (has_size false: absent)
+  bool has_size[3] = {false, false, false};
+  int64_t size[3] = {0, 0, 0};
+  std::unique_ptr<PackedExpertWeights> constant;  // W packed at kernel creation when it is an initializer
+};
+
+// One registration per element type of X (every numeric type, so that a wrong type reaches Compute
+// and gets the op's own message): Y has X's type, int32 for int8 X.
+struct RowParallelLinearOp : Ort::CustomOpBase<RowParallelLinearOp, RowParallelLinearKernel, true> {
+  explicit RowParallelLinearOp(ElemType x_type) : x_type_(x_type) {}
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return "MoeRowParallelLinear"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ElemType GetOutputType(size_t) const;
+
+ private:
+  ElemType x_type_;
+};
+
+}  // namespace moe_onnx
