@@ -1,18 +1,29 @@
 #include "gemm.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+
+#include "common.h"
 
 namespace moe_onnx {
 namespace detail {
 
-template <int MR>
-static void micro_portable(const float* A, int64_t lda, int64_t K, const float* B, float* C, int64_t ldc) {
+template <PanelType W>
+static inline float widen(const void* B, int64_t i) {
+  if (W == PanelType::kF16) return half_to_float(static_cast<const uint16_t*>(B)[i]);
+  if (W == PanelType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(B)[i - i % kPanel + bf16_lane(i % kPanel)]);
+  return static_cast<const float*>(B)[i];
+}
+
+template <PanelType W, int MR>
+static void micro_portable(const float* A, int64_t lda, int64_t K, const void* B, float* C, int64_t ldc) {
   float acc[MR][kPanel];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kPanel; ++c) acc[r][c] = 0.0f;
+  float b[kPanel];
   for (int64_t k = 0; k < K; ++k) {
-    const float* b = B + k * kPanel;
+    for (int c = 0; c < kPanel; ++c) b[c] = widen<W>(B, k * kPanel + c);
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
       for (int c = 0; c < kPanel; ++c) acc[r][c] += a * b[c];
@@ -21,32 +32,86 @@ static void micro_portable(const float* A, int64_t lda, int64_t K, const float* 
   for (int r = 0; r < MR; ++r) std::memcpy(C + r * ldc, acc[r], sizeof acc[r]);
 }
 
-void gemm_panels_portable(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0,
-                          int64_t p1, float* C, int64_t ldc) {
+template <PanelType W>
+static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t stride,
+                          int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  const size_t esz = panel_elem_size(W);
   for (int64_t p = p0; p < p1; ++p) {
-    const float* B = B_packed + p * K * kPanel;
+    const void* B = static_cast<const char*>(B_packed) + static_cast<size_t>(p * stride) * esz;
     float* Cp = C + (p - p0) * kPanel;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) micro_portable<4>(A + m * lda, lda, K, B, Cp + m * ldc, ldc);
-    for (; m < M; ++m) micro_portable<1>(A + m * lda, lda, K, B, Cp + m * ldc, ldc);
+    for (; m + 4 <= M; m += 4) micro_portable<W, 4>(A + m * lda, lda, K, B, Cp + m * ldc, ldc);
+    for (; m < M; ++m) micro_portable<W, 1>(A + m * lda, lda, K, B, Cp + m * ldc, ldc);
+  }
+}
+
+void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+                          int64_t stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  switch (type) {
+    case PanelType::kF16: return gemm_portable<PanelType::kF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    case PanelType::kBF16: return gemm_portable<PanelType::kBF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    default: return gemm_portable<PanelType::kF32>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+  }
+}
+
+static inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+void gated_activation_portable(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
+                               int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  constexpr int64_t half = kPanel / 2;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < panels; ++p) {
+      const float* gu = C + r * ldc + p * kPanel;
+      float* out = dst + r * ldd + p * half;
+      for (int64_t l = 0; l < half; ++l) {
+        float gate = gu[l], up = gu[half + l];
+        if (bias) {
+          gate += bias[p * kPanel + l];
+          up += bias[p * kPanel + half + l];
+        }
+        if (clamp) {
+          gate = gate > beta ? beta : gate;  // min(gate, beta), NaN stays NaN
+          up = up < -beta ? -beta : (up > beta ? beta : up);
+          out[l] = (up + 1.0f) * gate * sigmoid(alpha * gate);
+        } else {
+          out[l] = gate * sigmoid(alpha * gate) * up;
+        }
+      }
+    }
+}
+
+void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n) {
+  const auto* s16 = static_cast<const uint16_t*>(src);
+  switch (type) {
+    case PanelType::kF16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s16[i]);
+      break;
+    case PanelType::kBF16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s16[i]);
+      break;
+    default:
+      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
   }
 }
 
 }  // namespace detail
 
 namespace {
-using GemmFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 
 struct Dispatch {
-  GemmFn fn = detail::gemm_panels_portable;
+  detail::GemmFn fn = detail::gemm_panels_portable;
+  detail::ActFn act = detail::gated_activation_portable;
+  detail::WidenFn widen = detail::widen_row_portable;
   const char* name = "portable";
   Dispatch() {
     const char* force = std::getenv("MOE_ONNX_GEMM");
     if (force && std::strcmp(force, "portable") == 0) return;
 #if defined(MOE_ONNX_HAVE_AVX2) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
       fn = detail::gemm_panels_avx2;
+      act = detail::gated_activation_avx2;
+      widen = detail::widen_row_avx2;
       name = "avx2-fma";
     }
 #endif
@@ -59,14 +124,43 @@ const Dispatch& dispatch() {
 }
 }  // namespace
 
-void gemm_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0, int64_t p1,
-                 float* C, int64_t ldc) {
+void bf16_interleave_rows(uint16_t* panels, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* row = panels + r * kPanel;
+    uint16_t tmp[kPanel];
+    std::memcpy(tmp, row, sizeof tmp);
+    for (int64_t c = 0; c < kPanel; ++c) row[bf16_lane(c)] = tmp[c];
+  }
+}
+
+void gemm_panels_strided(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+                         int64_t panel_stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
   if (K <= 0) {
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
     return;
   }
-  dispatch().fn(A, lda, M, K, B_packed, p0, p1, C, ldc);
+  dispatch().fn(type, A, lda, M, K, B_packed, panel_stride, p0, p1, C, ldc);
+}
+
+void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+                 int64_t p1, float* C, int64_t ldc) {
+  gemm_panels_strided(type, A, lda, M, K, B_packed, K * kPanel, p0, p1, C, ldc);
+}
+
+void gemm_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0, int64_t p1,
+                 float* C, int64_t ldc) {
+  gemm_panels(PanelType::kF32, A, lda, M, K, B_packed, p0, p1, C, ldc);
+}
+
+void gated_activation(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
+                      int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  if (rows <= 0 || panels <= 0) return;
+  dispatch().act(clamp, alpha, beta, C, ldc, bias, rows, panels, dst, ldd);
+}
+
+void widen_row(PanelType type, const void* src, float* dst, int64_t n) {
+  if (n > 0) dispatch().widen(type, src, dst, n);
 }
 
 const char* gemm_isa() { return dispatch().name; }

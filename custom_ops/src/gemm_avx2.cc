@@ -1,22 +1,52 @@
-// AVX2 + FMA micro-kernels of gemm_panels; this file alone is compiled with -mavx2 -mfma and is
-// only called after a run-time check of the CPU.
+// AVX2 + FMA (+ F16C) micro-kernels of gemm_panels and the vectorized gate/up epilogue; this file
+// alone is compiled with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
 #include <immintrin.h>
 
 #include "gemm.h"
 
 namespace moe_onnx {
 namespace detail {
+namespace {
 
-// K is split into blocks so a block of the B panel (kKBlock x 16 floats) stays in L1 while every
-// row tile of the task passes over it; the partial sums go through C between blocks (a float stored
-// and loaded back is exact, so the sum over k keeps its order and its bits).
-constexpr int64_t kKBlock = 256;
+// K is split into equal blocks of at most kKBlock so a block of the B panel (32 KB in fp32) stays in
+// L1/L2 while every row tile of the task passes over it; the partial sums go through C between blocks
+// (a float stored and loaded back is exact, so the sum over k keeps its order and its bits).
+constexpr int64_t kKBlock = 512;
+
+// One 16-wide panel row widened to fp32 (exact for fp16 and bf16): lo = columns 0-7, hi = 8-15.
+// bf16 rows are stored interleaved (bf16_interleave_rows): the even 16-bit lanes shifted up are
+// columns 0-7, the odd lanes masked are columns 8-15.
+template <PanelType W>
+inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
+  if (W == PanelType::kF16) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(B) + i);
+    lo = _mm256_cvtph_ps(_mm_loadu_si128(p));
+    hi = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+  } else if (W == PanelType::kBF16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  } else {
+    lo = _mm256_loadu_ps(static_cast<const float*>(B) + i);
+    hi = _mm256_loadu_ps(static_cast<const float*>(B) + i + 8);
+  }
+}
+
+template <PanelType W>
+inline const void* advance(const void* B, int64_t elems) {
+  return static_cast<const char*>(B) + elems * static_cast<int64_t>(W == PanelType::kF32 ? 4 : 2);
+}
 
 // Accumulators are named variables, not arrays: with arrays GCC writes them back to the stack on
 // every k step.
-template <int MR>
-static inline void micro_avx2(const float* A, int64_t lda, int64_t K, const float* B, float* C, int64_t ldc,
-                              bool accumulate) {
+//
+// Prefetch: while the row tiles of a task compute on one K block of B (from L1 after the first
+// tile), the next block (contiguous after it: the next K block, or the next panel) is fetched into
+// L2 a line every `pf_every` k steps, each tile taking its share. Without it the weights stream in
+// only while the first tile runs and the memory sits idle during the others.
+template <PanelType W, int MR>
+inline void micro(const float* A, int64_t lda, int64_t K, const void* B, float* C, int64_t ldc, bool accumulate,
+                  const char* pf, int64_t pf_every) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   if (accumulate) {
@@ -33,9 +63,15 @@ static inline void micro_avx2(const float* A, int64_t lda, int64_t K, const floa
   const float* a3 = A + 3 * lda;
   const float* a4 = A + 4 * lda;
   const float* a5 = A + 5 * lda;
+  int64_t countdown = pf_every;
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(B + k * kPanel + 8);
+    if (--countdown == 0) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+      countdown = pf_every;
+    }
+    __m256 b0, b1;
+    load16<W>(B, k * kPanel, b0, b1);
     __m256 a = _mm256_broadcast_ss(a0 + k);
     c00 = _mm256_fmadd_ps(a, b0, c00);
     c01 = _mm256_fmadd_ps(a, b1, c01);
@@ -73,27 +109,198 @@ static inline void micro_avx2(const float* A, int64_t lda, int64_t K, const floa
   if (MR > 5) _mm256_storeu_ps(C + 5 * ldc, c50), _mm256_storeu_ps(C + 5 * ldc + 8, c51);
 }
 
-void gemm_panels_avx2(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0,
-                      int64_t p1, float* C, int64_t ldc) {
-  for (int64_t p = p0; p < p1; ++p) {
+// One row (decode): four panels at once, so 8 independent FMA chains hide the FMA latency and four
+// weight streams are in flight. Same per-element order as `micro` (k increasing, one chain).
+template <PanelType W>
+inline void micro_one_row(const float* A, int64_t K, const void* B0, const void* B1, const void* B2, const void* B3,
+                          float* C) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t o = k * kPanel;
+    const __m256 a = _mm256_broadcast_ss(A + k);
+    __m256 b0, b1, b2, b3, b4, b5, b6, b7;
+    load16<W>(B0, o, b0, b1);
+    load16<W>(B1, o, b2, b3);
+    load16<W>(B2, o, b4, b5);
+    load16<W>(B3, o, b6, b7);
+    c0 = _mm256_fmadd_ps(a, b0, c0);
+    c1 = _mm256_fmadd_ps(a, b1, c1);
+    c2 = _mm256_fmadd_ps(a, b2, c2);
+    c3 = _mm256_fmadd_ps(a, b3, c3);
+    c4 = _mm256_fmadd_ps(a, b4, c4);
+    c5 = _mm256_fmadd_ps(a, b5, c5);
+    c6 = _mm256_fmadd_ps(a, b6, c6);
+    c7 = _mm256_fmadd_ps(a, b7, c7);
+  }
+  _mm256_storeu_ps(C, c0), _mm256_storeu_ps(C + 8, c1), _mm256_storeu_ps(C + 16, c2), _mm256_storeu_ps(C + 24, c3);
+  _mm256_storeu_ps(C + 32, c4), _mm256_storeu_ps(C + 40, c5), _mm256_storeu_ps(C + 48, c6);
+  _mm256_storeu_ps(C + 56, c7);
+}
+
+// Two rows: two panels at once (8 FMA chains, 14 registers; four panels would need 26 and spill).
+template <PanelType W>
+inline void micro_two_rows(const float* A, int64_t lda, int64_t K, const void* B0, const void* B1, float* C,
+                           int64_t ldc) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
+  __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  const float* a1p = A + lda;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t o = k * kPanel;
+    __m256 b0, b1, b2, b3;
+    load16<W>(B0, o, b0, b1);
+    load16<W>(B1, o, b2, b3);
+    const __m256 a0 = _mm256_broadcast_ss(A + k);
+    const __m256 a1 = _mm256_broadcast_ss(a1p + k);
+    c00 = _mm256_fmadd_ps(a0, b0, c00);
+    c01 = _mm256_fmadd_ps(a0, b1, c01);
+    c02 = _mm256_fmadd_ps(a0, b2, c02);
+    c03 = _mm256_fmadd_ps(a0, b3, c03);
+    c10 = _mm256_fmadd_ps(a1, b0, c10);
+    c11 = _mm256_fmadd_ps(a1, b1, c11);
+    c12 = _mm256_fmadd_ps(a1, b2, c12);
+    c13 = _mm256_fmadd_ps(a1, b3, c13);
+  }
+  _mm256_storeu_ps(C, c00), _mm256_storeu_ps(C + 8, c01), _mm256_storeu_ps(C + 16, c02);
+  _mm256_storeu_ps(C + 24, c03);
+  float* D = C + ldc;
+  _mm256_storeu_ps(D, c10), _mm256_storeu_ps(D + 8, c11), _mm256_storeu_ps(D + 16, c12);
+  _mm256_storeu_ps(D + 24, c13);
+}
+
+template <PanelType W>
+void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t stride, int64_t p0,
+          int64_t p1, float* C, int64_t ldc) {
+  int64_t p = p0;
+  if (M == 1) {
+    for (; p + 4 <= p1; p += 4) {
+      const void* B = advance<W>(B_packed, p * stride);
+      const void *B1 = advance<W>(B, stride), *B2 = advance<W>(B, 2 * stride), *B3 = advance<W>(B, 3 * stride);
+      micro_one_row<W>(A, K, B, B1, B2, B3, C + (p - p0) * kPanel);
+    }
+  } else if (M == 2) {
+    for (; p + 2 <= p1; p += 2) {
+      const void* B = advance<W>(B_packed, p * stride);
+      micro_two_rows<W>(A, lda, K, B, advance<W>(B, stride), C + (p - p0) * kPanel, ldc);
+    }
+  }
+  const int64_t tiles = (M + 5) / 6;
+  const int64_t kblocks = (K + kKBlock - 1) / kKBlock, kblock = (K + kblocks - 1) / kblocks;  // equal blocks
+  for (; p < p1; ++p) {
     float* Cp = C + (p - p0) * kPanel;
-    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-      const int64_t kb = K - k0 < kKBlock ? K - k0 : kKBlock;
-      const float* B = B_packed + (p * K + k0) * kPanel;
+    for (int64_t k0 = 0; k0 < K; k0 += kblock) {
+      const int64_t kb = K - k0 < kblock ? K - k0 : kblock;
+      const void* B = advance<W>(B_packed, p * stride + k0 * kPanel);
       const float* Ak = A + k0;
       const bool acc = k0 > 0;
+      // The next block's lines, shared out over the tiles (each prefetches `share` lines).
+      const int64_t lines = (kb * kPanel * static_cast<int64_t>(W == PanelType::kF32 ? 4 : 2) + 63) / 64;
+      const int64_t share = (lines + tiles - 1) / tiles;
+      const int64_t every = kb / share > 0 ? kb / share : 1;
+      const char* next = static_cast<const char*>(advance<W>(B, kb * kPanel));
+      // Row tiles of equal height (16 rows: 6 + 5 + 5, not 6 + 6 + 4; 7 rows: 4 + 3, not 6 + 1): a
+      // short tile has too few FMA chains to hide the FMA latency.
+      const int64_t base = M / tiles, extra = M % tiles;
       int64_t m = 0;
-      for (; m + 6 <= M; m += 6) micro_avx2<6>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc);
-      switch (M - m) {
-        case 5: micro_avx2<5>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc); break;
-        case 4: micro_avx2<4>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc); break;
-        case 3: micro_avx2<3>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc); break;
-        case 2: micro_avx2<2>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc); break;
-        case 1: micro_avx2<1>(Ak + m * lda, lda, kb, B, Cp + m * ldc, ldc, acc); break;
-        default: break;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = base + (t < extra ? 1 : 0);
+        const char* pf = next + t * share * 64;
+        const float* At = Ak + m * lda;
+        float* Ct = Cp + m * ldc;
+        switch (rows) {
+          case 6: micro<W, 6>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          case 5: micro<W, 5>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          case 4: micro<W, 4>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          case 3: micro<W, 3>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          case 2: micro<W, 2>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          case 1: micro<W, 1>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
+          default: break;
+        }
+        m += rows;
       }
     }
   }
+}
+
+// exp(x) for 8 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
+// Overflows to +inf above 88.72, goes to 0 below -87.3 (as a denormal-free tiny value), NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.7228394f), lo = _mm256_set1_ps(-87.3365447f);
+  const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  __m256 xc = _mm256_max_ps(lo, _mm256_min_ps(hi, x));  // operand order keeps NaN (min/max return the 2nd)
+  __m256 fx = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  xc = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
+  xc = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), xc);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(5.0000001201E-1f));
+  const __m256 x2 = _mm256_mul_ps(xc, xc);
+  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(xc, _mm256_set1_ps(1.0f)));
+  // 2^fx: fx is in [-126, 128] after the clamp (NaN lanes give garbage here, but y is NaN there).
+  const __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  const __m256i n_lo = _mm256_max_epi32(n, _mm256_set1_epi32(1));
+  const __m256i n_hi = _mm256_min_epi32(n_lo, _mm256_set1_epi32(254));
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n_hi, 23)));
+  return _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
+}
+
+inline __m256 sigmoid8(__m256 z) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+
+}  // namespace
+
+void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+                      int64_t stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  switch (type) {
+    case PanelType::kF16: return gemm<PanelType::kF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+  }
+}
+
+void gated_activation_avx2(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
+                           int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), vnb = _mm256_set1_ps(-beta);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < panels; ++p) {
+      const float* gu = C + r * ldc + p * kPanel;
+      __m256 gate = _mm256_loadu_ps(gu), up = _mm256_loadu_ps(gu + 8);
+      if (bias) {
+        gate = _mm256_add_ps(gate, _mm256_loadu_ps(bias + p * kPanel));
+        up = _mm256_add_ps(up, _mm256_loadu_ps(bias + p * kPanel + 8));
+      }
+      __m256 out;
+      if (clamp) {
+        gate = _mm256_min_ps(vb, gate);                     // min(gate, beta); NaN gate stays NaN
+        up = _mm256_min_ps(vb, _mm256_max_ps(vnb, up));     // clamp(up, -beta, beta); NaN stays NaN
+        out = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(up, one), gate), sigmoid8(_mm256_mul_ps(va, gate)));
+      } else {
+        out = _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid8(_mm256_mul_ps(va, gate))), up);
+      }
+      _mm256_storeu_ps(dst + r * ldd + p * (kPanel / 2), out);
+    }
+}
+
+void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n) {
+  const auto* s16 = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  if (type == PanelType::kF16) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i))));
+  } else if (type == PanelType::kBF16) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i))), 16)));
+  }
+  widen_row_portable(type, type == PanelType::kF32 ? static_cast<const void*>(static_cast<const float*>(src) + i)
+                                                   : static_cast<const void*>(s16 + i),
+                     dst + i, n - i);
 }
 
 }  // namespace detail

@@ -3,23 +3,36 @@
 // 1. Validate every input as moe_onnx/ops/moe.py's _validate does, with the same messages, and the
 //    indices' range, before anything is indexed.
 // 2. Sort the T*k slots by expert (stable counting sort: slot order inside an expert is the token
-//    order) and gather their rows of hidden_states, as fp32, into one [T*k, H] buffer.
+//    order) and gather their rows of hidden_states, as fp32, into one [T*k, H] buffer: each expert's
+//    rows are contiguous, so its weights are read once per block of up to kMaxRowBlock rows.
 // 3. Per (expert, block of rows, group of panels) task: gate/up = x @ W0 (+ b0) with gate and up
 //    side by side in one 16-wide panel (8 gate columns, the 8 matching up columns), the activation
-//    in the epilogue -> act [T*k, I].
+//    in the epilogue on the task's [rows, 128] tile (vectorized exp) -> act [T*k, I]; the [T*k, 2I]
+//    gate/up product is never stored.
 // 4. Per (expert, block of rows, group of panels) task: y = (act @ W1 + b1) * routing weight,
 //    stored per slot.
 // 5. Per token: out[t] = sum over j = 0..k-1 of y[t*k + j], in that order, then to T.
 // Every element is computed by one task in a fixed order, so 1 or N threads give the same bits.
+// Tasks split every expert's columns into groups of 8 panels, so even one token (decode, bound by
+// reading the weights) keeps every thread streaming weights. Run buffers (xs, act, y: O(T*k*
+// max(H, 2I))) are kept by the kernel between runs (MoeWorkspace).
 //
-// Weights are packed into the GEMM's panels: once at kernel creation when they are initializers
-// (KernelInfo::GetTensorConstantInput, API 15+), else per Compute for the experts in use.
+// Weights are packed into the GEMM's panels, in their own type (fp16/bf16 stay 16-bit and are
+// widened in the micro-kernel), in huge-page-backed buffers: once at kernel creation when they are
+// initializers (KernelInfo::GetTensorConstantInput, API 15+; a few threads), else per Compute for
+// the experts in use.
 #include "moe.h"
 
 #include <algorithm>
 #include <cmath>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#include <system_error>
+#include <thread>
 
 #include "gemm.h"
 #include "parallel.h"
@@ -37,8 +50,22 @@ const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 
 const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 constexpr int64_t kHalf = kPanel / 2;  // gate (or up) columns per gate/up panel
-constexpr int64_t kRowBlock = 48;      // rows of one task (a multiple of the micro-kernel's 6)
+constexpr int64_t kMaxRowBlock = 96;   // most rows of one task (A block per K block: 192 KB, in L2)
 constexpr int64_t kPanelGroup = 8;     // panels of one task
+
+// A row stride for n floats that is not a multiple of 4 KB (rows of a micro-kernel tile would share
+// L1 sets): n rounded up to 16, plus 16 when that is a multiple of 256 (1 KB).
+inline int64_t padded_ld(int64_t n) {
+  const int64_t ld = (n + 15) / 16 * 16;
+  return ld % 256 == 0 ? ld + 16 : ld;
+}
+
+// Per-thread scratch for a task's GEMM results (grown, never shrunk; no allocation per task).
+inline float* scratch(size_t n) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
 inline float load(ElemType type, const void* p, int64_t i) {
   switch (type) {
@@ -48,41 +75,36 @@ inline float load(ElemType type, const void* p, int64_t i) {
   }
 }
 
-inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
-
 struct WeightSrc {
   ExpertType type;
   int64_t parity;
   const Input* in[N_INPUTS];
 };
 
-// Packs expert e of the weights into dst (whose E, H, I are set and buffers sized).
-void pack_expert(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot) {
+// Packs expert e of the weights into slot `slot` of dst (whose E, H, I, type are set and buffers
+// sized). Elem is the panels' element: float, or uint16_t (fp16/bf16 bits copied as they are).
+template <class Elem>
+void pack_expert_as(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot, Elem* w0, Elem* w1) {
   const int64_t H = dst.H, I = dst.I;
-  const int64_t p0 = (I + kHalf - 1) / kHalf, p1 = panel_count(H);
-  float* w0 = dst.w0.data() + slot * dst.w0_stride();
+  const int64_t p1 = panel_count(H);
   float* b0 = dst.b0.data() + slot * dst.b0_stride();
-  float* w1 = dst.w1.data() + slot * dst.w1_stride();
   float* b1 = dst.b1.data() + slot * H;
-  std::fill(w0, w0 + dst.w0_stride(), 0.0f);
+  std::fill(w0, w0 + dst.w0_stride(), Elem{});
   std::fill(b0, b0 + dst.b0_stride(), 0.0f);
-  std::fill(w1, w1 + dst.w1_stride(), 0.0f);
+  std::fill(w1, w1 + dst.w1_stride(), Elem{});
   std::fill(b1, b1 + H, 0.0f);
-  const Input& W0in = *src.in[W0];
-  const Input& W1in = *src.in[W1];
+  const Elem* W0in = src.in[W0]->as<Elem>();
+  const Elem* W1in = src.in[W1]->as<Elem>();
   if (src.type == ExpertType::kGemm2BiasSwigluClamp) {
     // weight_0 [E, H, 2I]: gate column c is 2c + parity, up column c is 2c + 1 - parity.
-    const int64_t base = e * H * 2 * I;
-    for (int64_t p = 0; p < p0; ++p)
-      for (int64_t h = 0; h < H; ++h) {
-        float* row = w0 + (p * H + h) * kPanel;
-        for (int64_t l = 0; l < kHalf; ++l) {
-          const int64_t c = p * kHalf + l;
-          if (c >= I) break;
-          row[l] = load(W0in.type, W0in.data, base + h * 2 * I + 2 * c + src.parity);
-          row[kHalf + l] = load(W0in.type, W0in.data, base + h * 2 * I + 2 * c + 1 - src.parity);
-        }
+    for (int64_t h = 0; h < H; ++h) {
+      const Elem* row = W0in + (e * H + h) * 2 * I;
+      for (int64_t c = 0; c < I; ++c) {
+        Elem* out = w0 + ((c / kHalf) * H + h) * kPanel + c % kHalf;
+        out[0] = row[2 * c + src.parity];
+        out[kHalf] = row[2 * c + 1 - src.parity];
       }
+    }
     if (src.in[B0] && src.in[B0]->present) {
       const Input& B0in = *src.in[B0];
       for (int64_t c = 0; c < I; ++c) {
@@ -92,38 +114,67 @@ void pack_expert(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot) 
       }
     }
     // weight_1 [E, I, H] is already [K, N].
-    for (int64_t p = 0; p < p1; ++p)
-      for (int64_t i = 0; i < I; ++i) {
-        float* row = w1 + (p * I + i) * kPanel;
-        for (int64_t l = 0; l < kPanel && p * kPanel + l < H; ++l)
-          row[l] = load(W1in.type, W1in.data, (e * I + i) * H + p * kPanel + l);
+    for (int64_t i = 0; i < I; ++i) {
+      const Elem* row = W1in + (e * I + i) * H;
+      for (int64_t p = 0; p < p1; ++p) {
+        const int64_t n = std::min<int64_t>(kPanel, H - p * kPanel);
+        std::copy(row + p * kPanel, row + p * kPanel + n, w1 + (p * I + i) * kPanel);
       }
+    }
     if (src.in[B1] && src.in[B1]->present)
       for (int64_t h = 0; h < H; ++h) b1[h] = load(src.in[B1]->type, src.in[B1]->data, e * H + h);
   } else {
     // gate = weight_0 [E, I, H], up = weight_1 [E, I, H] (x @ W^T), down = weight_2 [E, H, I].
-    const Input& W2in = *src.in[W2];
-    for (int64_t p = 0; p < p0; ++p)
-      for (int64_t l = 0; l < kHalf; ++l) {
-        const int64_t c = p * kHalf + l;
-        if (c >= I) break;
-        for (int64_t h = 0; h < H; ++h) {
-          w0[(p * H + h) * kPanel + l] = load(W0in.type, W0in.data, (e * I + c) * H + h);
-          w0[(p * H + h) * kPanel + kHalf + l] = load(W1in.type, W1in.data, (e * I + c) * H + h);
-        }
+    const Elem* W2in = src.in[W2]->as<Elem>();
+    for (int64_t c = 0; c < I; ++c) {
+      const Elem* g = W0in + (e * I + c) * H;
+      const Elem* u = W1in + (e * I + c) * H;
+      Elem* out = w0 + (c / kHalf) * H * kPanel + c % kHalf;
+      for (int64_t h = 0; h < H; ++h) {
+        out[h * kPanel] = g[h];
+        out[h * kPanel + kHalf] = u[h];
       }
-    for (int64_t p = 0; p < p1; ++p)
-      for (int64_t l = 0; l < kPanel && p * kPanel + l < H; ++l) {
-        const int64_t h = p * kPanel + l;
-        for (int64_t i = 0; i < I; ++i) w1[(p * I + i) * kPanel + l] = load(W2in.type, W2in.data, (e * H + h) * I + i);
-      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const Elem* d = W2in + (e * H + h) * I;
+      Elem* out = w1 + (h / kPanel) * I * kPanel + h % kPanel;
+      for (int64_t i = 0; i < I; ++i) out[i * kPanel] = d[i];
+    }
+  }
+}
+
+void pack_expert(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot) {
+  if (dst.type == PanelType::kF32)
+    pack_expert_as<float>(src, e, dst, slot, dst.w0.data() + slot * dst.w0_stride(),
+                          dst.w1.data() + slot * dst.w1_stride());
+  else {
+    uint16_t* w0 = dst.w0h.data() + slot * dst.w0_stride();
+    uint16_t* w1 = dst.w1h.data() + slot * dst.w1_stride();
+    pack_expert_as<uint16_t>(src, e, dst, slot, w0, w1);
+    if (dst.type == PanelType::kBF16) {
+      bf16_interleave_rows(w0, dst.w0_stride() / kPanel);
+      bf16_interleave_rows(w1, dst.w1_stride() / kPanel);
+    }
+  }
+}
+
+PanelType panel_type(ElemType weights) {
+  switch (weights) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return PanelType::kF16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return PanelType::kBF16;
+    default: return PanelType::kF32;
   }
 }
 
 void allocate(MoePacked& packed, int64_t slots) {
-  packed.w0.assign(static_cast<size_t>(slots * packed.w0_stride()), 0.0f);
+  if (packed.type == PanelType::kF32) {
+    packed.w0.resize(static_cast<size_t>(slots * packed.w0_stride()));
+    packed.w1.resize(static_cast<size_t>(slots * packed.w1_stride()));
+  } else {
+    packed.w0h.resize(static_cast<size_t>(slots * packed.w0_stride()));
+    packed.w1h.resize(static_cast<size_t>(slots * packed.w1_stride()));
+  }
   packed.b0.assign(static_cast<size_t>(slots * packed.b0_stride()), 0.0f);
-  packed.w1.assign(static_cast<size_t>(slots * packed.w1_stride()), 0.0f);
   packed.b1.assign(static_cast<size_t>(slots * packed.H), 0.0f);
 }
 
@@ -191,9 +242,35 @@ void check_indices(const Input& in, int64_t E, const std::string& where) {
 
 }  // namespace
 
+void* allocate_panels(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  if (bytes < 2 * kHuge) {
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, rounded);
+  if (!p) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs TLB misses
+#endif
+  return p;
+}
+
+void free_panels(void* p, size_t) { std::free(p); }
+
 int64_t MoePacked::w0_stride() const { return ((I + kHalf - 1) / kHalf) * H * kPanel; }
 int64_t MoePacked::b0_stride() const { return ((I + kHalf - 1) / kHalf) * kPanel; }
 int64_t MoePacked::w1_stride() const { return panel_count(H) * I * kPanel; }
+const void* MoePacked::w0_at(int64_t slot) const {
+  return type == PanelType::kF32 ? static_cast<const void*>(w0.data() + slot * w0_stride())
+                                 : static_cast<const void*>(w0h.data() + slot * w0_stride());
+}
+const void* MoePacked::w1_at(int64_t slot) const {
+  return type == PanelType::kF32 ? static_cast<const void*>(w1.data() + slot * w1_stride())
+                                 : static_cast<const void*>(w1h.data() + slot * w1_stride());
+}
 
 // Every input is optional for onnxruntime, so that a missing one gets the op's own message.
 OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
@@ -279,10 +356,25 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   packed->E = E;
   packed->H = H;
   packed->I = I;
+  packed->type = panel_type(w0.type);
   allocate(*packed, E);
   WeightSrc src{type, parity, {}};
   for (int i = 0; i < N_INPUTS; ++i) src.in[i] = &inputs[i];
-  for (int64_t e = 0; e < E; ++e) pack_expert(src, e, *packed, e);
+  // Session creation has no intra-op pool: pack the experts on a few threads of our own (each expert
+  // is packed by one thread into its own slot, so the result does not depend on the split).
+  const int64_t n_threads = std::min<int64_t>({E, 8, std::max<int64_t>(1, std::thread::hardware_concurrency())});
+  std::vector<std::thread> threads;
+  auto pack_some = [&](int64_t first) {
+    for (int64_t e = first; e < E; e += n_threads) pack_expert(src, e, *packed, e);
+  };
+  int64_t started = 1;
+  try {
+    for (; started < n_threads; ++started) threads.emplace_back(pack_some, started);
+  } catch (const std::system_error&) {  // no threads to be had: this thread packs their share too
+  }
+  pack_some(0);
+  for (int64_t i = started; i < n_threads; ++i) pack_some(i);
+  for (auto& t : threads) t.join();
   for (int i : {W0, B0, W1, B1, W2}) constant_shapes[i] = inputs[i].present ? inputs[i].shape : std::vector<int64_t>{-1};
   constant = std::move(packed);
 }
@@ -369,6 +461,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     local.E = E;
     local.H = H;
     local.I = I;
+    local.type = panel_type(inputs[W0].type);
     allocate(local, static_cast<int64_t>(used.size()));
     slot_of_expert.assign(static_cast<size_t>(E), -1);
     for (size_t u = 0; u < used.size(); ++u) slot_of_expert[used[u]] = static_cast<int64_t>(u);
@@ -379,72 +472,76 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   }
 
   PROF("validate+sort+pack");
-  // Gather the rows of x in sorted slot order, as fp32.
-  std::vector<float> xs(static_cast<size_t>(S * H));
+  // Gather the rows of x in sorted slot order, as fp32 (row stride padded off 4 KB multiples).
+  const int64_t ldx = padded_ld(H);
+  std::unique_ptr<MoeWorkspace> ws;
+  {
+    std::lock_guard<std::mutex> lock(workspace_mutex);
+    ws = std::move(workspace);
+  }
+  if (!ws) ws = std::make_unique<MoeWorkspace>();
+  struct GiveBack {
+    MoeKernel* kernel;
+    std::unique_ptr<MoeWorkspace>& ws;
+    ~GiveBack() {
+      std::lock_guard<std::mutex> lock(kernel->workspace_mutex);
+      if (!kernel->workspace) kernel->workspace = std::move(ws);
+    }
+  } give_back{this, ws};
+  float* xs = ws->get(ws->xs, static_cast<size_t>(S * ldx));
   const size_t esz = elem_size(T_type);
   size_t chunk = 1;
   size_t n_chunks = chunk_count(static_cast<size_t>(S), 16, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
     const int64_t end = std::min<int64_t>(S, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
-      to_float(T_type, static_cast<const char*>(x_in.data) + (order[pos] / k) * H * esz, xs.data() + pos * H, H);
+      widen_row(panel_type(T_type), static_cast<const char*>(x_in.data) + (order[pos] / k) * H * esz, xs + pos * ldx, H);
   });
 
   PROF("gather");
-  // Tasks: (expert, first row, rows, first panel, last panel) for both GEMMs.
+  // Tasks: (expert, first row, rows, first panel, last panel) for both GEMMs. An expert's rows are
+  // split into as few blocks of equal size as fit kMaxRowBlock (each block reads the expert's weights
+  // once); its panels into groups of kPanelGroup, so one expert's work (decode: one row) is spread
+  // over every thread.
   struct Task {
     int64_t e, row0, rows, p0, p1;
   };
   auto make_tasks = [&](int64_t panels) {
     std::vector<Task> tasks;
-    for (int64_t e : used)
-      for (int64_t r = start[e]; r < start[e + 1]; r += kRowBlock)
+    for (int64_t e : used) {
+      const int64_t n = start[e + 1] - start[e];
+      const int64_t blocks = (n + kMaxRowBlock - 1) / kMaxRowBlock;
+      const int64_t block = (n + blocks - 1) / blocks;
+      for (int64_t r = start[e]; r < start[e + 1]; r += block)
         for (int64_t p = 0; p < panels; p += kPanelGroup)
-          tasks.push_back({e, r, std::min(kRowBlock, start[e + 1] - r), p, std::min(panels, p + kPanelGroup)});
+          tasks.push_back({e, r, std::min(block, start[e + 1] - r), p, std::min(panels, p + kPanelGroup)});
+    }
     return tasks;
   };
 
   const int64_t P0 = (I + kHalf - 1) / kHalf;
-  const int64_t ldact = P0 * kHalf;  // act row stride (I rounded up to the half panel)
-  std::vector<float> act(static_cast<size_t>(S * ldact));
+  const int64_t ldact = padded_ld(P0 * kHalf);  // act row stride (I rounded up to the half panel, padded)
+  float* act = ws->get(ws->act, static_cast<size_t>(S * ldact));
   const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
-  const float a = alpha, b = beta;
+  const PanelType ptype = packed->type;
   {
     const std::vector<Task> tasks = make_tasks(P0);
     parallel_for(ctx, tasks.size(), [&](size_t ti) {
       const Task& t = tasks[ti];
       const int64_t slot = slot_of_expert[t.e];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      std::vector<float> C(static_cast<size_t>(t.rows * ldc));
-      gemm_panels(xs.data() + t.row0 * H, H, t.rows, H, packed->w0.data() + slot * packed->w0_stride(), t.p0, t.p1,
-                  C.data(), ldc);
-      const float* bias = packed->b0.data() + slot * packed->b0_stride();
-      for (int64_t r = 0; r < t.rows; ++r) {
-        float* dst = act.data() + (t.row0 + r) * ldact;
-        for (int64_t p = t.p0; p < t.p1; ++p) {
-          const float* gu = C.data() + r * ldc + (p - t.p0) * kPanel;
-          const float* bp = bias + p * kPanel;
-          for (int64_t l = 0; l < kHalf; ++l) {
-            float gate = gu[l], up = gu[kHalf + l];
-            if (gemm2) {
-              gate += bp[l];
-              up += bp[kHalf + l];
-              gate = gate > b ? b : gate;  // min(gate, beta), NaN stays NaN
-              up = up < -b ? -b : (up > b ? b : up);
-              dst[p * kHalf + l] = (up + 1.0f) * gate * sigmoid(a * gate);
-            } else {
-              dst[p * kHalf + l] = gate * sigmoid(a * gate) * up;
-            }
-          }
-        }
-      }
+      float* C = scratch(static_cast<size_t>(t.rows * ldc));
+      gemm_panels(ptype, xs + t.row0 * ldx, ldx, t.rows, H, packed->w0_at(slot), t.p0, t.p1, C, ldc);
+      const float* bias = gemm2 ? packed->b0.data() + slot * packed->b0_stride() + t.p0 * kPanel : nullptr;
+      gated_activation(gemm2, alpha, beta, C, ldc, bias, t.rows, t.p1 - t.p0,
+                       act + t.row0 * ldact + t.p0 * kHalf, ldact);
     });
   }
 
   PROF("gemm0+act");
   // y per slot (tokens-major: y[t*k + j]), weighted.
   const int64_t P1 = panel_count(H);
-  std::vector<float> y(static_cast<size_t>(S * H));
+  float* y = ws->get(ws->y, static_cast<size_t>(S * H));
   const Input& rw = inputs[ROUTING];
   {
     const std::vector<Task> tasks = make_tasks(P1);
@@ -452,17 +549,17 @@ void MoeKernel::Compute(OrtKernelContext* context) {
       const Task& t = tasks[ti];
       const int64_t slot = slot_of_expert[t.e];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      std::vector<float> C(static_cast<size_t>(t.rows * ldc));
-      gemm_panels(act.data() + t.row0 * ldact, ldact, t.rows, I, packed->w1.data() + slot * packed->w1_stride(), t.p0,
-                  t.p1, C.data(), ldc);
+      float* C = scratch(static_cast<size_t>(t.rows * ldc));
+      gemm_panels(ptype, act + t.row0 * ldact, ldact, t.rows, I, packed->w1_at(slot), t.p0, t.p1, C, ldc);
       const float* bias = packed->b1.data() + slot * H;
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t f = order[t.row0 + r];
         const float w = load(rw.type, rw.data, f);
         const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
-        const float* src = C.data() + r * ldc;
-        float* dst = y.data() + f * H;
-        for (int64_t h = h0; h < h1; ++h) dst[h] = (src[h - h0] + bias[h]) * w;
+        const float* src = C + r * ldc;
+        float* dst = y + f * H + h0;
+        const float* b = bias + h0;
+        for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = (src[h] + b[h]) * w;
       }
     });
   }
@@ -476,7 +573,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
       std::fill(row.begin(), row.end(), 0.0f);
       for (int64_t j = 0; j < k; ++j) {
-        const float* src = y.data() + (t * k + j) * H;
+        const float* src = y + (t * k + j) * H;
         for (int64_t h = 0; h < H; ++h) row[h] += src[h];
       }
       from_float(T_type, row.data(), static_cast<char*>(out) + t * H * esz, H);
