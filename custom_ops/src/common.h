@@ -160,4 +160,17 @@ void to_float(ElemType type, const void* src, float* dst, int64_t n);
 // dst[i] = T(src[i]) for a float32/float16/bfloat16 destination.
 void from_float(ElemType type, const float* src, void* dst, int64_t n);
 
+// Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
+template <class Make>
+OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
+  try {
+    *kernel = make();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
 }  // namespace moe_onnx

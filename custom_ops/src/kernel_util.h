@@ -11,19 +11,6 @@
 
 namespace moe_onnx {
 
-// Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
-template <class Make>
-OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
-  try {
-    *kernel = make();
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, e.what());
-  }
-}
-
 // Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
 template <class Compute>
 OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {

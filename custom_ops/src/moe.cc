@@ -276,14 +276,7 @@ const void* MoePacked::w1_at(int64_t slot) const {
 OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
 
 OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  try {
-    *kernel = new MoeKernel(api, info);
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, e.what());
-  }
+  return create_kernel_status(api, kernel, [&] { return new MoeKernel(api, info); });
 }
 
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {

@@ -104,14 +104,7 @@ struct PyKernel {
 struct PyOp : Ort::CustomOpBase<PyOp, PyKernel, true> {
   explicit PyOp(Spec s) : spec(std::move(s)) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new PyKernel(spec, info);
-      return nullptr;
-    } catch (const Ort::Exception& e) {
-      return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_FAIL, e.what());
-    }
+    return moe_onnx::create_kernel_status(api, kernel, [&] { return new PyKernel(spec, info); });
   }
   const char* GetName() const { return spec.name.c_str(); }
   size_t GetInputTypeCount() const { return spec.input_optional.size(); }
