@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -160,6 +161,10 @@ void to_float(ElemType type, const void* src, float* dst, int64_t n);
 // dst[i] = T(src[i]) for a float32/float16/bfloat16 destination.
 void from_float(ElemType type, const float* src, void* dst, int64_t n);
 
+// True when the AVX2 kernels may run: the CPU has AVX2 (and FMA and F16C when `fma_f16c`) and
+// MOE_ONNX_GEMM=portable does not force the portable ones.
+bool avx2_kernels_enabled(bool fma_f16c);
+
 // Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
 template <class Make>
 OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
@@ -170,6 +175,22 @@ OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make)
     return api.CreateStatus(e.GetOrtErrorCode(), e.what());
   } catch (const std::exception& e) {
     return api.CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+
+// Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
+template <class Compute>
+OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {
+  try {
+    compute();
+    return nullptr;
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::bad_alloc&) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
   }
 }
 

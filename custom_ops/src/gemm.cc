@@ -1,7 +1,6 @@
 #include "gemm.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -104,11 +103,8 @@ struct Dispatch {
   detail::WidenFn widen = detail::widen_row_portable;
   const char* name = "portable";
   Dispatch() {
-    const char* force = std::getenv("MOE_ONNX_GEMM");
-    if (force && std::strcmp(force, "portable") == 0) return;
-#if defined(MOE_ONNX_HAVE_AVX2) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+#if defined(MOE_ONNX_HAVE_AVX2)
+    if (avx2_kernels_enabled(/*fma_f16c=*/true)) {
       fn = detail::gemm_panels_avx2;
       act = detail::gated_activation_avx2;
       widen = detail::widen_row_avx2;

@@ -1,8 +1,9 @@
 #include "int8_gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
+
+#include "common.h"
 
 namespace moe_onnx {
 
@@ -56,11 +57,8 @@ struct Dispatch {
   Int8GemmFn fn = detail::int8_gemm_panels_portable;
   const char* name = "portable";
   Dispatch() {
-    const char* force = std::getenv("MOE_ONNX_GEMM");
-    if (force && std::strcmp(force, "portable") == 0) return;
-#if defined(MOE_ONNX_HAVE_AVX2) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
+#if defined(MOE_ONNX_HAVE_AVX2)
+    if (avx2_kernels_enabled(/*fma_f16c=*/false)) {
       fn = detail::int8_gemm_panels_avx2;
       name = "avx2";
     }

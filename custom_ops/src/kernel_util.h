@@ -11,21 +11,6 @@
 
 namespace moe_onnx {
 
-// Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
-template <class Compute>
-OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {
-  try {
-    compute();
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::bad_alloc&) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
-  }
-}
-
 // Attributes of one node, read at kernel creation; failures say "<where>: attribute 'x' ...".
 class Attributes {
  public:

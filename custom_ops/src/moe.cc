@@ -25,8 +25,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -373,29 +371,11 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
-  try {
-    Compute(context);
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::bad_alloc&) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
-  }
+  return compute_status(where, [&] { Compute(context); });
 }
 
-// Build with -DMOE_ONNX_PROFILE to print the time of each phase to stderr (a debugging aid).
-#ifdef MOE_ONNX_PROFILE
-#define PROF(name) do { auto _n = std::chrono::steady_clock::now(); std::fprintf(stderr, "%s %.2f ms\n", name, std::chrono::duration<double, std::milli>(_n - _t).count()); _t = _n; } while (0)
-#else
-#define PROF(name) do {} while (0)
-#endif
 void MoeKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
-#ifdef MOE_ONNX_PROFILE
-  auto _t = std::chrono::steady_clock::now();
-#endif
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
   const Checker v(where, kInputNames, inputs);
   const Dims d = validate(*this, v);
@@ -464,7 +444,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     packed = &local;
   }
 
-  PROF("validate+sort+pack");
   // Gather the rows of x in sorted slot order, as fp32 (row stride padded off 4 KB multiples).
   const int64_t ldx = padded_ld(H);
   std::unique_ptr<MoeWorkspace> ws;
@@ -491,7 +470,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
       widen_row(panel_type(T_type), static_cast<const char*>(x_in.data) + (order[pos] / k) * H * esz, xs + pos * ldx, H);
   });
 
-  PROF("gather");
   // Tasks: (expert, first row, rows, first panel, last panel) for both GEMMs. An expert's rows are
   // split into as few blocks of equal size as fit kMaxRowBlock (each block reads the expert's weights
   // once); its panels into groups of kPanelGroup, so one expert's work (decode: one row) is spread
@@ -531,7 +509,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     });
   }
 
-  PROF("gemm0+act");
   // y per slot (tokens-major: y[t*k + j]), weighted.
   const int64_t P1 = panel_count(H);
   float* y = ws->get(ws->y, static_cast<size_t>(S * H));
@@ -557,7 +534,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     });
   }
 
-  PROF("gemm1");
   // out[t] = sum_j y[t*k + j], j in order.
   n_chunks = chunk_count(static_cast<size_t>(T), 4, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
@@ -572,7 +548,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
       from_float(T_type, row.data(), static_cast<char*>(out) + t * H * esz, H);
     }
   });
-  PROF("reduce");
 }
 
 }  // namespace moe_onnx

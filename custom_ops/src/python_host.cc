@@ -177,14 +177,7 @@ PyKernel::~PyKernel() {
 }
 
 OrtStatusPtr PyKernel::ComputeV2(OrtKernelContext* context) {
-  try {
-    Compute(context);
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
-  }
+  return moe_onnx::compute_status(where, [&] { Compute(context); });
 }
 
 void PyKernel::Compute(OrtKernelContext* context) {
