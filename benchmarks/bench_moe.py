@@ -24,6 +24,9 @@ interleaving the variants round by round and printing medians, of:
            node; T=1 and T=128), and that MOE node alone: time and max abs error against fp32
   RSS      of each variant, each in its own subprocess, at the largest T: after session creation and
            the peak of one run (VmHWM reset after creation), so the run's own extra memory shows
+  int8     MoeRowParallelLinear alone with the gate/up shape (E experts, N = 2I, K = H) on the T*k rows
+           the router makes of T >= 128 tokens: int8 X and W (int32 out) against fp32 X and W holding
+           the same integers (so the two outputs must agree exactly)
 
 Every variant's output is checked against the fused fp32 output before timing. All sessions run with
 idle pool threads not spinning (they live side by side and run in turn); one-node models are fed
@@ -59,7 +62,7 @@ from onnx import TensorProto, helper, numpy_helper
 import moe_onnx
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("fused", "unfused", "ort_moe", "grouped", "python", "fp16", "bf16", "rss")
+VARIANTS = ("fused", "unfused", "ort_moe", "grouped", "python", "fp16", "bf16", "rss", "int8")
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,59 @@ def gemv_model(H: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 
 
+def linear_model(w: np.ndarray) -> onnx.ModelProto:
+    """MoeRowParallelLinear alone, W [E, N, K] an initializer (packed once at session creation)."""
+    E, N, K = w.shape
+    elem = TensorProto.INT8 if w.dtype == np.int8 else TensorProto.FLOAT
+    out = TensorProto.INT32 if w.dtype == np.int8 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("MoeRowParallelLinear", ["x", "expert_offset", "w"], ["y"], domain=moe_onnx.DOMAIN)],
+        "linear", [helper.make_tensor_value_info("x", elem, ["R", K]),
+                   helper.make_tensor_value_info("expert_offset", TensorProto.INT64, [E + 1])],
+        [helper.make_tensor_value_info("y", out, ["R", N])], [numpy_helper.from_array(w, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)],
+                             ir_version=10)
+
+
+def bench_int8(shape: Shape, args, counts: dict) -> dict:
+    """int8 against fp32 MoeRowParallelLinear (gate/up shape) on the router's rows for each T in `counts`."""
+    E, N, K = shape.E, 2 * shape.I, shape.H
+    rng = np.random.default_rng(5)
+    w8 = rng.integers(-128, 128, (E, N, K), dtype=np.int8)
+    sessions = {"int8": moe_onnx.session(linear_model(w8).SerializeToString(), sess_options=options(args.threads)),
+                "fp32": moe_onnx.session(linear_model(w8.astype(np.float32)).SerializeToString(),
+                                         sess_options=options(args.threads))}
+    del w8
+    out = {}
+    for tokens, per_expert in counts.items():
+        offsets = np.concatenate([[0], np.cumsum(per_expert)]).astype(np.int64)
+        x8 = rng.integers(-128, 128, (int(offsets[-1]), K), dtype=np.int8)
+        calls = {"int8": ortvalue_runner(sessions["int8"], (x8, offsets)),
+                 "fp32": ortvalue_runner(sessions["fp32"], (x8.astype(np.float32), offsets))}
+        y8, y32 = calls["int8"]()[0].numpy(), calls["fp32"]()[0].numpy()
+        # |sum| <= K * 128 * 128 <= 2^24 for K <= 1024: the fp32 sums of these integers are exact.
+        if K <= 1024 and not np.array_equal(y8.astype(np.float32), y32):
+            raise SystemExit(f"[{shape.name}] int8 MoeRowParallelLinear differs from fp32 at T={tokens}")
+        first = {}
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            first[name] = (time.perf_counter() - t0) * 1e3
+        timer = Timer()
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                timer.measure(name, call, reps_for(first[name], args.budget_ms))
+        med = {name: timer.median(name) for name in calls}
+        ops = 2 * offsets[-1] * N * K
+        out[tokens] = dict(rows=int(offsets[-1]), fp32=med["fp32"], int8=med["int8"],
+                           gops={n: ops / (m * 1e-3) / 1e9 for n, m in med.items()})
+        r = out[tokens]
+        print(f"T={tokens:<4} int8 MoeRowParallelLinear [{r['rows']} rows, N={N}, K={K}]: fp32 {fmt(r['fp32'])} ms "
+              f"({r['gops']['fp32']:.0f} GFLOP/s), int8 {fmt(r['int8'])} ms ({r['gops']['int8']:.0f} GOP/s), "
+              f"int8 throughput {r['fp32'] / r['int8']:.2f}x fp32", flush=True)
+    return out
+
+
 def load_models(shape: Shape, models_dir: Path, need_grouped: bool) -> dict | None:
     src = models_dir / f"{shape.stem}.onnx"
     if not src.exists():
@@ -412,13 +468,15 @@ def bench_shape(shape: Shape, args, rows: dict) -> None:
     bw = ort.InferenceSession(gemv_model(shape.H).SerializeToString(), options(threads),
                               providers=["CPUExecutionProvider"])
 
-    results = {}
+    results, counts = {}, {}
     for tokens in args.tokens:
         x = np.random.default_rng(100 + tokens).standard_normal((1, tokens, shape.H)).astype(np.float32)
         feeds = {"hidden_states": x}
         y_ref = fused.run(None, feeds)[0]
         _, node_x, node_w, indices = idx_sess.run(None, feeds)
         touched = len(np.unique(indices))
+        if tokens >= 128:
+            counts[tokens] = np.bincount(indices.reshape(-1), minlength=shape.E)
         calls, errors = {}, {}
         for name, sess in sessions.items():
             if name == "python" and tokens != 128:
@@ -477,8 +535,9 @@ def bench_shape(shape: Shape, args, rows: dict) -> None:
         med["bound"] = max(med["bytes"], med["flops"])
         results[tokens] = dict(med=med, errors=errors, touched=touched, bandwidth=bandwidth / 1e9)
         print_row(shape, tokens, results[tokens], grouped_note, flush=True)
-    rows[shape.name] = dict(results=results, grouped_note=grouped_note)
     del sessions, fused, dense, bw, idx_sess, node_sess, node_sessions
+    int8 = bench_int8(shape, args, counts) if "int8" not in skip else {}
+    rows[shape.name] = dict(results=results, grouped_note=grouped_note, int8=int8)
 
 
 def fmt(v: float | None, digits: int = 2) -> str:
@@ -544,6 +603,14 @@ def markdown(rows: dict, args) -> str:
                        "| max abs err vs fp32 | relative to max abs output | rounding the fp32 output alone |")
             out.append("|---|---|---|---|---|---|---|---|---|")
             out += extra
+        if data.get("int8"):
+            out.append(f"\nint8 `MoeRowParallelLinear` (gate/up shape: E={shape.E}, N={2 * shape.I}, K={shape.H}) on "
+                       "the rows the router makes of T tokens, against fp32 with the same integer values\n")
+            out.append("| tokens | rows | fp32 ms | int8 ms | fp32 GFLOP/s | int8 GOP/s | int8 throughput / fp32 |")
+            out.append("|---|---|---|---|---|---|---|")
+            for tokens, r in data["int8"].items():
+                out.append(f"| {tokens} | {r['rows']} | {fmt(r['fp32'])} | {fmt(r['int8'])} | {r['gops']['fp32']:.0f} | "
+                           f"{r['gops']['int8']:.0f} | {r['fp32'] / r['int8']:.2f}x |")
         if data.get("grouped_note"):
             out.append(f"\ngrouped (cpp) skipped: {data['grouped_note']}")
         if data.get("rss"):
@@ -604,6 +671,11 @@ def targets(rows: dict) -> list[str]:
         if 128 in meds and "python" in meds[128]:
             v = meds[128]["python"] / meds[128]["fused"]
             check(f"{name}: Python backend within 5x of cpp at T=128", v <= 5, f"{v:.2f}x")
+        if data.get("int8"):
+            i8 = {t: r["fp32"] / r["int8"] for t, r in data["int8"].items()}
+            check(f"{name}: int8 MoeRowParallelLinear >= 1.5x fp32 throughput at T >= 128 ({shape.k} rows per token)",
+                  all(v >= 1.5 for v in i8.values()),
+                  ", ".join(f"T={t} ({data['int8'][t]['rows']} rows) {v:.2f}x" for t, v in i8.items()))
         rss = data.get("rss", {}).get("fused (cpp)")
         if rss and "hwm" in rss:
             tokens = max(res)

@@ -89,6 +89,12 @@ def _larger_cases() -> list[Case]:
               for t in (np.float32, BF16, np.int8)]
     wide = linear_cases._case("larger_k1024", lead=(30,), k=1024, n=20, offsets=(0, 7, 7, 30))  # a 4 KB row stride
     linear.append(dataclasses.replace(wide, rtol=1e-4, atol=1e-4))
+    # Whole panels (N % 16 == 0: results written straight into Y), several k blocks (int8: 256 pairs
+    # each, so partial sums carry over) and every row-tile remainder (1, 5, 13, 101 rows).
+    direct = dict(lead=(120,), k=1101, n=48, offsets=(0, 1, 6, 19, 19, 120))
+    linear += [linear_cases._case("larger_int8_whole_panels", dtype=np.int8, **direct),
+               linear_cases._case("larger_int8_whole_panels_no_bias", dtype=np.int8, bias=False, **direct),
+               dataclasses.replace(linear_cases._case("larger_float32_whole_panels", **direct), rtol=1e-4, atol=1e-4)]
     ids = rng.integers(-1, 8, size=(300, 3))
     init = [init_cases._case("larger_dynamic_quant", {"expert_num": 8, "quant_mode": 1, "active_expert_range": [1, 7]},
                              tokens=300, hidden=40, experts=8, k=3, ids=ids, scale=init_cases._f32(6, 40)),

@@ -17,7 +17,9 @@ void pack_int8_weight(const int8_t* W, int64_t N, int64_t K, int16_t* dst) {
   }
 }
 
-void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
+namespace detail {
+
+void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
   const int64_t stride = 2 * int8_pairs(K);
   for (int64_t r = 0; r < rows; ++r) {
     int16_t* d = dst + r * stride;
@@ -25,8 +27,6 @@ void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
     if (stride > K) d[K] = 0;
   }
 }
-
-namespace detail {
 
 void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
                                int64_t p0, int64_t p1, int32_t* C, int64_t ldc) {
@@ -52,14 +52,17 @@ void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t
 namespace {
 using Int8GemmFn = void (*)(const int16_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*,
                             int64_t);
+using WidenFn = void (*)(const int8_t*, int64_t, int64_t, int16_t*);
 
 struct Dispatch {
   Int8GemmFn fn = detail::int8_gemm_panels_portable;
+  WidenFn widen = detail::widen_int8_rows_portable;
   const char* name = "portable";
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (avx2_kernels_enabled(/*fma_f16c=*/false)) {
       fn = detail::int8_gemm_panels_avx2;
+      widen = detail::widen_int8_rows_avx2;
       name = "avx2";
     }
 #endif
@@ -80,6 +83,10 @@ void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, c
     return;
   }
   dispatch().fn(A, lda, M, pairs, W_packed, p0, p1, C, ldc);
+}
+
+void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
+  if (rows > 0) dispatch().widen(src, rows, K, dst);
 }
 
 const char* int8_gemm_isa() { return dispatch().name; }

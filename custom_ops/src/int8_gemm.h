@@ -33,9 +33,11 @@ void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, c
 const char* int8_gemm_isa();
 
 namespace detail {
+void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
 void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
                                int64_t p0, int64_t p1, int32_t* C, int64_t ldc);
 #if defined(MOE_ONNX_HAVE_AVX2)
+void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
 void int8_gemm_panels_avx2(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
                            int64_t p0, int64_t p1, int32_t* C, int64_t ldc);
 #endif

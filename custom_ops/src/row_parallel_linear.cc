@@ -11,6 +11,7 @@
 #include "row_parallel_linear.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "gemm.h"
 #include "int8_gemm.h"
@@ -233,7 +234,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t pairs = int8_pairs(K);
   const bool in_place = x.type == kF32 && K % 1024 != 0;
   const int64_t lda = int8 ? 2 * pairs : (K % 1024 ? K : K + kPanel);
-  std::vector<int16_t> a16;
+  std::unique_ptr<int16_t[]> a16;  // every element written by widen_int8_rows
   std::vector<float> a32;
   const float* a_f32 = nullptr;
   size_t chunk = 1;
@@ -243,11 +244,11 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     *r1 = std::min<int64_t>(covered, static_cast<int64_t>((c + 1) * chunk));
   };
   if (int8) {
-    a16.resize(static_cast<size_t>(covered * lda));
+    a16.reset(new int16_t[static_cast<size_t>(covered * lda)]);
     parallel_for(ctx, n_chunks, [&](size_t c) {
       int64_t r0, r1;
       chunk_rows(c, &r0, &r1);
-      widen_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a16.data() + r0 * lda);
+      widen_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a16.get() + r0 * lda);
     });
   } else if (in_place) {
     a_f32 = x.as<float>() + first * K;
@@ -268,30 +269,37 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
     const Task& t = tasks[ti];
     const int64_t slot = packed->slot_of_expert[t.expert];
-    const int64_t ldc = (t.p1 - t.p0) * kPanel;
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
+    // The GEMM writes whole 16-column panels: straight into Y when they lie inside it and Y is
+    // int32/float32, else into a scratch tile that is then copied (and converted).
+    const bool direct = t.p1 * kPanel <= N && (int8 || y_type == kF32);
+    const int64_t ldc = direct ? N : (t.p1 - t.p0) * kPanel;
     if (int8) {
-      std::vector<int32_t> C(static_cast<size_t>(t.rows * ldc));
-      int8_gemm_panels(a16.data() + (t.row0 - first) * lda, lda, t.rows, pairs, packed->i16.data() + slot * packed->stride,
-                       t.p0, t.p1, C.data(), ldc);
-      for (int64_t r = 0; r < t.rows; ++r) {
-        auto* dst = reinterpret_cast<int32_t*>(y) + (t.row0 + r) * N;
-        for (int64_t c = c0; c < c1; ++c) {
-          uint32_t value = static_cast<uint32_t>(C[r * ldc + c - c0]);  // bias wraps like numpy's int32
-          if (b.present) value += static_cast<uint32_t>(b.as<int32_t>()[t.expert * N + c]);
-          dst[c] = static_cast<int32_t>(value);
+      int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
+      std::vector<int32_t> scratch(direct ? 0 : static_cast<size_t>(t.rows * ldc));
+      int32_t* C = direct ? out : scratch.data();
+      int8_gemm_panels(a16.get() + (t.row0 - first) * lda, lda, t.rows, pairs, packed->i16.data() + slot * packed->stride,
+                       t.p0, t.p1, C, ldc);
+      if (direct && !b.present) return;
+      const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
+      for (int64_t r = 0; r < t.rows; ++r)
+        for (int64_t c = 0; c < c1 - c0; ++c) {
+          uint32_t value = static_cast<uint32_t>(C[r * ldc + c]);  // bias wraps like numpy's int32
+          if (bias) value += static_cast<uint32_t>(bias[c]);
+          out[r * N + c] = static_cast<int32_t>(value);
         }
-      }
       return;
     }
-    std::vector<float> C(static_cast<size_t>(t.rows * ldc));
+    float* out = direct ? reinterpret_cast<float*>(y) + t.row0 * N + c0 : nullptr;
+    std::vector<float> scratch(direct ? 0 : static_cast<size_t>(t.rows * ldc));
+    float* C = direct ? out : scratch.data();
     gemm_panels(a_f32 + (t.row0 - first) * lda, lda, t.rows, K, packed->f32.data() + slot * packed->stride, t.p0, t.p1,
-                C.data(), ldc);
+                C, ldc);
     for (int64_t r = 0; r < t.rows; ++r) {
-      float* row = C.data() + r * ldc;
+      float* row = C + r * ldc;
       if (b.present)
         for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
-      from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
+      if (!direct) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
     }
   });
 }
