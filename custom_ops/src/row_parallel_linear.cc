@@ -4,7 +4,7 @@
 //    the offsets' values (0 <= o_0 <= ... <= o_E <= rows) before any row is touched.
 // 2. W is packed per expert into the GEMM's panels: once at kernel creation when it is an
 //    initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
-//    (gemm.h; float16/bfloat16 widened once, accumulation in fp32, rounded once at the end);
+//    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
 //    int8 uses the exact int32 GEMM (int8_gemm.h).
 // 3. Tasks are (expert, block of rows, group of panels), so even a few rows keep every thread busy;
 //    each output element is computed by one task in a fixed order: 1 and N threads agree bitwise.
@@ -111,23 +111,35 @@ void allocate(PackedExpertWeights& p, int64_t slots) {
   if (p.type == kInt8) {
     p.stride = int8_packed_size(N, K);
     p.i16.assign(static_cast<size_t>(slots * p.stride), 0);
-  } else {
-    p.stride = panel_count(N) * K * kPanel;
+    return;
+  }
+  p.stride = panel_count(N) * K * kPanel;
+  if (p.type == kF32)
     p.f32.assign(static_cast<size_t>(slots * p.stride), 0.0f);
+  else
+    p.bits16.assign(static_cast<size_t>(slots * p.stride), 0);
+}
+
+// dst panel n / 16, row k, column n % 16 = src[n, k] (src [N, K] row-major).
+template <typename T>
+void pack_panels(const T* src, int64_t N, int64_t K, T* dst) {
+  for (int64_t n = 0; n < N; ++n) {
+    T* panel = dst + (n / kPanel) * K * kPanel + n % kPanel;
+    for (int64_t k = 0; k < K; ++k) panel[k * kPanel] = src[n * K + k];
   }
 }
 
-// Packs expert e of W into its slot.
+// Packs expert e of W into its slot (float16/bfloat16 as their bits).
 void pack_expert(const Input& w, int64_t e, PackedExpertWeights& p) {
   const int64_t N = w.shape[1], K = w.shape[2], slot = p.slot_of_expert[e];
   if (w.type == kInt8) {
     pack_int8_weight(w.as<int8_t>() + e * N * K, N, K, p.i16.data() + slot * p.stride);
-    return;
-  }
-  float* dst = p.f32.data() + slot * p.stride;  // panel n / 16, row k, column n % 16 = W[e, n, k]
-  for (int64_t n = 0; n < N; ++n) {
-    float* panel = dst + (n / kPanel) * K * kPanel + n % kPanel;
-    for (int64_t k = 0; k < K; ++k) panel[k * kPanel] = load_float(w.type, w.data, (e * N + n) * K + k);
+  } else if (w.type == kF32) {
+    pack_panels(w.as<float>() + e * N * K, N, K, p.f32.data() + slot * p.stride);
+  } else {
+    uint16_t* dst = p.bits16.data() + slot * p.stride;
+    pack_panels(static_cast<const uint16_t*>(w.data) + e * N * K, N, K, dst);
+    if (w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) bf16_interleave_rows(dst, panel_count(N) * K);
   }
 }
 
@@ -265,6 +277,13 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   }
 
   const Input& b = inputs[B];
+  const PanelType panels_type = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? PanelType::kF16
+                                : w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? PanelType::kBF16
+                                                                                   : PanelType::kF32;
+  auto panels = [&](int64_t slot) -> const void* {
+    if (panels_type == PanelType::kF32) return packed->f32.data() + slot * packed->stride;
+    return packed->bits16.data() + slot * packed->stride;
+  };
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N));
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
     const Task& t = tasks[ti];
@@ -293,8 +312,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     float* out = direct ? reinterpret_cast<float*>(y) + t.row0 * N + c0 : nullptr;
     std::vector<float> scratch(direct ? 0 : static_cast<size_t>(t.rows * ldc));
     float* C = direct ? out : scratch.data();
-    gemm_panels(a_f32 + (t.row0 - first) * lda, lda, t.rows, K, packed->f32.data() + slot * packed->stride, t.p0, t.p1,
-                C, ldc);
+    gemm_panels(panels_type, a_f32 + (t.row0 - first) * lda, lda, t.rows, K, panels(slot), t.p0, t.p1, C, ldc);
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;
       if (b.present)
