@@ -6,7 +6,9 @@ Two blocks exported by models/export_moe_blocks.py (random weights, fp32):
   qwen3    Qwen3-MoE-like, E=64, k=8, H=1024, I=384, GEMM3_SWIGLU (the `tiled3` export)
 
 For T tokens (default 1, 16, 128, 512) with N intra-op threads (default 2) it times session.run,
-interleaving the variants round by round and printing medians, of:
+interleaving the variants round by round, and prints median times and side-by-side ratios (the
+median over rounds of the two variants' medians in that round, so a slow spell of the shared
+machine slows both sides of a ratio), of:
 
   fused    moe_onnx.optimize(export) -> the MOE node on the C++ kernels (the router stays ONNX);
            also the MOE node alone (a one-node model fed the router's outputs)
@@ -30,7 +32,7 @@ interleaving the variants round by round and printing medians, of:
 
 Every variant's output is checked against the fused fp32 output before timing. All sessions run with
 idle pool threads not spinning (they live side by side and run in turn); one-node models are fed
-OrtValues made once. A summary checks each target of the performance issue at the end.
+OrtValues made once, through an IOBinding. A summary checks each target of the performance issue at the end.
 
 The exports are cached in --models-dir (default /tmp/moe-bench), with their optimized forms. torch
 is needed only to export; when a file is missing the script prints the command that makes it.
@@ -297,9 +299,11 @@ def bench_int8(shape: Shape, args, counts: dict) -> dict:
     for tokens, per_expert in counts.items():
         offsets = np.concatenate([[0], np.cumsum(per_expert)]).astype(np.int64)
         x8 = rng.integers(-128, 128, (int(offsets[-1]), K), dtype=np.int8)
-        calls = {"int8": ortvalue_runner(sessions["int8"], (x8, offsets)),
-                 "fp32": ortvalue_runner(sessions["fp32"], (x8.astype(np.float32), offsets))}
-        y8, y32 = calls["int8"]()[0].numpy(), calls["fp32"]()[0].numpy()
+        calls = {"int8": BoundRunner(sessions["int8"], (x8, offsets)),
+                 "fp32": BoundRunner(sessions["fp32"], (x8.astype(np.float32), offsets))}
+        for call in calls.values():
+            call()
+        y8, y32 = calls["int8"].outputs()[0], calls["fp32"].outputs()[0]
         # |sum| <= K * 128 * 128 <= 2^24 for K <= 1024: the fp32 sums of these integers are exact.
         if K <= 1024 and not np.array_equal(y8.astype(np.float32), y32):
             raise SystemExit(f"[{shape.name}] int8 MoeRowParallelLinear differs from fp32 at T={tokens}")
@@ -315,11 +319,12 @@ def bench_int8(shape: Shape, args, counts: dict) -> dict:
         med = {name: timer.median(name) for name in calls}
         ops = 2 * offsets[-1] * N * K
         out[tokens] = dict(rows=int(offsets[-1]), fp32=med["fp32"], int8=med["int8"],
+                           speedup=timer.paired_ratio("fp32", "int8"),
                            gops={n: ops / (m * 1e-3) / 1e9 for n, m in med.items()})
         r = out[tokens]
         print(f"T={tokens:<4} int8 MoeRowParallelLinear [{r['rows']} rows, N={N}, K={K}]: fp32 {fmt(r['fp32'])} ms "
               f"({r['gops']['fp32']:.0f} GFLOP/s), int8 {fmt(r['int8'])} ms ({r['gops']['int8']:.0f} GOP/s), "
-              f"int8 throughput {r['fp32'] / r['int8']:.2f}x fp32", flush=True)
+              f"int8 throughput {r['speedup']:.2f}x fp32", flush=True)
     return out
 
 
@@ -351,17 +356,32 @@ class Timer:
     """Interleaved timing: each round runs every variant a few times; medians over all rounds."""
 
     def __init__(self):
-        self.times: dict[str, list[float]] = {}
+        self.rounds: dict[str, list[list[float]]] = {}  # per variant, the times (ms) of each round
 
     def measure(self, name: str, fn, reps: int) -> None:
+        """One round of `name`: `reps` calls."""
+        times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()
-            self.times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+            times.append((time.perf_counter() - t0) * 1e3)
+        self.rounds.setdefault(name, []).append(times)
 
     def median(self, name: str) -> float | None:
-        values = self.times.get(name)
+        values = [t for r in self.rounds.get(name, []) for t in r]
         return statistics.median(values) if values else None
+
+    def round_medians(self, name: str) -> list[float]:
+        return [statistics.median(r) for r in self.rounds[name]]
+
+    def paired_ratio(self, a: str, b: str) -> float:
+        """Median over rounds of a / b, each round's two medians taken side by side: a slow spell of
+        the (shared) machine slows both. `bound` is max(bytes, dense) of the same round."""
+        def per_round(name):
+            if name == "bound":
+                return [max(x, y) for x, y in zip(self.round_medians("bytes"), self.round_medians("dense"))]
+            return self.round_medians(name)
+        return statistics.median(x / y for x, y in zip(per_round(a), per_round(b)))
 
 
 def runner(sess, feeds):
@@ -369,16 +389,28 @@ def runner(sess, feeds):
     return lambda: sess.run(names, feeds)
 
 
-def ortvalue_runner(sess, arrays):
-    """Runs on OrtValues made once (bfloat16 too), so no conversion is timed."""
-    def value(a):
-        if a.dtype == ml_dtypes.bfloat16:
-            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), TensorProto.BFLOAT16)
-        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
-    names = [i.name for i in sess.get_inputs()]
-    values = {n: value(a) for n, a in zip(names, arrays)}
-    outputs = [sess.get_outputs()[0].name]
-    return lambda: sess.run_with_ort_values(outputs, values)
+class BoundRunner:
+    """Runs `sess` on OrtValues made once (bfloat16 too) through an IOBinding, so no conversion is
+    timed. (run_with_ort_values would add ~40 us per call in Python wrapping its outputs, the
+    whole run time of a small decode.) `outputs()` returns the last run's outputs as numpy."""
+
+    def __init__(self, sess, arrays):
+        def value(a):
+            if a.dtype == ml_dtypes.bfloat16:
+                return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), TensorProto.BFLOAT16)
+            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a))
+        self.sess = sess
+        self.values = [value(a) for a in arrays]  # kept alive: the binding points at them
+        self.binding = sess.io_binding()
+        for i, v in zip(sess.get_inputs(), self.values):
+            self.binding.bind_ortvalue_input(i.name, v)
+        self.binding.bind_output(sess.get_outputs()[0].name)
+
+    def __call__(self) -> None:
+        self.sess.run_with_iobinding(self.binding)
+
+    def outputs(self) -> list[np.ndarray]:
+        return self.binding.copy_outputs_to_cpu()
 
 
 def reps_for(ms: float, budget_ms: float) -> int:
@@ -496,10 +528,10 @@ def bench_shape(shape: Shape, args, rows: dict) -> None:
             if name not in ("fp16", "bf16", "fused") and not errors[name] <= limit:
                 raise SystemExit(f"[{shape.name}] T={tokens}: {name} differs from fused by {errors[name]:.3g}")
             calls[name] = call
-        calls["node"] = ortvalue_runner(node_sess, (node_x, node_w, indices))
+        calls["node"] = BoundRunner(node_sess, (node_x, node_w, indices))
         for key, (dt, sess) in node_sessions.items():
             if tokens in (1, 128):
-                calls[f"node_{key}"] = ortvalue_runner(sess, (node_x.astype(dt), node_w.astype(dt), indices))
+                calls[f"node_{key}"] = BoundRunner(sess, (node_x.astype(dt), node_w.astype(dt), indices))
         calls["dense"] = runner(dense, {"x": np.random.default_rng(3).standard_normal(
             (tokens * shape.k, shape.H)).astype(np.float32)})
         # Reading the touched experts' bytes once: a GEMV over a weight of exactly that size (so it meets
@@ -529,11 +561,17 @@ def bench_shape(shape: Shape, args, rows: dict) -> None:
             for _ in range(args.rounds):
                 timer.measure("python", calls["python"], reps_for(first["python"], args.budget_ms))
         med = {name: timer.median(name) for name in calls}
+        pairs = [("fused", "bound"), ("node", "bound"), ("unfused", "fused"), ("ort_moe", "fused"),
+                 ("grouped", "fused"), ("fp16", "fused"), ("bf16", "fused"), ("node_fp16", "node"),
+                 ("node_bf16", "node")]
+        ratios = {f"{a}/{b}": timer.paired_ratio(a, b) for a, b in pairs if a in interleaved}
+        if "python" in calls:  # timed after the others, not side by side
+            ratios["python/fused"] = med["python"] / med["fused"]
         bandwidth = bw_w.nbytes / (med["bytes"] * 1e-3)  # bytes/s
         del bw_w
         med["flops"] = med.pop("dense")
         med["bound"] = max(med["bytes"], med["flops"])
-        results[tokens] = dict(med=med, errors=errors, touched=touched, bandwidth=bandwidth / 1e9)
+        results[tokens] = dict(med=med, ratios=ratios, errors=errors, touched=touched, bandwidth=bandwidth / 1e9)
         print_row(shape, tokens, results[tokens], grouped_note, flush=True)
     del sessions, fused, dense, bw, idx_sess, node_sess, node_sessions
     int8 = bench_int8(shape, args, counts) if "int8" not in skip else {}
@@ -559,8 +597,10 @@ def print_row(shape, tokens, r, grouped_note, flush=False) -> None:
     print("  ".join(parts) + "  [ms]", flush=flush)
 
 
-def ratio(a, b) -> str:
-    return "-" if a is None or b is None else f"{a / b:.2f}x"
+def ratio(r: dict, a: str, b: str) -> str:
+    """The side-by-side ratio a / b of one token count's results ("-" when a variant did not run)."""
+    v = r["ratios"].get(f"{a}/{b}")
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def markdown(rows: dict, args) -> str:
@@ -582,22 +622,22 @@ def markdown(rows: dict, args) -> str:
             f = m["fused"]
             out.append(
                 f"| {tokens} | {fmt(f)} | {fmt(m['node'])} | {fmt(m['bound'])} ({fmt(m['flops'])} / {fmt(m['bytes'])}) | "
-                f"{ratio(f, m['bound'])} | {ratio(m['node'], m['bound'])} | {fmt(m.get('unfused'))} | "
-                f"{ratio(m.get('unfused'), f)} | "
-                f"{fmt(m.get('ort_moe'))} | {ratio(m.get('ort_moe'), f)} | {fmt(m.get('grouped'))} | "
-                f"{ratio(m.get('grouped'), f)} |")
+                f"{ratio(r, 'fused', 'bound')} | {ratio(r, 'node', 'bound')} | {fmt(m.get('unfused'))} | "
+                f"{ratio(r, 'unfused', 'fused')} | "
+                f"{fmt(m.get('ort_moe'))} | {ratio(r, 'ort_moe', 'fused')} | {fmt(m.get('grouped'))} | "
+                f"{ratio(r, 'grouped', 'fused')} |")
         extra = []
         for tokens, r in data["results"].items():
             m = r["med"]
             for key in ("fp16", "bf16"):
                 if key in m:
                     e = r["errors"]
-                    extra.append(f"| {tokens} | {key} | {fmt(m[key])} | {ratio(m[key], m['fused'])} | "
-                                 f"{fmt(m.get('node_' + key))} | {ratio(m.get('node_' + key), m['node'])} | "
+                    extra.append(f"| {tokens} | {key} | {fmt(m[key])} | {ratio(r, key, 'fused')} | "
+                                 f"{fmt(m.get('node_' + key))} | {ratio(r, 'node_' + key, 'node')} | "
                                  f"{e[key]:.1e} | {e[key] / e[key + '_scale']:.1e} | {e[key + '_rounding']:.1e} |")
             if "python" in m:
                 extra.append(f"| {tokens} | python backend (fp32) | {fmt(m['python'])} | "
-                             f"{ratio(m['python'], m['fused'])} | | | {r['errors']['python']:.1e} | | |")
+                             f"{ratio(r, 'python', 'fused')} | | | {r['errors']['python']:.1e} | | |")
         if extra:
             out.append("\n| tokens | variant | model ms | / fp32 model | MOE node alone ms | / fp32 node "
                        "| max abs err vs fp32 | relative to max abs output | rounding the fp32 output alone |")
@@ -610,7 +650,7 @@ def markdown(rows: dict, args) -> str:
             out.append("|---|---|---|---|---|---|---|")
             for tokens, r in data["int8"].items():
                 out.append(f"| {tokens} | {r['rows']} | {fmt(r['fp32'])} | {fmt(r['int8'])} | {r['gops']['fp32']:.0f} | "
-                           f"{r['gops']['int8']:.0f} | {r['fp32'] / r['int8']:.2f}x |")
+                           f"{r['gops']['int8']:.0f} | {r['speedup']:.2f}x |")
         if data.get("grouped_note"):
             out.append(f"\ngrouped (cpp) skipped: {data['grouped_note']}")
         if data.get("rss"):
@@ -636,43 +676,43 @@ def targets(rows: dict) -> list[str]:
             continue
         shape = SHAPES[name]
         res = data["results"]
-        meds = {t: r["med"] for t, r in res.items()}
-        b = {t: m["fused"] / m["bound"] for t, m in meds.items()}
+        rat = {t: r["ratios"] for t, r in res.items()}
+        b = {t: q["fused/bound"] for t, q in rat.items()}
         check(f"{name}: fused <= 1.25x bound (whole model: router ops + MOE node)", all(v <= 1.25 for v in b.values()),
               ", ".join(f"T={t} {v:.2f}x" for t, v in b.items()))
-        nb = {t: m["node"] / m["bound"] for t, m in meds.items()}
+        nb = {t: q["node/bound"] for t, q in rat.items()}
         check(f"{name}: MOE node alone <= 1.25x bound", all(v <= 1.25 for v in nb.values()),
               ", ".join(f"T={t} {v:.2f}x" for t, v in nb.items()))
-        o = {t: m["ort_moe"] / m["fused"] for t, m in meds.items() if "ort_moe" in m}
+        o = {t: q["ort_moe/fused"] for t, q in rat.items() if "ort_moe/fused" in q}
         if o:
             check(f"{name}: fused <= com.microsoft::MoE", all(v >= 1 for v in o.values()),
                   ", ".join(f"T={t} MoE/fused {v:.2f}x" for t, v in o.items()))
-        u = {t: m["unfused"] / m["fused"] for t, m in meds.items() if "unfused" in m and t >= 128}
+        u = {t: q["unfused/fused"] for t, q in rat.items() if "unfused/fused" in q and t >= 128}
         need = 0.8 * shape.E / shape.k
         if u:
             check(f"{name}: unfused/fused >= 0.8 E/k = {need:.1f} at T >= 128", all(v >= need for v in u.values()),
                   ", ".join(f"T={t} {v:.1f}x" for t, v in u.items()))
         for key in ("fp16", "bf16"):
-            if 1 in meds and key in meds[1]:
-                v = meds[1][key] / meds[1]["fused"]
+            if 1 in rat and f"{key}/fused" in rat[1]:
+                v = rat[1][f"{key}/fused"]
                 check(f"{name}: {key} decode (T=1) <= 0.6x fp32, whole model (router ops and Casts included)",
                       v <= 0.6, f"{v:.2f}x")
-            if 1 in meds and "node_" + key in meds[1]:
-                v = meds[1]["node_" + key] / meds[1]["node"]
+            if 1 in rat and f"node_{key}/node" in rat[1]:
+                v = rat[1][f"node_{key}/node"]
                 check(f"{name}: {key} decode (T=1) <= 0.6x fp32, MOE node alone", v <= 0.6, f"{v:.2f}x")
             errs = {t: r["errors"][key] / r["errors"][key + "_scale"] for t, r in res.items() if key in r["errors"]}
             if errs:
                 check(f"{name}: {key} error within 1e-2 (relative to the largest output)",
                       all(v <= 1e-2 for v in errs.values()), ", ".join(f"T={t} {v:.1e}" for t, v in errs.items()))
-        g = {t: m["grouped"] / m["fused"] for t, m in meds.items() if "grouped" in m}
+        g = {t: q["grouped/fused"] for t, q in rat.items() if "grouped/fused" in q}
         if g:
             check(f"{name}: grouped (cpp) within 1.3x of MOE", all(v <= 1.3 for v in g.values()),
                   ", ".join(f"T={t} {v:.2f}x" for t, v in g.items()))
-        if 128 in meds and "python" in meds[128]:
-            v = meds[128]["python"] / meds[128]["fused"]
+        if 128 in rat and "python/fused" in rat[128]:
+            v = rat[128]["python/fused"]
             check(f"{name}: Python backend within 5x of cpp at T=128", v <= 5, f"{v:.2f}x")
         if data.get("int8"):
-            i8 = {t: r["fp32"] / r["int8"] for t, r in data["int8"].items()}
+            i8 = {t: r["speedup"] for t, r in data["int8"].items()}
             check(f"{name}: int8 MoeRowParallelLinear >= 1.5x fp32 throughput at T >= 128 ({shape.k} rows per token)",
                   all(v >= 1.5 for v in i8.values()),
                   ", ".join(f"T={t} ({data['int8'][t]['rows']} rows) {v:.2f}x" for t, v in i8.items()))
