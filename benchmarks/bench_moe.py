@@ -578,6 +578,29 @@ def bench_shape(shape: Shape, args, rows: dict) -> None:
     rows[shape.name] = dict(results=results, grouped_note=grouped_note, int8=int8)
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """One shape's results over several runs: each time, ratio and rate is the median of the runs'
+    (each run's own figure is a median over its rounds); errors are the largest."""
+    def med(values):
+        return statistics.median(values)
+
+    first = runs[0]
+    results = {}
+    for t, r in first["results"].items():
+        rs = [run["results"][t] for run in runs]
+        results[t] = dict(med={k: med([x["med"][k] for x in rs]) for k in r["med"]},
+                          ratios={k: med([x["ratios"][k] for x in rs]) for k in r["ratios"]},
+                          errors={k: max(x["errors"][k] for x in rs) for k in r["errors"]},
+                          touched=r["touched"], bandwidth=med([x["bandwidth"] for x in rs]))
+    int8 = {}
+    for t, r in first["int8"].items():
+        rs = [run["int8"][t] for run in runs]
+        int8[t] = dict(rows=r["rows"], fp32=med([x["fp32"] for x in rs]), int8=med([x["int8"] for x in rs]),
+                       speedup=med([x["speedup"] for x in rs]),
+                       gops={k: med([x["gops"][k] for x in rs]) for k in r["gops"]})
+    return dict(results=results, grouped_note=first["grouped_note"], int8=int8, runs=len(runs))
+
+
 def fmt(v: float | None, digits: int = 2) -> str:
     if v is None:
         return "-"
@@ -611,8 +634,10 @@ def markdown(rows: dict, args) -> str:
         shape = SHAPES[name]
         created = rows.get("_creation", {}).get(name)
         creation = (f"; session creation {created[0]:.2f} s, the export alone {created[1]:.2f} s" if created else "")
+        runs_note = f" and ratios: medians of {data['runs']} runs" if data.get("runs") else ""
         out.append(f"\n**{name}** (E={shape.E}, k={shape.k}, H={shape.H}, I={shape.I}, "
                    f"{'GEMM2 + biases' if shape.gemm2 else 'GEMM3'}, fp32, {args.threads} threads; median ms"
+                   f"{runs_note}"
                    f"{creation})\n")
         out.append("| tokens | fused MOE (cpp) | MOE node alone | bound (flops / bytes) | fused / bound | node / bound "
                    "| unfused | unfused / fused | `com.microsoft::MoE` | MoE / fused | grouped (cpp) | grouped / fused |")
@@ -764,6 +789,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over all)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat each shape's measurement; report the median of the runs' figures")
     ap.add_argument("--budget-ms", type=float, default=150.0, help="time per variant per round")
     ap.add_argument("--unfused-max-tokens", type=int, default=512)
     ap.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[],
@@ -780,7 +807,16 @@ def main() -> None:
     print(f"onnxruntime {ort.__version__}, library {moe_onnx.custom_ops_library()}", flush=True)
     rows: dict = {}
     for name in args.shapes:
-        bench_shape(SHAPES[name], args, rows)
+        runs = []
+        for run in range(args.runs):
+            if args.runs > 1:
+                print(f"\n# {name}: run {run + 1} of {args.runs}", flush=True)
+            bench_shape(SHAPES[name], args, rows)
+            runs.append(rows[name])
+            if rows[name] is None:
+                break
+        if args.runs > 1 and rows[name] is not None:
+            rows[name] = merge_runs(runs)
         if "rss" not in args.skip:
             measure_rss(SHAPES[name], args, rows)
     print("\n# Markdown\n" + markdown(rows, args))
