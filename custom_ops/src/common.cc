@@ -83,16 +83,20 @@ std::vector<Input> read_inputs(const Ort::KernelContext& ctx, size_t n_formal) {
   const size_t n = std::min(ctx.GetInputCount(), n_formal);
   for (size_t i = 0; i < n; ++i) {
     Ort::ConstValue value = ctx.GetInput(i);
-    if (!value) continue;
-    Input& in = inputs[i];
-    auto info = value.GetTensorTypeAndShapeInfo();
-    in.present = true;
-    in.type = info.GetElementType();
-    in.shape = info.GetShape();
-    in.count = static_cast<int64_t>(info.GetElementCount());
-    in.data = in.count ? value.GetTensorRawData() : nullptr;
+    if (value) inputs[i] = tensor_input(value);
   }
   return inputs;
+}
+
+Input tensor_input(const Ort::ConstValue& value) {
+  Input in;
+  auto info = value.GetTensorTypeAndShapeInfo();
+  in.present = true;
+  in.type = info.GetElementType();
+  in.shape = info.GetShape();
+  in.count = static_cast<int64_t>(info.GetElementCount());
+  in.data = in.count ? value.GetTensorRawData() : nullptr;
+  return in;
 }
 
 bool AttrReader::has_string(const char* name, std::string* out) const {

@@ -43,6 +43,8 @@ struct Input {
 };
 
 std::vector<Input> read_inputs(const Ort::KernelContext& ctx, size_t n_formal);
+// A tensor value viewed as an Input (present; data null when it has no elements).
+Input tensor_input(const Ort::ConstValue& value);
 
 // Reads attributes at kernel creation; absent ones are reported by `has`.
 struct AttrReader {
@@ -66,7 +68,6 @@ class Checker {
   ElemType expect_elem(size_t i, const std::vector<ElemType>& allowed) const;
   void expect_same_elem(size_t i, size_t ref) const;
   const std::vector<int64_t>& expect_rank(size_t i, int rank, int min_rank = -1) const;
-  const std::string& where() const { return where_; }
 
  private:
   std::string where_;

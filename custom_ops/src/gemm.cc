@@ -32,9 +32,10 @@ static void micro_portable(const float* A, int64_t lda, int64_t K, const void* B
 }
 
 template <PanelType W>
-static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t stride,
-                          int64_t p0, int64_t p1, float* C, int64_t ldc) {
+static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+                          int64_t p1, float* C, int64_t ldc) {
   const size_t esz = panel_elem_size(W);
+  const int64_t stride = K * kPanel;  // elements per panel
   for (int64_t p = p0; p < p1; ++p) {
     const void* B = static_cast<const char*>(B_packed) + static_cast<size_t>(p * stride) * esz;
     float* Cp = C + (p - p0) * kPanel;
@@ -45,11 +46,11 @@ static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, con
 }
 
 void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                          int64_t stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+                          int64_t p0, int64_t p1, float* C, int64_t ldc) {
   switch (type) {
-    case PanelType::kF16: return gemm_portable<PanelType::kF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
-    case PanelType::kBF16: return gemm_portable<PanelType::kBF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
-    default: return gemm_portable<PanelType::kF32>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    case PanelType::kF16: return gemm_portable<PanelType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case PanelType::kBF16: return gemm_portable<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    default: return gemm_portable<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
 }
 
@@ -129,24 +130,14 @@ void bf16_interleave_rows(uint16_t* panels, int64_t rows) {
   }
 }
 
-void gemm_panels_strided(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                         int64_t panel_stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+                 int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
   if (K <= 0) {
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
     return;
   }
-  dispatch().fn(type, A, lda, M, K, B_packed, panel_stride, p0, p1, C, ldc);
-}
-
-void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
-                 int64_t p1, float* C, int64_t ldc) {
-  gemm_panels_strided(type, A, lda, M, K, B_packed, K * kPanel, p0, p1, C, ldc);
-}
-
-void gemm_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0, int64_t p1,
-                 float* C, int64_t ldc) {
-  gemm_panels(PanelType::kF32, A, lda, M, K, B_packed, p0, p1, C, ldc);
+  dispatch().fn(type, A, lda, M, K, B_packed, p0, p1, C, ldc);
 }
 
 void gated_activation(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,

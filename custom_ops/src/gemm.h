@@ -28,18 +28,12 @@ inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2
 void bf16_interleave_rows(uint16_t* panels, int64_t rows);
 inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 
-// C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16.
+// C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16, with
+// B_packed holding elements of `type` (uint16_t bits for fp16 and bf16).
 // A is row-major with row stride lda; C is row-major with row stride ldc (>= 16 * (p1 - p0)).
 // (A row stride that is a multiple of 4 KB makes the rows of a tile share L1 sets: pad it.)
-void gemm_panels(const float* A, int64_t lda, int64_t M, int64_t K, const float* B_packed, int64_t p0, int64_t p1,
-                 float* C, int64_t ldc);
-// The same with B_packed holding elements of `type` (uint16_t bits for fp16 and bf16).
 void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc);
-// The same over a K slice of longer panels: panel p starts panel_stride elements after panel p - 1
-// (B_packed points at the slice's first row of panel 0).
-void gemm_panels_strided(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                         int64_t panel_stride, int64_t p0, int64_t p1, float* C, int64_t ldc);
 
 // The MOE gate/up epilogue on GEMM results laid out as gate/up panels (8 gate columns, then the 8
 // matching up columns): for r < rows, p < panels, l < 8, with g = C[r, 16p + l] + bias[16p + l] and
@@ -58,18 +52,18 @@ void widen_row(PanelType type, const void* src, float* dst, int64_t n);
 const char* gemm_isa();
 
 namespace detail {
-using GemmFn = void (*)(PanelType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, int64_t,
-                        float*, int64_t);
+using GemmFn = void (*)(PanelType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
+                        int64_t);
 using ActFn = void (*)(bool, float, float, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 using WidenFn = void (*)(PanelType, const void*, float*, int64_t);
 void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n);
 void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                          int64_t panel_stride, int64_t p0, int64_t p1, float* C, int64_t ldc);
+                          int64_t p0, int64_t p1, float* C, int64_t ldc);
 void gated_activation_portable(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
                                int64_t rows, int64_t panels, float* dst, int64_t ldd);
 #if defined(MOE_ONNX_HAVE_AVX2)
 void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                      int64_t panel_stride, int64_t p0, int64_t p1, float* C, int64_t ldc);
+                      int64_t p0, int64_t p1, float* C, int64_t ldc);
 void gated_activation_avx2(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
                            int64_t rows, int64_t panels, float* dst, int64_t ldd);
 void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n);

@@ -171,8 +171,9 @@ inline void micro_two_rows(const float* A, int64_t lda, int64_t K, const void* B
 }
 
 template <PanelType W>
-void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t stride, int64_t p0,
-          int64_t p1, float* C, int64_t ldc) {
+void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0, int64_t p1, float* C,
+          int64_t ldc) {
+  const int64_t stride = K * kPanel;  // elements per panel
   int64_t p = p0;
   if (M == 1) {
     for (; p + 4 <= p1; p += 4) {
@@ -258,11 +259,11 @@ inline __m256 sigmoid8(__m256 z) {
 }  // namespace
 
 void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
-                      int64_t stride, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+                      int64_t p0, int64_t p1, float* C, int64_t ldc) {
   switch (type) {
-    case PanelType::kF16: return gemm<PanelType::kF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
-    case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
-    default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, stride, p0, p1, C, ldc);
+    case PanelType::kF16: return gemm<PanelType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
 }
 

@@ -57,13 +57,11 @@ using WidenFn = void (*)(const int8_t*, int64_t, int64_t, int16_t*);
 struct Dispatch {
   Int8GemmFn fn = detail::int8_gemm_panels_portable;
   WidenFn widen = detail::widen_int8_rows_portable;
-  const char* name = "portable";
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (avx2_kernels_enabled(/*fma_f16c=*/false)) {
       fn = detail::int8_gemm_panels_avx2;
       widen = detail::widen_int8_rows_avx2;
-      name = "avx2";
     }
 #endif
   }
@@ -88,7 +86,5 @@ void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, c
 void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
   if (rows > 0) dispatch().widen(src, rows, K, dst);
 }
-
-const char* int8_gemm_isa() { return dispatch().name; }
 
 }  // namespace moe_onnx

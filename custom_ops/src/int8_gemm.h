@@ -10,14 +10,16 @@
 
 #include <cstdint>
 
+#include "gemm.h"
+
 namespace moe_onnx {
 
-constexpr int64_t kInt8Panel = 16;
+// Columns per panel: the float GEMM's, so callers split int8 and float work into the same tasks.
+constexpr int64_t kInt8Panel = kPanel;
 
 inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
-inline int64_t int8_panel_count(int64_t N) { return (N + kInt8Panel - 1) / kInt8Panel; }
 // int16 elements of one packed [N, K] weight.
-inline int64_t int8_packed_size(int64_t N, int64_t K) { return int8_panel_count(N) * int8_pairs(K) * 2 * kInt8Panel; }
+inline int64_t int8_packed_size(int64_t N, int64_t K) { return panel_count(N) * int8_pairs(K) * 2 * kInt8Panel; }
 
 // Packs W [N, K] (row-major int8) into dst (int8_packed_size(N, K) elements).
 void pack_int8_weight(const int8_t* W, int64_t N, int64_t K, int16_t* dst);
@@ -28,9 +30,6 @@ void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
 // c < 16. A: widened rows with row stride lda (>= 2 * pairs); C row stride ldc (>= 16 * (p1 - p0)).
 void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed, int64_t p0,
                       int64_t p1, int32_t* C, int64_t ldc);
-
-// Which implementation int8_gemm_panels uses on this machine ("avx2" or "portable").
-const char* int8_gemm_isa();
 
 namespace detail {
 void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);

@@ -46,14 +46,7 @@ Input constant_input(const Ort::ConstKernelInfo& info, size_t i) {
   if (!node_has_input(info, i)) return in;
   int is_constant = 0;
   Ort::ConstValue value = info.GetTensorConstantInput(i, &is_constant);
-  if (!is_constant || !value) return in;
-  auto ti = value.GetTensorTypeAndShapeInfo();
-  in.present = true;
-  in.type = ti.GetElementType();
-  in.shape = ti.GetShape();
-  in.count = static_cast<int64_t>(ti.GetElementCount());
-  in.data = in.count ? value.GetTensorRawData() : nullptr;
-  return in;
+  return is_constant && value ? tensor_input(value) : in;
 }
 
 std::string fmt_position(const std::vector<int64_t>& shape, int64_t f) {

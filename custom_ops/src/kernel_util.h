@@ -1,13 +1,12 @@
-// Pieces the routing kernels (MoeInitRouting, MoeRowParallelLinear, MoeFinalizeRouting) share:
-// kernel creation and Compute wrappers that turn exceptions into onnxruntime statuses, attribute
-// readers that check in the references' words, and the int32/int64 index loads.
+// Pieces the kernels share: attribute readers that fail in the references' words, views of
+// constant inputs, element loads (int32/int64 indices, fp32/fp16/bf16 values) and positions.
 #pragma once
 
-#include <new>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "gemm.h"
 
 namespace moe_onnx {
 
@@ -15,9 +14,10 @@ namespace moe_onnx {
 class Attributes {
  public:
   Attributes(const OrtKernelInfo* info, std::string where) : reader_{info}, where_(std::move(where)) {}
-  const std::string& where() const { return where_; }
   [[noreturn]] void fail(const char* name, const std::string& message) const;
   bool has_int(const char* name, int64_t* out) const { return reader_.has_int(name, out); }
+  bool has_float(const char* name, float* out) const { return reader_.has_float(name, out); }
+  bool has_string(const char* name, std::string* out) const { return reader_.has_string(name, out); }
   int64_t get_int(const char* name, int64_t fallback) const;
   bool has_ints(const char* name, std::vector<int64_t>* out) const;
   // The attribute (or its default) after checking it is one of `choices` (check_choice in Python).
@@ -47,6 +47,15 @@ inline float load_float(ElemType type, const void* p, int64_t i) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// The GEMM panel type that holds weights of this element type (fp16/bf16 stay 16-bit).
+inline PanelType panel_type(ElemType weights) {
+  switch (weights) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return PanelType::kF16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return PanelType::kBF16;
+    default: return PanelType::kF32;
   }
 }
 

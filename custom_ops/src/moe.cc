@@ -33,6 +33,7 @@
 #include <thread>
 
 #include "gemm.h"
+#include "kernel_util.h"
 #include "parallel.h"
 
 namespace moe_onnx {
@@ -56,21 +57,6 @@ constexpr int64_t kPanelGroup = 8;     // panels of one task
 inline int64_t padded_ld(int64_t n) {
   const int64_t ld = (n + 15) / 16 * 16;
   return ld % 256 == 0 ? ld + 16 : ld;
-}
-
-// Per-thread scratch for a task's GEMM results (grown, never shrunk; no allocation per task).
-inline float* scratch(size_t n) {
-  thread_local std::vector<float> buffer;
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
-}
-
-inline float load(ElemType type, const void* p, int64_t i) {
-  switch (type) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
 }
 
 struct WeightSrc {
@@ -107,8 +93,8 @@ void pack_expert_as(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slo
       const Input& B0in = *src.in[B0];
       for (int64_t c = 0; c < I; ++c) {
         const int64_t p = c / kHalf, l = c % kHalf;
-        b0[p * kPanel + l] = load(B0in.type, B0in.data, e * 2 * I + 2 * c + src.parity);
-        b0[p * kPanel + kHalf + l] = load(B0in.type, B0in.data, e * 2 * I + 2 * c + 1 - src.parity);
+        b0[p * kPanel + l] = load_float(B0in.type, B0in.data, e * 2 * I + 2 * c + src.parity);
+        b0[p * kPanel + kHalf + l] = load_float(B0in.type, B0in.data, e * 2 * I + 2 * c + 1 - src.parity);
       }
     }
     // weight_1 [E, I, H] is already [K, N].
@@ -120,7 +106,7 @@ void pack_expert_as(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slo
       }
     }
     if (src.in[B1] && src.in[B1]->present)
-      for (int64_t h = 0; h < H; ++h) b1[h] = load(src.in[B1]->type, src.in[B1]->data, e * H + h);
+      for (int64_t h = 0; h < H; ++h) b1[h] = load_float(src.in[B1]->type, src.in[B1]->data, e * H + h);
   } else {
     // gate = weight_0 [E, I, H], up = weight_1 [E, I, H] (x @ W^T), down = weight_2 [E, H, I].
     const Elem* W2in = src.in[W2]->as<Elem>();
@@ -153,14 +139,6 @@ void pack_expert(const WeightSrc& src, int64_t e, MoePacked& dst, int64_t slot) 
       bf16_interleave_rows(w0, dst.w0_stride() / kPanel);
       bf16_interleave_rows(w1, dst.w1_stride() / kPanel);
     }
-  }
-}
-
-PanelType panel_type(ElemType weights) {
-  switch (weights) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return PanelType::kF16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return PanelType::kBF16;
-    default: return PanelType::kF32;
   }
 }
 
@@ -220,21 +198,12 @@ Dims validate(const MoeKernel& kernel, const Checker& v) {
   return Dims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
 }
 
-template <class Idx>
 void check_indices(const Input& in, int64_t E, const std::string& where) {
-  const Idx* idx = in.as<Idx>();
   for (int64_t f = 0; f < in.count; ++f) {
-    const int64_t value = static_cast<int64_t>(idx[f]);
-    if (value < 0 || value >= E) {
-      std::vector<int64_t> pos(in.shape.size());
-      int64_t rest = f;
-      for (size_t a = in.shape.size(); a-- > 0;) {
-        pos[a] = rest % in.shape[a];
-        rest /= in.shape[a];
-      }
-      throw_invalid(where + ": router_topk_output_indices" + fmt_shape(pos) + " = " + std::to_string(value) +
-                    " is outside [0, " + std::to_string(E) + ") (num_experts from weight_0)");
-    }
+    const int64_t value = load_index(in, f);
+    if (value < 0 || value >= E)
+      throw_invalid(where + ": router_topk_output_indices" + fmt_position(in.shape, f) + " = " +
+                    std::to_string(value) + " is outside [0, " + std::to_string(E) + ") (num_experts from weight_0)");
   }
 }
 
@@ -280,48 +249,33 @@ OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where("MOE", kinfo);
-  AttrReader attrs{info};
-  auto fail = [this](const std::string& subject, const std::string& message) {
-    throw_invalid(where + ": " + subject + " " + message);
-  };
+  const Attributes attrs(info, where);
   std::string expert_type;
-  if (!attrs.has_string("expert_type", &expert_type)) fail("attribute 'expert_type'", "is required");
+  if (!attrs.has_string("expert_type", &expert_type)) attrs.fail("expert_type", "is required");
   if (expert_type == kGemm2)
     type = ExpertType::kGemm2BiasSwigluClamp;
   else if (expert_type == kGemm3)
     type = ExpertType::kGemm3Swiglu;
   else
-    fail("attribute 'expert_type'", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
+    attrs.fail("expert_type", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
   if (!attrs.has_float("expert_alpha", &alpha)) alpha = 1.0f;
-  if (!std::isfinite(alpha)) fail("attribute 'expert_alpha'", "is " + py_float(alpha) + "; expected a finite number");
+  if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
   if (!attrs.has_float("expert_beta", &beta)) beta = 0.0f;
   if (type == ExpertType::kGemm2BiasSwigluClamp) {
     if (std::isnan(beta) || beta == -INFINITY)
-      fail("attribute 'expert_beta'", "is " + py_float(beta) + "; expected a finite number or inf");
-    if (!(beta > 0)) fail("attribute 'expert_beta'", "is " + py_float(beta) + "; expected a value > 0");
+      attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a finite number or inf");
+    if (!(beta > 0)) attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a value > 0");
   }
-  if (!attrs.has_int("gate_parity", &parity)) parity = 0;
-  if (parity != 0 && parity != 1)
-    fail("attribute 'gate_parity'", "is " + std::to_string(parity) + "; expected one of 0, 1");
+  parity = attrs.choice("gate_parity", 0, {0, 1});
 
   // Constant weights: pack them all now, if every weight the expert type uses is an initializer
   // and their shapes agree (otherwise Compute packs per run and reports any error).
-  const size_t n_inputs = kinfo.GetInputCount();
   std::vector<Input> inputs(N_INPUTS);
-  std::vector<Ort::ConstValue> keep;
   const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
   for (int i : {W0, B0, W1, B1, W2}) {
-    if (static_cast<size_t>(i) >= n_inputs || kinfo.GetInputName(i).empty()) continue;
-    int is_constant = 0;
-    Ort::ConstValue value = kinfo.GetTensorConstantInput(i, &is_constant);
-    if (!is_constant || !value) return;  // a runtime weight: pack per Compute
-    auto ti = value.GetTensorTypeAndShapeInfo();
-    Input& in = inputs[i];
-    in.present = true;
-    in.type = ti.GetElementType();
-    in.shape = ti.GetShape();
-    in.count = static_cast<int64_t>(ti.GetElementCount());
-    in.data = in.count ? value.GetTensorRawData() : nullptr;
+    if (!node_has_input(kinfo, i)) continue;
+    inputs[i] = constant_input(kinfo, i);
+    if (!inputs[i].present) return;  // a runtime weight: pack per Compute
   }
   auto is_float = [](const Input& in) {
     return std::find(kFloatTypes.begin(), kFloatTypes.end(), in.type) != kFloatTypes.end();
@@ -344,7 +298,6 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
     if (!same(w1, {E, I, H}) || !same(inputs[W2], {E, H, I}) || inputs[B0].present || inputs[B1].present) return;
   }
   auto packed = std::make_unique<MoePacked>();
-  packed->E = E;
   packed->H = H;
   packed->I = I;
   packed->type = panel_type(w0.type);
@@ -380,10 +333,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   const Checker v(where, kInputNames, inputs);
   const Dims d = validate(*this, v);
   const Input& idx = inputs[INDICES];
-  if (idx.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
-    check_indices<int32_t>(idx, d.E, where);
-  else
-    check_indices<int64_t>(idx, d.E, where);
+  check_indices(idx, d.E, where);
 
   const Input& x_in = inputs[HIDDEN];
   const ElemType T_type = x_in.type;
@@ -402,8 +352,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
 
   // Slots sorted by expert (counting sort, stable).
   std::vector<int64_t> expert_of(static_cast<size_t>(S));
-  for (int64_t f = 0; f < S; ++f)
-    expert_of[f] = idx.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 ? idx.as<int32_t>()[f] : idx.as<int64_t>()[f];
+  for (int64_t f = 0; f < S; ++f) expert_of[f] = load_index(idx, f);
   std::vector<int64_t> start(static_cast<size_t>(E + 1), 0);
   for (int64_t f = 0; f < S; ++f) ++start[expert_of[f] + 1];
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
@@ -431,7 +380,6 @@ void MoeKernel::Compute(OrtKernelContext* context) {
     slot_of_expert.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) slot_of_expert[e] = e;
   } else {
-    local.E = E;
     local.H = H;
     local.I = I;
     local.type = panel_type(inputs[W0].type);
@@ -501,7 +449,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
       const Task& t = tasks[ti];
       const int64_t slot = slot_of_expert[t.e];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      float* C = scratch(static_cast<size_t>(t.rows * ldc));
+      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
       gemm_panels(ptype, xs + t.row0 * ldx, ldx, t.rows, H, packed->w0_at(slot), t.p0, t.p1, C, ldc);
       const float* bias = gemm2 ? packed->b0.data() + slot * packed->b0_stride() + t.p0 * kPanel : nullptr;
       gated_activation(gemm2, alpha, beta, C, ldc, bias, t.rows, t.p1 - t.p0,
@@ -519,12 +467,12 @@ void MoeKernel::Compute(OrtKernelContext* context) {
       const Task& t = tasks[ti];
       const int64_t slot = slot_of_expert[t.e];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      float* C = scratch(static_cast<size_t>(t.rows * ldc));
+      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
       gemm_panels(ptype, act + t.row0 * ldact, ldact, t.rows, I, packed->w1_at(slot), t.p0, t.p1, C, ldc);
       const float* bias = packed->b1.data() + slot * H;
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t f = order[t.row0 + r];
-        const float w = load(rw.type, rw.data, f);
+        const float w = load_float(rw.type, rw.data, f);
         const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
         const float* src = C + r * ldc;
         float* dst = y + f * H + h0;
@@ -537,15 +485,15 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   // out[t] = sum_j y[t*k + j], j in order.
   n_chunks = chunk_count(static_cast<size_t>(T), 4, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
-    std::vector<float> row(static_cast<size_t>(H));
+    float* row = scratch<float>(static_cast<size_t>(H));
     const int64_t end = std::min<int64_t>(T, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
-      std::fill(row.begin(), row.end(), 0.0f);
+      std::fill(row, row + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const float* src = y + (t * k + j) * H;
         for (int64_t h = 0; h < H; ++h) row[h] += src[h];
       }
-      from_float(T_type, row.data(), static_cast<char*>(out) + t * H * esz, H);
+      from_float(T_type, row, static_cast<char*>(out) + t * H * esz, H);
     }
   });
 }

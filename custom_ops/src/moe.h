@@ -33,7 +33,7 @@ struct PanelAllocator {
 // Expert weights in the GEMM's packed layout (see moe.cc): the panels keep the weights' own type
 // (fp16/bf16 stay 16-bit, halving the bytes a decode step reads); biases are fp32.
 struct MoePacked {
-  int64_t E = 0, H = 0, I = 0;
+  int64_t H = 0, I = 0;
   PanelType type = PanelType::kF32;
   std::vector<float, PanelAllocator<float>> w0, w1;          // fp32 panels: per expert gate/up, down
   std::vector<uint16_t, PanelAllocator<uint16_t>> w0h, w1h;  // fp16/bf16 panels (bits), same layout

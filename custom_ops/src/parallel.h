@@ -6,9 +6,9 @@
 // index order.
 #pragma once
 
-#include <atomic>
 #include <exception>
 #include <mutex>
+#include <vector>
 
 #include "ort_api.h"
 
@@ -38,6 +38,15 @@ void parallel_for(const Ort::KernelContext& ctx, size_t n, Fn&& fn) {
   };
   ctx.ParallelFor(trampoline, n, 0, &state);
   if (state.error) std::rethrow_exception(state.error);
+}
+
+// Per-thread scratch of n elements for a task (grown, never shrunk: no allocation per task; not
+// zeroed). Valid until the same thread asks again.
+template <class T>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // Splits [0, n) into about `parts` chunks of at least `min_chunk`; returns the chunk count and size.

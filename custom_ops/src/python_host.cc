@@ -190,28 +190,25 @@ void PyKernel::Compute(OrtKernelContext* context) {
   };
 
   const size_t n_in = spec.input_optional.size();
-  const size_t given = std::min(ctx.GetInputCount(), n_in);
+  const std::vector<moe_onnx::Input> given = moe_onnx::read_inputs(ctx, n_in);
   Ref inputs(PyList_New(static_cast<Py_ssize_t>(n_in)));
   if (!inputs) python_error();
   for (size_t i = 0; i < n_in; ++i) {
-    Ort::ConstValue value = i < given ? ctx.GetInput(i) : Ort::ConstValue{nullptr};
-    if (!value) {
+    const moe_onnx::Input& in = given[i];
+    if (!in.present) {
       Py_INCREF(Py_None);
       PyList_SET_ITEM(inputs.p, i, Py_None);
       continue;
     }
-    auto info = value.GetTensorTypeAndShapeInfo();
-    const auto type = info.GetElementType();
+    const auto type = in.type;
     const size_t esize = moe_onnx::elem_size(type);
     if (esize == 0)
       throw Ort::Exception(where + ": input " + std::to_string(i) + " has type " + moe_onnx::elem_name(type) +
                                ", which Python kernels do not take",
                            ORT_INVALID_ARGUMENT);
-    const std::vector<int64_t> shape = info.GetShape();
-    const size_t count = info.GetElementCount();
-    const void* data = count ? value.GetTensorRawData() : nullptr;
-    char* ptr = data ? static_cast<char*>(const_cast<void*>(data)) : empty_buffer;
-    Ref view(PyMemoryView_FromMemory(ptr, static_cast<Py_ssize_t>(count * esize), PyBUF_READ));
+    const std::vector<int64_t>& shape = in.shape;
+    char* ptr = in.data ? static_cast<char*>(const_cast<void*>(in.data)) : empty_buffer;
+    Ref view(PyMemoryView_FromMemory(ptr, static_cast<Py_ssize_t>(static_cast<size_t>(in.count) * esize), PyBUF_READ));
     Ref dims(PyTuple_New(static_cast<Py_ssize_t>(shape.size())));
     if (!view || !dims) python_error();
     for (size_t a = 0; a < shape.size(); ++a) PyTuple_SET_ITEM(dims.p, a, PyLong_FromLongLong(shape[a]));

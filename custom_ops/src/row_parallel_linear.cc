@@ -270,16 +270,14 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
       int64_t r0, r1;
       chunk_rows(c, &r0, &r1);
       for (int64_t r = r0; r < r1; ++r)
-        to_float(x.type, static_cast<const char*>(x.data) + (first + r) * K * elem_size(x.type), a32.data() + r * lda,
-                 K);
+        widen_row(panel_type(x.type), static_cast<const char*>(x.data) + (first + r) * K * elem_size(x.type),
+                  a32.data() + r * lda, K);
     });
     a_f32 = a32.data();
   }
 
   const Input& b = inputs[B];
-  const PanelType panels_type = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? PanelType::kF16
-                                : w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? PanelType::kBF16
-                                                                                   : PanelType::kF32;
+  const PanelType panels_type = panel_type(w.type);
   auto panels = [&](int64_t slot) -> const void* {
     if (panels_type == PanelType::kF32) return packed->f32.data() + slot * packed->stride;
     return packed->bits16.data() + slot * packed->stride;
@@ -295,8 +293,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     const int64_t ldc = direct ? N : (t.p1 - t.p0) * kPanel;
     if (int8) {
       int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
-      std::vector<int32_t> scratch(direct ? 0 : static_cast<size_t>(t.rows * ldc));
-      int32_t* C = direct ? out : scratch.data();
+      int32_t* C = direct ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
       int8_gemm_panels(a16.get() + (t.row0 - first) * lda, lda, t.rows, pairs, packed->i16.data() + slot * packed->stride,
                        t.p0, t.p1, C, ldc);
       if (direct && !b.present) return;
@@ -310,8 +307,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
       return;
     }
     float* out = direct ? reinterpret_cast<float*>(y) + t.row0 * N + c0 : nullptr;
-    std::vector<float> scratch(direct ? 0 : static_cast<size_t>(t.rows * ldc));
-    float* C = direct ? out : scratch.data();
+    float* C = direct ? out : scratch<float>(static_cast<size_t>(t.rows * ldc));
     gemm_panels(panels_type, a_f32 + (t.row0 - first) * lda, lda, t.rows, K, panels(slot), t.p0, t.p1, C, ldc);
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;

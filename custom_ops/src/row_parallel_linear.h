@@ -29,7 +29,6 @@ struct RowParallelLinearKernel {
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
   std::string where;
-  bool has_bias_term = false;
   // num_experts, in_features, out_features as given (has_size false: absent)
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
