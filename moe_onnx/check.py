@@ -22,16 +22,20 @@ from .ops._common import GraphView
 
 def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
     """Validate a model (path or ModelProto); returns the problems found, empty when valid."""
-    path = None if isinstance(model, onnx.ModelProto) else Path(model)
-    proto = model if path is None else onnx.load(path, load_external_data=False)
-    base_dir = "" if path is None else str(path.parent)
+    if isinstance(model, onnx.ModelProto):
+        return check_loaded(model)
+    return check_loaded(onnx.load(model, load_external_data=False), Path(model))
 
+
+def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
+    """check_model of a model already loaded (without its external data) from `path`, if any."""
+    base_dir = "" if path is None else str(path.parent)
     # the checker reads external data files itself when given the path (models over 2 GB included)
     checkable = path if path is not None and _has_external_data(proto) else proto
     problems = _check_opset(proto) + _check_our_nodes(proto, base_dir)
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems
-    return _check_structure(checkable) or _check_full(checkable, proto)
+    return _check_structure(checkable) or _check_full(proto)
 
 
 def summarize(model: onnx.ModelProto) -> str:
@@ -97,10 +101,10 @@ def _check_arity(op, node: onnx.NodeProto) -> list[str]:
     return []
 
 
-def _check_full(checkable: onnx.ModelProto | Path, proto: onnx.ModelProto) -> list[str]:
-    """The full checker and strict shape inference (standard ops included)."""
+def _check_full(proto: onnx.ModelProto) -> list[str]:
+    """Strict shape inference with type checks, standard ops included (what the full checker adds
+    to the structural check, which has run already)."""
     try:
-        onnx.checker.check_model(str(checkable) if isinstance(checkable, Path) else checkable, full_check=True)
         onnx.shape_inference.infer_shapes(proto, strict_mode=True, check_type=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, MoeOpError) as error:
         return [f"shape inference: {error}"]

@@ -12,12 +12,14 @@ def _check(args: argparse.Namespace) -> int:
     import onnx
     from google.protobuf.message import DecodeError
 
-    from .check import check_model, summarize
+    from .check import check_loaded, summarize
 
     status = 0
     for path in args.models:
+        proto = None
         try:
-            problems = check_model(path)
+            proto = onnx.load(path, load_external_data=False)
+            problems = check_loaded(proto, Path(path))
         except (OSError, DecodeError) as error:
             problems = [f"cannot read the model: {error}"]
         if problems:
@@ -26,7 +28,7 @@ def _check(args: argparse.Namespace) -> int:
             for problem in problems:
                 print(f"  {problem}")
         else:
-            print(f"{path}: OK ({summarize(onnx.load(path, load_external_data=False))})")
+            print(f"{path}: OK ({summarize(proto)})")
     return status
 
 
@@ -53,7 +55,7 @@ def _optimize(args: argparse.Namespace) -> int:
     progress(f"saving {args.output}")
     io.save(model, args.output, progress=progress)
     print(report.summary())
-    document = json.loads(report.to_json())
+    document = dataclasses.asdict(report)
     status = 0
     problems = check_model(args.output)
     if problems:

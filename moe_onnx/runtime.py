@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .ops import OPS, MoeOpError
+from .ops import DOMAIN, OPS, MoeOpError
 from .ops._common import np_dtype
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "BACKENDS"]
@@ -98,6 +98,8 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
             model = onnx.load(os.fspath(model))
         elif isinstance(model, bytes):
             model = onnx.ModelProto.FromString(model)
+        else:  # the caller's model: rewrite a copy
+            model = onnx.ModelProto.FromString(model.SerializeToString())
         model = _python_model(model)
     else:
         model = _cpp_model(model)
@@ -168,8 +170,6 @@ def _graphs(graph: onnx.GraphProto):
 
 
 def _quantizing_init_routing(node: onnx.NodeProto) -> bool:
-    from .ops import DOMAIN
-
     quant = next((a.i for a in node.attribute if a.name == "quant_mode"), -1)
     return node.domain == DOMAIN and node.op_type == "MoeInitRouting" and quant in (0, 1)
 
@@ -248,12 +248,9 @@ def _python_op_specs() -> list[tuple]:
 
 
 def _python_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose moe_onnx nodes run on the Python host: each becomes the variant
-    (domain ``moe_onnx.python``) whose output types shape inference gives it; where inference
-    cannot tell (an invalid node), the declared type, else the type of input 0, else float."""
-    from .ops import DOMAIN
-
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    """``model``, rewritten in place, with its moe_onnx nodes on the Python host: each becomes the
+    variant (domain ``moe_onnx.python``) whose output types shape inference gives it; where
+    inference cannot tell (an invalid node), the declared type, else the type of input 0, else float."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:  # an invalid node: the kernel will say what is wrong

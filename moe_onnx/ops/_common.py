@@ -145,9 +145,6 @@ class OpDef:
                 return attr
         raise KeyError(name)
 
-    def input_index(self, name: str) -> int:
-        return [p.name for p in self.inputs].index(name)
-
     def schema(self) -> defs.OpSchema:
         """The onnx OpSchema, with the shared validation as its inference function."""
         S = defs.OpSchema

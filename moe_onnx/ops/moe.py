@@ -83,8 +83,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         if v.has(i):
             dims.shape(i, symbols, v.expect_rank(i, rank=len(symbols)))
 
-    out_shape = v.input(HIDDEN).shape
-    return [TensorInfo(elem, out_shape)]
+    return [TensorInfo(elem, hidden)]
 
 
 def _check_indices(idx: np.ndarray, num_experts: int, where: str) -> None:

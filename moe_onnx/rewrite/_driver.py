@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +41,6 @@ class OptimizeReport:
     @property
     def total_fused(self) -> int:
         return sum(self.fused.values())
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
 
     def summary(self) -> str:
         lines = [f"target: {self.target}"]

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 from onnxscript.rewriter._basics import MatchFailureError
 
-from ..ops import DOMAIN
+from ..ops import DOMAIN, OPSET_VERSION
 
 
 class MoeFusion(RewriteRuleClassBase):
@@ -225,4 +225,4 @@ def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value,
     inputs = [hidden, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, weight_2]
     while inputs[-1] is None:
         inputs.pop()
-    return op.MOE(*inputs, _domain=DOMAIN, _version=1, expert_type=expert_type, **attributes)
+    return op.MOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, expert_type=expert_type, **attributes)

@@ -17,11 +17,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._context import TapeBuilder
 
-from ..ops import DOMAIN
+from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
 from ._match import Weight, int64s, weight, weight_value
 
-_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=1)
+_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
 
 
 def _attr(node: ir.Node, name: str, default):
@@ -65,7 +65,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
     hidden_size = weights[1].shape[2] if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else weights[0].shape[2]
     rows_in = op.Reshape(hidden, int64s(op, [-1, hidden_size]))
     minus_one = int64s(op, [-1])
-    k = op.Slice(op.Shape(indices), int64s(op, [-1]), int64s(op, [np.iinfo(np.int64).max]))  # [k]: the last dim
+    k = op.Slice(op.Shape(indices), minus_one, int64s(op, [np.iinfo(np.int64).max]))  # [k]: the last dim
     shape_tk = op.Concat(minus_one, k, axis=0)
     idx_tk = op.Reshape(indices, shape_tk)
     scales_tk = op.Reshape(routing, shape_tk)
