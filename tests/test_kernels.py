@@ -22,6 +22,7 @@ from cases import finalize_routing as finalize_cases
 from cases import init_routing as init_cases
 from cases import row_parallel_linear as linear_cases
 from cases.moe import BF16, GEMM2, GEMM3, TOL, make_inputs
+from fixture_models import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -263,13 +264,10 @@ def test_finalize_routing_cpp_property(case):
 
 # ----------------------------------------------------------------------------- grouped chain end to end
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "models", "fixtures")
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe_batched_mm_tiny", "gpt_oss_tiled_tiny", "mixtral_tiled3_tiny"])
 def test_grouped_target_cpp_matches_original(name):
     """optimize(target="grouped") run on the C++ kernels equals the exported graph on onnxruntime."""
-    path = os.path.join(FIXTURES, f"{name}.onnx")
+    path = str(FIXTURES / f"{name}.onnx")  # optimize() from a path (the other tests pass models)
     grouped, _ = moe_onnx.optimize(path, target="grouped")
     ours = {n.op_type for n in grouped.graph.node if n.domain == moe_onnx.DOMAIN}
     assert ours == {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}

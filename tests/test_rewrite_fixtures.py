@@ -8,25 +8,19 @@ the rules themselves: near-misses, mutations, sizes the export never saw.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
 import moe_onnx
-from fixture_models import FIXTURES, MANIFEST, TARGETS, TOL, reference_data
+from fixture_models import MANIFEST, TARGETS, TOL, optimized, reference_data
 from moe_onnx.check import check_model
 
 UNFUSED_OPS = {"Tile", "GatherND", "NonZero", "OneHot"}
 
 
-def _names():
-    return sorted(MANIFEST)
-
-
-
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("name", _names())
+@pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_fixture_fuses_and_keeps_the_numbers(name, target):
-    model, report = moe_onnx.optimize(FIXTURES / f"{name}.onnx", target=target)
+    model, report = optimized(name, target)
     assert report.total_fused >= 1 and not report.near_misses, report.summary()
     assert check_model(model) == []
     left = {n.op_type for n in model.graph.node} & UNFUSED_OPS
