@@ -43,7 +43,7 @@ def oracle(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=Non
 
 
 def routed_case(name, init_attrs, *, tokens=6, hidden=8, experts=4, k=2, ids=None, dtype=np.float32,
-                index_dtype=np.int32, given=("x1", "x2", "bias", "scales", "expert_idx"), seed=3, error=None):
+                index_dtype=np.int32, given=("x1", "x2", "bias", "scales", "expert_idx"), seed=3):
     """A case whose expanded_row_idx and expanded_x shape come from MoeInitRouting with ``init_attrs``."""
     x, expert_idx = make_inputs(tokens, hidden, experts, k, ids=ids, seed=seed)
     init_attrs = {"expert_num": experts, **init_attrs}
@@ -60,7 +60,7 @@ def routed_case(name, init_attrs, *, tokens=6, hidden=8, experts=4, k=2, ids=Non
                                                                      for n in INPUTS[2:]]
     attrs = {a: init_attrs[a] for a in ("drop_pad_mode", "row_idx_type") if a in init_attrs}
     rtol, atol = TOL[np.dtype(dtype)]
-    return Case(OP, name, inputs, attrs, error=error, rtol=rtol, atol=atol)
+    return Case(OP, name, inputs, attrs, rtol=rtol, atol=atol)
 
 
 

@@ -116,9 +116,9 @@ def oracle(x, expert_idx, scale=None, offset=None, *, expert_num, active_num=-1,
 
 # ----------------------------------------------------------------------------- cases
 
-def _case(name, attrs, error=None, scale=None, offset=None, outputs=None, **kw):
+def _case(name, attrs, scale=None, offset=None, outputs=None, **kw):
     x, expert_idx = make_inputs(**kw)
-    return Case(OP, name, [x, expert_idx, scale, offset], dict(attrs), error=error, outputs=outputs)
+    return Case(OP, name, [x, expert_idx, scale, offset], dict(attrs), outputs=outputs)
 
 
 

@@ -68,12 +68,12 @@ G3 = dict(expert_type=GEMM3)
 WEIGHTS = (3, 4, 5, 6, 7)
 
 
-def _case(name, attrs, error=None, atol=None, **kw):
+def _case(name, attrs, atol=None, **kw):
     inputs = make_inputs(expert_type=attrs.get("expert_type", GEMM2), **kw)
     dtype = inputs[0].dtype
     rtol, default_atol = TOL.get(dtype, (1e-5, 1e-5))
     atol = default_atol if atol is None else atol
-    return Case("MOE", name, inputs, dict(attrs), error=error, constant=WEIGHTS, rtol=rtol, atol=atol)
+    return Case("MOE", name, inputs, dict(attrs), constant=WEIGHTS, rtol=rtol, atol=atol)
 
 
 
