@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
+from ._graph import Scope, walk
 from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .ops._common import GraphView
 
@@ -38,9 +40,23 @@ def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
     return _check_structure(checkable) or _check_full(proto)
 
 
+def check_file(path: str | os.PathLike) -> tuple[bool, str]:
+    """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
+    then one per problem). An unreadable file is a problem, not an exception."""
+    try:
+        proto = onnx.load(path, load_external_data=False)
+        problems = check_loaded(proto, Path(path))
+    except (OSError, DecodeError) as error:
+        problems = [f"cannot read the model: {error}"]
+    if problems:
+        heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
+        return False, "\n".join([heading] + [f"  {problem}" for problem in problems])
+    return True, f"{path}: OK ({summarize(proto)})"
+
+
 def summarize(model: onnx.ModelProto) -> str:
     """One line: node count and the moe_onnx ops used."""
-    counts = collections.Counter(n.op_type for n, _ in _walk(model.graph) if n.domain == DOMAIN)
+    counts = collections.Counter(n.op_type for n, _ in walk(model.graph) if n.domain == DOMAIN)
     ours = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none"
     return f"{len(model.graph.node)} nodes; moe_onnx ops: {ours}"
 
@@ -59,7 +75,7 @@ def _check_structure(model: onnx.ModelProto | Path) -> list[str]:
 
 def _check_opset(model: onnx.ModelProto) -> list[str]:
     versions = {o.domain: o.version for o in model.opset_import}
-    uses_ours = any(n.domain == DOMAIN for n, _ in _walk(model.graph))
+    uses_ours = any(n.domain == DOMAIN for n, _ in walk(model.graph))
     if uses_ours and versions.get(DOMAIN) != OPSET_VERSION:
         return [f"model: opset_import for domain '{DOMAIN}' is {versions.get(DOMAIN)}; expected {OPSET_VERSION}"]
     return []
@@ -71,7 +87,7 @@ def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
     except Exception:  # inference is best effort here; _check_full reports its errors
         inferred = model
     problems = []
-    for node, graph in _walk(inferred.graph):
+    for node, scope in walk(inferred.graph):
         if node.domain != DOMAIN:
             continue
         op = OPS.get(node.op_type)
@@ -79,7 +95,7 @@ def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
             problems.append(f"node '{node.name}': unknown op '{node.op_type}' in domain '{DOMAIN}'; "
                             f"expected one of {', '.join(OPS)}")
             continue
-        view = GraphView(op, node, _types(graph), _constants(graph, base_dir))
+        view = GraphView(op, node, _types(scope), _constants(scope, base_dir))
         try:
             op.validate(view)
         except MoeOpError as error:
@@ -111,17 +127,7 @@ def _check_full(proto: onnx.ModelProto) -> list[str]:
     return []
 
 
-def _walk(graph: onnx.GraphProto, parents: tuple[onnx.GraphProto, ...] = ()) -> Iterator[tuple[onnx.NodeProto, tuple]]:
-    """Every node with the chain of graphs it is visible from (subgraphs included)."""
-    scope = parents + (graph,)
-    for node in graph.node:
-        yield node, scope
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from _walk(sub, scope)
-
-
-def _types(scope: tuple[onnx.GraphProto, ...]) -> dict[str, onnx.TypeProto]:
+def _types(scope: Scope) -> dict[str, onnx.TypeProto]:
     types: dict[str, onnx.TypeProto] = {}
     for graph in scope:
         for tensor in graph.initializer:
@@ -132,7 +138,7 @@ def _types(scope: tuple[onnx.GraphProto, ...]) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def _constants(scope: tuple[onnx.GraphProto, ...], base_dir: str) -> dict[str, Callable[[], np.ndarray]]:
+def _constants(scope: Scope, base_dir: str) -> dict[str, Callable[[], np.ndarray]]:
     """Loaders of the values known before run time: initializers (not overridable) and Constant nodes."""
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     for graph in scope:

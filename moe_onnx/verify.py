@@ -19,6 +19,16 @@ from .runtime import session
 DEFAULT_SIZES = ((1, 1), (2, 5), (3, 17))
 
 
+def parse_sizes(text: str) -> tuple[tuple[int, ...], ...]:
+    """Sizes written as ``"1x1,2x5"`` (the notation of ``moe-onnx optimize --sizes``) -> ``((1, 1), (2, 5))``."""
+    return tuple(tuple(int(d) for d in size.split("x")) for size in text.split(","))
+
+
+def format_sizes(sizes: Sequence[Sequence[int]]) -> str:
+    """The inverse of :func:`parse_sizes`."""
+    return ",".join("x".join(str(d) for d in size) for size in sizes)
+
+
 @dataclasses.dataclass
 class SizeResult:
     sizes: dict[str, int]

@@ -149,16 +149,17 @@ def test_python_kernel_inputs_are_not_copied(monkeypatch):
 
     def spy(*args, **kwargs):
         seen["writeable"] = args[0].flags.writeable
-        seen["owns"] = args[0].base is not None
+        seen["is_view"] = args[0].base is not None
         return original.reference(*args, **kwargs)
 
     monkeypatch.setitem(OPS, "MOE", dataclasses.replace(original, reference=spy))
     session(BASE.model(), backend="python").run(None, BASE.feeds())
-    assert seen == {"writeable": False, "owns": True}  # a read-only view of onnxruntime's buffer
+    assert seen == {"writeable": False, "is_view": True}  # a read-only view of onnxruntime's buffer
 
 
-def test_python_threads_from_ort_pool():
-    """Two sessions run concurrently from Python threads: the host takes the GIL itself."""
+def test_python_kernel_from_concurrent_threads():
+    """One session run from three Python threads at once (the binding releases the GIL during run):
+    the host takes the GIL itself."""
     import threading
 
     sess = session(BASE.model(), backend="python")

@@ -1,0 +1,86 @@
+"""The Python side of the Python-kernel host (custom_ops/src/python_host.cc).
+
+The host registers one kernel per *variant*: an op with concrete output element types, which
+onnxruntime must know before it runs (they may depend on attributes), in the private domain
+``moe_onnx.python``. It asks :func:`op_specs` for the variants once, and calls :func:`compute` for
+each node it runs. The host finds both in ``moe_onnx.runtime`` (``_python_op_specs``,
+``_python_compute``, and ``MoeOpError`` for the error code).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+
+from .ops import OPS, MoeOpError, OpDef
+from .ops._common import np_dtype
+
+PYTHON_DOMAIN = "moe_onnx.python"  # kDomain in python_host.cc
+# Output element types a variant may have when the op's output type is a constraint (not fixed).
+_VARIANT_TYPES = (1, 10, 16, 11, 3, 2, 5, 4, 6, 12, 7, 13, 9)  # every numeric TensorProto type
+_MAX_VARIANTS = 256
+
+
+def output_choices(op: OpDef) -> list[tuple[int, ...]]:
+    """Per output of ``op``: the element types its variants cover."""
+    choices = []
+    for p in op.outputs:
+        if p.type_str.startswith("tensor("):
+            choices.append((_elem_of_type_str(p.type_str),))
+        else:
+            choices.append(_VARIANT_TYPES)
+    total = 1
+    for c in choices:
+        total *= len(c)
+    if total > _MAX_VARIANTS:  # keep to the types the op's constraints allow
+        allowed = {name: types for name, types, _ in op.type_constraints}
+        choices = [c if len(c) == 1 else tuple(_elem_of_type_str(t) for t in allowed[p.type_str])
+                   for c, p in zip(choices, op.outputs)]
+    return choices
+
+
+def _elem_of_type_str(type_str: str) -> int:
+    name = type_str[len("tensor("):-1]
+    return {"float": 1, "float16": 10, "bfloat16": 16, "double": 11}.get(name) or \
+        onnx.helper.np_dtype_to_tensor_dtype(np.dtype(name))
+
+
+def variant_name(op_name: str, types: Sequence[int]) -> str:
+    """The op type of ``op_name``'s variant with output element types ``types``."""
+    return f"{op_name}__{'_'.join(str(t) for t in types)}"
+
+
+def op_specs() -> list[tuple]:
+    """Per variant: its name, the op's name, optional flags of inputs and outputs, output types, attributes."""
+    specs = []
+    for op in OPS.values():
+        for types in itertools.product(*output_choices(op)):
+            specs.append((variant_name(op.name, types), op.name, [p.optional for p in op.inputs],
+                          [p.optional for p in op.outputs], list(types), [(a.name, a.kind) for a in op.attributes]))
+    return specs
+
+
+def compute(op_name: str, node_name: str, inputs: list, attrs: dict, n_outputs: int) -> list:
+    """Runs one node: inputs are (memoryview, elem_type, shape) or None; returns (elem_type, shape, bytes view)."""
+    arrays = [None if item is None else np.frombuffer(item[0], dtype=np_dtype(item[1])).reshape(item[2])
+              for item in inputs]
+    while arrays and arrays[-1] is None:
+        arrays.pop()
+    op = OPS[op_name]
+    outputs = op.reference(*arrays, _node_name=node_name, **attrs)
+    if not isinstance(outputs, (tuple, list)) or len(outputs) < n_outputs:
+        raise MoeOpError(f"{op_name}: the Python kernel returned {type(outputs).__name__} "
+                         f"of length {len(outputs) if isinstance(outputs, (tuple, list)) else '?'}; "
+                         f"expected a tuple of at least {n_outputs} arrays")
+    result = []
+    for i, out in enumerate(outputs[:n_outputs]):
+        if not isinstance(out, np.ndarray):
+            raise MoeOpError(f"{op_name}: the Python kernel's output {i} is {type(out).__name__}; expected an array")
+        elem = onnx.helper.np_dtype_to_tensor_dtype(out.dtype) if out.dtype.name != "bfloat16" else \
+            onnx.TensorProto.BFLOAT16
+        shape = tuple(int(d) for d in out.shape)
+        result.append((int(elem), shape, np.ascontiguousarray(out).reshape(-1).view(np.uint8)))
+    return result

@@ -1,0 +1,82 @@
+"""``moe-onnx optimize`` as a function: read a model file, fuse its MoE blocks, write the result,
+check it and, on request, verify it against the original."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from shutil import SameFileError
+
+from . import io
+from .check import check_model
+from .rewrite import OptimizeReport, optimize_ir
+from .verify import DEFAULT_SIZES, VerifyResult, format_sizes, verify
+
+__all__ = ["OptimizeResult", "SameFileError", "optimize_file"]
+
+
+@dataclasses.dataclass
+class OptimizeResult:
+    """What :func:`optimize_file` did: the optimization report, the problems ``moe-onnx check``
+    finds in the written model, and the verification (None when not asked for)."""
+
+    report: OptimizeReport
+    problems: list[str]
+    verified: VerifyResult | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The written model passes the check and, when verified, matches the original."""
+        return not self.problems and (self.verified is None or self.verified.ok)
+
+    def summary(self) -> str:
+        lines = [self.report.summary()]
+        if self.problems:
+            lines.append("the optimized model does not pass `moe-onnx check`:")
+            lines += [f"  {problem}" for problem in self.problems]
+        if self.verified is not None:
+            lines += [f"verify ({self.verified.backend} backend):", self.verified.summary()]
+            if not self.verified.ok:
+                lines.append("MISMATCH: the optimized model differs from the original")
+        return "\n".join(lines)
+
+    def document(self) -> dict:
+        """The report (and the verify results) as a JSON-ready dict."""
+        document = dataclasses.asdict(self.report)
+        if self.verified is not None:
+            v = self.verified
+            document["verify"] = {"ok": v.ok, "backend": v.backend, "sizes": [dataclasses.asdict(r) for r in v.results],
+                                  "original_ms": v.original_ms, "optimized_ms": v.optimized_ms}
+        return document
+
+    def write_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as handle:
+            json.dump(self.document(), handle, indent=2)
+
+
+def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
+                  verify_backend: str | None = None, sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
+                  threads: int | None = None, progress: Callable[[str], None] | None = None) -> OptimizeResult:
+    """Fuse the MoE blocks of the model at ``source`` (``target`` as in :func:`moe_onnx.optimize`)
+    and write it to ``destination`` (with external data when large, see :func:`moe_onnx.io.save`);
+    then check the written model and, when ``verify_backend`` is given, compare both models on
+    that backend at ``sizes`` with ``threads`` intra-op threads (:func:`moe_onnx.verify.verify`).
+    ``progress`` receives stage messages. Raises SameFileError when ``destination`` is ``source``
+    (the weights are read from it lazily while it is written) and ValueError for an unknown target.
+    """
+    if Path(source).resolve() == Path(destination).resolve():
+        raise SameFileError(f"the output is the same file as the input ({source}); write to another path")
+    say = progress or (lambda message: None)
+    say(f"loading {source}")
+    model = io.load(source)
+    report = optimize_ir(model, target, progress=progress)
+    say(f"saving {destination}")
+    io.save(model, destination, progress=progress)
+    result = OptimizeResult(report, check_model(destination))
+    if verify_backend is not None:
+        say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
+        result.verified = verify(source, destination, backend=verify_backend, sizes=sizes, threads=threads)
+    return result
