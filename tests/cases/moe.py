@@ -127,6 +127,7 @@ CASES = [
     _base2.mutated("unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
     _base2.mutated("missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
     _base2.mutated("clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
+    _base2.mutated("clamp_bound_absent", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=None),
     _base2.mutated("alpha_nan", r"attribute 'expert_alpha' is nan", expert_alpha=float("nan")),
     _base2.mutated("gate_parity_2", r"attribute 'gate_parity' is 2; expected one of 0, 1", gate_parity=2),
     # errors: shapes and types
