@@ -5,14 +5,19 @@ Public API:
 * :data:`DOMAIN`: the ops' domain; importing the package registers their onnx schemas.
 * :func:`session`: an onnxruntime session running the ops on the C++ or the Python kernels.
 * :func:`custom_ops_library`: path of the C++ library, for plain onnxruntime.
-* :func:`optimize`: fuse the MoE blocks of an exported model into these ops.
+* :func:`optimize`: fuse the MoE blocks of an exported model into these ops; :data:`TARGETS` lists
+  the forms it can make.
 """
 
 from .ops import DOMAIN, OPSET_VERSION, MoeOpError
 from .runtime import custom_ops_library, session
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "MoeOpError", "custom_ops_library", "optimize", "session"]
+__all__ = ["DOMAIN", "OPSET_VERSION", "TARGETS", "MoeOpError", "custom_ops_library", "optimize", "session"]
 __version__ = "0.1.0"
+
+#: the ``target`` values of :func:`optimize` (defined here, not in ``rewrite``, so that reading them,
+#: e.g. for the CLI's choices, does not import onnxscript)
+TARGETS = ("moe", "grouped")
 
 
 def optimize(model, target: str = "moe"):

@@ -7,9 +7,8 @@ import argparse
 import sys
 import time
 
+from . import TARGETS
 from .check import check_file
-from .pipeline import SameFileError, optimize_file
-from .rewrite import TARGETS
 from .runtime import BACKENDS
 from .verify import DEFAULT_SIZES, format_sizes, parse_sizes
 
@@ -24,6 +23,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _optimize(args: argparse.Namespace) -> int:
+    from .pipeline import SameFileError, optimize_file  # onnxscript is imported only when needed
+
     start = time.perf_counter()
 
     def progress(message: str) -> None:

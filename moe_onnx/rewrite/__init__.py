@@ -5,6 +5,6 @@ One module per export form (``tiled``, ``batched_mm``, ``loop``), each a list of
 them in order and reports.
 """
 
-from ._driver import TARGETS, OptimizeReport, optimize, optimize_ir
+from ._driver import OptimizeReport, optimize, optimize_ir
 
-__all__ = ["TARGETS", "OptimizeReport", "optimize", "optimize_ir"]
+__all__ = ["OptimizeReport", "optimize", "optimize_ir"]

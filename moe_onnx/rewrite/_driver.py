@@ -13,11 +13,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
+from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
 from . import batched_mm, grouped, loop, tiled
 from ._match import MoeFusion
-
-TARGETS = ("moe", "grouped")
 
 
 def fusions() -> list[MoeFusion]:
