@@ -100,6 +100,14 @@ def constant_scalar(value: ir.Value | None) -> float | None:
     return None if array is None or array.size != 1 else float(array.reshape(-1)[0])
 
 
+def constant_text(value: ir.Value | None) -> str:
+    """A constant for a near-miss message: its value when scalar, else its shape or "(not a constant)"."""
+    array = constant(value)
+    if array is None:
+        return "(not a constant)"
+    return f"{array.reshape(-1)[0]}" if array.size == 1 else f"a tensor of shape {list(array.shape)}"
+
+
 def is_zeros(value: ir.Value) -> bool:
     """A zero constant, ConstantOfShape(0), or an Expand of either."""
     array = constant(value)
@@ -117,14 +125,6 @@ def is_zeros(value: ir.Value) -> bool:
 def int64s(op, values: Sequence[int]) -> ir.Value:
     """A Constant node's 1-D int64 tensor (shapes, axes, Slice operands of emitted nodes)."""
     return op.Constant(value=ir.tensor(np.array(values, np.int64)))
-
-
-def constant_text(value: ir.Value | None) -> str:
-    """A constant for a near-miss message: its value when scalar, else its shape or "(not a constant)"."""
-    array = constant(value)
-    if array is None:
-        return "(not a constant)"
-    return f"{array.reshape(-1)[0]}" if array.size == 1 else f"a tensor of shape {list(array.shape)}"
 
 
 # ----------------------------------------------------------------------------- emission

@@ -94,27 +94,25 @@ class Weight:
 
     def array(self) -> np.ndarray:
         """The whole value (loads the source tensor)."""
-        array = self.source.const_value.numpy()
-        for step in self.steps:
-            array = step.whole(array)
-        return array
+        return self._whole(len(self.steps))
 
     def expert(self, e: int) -> np.ndarray:
         """Slice ``e`` of the first axis, read from the source with the index applied as early as the
         layout steps allow (for the usual steps: a view of one expert of the source, then the steps)."""
         return self._indexed(len(self.steps), 0, e)
 
+    def _whole(self, level: int) -> np.ndarray:
+        """The value after the first ``level`` steps."""
+        array = self.source.const_value.numpy()
+        for step in self.steps[:level]:
+            array = step.whole(array)
+        return array
+
     def _indexed(self, level: int, axis: int, e: int) -> np.ndarray:
-        """The value after ``level`` steps, indexed with ``e`` on ``axis``."""
-        if level == 0:
-            source = self.source.const_value.numpy()
-            return source[(slice(None),) * axis + (e,)]
-        plan = self.steps[level - 1].indexed(axis)
-        if plan is None:  # this step needs its whole input: compute the value up to here
-            whole = self.source.const_value.numpy()
-            for earlier in self.steps[:level]:
-                whole = earlier.whole(whole)
-            return whole[(slice(None),) * axis + (e,)]
+        """The value after the first ``level`` steps, indexed with ``e`` on ``axis``."""
+        plan = None if level == 0 else self.steps[level - 1].indexed(axis)
+        if plan is None:  # the source itself, or a step that needs its whole input
+            return self._whole(level)[(slice(None),) * axis + (e,)]
         input_axis, finish = plan
         return finish(self._indexed(level - 1, input_axis, e))
 

@@ -368,12 +368,13 @@ def _check_alike(branches: list[_Branch], labels: list[str]) -> tuple[int, int]:
             "the tokens are not [T, H] with a static H")
     hidden = tokens_shape[1]
     intermediate = first.gate_HI.shape[1]
-    for b, where in zip(branches, labels, strict=True):
-        for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"), (b.up_HI, (hidden, intermediate), "up"),
-                               (b.down_IH, (intermediate, hidden), "down")):
-            require(w.shape == shape, f"{where}: the {what} weight is {list(w.shape)}, expected {list(shape)}")
-            require(w.dtype == dtype, f"{where}: the {what} weight is {w.dtype}, the tokens are {dtype}")
-        require(b.alpha == first.alpha, f"{where}: swish alpha {b.alpha:g} differs from {first.alpha:g}")
+    for b, label in zip(branches, labels, strict=True):
+        with failing_in(label):
+            for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"),
+                                   (b.up_HI, (hidden, intermediate), "up"), (b.down_IH, (intermediate, hidden), "down")):
+                require(w.shape == shape, f"the {what} weight is {list(w.shape)}, expected {list(shape)}")
+                require(w.dtype == dtype, f"the {what} weight is {w.dtype}, the tokens are {dtype}")
+            require(b.alpha == first.alpha, f"swish alpha {b.alpha:g} differs from {first.alpha:g}")
     return hidden, intermediate
 
 

@@ -19,6 +19,8 @@ as router_scores). The two expert bodies:
 - SwiGLU (GEMM3_SWIGLU): MatMul with the gate_up weight and Split in halves (or two MatMuls),
   silu(gate) * up, MatMul; no biases.
 
+The routing is read by ``_router.dense_route``, the activations by ``_activation``'s readers.
+
 Abbreviations in names: T tokens, H hidden size, I expert intermediate size, N = 2I (gate and up),
 E experts, K experts per token, B batch, S tokens per batch row.
 """
