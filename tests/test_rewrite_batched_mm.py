@@ -245,6 +245,8 @@ NEAR_MISSES = {
                              "gate clamp bound is -1.0"),
     "per-channel alpha": (GPT_TINY, lambda m: set_input(m, producer(m, nodes(m, "Sigmoid")[0].input[0]), 1,
                                                         np.full(16, 1.702, np.float32)), "swish alpha"),
+    "infinite alpha": (GPT_TINY, lambda m: set_input(m, producer(m, nodes(m, "Sigmoid")[0].input[0]), 1,
+                                                     np.float32(np.inf)), "swish alpha (the Mul before Sigmoid) is inf"),
     "up offset 2": (GPT_TINY, lambda m: set_input(m, plus_one(m), 1, np.float32(2)), "up is offset by 2.0"),
     "expert count (gpt_oss down)": (GPT_TINY, lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 16, 32]"),
     "expert count (olmoe down)": (OLMOE_TINY, lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 32, 16]"),

@@ -252,6 +252,12 @@ def swish_alpha(model: ir.Model, entry: dict) -> None:
     _scale_swish(model, 2, 1.702)
 
 
+def infinite_swish_alpha(model: ir.Model, entry: dict) -> None:
+    """Every expert's swish is g * Sigmoid(inf * g): MOE's expert_alpha must be finite."""
+    for expert in range(entry["num_experts"]):
+        _scale_swish(model, expert, np.inf)
+
+
 def smaller_expert(model: ir.Model, entry: dict) -> None:
     """Expert 2 has half the intermediate size of the others (a consistent graph that MOE cannot hold)."""
     for matmul in _expert_nodes(model, 2, "MatMul"):
@@ -289,6 +295,7 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
     ("mixtral_loop_tiny", onehot_depth, "OneHot depth 5 differs from the router's width 4"),
     ("mixtral_loop_tiny", tanh_activation, "swish"),
     ("qwen3_moe_loop_tiny", swish_alpha, "swish alpha"),
+    ("olmoe_loop_tiny", infinite_swish_alpha, "swish alpha (the Mul before Sigmoid) is inf"),
     ("olmoe_loop_tiny", smaller_expert, "the gate weight is [32, 8], expected [32, 16]"),
     ("qwen2_moe_loop_tiny", routing_step, "does not step by K = 2"),
     ("mixtral_loop_tiny", scatter_reduction, "reduction is 'mul'"),

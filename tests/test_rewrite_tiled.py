@@ -342,6 +342,9 @@ NEAR_MISSES = {
     "gate_clip_min": ("gpt_oss_tiled_tiny", gpt_oss_input("gate_clip", 1, np.float32(-5.0)),
                       "TiledGptOssFusion", "gate Clip bounds"),
     "alpha_per_channel": ("gpt_oss_tiled_tiny", per_channel_alpha, "TiledGptOssFusion", "swish alpha"),
+    # MOE's expert_alpha must be finite: fusing would give a model that fails `moe-onnx check`
+    "alpha_inf": ("gpt_oss_tiled_tiny", gpt_oss_input("alpha_mul", 1, np.float32(np.inf)), "TiledGptOssFusion",
+                  "swish alpha (the Mul before Sigmoid) is inf"),
     "up_plus_2": ("gpt_oss_tiled_dynamo_tiny", gpt_oss_input("up_add", 1, np.float32(2.0)),
                   "TiledGptOssFusion", "added to up"),
     "gate_up_one_expert": ("gpt_oss_tiled_tiny", one_shared_gate_up_expert, "TiledGptOssFusion", "down weight"),
@@ -349,6 +352,9 @@ NEAR_MISSES = {
     "scatter_not_into_zeros": ("gpt_oss_tiled_tiny", scatter_into_halves, "TiledGptOssFusion", "zeros"),
     "reduce_keepdims": ("gpt_oss_tiled_dynamo_tiny", keep_reduced_axis, "TiledGptOssFusion", "keepdims"),
     "swiglu_alpha_per_channel": ("qwen3_moe_tiled3_tiny", swiglu_alpha_vector, "TiledSwigluFusion", "swish alpha"),
+    "up_clamp_negative_limit": ("gpt_oss_tiled_dynamo_tiny", lambda m: (
+        gpt_oss_input("gate_clip", 2, np.float32(-7.0))(m), gpt_oss_input("up_clip", 1, np.float32(7.0))(m),
+        gpt_oss_input("up_clip", 2, np.float32(-7.0))(m)), "TiledGptOssFusion", "gate clamp bound is -7.0"),
     "down_one_expert": ("mixtral_tiled3_tiny", down_with_one_expert, "TiledSwigluFusion", "down weight"),
     "swiglu_scatter_not_into_zeros": ("olmoe_tiled3_tiny", scatter_into_halves, "TiledSwigluFusion", "zeros"),
     "swiglu_reduce_keepdims": ("qwen2_moe_tiled3_tiny", keep_reduced_axis, "TiledSwigluFusion", "keepdims"),

@@ -2,7 +2,10 @@
 
 One module per export form (``tiled``, ``batched_mm``, ``loop``), each a list of ``FUSIONS``
 (onnxscript rewrite rules); ``grouped`` turns MOE nodes into the routed chain; ``_driver`` runs
-them in order and reports.
+them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
+class and its check idiom, constants), ``_router`` (the MOE's routing inputs), ``_activation``
+(SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind layout ops, lazy
+initializers) and ``_onnxscript`` (the private onnxscript names used).
 """
 
 from ._driver import OptimizeReport, optimize, optimize_ir

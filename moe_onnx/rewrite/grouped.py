@@ -6,7 +6,7 @@
 which computes the same block for any activation and is the form tensor parallelism shards
 (MoeRowParallelLinear's K dimension). MoeRowParallelLinear takes its weights as [E, N, K]: the
 GEMM3 ones are that already, the GEMM2 ones are transposed offline, lazily (see
-_match.lazy_initializer).
+_weights.lazy_initializer).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._context import TapeBuilder
-
 from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
-from ._match import Weight, int64s, weight, weight_value
+from ._match import int64s
+from ._onnxscript import TapeBuilder
+from ._weights import Weight, weight, weight_value
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
 
@@ -38,7 +38,7 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
     """MoeRowParallelLinear with W in [E, N, K]; ``transposed`` says the source is [E, K, N]."""
     if transposed:
         experts, k, n = w.shape
-        w_enk = weight_value(op, w, name, lambda a: a.transpose(0, 2, 1), (experts, n, k))
+        w_enk = weight_value(op, w, name, np.transpose, (experts, n, k))
     else:
         w_enk = weight_value(op, w, name)
     inputs = [rows, offsets, w_enk] + ([bias] if bias is not None else [])

@@ -32,24 +32,24 @@ import re
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule
-from onnxscript.rewriter._basics import MatchFailureError
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
 from ..ops.moe import GEMM3_SWIGLU
-from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, is_zeros, \
-    lazy_initializer, require, weight
+from ._activation import read_swiglu
+from ._match import MatchFailure, MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, \
+    require, standard
+from ._router import Route, one_hot_route
+from ._weights import Weight, lazy_initializer, weight
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
 
 
-def _standard(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
+# ----------------------------------------------------------------------------- graph helpers
 
 def _producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
     """The node computing ``value``, which must be a standard ``op_type``."""
     node = None if value is None else value.producer()
-    require(_standard(node, op_type),
+    require(standard(node, op_type),
             f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
     return node
 
@@ -77,7 +77,7 @@ def _static_shape(value: ir.Value) -> tuple[int | None, ...] | None:
 def _skip_identity_casts(value: ir.Value) -> ir.Value:
     """Follows Casts to the type their input already has (the exporter's ``.to(dtype)``)."""
     node = value.producer()
-    while _standard(node, "Cast") and node.inputs[0].dtype == ir.DataType(node.attributes.get_int("to", 0)):
+    while standard(node, "Cast") and node.inputs[0].dtype == ir.DataType(node.attributes.get_int("to", 0)):
         value = node.inputs[0]
         node = value.producer()
     return value
@@ -104,7 +104,7 @@ def _nonzero_of(value: ir.Value, what: str) -> ir.Value:
 def _first_row(value: ir.Value, hidden: int) -> bool:
     """Whether ``value`` is ``x[0:1, :]`` of an [*, hidden] matrix x (a Slice with constant operands)."""
     node = value.producer()
-    if not _standard(node, "Slice"):
+    if not standard(node, "Slice"):
         return False
     inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
     starts, ends = constant_ints(inputs[1]), constant_ints(inputs[2])
@@ -122,15 +122,15 @@ def _first_row(value: ir.Value, hidden: int) -> bool:
 def _accumulation(node: ir.Node | None) -> tuple[ir.Value, ir.Node] | None:
     """``(acc_TH, scatter)`` when ``node`` is one index_add_:
     ``Add(acc_TH, ScatterElements(ConstantOfShape(Shape(acc_TH)), index, updates))``."""
-    if not _standard(node, "Add") or len(node.inputs) != 2:
+    if not standard(node, "Add") or len(node.inputs) != 2:
         return None
     acc_TH, scattered = node.inputs
     scatter = None if scattered is None else scattered.producer()
-    if not _standard(scatter, "ScatterElements"):
+    if not standard(scatter, "ScatterElements"):
         return None
     zeros = scatter.inputs[0].producer()
-    shape = zeros.inputs[0].producer() if _standard(zeros, "ConstantOfShape") else None
-    return (acc_TH, scatter) if _standard(shape, "Shape") and shape.inputs[0] is acc_TH else None
+    shape = zeros.inputs[0].producer() if standard(zeros, "ConstantOfShape") else None
+    return (acc_TH, scatter) if standard(shape, "Shape") and shape.inputs[0] is acc_TH else None
 
 
 def _accumulates_further(value: ir.Value) -> bool:
@@ -147,6 +147,7 @@ class _LastAccumulationMatcher(SimplePatternMatcher):
 
 
 # ----------------------------------------------------------------------------- one branch
+# Each reader below checks one part of a branch; _block prefixes the branch to their failures.
 
 @dataclasses.dataclass(frozen=True)
 class _Branch:
@@ -163,26 +164,6 @@ class _Branch:
     scope_expert: int | None  # the e of the ".../experts.<e>/..." node names, when they all agree
 
 
-def _swish_operand(value: ir.Value) -> tuple[ir.Value, float] | None:
-    """``(g, alpha)`` when ``value`` is ``g * Sigmoid(alpha * g)`` (alpha 1: plain SiLU)."""
-    node = value.producer()
-    if not _standard(node, "Mul"):
-        return None
-    for g, other in (node.inputs, reversed(node.inputs)):
-        sigmoid = other.producer()
-        if not _standard(sigmoid, "Sigmoid"):
-            continue
-        z = sigmoid.inputs[0]
-        if z is g:
-            return g, 1.0
-        scale = z.producer()
-        if _standard(scale, "Mul") and g in scale.inputs:
-            alpha = constant_scalar(scale.inputs[1] if scale.inputs[0] is g else scale.inputs[0])
-            if alpha is not None:
-                return g, alpha
-    return None
-
-
 def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
     """``(x, W, node)`` of ``value = MatMul(x, W)`` with a constant matrix W."""
     matmul = _producer(value, "MatMul", what)
@@ -191,152 +172,158 @@ def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
     return matmul.inputs[0], w, matmul
 
 
-def _expert(y_NH: ir.Value, where: str) -> tuple[ir.Value, Weight, Weight, Weight, float, list[ir.Node]]:
-    """``(x, gate, up, down, alpha, MatMuls)`` of ``y = MatMul(Mul(swish(x @ gate, alpha), x @ up), down)``;
+def _expert(y_NH: ir.Value) -> tuple[ir.Value, Weight, Weight, Weight, float, list[ir.Node]]:
+    """``(x, gate, up, down, alpha, MatMuls)`` of ``y = MatMul(swish(x @ gate, alpha) * (x @ up), down)``;
     which weight is which follows from the dataflow."""
-    product_NI, down, down_mm = _linear(y_NH, f"{where}: the down projection")
-    product = _producer(product_NI, "Mul", f"{where}: the down projection input")
-    for act, up_value in (product.inputs, reversed(product.inputs)):
-        swish = _swish_operand(act)
-        if swish is not None:
-            break
-    else:
-        raise MatchFailureError(f"{where}: neither factor of the gated product is swish(g) = g * Sigmoid(alpha * g)")
-    x_NH, gate, gate_mm = _linear(swish[0], f"{where}: the gate projection")
-    x_up, up, up_mm = _linear(up_value, f"{where}: the up projection")
-    require(x_up is x_NH, f"{where}: the gate and up projections read different inputs")
-    return x_NH, gate, up, down, swish[1], [gate_mm, up_mm, down_mm]
+    act_NI, down, down_mm = _linear(y_NH, "the down projection")
+    activation = read_swiglu(act_NI)
+    x_NH, gate, gate_mm = _linear(activation.gate, "the gate projection")
+    x_up, up, up_mm = _linear(activation.up, "the up projection")
+    require(x_up is x_NH, "the gate and up projections read different inputs")
+    return x_NH, gate, up, down, activation.alpha, [gate_mm, up_mm, down_mm]
 
 
-def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value, where: str) -> ir.Value:
+def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value) -> ir.Value:
     """The [T, K] routing weights that ``w_N1 = routing_TK[token_N, slot_N, None]`` gathers."""
     shape = _static_shape(w_N1)
-    require(shape is not None and len(shape) == 2 and shape[1] == 1, f"{where}: the routing weight is not [N, 1]")
+    require(shape is not None and len(shape) == 2 and shape[1] == 1, "the routing weight is not [N, 1]")
     value = w_N1
-    while _standard(value.producer(), "Reshape"):  # reshapes to [N, 1] keep the element order
+    while standard(value.producer(), "Reshape"):  # reshapes to [N, 1] keep the element order
         value = value.producer().inputs[0]
-    gather = _producer(value, "Gather", f"{where}: the routing weight")
-    require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the routing weight Gather axis is not 0")
-    flatten = _producer(gather.inputs[0], "Flatten", f"{where}: the gathered routing weights")
-    require(flatten.attributes.get_int("axis", 1) == 2, f"{where}: the routing weights Flatten axis is not 2")
-    unsqueeze = _producer(flatten.inputs[0], "Unsqueeze", f"{where}: the flattened routing weights")
+    gather = _producer(value, "Gather", "the routing weight")
+    require(gather.attributes.get_int("axis", 0) == 0, "the routing weight Gather axis is not 0")
+    flatten = _producer(gather.inputs[0], "Flatten", "the gathered routing weights")
+    require(flatten.attributes.get_int("axis", 1) == 2, "the routing weights Flatten axis is not 2")
+    unsqueeze = _producer(flatten.inputs[0], "Unsqueeze", "the flattened routing weights")
     routing_TK = unsqueeze.inputs[0]
     shape = _static_shape(routing_TK)
-    require(shape is not None and len(shape) == 2 and shape[1] is not None,
-            f"{where}: the routing weights are not [T, K]")
-    require(_axes(unsqueeze, 3) == [2], f"{where}: the routing weights are not unsqueezed on axis 2")
+    require(shape is not None and len(shape) == 2 and shape[1] is not None, "the routing weights are not [T, K]")
+    require(_axes(unsqueeze, 3) == [2], "the routing weights are not unsqueezed on axis 2")
     # the flat index into [T * K, 1] must be slot + token * K
-    add = _producer(gather.inputs[1], "Add", f"{where}: the routing weight index")
-    require(slot_N in add.inputs, f"{where}: the routing weight index does not add the slot")
+    add = _producer(gather.inputs[1], "Add", "the routing weight index")
+    require(slot_N in add.inputs, "the routing weight index does not add the slot")
     scaled_token = add.inputs[1] if add.inputs[0] is slot_N else add.inputs[0]
-    mul = _producer(scaled_token, "Mul", f"{where}: the routing weight index")
-    require(token_N in mul.inputs, f"{where}: the routing weight index does not scale the token")
+    mul = _producer(scaled_token, "Mul", "the routing weight index")
+    require(token_N in mul.inputs, "the routing weight index does not scale the token")
     k = mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0]
     k_value = constant_ints(k)
     if k_value is None:  # Gather(Shape(routing_TK1), 1)
-        dim = _producer(k, "Gather", f"{where}: the routing weight row length")
-        of_shape = _producer(dim.inputs[0], "Shape", f"{where}: the routing weight row length")
+        dim = _producer(k, "Gather", "the routing weight row length")
+        of_shape = _producer(dim.inputs[0], "Shape", "the routing weight row length")
         axis = constant_ints(dim.inputs[1])
         k_value = [shape[1]] if of_shape.inputs[0] is unsqueeze.outputs[0] and axis == [1] else None
-    require(k_value == [shape[1]], f"{where}: the routing weight index does not step by K = {shape[1]} per token")
+    require(k_value == [shape[1]], f"the routing weight index does not step by K = {shape[1]} per token")
     return routing_TK
 
 
-def _mask_row(row_KT: ir.Value, where: str) -> tuple[ir.Value, ir.Value]:
+def _mask_row(row_KT: ir.Value) -> tuple[ir.Value, ir.Value]:
     """``(mask_EKT, row index)`` of ``row_KT = mask_EKT[index]`` (Gather, Squeeze of a 1-element index)."""
     node = row_KT.producer()
-    if _standard(node, "Squeeze"):
-        require(_axes(node, 3) == [0], f"{where}: the mask row Squeeze axes are not [0]")
+    if standard(node, "Squeeze"):
+        require(_axes(node, 3) == [0], "the mask row Squeeze axes are not [0]")
         row_KT = node.inputs[0]
-    gather = _producer(row_KT, "Gather", f"{where}: the mask row")
-    require(gather.attributes.get_int("axis", 0) == 0, f"{where}: the mask row Gather axis is not 0")
+    gather = _producer(row_KT, "Gather", "the mask row")
+    require(gather.attributes.get_int("axis", 0) == 0, "the mask row Gather axis is not 0")
     return gather.inputs[0], gather.inputs[1]
 
 
-def _hit_position(index: ir.Value, mask_EKT: ir.Value, where: str) -> tuple[ir.Node, int]:
+def _hit_position(index: ir.Value, mask_EKT: ir.Value) -> tuple[ir.Node, int]:
     """The Split output position of ``index = Squeeze(Split(nonzero(ReduceSum(mask, (1, 2)) > 0))[i])``."""
-    split, position = _split_of(index, 0, f"{where}: the hit expert index")
-    hit = _nonzero_of(split.inputs[0], f"{where}: the hit experts")
-    greater = _producer(hit, "Greater", f"{where}: the hit experts")
-    require(constant_scalar(greater.inputs[1]) == 0, f"{where}: the hit experts are not those with a count > 0")
-    reduce = _producer(greater.inputs[0], "ReduceSum", f"{where}: the expert counts")
-    require(reduce.inputs[0] is mask_EKT, f"{where}: the expert counts are not summed over the expert mask")
+    split, position = _split_of(index, 0, "the hit expert index")
+    hit = _nonzero_of(split.inputs[0], "the hit experts")
+    greater = _producer(hit, "Greater", "the hit experts")
+    require(constant_scalar(greater.inputs[1]) == 0, "the hit experts are not those with a count > 0")
+    reduce = _producer(greater.inputs[0], "ReduceSum", "the expert counts")
+    require(reduce.inputs[0] is mask_EKT, "the expert counts are not summed over the expert mask")
     require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
-            f"{where}: the expert counts are not summed over (slot, token) to [E]")
+            "the expert counts are not summed over (slot, token) to [E]")
     return split, position
 
 
-def _branch(scatter: ir.Node, where: str) -> _Branch:
-    """Reads and verifies the branch whose result ``scatter`` writes."""
-    require(scatter.attributes.get_int("axis", 0) == 0, f"{where}: ScatterElements axis is not 0")
+def _row_ref(row_index: ir.Value, mask_EKT: ir.Value) -> int | tuple[ir.Node, int]:
+    """The mask row a branch reads: a constant, or its position among the hit experts."""
+    constant_row = constant_ints(row_index)
+    if constant_row is None:
+        return _hit_position(row_index, mask_EKT)
+    require(len(constant_row) == 1, f"the mask row index {constant_row} is not one row")
+    return constant_row[0]
+
+
+def _scatter_target(scatter: ir.Node) -> int:
+    """H of the zeros [T, H] that the branch's ScatterElements (axis 0, no reduction or add) writes into."""
+    require(scatter.attributes.get_int("axis", 0) == 0, "ScatterElements axis is not 0")
     reduction = scatter.attributes.get_string("reduction", "none")
-    require(reduction in ("none", "add"), f"{where}: ScatterElements reduction is {reduction!r}")
-    require(is_zeros(scatter.inputs[0]), f"{where}: the scatter target is not zeros")
+    require(reduction in ("none", "add"), f"ScatterElements reduction is {reduction!r}")
+    require(is_zeros(scatter.inputs[0]), "the scatter target is not zeros")
     zeros_shape = _static_shape(scatter.inputs[0])
     require(zeros_shape is not None and len(zeros_shape) == 2 and zeros_shape[1] is not None,
-            f"{where}: the accumulator is not [T, H] with a static H")
-    hidden = zeros_shape[1]
+            "the accumulator is not [T, H] with a static H")
+    return zeros_shape[1]
 
-    # updates: Expand(Mul(y_NH, w_N1), Shape(acc[:1])), a broadcast to [N, H] that changes nothing
-    updates = scatter.inputs[2]
-    expand = _producer(updates, "Expand", f"{where}: the scattered rows")
-    target = _producer(expand.inputs[1], "Shape", f"{where}: the scattered rows' shape").inputs[0]
-    require(_static_shape(target) == (1, hidden) or _first_row(target, hidden), f"{where}: the scattered rows are not "
-            "expanded to the shape of one accumulator row")
-    weighted = _producer(_skip_identity_casts(expand.inputs[0]), "Mul", f"{where}: the weighted expert output")
 
-    # index: Expand(Unsqueeze(token_N, 1), Shape(updates)): row r of the updates goes to token_N[r]
-    index = _producer(scatter.inputs[1], "Expand", f"{where}: the scatter index")
-    require(_producer(index.inputs[1], "Shape", f"{where}: the scatter index shape").inputs[0] is updates,
-            f"{where}: the scatter index is not expanded to the updates' shape")
-    unsqueeze = _producer(index.inputs[0], "Unsqueeze", f"{where}: the scatter index")
-    require(_axes(unsqueeze, 2) == [1], f"{where}: the scatter index is not unsqueezed on axis 1")
+def _weighted_rows(updates: ir.Value, hidden: int) -> ir.Node:
+    """The Mul(y_NH, w_N1) that ``updates = Expand(Mul(...), Shape(acc[:1]))`` broadcasts to [N, H] unchanged."""
+    expand = _producer(updates, "Expand", "the scattered rows")
+    target = _producer(expand.inputs[1], "Shape", "the scattered rows' shape").inputs[0]
+    require(_static_shape(target) == (1, hidden) or _first_row(target, hidden),
+            "the scattered rows are not expanded to the shape of one accumulator row")
+    return _producer(_skip_identity_casts(expand.inputs[0]), "Mul", "the weighted expert output")
+
+
+def _routed_tokens(index: ir.Value, updates: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """``(token_N, slot_N, row_KT)``: ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))`` (row r of the
+    updates goes to token_N[r]) with token_N and slot_N the columns of NonZero(mask row row_KT)."""
+    expand = _producer(index, "Expand", "the scatter index")
+    require(_producer(expand.inputs[1], "Shape", "the scatter index shape").inputs[0] is updates,
+            "the scatter index is not expanded to the updates' shape")
+    unsqueeze = _producer(expand.inputs[0], "Unsqueeze", "the scatter index")
+    require(_axes(unsqueeze, 2) == [1], "the scatter index is not unsqueezed on axis 1")
     token_N = unsqueeze.inputs[0]
-
-    # token_N and slot_N: the two columns of NonZero(mask row)
-    split, column = _split_of(token_N, 1, f"{where}: the routed tokens")
-    require(column == 1 and len(split.outputs) == 2,
-            f"{where}: the routed tokens are not column 1 of NonZero(mask row)")
-    slot_N = next((user.outputs[0] for user in split.outputs[0].consumers() if _standard(user, "Squeeze")), None)
-    require(slot_N is not None and _split_of(slot_N, 1, f"{where}: the slots") == (split, 0),
-            f"{where}: the slots are not column 0 of NonZero(mask row)")
-    row = _nonzero_of(split.inputs[0], f"{where}: the routed tokens")
+    split, column = _split_of(token_N, 1, "the routed tokens")
+    require(column == 1 and len(split.outputs) == 2, "the routed tokens are not column 1 of NonZero(mask row)")
+    slot_N = next((user.outputs[0] for user in split.outputs[0].consumers() if standard(user, "Squeeze")), None)
+    require(slot_N is not None and _split_of(slot_N, 1, "the slots") == (split, 0),
+            "the slots are not column 0 of NonZero(mask row)")
+    row = _nonzero_of(split.inputs[0], "the routed tokens")
     cast = row.producer()
-    if _standard(cast, "Cast"):
-        require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL,
-                f"{where}: the mask row is cast to a non-bool type")
+    if standard(cast, "Cast"):
+        require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL, "the mask row is cast to a non-bool type")
         row = cast.inputs[0]
-    require(_static_shape(row) is not None and len(row.shape) == 2, f"{where}: the mask row is not [K, T]")
-    mask_EKT, row_index = _mask_row(row, where)
+    require(_static_shape(row) is not None and len(row.shape) == 2, "the mask row is not [K, T]")
+    return token_N, slot_N, row
 
-    # the weighted expert output
+
+def _expert_tokens(x_NH: ir.Value, token_N: ir.Value, hidden: int) -> ir.Value:
+    """tokens_TH of ``x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1))`` to [N, H]."""
+    reshape = _producer(x_NH, "Reshape", "the expert input")
+    require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
+            f"the expert input is not [N, {hidden}]")
+    picked = _producer(reshape.inputs[0], "Gather", "the expert input")
+    require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
+            "the expert input does not gather the routed tokens on axis 1")
+    lifted = _producer(picked.inputs[0], "Unsqueeze", "the gathered tokens")
+    require(_axes(lifted, 3) == [0], "the tokens are not unsqueezed on axis 0")
+    return lifted.inputs[0]
+
+
+def _branch(scatter: ir.Node) -> _Branch:
+    """Reads and verifies the branch whose result ``scatter`` writes."""
+    hidden = _scatter_target(scatter)
+    weighted = _weighted_rows(scatter.inputs[2], hidden)
+    token_N, slot_N, row_KT = _routed_tokens(scatter.inputs[1], scatter.inputs[2])
+    mask_EKT, row_index = _mask_row(row_KT)
     for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
-        if _standard(y_NH.producer(), "MatMul"):
+        if standard(y_NH.producer(), "MatMul"):
             break
     else:
-        raise MatchFailureError(f"{where}: no expert MatMul among the factors of the weighted output")
-    routing_TK = _routing(w_N1, token_N, slot_N, where)
-    x_NH, gate, up, down, alpha, matmuls = _expert(y_NH, where)
-
-    # x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1)) to [N, H]
-    reshape = _producer(x_NH, "Reshape", f"{where}: the expert input")
-    require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
-            f"{where}: the expert input is not [N, {hidden}]")
-    picked = _producer(reshape.inputs[0], "Gather", f"{where}: the expert input")
-    require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
-            f"{where}: the expert input does not gather the routed tokens on axis 1")
-    lifted = _producer(picked.inputs[0], "Unsqueeze", f"{where}: the gathered tokens")
-    require(_axes(lifted, 3) == [0], f"{where}: the tokens are not unsqueezed on axis 0")
-
-    constant_row = constant_ints(row_index)
-    if constant_row is not None:
-        require(len(constant_row) == 1, f"{where}: the mask row index {constant_row} is not one row")
-        row_ref: int | tuple[ir.Node, int] = constant_row[0]
-    else:
-        row_ref = _hit_position(row_index, mask_EKT, where)
+        raise MatchFailure("no expert MatMul among the factors of the weighted output")
+    routing_TK = _routing(w_N1, token_N, slot_N)
+    x_NH, gate, up, down, alpha, matmuls = _expert(y_NH)
+    tokens_TH = _expert_tokens(x_NH, token_N, hidden)
     scopes = {match.group(1) for node in matmuls if (match := _SCOPE_EXPERT.search(node.name or ""))}
     scope_expert = int(scopes.pop()) if len(scopes) == 1 and len(matmuls) == 3 else None
-    return _Branch(mask_EKT, row_ref, lifted.inputs[0], routing_TK, gate, up, down, alpha, scope_expert)
+    return _Branch(mask_EKT, _row_ref(row_index, mask_EKT), tokens_TH, routing_TK, gate, up, down, alpha,
+                   scope_expert)
 
 
 # ----------------------------------------------------------------------------- the block
@@ -345,42 +332,50 @@ def _branch(scatter: ir.Node, where: str) -> _Branch:
 class _Block:
     """A verified chain of branches: the MOE inputs and each expert's weights (None: no branch)."""
 
+    name: str  # the chain's result, for the report
     tokens_TH: ir.Value
-    routing_TK: ir.Value
-    topk_indices_TK: ir.Value
+    route: Route
     gate_HI: list[Weight | None]
     up_HI: list[Weight | None]
     down_IH: list[Weight | None]
     alpha: float
+    hidden: int
     intermediate: int
 
 
-def _router(mask_EKT: ir.Value, routing_TK: ir.Value) -> tuple[ir.Value, int]:
-    """The TopK indices the expert mask one-hot encodes, and E; checks depth, values and layout."""
-    transpose = _producer(mask_EKT, "Transpose", "the expert mask")
-    require(list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
-            "the expert mask is not OneHot permuted [2, 1, 0]")
-    onehot = _producer(transpose.inputs[0], "OneHot", "the expert mask")
-    require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
-    values = constant(onehot.inputs[2])
-    require(values is not None and values.reshape(-1).tolist() == [0, 1],
-            "the expert mask OneHot values are not [0, 1]")
-    depth = constant_ints(onehot.inputs[1])
-    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
-    experts = depth[0]
-    topk_indices_TK = onehot.inputs[0]
-    topk = topk_indices_TK.producer()
-    require(_standard(topk, "TopK") and topk.outputs[1] is topk_indices_TK,
-            "the expert mask does not encode TopK indices")
-    scores = _static_shape(topk.inputs[0])
-    require(topk.attributes.get_int("axis", -1) in (-1, 1) and scores is not None and len(scores) == 2,
-            "the TopK does not select over the last axis of [T, E] router scores")
-    require(scores[1] == experts,
-            f"the expert mask OneHot depth {experts} differs from the router's width {scores[1]}")
-    k = constant_ints(topk.inputs[1])
-    require(k is not None and k == [_static_shape(routing_TK)[1]],
-            f"TopK k = {k} differs from the routing weights' width {_static_shape(routing_TK)[1]}")
-    return topk_indices_TK, experts
+def _chain(last: ir.Node) -> list[ir.Node]:
+    """The ScatterElements of each index_add_ from the zeros to ``last``, in order."""
+    scatters = []
+    node: ir.Node | None = last
+    while (step := _accumulation(node)) is not None:
+        acc_TH, scatter = step
+        scatters.append(scatter)
+        node = acc_TH.producer()
+    require(standard(node, "ConstantOfShape") and is_zeros(node.outputs[0]),
+            "the accumulation does not start from zeros")
+    return scatters[::-1]
+
+
+def _check_alike(branches: list[_Branch], labels: list[str]) -> tuple[int, int]:
+    """(H, I): every branch reads the same mask, tokens and routing weights, with weights of one shape,
+    type and swish alpha."""
+    first = branches[0]
+    for name in ("mask_EKT", "tokens_TH", "routing_TK"):
+        require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
+    dtype = first.tokens_TH.dtype
+    tokens_shape = _static_shape(first.tokens_TH)
+    require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
+            "the tokens are not [T, H] with a static H")
+    hidden = tokens_shape[1]
+    intermediate = first.gate_HI.shape[1]
+    for b, label in zip(branches, labels, strict=True):
+        with failing_in(label):
+            for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"),
+                                   (b.up_HI, (hidden, intermediate), "up"), (b.down_IH, (intermediate, hidden), "down")):
+                require(w.shape == shape, f"the {what} weight is {list(w.shape)}, expected {list(shape)}")
+                require(w.dtype == dtype, f"the {what} weight is {w.dtype}, the tokens are {dtype}")
+            require(b.alpha == first.alpha, f"swish alpha {b.alpha:g} differs from {first.alpha:g}")
+    return hidden, intermediate
 
 
 def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
@@ -409,44 +404,25 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
 
 def _block(last: ir.Node) -> _Block:
     """Walks the accumulation chain back from ``last`` and verifies every branch."""
-    scatters = []
-    node: ir.Node | None = last
-    while (step := _accumulation(node)) is not None:
-        acc_TH, scatter = step
-        scatters.append(scatter)
-        node = acc_TH.producer()
-    require(_standard(node, "ConstantOfShape") and is_zeros(node.outputs[0]),
-            "the accumulation does not start from zeros")
-    scatters.reverse()
+    scatters = _chain(last)
     labels = [f"branch {i} ('{scatter.name}')" for i, scatter in enumerate(scatters)]
-    branches = [_branch(scatter, label) for scatter, label in zip(scatters, labels, strict=True)]
-
+    branches = []
+    for scatter, label in zip(scatters, labels, strict=True):
+        with failing_in(label):
+            branches.append(_branch(scatter))
+    hidden, intermediate = _check_alike(branches, labels)
     first = branches[0]
-    for name in ("mask_EKT", "tokens_TH", "routing_TK"):
-        require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
-    dtype = first.tokens_TH.dtype
-    tokens_shape = _static_shape(first.tokens_TH)
-    require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
-            "the tokens are not [T, H] with a static H")
-    hidden = tokens_shape[1]
-    intermediate = first.gate_HI.shape[1]
-    for b, where in zip(branches, labels, strict=True):
-        for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"), (b.up_HI, (hidden, intermediate), "up"),
-                               (b.down_IH, (intermediate, hidden), "down")):
-            require(w.shape == shape, f"{where}: the {what} weight is {list(w.shape)}, expected {list(shape)}")
-            require(w.dtype == dtype, f"{where}: the {what} weight is {w.dtype}, the tokens are {dtype}")
-        require(b.alpha == first.alpha, f"{where}: swish alpha {b.alpha:g} differs from {first.alpha:g}")
-    topk_indices_TK, experts = _router(first.mask_EKT, first.routing_TK)
-    numbers = _expert_numbers(branches, experts)
+    route = one_hot_route(first.mask_EKT, first.routing_TK)
+    numbers = _expert_numbers(branches, route.experts)
 
     def by_expert(field: str) -> list[Weight | None]:
-        weights: list[Weight | None] = [None] * experts
+        weights: list[Weight | None] = [None] * route.experts
         for n, b in zip(numbers, branches, strict=True):
             weights[n] = getattr(b, field)
         return weights
 
-    return _Block(first.tokens_TH, first.routing_TK, topk_indices_TK, by_expert("gate_HI"), by_expert("up_HI"),
-                  by_expert("down_IH"), first.alpha, intermediate)
+    return _Block(last.outputs[0].name, first.tokens_TH, route, by_expert("gate_HI"), by_expert("up_HI"),
+                  by_expert("down_IH"), first.alpha, hidden, intermediate)
 
 
 def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
@@ -464,8 +440,8 @@ class LoopMoeFusion(MoeFusion):
 
         acc_TH = Add(acc_TH, ScatterElements(ConstantOfShape(Shape(acc_TH)), token_NH, updates_NH))
 
-    ``check`` walks the chain of such index_add_s back to its zeros and verifies each branch;
-    ``rewrite`` replaces the chain's result by
+    ``read`` walks the chain of such index_add_s back to its zeros and verifies each branch;
+    ``emit`` replaces the chain's result by
     ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_EIH, -, up_EIH, -, down_EHI)``.
     """
 
@@ -478,22 +454,18 @@ class LoopMoeFusion(MoeFusion):
         return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_LastAccumulationMatcher,
                            name=self.name, remove_nodes=False)
 
-    def check(self, context, **_) -> MatchResult:
-        self._block = _block(context.root)
-        self._root_name = context.root.outputs[0].name
-        return MatchResult()
+    def read(self, context, **_) -> _Block:
+        return _block(context.root)
 
-    def rewrite(self, op, **_):
-        block, result = self._block, self._root_name
-        experts, hidden = len(block.gate_HI), block.tokens_TH.shape[-1]
-        dtype = block.tokens_TH.dtype
+    def emit(self, op, block: _Block) -> ir.Value:
         missing = [e for e, w in enumerate(block.gate_HI) if w is None]
-        note = (f"block '{result}': experts {missing} have no branch in the export (the trace routed no token "
+        note = (f"block '{block.name}': experts {missing} have no branch in the export (the trace routed no token "
                 "to them); fused with zero weights, so they contribute nothing")
         if missing and note not in self.notes:
             self.notes.append(note)
-        shape_EIH, shape_EHI = (experts, block.intermediate, hidden), (experts, hidden, block.intermediate)
-        return emit_moe(op, block.tokens_TH, block.routing_TK, block.topk_indices_TK, expert_type=GEMM3_SWIGLU,
+        experts, dtype = block.route.experts, block.tokens_TH.dtype
+        shape_EIH, shape_EHI = (experts, block.intermediate, block.hidden), (experts, block.hidden, block.intermediate)
+        return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, expert_type=GEMM3_SWIGLU,
                         weight_0=_stacked(op, "loop_gate_EIH", block.gate_HI, dtype, shape_EIH),
                         weight_1=_stacked(op, "loop_up_EIH", block.up_HI, dtype, shape_EIH),
                         weight_2=_stacked(op, "loop_down_EHI", block.down_IH, dtype, shape_EHI),

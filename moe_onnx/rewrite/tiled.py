@@ -19,23 +19,27 @@ as router_scores). The two expert bodies:
 - SwiGLU (GEMM3_SWIGLU): MatMul with the gate_up weight and Split in halves (or two MatMuls),
   silu(gate) * up, MatMul; no biases.
 
+The routing is read by ``_router.dense_route``, the activations by ``_activation``'s readers.
+
 Abbreviations in names: T tokens, H hidden size, I expert intermediate size, N = 2I (gate and up),
 E experts, K experts per token, B batch, S tokens per batch row.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, pattern
+from onnxscript.rewriter import pattern
 
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from ._match import MoeFusion, Weight, constant, constant_ints, constant_scalar, emit_moe, int64s, is_zeros, \
-    same_scalar, weight, weight_value
+from ._activation import clamped_swiglu, read_clamped_swiglu, read_swiglu, swiglu
+from ._match import MoeFusion, constant_ints, emit_moe, int64s, require
+from ._router import Route, dense_route
+from ._weights import Weight, weight, weight_value
 
 # One element of a small int64 shape tensor: a known int, (value, axis) for a dim known only at run
 # time, or None when unknown.
@@ -113,97 +117,58 @@ def _weighted_sum(op, out_ETH, dense_TE, out_shape, scores_shape, scores_axes, s
     return op.ReduceSum(op.Mul(out, scores), sum_axes, _outputs=["block_out"])
 
 
-def _swiglu(op, gate_ETI, up_ETI, alpha):
-    """silu(gate) * up, with an optional swish alpha: gate * sigmoid(alpha * gate) * up."""
-    sigmoid = op.Sigmoid(pattern.OrValue([op.Mul(gate_ETI, alpha), gate_ETI]))
-    return op.Mul(op.Mul(gate_ETI, sigmoid), up_ETI)
-
-
 # ----------------------------------------------------------------------------- shared checks
 
-def _tiling_problem(tokens_TH: ir.Value, expand_shape, repeats, tokens_shape, experts: int,
-                    hidden: int) -> str | None:
-    """Why Expand? -> Tile -> Reshape is not tokens_TH once per expert ([E, T, H]), or None."""
+def _check_tiling(tokens_TH: ir.Value, expand_shape, repeats, tokens_shape, experts: int, hidden: int) -> None:
+    """Expand? -> Tile -> Reshape is tokens_TH once per expert ([E, T, H])."""
     shape = tokens_TH.shape
-    if shape is None or len(shape) != 2 or shape[1] != hidden:
-        return f"the tiled tokens have shape {shape}; expected [T, {hidden}]"
+    require(shape is not None and len(shape) == 2 and shape[1] == hidden,
+            f"the tiled tokens have shape {shape}; expected [T, {hidden}]")
     if expand_shape is not None:
         ones = _dims(expand_shape)
-        if ones is None or len(ones) > 2 or any(d != 1 for d in ones):
-            return f"Expand before Tile to {_show(ones)}; expected ones (no broadcast)"
-    if _dims(repeats) != [experts, 1]:
-        return f"Tile repeats {_show(_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the weights"
-    if _dims(tokens_shape) != [experts, -1, hidden]:
-        return f"tiled tokens reshaped to {_show(_dims(tokens_shape))}; expected [{experts}, -1, {hidden}]"
-    return None
+        require(ones is not None and len(ones) <= 2 and all(d == 1 for d in ones),
+                f"Expand before Tile to {_show(ones)}; expected ones (no broadcast)")
+    require(_dims(repeats) == [experts, 1],
+            f"Tile repeats {_show(_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the weights")
+    require(_dims(tokens_shape) == [experts, -1, hidden],
+            f"tiled tokens reshaped to {_show(_dims(tokens_shape))}; expected [{experts}, -1, {hidden}]")
 
 
-def _scalar_text(value: ir.Value | None) -> str:
-    array = constant(value)
-    if array is None:
-        return "(not a constant)"
-    return f"{array.reshape(-1)[0]}" if array.size == 1 else f"a tensor of shape {list(array.shape)}"
-
-
-def _routing_problem(dense_TE: ir.Value, experts: int) -> str | None:
-    """Why dense_TE is not the router's top-k scattered into zeros [T, E], or None."""
-    scatter = dense_TE.producer()
-    if scatter is None or scatter.op_type != "ScatterElements":
-        return "the dense routing weights are not a ScatterElements output"
-    if scatter.attributes.get_int("axis", 0) not in (1, -1):
-        return f"ScatterElements axis {scatter.attributes.get_int('axis', 0)}; expected 1 (experts)"
-    if scatter.attributes.get_string("reduction", "none") != "none":
-        return f"ScatterElements reduction {scatter.attributes.get_string('reduction')}; expected none"
-    if not is_zeros(scatter.inputs[0]):
-        return "ScatterElements does not write into zeros"
-    if dense_TE.shape is None or len(dense_TE.shape) != 2 or dense_TE.shape[1] != experts:
-        return f"dense routing weights of shape {dense_TE.shape}; expected [T, {experts}]"
-    # TopK's indices are distinct: the scatter keeps each, as MOE sums each
-    indices = scatter.inputs[1]
-    topk = indices.producer()
-    if topk is None or topk.op_type != "TopK" or indices.index() != 1:
-        return "the scattered expert indices are not a TopK's indices"
-    scores = topk.inputs[0]
-    if scores.shape is None or len(scores.shape) != 2 or topk.attributes.get_int("axis", -1) not in (-1, 1):
-        return (f"TopK over axis {topk.attributes.get_int('axis', -1)} of shape {scores.shape}; "
-                "expected the last axis of [T, E]")
-    return None
-
-
-def _tail_problem(out_shape, scores_shape, scores_axes, sum_axes, dense_ET: ir.Value, block_out: ir.Value,
-                  experts: int, hidden: int, matched: Sequence[ir.Node]) -> str | None:
-    """Why the weighted sum is not sum_e out[e] * dense[:, e] (split alike when reshaped), or None."""
+def _check_tail(out_shape, scores_shape, scores_axes, sum_axes, dense_ET: ir.Value, block_out: ir.Value,
+                experts: int, hidden: int, matched: Sequence[ir.Node]) -> None:
+    """The weighted sum is sum_e out[e] * dense[:, e] (split alike when reshaped)."""
     perm = dense_ET.producer().attributes.get_ints("perm")
-    if perm is not None and list(perm) != [1, 0]:
-        return f"the dense routing weights are transposed with perm {list(perm)}; expected [1, 0]"
+    require(perm is None or list(perm) == [1, 0],
+            f"the dense routing weights are transposed with perm {perm and list(perm)}; expected [1, 0]")
     keepdims = block_out.producer().attributes.get_int("keepdims", 1)
-    if constant_ints(sum_axes) != [0] or keepdims != 0:
-        return f"ReduceSum over axes {constant_ints(sum_axes)} keepdims={keepdims}; expected axis 0, keepdims=0"
-    if (out_shape is None) != (scores_shape is None):
-        return "only one of the expert outputs and the routing weights is reshaped"
+    require(constant_ints(sum_axes) == [0] and keepdims == 0,
+            f"ReduceSum over axes {constant_ints(sum_axes)} keepdims={keepdims}; expected axis 0, keepdims=0")
+    require((out_shape is None) == (scores_shape is None),
+            "only one of the expert outputs and the routing weights is reshaped")
     last = 2 if out_shape is None else 3
-    if constant_ints(scores_axes) not in ([last], [-1]):
-        return f"routing weights unsqueezed at {constant_ints(scores_axes)}; expected the last axis {last}"
-    if out_shape is not None:
-        split, scores_split = _dims(out_shape), _dims(scores_shape)
-        if (split is None or len(split) != 4 or split[0] != experts or split[3] != hidden
-                or any(d is None or d == 0 for d in split[1:3]) or scores_split != split[:3]):
-            return (f"expert outputs reshaped to {_show(split)} and routing weights to {_show(scores_split)}; "
-                    f"expected [{experts}, B, S, {hidden}] and [{experts}, B, S] alike")
-        # the fused output is reshaped to [B, S, H] with these dims, read where they come from
-        if any(isinstance(d, tuple) and d[0].producer() in matched for d in split[1:3]):
-            return f"expert outputs reshaped to {_show(split)}, read from a value inside the block"
-    return None
+    require(constant_ints(scores_axes) in ([last], [-1]),
+            f"routing weights unsqueezed at {constant_ints(scores_axes)}; expected the last axis {last}")
+    if out_shape is None:
+        return
+    split, scores_split = _dims(out_shape), _dims(scores_shape)
+    require(split is not None and len(split) == 4 and split[0] == experts and split[3] == hidden
+            and all(d is not None and d != 0 for d in split[1:3]) and scores_split == split[:3],
+            f"expert outputs reshaped to {_show(split)} and routing weights to {_show(scores_split)}; "
+            f"expected [{experts}, B, S, {hidden}] and [{experts}, B, S] alike")
+    # the fused output is reshaped to [B, S, H] with these dims, read where they come from
+    require(not any(isinstance(d, tuple) and d[0].producer() in matched for d in split[1:3]),
+            f"expert outputs reshaped to {_show(split)}, read from a value inside the block")
 
 
 # ----------------------------------------------------------------------------- the frame
 
 class _Offline(NamedTuple):
-    """A MOE weight input: ``transform(weight)`` of shape ``shape``, computed offline (None: as is)."""
+    """A MOE weight input: ``per_expert`` applied to each expert's slice of ``weight`` (None: as is),
+    giving ``shape``."""
 
     role: str
     weight: Weight
-    transform: Callable[[np.ndarray], np.ndarray] | None = None
+    per_expert: Callable[[np.ndarray], np.ndarray] | None = None
     shape: tuple[int, ...] | None = None
 
 
@@ -216,63 +181,53 @@ class _Experts(NamedTuple):
     attributes: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """A checked tiled block: the tokens, the router's top-k, the experts, and the [B, S, H] dims of
+    the output (None when it is [T, H])."""
+
+    tokens_TH: ir.Value
+    route: Route
+    experts: _Experts
+    out_dims: list[_Dim] | None
+
+
 class _TiledFusion(MoeFusion):
     """The shared frame: tiled tokens in, expert body (``_experts``), dense routing, weighted sum out."""
 
-    def _experts(self, **bindings) -> _Experts | str:
-        """The expert body's sizes, weights and attributes, or why it does not fit MOE."""
+    def _experts(self, **bindings) -> _Experts:
+        """The expert body's sizes, weights and attributes (MatchFailure when it does not fit MOE)."""
         raise NotImplementedError
 
-    def check(self, context, tokens_TH, expand_shape, repeats, tokens_shape, dense_TE, dense_ET, out_shape,
-              scores_shape, scores_axes, sum_axes, block_out, **bindings) -> MatchResult:
+    def read(self, context, tokens_TH, expand_shape, repeats, tokens_shape, dense_TE, dense_ET, out_shape,
+             scores_shape, scores_axes, sum_axes, block_out, **bindings) -> _Block:
         experts = self._experts(**bindings)
-        if isinstance(experts, str):
-            return self.fail(experts)
-        problem = (_tiling_problem(tokens_TH, expand_shape, repeats, tokens_shape, experts.count, experts.hidden)
-                   or _routing_problem(dense_TE, experts.count)
-                   or _tail_problem(out_shape, scores_shape, scores_axes, sum_axes, dense_ET, block_out,
-                                    experts.count, experts.hidden, context.nodes))
-        return self.fail(problem) if problem else MatchResult()
+        _check_tiling(tokens_TH, expand_shape, repeats, tokens_shape, experts.count, experts.hidden)
+        route = dense_route(dense_TE)
+        require(route.experts == experts.count,
+                f"dense routing weights of shape {dense_TE.shape}; expected [T, {experts.count}]")
+        _check_tail(out_shape, scores_shape, scores_axes, sum_axes, dense_ET, block_out, experts.count,
+                    experts.hidden, context.nodes)
+        return _Block(tokens_TH, route, experts, None if out_shape is None else _dims(out_shape)[1:])
 
-    def rewrite(self, op, tokens_TH, dense_TE, out_shape, **bindings):
-        experts = self._experts(**bindings)  # again: cheap, no weight is loaded
-        scatter = dense_TE.producer()
-        weights = {name: weight_value(op, w.weight, f"{w.weight.source.name}.{w.role}", w.transform, w.shape)
-                   for name, w in experts.weights.items()}
-        out_TH = emit_moe(op, tokens_TH, scatter.inputs[2], scatter.inputs[1], **weights, **experts.attributes)
-        if out_shape is None:
+    def emit(self, op, block: _Block) -> ir.Value:
+        weights = {name: weight_value(op, w.weight, f"{w.weight.source.name}.{w.role}", w.per_expert, w.shape)
+                   for name, w in block.experts.weights.items()}
+        out_TH = emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, **weights,
+                          **block.experts.attributes)
+        if block.out_dims is None:
             return out_TH
-        return op.Reshape(out_TH, _shape_value(op, _dims(out_shape)[1:]))
+        return op.Reshape(out_TH, _shape_value(op, block.out_dims))
 
 
 # ----------------------------------------------------------------------------- GPT-OSS
 
-def _interleaved_start(node: ir.Node, n: int) -> int | str:
-    """The start, 0 or 1, of a Slice that takes every other column [start::2] of the last axis of
-    [E, T, n]; else why it does not."""
-    starts, ends, axes, steps = (constant_ints(v) for v in (list(node.inputs) + [None] * 5)[1:5])
-    if starts not in ([0], [1]) or steps != [2] or axes not in ([2], [-1]) or ends is None or ends[0] < n:
-        return f"starts={starts} ends={ends} axes={axes} steps={steps}; expected [0] or [1], [>= {n}], [-1], [2]"
-    return starts[0]
-
-
-def _clip_bounds(node: ir.Node) -> list[float | None]:
-    """[min, max] of a Clip: None when absent, nan when not a scalar constant."""
-    bounds = []
-    for value in (list(node.inputs) + [None, None])[1:3]:
-        scalar = None if value is None else constant_scalar(value)
-        bounds.append(None if value is None else math.nan if scalar is None else scalar)
-    return bounds
-
-
-def _clamp_limit(gate_clip: ir.Node, up_clip: ir.Node) -> float | str:
-    """The clamp bound: the gate's Clip has only max = limit, the up's Clip is [-limit, limit]."""
-    (gate_min, limit), (up_min, up_max) = _clip_bounds(gate_clip), _clip_bounds(up_clip)
-    if gate_min not in (None, -math.inf) or limit is None or not limit > 0:
-        return f"gate Clip bounds ({gate_min}, {limit}); expected (none, limit > 0)"
-    if up_min is None or up_max is None or not (same_scalar(up_max, limit) and same_scalar(up_min, -limit)):
-        return f"up Clip bounds ({up_min}, {up_max}); expected (-{limit}, {limit}) like the gate's limit"
-    return limit
+def _gate_up_weight(value: ir.Value) -> Weight:
+    """The constant [E, H, 2I] gate_up weight behind ``value``."""
+    w = weight(value)
+    require(w is not None and len(w.shape) == 3 and w.shape[2] % 2 == 0,
+            f"gate_up weight {w.shape if w else '(not a constant)'} is not a constant [E, H, 2I]")
+    return w
 
 
 class TiledGptOssFusion(_TiledFusion):
@@ -285,114 +240,83 @@ class TiledGptOssFusion(_TiledFusion):
         out_ETH = Add(MatMul(act, down_EIH), down_bias [E, 1, H])
     """
 
-    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, gate_up_EHN, gate_up_bias, one, alpha,
-                down_EIH, down_bias, dense_TE, out_shape, scores_shape, scores_axes, sum_axes):
+    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, gate_up_EHN, gate_up_bias, down_EIH,
+                down_bias, dense_TE, out_shape, scores_shape, scores_axes, sum_axes):
         tokens_ETH = _tiled_tokens(op, tokens_TH, expand_shape, repeats, tokens_shape)
         gate_up_ETN = op.Add(op.MatMul(tokens_ETH, gate_up_EHN), gate_up_bias)
-        gate_ETI = op.Clip(op.Slice(gate_up_ETN, _allow_other_inputs=True, _outputs=["gate_slice"]),
-                           _allow_other_inputs=True, _outputs=["gate_clip"])
-        up_ETI = op.Clip(op.Slice(gate_up_ETN, _allow_other_inputs=True, _outputs=["up_slice"]),
-                         _allow_other_inputs=True, _outputs=["up_clip"])
-        up_plus_one = op.Add(up_ETI, one)
-        sigmoid = op.Sigmoid(pattern.OrValue([op.Mul(gate_ETI, alpha), gate_ETI]))
-        act_ETI = pattern.OrValue([op.Mul(op.Mul(up_plus_one, gate_ETI), sigmoid),
-                                   op.Mul(up_plus_one, op.Mul(gate_ETI, sigmoid))])
-        out_ETH = op.Add(op.MatMul(act_ETI, down_EIH), down_bias)
+        out_ETH = op.Add(op.MatMul(clamped_swiglu(op, gate_up_ETN), down_EIH), down_bias)
         return _weighted_sum(op, out_ETH, dense_TE, out_shape, scores_shape, scores_axes, sum_axes)
 
-    def _experts(self, gate_up_EHN, gate_up_bias, down_EIH, down_bias, gate_slice, up_slice, gate_clip, up_clip,
-                 one, alpha, **_) -> _Experts | str:
-        gate_up, down = weight(gate_up_EHN), weight(down_EIH)
-        if gate_up is None or len(gate_up.shape) != 3 or gate_up.shape[2] % 2:
-            return f"gate_up weight {gate_up.shape if gate_up else '(not a constant)'} is not a constant [E, H, 2I]"
+    def _experts(self, gate_up_EHN, gate_up_bias, down_EIH, down_bias, act, **_) -> _Experts:
+        gate_up = _gate_up_weight(gate_up_EHN)
         experts, hidden, n = gate_up.shape
         inter = n // 2
-        if down is None or down.shape != (experts, inter, hidden):
-            return (f"down weight {down.shape if down else '(not a constant)'} does not fit gate_up weight "
-                    f"{gate_up.shape}: expected [E, I, H] = [{experts}, {inter}, {hidden}]")
+        down = weight(down_EIH)
+        require(down is not None and down.shape == (experts, inter, hidden),
+                f"down weight {down.shape if down else '(not a constant)'} does not fit gate_up weight "
+                f"{gate_up.shape}: expected [E, I, H] = [{experts}, {inter}, {hidden}]")
         biases = {}
         for name, value, size in (("gate_up", gate_up_bias, n), ("down", down_bias, hidden)):
             bias = weight(value)
-            if bias is None or bias.shape != (experts, 1, size):
-                return f"{name} bias {bias.shape if bias else '(not a constant)'} is not [{experts}, 1, {size}]"
-            biases[name] = _Offline(f"{name}_bias", bias, lambda a, s=(experts, size): a.reshape(s), (experts, size))
-        starts = []
-        for role, value in (("gate", gate_slice), ("up", up_slice)):
-            start = _interleaved_start(value.producer(), n)
-            if isinstance(start, str):
-                return f"{role} Slice {start}"
-            starts.append(start)
-        if starts[0] == starts[1]:
-            return f"gate and up Slices both start at {starts[0]}; expected one even and one odd half"
-        limit = _clamp_limit(gate_clip.producer(), up_clip.producer())
-        if isinstance(limit, str):
-            return limit
-        if not same_scalar(constant_scalar(one), 1.0):
-            return f"the constant added to up is {_scalar_text(one)}; expected 1"
-        swish_alpha = 1.0 if alpha is None else constant_scalar(alpha)
-        if swish_alpha is None:
-            return f"swish alpha (the Mul before Sigmoid) is {_scalar_text(alpha)}; expected a scalar constant"
+            require(bias is not None and bias.shape == (experts, 1, size),
+                    f"{name} bias {bias.shape if bias else '(not a constant)'} is not [{experts}, 1, {size}]")
+            biases[name] = _Offline(f"{name}_bias", bias, lambda a, s=size: a.reshape(s), (experts, size))
+        activation = read_clamped_swiglu(act, n)
         return _Experts(experts, hidden,
                         dict(weight_0=_Offline("gate_up", gate_up), bias_0=biases["gate_up"],
                              weight_1=_Offline("down", down), bias_1=biases["down"]),
-                        dict(expert_type=GEMM2_BIAS_SWIGLU_CLAMP, expert_alpha=swish_alpha, expert_beta=limit,
-                             gate_parity=starts[0]))
+                        dict(expert_type=GEMM2_BIAS_SWIGLU_CLAMP, expert_alpha=activation.alpha,
+                             expert_beta=activation.limit, gate_parity=activation.gate_parity))
 
 
 # ----------------------------------------------------------------------------- SwiGLU
 
-def _transpose_last(a: np.ndarray) -> np.ndarray:
-    return a.transpose(0, 2, 1)
-
-
 def _gemm3(gate: tuple[Weight, Callable], up: tuple[Weight, Callable], sizes: tuple[int, int, int], down_EIH,
-           alpha) -> _Experts | str:
-    """GEMM3_SWIGLU from gate/up weights (each with its transform to [E, I, H]) of sizes (E, H, I)."""
+           alpha: float) -> _Experts:
+    """GEMM3_SWIGLU from gate/up weights (each with its per-expert transform to [I, H]) of sizes (E, H, I)."""
     experts, hidden, inter = sizes
     down = weight(down_EIH)
-    if down is None or down.shape != (experts, inter, hidden):
-        return (f"down weight {down.shape if down else '(not a constant)'} does not fit gate and up: "
-                f"expected [E, I, H] = [{experts}, {inter}, {hidden}]")
-    swish_alpha = 1.0 if alpha is None else constant_scalar(alpha)
-    if swish_alpha is None:
-        return f"swish alpha (the Mul before Sigmoid) is {_scalar_text(alpha)}; expected a scalar constant"
+    require(down is not None and down.shape == (experts, inter, hidden),
+            f"down weight {down.shape if down else '(not a constant)'} does not fit gate and up: "
+            f"expected [E, I, H] = [{experts}, {inter}, {hidden}]")
     shape_EIH = (experts, inter, hidden)
     return _Experts(experts, hidden,
                     dict(weight_0=_Offline("gate", *gate, shape_EIH), weight_1=_Offline("up", *up, shape_EIH),
-                         weight_2=_Offline("down", down, _transpose_last, (experts, hidden, inter))),
-                    dict(expert_type=GEMM3_SWIGLU, expert_alpha=swish_alpha))
+                         weight_2=_Offline("down", down, np.transpose, (experts, hidden, inter))),
+                    dict(expert_type=GEMM3_SWIGLU, expert_alpha=alpha))
 
 
 class TiledSwigluFusion(_TiledFusion):
     """Tiled SwiGLU experts with one gate_up weight split in halves -> MOE GEMM3_SWIGLU::
 
-        gate_ETI, up_ETI = Split(MatMul(tokens_ETH, gate_up_EHN), 2, axis=-1)     (gate first)
-        out_ETH = MatMul(gate * Sigmoid(gate (* alpha)) * up, down_EIH)
+        first_ETI, second_ETI = Split(MatMul(tokens_ETH, gate_up_EHN), 2, axis=-1)
+        out_ETH = MatMul(gate * Sigmoid(gate (* alpha)) * up, down_EIH)   (gate: either half, usually the first)
     """
 
-    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, gate_up_EHN, alpha, down_EIH, dense_TE,
+    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, gate_up_EHN, down_EIH, dense_TE,
                 out_shape, scores_shape, scores_axes, sum_axes):
         tokens_ETH = _tiled_tokens(op, tokens_TH, expand_shape, repeats, tokens_shape)
-        gate_ETI, up_ETI = op.Split(op.MatMul(tokens_ETH, gate_up_EHN), _allow_other_inputs=True,
-                                    _outputs=["gate_ETI", "up_ETI"])
-        out_ETH = op.MatMul(_swiglu(op, gate_ETI, up_ETI, alpha), down_EIH)
+        first_ETI, second_ETI = op.Split(op.MatMul(tokens_ETH, gate_up_EHN), _allow_other_inputs=True,
+                                         _outputs=["first_ETI", "second_ETI"])
+        out_ETH = op.MatMul(swiglu(op, first_ETI, second_ETI), down_EIH)
         return _weighted_sum(op, out_ETH, dense_TE, out_shape, scores_shape, scores_axes, sum_axes)
 
-    def _experts(self, gate_up_EHN, gate_ETI, down_EIH, alpha, **_) -> _Experts | str:
-        gate_up = weight(gate_up_EHN)
-        if gate_up is None or len(gate_up.shape) != 3 or gate_up.shape[2] % 2:
-            return f"gate_up weight {gate_up.shape if gate_up else '(not a constant)'} is not a constant [E, H, 2I]"
+    def _experts(self, gate_up_EHN, first_ETI, down_EIH, act, **_) -> _Experts:
+        gate_up = _gate_up_weight(gate_up_EHN)
         experts, hidden, n = gate_up.shape
         inter = n // 2
-        split = gate_ETI.producer()
+        split = first_ETI.producer()
         given_sizes = len(split.inputs) > 1 and split.inputs[1] is not None
         sizes = constant_ints(split.inputs[1]) if given_sizes else [inter, inter]  # num_outputs=2: halves
         axis = split.attributes.get_int("axis", 0)
-        if axis not in (2, -1) or len(split.outputs) != 2 or sizes != [inter, inter]:
-            return (f"Split of gate_up: axis={axis}, {len(split.outputs)} outputs, sizes {sizes}; "
-                    f"expected axis -1 into halves [{inter}, {inter}]")
-        return _gemm3((gate_up, lambda a: _transpose_last(a[:, :, :inter])),
-                      (gate_up, lambda a: _transpose_last(a[:, :, inter:])), (experts, hidden, inter), down_EIH, alpha)
+        require(axis in (2, -1) and len(split.outputs) == 2 and sizes == [inter, inter],
+                f"Split of gate_up: axis={axis}, {len(split.outputs)} outputs, sizes {sizes}; "
+                f"expected axis -1 into halves [{inter}, {inter}]")
+        activation = read_swiglu(act)
+        halves = (slice(0, inter), slice(inter, n))
+        gate_cols, up_cols = halves if activation.gate is first_ETI else halves[::-1]
+        return _gemm3((gate_up, lambda a: a[:, gate_cols].T), (gate_up, lambda a: a[:, up_cols].T),
+                      (experts, hidden, inter), down_EIH, activation.alpha)
 
 
 class TiledSwigluSeparateFusion(_TiledFusion):
@@ -402,19 +326,20 @@ class TiledSwigluSeparateFusion(_TiledFusion):
         out_ETH = MatMul(gate * Sigmoid(gate (* alpha)) * up, down_EIH)
     """
 
-    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, gate_EHI, up_EHI, alpha, down_EIH,
+    def pattern(self, op, tokens_TH, expand_shape, repeats, tokens_shape, first_EHI, second_EHI, down_EIH,
                 dense_TE, out_shape, scores_shape, scores_axes, sum_axes):
         tokens_ETH = _tiled_tokens(op, tokens_TH, expand_shape, repeats, tokens_shape)
-        gate_ETI, up_ETI = op.MatMul(tokens_ETH, gate_EHI), op.MatMul(tokens_ETH, up_EHI)
-        out_ETH = op.MatMul(_swiglu(op, gate_ETI, up_ETI, alpha), down_EIH)
+        first_ETI, second_ETI = op.MatMul(tokens_ETH, first_EHI), op.MatMul(tokens_ETH, second_EHI)
+        out_ETH = op.MatMul(swiglu(op, first_ETI, second_ETI), down_EIH)
         return _weighted_sum(op, out_ETH, dense_TE, out_shape, scores_shape, scores_axes, sum_axes)
 
-    def _experts(self, gate_EHI, up_EHI, down_EIH, alpha, **_) -> _Experts | str:
-        gate, up = weight(gate_EHI), weight(up_EHI)
-        if gate is None or up is None or len(gate.shape) != 3 or gate.shape != up.shape:
-            shapes = [w.shape if w else "(not a constant)" for w in (gate, up)]
-            return f"gate and up weights {shapes[0]} and {shapes[1]} are not two constant [E, H, I]"
-        return _gemm3((gate, _transpose_last), (up, _transpose_last), gate.shape, down_EIH, alpha)
+    def _experts(self, down_EIH, act, **_) -> _Experts:
+        activation = read_swiglu(act)  # which MatMul is the gate follows from the dataflow
+        gate, up = (weight(half.producer().inputs[1]) for half in (activation.gate, activation.up))
+        require(gate is not None and up is not None and len(gate.shape) == 3 and gate.shape == up.shape,
+                f"gate and up weights {gate.shape if gate else '(not a constant)'} and "
+                f"{up.shape if up else '(not a constant)'} are not two constant [E, H, I]")
+        return _gemm3((gate, np.transpose), (up, np.transpose), gate.shape, down_EIH, activation.alpha)
 
 
 FUSIONS: list[type[MoeFusion]] = [TiledGptOssFusion, TiledSwigluFusion, TiledSwigluSeparateFusion]

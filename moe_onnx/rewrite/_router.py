@@ -1,0 +1,106 @@
+"""The router: where a fused MOE's routing inputs come from, checked once for every export form.
+
+MOE takes the router's result, not the router: per token, k expert indices (distinct, in [0, E))
+and the k weights the experts' outputs are multiplied by. The router itself stays in the graph, so
+any weights chain is valid (the forms fuse softmax -> TopK, TopK -> softmax, and softmax -> TopK
+-> ReduceSum/Div renormalization alike: MOE multiplies by whatever tensor the block multiplied by).
+What must hold is that the indices are a top-k selection over the E experts, k per token. Every
+form hands :func:`route` the indices and weights it found at the block boundary:
+
+- batched_mm: the TopK indices and the weights the slots are multiplied by, directly;
+- tiled: the ``ScatterElements(zeros [T, E], indices, weights, axis=1)`` dense matrix (:func:`dense_route`);
+- loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`).
+
+A new router (sigmoid scores with a selection bias, group-limited top-k, sparsemixer) produces its
+indices differently: it is one more entry of ``_INDEX_SOURCES``, a function that checks the
+indices' producer and returns E and k (raising MatchFailure with the reason otherwise).
+
+Abbreviations: T tokens, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import onnx_ir as ir
+
+from ._match import constant, constant_ints, is_zeros, require, standard
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A fused MOE's routing inputs: ``indices`` [T, k] and ``weights`` [T, k], with E and k."""
+
+    indices: ir.Value
+    weights: ir.Value
+    experts: int
+    k: int
+
+
+def _top_k(indices: ir.Value) -> tuple[int, int]:
+    """(E, k) when ``indices`` are the indices output of a TopK along the last axis of [T, E] scores."""
+    topk = indices.producer()
+    require(indices.index() == 1, "the expert indices are not the indices output of a TopK")
+    scores = topk.inputs[0]
+    shape = scores.shape
+    experts = None if shape is None or len(shape) != 2 else shape[1]
+    axis = topk.attributes.get_int("axis", -1)
+    require(isinstance(experts, int) and axis in (-1, 1),
+            f"TopK over axis {axis} of router scores of shape {shape}; expected the last axis of [T, E] "
+            "with a static E")
+    k = constant_ints(topk.inputs[1])
+    require(k is not None and len(k) == 1, "TopK k is not a constant")
+    return experts, k[0]
+
+
+# op type of the indices' producer -> (E, k) of that router; one entry per kind of router
+_INDEX_SOURCES: dict[str, Callable[[ir.Value], tuple[int, int]]] = {"TopK": _top_k}
+
+
+def route(indices: ir.Value, weights: ir.Value) -> Route:
+    """Checks that ``indices`` come from a known router and ``weights`` are [T, k] alike."""
+    node = indices.producer()
+    source = _INDEX_SOURCES.get(node.op_type) if node is not None and node.domain in ("", "ai.onnx") else None
+    require(source is not None, "the expert indices are not the indices output of a TopK")
+    experts, k = source(indices)
+    shape = weights.shape
+    require(shape is not None and len(shape) >= 1 and shape[-1] == k,
+            f"the routing weights have shape {shape}; expected [T, k={k}] (k from TopK)")
+    return Route(indices, weights, experts, k)
+
+
+def dense_route(dense_TE: ir.Value) -> Route:
+    """The route that ``dense_TE = ScatterElements(zeros [T, E], indices, weights, axis=1)`` spreads out."""
+    scatter = dense_TE.producer()
+    require(standard(scatter, "ScatterElements"), "the dense routing weights are not a ScatterElements output")
+    axis = scatter.attributes.get_int("axis", 0)
+    require(axis in (1, -1), f"ScatterElements axis {axis}; expected 1 (experts)")
+    reduction = scatter.attributes.get_string("reduction", "none")
+    require(reduction == "none", f"ScatterElements reduction {reduction}; expected none")
+    require(is_zeros(scatter.inputs[0]), "ScatterElements does not write into zeros")
+    # the scatter keeps each of the distinct top-k indices, as MOE sums each
+    found = route(scatter.inputs[1], scatter.inputs[2])
+    shape = dense_TE.shape
+    require(shape is not None and len(shape) == 2 and shape[1] == found.experts,
+            f"dense routing weights of shape {shape}; expected [T, {found.experts}]")
+    return found
+
+
+def one_hot_route(mask_EKT: ir.Value, weights: ir.Value) -> Route:
+    """The route of ``mask_EKT = Transpose(OneHot(indices, E, [0, 1]), perm=[2, 1, 0])`` and ``weights``."""
+    transpose = mask_EKT.producer()
+    require(standard(transpose, "Transpose") and list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
+            "the expert mask is not OneHot permuted [2, 1, 0]")
+    onehot = transpose.inputs[0].producer()
+    require(standard(onehot, "OneHot"), "the expert mask is not OneHot permuted [2, 1, 0]")
+    require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
+    values = constant(onehot.inputs[2])
+    require(values is not None and values.reshape(-1).tolist() == [0, 1],
+            "the expert mask OneHot values are not [0, 1]")
+    depth = constant_ints(onehot.inputs[1])
+    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
+    found = route(onehot.inputs[0], weights)
+    require(depth[0] == found.experts,
+            f"the expert mask OneHot depth {depth[0]} differs from the router's width {found.experts}")
+    return found

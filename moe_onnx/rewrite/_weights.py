@@ -1,0 +1,209 @@
+"""Expert weights: finding them behind layout ops, and emitting them in another layout lazily.
+
+Weights are never copied while matching. A rule that needs a weight in another layout (transposed,
+split, stacked) asks for a *lazy* initializer: the transform runs when the model is saved, one
+expert (one slice of the first axis) at a time, so models with external data are rewritten without
+loading every weight at once. Each expert's slice is read from the source through the layout ops
+with the expert index applied first wherever the op allows it (Cast, Transpose, a Reshape that
+keeps the expert axis), so a step is applied to one expert's data, not to the whole source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One layout-only op on the way from the source initializer to a weight.
+
+    ``kind`` is "identity", "cast" (``to``), "transpose" (``perm``) or "reshape" (Reshape, Squeeze and
+    Unsqueeze, to ``shape``); ``input_shape`` is the op's static input shape (None if unknown).
+    """
+
+    kind: str
+    input_shape: tuple[int, ...] | None
+    perm: tuple[int, ...] | None = None
+    to: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+
+    def whole(self, a: np.ndarray) -> np.ndarray:
+        if self.kind == "cast":
+            return a.astype(self.to)
+        if self.kind == "transpose":
+            return a.transpose(self.perm or tuple(reversed(range(a.ndim))))
+        if self.kind == "reshape":
+            return a.reshape(self.shape)
+        return a
+
+    def indexed(self, axis: int) -> tuple[int, Callable[[np.ndarray], np.ndarray]] | None:
+        """How to take index ``e`` on ``axis`` of this op's output from its input indexed first:
+        ``(input axis, finish)`` with ``output[e on axis] = finish(input[e on input axis])``; None when
+        this op must see its whole input (a Reshape that moves the expert axis, a Transpose of unknown
+        rank)."""
+        if self.kind == "identity":
+            return axis, lambda a: a
+        if self.kind == "cast":
+            return axis, lambda a: a.astype(self.to)
+        if self.kind == "transpose":
+            if self.perm is None and self.input_shape is None:
+                return None
+            perm = self.perm or tuple(reversed(range(len(self.input_shape))))
+            source = perm[axis]
+            rest = [p - (p > source) for j, p in enumerate(perm) if j != axis]
+            return source, lambda a: a.transpose(rest)
+        if axis == 0 and self.input_shape is not None and self.input_shape[:1] == self.shape[:1]:
+            return 0, lambda a: a.reshape(self.shape[1:])  # row-major: each leading block stays whole
+        return None
+
+
+def _layout(node: ir.Node) -> _Layout | None:
+    if node.domain not in ("", "ai.onnx"):
+        return None
+    source = node.inputs[0]
+    input_shape = tuple(int(d) for d in source.shape) if source.shape is not None and source.shape.is_static() \
+        else None
+    if node.op_type == "Identity":
+        return _Layout("identity", input_shape)
+    if node.op_type == "Transpose":
+        perm = node.attributes.get("perm")
+        return _Layout("transpose", input_shape, perm=None if perm is None else tuple(perm.as_ints()))
+    if node.op_type == "Cast":
+        return _Layout("cast", input_shape, to=ir.DataType(node.attributes["to"].as_int()).numpy())
+    if node.op_type in ("Unsqueeze", "Squeeze", "Reshape"):
+        shape = node.outputs[0].shape
+        if shape is None or not shape.is_static():
+            return None
+        return _Layout("reshape", input_shape, shape=tuple(int(d) for d in shape))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A constant tensor reached through layout-only ops (Transpose, Unsqueeze, Squeeze, Reshape, Cast,
+    Identity) from one initializer; ``source`` is that initializer and ``steps`` rebuild the value."""
+
+    source: ir.Value
+    steps: tuple[_Layout, ...]
+    shape: tuple[int, ...]
+    dtype: ir.DataType
+
+    def array(self) -> np.ndarray:
+        """The whole value (loads the source tensor)."""
+        return self._whole(len(self.steps))
+
+    def expert(self, e: int) -> np.ndarray:
+        """Slice ``e`` of the first axis, read from the source with the index applied as early as the
+        layout steps allow (for the usual steps: a view of one expert of the source, then the steps)."""
+        return self._indexed(len(self.steps), 0, e)
+
+    def _whole(self, level: int) -> np.ndarray:
+        """The value after the first ``level`` steps."""
+        array = self.source.const_value.numpy()
+        for step in self.steps[:level]:
+            array = step.whole(array)
+        return array
+
+    def _indexed(self, level: int, axis: int, e: int) -> np.ndarray:
+        """The value after the first ``level`` steps, indexed with ``e`` on ``axis``."""
+        plan = None if level == 0 else self.steps[level - 1].indexed(axis)
+        if plan is None:  # the source itself, or a step that needs its whole input
+            return self._whole(level)[(slice(None),) * axis + (e,)]
+        input_axis, finish = plan
+        return finish(self._indexed(level - 1, input_axis, e))
+
+
+def weight(value: ir.Value | None) -> Weight | None:
+    """Follow layout-only ops back to one initializer; None when the value is not such a constant.
+
+    The shape comes from the value's static shape (shape inference must have run), so nothing is loaded.
+    """
+    steps = []
+    current = value
+    while current is not None and current.const_value is None:
+        node = current.producer()
+        step = None if node is None else _layout(node)
+        if step is None:
+            return None
+        steps.append(step)
+        current = node.inputs[0]
+    if current is None or value.shape is None or not value.shape.is_static():
+        return None
+    dtype = value.dtype if value.dtype is not None else current.const_value.dtype
+    return Weight(current, tuple(reversed(steps)), tuple(int(d) for d in value.shape), dtype)
+
+
+def fresh_name(graph: ir.Graph | None, base: str) -> str:
+    """``base``, or ``base_1``, ``base_2``, ...: the first that names no initializer of ``graph``.
+
+    Names so depend only on the graph being rewritten (a rule set registers a rewrite's
+    initializers before it tries the next node), not on what the process rewrote before.
+    """
+    taken = set() if graph is None else graph.initializers.keys()
+    name, suffix = base, 0
+    while name in taken:
+        suffix += 1
+        name = f"{base}_{suffix}"
+    return name
+
+
+class _StreamedTensor(ir.LazyTensor):
+    """A lazy tensor computed and written one slice of its first axis (one expert) at a time.
+
+    After each slice the memory-mapped source tensors are released, so saving a transformed
+    multi-GB weight holds about one expert's worth of data at a time.
+    """
+
+    def __init__(self, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
+                 name: str, sources: Sequence[ir.Value]):
+        super().__init__(lambda: ir.tensor(self._whole(), dtype=dtype, name=name), dtype=dtype,
+                         shape=ir.Shape(shape), name=name)
+        self._expert_slice, self._sources = expert_slice, tuple(sources)
+
+    def _slice(self, index: int) -> np.ndarray:
+        part = np.ascontiguousarray(self._expert_slice(index), dtype=self.dtype.numpy())
+        expected = tuple(self.shape.numpy())[1:]
+        if part.shape != expected:
+            raise ValueError(f"moe_onnx rewrite: {self.name}[{index}] has shape {part.shape}, expected {expected}")
+        return part
+
+    def _release_sources(self) -> None:
+        for value in self._sources:
+            if isinstance(value.const_value, ir.ExternalTensor):
+                value.const_value.release()
+
+    def _whole(self) -> np.ndarray:
+        whole = np.stack([self._slice(i) for i in range(self.shape[0])]) if self.shape[0] else \
+            np.zeros(tuple(self.shape.numpy()), dtype=self.dtype.numpy())
+        self._release_sources()
+        return whole
+
+    def tofile(self, file) -> None:
+        for index in range(self.shape[0]):
+            file.write(self._slice(index).tobytes())
+            self._release_sources()
+
+
+def lazy_initializer(op, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,
+                     shape: Sequence[int], sources: Sequence[ir.Value]) -> ir.Value:
+    """A new initializer computed when the model is saved (or read): ``expert_slice(e)`` gives its
+    slice ``e`` along the first axis; ``sources`` are the initializers those slices read (at least
+    one; the graph they belong to makes ``name`` unique)."""
+    unique = fresh_name(sources[0].graph, name)
+    return op.initializer(_StreamedTensor(expert_slice, dtype, shape, unique, sources), name=unique)
+
+
+def weight_value(op, w: Weight, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+                 shape: Sequence[int] | None = None) -> ir.Value:
+    """An initializer holding ``w`` with ``transform`` applied to each expert's slice: the source itself
+    when nothing changes, else a lazy one named after ``name``. ``shape`` is the result's shape
+    (default: ``w``'s)."""
+    if transform is None and not w.steps:
+        return w.source
+    per_expert = transform or (lambda a: a)
+    return lazy_initializer(op, name, lambda e: per_expert(w.expert(e)), w.dtype,
+                            w.shape if shape is None else shape, sources=[w.source])
