@@ -135,8 +135,9 @@ const Input& Checker::require(size_t i) const {
   return inputs_[i];
 }
 
-ElemType Checker::expect_elem(size_t i, const std::vector<ElemType>& allowed) const {
+ElemType Checker::expect_elem(size_t i) const {
   const Input& in = require(i);
+  const std::vector<ElemType>& allowed = op_.inputs[i].types;
   for (ElemType t : allowed)
     if (in.type == t) return t;
   std::string names;

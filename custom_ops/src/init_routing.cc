@@ -20,15 +20,11 @@ namespace {
 
 enum { X, EXPERT_IDX, SCALE, OFFSET, N_INPUTS };
 enum { EXPANDED_X, EXPANDED_ROW_IDX, TOKEN_COUNTS, EXPANDED_SCALE };
-const std::vector<const char*> kInputNames = {"x", "expert_idx", "scale", "offset"};
 enum { NO_QUANT = -1, STATIC_QUANT = 0, DYNAMIC_QUANT = 1 };
 enum { CUMSUM = 0, COUNT = 1, KEY_VALUE = 2 };
 
 constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-const std::vector<ElemType> kXTypes = {kF32, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-                                       ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, kInt8};
-const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 RoutingMode read_mode(const Attributes& a) {
   RoutingMode m;
@@ -87,7 +83,7 @@ void validate_scale_offset(const Checker& v, const RoutingMode& mode, DimBinder&
   if (quant == STATIC_QUANT) v.require(SCALE);
   for (int i : {SCALE, OFFSET}) {
     if (!v.has(i)) continue;
-    v.expect_elem(i, {kF32});
+    v.expect_elem(i);
     if (quant == NO_QUANT) {  // a per-token scale carried along (x quantized earlier)
       v.expect_rank(i, 1);
       dims.shape(i, {"N"});
@@ -112,8 +108,8 @@ void validate_scale_offset(const Checker& v, const RoutingMode& mode, DimBinder&
 
 Dims validate(const InitRoutingKernel& kernel, const Checker& v) {
   const RoutingMode& mode = kernel.mode;
-  const ElemType x_type = v.expect_elem(X, kXTypes);
-  v.expect_elem(EXPERT_IDX, kIndexTypes);
+  const ElemType x_type = v.expect_elem(X);
+  v.expect_elem(EXPERT_IDX);
   if (mode.quant_mode != NO_QUANT && x_type == kInt8)
     v.fail(v.input_name(X), "has type int8; expected float32, float16, bfloat16 for quant_mode " +
                                 std::to_string(mode.quant_mode) +
@@ -245,7 +241,7 @@ OrtStatusPtr InitRoutingKernel::ComputeV2(OrtKernelContext* context) {
 void InitRoutingKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const Checker v(where, kInputNames, inputs);
+  const Checker v(where, signatures::MoeInitRouting, inputs);
   const Dims d = validate(*this, v);
   const Input& x = inputs[X];
   const Input& idx = inputs[EXPERT_IDX];
