@@ -1,5 +1,6 @@
 """The C++ kernels' op tables (generated at build time by custom_ops/cmake/gen_op_tables.py) say
-what the OpDefs say: input and output names in order, optional flags and element types."""
+what the OpDefs say: input and output names in order, optional flags and element types, and the
+attributes with their kinds and defaults."""
 
 from __future__ import annotations
 
@@ -36,16 +37,21 @@ def header(tmp_path_factory) -> str:
     return target.read_text()
 
 
-def _tables(header: str) -> dict[str, dict[str, list[tuple[str, bool, list[str]]]]]:
-    """{op: {"inputs": [(name, optional, [enum, ...])], "outputs": [...]}} read back from the header."""
+def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
+    """{op: {"inputs": [(name, optional, [enum, ...])], "outputs": [...],
+    "attributes": [(name, kind, required, default or None)]}} read back from the header."""
     tables = {}
-    for variable, name, inputs, outputs in re.findall(
+    for variable, name, inputs, outputs, attributes in re.findall(
             r'inline const OpSignature (\w+) = \{\n    "(\w+)",\n    \{  // inputs\n(.*?)    \},\n'
-            r'    \{  // outputs\n(.*?)    \},\n\};', header, re.S):
+            r'    \{  // outputs\n(.*?)    \},\n    \{  // attributes[^\n]*\n(.*?)    \},\n\};', header, re.S):
         assert variable == name
         tables[name] = {part: [(n, opt == "true", types.split(", "))
                                for n, opt, types in re.findall(r'\{"(\w+)", (true|false), \{([\w, ]+)\}\}', rows)]
                         for part, rows in (("inputs", inputs), ("outputs", outputs))}
+        tables[name]["attributes"] = [
+            (n, kind, required == "true", float(default.replace("HUGE_VAL", "inf")) if has_default == "true" else None)
+            for n, kind, required, has_default, default in re.findall(
+                r'\{"(\w+)", "(\w+)", (true|false), (true|false), ([-\w.]+)\}', attributes)]
     return tables
 
 
@@ -64,6 +70,8 @@ def test_table_matches_op(header, name):
         params = getattr(op, part)
         expected = [(p.name, p.optional, [_enum(elem_of_type_str(t)) for t in op.allowed_types(p)]) for p in params]
         assert table[part] == expected, part
+    assert table["attributes"] == [(a.name, a.kind, a.required, None if a.required else a.default)
+                                   for a in op.attributes]
 
 
 def test_generator_renders_what_it_writes(header):

@@ -3,7 +3,8 @@
     python gen_op_tables.py <moe_onnx/ops/signatures.py> <generated/op_signatures.h>
 
 For each op: its input and output names in order, which are optional, and the element types each
-may have (a moe_onnx::OpSignature, custom_ops/src/common.h), as ``moe_onnx::signatures::<op name>``.
+may have; its attributes with their kind and default (a moe_onnx::OpSignature,
+custom_ops/src/common.h), as ``moe_onnx::signatures::<op name>``.
 signatures.py is loaded by path and needs only the standard library, so this runs in an isolated
 PEP 517 build (no numpy, no onnx) and never imports the moe_onnx package.
 """
@@ -11,6 +12,7 @@ PEP 517 build (no numpy, no onnx) and never imports the moe_onnx package.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -52,6 +54,28 @@ def formal_params(signature, params) -> str:
     return "\n".join(rows)
 
 
+def default_literal(attr) -> str:
+    """The C++ double of a numeric default ("-1", "1.0", "HUGE_VAL" for inf)."""
+    value = attr.default
+    if attr.kind not in ("int", "float") or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"attribute '{attr.name}': a default of kind {attr.kind} ({value!r}) has no C++ form here")
+    if math.isnan(value):
+        raise ValueError(f"attribute '{attr.name}': a NaN default has no C++ form here")
+    if math.isinf(value):
+        return "HUGE_VAL" if value > 0 else "-HUGE_VAL"
+    return repr(value)
+
+
+def formal_attrs(attributes) -> str:
+    rows = []
+    for a in attributes:
+        has_default = a.default is not None and not a.required
+        default = default_literal(a) if has_default else "0"
+        rows.append(f'        {{"{a.name}", "{a.kind}", {str(a.required).lower()}, {str(has_default).lower()}, '
+                    f"{default}}},")
+    return "\n".join(rows)
+
+
 def render(signatures) -> str:
     parts = [HEADER]
     for s in signatures:
@@ -59,6 +83,8 @@ def render(signatures) -> str:
                      f'    "{s.name}",\n'
                      f"    {{  // inputs\n{formal_params(s, s.inputs)}\n    }},\n"
                      f"    {{  // outputs\n{formal_params(s, s.outputs)}\n    }},\n"
+                     f"    {{  // attributes: name, kind, required, has a default, the default\n"
+                     f"{formal_attrs(s.attributes)}\n    }},\n"
                      "};\n\n")
     parts.append(FOOTER)
     return "".join(parts)

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace moe_onnx {
 
@@ -124,6 +125,12 @@ bool AttrReader::has_int(const char* name, int64_t* out) const {
   OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, out);
   if (status) Ort::GetApi().ReleaseStatus(status);
   return status == nullptr;
+}
+
+const FormalAttr& OpSignature::attribute(const char* attr_name) const {
+  for (const FormalAttr& attr : attributes)
+    if (std::strcmp(attr.name, attr_name) == 0) return attr;
+  throw std::logic_error(std::string("internal: ") + name + " has no attribute '" + attr_name + "'");
 }
 
 void Checker::fail(const std::string& subject, const std::string& message) const {

@@ -61,12 +61,26 @@ struct FormalParam {
   std::vector<ElemType> types;  // the element types it may have, in the signature's order
 };
 
+// A formal attribute of an op. Only int and float attributes have defaults (signatures.py gives no
+// other kind one).
+struct FormalAttr {
+  const char* name;
+  const char* kind;  // "int", "float", "string" or "ints"
+  bool required;
+  bool has_default;
+  double default_value;
+};
+
 // The formal signature of an op as moe_onnx/ops/signatures.py declares it. The build generates one
 // per op (custom_ops/cmake/gen_op_tables.py): moe_onnx::signatures::<op name> in op_signatures.h.
 struct OpSignature {
   const char* name;
   std::vector<FormalParam> inputs;
   std::vector<FormalParam> outputs;
+  std::vector<FormalAttr> attributes;
+
+  // The attribute called `name` (an internal error when the op has none).
+  const FormalAttr& attribute(const char* name) const;
 };
 
 // The checks of the references' NodeView, with the same wording, over concrete inputs.

@@ -130,10 +130,10 @@ OrtStatusPtr FinalizeRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKerne
 }
 
 FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info) {
-  where = node_where("MoeFinalizeRouting", Ort::ConstKernelInfo(info));
-  const Attributes attrs(info, where);
-  drop_pad = attrs.choice("drop_pad_mode", 0, {0, 1}) == 1;
-  scatter = attrs.choice("row_idx_type", 0, {0, 1}) == 1;
+  where = node_where(signatures::MoeFinalizeRouting.name, Ort::ConstKernelInfo(info));
+  const Attributes attrs(info, signatures::MoeFinalizeRouting, where);
+  drop_pad = attrs.choice("drop_pad_mode", {0, 1}) == 1;
+  scatter = attrs.choice("row_idx_type", {0, 1}) == 1;
   if (drop_pad && scatter)
     attrs.fail("row_idx_type",
                "is 1 (scatter); expected 0 (gather) for drop_pad_mode 1, the only form MoeInitRouting gives in "

@@ -28,20 +28,19 @@ constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
 RoutingMode read_mode(const Attributes& a) {
   RoutingMode m;
-  int64_t expert_num = 0;
-  if (!a.has_int("expert_num", &expert_num)) a.fail("expert_num", "is required");
+  const int64_t expert_num = a.get_int("expert_num");
   if (expert_num < 1) a.fail("expert_num", "is " + std::to_string(expert_num) + "; expected >= 1");
   m.expert_num = expert_num;
-  m.drop_pad = a.choice("drop_pad_mode", 0, {0, 1}) == 1;
-  m.count_type = a.choice("expert_tokens_num_type", CUMSUM, {CUMSUM, COUNT, KEY_VALUE});
-  m.count_flag = a.choice("expert_tokens_num_flag", 1, {0, 1}) == 1;
-  m.quant_mode = a.choice("quant_mode", NO_QUANT, {NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT});
-  m.scatter = a.choice("row_idx_type", 0, {0, 1}) == 1;
-  m.active_num = a.get_int("active_num", -1);
+  m.drop_pad = a.choice("drop_pad_mode", {0, 1}) == 1;
+  m.count_type = a.choice("expert_tokens_num_type", {CUMSUM, COUNT, KEY_VALUE});
+  m.count_flag = a.choice("expert_tokens_num_flag", {0, 1}) == 1;
+  m.quant_mode = a.choice("quant_mode", {NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT});
+  m.scatter = a.choice("row_idx_type", {0, 1}) == 1;
+  m.active_num = a.get_int("active_num");
   if (m.active_num < -1)
     a.fail("active_num", "is " + std::to_string(m.active_num) +
                              "; expected -1 or 0 (no limit) or a positive row limit");
-  m.capacity = a.get_int("expert_capacity", 0);
+  m.capacity = a.get_int("expert_capacity");
   std::vector<int64_t> range;
   if (!a.has_ints("active_expert_range", &range)) range = {0, expert_num};
   if (range.size() != 2 || !(0 <= range[0] && range[0] < range[1] && range[1] <= expert_num))
@@ -229,8 +228,8 @@ OrtStatusPtr InitRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInf
 
 InitRoutingKernel::InitRoutingKernel(const OrtKernelInfo* info, ElemType out_type) : output_type(out_type) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MoeInitRouting", kinfo);
-  mode = read_mode(Attributes(info, where));
+  where = node_where(signatures::MoeInitRouting.name, kinfo);
+  mode = read_mode(Attributes(info, signatures::MoeInitRouting, where));
   count_output_named = node_has_output(kinfo, TOKEN_COUNTS);
 }
 

@@ -245,25 +245,24 @@ OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
 
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MOE", kinfo);
-  const Attributes attrs(info, where);
-  std::string expert_type;
-  if (!attrs.has_string("expert_type", &expert_type)) attrs.fail("expert_type", "is required");
+  where = node_where(signatures::MOE.name, kinfo);
+  const Attributes attrs(info, signatures::MOE, where);
+  const std::string expert_type = attrs.get_string("expert_type");
   if (expert_type == kGemm2)
     type = ExpertType::kGemm2BiasSwigluClamp;
   else if (expert_type == kGemm3)
     type = ExpertType::kGemm3Swiglu;
   else
     attrs.fail("expert_type", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
-  if (!attrs.has_float("expert_alpha", &alpha)) alpha = 1.0f;
+  alpha = attrs.get_float("expert_alpha");
   if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
-  if (!attrs.has_float("expert_beta", &beta)) beta = 0.0f;
+  beta = attrs.get_float("expert_beta");
   if (type == ExpertType::kGemm2BiasSwigluClamp) {
     if (std::isnan(beta) || beta == -INFINITY)
       attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a finite number or inf");
     if (!(beta > 0)) attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a value > 0");
   }
-  parity = attrs.choice("gate_parity", 0, {0, 1});
+  parity = attrs.choice("gate_parity", {0, 1});
 
   // Constant weights: pack them all now, if every weight the expert type uses is an initializer
   // and their shapes agree (otherwise Compute packs per run and reports any error).

@@ -168,12 +168,12 @@ OrtStatusPtr RowParallelLinearOp::CreateKernelV2(const OrtApi& api, const OrtKer
 
 RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MoeRowParallelLinear", kinfo);
-  const Attributes attrs(info, where);
-  attrs.choice("input_is_parallel", 0, {0, 1});  // no effect on one process
+  where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
+  const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
+  attrs.choice("input_is_parallel", {0, 1});  // no effect on one process
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
-    bias_term = attrs.choice("bias_term", 0, {0, 1});
+    bias_term = attrs.choice("bias_term", {0, 1});
     const bool has_b = node_has_input(kinfo, B);
     if (bias_term && !has_b) attrs.fail("bias_term", "is 1, but input 'B' is absent; expected B [E, N], or bias_term = 0");
     if (!bias_term && has_b)
