@@ -61,8 +61,8 @@ struct FormalParam {
   std::vector<ElemType> types;  // the element types it may have, in the signature's order
 };
 
-// A formal attribute of an op. Only int and float attributes have defaults (signatures.py gives no
-// other kind one).
+// A formal attribute of an op. Only int and float attributes have defaults (gen_op_tables.py refuses
+// a default of another kind).
 struct FormalAttr {
   const char* name;
   const char* kind;  // "int", "float", "string" or "ints"
