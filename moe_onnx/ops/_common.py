@@ -1,7 +1,8 @@
 """Shared machinery of the op definitions.
 
-Each op module defines one :class:`OpDef`: its formal inputs, outputs and attributes, a
-``validate`` function and a numpy reference. ``validate`` takes a :class:`NodeView` and returns
+Each op module defines one :class:`OpDef`: its signature (formal inputs, outputs and attributes,
+in ``signatures.py``, which the C++ build also reads), a ``validate`` function and a numpy
+reference. ``validate`` takes a :class:`NodeView` and returns
 the output types; the same function serves three callers, so a rule is written once:
 
 * ONNX shape inference (``ContextView``, static shapes, raises on the first problem),
