@@ -4,7 +4,8 @@ grouped chain (MoeInitRouting -> MoeRowParallelLinear -> MoeFinalizeRouting) of 
 on the C++ kernels against the original exported graph.
 
 A valid case must give the reference's outputs (the case's rtol/atol); an invalid case must raise
-an onnxruntime error whose message matches the case's regex, on both backends.
+an onnxruntime error whose message matches the case's regex and, past onnxruntime's prefix, is
+exactly the reference's message, on both backends.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_onnx
+from moe_onnx.ops import MoeOpError
 from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
@@ -56,12 +58,28 @@ def run_case(case: Case, backend: str, threads: int = 2) -> list[np.ndarray]:
     return run(sess, case.feeds())
 
 
+# What onnxruntime puts before a kernel's message: a failed Compute, or a failed kernel creation.
+ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : (Non-zero status code returned while running \S+ "
+                        r"node\. Name:'[^']*' Status Message: |Exception during initialization: )")
+
+
+def kernel_message(error: Exception) -> str:
+    """The kernel's own message in an onnxruntime error (onnxruntime's prefix removed)."""
+    text = str(error)
+    prefix = ORT_PREFIX.match(text)
+    assert prefix, f"no onnxruntime prefix in {text!r}"
+    return text[prefix.end():]
+
+
 def check(case: Case, backend: str) -> list[np.ndarray] | None:
     if case.error is not None:
         with pytest.raises(Exception) as info:
             run_case(case, backend)
         assert not isinstance(info.value, AssertionError)
         assert re.search(case.error, str(info.value)), f"{info.value}\ndoes not match {case.error!r}"
+        with pytest.raises(MoeOpError) as expected:  # the reference's words for the same node
+            case.run_reference(node_name=case.node_name)
+        assert kernel_message(info.value) == str(expected.value)
         return None
     got = run_case(case, backend)
     expected = case.run_reference()

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace moe_onnx {
 
@@ -126,6 +127,12 @@ bool AttrReader::has_int(const char* name, int64_t* out) const {
   return status == nullptr;
 }
 
+const FormalAttr& OpSignature::attribute(const char* attr_name) const {
+  for (const FormalAttr& attr : attributes)
+    if (std::strcmp(attr.name, attr_name) == 0) return attr;
+  throw std::logic_error(std::string("internal: ") + name + " has no attribute '" + attr_name + "'");
+}
+
 void Checker::fail(const std::string& subject, const std::string& message) const {
   throw_invalid(where_ + ": " + subject + " " + message);
 }
@@ -135,8 +142,9 @@ const Input& Checker::require(size_t i) const {
   return inputs_[i];
 }
 
-ElemType Checker::expect_elem(size_t i, const std::vector<ElemType>& allowed) const {
+ElemType Checker::expect_elem(size_t i) const {
   const Input& in = require(i);
+  const std::vector<ElemType>& allowed = op_.inputs[i].types;
   for (ElemType t : allowed)
     if (in.type == t) return t;
   std::string names;

@@ -54,24 +54,54 @@ struct AttrReader {
   bool has_int(const char* name, int64_t* out) const;
 };
 
+// A formal input or output of an op.
+struct FormalParam {
+  const char* name;
+  bool optional;
+  std::vector<ElemType> types;  // the element types it may have, in the signature's order
+};
+
+// A formal attribute of an op. Only int and float attributes have defaults (gen_op_tables.py refuses
+// a default of another kind).
+struct FormalAttr {
+  const char* name;
+  const char* kind;  // "int", "float", "string" or "ints"
+  bool required;
+  bool has_default;
+  double default_value;
+};
+
+// The formal signature of an op as moe_onnx/ops/signatures.py declares it. The build generates one
+// per op (custom_ops/cmake/gen_op_tables.py): moe_onnx::signatures::<op name> in op_signatures.h.
+struct OpSignature {
+  const char* name;
+  std::vector<FormalParam> inputs;
+  std::vector<FormalParam> outputs;
+  std::vector<FormalAttr> attributes;
+
+  // The attribute called `name` (an internal error when the op has none).
+  const FormalAttr& attribute(const char* name) const;
+};
+
 // The checks of the references' NodeView, with the same wording, over concrete inputs.
 class Checker {
  public:
-  Checker(std::string where, const std::vector<const char*>& input_names, const std::vector<Input>& inputs)
-      : where_(std::move(where)), names_(input_names), inputs_(inputs) {}
+  Checker(std::string where, const OpSignature& op, const std::vector<Input>& inputs)
+      : where_(std::move(where)), op_(op), inputs_(inputs) {}
 
   [[noreturn]] void fail(const std::string& subject, const std::string& message) const;
-  std::string input_name(size_t i) const { return std::string("input '") + names_[i] + "'"; }
-  const char* name(size_t i) const { return names_[i]; }
+  std::string input_name(size_t i) const { return std::string("input '") + name(i) + "'"; }
+  const char* name(size_t i) const { return op_.inputs[i].name; }
   bool has(size_t i) const { return i < inputs_.size() && inputs_[i].present; }
   const Input& require(size_t i) const;
-  ElemType expect_elem(size_t i, const std::vector<ElemType>& allowed) const;
+  // Input i's element type, after checking it is one the signature allows.
+  ElemType expect_elem(size_t i) const;
   void expect_same_elem(size_t i, size_t ref) const;
   const std::vector<int64_t>& expect_rank(size_t i, int rank, int min_rank = -1) const;
 
  private:
   std::string where_;
-  std::vector<const char*> names_;
+  const OpSignature& op_;
   const std::vector<Input>& inputs_;
 };
 

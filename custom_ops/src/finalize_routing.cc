@@ -17,29 +17,24 @@ namespace moe_onnx {
 namespace {
 
 enum { EXPANDED_X, EXPANDED_ROW_IDX, X1, X2, BIAS, SCALES, EXPERT_IDX, N_INPUTS };
-const std::vector<const char*> kInputNames = {"expanded_x", "expanded_row_idx", "x1", "x2",
-                                              "bias",       "scales",           "expert_idx"};
-const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-                                           ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
-const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 struct Dims {
   int64_t N, H, k, entries;
 };
 
 Dims validate(const FinalizeRoutingKernel& kernel, const Checker& v) {
-  v.expect_elem(EXPANDED_X, kFloatTypes);
+  v.expect_elem(EXPANDED_X);
   for (int i : {X1, X2, BIAS, SCALES})
     if (v.has(i)) {
-      v.expect_elem(i, kFloatTypes);
+      v.expect_elem(i);
       v.expect_same_elem(i, EXPANDED_X);
     }
-  v.expect_elem(EXPANDED_ROW_IDX, kIndexTypes);
+  v.expect_elem(EXPANDED_ROW_IDX);
   if (v.has(BIAS) && !v.has(EXPERT_IDX))
     v.fail(v.input_name(EXPERT_IDX), "is required when 'bias' is given (it says which expert's bias each slot adds)");
   if (v.has(EXPERT_IDX)) {
     if (!v.has(BIAS)) v.fail(v.input_name(EXPERT_IDX), "is given, but there is no 'bias' to index; leave it empty");
-    v.expect_elem(EXPERT_IDX, kIndexTypes);
+    v.expect_elem(EXPERT_IDX);
   }
   if (!v.has(X1) && !v.has(X2) && !v.has(SCALES) && !v.has(EXPERT_IDX))
     v.fail("inputs 'x1', 'x2', 'scales' and 'expert_idx'",
@@ -135,10 +130,10 @@ OrtStatusPtr FinalizeRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKerne
 }
 
 FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info) {
-  where = node_where("MoeFinalizeRouting", Ort::ConstKernelInfo(info));
-  const Attributes attrs(info, where);
-  drop_pad = attrs.choice("drop_pad_mode", 0, {0, 1}) == 1;
-  scatter = attrs.choice("row_idx_type", 0, {0, 1}) == 1;
+  where = node_where(signatures::MoeFinalizeRouting.name, Ort::ConstKernelInfo(info));
+  const Attributes attrs(info, signatures::MoeFinalizeRouting, where);
+  drop_pad = attrs.choice("drop_pad_mode", {0, 1}) == 1;
+  scatter = attrs.choice("row_idx_type", {0, 1}) == 1;
   if (drop_pad && scatter)
     attrs.fail("row_idx_type",
                "is 1 (scatter); expected 0 (gather) for drop_pad_mode 1, the only form MoeInitRouting gives in "
@@ -152,7 +147,7 @@ OrtStatusPtr FinalizeRoutingKernel::ComputeV2(OrtKernelContext* context) {
 void FinalizeRoutingKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const Checker v(where, kInputNames, inputs);
+  const Checker v(where, signatures::MoeFinalizeRouting, inputs);
   const Dims d = validate(*this, v);
   const Input& y = inputs[EXPANDED_X];
   const int64_t N = d.N, H = d.H, k = d.k;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common.h"
+#include "op_signatures.h"
 
 namespace moe_onnx {
 
@@ -23,11 +24,11 @@ struct FinalizeRoutingKernel {
 struct FinalizeRoutingOp : Ort::CustomOpBase<FinalizeRoutingOp, FinalizeRoutingKernel, true> {
   explicit FinalizeRoutingOp(ElemType type) : type_(type) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return "MoeFinalizeRouting"; }
-  size_t GetInputTypeCount() const { return 7; }
+  const char* GetName() const { return signatures::MoeFinalizeRouting.name; }
+  size_t GetInputTypeCount() const { return signatures::MoeFinalizeRouting.inputs.size(); }
   ElemType GetInputType(size_t i) const { return i == 0 ? type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return signatures::MoeFinalizeRouting.outputs.size(); }
   ElemType GetOutputType(size_t) const { return type_; }
 
  private:

@@ -20,32 +20,27 @@ namespace {
 
 enum { X, EXPERT_IDX, SCALE, OFFSET, N_INPUTS };
 enum { EXPANDED_X, EXPANDED_ROW_IDX, TOKEN_COUNTS, EXPANDED_SCALE };
-const std::vector<const char*> kInputNames = {"x", "expert_idx", "scale", "offset"};
 enum { NO_QUANT = -1, STATIC_QUANT = 0, DYNAMIC_QUANT = 1 };
 enum { CUMSUM = 0, COUNT = 1, KEY_VALUE = 2 };
 
 constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-const std::vector<ElemType> kXTypes = {kF32, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-                                       ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16, kInt8};
-const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 RoutingMode read_mode(const Attributes& a) {
   RoutingMode m;
-  int64_t expert_num = 0;
-  if (!a.has_int("expert_num", &expert_num)) a.fail("expert_num", "is required");
+  const int64_t expert_num = a.get_int("expert_num");
   if (expert_num < 1) a.fail("expert_num", "is " + std::to_string(expert_num) + "; expected >= 1");
   m.expert_num = expert_num;
-  m.drop_pad = a.choice("drop_pad_mode", 0, {0, 1}) == 1;
-  m.count_type = a.choice("expert_tokens_num_type", CUMSUM, {CUMSUM, COUNT, KEY_VALUE});
-  m.count_flag = a.choice("expert_tokens_num_flag", 1, {0, 1}) == 1;
-  m.quant_mode = a.choice("quant_mode", NO_QUANT, {NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT});
-  m.scatter = a.choice("row_idx_type", 0, {0, 1}) == 1;
-  m.active_num = a.get_int("active_num", -1);
+  m.drop_pad = a.choice("drop_pad_mode", {0, 1}) == 1;
+  m.count_type = a.choice("expert_tokens_num_type", {CUMSUM, COUNT, KEY_VALUE});
+  m.count_flag = a.choice("expert_tokens_num_flag", {0, 1}) == 1;
+  m.quant_mode = a.choice("quant_mode", {NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT});
+  m.scatter = a.choice("row_idx_type", {0, 1}) == 1;
+  m.active_num = a.get_int("active_num");
   if (m.active_num < -1)
     a.fail("active_num", "is " + std::to_string(m.active_num) +
                              "; expected -1 or 0 (no limit) or a positive row limit");
-  m.capacity = a.get_int("expert_capacity", 0);
+  m.capacity = a.get_int("expert_capacity");
   std::vector<int64_t> range;
   if (!a.has_ints("active_expert_range", &range)) range = {0, expert_num};
   if (range.size() != 2 || !(0 <= range[0] && range[0] < range[1] && range[1] <= expert_num))
@@ -87,7 +82,7 @@ void validate_scale_offset(const Checker& v, const RoutingMode& mode, DimBinder&
   if (quant == STATIC_QUANT) v.require(SCALE);
   for (int i : {SCALE, OFFSET}) {
     if (!v.has(i)) continue;
-    v.expect_elem(i, {kF32});
+    v.expect_elem(i);
     if (quant == NO_QUANT) {  // a per-token scale carried along (x quantized earlier)
       v.expect_rank(i, 1);
       dims.shape(i, {"N"});
@@ -112,8 +107,8 @@ void validate_scale_offset(const Checker& v, const RoutingMode& mode, DimBinder&
 
 Dims validate(const InitRoutingKernel& kernel, const Checker& v) {
   const RoutingMode& mode = kernel.mode;
-  const ElemType x_type = v.expect_elem(X, kXTypes);
-  v.expect_elem(EXPERT_IDX, kIndexTypes);
+  const ElemType x_type = v.expect_elem(X);
+  v.expect_elem(EXPERT_IDX);
   if (mode.quant_mode != NO_QUANT && x_type == kInt8)
     v.fail(v.input_name(X), "has type int8; expected float32, float16, bfloat16 for quant_mode " +
                                 std::to_string(mode.quant_mode) +
@@ -233,8 +228,8 @@ OrtStatusPtr InitRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInf
 
 InitRoutingKernel::InitRoutingKernel(const OrtKernelInfo* info, ElemType out_type) : output_type(out_type) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MoeInitRouting", kinfo);
-  mode = read_mode(Attributes(info, where));
+  where = node_where(signatures::MoeInitRouting.name, kinfo);
+  mode = read_mode(Attributes(info, signatures::MoeInitRouting, where));
   count_output_named = node_has_output(kinfo, TOKEN_COUNTS);
 }
 
@@ -245,7 +240,7 @@ OrtStatusPtr InitRoutingKernel::ComputeV2(OrtKernelContext* context) {
 void InitRoutingKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const Checker v(where, kInputNames, inputs);
+  const Checker v(where, signatures::MoeInitRouting, inputs);
   const Dims d = validate(*this, v);
   const Input& x = inputs[X];
   const Input& idx = inputs[EXPERT_IDX];

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common.h"
+#include "op_signatures.h"
 
 namespace moe_onnx {
 
@@ -40,11 +41,11 @@ struct InitRoutingKernel {
 struct InitRoutingOp : Ort::CustomOpBase<InitRoutingOp, InitRoutingKernel, true> {
   InitRoutingOp(ElemType x_type, bool quantized) : x_type_(x_type), quantized_(quantized) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return "MoeInitRouting"; }
-  size_t GetInputTypeCount() const { return 4; }
+  const char* GetName() const { return signatures::MoeInitRouting.name; }
+  size_t GetInputTypeCount() const { return signatures::MoeInitRouting.inputs.size(); }
   ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return 4; }
+  size_t GetOutputTypeCount() const { return signatures::MoeInitRouting.outputs.size(); }
   ElemType GetOutputType(size_t i) const;
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const;
 

@@ -1,14 +1,34 @@
 #include "kernel_util.h"
 
+#include <stdexcept>
+
 namespace moe_onnx {
 
 void Attributes::fail(const char* name, const std::string& message) const {
   throw_invalid(where_ + ": attribute '" + name + "' " + message);
 }
 
-int64_t Attributes::get_int(const char* name, int64_t fallback) const {
-  int64_t value = fallback;
-  return reader_.has_int(name, &value) ? value : fallback;
+double Attributes::default_of(const char* name) const {
+  const FormalAttr& attr = op_.attribute(name);
+  if (attr.required) fail(name, "is required");
+  if (!attr.has_default) throw std::logic_error(where_ + ": internal: attribute '" + name + "' has no default");
+  return attr.default_value;
+}
+
+int64_t Attributes::get_int(const char* name) const {
+  int64_t value = 0;
+  return reader_.has_int(name, &value) ? value : static_cast<int64_t>(default_of(name));
+}
+
+float Attributes::get_float(const char* name) const {
+  float value = 0;
+  return reader_.has_float(name, &value) ? value : static_cast<float>(default_of(name));
+}
+
+std::string Attributes::get_string(const char* name) const {
+  std::string value;
+  if (!reader_.has_string(name, &value)) default_of(name);  // strings are required: fails
+  return value;
 }
 
 bool Attributes::has_ints(const char* name, std::vector<int64_t>* out) const {
@@ -23,8 +43,8 @@ bool Attributes::has_ints(const char* name, std::vector<int64_t>* out) const {
   return true;
 }
 
-int64_t Attributes::choice(const char* name, int64_t fallback, const std::vector<int64_t>& choices) const {
-  const int64_t value = get_int(name, fallback);
+int64_t Attributes::choice(const char* name, const std::vector<int64_t>& choices) const {
+  const int64_t value = get_int(name);
   std::string listed;
   for (size_t i = 0; i < choices.size(); ++i) {
     if (choices[i] == value) return value;

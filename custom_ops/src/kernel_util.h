@@ -11,20 +11,27 @@
 namespace moe_onnx {
 
 // Attributes of one node, read at kernel creation; failures say "<where>: attribute 'x' ...".
+// The get_* readers apply the op's signature as NodeView.attr does: an absent attribute takes its
+// default, or fails "is required".
 class Attributes {
  public:
-  Attributes(const OrtKernelInfo* info, std::string where) : reader_{info}, where_(std::move(where)) {}
+  Attributes(const OrtKernelInfo* info, const OpSignature& op, std::string where)
+      : reader_{info}, op_(op), where_(std::move(where)) {}
   [[noreturn]] void fail(const char* name, const std::string& message) const;
   bool has_int(const char* name, int64_t* out) const { return reader_.has_int(name, out); }
-  bool has_float(const char* name, float* out) const { return reader_.has_float(name, out); }
-  bool has_string(const char* name, std::string* out) const { return reader_.has_string(name, out); }
-  int64_t get_int(const char* name, int64_t fallback) const;
   bool has_ints(const char* name, std::vector<int64_t>* out) const;
+  int64_t get_int(const char* name) const;
+  float get_float(const char* name) const;
+  std::string get_string(const char* name) const;
   // The attribute (or its default) after checking it is one of `choices` (check_choice in Python).
-  int64_t choice(const char* name, int64_t fallback, const std::vector<int64_t>& choices) const;
+  int64_t choice(const char* name, const std::vector<int64_t>& choices) const;
 
  private:
+  // The default of an absent attribute (fails "is required" when it has to be given).
+  double default_of(const char* name) const;
+
   AttrReader reader_;
+  const OpSignature& op_;
   std::string where_;
 };
 

@@ -40,13 +40,10 @@ namespace moe_onnx {
 namespace {
 
 enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, N_INPUTS };
-const std::vector<const char*> kInputNames = {"hidden_states", "routing_weights", "router_topk_output_indices",
-                                              "weight_0", "bias_0", "weight_1", "bias_1", "weight_2"};
 const char* kGemm2 = "GEMM2_BIAS_SWIGLU_CLAMP";
 const char* kGemm3 = "GEMM3_SWIGLU";
 const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                                            ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
-const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 constexpr int64_t kHalf = kPanel / 2;  // gate (or up) columns per gate/up panel
 constexpr int64_t kMaxRowBlock = 96;   // most rows of one task (A block per K block: 192 KB, in L2)
@@ -160,13 +157,13 @@ struct Dims {
 
 // The checks of moe.py's _validate, in its order and words. Returns the sizes.
 Dims validate(const MoeKernel& kernel, const Checker& v) {
-  v.expect_elem(HIDDEN, kFloatTypes);
+  v.expect_elem(HIDDEN);
   for (int i : {ROUTING, W0, B0, W1, B1, W2})
     if (v.has(i)) {
-      v.expect_elem(i, kFloatTypes);
+      v.expect_elem(i);
       v.expect_same_elem(i, HIDDEN);
     }
-  v.expect_elem(INDICES, kIndexTypes);
+  v.expect_elem(INDICES);
 
   DimBinder dims(v);
   const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
@@ -248,25 +245,24 @@ OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
 
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MOE", kinfo);
-  const Attributes attrs(info, where);
-  std::string expert_type;
-  if (!attrs.has_string("expert_type", &expert_type)) attrs.fail("expert_type", "is required");
+  where = node_where(signatures::MOE.name, kinfo);
+  const Attributes attrs(info, signatures::MOE, where);
+  const std::string expert_type = attrs.get_string("expert_type");
   if (expert_type == kGemm2)
     type = ExpertType::kGemm2BiasSwigluClamp;
   else if (expert_type == kGemm3)
     type = ExpertType::kGemm3Swiglu;
   else
     attrs.fail("expert_type", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
-  if (!attrs.has_float("expert_alpha", &alpha)) alpha = 1.0f;
+  alpha = attrs.get_float("expert_alpha");
   if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
-  if (!attrs.has_float("expert_beta", &beta)) beta = 0.0f;
+  beta = attrs.get_float("expert_beta");
   if (type == ExpertType::kGemm2BiasSwigluClamp) {
     if (std::isnan(beta) || beta == -INFINITY)
       attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a finite number or inf");
     if (!(beta > 0)) attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a value > 0");
   }
-  parity = attrs.choice("gate_parity", 0, {0, 1});
+  parity = attrs.choice("gate_parity", {0, 1});
 
   // Constant weights: pack them all now, if every weight the expert type uses is an initializer
   // and their shapes agree (otherwise Compute packs per run and reports any error).
@@ -330,7 +326,7 @@ OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
 void MoeKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const Checker v(where, kInputNames, inputs);
+  const Checker v(where, signatures::MOE, inputs);
   const Dims d = validate(*this, v);
   const Input& idx = inputs[INDICES];
   check_indices(idx, d.E, where);

@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "op_signatures.h"
 
 namespace moe_onnx {
 
@@ -77,13 +78,13 @@ struct MoeKernel {
 struct MoeOp : Ort::CustomOpBase<MoeOp, MoeKernel, true> {
   explicit MoeOp(ONNXTensorElementDataType hidden_type) : hidden_type_(hidden_type) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return "MOE"; }
-  size_t GetInputTypeCount() const { return 8; }
+  const char* GetName() const { return signatures::MOE.name; }
+  size_t GetInputTypeCount() const { return signatures::MOE.inputs.size(); }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i == 0 ? hidden_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const;
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return signatures::MOE.outputs.size(); }
   ONNXTensorElementDataType GetOutputType(size_t) const { return hidden_type_; }
 
  private:

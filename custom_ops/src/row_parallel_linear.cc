@@ -22,15 +22,12 @@ namespace moe_onnx {
 namespace {
 
 enum { X, OFFSET, W, B, N_INPUTS };
-const std::vector<const char*> kInputNames = {"X", "expert_offset", "W", "B"};
 const char* kSizeAttrs[3] = {"num_experts", "in_features", "out_features"};
 const char* kSizeSymbols[3] = {"E", "K", "N"};
 
 constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr ElemType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-const std::vector<ElemType> kT1 = {kF32, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16,
-                                   kInt8};
 
 constexpr int64_t kRowBlock = 48;     // rows of one task (a multiple of both micro-kernels' 6 rows)
 constexpr int64_t kMaxPanelGroup = 8;  // panels (16 columns each) of one task
@@ -45,10 +42,10 @@ struct Dims {
 
 // _validate of row_parallel_linear.py after the attribute checks done at kernel creation.
 Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
-  const ElemType x_type = v.expect_elem(X, kT1);
-  v.expect_elem(W, kT1);
+  const ElemType x_type = v.expect_elem(X);
+  v.expect_elem(W);
   v.expect_same_elem(W, X);
-  v.expect_elem(OFFSET, {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64});
+  v.expect_elem(OFFSET);
   const ElemType y_type = output_elem(x_type);
   if (v.has(B)) {
     const ElemType b_type = v.require(B).type;
@@ -102,7 +99,8 @@ void check_offsets(const Checker& v, const int64_t* o, int64_t E, int64_t rows) 
 }
 
 bool is_packable(const Input& w) {
-  return w.present && w.shape.size() == 3 && std::find(kT1.begin(), kT1.end(), w.type) != kT1.end();
+  const std::vector<ElemType>& w_types = signatures::MoeRowParallelLinear.inputs[W].types;
+  return w.present && w.shape.size() == 3 && std::find(w_types.begin(), w_types.end(), w.type) != w_types.end();
 }
 
 // Room for `slots` experts of W (whose type and shape are set).
@@ -170,12 +168,12 @@ OrtStatusPtr RowParallelLinearOp::CreateKernelV2(const OrtApi& api, const OrtKer
 
 RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where("MoeRowParallelLinear", kinfo);
-  const Attributes attrs(info, where);
-  attrs.choice("input_is_parallel", 0, {0, 1});  // no effect on one process
+  where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
+  const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
+  attrs.choice("input_is_parallel", {0, 1});  // no effect on one process
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
-    bias_term = attrs.choice("bias_term", 0, {0, 1});
+    bias_term = attrs.choice("bias_term", {0, 1});
     const bool has_b = node_has_input(kinfo, B);
     if (bias_term && !has_b) attrs.fail("bias_term", "is 1, but input 'B' is absent; expected B [E, N], or bias_term = 0");
     if (!bias_term && has_b)
@@ -203,7 +201,7 @@ OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
 void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const Checker v(where, kInputNames, inputs);
+  const Checker v(where, signatures::MoeRowParallelLinear, inputs);
   const Dims d = validate(*this, v);
   const int64_t E = d.E, N = d.N, K = d.K;
   const int64_t* o = inputs[OFFSET].as<int64_t>();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common.h"
+#include "op_signatures.h"
 
 namespace moe_onnx {
 
@@ -40,11 +41,11 @@ struct RowParallelLinearKernel {
 struct RowParallelLinearOp : Ort::CustomOpBase<RowParallelLinearOp, RowParallelLinearKernel, true> {
   explicit RowParallelLinearOp(ElemType x_type) : x_type_(x_type) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return "MoeRowParallelLinear"; }
-  size_t GetInputTypeCount() const { return 4; }
+  const char* GetName() const { return signatures::MoeRowParallelLinear.name; }
+  size_t GetInputTypeCount() const { return signatures::MoeRowParallelLinear.inputs.size(); }
   ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return 1; }
+  size_t GetOutputTypeCount() const { return signatures::MoeRowParallelLinear.outputs.size(); }
   ElemType GetOutputType(size_t) const;
 
  private:

@@ -1,7 +1,8 @@
 """Shared machinery of the op definitions.
 
-Each op module defines one :class:`OpDef`: its formal inputs, outputs and attributes, a
-``validate`` function and a numpy reference. ``validate`` takes a :class:`NodeView` and returns
+Each op module defines one :class:`OpDef`: its signature (formal inputs, outputs and attributes,
+in ``signatures.py``, which the C++ build also reads), a ``validate`` function and a numpy
+reference. ``validate`` takes a :class:`NodeView` and returns
 the output types; the same function serves three callers, so a rule is written once:
 
 * ONNX shape inference (``ContextView``, static shapes, raises on the first problem),
@@ -21,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, defs, helper
 
+from .signatures import Signature
+
 DOMAIN = "moe_onnx"
 OPSET_VERSION = 1
 
@@ -32,9 +35,6 @@ class MoeOpError(ValueError):
 
 
 # ----------------------------------------------------------------------------- types
-
-FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
-INDEX_TYPES = ("tensor(int32)", "tensor(int64)")
 
 _ELEM_NAMES = {
     TensorProto.FLOAT: "float32",
@@ -58,13 +58,16 @@ _NP_TO_ELEM = {
     np.dtype(np.uint8): TensorProto.UINT8,
     np.dtype(np.bool_): TensorProto.BOOL,
 }
-FLOAT_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-INDEX_ELEMS = (TensorProto.INT32, TensorProto.INT64)
 
 
 def elem_name(elem_type: int) -> str:
     """Readable name of an ONNX element type, as used in error messages."""
     return _ELEM_NAMES.get(elem_type) or TensorProto.DataType.Name(elem_type).lower()
+
+
+def elem_of_type_str(type_str: str) -> int:
+    """ONNX element type of a "tensor(...)" type string ("tensor(float16)" -> TensorProto.FLOAT16)."""
+    return getattr(TensorProto, type_str[len("tensor("):-1].upper())
 
 
 def elem_of(array: np.ndarray) -> int:
@@ -89,33 +92,12 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 # ----------------------------------------------------------------------------- formal parts
 
-@dataclasses.dataclass(frozen=True)
-class Param:
-    """A formal input or output."""
-
-    name: str
-    type_str: str  # a type-constraint name or a concrete "tensor(...)"
-    doc: str
-    optional: bool = False
-
-
 _ATTR_TYPES = {
     "int": defs.OpSchema.AttrType.INT,
     "float": defs.OpSchema.AttrType.FLOAT,
     "string": defs.OpSchema.AttrType.STRING,
     "ints": defs.OpSchema.AttrType.INTS,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Attr:
-    """A formal attribute; ``default=None`` means required (or, for ``ints``, 'not given')."""
-
-    name: str
-    kind: str  # "int", "float", "string" or "ints"
-    doc: str
-    default: Any = None
-    required: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,23 +109,22 @@ class TensorInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class OpDef:
+class OpDef(Signature):
     """Everything that defines one op: the single source every backend follows."""
 
-    name: str
-    doc: str
-    inputs: tuple[Param, ...]
-    outputs: tuple[Param, ...]
-    type_constraints: tuple[tuple[str, tuple[str, ...], str], ...]
-    attributes: tuple[Attr, ...]
     validate: Callable[[NodeView], list[TensorInfo | None]]
     reference: Callable[..., Any]
 
-    def attr_spec(self, name: str) -> Attr:
-        for attr in self.attributes:
-            if attr.name == name:
-                return attr
-        raise KeyError(name)
+    @classmethod
+    def of(cls, signature: Signature, validate: Callable[[NodeView], list[TensorInfo | None]],
+           reference: Callable[..., Any]) -> OpDef:
+        """The op of ``signature`` (moe_onnx/ops/signatures.py) with its validation and reference."""
+        formal = {f.name: getattr(signature, f.name) for f in dataclasses.fields(Signature)}
+        return cls(**formal, validate=validate, reference=reference)
+
+    def input_elems(self, i: int) -> tuple[int, ...]:
+        """The ONNX element types input i may have, in the order of its signature."""
+        return tuple(elem_of_type_str(t) for t in self.allowed_types(self.inputs[i]))
 
     def schema(self) -> defs.OpSchema:
         """The onnx OpSchema, with the shared validation as its inference function."""
@@ -227,11 +208,13 @@ class NodeView:
             self.fail(self.input_name(i), "is required")
         return info
 
-    def expect_elem(self, i: int, allowed: Sequence[int], what: str = "") -> int:
+    def expect_elem(self, i: int) -> int:
+        """Input i's element type, after checking it is one its signature allows."""
         info = self.require(i)
+        allowed = self.op.input_elems(i)
         if info.elem_type not in allowed and info.elem_type != TensorProto.UNDEFINED:
             names = ", ".join(elem_name(e) for e in allowed)
-            self.fail(self.input_name(i), f"has type {elem_name(info.elem_type)}; expected {what or names}")
+            self.fail(self.input_name(i), f"has type {elem_name(info.elem_type)}; expected {names}")
         return info.elem_type
 
     def expect_same_elem(self, i: int, ref: int) -> None:

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import signatures
 from ._common import (
-    FLOAT_ELEMS,
-    FLOAT_TYPES,
-    INDEX_ELEMS,
-    INDEX_TYPES,
     ArrayView,
-    Attr,
     DimBinder,
     MoeOpError,
     NodeView,
     OpDef,
-    Param,
     TensorInfo,
     check_choice,
     compute_dtype,
@@ -39,19 +34,19 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         v.fail("attribute 'row_idx_type'", "is 1 (scatter); expected 0 (gather) for drop_pad_mode 1, "
                "the only form MoeInitRouting gives in drop/pad mode")
 
-    elem = v.expect_elem(EXPANDED_X, FLOAT_ELEMS)
+    elem = v.expect_elem(EXPANDED_X)
     for i in (X1, X2, BIAS, SCALES):
         if v.has(i):
-            v.expect_elem(i, FLOAT_ELEMS)
+            v.expect_elem(i)
             v.expect_same_elem(i, EXPANDED_X)
-    v.expect_elem(EXPANDED_ROW_IDX, INDEX_ELEMS)
+    v.expect_elem(EXPANDED_ROW_IDX)
     if v.has(BIAS) and not v.has(EXPERT_IDX):
         v.fail(v.input_name(EXPERT_IDX),
                "is required when 'bias' is given (it says which expert's bias each slot adds)")
     if v.has(EXPERT_IDX):
         if not v.has(BIAS):
             v.fail(v.input_name(EXPERT_IDX), "is given, but there is no 'bias' to index; leave it empty")
-        v.expect_elem(EXPERT_IDX, INDEX_ELEMS)
+        v.expect_elem(EXPERT_IDX)
     if not any(v.has(i) for i in (X1, X2, SCALES, EXPERT_IDX)):
         v.fail("inputs 'x1', 'x2', 'scales' and 'expert_idx'",
                "are all absent; expected at least one of them, to give the number of tokens N")
@@ -143,30 +138,4 @@ def moe_finalize_routing(expanded_x, expanded_row_idx, x1=None, x2=None, bias=No
     return (out.astype(expanded_x.dtype),)
 
 
-MOE_FINALIZE_ROUTING = OpDef(
-    name="MoeFinalizeRouting",
-    doc=("Un-permutes the expert outputs of a MoeInitRouting layout and sums each token's k slots: "
-         "out[t] = x1[t] + x2[t] + sum_j scales[t, j] * (expanded_x[row(t, j)] + bias[expert_idx[t, j]]). "
-         "See docs/ops/MoeFinalizeRouting.md."),
-    inputs=(
-        Param("expanded_x", "T", "The expert outputs: dropless [R, H], drop/pad [E, C, H]."),
-        Param("expanded_row_idx", "T_ind", "[N*k] from MoeInitRouting: gather (slot -> row) or scatter (row -> slot)."),
-        Param("x1", "T", "[N, H]: residual, added as is.", optional=True),
-        Param("x2", "T", "[N, H]: shared-expert output, added as is.", optional=True),
-        Param("bias", "T", "[E, H]: expert bias, added to each routed slot before scaling.", optional=True),
-        Param("scales", "T", "[N, k]: routing weights (absent: 1).", optional=True),
-        Param("expert_idx", "T_ind", "[N, k]: each slot's expert, to index bias; only with bias.", optional=True),
-    ),
-    outputs=(Param("out", "T", "[N, H], the type of expanded_x."),),
-    type_constraints=(
-        ("T", FLOAT_TYPES, "Activations, biases and weights."),
-        ("T_ind", INDEX_TYPES, "Row indices and expert ids."),
-    ),
-    attributes=(
-        Attr("drop_pad_mode", "int", "0 dropless (expanded_x [R, H]), 1 drop/pad (expanded_x [E, C, H]).", default=0),
-        Attr("row_idx_type", "int", "expanded_row_idx form: 0 gather (slot -> row), 1 scatter (row -> slot).",
-             default=0),
-    ),
-    validate=_validate,
-    reference=moe_finalize_routing,
-)
+MOE_FINALIZE_ROUTING = OpDef.of(signatures.MOE_FINALIZE_ROUTING, validate=_validate, reference=moe_finalize_routing)

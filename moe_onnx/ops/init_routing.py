@@ -12,17 +12,13 @@ import dataclasses
 import numpy as np
 from onnx import TensorProto
 
+from . import signatures
 from ._common import (
-    FLOAT_ELEMS,
-    INDEX_ELEMS,
-    INDEX_TYPES,
     ArrayView,
-    Attr,
     DimBinder,
     MoeOpError,
     NodeView,
     OpDef,
-    Param,
     TensorInfo,
     check_choice,
     dim_product,
@@ -38,8 +34,6 @@ NO_QUANT, STATIC_QUANT, DYNAMIC_QUANT = -1, 0, 1
 CUMSUM, COUNT, KEY_VALUE = 0, 1, 2
 GATHER, SCATTER = 0, 1
 
-X_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)")
-X_ELEMS = (*FLOAT_ELEMS, TensorProto.INT8)
 _F32 = np.float32
 
 
@@ -113,7 +107,7 @@ def _validate_scale_offset(v: NodeView, mode: Routing, dims: DimBinder) -> None:
     for i in (SCALE, OFFSET):
         if not v.has(i):
             continue
-        v.expect_elem(i, (TensorProto.FLOAT,))
+        v.expect_elem(i)
         if quant == NO_QUANT:  # a per-token scale carried along (x quantized earlier)
             dims.shape(i, ("N",), v.expect_rank(i, rank=1))
             continue
@@ -133,8 +127,8 @@ def _validate_scale_offset(v: NodeView, mode: Routing, dims: DimBinder) -> None:
 
 def _validate(v: NodeView) -> list[TensorInfo | None]:
     mode = read_attributes(v)
-    x_elem = v.expect_elem(X, X_ELEMS)
-    v.expect_elem(EXPERT_IDX, INDEX_ELEMS)
+    x_elem = v.expect_elem(X)
+    v.expect_elem(EXPERT_IDX)
     if mode.quant_mode != NO_QUANT and x_elem == TensorProto.INT8:
         v.fail(v.input_name(X), f"has type int8; expected float32, float16, bfloat16 for quant_mode "
                f"{mode.quant_mode} (int8 x is already quantized: use quant_mode -1)")
@@ -259,45 +253,4 @@ def _token_counts(counts: np.ndarray, mode: Routing) -> np.ndarray | None:
     return pairs
 
 
-MOE_INIT_ROUTING = OpDef(
-    name="MoeInitRouting",
-    doc=("Sorts the (token, k) slots by expert and gathers their rows, dropless [rows, H] or drop/pad "
-         "[E, C, H], optionally quantized to int8. See docs/ops/MoeInitRouting.md."),
-    inputs=(
-        Param("x", "T", "[N, H]: the tokens."),
-        Param("expert_idx", "T_ind", "[N, k]: each token's experts; -1 or an id outside the active range: not routed."),
-        Param("scale", "tensor(float)", "quant_mode -1: [N] per-token scale carried to expanded_scale. "
-              "0: [1] or [H] (required). 1: smooth scale [end - start, H] or [1, H].", optional=True),
-        Param("offset", "tensor(float)", "quant_mode 0 only: [1] or [H] (absent: 0).", optional=True),
-    ),
-    outputs=(
-        Param("expanded_x", "T_out", "Dropless [rows, H], rows = N*k or min(active_num, N*k); drop/pad [E, C, H]. "
-              "int8 when quantized. Unused rows are 0."),
-        Param("expanded_row_idx", "tensor(int32)", "[N*k]: gather form slot -> row, scatter form row -> slot; -1 "
-              "where there is none."),
-        Param("expert_tokens_count_or_cumsum", "tensor(int64)", "[end - start] cumsum or counts, or [end - start, 2] "
-              "(expert, count) pairs padded with (-1, 0).", optional=True),
-        Param("expanded_scale", "tensor(float)", "One scale per row of expanded_x ([rows] or [E, C]); 0 where "
-              "there is none.", optional=True),
-    ),
-    type_constraints=(
-        ("T", X_TYPES, "The tokens."),
-        ("T_ind", INDEX_TYPES, "Expert ids."),
-        ("T_out", X_TYPES, "expanded_x: the type of x, or int8 when quant_mode is 0 or 1."),
-    ),
-    attributes=(
-        Attr("expert_num", "int", "E, the number of experts (>= 1).", required=True),
-        Attr("active_num", "int", "Dropless: at most this many rows (-1 or 0: no limit).", default=-1),
-        Attr("expert_capacity", "int", "Drop/pad: C, the rows per expert (>= 1). Dropless: 0.", default=0),
-        Attr("drop_pad_mode", "int", "0 dropless, 1 drop/pad.", default=0),
-        Attr("expert_tokens_num_type", "int", "0 cumsum, 1 count, 2 key_value.", default=0),
-        Attr("expert_tokens_num_flag", "int", "1: output expert_tokens_count_or_cumsum; 0: no such output.",
-             default=1),
-        Attr("quant_mode", "int", "-1 none, 0 static int8, 1 dynamic int8.", default=-1),
-        Attr("active_expert_range", "ints", "[start, end): the experts routed here (default [0, expert_num])."),
-        Attr("row_idx_type", "int", "expanded_row_idx form: 0 gather (slot -> row), 1 scatter (row -> slot).",
-             default=0),
-    ),
-    validate=_validate,
-    reference=moe_init_routing,
-)
+MOE_INIT_ROUTING = OpDef.of(signatures.MOE_INIT_ROUTING, validate=_validate, reference=moe_init_routing)

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import signatures
 from ._common import (
-    FLOAT_ELEMS,
-    FLOAT_TYPES,
-    INDEX_ELEMS,
-    INDEX_TYPES,
     ArrayView,
-    Attr,
     DimBinder,
     MoeOpError,
     NodeView,
     OpDef,
-    Param,
     TensorInfo,
     check_choice,
     check_float_attr,
@@ -54,12 +49,12 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         check_float_attr(v, "expert_beta", positive=True, allow_inf=True)
     check_choice(v, "gate_parity", (0, 1))
 
-    elem = v.expect_elem(HIDDEN, FLOAT_ELEMS)
+    elem = v.expect_elem(HIDDEN)
     for i in (ROUTING, W0, B0, W1, B1, W2):
         if v.has(i):
-            v.expect_elem(i, FLOAT_ELEMS)
+            v.expect_elem(i)
             v.expect_same_elem(i, HIDDEN)
-    v.expect_elem(INDICES, INDEX_ELEMS)
+    v.expect_elem(INDICES)
 
     dims = DimBinder(v)
     hidden = v.expect_rank(HIDDEN, min_rank=2)
@@ -147,35 +142,4 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     return (out.astype(dtype).reshape(hidden_states.shape),)
 
 
-MOE = OpDef(
-    name="MOE",
-    doc=("Fused Mixture-of-Experts block. Computes only the selected experts: "
-         "y[t] = sum_j routing_weights[t, j] * expert_{idx[t, j]}(hidden_states[t]). See docs/ops/MOE.md."),
-    inputs=(
-        Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
-        Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
-        Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
-        Param("weight_0", "T", "GEMM2: gate_up [E, H, 2I], gate and up interleaved. GEMM3: gate [E, I, H]."),
-        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM3: must be absent.", optional=True),
-        Param("weight_1", "T", "GEMM2: down [E, I, H]. GEMM3: up [E, I, H]."),
-        Param("bias_1", "T", "GEMM2: down bias [E, H]. GEMM3: must be absent.", optional=True),
-        Param("weight_2", "T", "GEMM3: down [E, H, I]. GEMM2: must be absent.", optional=True),
-    ),
-    outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
-    type_constraints=(
-        ("T", FLOAT_TYPES, "Floating-point activations and weights."),
-        ("T_ind", INDEX_TYPES, "Expert indices."),
-    ),
-    attributes=(
-        Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS) or GEMM3_SWIGLU (Mixtral, Qwen, OLMoE).",
-             required=True),
-        Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
-        Attr("expert_beta", "float", "GEMM2 only, and a GEMM2 node must set it: the clamp bound (> 0, inf for "
-             "none). The default 0.0 is the seed's and is rejected (it would clamp every activation to 0).",
-             default=0.0),
-        Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
-             default=0),
-    ),
-    validate=_validate,
-    reference=moe,
-)
+MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe)

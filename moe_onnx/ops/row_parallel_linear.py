@@ -14,16 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
+from . import signatures
 from ._common import (
-    FLOAT_ELEMS,
     ArrayView,
-    Attr,
     Dim,
     DimBinder,
     MoeOpError,
     NodeView,
     OpDef,
-    Param,
     TensorInfo,
     check_choice,
     compute_dtype,
@@ -32,12 +30,11 @@ from ._common import (
     is_known,
 )
 
-OP_NAME = "MoeRowParallelLinear"
+OP_NAME = signatures.ROW_PARALLEL_LINEAR.name
 
 # input positions
 X, OFFSET, W, B = range(4)
 
-_T1_ELEMS = FLOAT_ELEMS + (TensorProto.INT8,)
 _SIZE_ATTRS = (("E", "num_experts"), ("K", "in_features"), ("N", "out_features"))
 
 
@@ -61,10 +58,10 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         if not bias_term and v.has(B):
             v.fail(v.input_name(B), "is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1")
 
-    x_elem = v.expect_elem(X, _T1_ELEMS)
-    v.expect_elem(W, _T1_ELEMS)
+    x_elem = v.expect_elem(X)
+    v.expect_elem(W)
     v.expect_same_elem(W, X)
-    v.expect_elem(OFFSET, (TensorProto.INT64,))
+    v.expect_elem(OFFSET)
     y_elem = output_elem(x_elem)
     if v.has(B):
         b_elem = v.input(B).elem_type
@@ -212,32 +209,4 @@ def _check_shards(w_shards: Sequence[np.ndarray], x_shards: Sequence[np.ndarray]
                              f"{[*lead, w_d.shape[2]]} (leading dims of X shard 0, K_d of W shard {d})")
 
 
-ROW_PARALLEL_LINEAR = OpDef(
-    name=OP_NAME,
-    doc=("Grouped linear over contiguous row ranges: expert i owns rows [expert_offset[i], expert_offset[i+1]) "
-         "of X and computes X @ W[i]^T + B[i]; other rows are 0. Tensor parallelism splits K, all-reduces the "
-         "partials and adds B once. See docs/ops/MoeRowParallelLinear.md."),
-    inputs=(
-        Param("X", "T1", "[*, K], rank >= 1 (or [*, K_d] per rank when input_is_parallel); rows = product of *."),
-        Param("expert_offset", "tensor(int64)", "[E + 1]: expert i owns rows [expert_offset[i], expert_offset[i+1])."),
-        Param("W", "T1", "[E, N, K] (each rank holds [E, N, K_d]): the nn.Linear weight of each expert."),
-        Param("B", "T2", "[E, N]: the bias of each expert, added once after the all-reduce.", optional=True),
-    ),
-    outputs=(Param("Y", "T2", "[*, N] with X's leading dims; X's type, int32 for int8 X."),),
-    type_constraints=(
-        ("T1", ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)"), "Activations and weights."),
-        ("T2", ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int32)"),
-         "Bias and output: the type of X, int32 for int8 X."),
-    ),
-    attributes=(
-        Attr("num_experts", "int", "E. Optional; must equal W's dim 0 when given."),
-        Attr("in_features", "int", "K, the full input width over all ranks. Optional; on one process it must "
-                                   "equal X's last dim and W's dim 2 when given."),
-        Attr("out_features", "int", "N. Optional; must equal W's dim 1 when given."),
-        Attr("bias_term", "int", "1: B is required; 0: B must be absent. Optional; absent means 'whether B is given'."),
-        Attr("input_is_parallel", "int", "0: every rank gets the full X and takes its K-slice; 1: each rank gets "
-                                         "its own X_d. No effect on one process.", default=0),
-    ),
-    validate=_validate,
-    reference=row_parallel_linear,
-)
+ROW_PARALLEL_LINEAR = OpDef.of(signatures.ROW_PARALLEL_LINEAR, validate=_validate, reference=row_parallel_linear)

@@ -60,8 +60,14 @@ class Case:
     def id(self) -> str:
         return f"{self.op}-{self.name}"
 
-    def run_reference(self) -> tuple[np.ndarray, ...]:
-        outputs = OPS[self.op].reference(*self.inputs, **self.attrs)
+    @property
+    def node_name(self) -> str:
+        """The name of the node in :meth:`model` (error messages of the backends say it)."""
+        return f"{self.op}_node"
+
+    def run_reference(self, node_name: str = "") -> tuple[np.ndarray, ...]:
+        """The reference's outputs; its errors name ``node_name`` as the backends name a node."""
+        outputs = OPS[self.op].reference(*self.inputs, _node_name=node_name, **self.attrs)
         return tuple(outputs[: self.n_outputs])
 
     @property
@@ -86,7 +92,7 @@ class Case:
         while names and not names[-1]:
             names.pop()
         out_names = [p.name for p in op.outputs[: self.n_outputs]]
-        node = helper.make_node(op.name, names, out_names, domain=DOMAIN, name=f"{self.op}_node", **self.attrs)
+        node = helper.make_node(op.name, names, out_names, domain=DOMAIN, name=self.node_name, **self.attrs)
         graph_inputs, initializers = [], []
         for i, (name, a) in enumerate(zip(self.input_names(), self.padded_inputs())):
             if a is None:

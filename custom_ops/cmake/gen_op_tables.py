@@ -1,0 +1,103 @@
+"""Writes the C++ kernels' op tables from moe_onnx/ops/signatures.py (run by CMake at build time).
+
+    python gen_op_tables.py <moe_onnx/ops/signatures.py> <generated/op_signatures.h>
+
+For each op: its input and output names in order, which are optional, and the element types each
+may have; its attributes with their kind and default (a moe_onnx::OpSignature,
+custom_ops/src/common.h), as ``moe_onnx::signatures::<op name>``.
+signatures.py is loaded by path and needs only the standard library, so this runs in an isolated
+PEP 517 build (no numpy, no onnx) and never imports the moe_onnx package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+HEADER = """\
+// Generated from moe_onnx/ops/signatures.py by custom_ops/cmake/gen_op_tables.py: do not edit.
+#pragma once
+
+#include "common.h"
+
+namespace moe_onnx {
+namespace signatures {
+"""
+FOOTER = """\
+}  // namespace signatures
+}  // namespace moe_onnx
+"""
+
+
+def load_signatures(path: Path):
+    """The SIGNATURES tuple of the signatures module at ``path``."""
+    spec = importlib.util.spec_from_file_location("moe_onnx_signatures", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module.SIGNATURES
+
+
+def elem_enum(type_str: str) -> str:
+    """"tensor(float16)" -> "ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16"."""
+    assert type_str.startswith("tensor(") and type_str.endswith(")"), type_str
+    return "ONNX_TENSOR_ELEMENT_DATA_TYPE_" + type_str[len("tensor("):-1].upper()
+
+
+def formal_params(signature, params) -> str:
+    rows = []
+    for p in params:
+        types = ", ".join(elem_enum(t) for t in signature.allowed_types(p))
+        rows.append(f'        {{"{p.name}", {str(p.optional).lower()}, {{{types}}}}},')
+    return "\n".join(rows)
+
+
+def default_literal(attr) -> str:
+    """The C++ double of a numeric default ("-1", "1.0", "HUGE_VAL" for inf)."""
+    value = attr.default
+    if attr.kind not in ("int", "float") or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"attribute '{attr.name}': a default of kind {attr.kind} ({value!r}) has no C++ form here")
+    if math.isnan(value):
+        raise ValueError(f"attribute '{attr.name}': a NaN default has no C++ form here")
+    if math.isinf(value):
+        return "HUGE_VAL" if value > 0 else "-HUGE_VAL"
+    return repr(value)
+
+
+def formal_attrs(attributes) -> str:
+    rows = []
+    for a in attributes:
+        has_default = a.default is not None and not a.required
+        default = default_literal(a) if has_default else "0"
+        rows.append(f'        {{"{a.name}", "{a.kind}", {str(a.required).lower()}, {str(has_default).lower()}, '
+                    f"{default}}},")
+    return "\n".join(rows)
+
+
+def render(signatures) -> str:
+    parts = [HEADER]
+    for s in signatures:
+        parts.append(f"inline const OpSignature {s.name} = {{\n"
+                     f'    "{s.name}",\n'
+                     f"    {{  // inputs\n{formal_params(s, s.inputs)}\n    }},\n"
+                     f"    {{  // outputs\n{formal_params(s, s.outputs)}\n    }},\n"
+                     f"    {{  // attributes: name, kind, required, has a default, the default\n"
+                     f"{formal_attrs(s.attributes)}\n    }},\n"
+                     "};\n\n")
+    parts.append(FOOTER)
+    return "".join(parts)
+
+
+def main(argv: list[str]) -> int:
+    source, target = Path(argv[1]), Path(argv[2])
+    text = render(load_signatures(source))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.is_file() or target.read_text() != text:  # unchanged: no rebuild of the kernels
+        target.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,195 @@
+"""The formal signature of every op: inputs, outputs, type constraints and attributes.
+
+Standard library only, so that the C++ build reads it without numpy or onnx:
+custom_ops/cmake/gen_op_tables.py writes the kernels' tables of input names, optional flags and
+element types from it (docs/building.md). Each op module (moe.py, ...) adds its validation and
+numpy reference to its signature to make the op's :class:`~moe_onnx.ops.OpDef`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+FLOAT_TYPES = ("tensor(float)", "tensor(float16)", "tensor(bfloat16)")
+INDEX_TYPES = ("tensor(int32)", "tensor(int64)")
+FLOAT_OR_INT8_TYPES = (*FLOAT_TYPES, "tensor(int8)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A formal input or output."""
+
+    name: str
+    type_str: str  # a type-constraint name or a concrete "tensor(...)"
+    doc: str
+    optional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Attr:
+    """A formal attribute; ``default=None`` means required (or, for ``ints``, 'not given')."""
+
+    name: str
+    kind: str  # "int", "float", "string" or "ints"
+    doc: str
+    default: Any = None
+    required: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """The formal parts of one op: what a node of it may have, before any rule between them."""
+
+    name: str
+    doc: str
+    inputs: tuple[Param, ...]
+    outputs: tuple[Param, ...]
+    type_constraints: tuple[tuple[str, tuple[str, ...], str], ...]
+    attributes: tuple[Attr, ...]
+
+    def attr_spec(self, name: str) -> Attr:
+        for attr in self.attributes:
+            if attr.name == name:
+                return attr
+        raise KeyError(name)
+
+    def allowed_types(self, param: Param) -> tuple[str, ...]:
+        """The "tensor(...)" types ``param`` may have: its constraint's, or its own concrete type."""
+        for name, types, _ in self.type_constraints:
+            if name == param.type_str:
+                return types
+        return (param.type_str,)
+
+
+MOE = Signature(
+    name="MOE",
+    doc=("Fused Mixture-of-Experts block. Computes only the selected experts: "
+         "y[t] = sum_j routing_weights[t, j] * expert_{idx[t, j]}(hidden_states[t]). See docs/ops/MOE.md."),
+    inputs=(
+        Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
+        Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
+        Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
+        Param("weight_0", "T", "GEMM2: gate_up [E, H, 2I], gate and up interleaved. GEMM3: gate [E, I, H]."),
+        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM3: must be absent.", optional=True),
+        Param("weight_1", "T", "GEMM2: down [E, I, H]. GEMM3: up [E, I, H]."),
+        Param("bias_1", "T", "GEMM2: down bias [E, H]. GEMM3: must be absent.", optional=True),
+        Param("weight_2", "T", "GEMM3: down [E, H, I]. GEMM2: must be absent.", optional=True),
+    ),
+    outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "Floating-point activations and weights."),
+        ("T_ind", INDEX_TYPES, "Expert indices."),
+    ),
+    attributes=(
+        Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS) or GEMM3_SWIGLU (Mixtral, Qwen, OLMoE).",
+             required=True),
+        Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
+        Attr("expert_beta", "float", "GEMM2 only, and a GEMM2 node must set it: the clamp bound (> 0, inf for "
+             "none). The default 0.0 is the seed's and is rejected (it would clamp every activation to 0).",
+             default=0.0),
+        Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
+             default=0),
+    ),
+)
+
+
+MOE_INIT_ROUTING = Signature(
+    name="MoeInitRouting",
+    doc=("Sorts the (token, k) slots by expert and gathers their rows, dropless [rows, H] or drop/pad "
+         "[E, C, H], optionally quantized to int8. See docs/ops/MoeInitRouting.md."),
+    inputs=(
+        Param("x", "T", "[N, H]: the tokens."),
+        Param("expert_idx", "T_ind", "[N, k]: each token's experts; -1 or an id outside the active range: not routed."),
+        Param("scale", "tensor(float)", "quant_mode -1: [N] per-token scale carried to expanded_scale. "
+              "0: [1] or [H] (required). 1: smooth scale [end - start, H] or [1, H].", optional=True),
+        Param("offset", "tensor(float)", "quant_mode 0 only: [1] or [H] (absent: 0).", optional=True),
+    ),
+    outputs=(
+        Param("expanded_x", "T_out", "Dropless [rows, H], rows = N*k or min(active_num, N*k); drop/pad [E, C, H]. "
+              "int8 when quantized. Unused rows are 0."),
+        Param("expanded_row_idx", "tensor(int32)", "[N*k]: gather form slot -> row, scatter form row -> slot; -1 "
+              "where there is none."),
+        Param("expert_tokens_count_or_cumsum", "tensor(int64)", "[end - start] cumsum or counts, or [end - start, 2] "
+              "(expert, count) pairs padded with (-1, 0).", optional=True),
+        Param("expanded_scale", "tensor(float)", "One scale per row of expanded_x ([rows] or [E, C]); 0 where "
+              "there is none.", optional=True),
+    ),
+    type_constraints=(
+        ("T", FLOAT_OR_INT8_TYPES, "The tokens."),
+        ("T_ind", INDEX_TYPES, "Expert ids."),
+        ("T_out", FLOAT_OR_INT8_TYPES, "expanded_x: the type of x, or int8 when quant_mode is 0 or 1."),
+    ),
+    attributes=(
+        Attr("expert_num", "int", "E, the number of experts (>= 1).", required=True),
+        Attr("active_num", "int", "Dropless: at most this many rows (-1 or 0: no limit).", default=-1),
+        Attr("expert_capacity", "int", "Drop/pad: C, the rows per expert (>= 1). Dropless: 0.", default=0),
+        Attr("drop_pad_mode", "int", "0 dropless, 1 drop/pad.", default=0),
+        Attr("expert_tokens_num_type", "int", "0 cumsum, 1 count, 2 key_value.", default=0),
+        Attr("expert_tokens_num_flag", "int", "1: output expert_tokens_count_or_cumsum; 0: no such output.",
+             default=1),
+        Attr("quant_mode", "int", "-1 none, 0 static int8, 1 dynamic int8.", default=-1),
+        Attr("active_expert_range", "ints", "[start, end): the experts routed here (default [0, expert_num])."),
+        Attr("row_idx_type", "int", "expanded_row_idx form: 0 gather (slot -> row), 1 scatter (row -> slot).",
+             default=0),
+    ),
+)
+
+
+ROW_PARALLEL_LINEAR = Signature(
+    name="MoeRowParallelLinear",
+    doc=("Grouped linear over contiguous row ranges: expert i owns rows [expert_offset[i], expert_offset[i+1]) "
+         "of X and computes X @ W[i]^T + B[i]; other rows are 0. Tensor parallelism splits K, all-reduces the "
+         "partials and adds B once. See docs/ops/MoeRowParallelLinear.md."),
+    inputs=(
+        Param("X", "T1", "[*, K], rank >= 1 (or [*, K_d] per rank when input_is_parallel); rows = product of *."),
+        Param("expert_offset", "tensor(int64)", "[E + 1]: expert i owns rows [expert_offset[i], expert_offset[i+1])."),
+        Param("W", "T1", "[E, N, K] (each rank holds [E, N, K_d]): the nn.Linear weight of each expert."),
+        Param("B", "T2", "[E, N]: the bias of each expert, added once after the all-reduce.", optional=True),
+    ),
+    outputs=(Param("Y", "T2", "[*, N] with X's leading dims; X's type, int32 for int8 X."),),
+    type_constraints=(
+        ("T1", FLOAT_OR_INT8_TYPES, "Activations and weights."),
+        ("T2", ("tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int32)"),
+         "Bias and output: the type of X, int32 for int8 X."),
+    ),
+    attributes=(
+        Attr("num_experts", "int", "E. Optional; must equal W's dim 0 when given."),
+        Attr("in_features", "int", "K, the full input width over all ranks. Optional; on one process it must "
+                                   "equal X's last dim and W's dim 2 when given."),
+        Attr("out_features", "int", "N. Optional; must equal W's dim 1 when given."),
+        Attr("bias_term", "int", "1: B is required; 0: B must be absent. Optional; absent means 'whether B is given'."),
+        Attr("input_is_parallel", "int", "0: every rank gets the full X and takes its K-slice; 1: each rank gets "
+                                         "its own X_d. No effect on one process.", default=0),
+    ),
+)
+
+
+MOE_FINALIZE_ROUTING = Signature(
+    name="MoeFinalizeRouting",
+    doc=("Un-permutes the expert outputs of a MoeInitRouting layout and sums each token's k slots: "
+         "out[t] = x1[t] + x2[t] + sum_j scales[t, j] * (expanded_x[row(t, j)] + bias[expert_idx[t, j]]). "
+         "See docs/ops/MoeFinalizeRouting.md."),
+    inputs=(
+        Param("expanded_x", "T", "The expert outputs: dropless [R, H], drop/pad [E, C, H]."),
+        Param("expanded_row_idx", "T_ind", "[N*k] from MoeInitRouting: gather (slot -> row) or scatter (row -> slot)."),
+        Param("x1", "T", "[N, H]: residual, added as is.", optional=True),
+        Param("x2", "T", "[N, H]: shared-expert output, added as is.", optional=True),
+        Param("bias", "T", "[E, H]: expert bias, added to each routed slot before scaling.", optional=True),
+        Param("scales", "T", "[N, k]: routing weights (absent: 1).", optional=True),
+        Param("expert_idx", "T_ind", "[N, k]: each slot's expert, to index bias; only with bias.", optional=True),
+    ),
+    outputs=(Param("out", "T", "[N, H], the type of expanded_x."),),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "Activations, biases and weights."),
+        ("T_ind", INDEX_TYPES, "Row indices and expert ids."),
+    ),
+    attributes=(
+        Attr("drop_pad_mode", "int", "0 dropless (expanded_x [R, H]), 1 drop/pad (expanded_x [E, C, H]).", default=0),
+        Attr("row_idx_type", "int", "expanded_row_idx form: 0 gather (slot -> row), 1 scatter (row -> slot).",
+             default=0),
+    ),
+)
+
+
+SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING)

@@ -1,0 +1,88 @@
+"""The C++ kernels' op tables (generated at build time by custom_ops/cmake/gen_op_tables.py) say
+what the OpDefs say: input and output names in order, optional flags and element types, and the
+attributes with their kinds and defaults."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from onnx import TensorProto
+
+from moe_onnx.ops import OPS, signatures
+from moe_onnx.ops._common import elem_of_type_str
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERATOR = ROOT / "custom_ops" / "cmake" / "gen_op_tables.py"
+SIGNATURES = ROOT / "moe_onnx" / "ops" / "signatures.py"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_op_tables", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def header(tmp_path_factory) -> str:
+    """The header as the build writes it: a bare interpreter (-I -S: no site-packages, so no numpy
+    or onnx, as in an isolated PEP 517 build) runs the generator on the signatures file."""
+    target = tmp_path_factory.mktemp("generated") / "op_signatures.h"
+    subprocess.run([sys.executable, "-I", "-S", str(GENERATOR), str(SIGNATURES), str(target)], check=True)
+    return target.read_text()
+
+
+def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
+    """{op: {"inputs": [(name, optional, [enum, ...])], "outputs": [...],
+    "attributes": [(name, kind, required, default or None)]}} read back from the header."""
+    tables = {}
+    for variable, name, inputs, outputs, attributes in re.findall(
+            r'inline const OpSignature (\w+) = \{\n    "(\w+)",\n    \{  // inputs\n(.*?)    \},\n'
+            r'    \{  // outputs\n(.*?)    \},\n    \{  // attributes[^\n]*\n(.*?)    \},\n\};', header, re.S):
+        assert variable == name
+        tables[name] = {part: [(n, opt == "true", types.split(", "))
+                               for n, opt, types in re.findall(r'\{"(\w+)", (true|false), \{([\w, ]+)\}\}', rows)]
+                        for part, rows in (("inputs", inputs), ("outputs", outputs))}
+        tables[name]["attributes"] = [
+            (n, kind, required == "true", float(default.replace("HUGE_VAL", "inf")) if has_default == "true" else None)
+            for n, kind, required, has_default, default in re.findall(
+                r'\{"(\w+)", "(\w+)", (true|false), (true|false), ([-\w.]+)\}', attributes)]
+    return tables
+
+
+def _enum(elem: int) -> str:
+    return "ONNX_TENSOR_ELEMENT_DATA_TYPE_" + TensorProto.DataType.Name(elem)
+
+
+def test_every_op_has_a_table(header):
+    assert sorted(_tables(header)) == sorted(OPS)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_table_matches_op(header, name):
+    op, table = OPS[name], _tables(header)[name]
+    for part in ("inputs", "outputs"):
+        params = getattr(op, part)
+        expected = [(p.name, p.optional, [_enum(elem_of_type_str(t)) for t in op.allowed_types(p)]) for p in params]
+        assert table[part] == expected, part
+    assert table["attributes"] == [(a.name, a.kind, a.required, None if a.required else a.default)
+                                   for a in op.attributes]
+
+
+def test_generator_renders_what_it_writes(header):
+    """The in-process rendering (the module the build runs) gives the same text."""
+    assert _generator().render(signatures.SIGNATURES) == header
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_is_its_signature(name):
+    """Each OpDef carries its signature's formal parts unchanged."""
+    op = OPS[name]
+    signature = next(s for s in signatures.SIGNATURES if s.name == name)
+    assert (op.doc, op.inputs, op.outputs, op.type_constraints, op.attributes) == \
+        (signature.doc, signature.inputs, signature.outputs, signature.type_constraints, signature.attributes)
