@@ -3,8 +3,8 @@
 The host registers one kernel per *variant*: an op with concrete output element types, which
 onnxruntime must know before it runs (they may depend on attributes), in the private domain
 ``moe_onnx.python``. It asks :func:`op_specs` for the variants once, and calls :func:`compute` for
-each node it runs. The host finds both in ``moe_onnx.runtime`` (``_python_op_specs``,
-``_python_compute``, and ``MoeOpError`` for the error code).
+each node it runs. The host looks up both here by name, and ``MoeOpError`` (the
+exception it reports as ORT_INVALID_ARGUMENT).
 """
 
 from __future__ import annotations

@@ -25,11 +25,6 @@ import onnxruntime as ort
 from ._library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, python_host_library
 from ._private_domain import cpp_model, python_model
 
-# The names the Python-kernel host (custom_ops/src/python_host.cc) looks up in this module: the
-# variants to register, the kernel call, and the exception it reports as ORT_INVALID_ARGUMENT.
-from ._python_host import compute as _python_compute  # noqa: F401
-from ._python_host import op_specs as _python_op_specs  # noqa: F401
-from .ops import MoeOpError  # noqa: F401
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "BACKENDS",
            "LIBRARY_ENV", "PYTHON_HOST_ENV"]

@@ -1,6 +1,6 @@
 // Hosts the Python kernels (moe_onnx.ops.OPS[name].reference) inside onnxruntime sessions.
 //
-// RegisterCustomOps asks moe_onnx.runtime._python_op_specs() for the ops (variant name, op name,
+// RegisterCustomOps asks moe_onnx._python_host.op_specs() for the ops (variant name, op name,
 // optional flags of the inputs and outputs, output element types, attribute names and kinds) and
 // registers one generic kernel per variant in the private domain "moe_onnx.python". A variant is an
 // op with concrete output types (onnxruntime must know them before running, and they may depend on
@@ -9,7 +9,7 @@
 // the kernel takes the GIL (onnxruntime may call from its own threads, and the Python binding
 // releases the GIL during run), passes each input as a read-only memoryview over onnxruntime's
 // buffer (no copy; None when absent) with its element type and shape to
-// moe_onnx.runtime._python_compute, and copies the returned arrays into the outputs. A Python
+// moe_onnx._python_host.compute, and copies the returned arrays into the outputs. A Python
 // exception becomes an onnxruntime error carrying its message.
 //
 // Built against Python's headers without linking libpython: the symbols come from the Python
@@ -27,7 +27,7 @@
 namespace {
 
 const char* kDomain = "moe_onnx.python";
-const char* kRuntimeModule = "moe_onnx.runtime";
+const char* kHostModule = "moe_onnx._python_host";  // op_specs, compute, MoeOpError
 
 struct Gil {
   PyGILState_STATE state;
@@ -65,7 +65,7 @@ std::pair<std::string, OrtErrorCode> take_python_error(const std::string& where)
   }
   bool contract_error = false;
   if (type) {
-    Ref module(PyImport_ImportModule(kRuntimeModule));
+    Ref module(PyImport_ImportModule(kHostModule));
     if (module) {
       Ref cls(PyObject_GetAttrString(module.p, "MoeOpError"));
       if (cls && PyErr_GivenExceptionMatches(type, cls.p)) contract_error = true;
@@ -217,16 +217,16 @@ void PyKernel::Compute(OrtKernelContext* context) {
     PyList_SET_ITEM(inputs.p, i, item);
   }
 
-  Ref module(PyImport_ImportModule(kRuntimeModule));
+  Ref module(PyImport_ImportModule(kHostModule));
   if (!module) python_error();
-  Ref fn(PyObject_GetAttrString(module.p, "_python_compute"));
+  Ref fn(PyObject_GetAttrString(module.p, "compute"));
   if (!fn) python_error();
   const size_t n_out = ctx.GetOutputCount();
   Ref result(PyObject_CallFunction(fn.p, "ssOOn", spec.op.c_str(), node_name.c_str(), inputs.p, attrs,
                                    static_cast<Py_ssize_t>(n_out)));
   if (!result) python_error();
   if (!PyList_Check(result.p) || static_cast<size_t>(PyList_GET_SIZE(result.p)) < n_out)
-    throw Ort::Exception(where + ": internal: _python_compute returned a wrong value", ORT_FAIL);
+    throw Ort::Exception(where + ": internal: moe_onnx._python_host.compute returned a wrong value", ORT_FAIL);
 
   for (size_t i = 0; i < n_out; ++i) {
     PyObject* item = PyList_GET_ITEM(result.p, i);  // (elem_type, shape tuple, uint8 array)
@@ -258,13 +258,13 @@ void PyKernel::Compute(OrtKernelContext* context) {
   }
 }
 
-// The specs from moe_onnx.runtime._python_op_specs(), read once.
+// The specs from moe_onnx._python_host.op_specs(), read once.
 std::deque<PyOp>& load_ops() {
   static std::deque<PyOp> ops;
   if (!ops.empty()) return ops;
-  Ref module(PyImport_ImportModule(kRuntimeModule));
+  Ref module(PyImport_ImportModule(kHostModule));
   if (!module) throw Ort::Exception(take_python_error("moe_onnx python host").first, ORT_FAIL);
-  Ref specs(PyObject_CallMethod(module.p, "_python_op_specs", nullptr));
+  Ref specs(PyObject_CallMethod(module.p, "op_specs", nullptr));
   if (!specs) throw Ort::Exception(take_python_error("moe_onnx python host").first, ORT_FAIL);
   Ref seq(PySequence_Fast(specs.p, "specs"));
   if (!seq) throw Ort::Exception(take_python_error("moe_onnx python host").first, ORT_FAIL);
