@@ -9,7 +9,9 @@ instead, which need neither.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import shlex
 import subprocess
 import time
@@ -47,6 +49,22 @@ ENVIRONMENTS = {
     "5": ExportEnvironment("5", "requirements-export-5.txt", "--export-python-5",
                            "MOE_ONNX_EXPORT_PYTHON_5"),
 }
+
+
+def add_export_options(parser: argparse.ArgumentParser, keys=tuple(ENVIRONMENTS)) -> None:
+    """The options naming the python of the environments `keys` (--export-python-457, --export-python-5),
+    defaulting to their environment variables."""
+    for key in keys:
+        env = ENVIRONMENTS[key]
+        parser.add_argument(env.option, metavar="PY", dest=f"export_python_{key}",
+                            default=os.environ.get(env.variable),
+                            help=f"python with torch + transformers {env.transformers}, to export missing blocks "
+                                 f"(default: ${env.variable})")
+
+
+def export_pythons(args: argparse.Namespace) -> dict[str, str | None]:
+    """The python of each export environment from `add_export_options`' options (key -> path or None)."""
+    return {key: getattr(args, f"export_python_{key}", None) for key in ENVIRONMENTS}
 
 
 @dataclass(frozen=True)

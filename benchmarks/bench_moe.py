@@ -75,7 +75,8 @@ from pathlib import Path
 import onnxruntime as ort
 
 import moe_onnx
-from _exports import ENVIRONMENTS, REPO, SHAPES, ensure_export, fixture_shape, how_to_export, load_models
+from _exports import (REPO, SHAPES, add_export_options, ensure_export, export_pythons, fixture_shape, how_to_export,
+                      load_models)
 from _measure import Settings, measure_shape, merge_runs
 from _memory import measure_rss
 from _report import markdown, targets
@@ -86,10 +87,7 @@ VARIANTS = ("unfused", "ort_moe", "grouped", "python", "fp16", "bf16", "rss", "i
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", type=Path, default=Path("/tmp/moe-bench"), help="exports and cached models")
-    for key, env in ENVIRONMENTS.items():
-        ap.add_argument(env.option, metavar="PY", dest=f"export_python_{key}", default=os.environ.get(env.variable),
-                        help=f"python with torch + transformers {env.transformers}, to export missing blocks "
-                             f"(default: ${env.variable})")
+    add_export_options(ap)
     ap.add_argument("--fixtures", action="store_true",
                     help="measure the committed small fixtures of the same export styles (no torch needed)")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["gpt_oss", "qwen3"])
@@ -107,11 +105,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"--skip: unknown variant(s) {','.join(sorted(unknown))}; choose from {','.join(VARIANTS)}")
     return args
-
-
-def export_pythons(args: argparse.Namespace) -> dict[str, str | None]:
-    """The python of each export environment (ENVIRONMENTS key -> path or None)."""
-    return {key: getattr(args, f"export_python_{key}") for key in ENVIRONMENTS}
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ from onnx.reference import ReferenceEvaluator
 
 from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
-from moe_onnx.testing import attributes, initializer, moe_node, random_hidden_states
+from moe_onnx.testing import random_hidden_states
+from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
