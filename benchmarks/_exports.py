@@ -15,6 +15,7 @@ import os
 import shlex
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,7 +52,7 @@ ENVIRONMENTS = {
 }
 
 
-def add_export_options(parser: argparse.ArgumentParser, keys=tuple(ENVIRONMENTS)) -> None:
+def add_export_options(parser: argparse.ArgumentParser, keys: Iterable[str] = tuple(ENVIRONMENTS)) -> None:
     """The options naming the python of the environments `keys` (--export-python-457, --export-python-5),
     defaulting to their environment variables."""
     for key in keys:
@@ -152,9 +153,10 @@ def how_to_export(shapes: list[Shape], models_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def load_models(shape: Shape, source: Path, models_dir: Path, need_grouped: bool) -> dict[str, onnx.ModelProto]:
+def load_models(shape: Shape, models_dir: Path, need_grouped: bool) -> dict[str, onnx.ModelProto]:
     """The export cut to its block output ("export") and its optimized forms ("moe", "grouped"),
     read from models_dir when cached there after the export was last written."""
+    source = shape.source(models_dir)
     export = onnx.load(source)  # optimize() sees every output (router_scores changes what fuses)
     out = {"export": only_first_output(export)}
     for target in ("moe", "grouped") if need_grouped else ("moe",):

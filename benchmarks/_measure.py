@@ -144,7 +144,7 @@ def measure_tokens(shape: Shape, sessions: Sessions, tokens: int, settings: Sett
     calls, errors = _checked_calls(shape, sessions, feeds, y_ref, tokens, settings)
     calls["node"] = BoundRunner(sessions.node, (node_x, node_w, indices))
     for key, sess in sessions.node_low_precision.items():
-        if tokens in (1, 128):
+        if _runs_at(key, tokens, settings):
             dt = LOW_PRECISION[key][0]
             calls[f"node_{key}"] = BoundRunner(sess, (node_x.astype(dt), node_w.astype(dt), indices))
     calls["dense"] = runner(sessions.dense, {"x": np.random.default_rng(3).standard_normal(

@@ -116,14 +116,14 @@ def main() -> None:
     print(f"onnxruntime {ort.__version__}, library {moe_onnx.custom_ops_library()}", flush=True)
     settings = Settings(tokens=args.tokens, threads=args.threads, rounds=args.rounds, budget_ms=args.budget_ms,
                         unfused_max_tokens=args.unfused_max_tokens, skip=args.skip)
+    pythons = export_pythons(args)
     measured, missing = [], []
     for name in args.shapes:
         shape = fixture_shape(SHAPES[name]) if args.fixtures else SHAPES[name]
-        source = ensure_export(shape, args.models_dir, export_pythons(args))
-        if source is None:
+        if ensure_export(shape, args.models_dir, pythons) is None:
             missing.append(shape)
             continue
-        models = load_models(shape, source, args.models_dir, "grouped" not in args.skip)
+        models = load_models(shape, args.models_dir, "grouped" not in args.skip)
         runs = []
         for run in range(args.runs):
             if args.runs > 1:
