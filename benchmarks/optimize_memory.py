@@ -4,10 +4,12 @@ Exports (once) a GPT-OSS-shaped block with E=32, H=I=2880 (3.2 GB of weights, ex
 models/ export script, then runs `moe-onnx optimize` on it for each target in a child process and
 prints the model size, the peak resident memory of the child and the wall time.
 
-usage: python benchmarks/optimize_memory.py [--models-dir /tmp/moe-big] [--export-python PY]
+usage: python benchmarks/optimize_memory.py [--models-dir /tmp/moe-big] [--export-python-457 PY]
 
-The export needs torch and transformers 4.57 (see models/README.md); without them, point
---models-dir at a directory that already holds gpt_oss_tiled_big.onnx.
+The export needs torch and transformers 4.57: --export-python-457 (or MOE_ONNX_EXPORT_PYTHON_457)
+names the python of such an environment (models/README.md); without one, the script prints the
+commands that make it, or point --models-dir at a directory that already holds
+gpt_oss_tiled_E32_k4_H2880_I2880.onnx.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EXPORT = ["--family", "gpt_oss", "--style", "tiled", "--hidden", "2880", "--intermediate", "2880",
-          "--experts", "32", "--topk", "4"]
+from _exports import Shape, add_export_options, ensure_export, export_pythons, how_to_export
+
+BIG = Shape("gpt_oss_big", "gpt_oss", "tiled", "457", E=32, k=4, H=2880, I=2880, gemm2=True)
 
 
 def model_bytes(path: Path) -> int:
@@ -37,17 +39,14 @@ def model_bytes(path: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path("/tmp/moe-big"))
-    parser.add_argument("--export-python", default="/work/export-venv-457/bin/python",
-                        help="a Python with torch and transformers 4.57 (models/requirements-export-457.txt)")
+    add_export_options(parser, [BIG.environment])
     args = parser.parse_args()
     args.models_dir.mkdir(parents=True, exist_ok=True)
-    source = args.models_dir / "gpt_oss_tiled_big.onnx"
-    export = [args.export_python, str(ROOT / "models" / "export_moe_blocks.py"), *EXPORT, "-o", str(source)]
-    if not source.exists():
-        print("exporting:", " ".join(export), flush=True)
-        if subprocess.run(export).returncode != 0:
-            print("export failed; run the command above in an environment with torch", file=sys.stderr)
-            return 1
+    source = ensure_export(BIG, args.models_dir, export_pythons(args))
+    if source is None:
+        print("make the export with (models/README.md, 'Export environments'):\n"
+              + how_to_export([BIG], args.models_dir), file=sys.stderr)
+        return 1
 
     print(f"model: {source} ({model_bytes(source) / 2**30:.2f} GiB with external data)")
     print("| target | peak RSS of `moe-onnx optimize` | wall time | output size |")

@@ -15,12 +15,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from moe_onnx import TARGETS  # noqa: F401  (the test modules take it from here)
 from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
+from moe_onnx.testing import random_hidden_states
+from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
@@ -63,9 +65,7 @@ def reference_data(name: str) -> dict[str, np.ndarray]:
 
 def random_hidden(name: str, batch: int, seq: int, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     """Standard normal (times ``scale``) float32 hidden states [batch, seq, H] for fixture ``name``."""
-    rng = np.random.default_rng(seed + 100 * batch + seq)
-    shape = (batch, seq, MANIFEST[name]["hidden_size"])
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
+    return random_hidden_states(MANIFEST[name]["hidden_size"], batch, seq, seed, scale)
 
 
 def random_feeds(name: str, batch: int, seq: int, seed: int = 0, scale: float = 1.0) -> dict[str, np.ndarray]:
@@ -102,16 +102,6 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(node.op_type for node in model.graph.node)
 
 
-def moe_node(model: onnx.ModelProto) -> onnx.NodeProto:
-    """The one MOE node."""
-    (node,) = [n for n in model.graph.node if n.op_type == "MOE"]
-    return node
-
-
-def attributes(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def nodes(model: onnx.ModelProto, op_type: str,
           where: Callable[[onnx.NodeProto], bool] = lambda n: True) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.op_type == op_type and where(n)]
@@ -121,11 +111,6 @@ def producer(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
     """The one node that computes ``name``."""
     (node,) = [n for n in model.graph.node if name in n.output]
     return node
-
-
-def initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
-    (tensor,) = [t for t in model.graph.initializer if t.name == name]
-    return numpy_helper.to_array(tensor)
 
 
 # ----------------------------------------------------------------------------- mutating graphs
