@@ -4,8 +4,8 @@
 # Python with onnx, onnxruntime and numpy (the repo's .venv).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-venv457="${EXPORT_VENV_457:-/work/export-venv-457}"
-venv5="${EXPORT_VENV_5:-/work/export-venv-5}"
+venv457="${EXPORT_VENV_457:-$HOME/export-venv-457}"
+venv5="${EXPORT_VENV_5:-$HOME/export-venv-5}"
 check_python="${CHECK_PYTHON:-$here/../.venv/bin/python}"
 out="$here/fixtures"
 
