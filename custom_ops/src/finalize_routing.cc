@@ -19,9 +19,6 @@ namespace {
 enum { EXPANDED_X, EXPANDED_ROW_IDX, X1, X2, BIAS, SCALES, EXPERT_IDX, N_INPUTS };
 const std::vector<const char*> kInputNames = {"expanded_x", "expanded_row_idx", "x1", "x2",
                                               "bias",       "scales",           "expert_idx"};
-const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-                                           ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
-const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
 
 struct Dims {
   int64_t N, H, k, entries;

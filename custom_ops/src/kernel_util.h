@@ -10,6 +10,12 @@
 
 namespace moe_onnx {
 
+// The element types the ops accept for float inputs (values, weights) and for expert indices.
+inline const std::vector<ElemType> kFloatTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                                                  ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
+inline const std::vector<ElemType> kIndexTypes = {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32,
+                                                  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64};
+
 // Attributes of one node, read at kernel creation; failures say "<where>: attribute 'x' ...".
 class Attributes {
  public:
