@@ -189,6 +189,13 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   return packed;
 }
 
+// Nothing reaches any token (no slots, or GEMM3 with I == 0; with I == 0, GEMM2 still adds its down
+// bias: the general path): out = 0.
+void write_zeros(ElemType type, const Dims& d, char* out) {
+  const std::vector<float> zeros(static_cast<size_t>(d.H), 0.0f);
+  for (int64_t t = 0; t < d.T; ++t) from_float(type, zeros.data(), out + t * d.H * elem_size(type), d.H);
+}
+
 // The kernel's run buffers for one Compute: taken from the kernel (new ones while another run holds
 // them) and given back at the end unless another run already has.
 class WorkspaceLease {
@@ -351,26 +358,15 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   Ort::UnownedValue out_value = ctx.GetOutput(0, x.shape);
   char* out = static_cast<char*>(out_value.GetTensorMutableRawData());
   if (d.T == 0 || d.H == 0) return;
-  if (d.k == 0 || (d.I == 0 && type == ExpertType::kGemm3Swiglu)) {
-    // Nothing reaches any token (with I == 0, GEMM2 still adds its down bias: the general path).
-    const std::vector<float> zeros(static_cast<size_t>(d.H), 0.0f);
-    for (int64_t t = 0; t < d.T; ++t) from_float(x.type, zeros.data(), out + t * d.H * elem_size(x.type), d.H);
-    return;
-  }
+  if (d.k == 0 || (d.I == 0 && type == ExpertType::kGemm3Swiglu)) return write_zeros(x.type, d, out);
   const SlotsByExpert sorted = sort_slots_by_expert(inputs[INDICES], 0, d.E);
-
-  // Weights: the constant pack when it was made from weights like these, else the experts in use packed now.
-  const PackedExperts* weights = constant.get();
   PackedExperts local;
-  if (!weights || weights->signature != moe_signature(inputs)) {
-    local = empty_pack(type, inputs, d.H, d.I, ExpertSlots::with_rows(sorted.start.data(), d.E));
-    parallel_for(ctx, static_cast<size_t>(local.slots.count()),
-                 [&](size_t slot) { pack_slot(type, parity, inputs, local, static_cast<int64_t>(slot)); });
-    weights = &local;
-  }
-
+  const PackedExperts& weights = experts_for_run(
+      ctx, constant.get(), moe_signature(inputs), sorted.start.data(), d.E, local,
+      [&](ExpertSlots slots) { return empty_pack(type, inputs, d.H, d.I, std::move(slots)); },
+      [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
   WorkspaceLease workspace(*this);
-  MoeRun run{ctx, d, sorted, *weights, workspace.get()};
+  MoeRun run{ctx, d, sorted, weights, workspace.get()};
   run.gather_rows(x);
   run.gate_up(activation);
   run.down(inputs[ROUTING]);

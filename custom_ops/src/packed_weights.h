@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "parallel.h"
 
 namespace moe_onnx {
 
@@ -30,17 +31,19 @@ enum class WeightFormat { kF32, kF16, kBF16, kInt8 };
 WeightFormat weight_format(ElemType weights);
 // The float GEMM's panel type of a float format.
 PanelType gemm_panel_type(WeightFormat format);
+// The panel type of float32/float16/bfloat16 values of this element type (as widen_row reads them).
+inline PanelType panel_type(ElemType type) { return gemm_panel_type(weight_format(type)); }
 
 // Row stride, in fp32 elements, of activation rows of n elements laid out for the GEMM: n rounded
 // up to 16 (64-byte rows), plus 16 when that is a multiple of 256 (1 KB), so the rows of a
-// micro-kernel tile fall in different L1 sets.
+// micro-kernel tile do not crowd the same L1 sets.
 inline int64_t gemm_row_stride(int64_t n) {
   const int64_t ld = (n + 15) / 16 * 16;
   return ld % 256 == 0 ? ld + 16 : ld;
 }
-// Whether a caller's fp32 rows of n elements are read in place rather than copied at
-// gemm_row_stride: unless their stride is a multiple of 4 KB (every row of a tile in the same L1
-// set), the copy costs more than the milder set conflicts save.
+// Whether a caller's fp32 rows of n elements (MoeRowParallelLinear's X) are read in place rather
+// than copied at gemm_row_stride: only a stride that is a multiple of 4 KB (every row of a tile in
+// the same L1 set) is worth the copy.
 inline bool gemm_rows_in_place(int64_t n) { return n % 1024 != 0; }
 
 // Where one expert's columns come from in a weight tensor of the format's element type, and where
@@ -118,6 +121,20 @@ struct PackedExperts {
   std::vector<PackedWeights> matrices;
   WeightSignature signature;
 };
+
+// The packed experts a run reads: `constant` when it was packed from weights with this signature;
+// else `local`, made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and
+// filled by pack_slot(local, slot) on the intra-op pool.
+template <class Empty, class PackSlot>
+const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, const PackedExperts* constant,
+                                     const WeightSignature& signature, const int64_t* offsets, int64_t experts,
+                                     PackedExperts& local, Empty&& empty, PackSlot&& pack_slot) {
+  if (constant && constant->signature == signature) return *constant;
+  local = empty(ExpertSlots::with_rows(offsets, experts));
+  parallel_for(ctx, static_cast<size_t>(local.slots.count()),
+               [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });
+  return local;
+}
 
 // Runs pack_slot(s) for every slot s on a few threads of our own (kernel creation has no intra-op
 // pool), each slot on one thread: the result does not depend on the split.

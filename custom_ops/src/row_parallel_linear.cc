@@ -163,6 +163,58 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
   return a;
 }
 
+// Writes the tasks' tiles of Y: each task's rows x 16-column panels through the GEMM, written
+// straight into Y when the panels lie inside it and Y is int32/float32, else into a scratch tile
+// that is then copied (and converted); then the bias.
+struct OutputTiles {
+  const PackedExperts& packed;
+  const GemmRows& a;
+  const Input& b;
+  int64_t N, K, first;  // first: the first covered row (row 0 of a)
+  ElemType y_type;
+  char* y;
+
+  bool direct(const Task& t) const { return t.p1 * kPanel <= N && (y_type == kInt32 || y_type == kF32); }
+  const void* weights(const Task& t) const {
+    return packed.matrices[0].at(packed.slots.slot_of_expert[t.expert]);
+  }
+
+  // int32 results; the bias wraps like numpy's int32.
+  void int8_task(const Task& t) const {
+    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
+    const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
+    int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
+    int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
+    int8_gemm_panels(a.i16.get() + (t.row0 - first) * a.ld, a.ld, t.rows, int8_pairs(K),
+                     static_cast<const int16_t*>(weights(t)), t.p0, t.p1, C, ldc);
+    if (direct(t) && !b.present) return;
+    const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t c = 0; c < c1 - c0; ++c) {
+        uint32_t value = static_cast<uint32_t>(C[r * ldc + c]);
+        if (bias) value += static_cast<uint32_t>(bias[c]);
+        out[r * N + c] = static_cast<int32_t>(value);
+      }
+  }
+
+  // fp32 results, rounded once to Y's type.
+  void float_task(const Task& t) const {
+    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
+    const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
+    float* C = direct(t) ? reinterpret_cast<float*>(y) + t.row0 * N + c0
+                         : scratch<float>(static_cast<size_t>(t.rows * ldc));
+    gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
+                weights(t), t.p0, t.p1, C, ldc);
+    const size_t y_size = elem_size(y_type);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      float* row = C + r * ldc;
+      if (b.present)
+        for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
+      if (!direct(t)) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
+    }
+  }
+};
+
 }  // namespace
 
 ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(x_type_); }
@@ -207,8 +259,6 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   check_offsets(v, o, E, d.rows);
 
   const Input& x = inputs[X];
-  const Input& w = inputs[W];
-  const bool int8 = x.type == kInt8;
   const ElemType y_type = output_elem(x.type);
   const size_t y_size = elem_size(y_type);
   Ort::UnownedValue y_value = ctx.GetOutput(0, d.out_shape);
@@ -220,51 +270,20 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t first = o[0], covered = o[E] - o[0];
   if (covered == 0) return;
 
-  // Weights: the constant pack, or the experts that own rows packed now.
-  const PackedExperts* packed = constant.get();
+  const Input& w = inputs[W];
   PackedExperts local;
-  if (!packed || packed->signature != weight_signature({&w})) {
-    local = empty_pack(w, ExpertSlots::with_rows(o, E));
-    parallel_for(ctx, static_cast<size_t>(local.slots.count()), [&](size_t s) { pack_slot(w, local, s); });
-    packed = &local;
-  }
-  const PackedWeights& weights = packed->matrices[0];
+  const PackedExperts& packed = experts_for_run(
+      ctx, constant.get(), weight_signature({&w}), o, E, local,
+      [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
+      [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
   const GemmRows a = gemm_rows(ctx, x, first, covered, K);
-  const Input& b = inputs[B];
-  const std::vector<Task> tasks = make_tasks(o, E, weights.panels(), kTaskShape);
+  const OutputTiles tiles{packed, a, inputs[B], N, K, first, y_type, y};
+  const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
-    const Task& t = tasks[ti];
-    const int64_t slot = packed->slots.slot_of_expert[t.expert];
-    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
-    // The GEMM writes whole 16-column panels: straight into Y when they lie inside it and Y is
-    // int32/float32, else into a scratch tile that is then copied (and converted).
-    const bool direct = t.p1 * kPanel <= N && (int8 || y_type == kF32);
-    const int64_t ldc = direct ? N : (t.p1 - t.p0) * kPanel;
-    if (int8) {
-      int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
-      int32_t* C = direct ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
-      int8_gemm_panels(a.i16.get() + (t.row0 - first) * a.ld, a.ld, t.rows, int8_pairs(K),
-                       static_cast<const int16_t*>(weights.at(slot)), t.p0, t.p1, C, ldc);
-      if (direct && !b.present) return;
-      const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
-      for (int64_t r = 0; r < t.rows; ++r)
-        for (int64_t c = 0; c < c1 - c0; ++c) {
-          uint32_t value = static_cast<uint32_t>(C[r * ldc + c]);  // bias wraps like numpy's int32
-          if (bias) value += static_cast<uint32_t>(bias[c]);
-          out[r * N + c] = static_cast<int32_t>(value);
-        }
-      return;
-    }
-    float* out = direct ? reinterpret_cast<float*>(y) + t.row0 * N + c0 : nullptr;
-    float* C = direct ? out : scratch<float>(static_cast<size_t>(t.rows * ldc));
-    gemm_panels(gemm_panel_type(weights.format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K, weights.at(slot),
-                t.p0, t.p1, C, ldc);
-    for (int64_t r = 0; r < t.rows; ++r) {
-      float* row = C + r * ldc;
-      if (b.present)
-        for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
-      if (!direct) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
-    }
+    if (x.type == kInt8)
+      tiles.int8_task(tasks[ti]);
+    else
+      tiles.float_task(tasks[ti]);
   });
 }
 
