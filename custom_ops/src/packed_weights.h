@@ -83,7 +83,8 @@ class PackedWeights {
 
   // Writes the columns of `src` into the slot's panels.
   void pack(int64_t slot, const ColumnSource& src);
-  // Writes a bias (`type` float32/float16/bfloat16; k_stride unused) into the slot's bias, as fp32.
+  // Writes a bias (`type` float32/float16/bfloat16; k_stride unused) into the slot's bias, as fp32
+  // (a matrix made with_bias).
   void pack_bias(int64_t slot, ElemType type, const ColumnSource& src);
 
  private:

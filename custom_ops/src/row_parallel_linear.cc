@@ -34,8 +34,8 @@ constexpr ElemType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 const std::vector<ElemType> kT1 = {kF32, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16,
                                    kInt8};
 
-// Tasks of 48 rows (a multiple of the float GEMM's 6-row and the int8 GEMM's 1-4-row tiles) and up
-// to 8 panels, split into smaller panel groups until there are 8 tasks.
+// Tasks of 48 rows (a multiple of the float GEMM's 6-row tiles and of the int8 GEMM's 4-row tiles)
+// and up to 8 panels, split into smaller panel groups until there are 8 tasks.
 constexpr TaskShape kTaskShape{/*max_rows=*/48, /*equal_rows=*/false, /*max_panels=*/8, /*min_tasks=*/8};
 
 ElemType output_elem(ElemType x_type) { return x_type == kInt8 ? kInt32 : x_type; }
