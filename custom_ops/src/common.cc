@@ -144,9 +144,8 @@ const Input& Checker::require(size_t i) const {
 
 ElemType Checker::expect_elem(size_t i) const {
   const Input& in = require(i);
+  if (op_.inputs[i].allows(in.type)) return in.type;
   const std::vector<ElemType>& allowed = op_.inputs[i].types;
-  for (ElemType t : allowed)
-    if (in.type == t) return t;
   std::string names;
   for (size_t j = 0; j < allowed.size(); ++j) names += (j ? ", " : "") + std::string(elem_name(allowed[j]));
   fail(input_name(i), std::string("has type ") + elem_name(in.type) + "; expected " + names);

@@ -2,6 +2,7 @@
 // (moe_onnx/ops/_common.py), shape checks and fp16/bf16 <-> fp32 conversions.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +60,8 @@ struct FormalParam {
   const char* name;
   bool optional;
   std::vector<ElemType> types;  // the element types it may have, in the signature's order
+
+  bool allows(ElemType type) const { return std::find(types.begin(), types.end(), type) != types.end(); }
 };
 
 // A formal attribute of an op. Only int and float attributes have defaults (gen_op_tables.py refuses

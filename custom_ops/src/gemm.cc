@@ -1,6 +1,5 @@
 #include "gemm.h"
 
-#include <cmath>
 #include <cstring>
 
 #include "common.h"
@@ -54,32 +53,6 @@ void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M
   }
 }
 
-static inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
-
-void gated_activation_portable(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                               int64_t rows, int64_t panels, float* dst, int64_t ldd) {
-  constexpr int64_t half = kPanel / 2;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < panels; ++p) {
-      const float* gu = C + r * ldc + p * kPanel;
-      float* out = dst + r * ldd + p * half;
-      for (int64_t l = 0; l < half; ++l) {
-        float gate = gu[l], up = gu[half + l];
-        if (bias) {
-          gate += bias[p * kPanel + l];
-          up += bias[p * kPanel + half + l];
-        }
-        if (clamp) {
-          gate = gate > beta ? beta : gate;  // min(gate, beta), NaN stays NaN
-          up = up < -beta ? -beta : (up > beta ? beta : up);
-          out[l] = (up + 1.0f) * gate * sigmoid(alpha * gate);
-        } else {
-          out[l] = gate * sigmoid(alpha * gate) * up;
-        }
-      }
-    }
-}
-
 void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n) {
   const auto* s16 = static_cast<const uint16_t*>(src);
   switch (type) {
@@ -100,14 +73,12 @@ namespace {
 
 struct Dispatch {
   detail::GemmFn fn = detail::gemm_panels_portable;
-  detail::ActFn act = detail::gated_activation_portable;
   detail::WidenFn widen = detail::widen_row_portable;
   const char* name = "portable";
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (avx2_kernels_enabled(/*fma_f16c=*/true)) {
       fn = detail::gemm_panels_avx2;
-      act = detail::gated_activation_avx2;
       widen = detail::widen_row_avx2;
       name = "avx2-fma";
     }
@@ -121,15 +92,6 @@ const Dispatch& dispatch() {
 }
 }  // namespace
 
-void bf16_interleave_rows(uint16_t* panels, int64_t rows) {
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* row = panels + r * kPanel;
-    uint16_t tmp[kPanel];
-    std::memcpy(tmp, row, sizeof tmp);
-    for (int64_t c = 0; c < kPanel; ++c) row[bf16_lane(c)] = tmp[c];
-  }
-}
-
 void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
@@ -138,12 +100,6 @@ void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t
     return;
   }
   dispatch().fn(type, A, lda, M, K, B_packed, p0, p1, C, ldc);
-}
-
-void gated_activation(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                      int64_t rows, int64_t panels, float* dst, int64_t ldd) {
-  if (rows <= 0 || panels <= 0) return;
-  dispatch().act(clamp, alpha, beta, C, ldc, bias, rows, panels, dst, ldd);
 }
 
 void widen_row(PanelType type, const void* src, float* dst, int64_t n) {

@@ -1,12 +1,13 @@
 // A small GEMM on packed B panels (fp32 activations, fp32/fp16/bf16 weights, fp32 accumulation),
-// with AVX2/FMA/F16C chosen at run time and a portable fallback; plus the MOE gate/up epilogue.
+// with AVX2/FMA/F16C chosen at run time and a portable fallback (MOE_ONNX_GEMM=portable forces it).
 //
 // Packed B ([K, N] logically): ceil(N / 16) panels, each [K][16] contiguous and zero padded, so a
 // micro-kernel streams one panel while it keeps up to 6 x 16 results in registers. The panels hold
 // the weights in their own type (fp16 and bf16 stay 16-bit: decode reads half the bytes) and the
 // micro-kernel widens them to fp32, which is exact. Every result element sums over k in increasing
-// order with one fp32 FMA chain, whatever the tile it falls in: results do not depend on how the
-// caller splits rows or panels into tasks.
+// order in one fp32 chain (fused multiply-adds in the AVX2 kernels, a multiply then an add in the
+// portable one), whatever the tile it falls in: results do not depend on how the caller splits rows
+// or panels into tasks. packed_weights.h packs the panels.
 #pragma once
 
 #include <cstddef>
@@ -23,9 +24,8 @@ enum class PanelType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2; }
 
 // bf16 panels store each 16-column row with its two halves interleaved (columns 0, 8, 1, 9, ..., 7,
-// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask. Packers write the
-// natural order and then call this on the panels (`rows` rows of 16).
-void bf16_interleave_rows(uint16_t* panels, int64_t rows);
+// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask: column c is in
+// lane bf16_lane(c).
 inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16, with
@@ -34,15 +34,6 @@ inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 // (A row stride that is a multiple of 4 KB makes the rows of a tile share L1 sets: pad it.)
 void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc);
-
-// The MOE gate/up epilogue on GEMM results laid out as gate/up panels (8 gate columns, then the 8
-// matching up columns): for r < rows, p < panels, l < 8, with g = C[r, 16p + l] + bias[16p + l] and
-// u = C[r, 16p + 8 + l] + bias[16p + 8 + l] (bias may be null: 0),
-//   clamp (GPT-OSS): g = min(g, beta); u = clamp(u, -beta, beta); out = (u + 1) * g * sigmoid(alpha * g)
-//   plain (SwiGLU):  out = g * sigmoid(alpha * g) * u
-// written to dst[r * ldd + 8p + l]. NaN propagates.
-void gated_activation(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                      int64_t rows, int64_t panels, float* dst, int64_t ldd);
 
 // dst[i] = float(src[i]) for n elements of a fp32/fp16/bf16 buffer (exact), vectorized when the CPU
 // allows; the same values as common.h's to_float.
@@ -54,18 +45,13 @@ const char* gemm_isa();
 namespace detail {
 using GemmFn = void (*)(PanelType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                         int64_t);
-using ActFn = void (*)(bool, float, float, const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 using WidenFn = void (*)(PanelType, const void*, float*, int64_t);
 void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n);
 void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                           int64_t p0, int64_t p1, float* C, int64_t ldc);
-void gated_activation_portable(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                               int64_t rows, int64_t panels, float* dst, int64_t ldd);
 #if defined(MOE_ONNX_HAVE_AVX2)
 void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                       int64_t p0, int64_t p1, float* C, int64_t ldc);
-void gated_activation_avx2(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                           int64_t rows, int64_t panels, float* dst, int64_t ldd);
 void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n);
 #endif
 }  // namespace detail

@@ -1,5 +1,4 @@
-// AVX2 + FMA (+ F16C) micro-kernels of gemm_panels and the vectorized gate/up epilogue; this file
-// alone is compiled with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
+// AVX2 + FMA (+ F16C) micro-kernels of gemm_panels and widen_row; this file alone is compiled with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
 #include <immintrin.h>
 
 #include "gemm.h"
@@ -14,7 +13,7 @@ namespace {
 constexpr int64_t kKBlock = 512;
 
 // One 16-wide panel row widened to fp32 (exact for fp16 and bf16): lo = columns 0-7, hi = 8-15.
-// bf16 rows are stored interleaved (bf16_interleave_rows): the even 16-bit lanes shifted up are
+// bf16 rows are stored interleaved (bf16_lane): the even 16-bit lanes shifted up are
 // columns 0-7, the odd lanes masked are columns 8-15.
 template <PanelType W>
 inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
@@ -225,37 +224,6 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
   }
 }
 
-// exp(x) for 8 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
-// Overflows to +inf above 88.72, goes to 0 below -87.3 (as a denormal-free tiny value), NaN stays NaN.
-inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.7228394f), lo = _mm256_set1_ps(-87.3365447f);
-  const __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-  __m256 xc = _mm256_max_ps(lo, _mm256_min_ps(hi, x));  // operand order keeps NaN (min/max return the 2nd)
-  __m256 fx = _mm256_fmadd_ps(xc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  xc = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
-  xc = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), xc);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, xc, _mm256_set1_ps(5.0000001201E-1f));
-  const __m256 x2 = _mm256_mul_ps(xc, xc);
-  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(xc, _mm256_set1_ps(1.0f)));
-  // 2^fx: fx is in [-126, 128] after the clamp (NaN lanes give garbage here, but y is NaN there).
-  const __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  const __m256i n_lo = _mm256_max_epi32(n, _mm256_set1_epi32(1));
-  const __m256i n_hi = _mm256_min_epi32(n_lo, _mm256_set1_epi32(254));
-  y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n_hi, 23)));
-  return _mm256_blendv_ps(y, _mm256_set1_ps(__builtin_inff()), over);
-}
-
-inline __m256 sigmoid8(__m256 z) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
-}
-
 }  // namespace
 
 void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
@@ -265,30 +233,6 @@ void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, in
     case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
     default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
-}
-
-void gated_activation_avx2(bool clamp, float alpha, float beta, const float* C, int64_t ldc, const float* bias,
-                           int64_t rows, int64_t panels, float* dst, int64_t ldd) {
-  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta), vnb = _mm256_set1_ps(-beta);
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < panels; ++p) {
-      const float* gu = C + r * ldc + p * kPanel;
-      __m256 gate = _mm256_loadu_ps(gu), up = _mm256_loadu_ps(gu + 8);
-      if (bias) {
-        gate = _mm256_add_ps(gate, _mm256_loadu_ps(bias + p * kPanel));
-        up = _mm256_add_ps(up, _mm256_loadu_ps(bias + p * kPanel + 8));
-      }
-      __m256 out;
-      if (clamp) {
-        gate = _mm256_min_ps(vb, gate);                     // min(gate, beta); NaN gate stays NaN
-        up = _mm256_min_ps(vb, _mm256_max_ps(vnb, up));     // clamp(up, -beta, beta); NaN stays NaN
-        out = _mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(up, one), gate), sigmoid8(_mm256_mul_ps(va, gate)));
-      } else {
-        out = _mm256_mul_ps(_mm256_mul_ps(gate, sigmoid8(_mm256_mul_ps(va, gate))), up);
-      }
-      _mm256_storeu_ps(dst + r * ldd + p * (kPanel / 2), out);
-    }
 }
 
 void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n) {

@@ -2,7 +2,7 @@
 //
 // 1. Attributes are checked at kernel creation, the inputs at Compute, both as init_routing.py does,
 //    in its order and words, and every expert id before anything is indexed.
-// 2. A counting sort orders the routed slots by expert (stable: slot order inside an expert) and
+// 2. A counting sort (task_plan.h) orders the routed slots by expert (stable: slot order inside an expert) and
 //    gives each row of expanded_x its slot (dropless: the first rows; drop/pad: rank < capacity).
 // 3. Per chunk of rows (one task each): copy or quantize the slot's token row, in float32 scalar
 //    arithmetic exactly as numpy does it (no fused multiply-add, true division).
@@ -14,6 +14,7 @@
 
 #include "kernel_util.h"
 #include "parallel.h"
+#include "task_plan.h"
 
 namespace moe_onnx {
 namespace {
@@ -149,36 +150,22 @@ struct Placement {
 };
 
 Placement place_slots(const RoutingMode& mode, const Input& idx, int64_t rows) {
-  const int64_t slots = idx.count, experts = mode.active_experts();
-  // Counting sort of the routed slots by expert; slot order is kept inside an expert.
-  std::vector<int64_t> routed(static_cast<size_t>(experts), 0);
-  for (int64_t f = 0; f < slots; ++f) {
-    const int64_t id = load_index(idx, f);
-    if (id >= mode.start && id < mode.end) ++routed[id - mode.start];
-  }
-  std::vector<int64_t> begin(static_cast<size_t>(experts + 1), 0);
-  for (int64_t e = 0; e < experts; ++e) begin[e + 1] = begin[e] + routed[e];
-  std::vector<int64_t> order(static_cast<size_t>(begin[experts]));
-  {
-    std::vector<int64_t> next(begin.begin(), begin.end() - 1);
-    for (int64_t f = 0; f < slots; ++f) {
-      const int64_t id = load_index(idx, f);
-      if (id >= mode.start && id < mode.end) order[next[id - mode.start]++] = f;
-    }
-  }
+  const int64_t experts = mode.active_experts();
+  const SlotsByExpert sorted = sort_slots_by_expert(idx, mode.start, mode.end);
   Placement p;
   p.slot_of_row.assign(static_cast<size_t>(rows), -1);
   if (mode.drop_pad) {  // rank r of expert e goes to row e * C + r when r < C; counts are before the drop
-    for (int64_t e = 0; e < experts; ++e)
-      for (int64_t r = 0; r < std::min(routed[e], mode.capacity); ++r)
-        p.slot_of_row[e * mode.capacity + r] = order[begin[e] + r];
-    p.counts = routed;
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t r = 0; r < std::min(sorted.count(e), mode.capacity); ++r)
+        p.slot_of_row[e * mode.capacity + r] = sorted.order[sorted.start[e] + r];
+      p.counts.push_back(sorted.count(e));
+    }
   } else {  // the first rows of the sorted order; counts describe those rows
-    const int64_t placed = std::min<int64_t>(rows, static_cast<int64_t>(order.size()));
+    const int64_t placed = std::min<int64_t>(rows, static_cast<int64_t>(sorted.order.size()));
     p.counts.assign(static_cast<size_t>(experts), 0);
     for (int64_t r = 0; r < placed; ++r) {
-      p.slot_of_row[r] = order[r];
-      ++p.counts[load_index(idx, order[r]) - mode.start];
+      p.slot_of_row[r] = sorted.order[r];
+      ++p.counts[load_index(idx, sorted.order[r]) - mode.start];
     }
   }
   return p;

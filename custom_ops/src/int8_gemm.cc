@@ -1,21 +1,10 @@
 #include "int8_gemm.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "common.h"
 
 namespace moe_onnx {
-
-void pack_int8_weight(const int8_t* W, int64_t N, int64_t K, int16_t* dst) {
-  const int64_t pairs = int8_pairs(K);
-  std::fill(dst, dst + int8_packed_size(N, K), int16_t{0});
-  for (int64_t n = 0; n < N; ++n) {
-    int16_t* panel = dst + (n / kInt8Panel) * pairs * 2 * kInt8Panel;
-    const int64_t c = n % kInt8Panel;
-    for (int64_t k = 0; k < K; ++k) panel[((k / 2) * kInt8Panel + c) * 2 + k % 2] = W[n * K + k];
-  }
-}
 
 namespace detail {
 

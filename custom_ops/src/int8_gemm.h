@@ -6,6 +6,7 @@
 // Layouts: A rows are widened to int16 with K padded to an even K2 = 2 * pairs (zeros); W is packed
 // into ceil(N / 16) panels, each [pairs][16 columns][2] int16: the two k of a pair side by side, so
 // one 32-bit broadcast of an A pair times one panel row gives 8 columns' pair sums per instruction.
+// packed_weights.h packs W.
 #pragma once
 
 #include <cstdint>
@@ -18,11 +19,6 @@ namespace moe_onnx {
 constexpr int64_t kInt8Panel = kPanel;
 
 inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
-// int16 elements of one packed [N, K] weight.
-inline int64_t int8_packed_size(int64_t N, int64_t K) { return panel_count(N) * int8_pairs(K) * 2 * kInt8Panel; }
-
-// Packs W [N, K] (row-major int8) into dst (int8_packed_size(N, K) elements).
-void pack_int8_weight(const int8_t* W, int64_t N, int64_t K, int16_t* dst);
 // dst[r * 2 * pairs + k] = src[r * K + k] as int16, zero for the padding k = K (odd K).
 void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
 

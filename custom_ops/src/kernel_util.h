@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "common.h"
-#include "gemm.h"
 
 namespace moe_onnx {
 
@@ -54,15 +53,6 @@ inline float load_float(ElemType type, const void* p, int64_t i) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return half_to_float(static_cast<const uint16_t*>(p)[i]);
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
-  }
-}
-
-// The GEMM panel type that holds weights of this element type (fp16/bf16 stay 16-bit).
-inline PanelType panel_type(ElemType weights) {
-  switch (weights) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return PanelType::kF16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return PanelType::kBF16;
-    default: return PanelType::kF32;
   }
 }
 

@@ -6,45 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
 #include "common.h"
-#include "gemm.h"
 #include "op_signatures.h"
+#include "packed_weights.h"
 
 namespace moe_onnx {
 
 enum class ExpertType { kGemm2BiasSwigluClamp, kGemm3Swiglu };
-
-// Allocator of the packed weights: large buffers are 2 MB aligned and marked for transparent huge
-// pages (Linux), so streaming hundreds of MB of panels does not miss the TLB every 4 KB.
-void* allocate_panels(size_t bytes);
-void free_panels(void* p, size_t bytes);
-template <class T>
-struct PanelAllocator {
-  using value_type = T;
-  PanelAllocator() = default;
-  template <class U>
-  PanelAllocator(const PanelAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(allocate_panels(n * sizeof(T))); }
-  void deallocate(T* p, size_t n) { free_panels(p, n * sizeof(T)); }
-  template <class U>
-  bool operator==(const PanelAllocator<U>&) const { return true; }
-  template <class U>
-  bool operator!=(const PanelAllocator<U>&) const { return false; }
-};
-// Expert weights in the GEMM's packed layout (see moe.cc): the panels keep the weights' own type
-// (fp16/bf16 stay 16-bit, halving the bytes a decode step reads); biases are fp32.
-struct MoePacked {
-  int64_t H = 0, I = 0;
-  PanelType type = PanelType::kF32;
-  std::vector<float, PanelAllocator<float>> w0, w1;          // fp32 panels: per expert gate/up, down
-  std::vector<uint16_t, PanelAllocator<uint16_t>> w0h, w1h;  // fp16/bf16 panels (bits), same layout
-  std::vector<float> b0, b1;           // per expert: gate/up bias (panel layout), down bias
-  int64_t w0_stride() const;           // elements per expert
-  int64_t b0_stride() const;
-  int64_t w1_stride() const;
-  const void* w0_at(int64_t slot) const;
-  const void* w1_at(int64_t slot) const;
-};
 
 // Per-run buffers, O(T*k*max(H, 2I)): gathered rows, activations, weighted expert outputs. Kept by
 // the kernel between runs (a run takes them, and gives them back when no other run has), so a run
@@ -64,10 +33,9 @@ struct MoeKernel {
 
   std::string where;
   ExpertType type = ExpertType::kGemm2BiasSwigluClamp;
-  float alpha = 1.0f, beta = 0.0f;
+  GatedActivation activation;  // of the expert type, with expert_alpha (and expert_beta: the clamp limit)
   int64_t parity = 0;
-  std::unique_ptr<MoePacked> constant;  // packed at kernel creation when the weights are initializers
-  std::vector<int64_t> constant_shapes[8];
+  std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
   std::mutex workspace_mutex;
   std::unique_ptr<MoeWorkspace> workspace;  // idle buffers of the last run (null while a run holds them)
 };

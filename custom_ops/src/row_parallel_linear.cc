@@ -2,12 +2,13 @@
 //
 // 1. Validate every input as row_parallel_linear.py's _validate does (same order and words), then
 //    the offsets' values (0 <= o_0 <= ... <= o_E <= rows) before any row is touched.
-// 2. W is packed per expert into the GEMM's panels: once at kernel creation when it is an
-//    initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
+// 2. W is packed per expert into the GEMM's panels (packed_weights.h): once at kernel creation when
+//    it is an initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
 //    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
 //    int8 uses the exact int32 GEMM (int8_gemm.h).
-// 3. Tasks are (expert, block of rows, group of panels), so even a few rows keep every thread busy;
-//    each output element is computed by one task in a fixed order: 1 and N threads agree bitwise.
+// 3. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
+//    thread busy; each output element is computed by one task in a fixed order: 1 and N threads
+//    agree bitwise.
 #include "row_parallel_linear.h"
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "int8_gemm.h"
 #include "kernel_util.h"
 #include "parallel.h"
+#include "task_plan.h"
 
 namespace moe_onnx {
 namespace {
@@ -29,9 +31,9 @@ constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr ElemType kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
-constexpr int64_t kRowBlock = 48;     // rows of one task (a multiple of both micro-kernels' 6 rows)
-constexpr int64_t kMaxPanelGroup = 8;  // panels (16 columns each) of one task
-constexpr int64_t kMinTasks = 8;       // split panels finer until there are this many tasks
+// Tasks of 48 rows (a multiple of the float GEMM's 6-row tiles and of the int8 GEMM's 4-row tiles)
+// and up to 8 panels, split into smaller panel groups until there are 8 tasks.
+constexpr TaskShape kTaskShape{/*max_rows=*/48, /*equal_rows=*/false, /*max_panels=*/8, /*min_tasks=*/8};
 
 ElemType output_elem(ElemType x_type) { return x_type == kInt8 ? kInt32 : x_type; }
 
@@ -99,64 +101,116 @@ void check_offsets(const Checker& v, const int64_t* o, int64_t E, int64_t rows) 
 }
 
 bool is_packable(const Input& w) {
-  const std::vector<ElemType>& w_types = signatures::MoeRowParallelLinear.inputs[W].types;
-  return w.present && w.shape.size() == 3 && std::find(w_types.begin(), w_types.end(), w.type) != w_types.end();
+  return w.present && w.shape.size() == 3 && signatures::MoeRowParallelLinear.inputs[W].allows(w.type);
 }
 
-// Room for `slots` experts of W (whose type and shape are set).
-void allocate(PackedExpertWeights& p, int64_t slots) {
-  const int64_t N = p.shape[1], K = p.shape[2];
-  if (p.type == kInt8) {
-    p.stride = int8_packed_size(N, K);
-    p.i16.assign(static_cast<size_t>(slots * p.stride), 0);
-    return;
-  }
-  p.stride = panel_count(N) * K * kPanel;
-  if (p.type == kF32)
-    p.f32.assign(static_cast<size_t>(slots * p.stride), 0.0f);
-  else
-    p.bits16.assign(static_cast<size_t>(slots * p.stride), 0);
+// Room for W's experts in `slots`, packed by pack_slot.
+PackedExperts empty_pack(const Input& w, ExpertSlots slots) {
+  PackedExperts p;
+  p.matrices.emplace_back(weight_format(w.type), /*N=*/w.shape[1], /*K=*/w.shape[2], slots.count(), false);
+  p.slots = std::move(slots);
+  p.signature = weight_signature({&w});
+  return p;
 }
 
-// dst panel n / 16, row k, column n % 16 = src[n, k] (src [N, K] row-major).
-template <typename T>
-void pack_panels(const T* src, int64_t N, int64_t K, T* dst) {
-  for (int64_t n = 0; n < N; ++n) {
-    T* panel = dst + (n / kPanel) * K * kPanel + n % kPanel;
-    for (int64_t k = 0; k < K; ++k) panel[k * kPanel] = src[n * K + k];
-  }
+void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
+  p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
 }
 
-// Packs expert e of W into its slot (float16/bfloat16 as their bits).
-void pack_expert(const Input& w, int64_t e, PackedExpertWeights& p) {
-  const int64_t N = w.shape[1], K = w.shape[2], slot = p.slot_of_expert[e];
-  if (w.type == kInt8) {
-    pack_int8_weight(w.as<int8_t>() + e * N * K, N, K, p.i16.data() + slot * p.stride);
-  } else if (w.type == kF32) {
-    pack_panels(w.as<float>() + e * N * K, N, K, p.f32.data() + slot * p.stride);
-  } else {
-    uint16_t* dst = p.bits16.data() + slot * p.stride;
-    pack_panels(static_cast<const uint16_t*>(w.data) + e * N * K, N, K, dst);
-    if (w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) bf16_interleave_rows(dst, panel_count(N) * K);
-  }
-}
-
-struct Task {
-  int64_t expert, row0, rows, p0, p1;
+// The covered rows of X as the GEMM reads them: int8 widened to int16 (K padded to pairs); float32
+// in place when gemm_rows_in_place allows, else widened or copied to fp32 at gemm_row_stride.
+struct GemmRows {
+  std::unique_ptr<int16_t[]> i16;  // every element written by widen_int8_rows
+  std::vector<float> f32;
+  const float* f = nullptr;
+  int64_t ld = 0;
 };
 
-std::vector<Task> make_tasks(const int64_t* o, int64_t E, int64_t panels) {
-  int64_t blocks = 0;
-  for (int64_t e = 0; e < E; ++e) blocks += (o[e + 1] - o[e] + kRowBlock - 1) / kRowBlock;
-  int64_t group = std::min(panels, kMaxPanelGroup);
-  while (group > 1 && blocks * ((panels + group - 1) / group) < kMinTasks) group = (group + 1) / 2;
-  std::vector<Task> tasks;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t r = o[e]; r < o[e + 1]; r += kRowBlock)
-      for (int64_t p = 0; p < panels; p += group)
-        tasks.push_back({e, r, std::min(kRowBlock, o[e + 1] - r), p, std::min(panels, p + group)});
-  return tasks;
+GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K) {
+  GemmRows a;
+  if (x.type == kF32 && gemm_rows_in_place(K)) {
+    a.f = x.as<float>() + first * K;
+    a.ld = K;
+    return a;
+  }
+  size_t chunk = 1;
+  const size_t n_chunks = chunk_count(static_cast<size_t>(rows), 16, 64, &chunk);
+  auto for_chunks = [&](auto&& widen) {
+    parallel_for(ctx, n_chunks, [&](size_t c) {
+      const int64_t r0 = static_cast<int64_t>(c * chunk);
+      widen(r0, std::min<int64_t>(rows, static_cast<int64_t>((c + 1) * chunk)));
+    });
+  };
+  if (x.type == kInt8) {
+    a.ld = 2 * int8_pairs(K);
+    a.i16.reset(new int16_t[static_cast<size_t>(rows * a.ld)]);
+    for_chunks([&](int64_t r0, int64_t r1) {
+      widen_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a.i16.get() + r0 * a.ld);
+    });
+    return a;
+  }
+  a.ld = gemm_row_stride(K);
+  a.f32.resize(static_cast<size_t>(rows * a.ld));
+  const size_t row_bytes = static_cast<size_t>(K) * elem_size(x.type);
+  for_chunks([&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      widen_row(panel_type(x.type), static_cast<const char*>(x.data) + (first + r) * row_bytes, a.f32.data() + r * a.ld, K);
+  });
+  a.f = a.f32.data();
+  return a;
 }
+
+// Writes the tasks' tiles of Y: each task's rows x 16-column panels through the GEMM, written
+// straight into Y when the panels lie inside it and Y is int32/float32, else into a scratch tile
+// that is then copied (and converted); then the bias.
+struct OutputTiles {
+  const PackedExperts& packed;
+  const GemmRows& a;
+  const Input& b;
+  int64_t N, K, first;  // first: the first covered row (row 0 of a)
+  ElemType y_type;
+  char* y;
+
+  bool direct(const Task& t) const { return t.p1 * kPanel <= N && (y_type == kInt32 || y_type == kF32); }
+  const void* weights(const Task& t) const {
+    return packed.matrices[0].at(packed.slots.slot_of_expert[t.expert]);
+  }
+
+  // int32 results; the bias wraps like numpy's int32.
+  void int8_task(const Task& t) const {
+    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
+    const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
+    int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
+    int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
+    int8_gemm_panels(a.i16.get() + (t.row0 - first) * a.ld, a.ld, t.rows, int8_pairs(K),
+                     static_cast<const int16_t*>(weights(t)), t.p0, t.p1, C, ldc);
+    if (direct(t) && !b.present) return;
+    const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t c = 0; c < c1 - c0; ++c) {
+        uint32_t value = static_cast<uint32_t>(C[r * ldc + c]);
+        if (bias) value += static_cast<uint32_t>(bias[c]);
+        out[r * N + c] = static_cast<int32_t>(value);
+      }
+  }
+
+  // fp32 results, rounded once to Y's type.
+  void float_task(const Task& t) const {
+    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
+    const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
+    float* C = direct(t) ? reinterpret_cast<float*>(y) + t.row0 * N + c0
+                         : scratch<float>(static_cast<size_t>(t.rows * ldc));
+    gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
+                weights(t), t.p0, t.p1, C, ldc);
+    const size_t y_size = elem_size(y_type);
+    for (int64_t r = 0; r < t.rows; ++r) {
+      float* row = C + r * ldc;
+      if (b.present)
+        for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
+      if (!direct(t)) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
+    }
+  }
+};
 
 }  // namespace
 
@@ -183,14 +237,8 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
-  auto packed = std::make_unique<PackedExpertWeights>();
-  packed->type = w.type;
-  packed->shape = w.shape;
-  const int64_t E = w.shape[0];
-  packed->slot_of_expert.resize(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) packed->slot_of_expert[e] = e;
-  allocate(*packed, E);
-  for (int64_t e = 0; e < E; ++e) pack_expert(w, e, *packed);
+  auto packed = std::make_unique<PackedExperts>(empty_pack(w, ExpertSlots::all(w.shape[0])));
+  pack_on_own_threads(packed->slots.count(), [&](int64_t slot) { pack_slot(w, *packed, slot); });
   constant = std::move(packed);
 }
 
@@ -208,8 +256,6 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   check_offsets(v, o, E, d.rows);
 
   const Input& x = inputs[X];
-  const Input& w = inputs[W];
-  const bool int8 = x.type == kInt8;
   const ElemType y_type = output_elem(x.type);
   const size_t y_size = elem_size(y_type);
   Ort::UnownedValue y_value = ctx.GetOutput(0, d.out_shape);
@@ -221,98 +267,20 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t first = o[0], covered = o[E] - o[0];
   if (covered == 0) return;
 
-  // Weights: the constant pack, or the experts that own rows packed now.
-  const PackedExpertWeights* packed = constant.get();
-  PackedExpertWeights local;
-  if (!packed || packed->type != w.type || packed->shape != w.shape) {
-    local.type = w.type;
-    local.shape = w.shape;
-    local.slot_of_expert.assign(static_cast<size_t>(E), -1);
-    std::vector<int64_t> used;
-    for (int64_t e = 0; e < E; ++e)
-      if (o[e + 1] > o[e]) {
-        local.slot_of_expert[e] = static_cast<int64_t>(used.size());
-        used.push_back(e);
-      }
-    allocate(local, static_cast<int64_t>(used.size()));
-    parallel_for(ctx, used.size(), [&](size_t u) { pack_expert(w, used[u], local); });
-    packed = &local;
-  }
-
-  // A: the covered rows of X as the GEMM reads them. float32 X is read in place unless its row
-  // stride is a multiple of 4 KB (rows of a tile would share L1 sets): then it is copied, padded.
-  const int64_t pairs = int8_pairs(K);
-  const bool in_place = x.type == kF32 && K % 1024 != 0;
-  const int64_t lda = int8 ? 2 * pairs : (K % 1024 ? K : K + kPanel);
-  std::unique_ptr<int16_t[]> a16;  // every element written by widen_int8_rows
-  std::vector<float> a32;
-  const float* a_f32 = nullptr;
-  size_t chunk = 1;
-  const size_t n_chunks = chunk_count(static_cast<size_t>(covered), 16, 64, &chunk);
-  auto chunk_rows = [&](size_t c, int64_t* r0, int64_t* r1) {
-    *r0 = static_cast<int64_t>(c * chunk);
-    *r1 = std::min<int64_t>(covered, static_cast<int64_t>((c + 1) * chunk));
-  };
-  if (int8) {
-    a16.reset(new int16_t[static_cast<size_t>(covered * lda)]);
-    parallel_for(ctx, n_chunks, [&](size_t c) {
-      int64_t r0, r1;
-      chunk_rows(c, &r0, &r1);
-      widen_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a16.get() + r0 * lda);
-    });
-  } else if (in_place) {
-    a_f32 = x.as<float>() + first * K;
-  } else {
-    a32.resize(static_cast<size_t>(covered * lda));
-    parallel_for(ctx, n_chunks, [&](size_t c) {
-      int64_t r0, r1;
-      chunk_rows(c, &r0, &r1);
-      for (int64_t r = r0; r < r1; ++r)
-        widen_row(panel_type(x.type), static_cast<const char*>(x.data) + (first + r) * K * elem_size(x.type),
-                  a32.data() + r * lda, K);
-    });
-    a_f32 = a32.data();
-  }
-
-  const Input& b = inputs[B];
-  const PanelType panels_type = panel_type(w.type);
-  auto panels = [&](int64_t slot) -> const void* {
-    if (panels_type == PanelType::kF32) return packed->f32.data() + slot * packed->stride;
-    return packed->bits16.data() + slot * packed->stride;
-  };
-  const std::vector<Task> tasks = make_tasks(o, E, panel_count(N));
+  const Input& w = inputs[W];
+  PackedExperts local;
+  const PackedExperts& packed = experts_for_run(
+      ctx, constant.get(), weight_signature({&w}), o, E, local,
+      [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
+      [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
+  const GemmRows a = gemm_rows(ctx, x, first, covered, K);
+  const OutputTiles tiles{packed, a, inputs[B], N, K, first, y_type, y};
+  const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
-    const Task& t = tasks[ti];
-    const int64_t slot = packed->slot_of_expert[t.expert];
-    const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
-    // The GEMM writes whole 16-column panels: straight into Y when they lie inside it and Y is
-    // int32/float32, else into a scratch tile that is then copied (and converted).
-    const bool direct = t.p1 * kPanel <= N && (int8 || y_type == kF32);
-    const int64_t ldc = direct ? N : (t.p1 - t.p0) * kPanel;
-    if (int8) {
-      int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
-      int32_t* C = direct ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
-      int8_gemm_panels(a16.get() + (t.row0 - first) * lda, lda, t.rows, pairs, packed->i16.data() + slot * packed->stride,
-                       t.p0, t.p1, C, ldc);
-      if (direct && !b.present) return;
-      const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
-      for (int64_t r = 0; r < t.rows; ++r)
-        for (int64_t c = 0; c < c1 - c0; ++c) {
-          uint32_t value = static_cast<uint32_t>(C[r * ldc + c]);  // bias wraps like numpy's int32
-          if (bias) value += static_cast<uint32_t>(bias[c]);
-          out[r * N + c] = static_cast<int32_t>(value);
-        }
-      return;
-    }
-    float* out = direct ? reinterpret_cast<float*>(y) + t.row0 * N + c0 : nullptr;
-    float* C = direct ? out : scratch<float>(static_cast<size_t>(t.rows * ldc));
-    gemm_panels(panels_type, a_f32 + (t.row0 - first) * lda, lda, t.rows, K, panels(slot), t.p0, t.p1, C, ldc);
-    for (int64_t r = 0; r < t.rows; ++r) {
-      float* row = C + r * ldc;
-      if (b.present)
-        for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
-      if (!direct) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
-    }
+    if (x.type == kInt8)
+      tiles.int8_task(tasks[ti]);
+    else
+      tiles.float_task(tasks[ti]);
   });
 }
 

@@ -8,21 +8,9 @@
 
 #include "common.h"
 #include "op_signatures.h"
+#include "packed_weights.h"
 
 namespace moe_onnx {
-
-// W [E, N, K] in a GEMM's packed layout: float panels (gemm.h) in W's own type for float32/float16/
-// bfloat16 W (16-bit weights stay 16-bit), int16 pair panels (int8_gemm.h) for int8 W. Only the
-// experts in `slot_of_expert` >= 0 are packed.
-struct PackedExpertWeights {
-  ElemType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // of W
-  std::vector<int64_t> shape;                               // of W
-  std::vector<int64_t> slot_of_expert;
-  std::vector<float> f32;       // float32 W
-  std::vector<uint16_t> bits16;  // float16 / bfloat16 W
-  std::vector<int16_t> i16;     // int8 W
-  int64_t stride = 0;           // elements per packed expert
-};
 
 struct RowParallelLinearKernel {
   RowParallelLinearKernel(const OrtKernelInfo* info);
@@ -33,7 +21,7 @@ struct RowParallelLinearKernel {
   // num_experts, in_features, out_features as given (has_size false: absent)
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
-  std::unique_ptr<PackedExpertWeights> constant;  // W packed at kernel creation when it is an initializer
+  std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
 };
 
 // One registration per element type of X (every numeric type, so that a wrong type reaches Compute

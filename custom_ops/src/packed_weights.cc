@@ -1,0 +1,162 @@
+#include "packed_weights.h"
+
+#include <algorithm>
+#include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#include <system_error>
+#include <thread>
+
+#include "int8_gemm.h"
+#include "kernel_util.h"
+
+namespace moe_onnx {
+namespace {
+
+// A zeroed buffer for panels: large ones 2 MB aligned and marked for transparent huge pages (Linux),
+// so streaming hundreds of MB of panels does not miss the TLB every 4 KB. Freed with std::free.
+char* allocate_panels(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  void* p = nullptr;
+  size_t rounded = bytes ? bytes : 1;
+  if (bytes < 2 * kHuge) {
+    p = std::malloc(rounded);
+  } else {
+    rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    p = std::aligned_alloc(kHuge, rounded);
+#ifdef MADV_HUGEPAGE
+    if (p) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs TLB misses
+#endif
+  }
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, rounded);
+  return static_cast<char*>(p);
+}
+
+size_t element_bytes(WeightFormat format) { return format == WeightFormat::kF32 ? 4 : 2; }
+
+// Packed elements of one expert's B [K, N].
+int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
+  return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
+}
+
+// The placement of each format: the offset of lane `lane` of panel `panel` at k = 0, and of row k
+// from there, in elements of one expert's panels (K rows).
+template <WeightFormat F>
+int64_t column_offset(int64_t K, int64_t panel, int64_t lane) {
+  if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel + lane * 2;
+  if (F == WeightFormat::kBF16) return panel * K * kPanel + bf16_lane(lane);
+  return panel * K * kPanel + lane;
+}
+template <WeightFormat F>
+int64_t row_offset(int64_t k) {
+  return F == WeightFormat::kInt8 ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
+}
+
+// Copies the columns of src into dst (one expert's panels of format F, K rows); Src is the weight
+// tensor's element, Dst the panels' (int8 is widened to int16, the others are copied as bits).
+template <WeightFormat F, class Src, class Dst>
+void place(const ColumnSource& src, int64_t K, Dst* dst) {
+  const Src* in = static_cast<const Src*>(src.data) + src.first;
+  std::vector<int64_t> column(static_cast<size_t>(src.columns));
+  for (int64_t c = 0; c < src.columns; ++c) column[c] = column_offset<F>(K, c / src.width, src.lane0 + c % src.width);
+  auto put = [&](int64_t k, int64_t c) { dst[column[c] + row_offset<F>(k)] = in[k * src.k_stride + c * src.c_stride]; };
+  if (src.c_stride == 1) {  // read the source in its memory order
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < src.columns; ++c) put(k, c);
+  } else {
+    for (int64_t c = 0; c < src.columns; ++c)
+      for (int64_t k = 0; k < K; ++k) put(k, c);
+  }
+}
+
+}  // namespace
+
+WeightFormat weight_format(ElemType weights) {
+  switch (weights) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return WeightFormat::kF16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return WeightFormat::kBF16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return WeightFormat::kInt8;
+    default: return WeightFormat::kF32;
+  }
+}
+
+PanelType gemm_panel_type(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kF16: return PanelType::kF16;
+    case WeightFormat::kBF16: return PanelType::kBF16;
+    default: return PanelType::kF32;
+  }
+}
+
+PackedWeights::PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias)
+    : format_(format),
+      N_(N),
+      K_(K),
+      slot_bytes_(slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format))),
+      panels_(allocate_panels(static_cast<size_t>(slots * slot_bytes_))) {
+  if (with_bias) bias_.assign(static_cast<size_t>(slots * panels() * kPanel), 0.0f);
+}
+
+void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
+  char* dst = panels_.get() + slot * slot_bytes_;
+  switch (format_) {
+    case WeightFormat::kF32: return place<WeightFormat::kF32, float>(src, K_, reinterpret_cast<float*>(dst));
+    case WeightFormat::kF16: return place<WeightFormat::kF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
+    case WeightFormat::kBF16: return place<WeightFormat::kBF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
+    case WeightFormat::kInt8: return place<WeightFormat::kInt8, int8_t>(src, K_, reinterpret_cast<int16_t*>(dst));
+  }
+}
+
+void PackedWeights::pack_bias(int64_t slot, ElemType type, const ColumnSource& src) {
+  float* dst = bias_.data() + slot * panels() * kPanel;
+  for (int64_t c = 0; c < src.columns; ++c)
+    dst[(c / src.width) * kPanel + src.lane0 + c % src.width] = load_float(type, src.data, src.first + c * src.c_stride);
+}
+
+ExpertSlots ExpertSlots::all(int64_t experts) {
+  ExpertSlots s;
+  s.slot_of_expert.resize(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) s.slot_of_expert[e] = e;
+  s.expert_of_slot = s.slot_of_expert;
+  return s;
+}
+
+ExpertSlots ExpertSlots::with_rows(const int64_t* offsets, int64_t experts) {
+  ExpertSlots s;
+  s.slot_of_expert.assign(static_cast<size_t>(experts), -1);
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] > offsets[e]) {
+      s.slot_of_expert[e] = s.count();
+      s.expert_of_slot.push_back(e);
+    }
+  return s;
+}
+
+WeightSignature weight_signature(const std::vector<const Input*>& weights) {
+  WeightSignature signature;
+  for (const Input* in : weights)
+    signature.emplace_back(in->present ? in->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED,
+                           in->present ? in->shape : std::vector<int64_t>{});
+  return signature;
+}
+
+void pack_on_own_threads(int64_t slots, const std::function<void(int64_t)>& pack_slot) {
+  const int64_t n_threads =
+      std::min<int64_t>({slots, 8, std::max<int64_t>(1, std::thread::hardware_concurrency())});
+  auto pack_some = [&](int64_t first) {
+    for (int64_t s = first; s < slots; s += n_threads) pack_slot(s);
+  };
+  std::vector<std::thread> threads;
+  int64_t started = 1;
+  try {
+    for (; started < n_threads; ++started) threads.emplace_back(pack_some, started);
+  } catch (const std::system_error&) {  // no threads to be had: this thread packs their share too
+  }
+  pack_some(0);
+  for (int64_t i = started; i < n_threads; ++i) pack_some(i);
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace moe_onnx

@@ -1,0 +1,144 @@
+// The GEMM operands of the expert ops (MOE, MoeRowParallelLinear) in one place: the weight formats
+// and where each weight element lands in their panels, the packed expert weights (huge-page
+// buffers, one slot per packed expert), which experts are packed, and the row stride of the
+// activation rows the GEMMs read. A new weight format (say int4 with per-block scales) or a new
+// panel layout for another ISA is a new WeightFormat here: its element, its slot size and its
+// placement (packed_weights.cc); the ops only name the columns of their weight tensors.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "gemm.h"
+#include "parallel.h"
+
+namespace moe_onnx {
+
+// How one expert's weight matrix B [K, N] (y = x @ B) is stored, all as ceil(N / 16) panels of 16
+// columns, zero padded:
+//   kF32, kF16, kBF16  the float GEMM's panels (gemm.h): [K][16] in the weights' own type (16-bit
+//                      weights stay 16-bit); bf16 rows in the interleaved lane order (bf16_lane).
+//   kInt8              the int8 GEMM's pair panels (int8_gemm.h): [pairs][16][2] int16, the two k
+//                      of a pair side by side, K padded to even with a zero.
+enum class WeightFormat { kF32, kF16, kBF16, kInt8 };
+
+// The format that holds weights of this element type (float32, float16, bfloat16 or int8).
+WeightFormat weight_format(ElemType weights);
+// The float GEMM's panel type of a float format.
+PanelType gemm_panel_type(WeightFormat format);
+// The panel type of float32/float16/bfloat16 values of this element type (as widen_row reads them).
+inline PanelType panel_type(ElemType type) { return gemm_panel_type(weight_format(type)); }
+
+// Row stride, in fp32 elements, of activation rows of n elements laid out for the GEMM: n rounded
+// up to 16 (64-byte rows), plus 16 when that is a multiple of 256 (1 KB), so the rows of a
+// micro-kernel tile do not crowd the same L1 sets.
+inline int64_t gemm_row_stride(int64_t n) {
+  const int64_t ld = (n + 15) / 16 * 16;
+  return ld % 256 == 0 ? ld + 16 : ld;
+}
+// Whether a caller's fp32 rows of n elements (MoeRowParallelLinear's X) are read in place rather
+// than copied at gemm_row_stride: only a stride that is a multiple of 4 KB (every row of a tile in
+// the same L1 set) is worth the copy.
+inline bool gemm_rows_in_place(int64_t n) { return n % 1024 != 0; }
+
+// Where one expert's columns come from in a weight tensor of the format's element type, and where
+// they go: column c (c < columns) of B has element (k, c) at data[first + k * k_stride + c * c_stride]
+// and becomes lane lane0 + c % width of panel c / width. Plain panels: width 16, lane0 0; MOE's
+// gate/up panels: the gate columns at width 8, lane0 0, the up columns at width 8, lane0 8.
+struct ColumnSource {
+  const void* data;
+  int64_t first;
+  int64_t k_stride, c_stride;
+  int64_t columns;
+  int64_t width = kPanel, lane0 = 0;
+};
+// Expert e of a [E, N, K] tensor used as x @ W[e]^T (nn.Linear layout): B [K, N] = W[e]^T.
+inline ColumnSource transposed_columns(const void* data, int64_t e, int64_t N, int64_t K) {
+  return {data, e * N * K, 1, K, N};
+}
+// Expert e of a [E, K, N] tensor used as x @ W[e].
+inline ColumnSource plain_columns(const void* data, int64_t e, int64_t K, int64_t N) {
+  return {data, e * K * N, N, 1, N};
+}
+
+// One weight matrix B [K, N] per packed expert (a slot), in one format, in a zeroed huge-page
+// buffer; optionally an fp32 bias per slot in the panels' column order (natural lanes).
+class PackedWeights {
+ public:
+  PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias);
+
+  WeightFormat format() const { return format_; }
+  int64_t N() const { return N_; }
+  int64_t K() const { return K_; }
+  int64_t panels() const { return panel_count(N_); }
+  // The slot's panels (elements of the format: float, uint16_t bits, int16_t pairs).
+  const void* at(int64_t slot) const { return panels_.get() + slot * slot_bytes_; }
+  // The slot's bias (panels() * 16 floats), or null without one.
+  const float* bias_at(int64_t slot) const { return bias_.empty() ? nullptr : bias_.data() + slot * panels() * kPanel; }
+
+  // Writes the columns of `src` into the slot's panels.
+  void pack(int64_t slot, const ColumnSource& src);
+  // Writes a bias (`type` float32/float16/bfloat16; k_stride unused) into the slot's bias, as fp32
+  // (a matrix made with_bias).
+  void pack_bias(int64_t slot, ElemType type, const ColumnSource& src);
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  WeightFormat format_;
+  int64_t N_, K_;
+  int64_t slot_bytes_;
+  std::unique_ptr<char, Free> panels_;
+  std::vector<float> bias_;
+};
+
+// The experts that have slots: all of them (weights packed once at kernel creation) or those that
+// have rows in a run (packed per run).
+struct ExpertSlots {
+  std::vector<int64_t> slot_of_expert;  // -1: not packed
+  std::vector<int64_t> expert_of_slot;
+
+  int64_t count() const { return static_cast<int64_t>(expert_of_slot.size()); }
+  static ExpertSlots all(int64_t experts);
+  // The experts e with offsets[e + 1] > offsets[e] (offsets: experts + 1 row offsets), in order.
+  static ExpertSlots with_rows(const int64_t* offsets, int64_t experts);
+};
+
+// The element types and shapes of the weight inputs a pack was made from ({} shape, undefined type:
+// an absent input); a run whose weights differ packs its own.
+using WeightSignature = std::vector<std::pair<ElemType, std::vector<int64_t>>>;
+WeightSignature weight_signature(const std::vector<const Input*>& weights);
+
+// An op's packed experts: its weight matrices (MOE: gate/up and down; MoeRowParallelLinear: W),
+// all in the same slots.
+struct PackedExperts {
+  ExpertSlots slots;
+  std::vector<PackedWeights> matrices;
+  WeightSignature signature;
+};
+
+// The packed experts a run reads: `constant` when it was packed from weights with this signature;
+// else `local`, made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and
+// filled by pack_slot(local, slot) on the intra-op pool.
+template <class Empty, class PackSlot>
+const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, const PackedExperts* constant,
+                                     const WeightSignature& signature, const int64_t* offsets, int64_t experts,
+                                     PackedExperts& local, Empty&& empty, PackSlot&& pack_slot) {
+  if (constant && constant->signature == signature) return *constant;
+  local = empty(ExpertSlots::with_rows(offsets, experts));
+  parallel_for(ctx, static_cast<size_t>(local.slots.count()),
+               [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });
+  return local;
+}
+
+// Runs pack_slot(s) for every slot s on a few threads of our own (kernel creation has no intra-op
+// pool), each slot on one thread: the result does not depend on the split.
+void pack_on_own_threads(int64_t slots, const std::function<void(int64_t)>& pack_slot);
+
+}  // namespace moe_onnx
