@@ -19,9 +19,13 @@ from . import batched_mm, grouped, loop, tiled
 from ._match import MoeFusion
 
 
+# The export forms, in the order their rules run (a module each, with its list of FUSIONS).
+FAMILIES = (tiled, batched_mm, loop)
+
+
 def fusions() -> list[MoeFusion]:
     """Every fusion rule, in the order they run (a fresh instance each call)."""
-    return [cls() for family in (tiled, batched_mm, loop) for cls in family.FUSIONS]
+    return [cls() for family in FAMILIES for cls in family.FUSIONS]
 
 
 @dataclasses.dataclass
