@@ -8,33 +8,41 @@ without loading their weights, except the few constants a rule needs (such as ex
 from __future__ import annotations
 
 import collections
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
 from onnx import numpy_helper
 
-from ._graph import Scope, walk
+from . import io
+from ._graph import Scope, graphs, walk
 from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
-from .ops._common import GraphView
+from .ops._common import Dim, GraphView, fmt_shape
+
+INT64_MAX = 2**63 - 1
 
 
 def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
-    """Validate a model (path or ModelProto); returns the problems found, empty when valid."""
+    """Validate a model (path or ModelProto); returns the problems found, empty when valid.
+    Raises :class:`moe_onnx.io.ModelFileError` when the path cannot be read as a model."""
     if isinstance(model, onnx.ModelProto):
         return check_loaded(model)
-    return check_loaded(onnx.load(model, load_external_data=False), Path(model))
+    return check_loaded(io.read_proto(model), Path(model))
 
 
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
     """check_model of a model already loaded (without its external data) from `path`, if any."""
     base_dir = "" if path is None else str(path.parent)
+    if path is not None:
+        problems = io.external_data_problems(proto, base_dir)
+        if problems:  # the rules below read constants from that data
+            return problems
     # the checker reads external data files itself when given the path (models over 2 GB included)
     checkable = path if path is not None and _has_external_data(proto) else proto
-    problems = _check_opset(proto) + _check_our_nodes(proto, base_dir)
+    problems = _check_opset(proto) + _check_declared_sizes(proto) + _check_our_nodes(proto, base_dir)
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems
     return _check_structure(checkable) or _check_full(proto)
@@ -42,12 +50,16 @@ def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
-    then one per problem). An unreadable file is a problem, not an exception."""
+    then one per problem). Nothing raises: an unreadable file, or any failure of the checks
+    themselves, is a problem."""
+    proto = None
     try:
-        proto = onnx.load(path, load_external_data=False)
+        proto = io.read_proto(path)
         problems = check_loaded(proto, Path(path))
-    except (OSError, DecodeError) as error:
+    except io.ModelFileError as error:
         problems = [f"cannot read the model: {error}"]
+    except Exception as error:  # noqa: BLE001 -- a checker bug or a model no rule foresaw: still one line
+        problems = [f"cannot check the model: {type(error).__name__}: {error}"]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
         return False, "\n".join([heading] + [f"  {problem}" for problem in problems])
@@ -76,9 +88,42 @@ def _check_structure(model: onnx.ModelProto | Path) -> list[str]:
 def _check_opset(model: onnx.ModelProto) -> list[str]:
     versions = {o.domain: o.version for o in model.opset_import}
     uses_ours = any(n.domain == DOMAIN for n, _ in walk(model.graph))
-    if uses_ours and versions.get(DOMAIN) != OPSET_VERSION:
+    if (uses_ours or DOMAIN in versions) and versions.get(DOMAIN) != OPSET_VERSION:
         return [f"model: opset_import for domain '{DOMAIN}' is {versions.get(DOMAIN)}; expected {OPSET_VERSION}"]
     return []
+
+
+def _check_declared_sizes(model: onnx.ModelProto) -> list[str]:
+    """Declared shapes (inputs, outputs, value infos, initializers) no tensor can have."""
+    problems = []
+    for graph in graphs(model.graph):
+        for tensor in graph.initializer:
+            too_large = _too_large(tuple(tensor.dims), tensor.data_type)
+            if too_large:
+                problems.append(f"initializer '{tensor.name}' {too_large}")
+        for info in list(graph.input) + list(graph.output) + list(graph.value_info):
+            if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+                dims = tuple(d.dim_value if d.HasField("dim_value") else None
+                             for d in info.type.tensor_type.shape.dim)
+                too_large = _too_large(dims, info.type.tensor_type.elem_type)
+                if too_large:
+                    problems.append(f"value '{info.name}' {too_large}")
+    return problems
+
+
+def _too_large(shape: Sequence[Dim] | None, elem_type: int) -> str | None:
+    """Why a tensor of this shape cannot exist (its byte size overflows int64), or None."""
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    try:
+        item_bytes = onnx.helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+    except (KeyError, ValueError, TypeError):  # string, undefined: at least a byte each
+        item_bytes = 1
+    total = math.prod(shape) * item_bytes
+    if total > INT64_MAX:
+        return (f"has shape {fmt_shape(shape)}: {total:.3g} bytes overflow int64; expected a size "
+                f"onnxruntime can allocate")
+    return None
 
 
 def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
@@ -97,10 +142,15 @@ def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
             continue
         view = GraphView(op, node, _types(scope), _constants(scope, base_dir))
         try:
-            op.validate(view)
+            outputs = op.validate(view)
         except MoeOpError as error:
             problems.append(str(error))
+            outputs = []
         problems += _check_arity(op, node)
+        for name, info in zip(node.output, outputs):
+            too_large = None if info is None or not name else _too_large(info.shape, info.elem_type)
+            if too_large:
+                problems.append(f"{op.name} node '{node.name}': output '{name}' {too_large}")
     return problems
 
 
@@ -122,7 +172,7 @@ def _check_full(proto: onnx.ModelProto) -> list[str]:
     to the structural check, which has run already)."""
     try:
         onnx.shape_inference.infer_shapes(proto, strict_mode=True, check_type=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, MoeOpError) as error:
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
         return [f"shape inference: {error}"]
     return []
 

@@ -9,6 +9,7 @@ import time
 
 from . import TARGETS
 from .check import check_file
+from .io import ModelFileError
 from .runtime import BACKENDS
 from .verify import DEFAULT_SIZES, format_sizes, parse_sizes
 
@@ -37,9 +38,17 @@ def _optimize(args: argparse.Namespace) -> int:
     except SameFileError as error:
         print(f"moe-onnx optimize: {error}", file=sys.stderr)
         return 2
+    except ModelFileError as error:
+        print(f"moe-onnx optimize: {error}", file=sys.stderr)
+        return 1
     print(result.summary())
     if args.report:
-        result.write_json(args.report)
+        try:
+            result.write_json(args.report)
+        except OSError as error:
+            print(f"moe-onnx optimize: {args.report}: cannot write the report: {error.strerror or error}",
+                  file=sys.stderr)
+            return 1
     return 0 if result.ok else 1
 
 

@@ -1,35 +1,155 @@
-"""Loading and saving models of any size: weights stay on disk until they are written out."""
+"""Reading and writing model files of any size: weights stay on disk until they are written out.
+
+Every failure is a :class:`ModelFileError` whose message names the file and what is wrong; a write
+goes to temporary files beside the destination, renamed into place only once complete.
+"""
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from ._graph import graphs
 
 #: models whose weights exceed this are written with external data (protobuf's limit is 2 GB)
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 
+_PACKED_4BIT = {getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "FLOAT4E2M1")
+                if hasattr(onnx.TensorProto, name)}
 
-def load(path: str | os.PathLike) -> ir.Model:
-    """Read a model; external tensors stay lazy (memory-mapped when read)."""
-    return ir.load(path)
+
+class ModelFileError(ValueError):
+    """A model file that cannot be read, is not a valid model, or cannot be written; the message
+    names the file and what is wrong."""
+
+
+def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model at ``path`` without its external data. Raises ModelFileError when the path is
+    missing, not a regular file, empty or not an ONNX protobuf."""
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise ModelFileError(f"{path}: is not a regular file")
+    if os.path.getsize(path) == 0:
+        raise ModelFileError(f"{path}: is empty (0 bytes); expected an ONNX model")
+    try:
+        return onnx.load(path, load_external_data=False)
+    except DecodeError as error:
+        raise ModelFileError(f"{path}: is not an ONNX model (protobuf: {error})") from None
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
+
+
+def load(path: str | os.PathLike, proto: onnx.ModelProto | None = None) -> ir.Model:
+    """The model at ``path`` (``proto``: its content already read by :func:`read_proto`); external
+    tensors stay lazy (memory-mapped when read)."""
+    model = ir.serde.deserialize_model(read_proto(path) if proto is None else proto)
+    ir.external_data.set_base_dir(model.graph, os.path.dirname(path))
+    return model
+
+
+def external_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The tensors of ``proto`` (initializers and Constant values, subgraphs included) stored as external data."""
+    for graph in graphs(proto.graph):
+        tensors = list(graph.initializer)
+        tensors += [attr.t for node in graph.node for attr in node.attribute if attr.HasField("t")]
+        yield from (t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL)
+
+
+def external_data_files(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> set[Path]:
+    """The external data files the model loaded from ``base_dir`` reads."""
+    return {Path(base_dir) / _external_info(t).get("location", "") for t in external_tensors(proto)}
+
+
+def external_data_problems(proto: onnx.ModelProto, base_dir: str | os.PathLike) -> list[str]:
+    """What keeps onnxruntime from reading the external tensors of the model loaded from ``base_dir``:
+    a missing file, a location outside that directory, data shorter than the tensor or past the file's end."""
+    problems = []
+    for tensor in external_tensors(proto):
+        info = _external_info(tensor)
+        where = f"tensor '{tensor.name}': external data"
+        location = info.get("location", "")
+        if not location or os.path.isabs(location) or ".." in Path(location).parts:
+            problems.append(f"{where} location '{location}'; expected a file name relative to the model's folder")
+            continue
+        file = Path(base_dir) / location
+        if not file.is_file():
+            problems.append(f"{where} file '{location}' does not exist (or is not a regular file)")
+            continue
+        try:
+            offset, length = int(info.get("offset", 0)), info.get("length")
+            length = None if length is None else int(length)
+        except ValueError:
+            problems.append(f"{where} offset/length {info.get('offset')!r}/{info.get('length')!r}; expected integers")
+            continue
+        needed = _data_bytes(tensor)
+        size = file.stat().st_size
+        if needed is not None and length is not None and length != needed:
+            problems.append(f"{where} length is {length} bytes; expected {needed} (dims {list(tensor.dims)})")
+        elif offset < 0 or offset + (length if length is not None else needed or 0) > size:
+            problems.append(f"{where} at offset {offset}, {length if length is not None else needed} bytes, "
+                            f"is past the end of '{location}' ({size} bytes)")
+    return problems
+
+
+def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _data_bytes(tensor: onnx.TensorProto) -> int | None:
+    """Bytes of the tensor's raw data, None for strings."""
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    count = math.prod(tensor.dims)
+    if tensor.data_type in _PACKED_4BIT:
+        return (count + 1) // 2
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
 def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
+def data_file(path: str | os.PathLike) -> Path:
+    """Where :func:`save` puts the external data of a model written to ``path``."""
+    return Path(f"{path}.data")
+
+
 def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], None] | None = None) -> None:
-    """Write a model; with external data (``<name>.data`` beside it) when its weights are large or
-    already external. Lazy tensors are computed one at a time as they are written."""
+    """Write a model; with external data (:func:`data_file`) when its weights are large or already
+    external. Lazy tensors are computed one at a time as they are written. The files are written
+    in a temporary folder beside ``path`` and renamed into place when complete: a failed write
+    leaves no partial file. Raises ModelFileError naming ``path`` when it cannot be written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    try:
+        written = _write(model, staging / path.name, progress)
+        for file in written:  # the data first: the model file names it
+            os.replace(file, path.parent / file.name)
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None) -> list[Path]:
+    """Write the model to ``path``; returns the files written, the model file last."""
     external = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
     if not external and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         ir.save(model, path)
-        return
+        return [path]
     step = 0
 
     def report(tensor, info) -> None:
@@ -38,4 +158,5 @@ def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], Non
         if progress and (step == info.total or step % max(1, info.total // 20) == 0):
             progress(f"  wrote {step}/{info.total} tensors")
 
-    ir.save(model, path, external_data=f"{path.name}.data", callback=report, max_workers=1)
+    ir.save(model, path, external_data=data_file(path).name, callback=report, max_workers=1)
+    return [file for file in (data_file(path), path) if file.exists()]

@@ -7,21 +7,32 @@ backend, on the same random inputs at several (batch, sequence) sizes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from .runtime import session
 
 DEFAULT_SIZES = ((1, 1), (2, 5), (3, 17))
+#: random inputs tried at a size before deciding the original cannot run at it: a TorchScript loop
+#: export runs only inputs routed to the experts its trace reached (its Split sizes are constants)
+ATTEMPTS = 8
+#: integer inputs that index no embedding table (masks, flags) are drawn from [0, DEFAULT_INT_HIGH)
+DEFAULT_INT_HIGH = 2
 
 
 def parse_sizes(text: str) -> tuple[tuple[int, ...], ...]:
-    """Sizes written as ``"1x1,2x5"`` (the notation of ``moe-onnx optimize --sizes``) -> ``((1, 1), (2, 5))``."""
-    return tuple(tuple(int(d) for d in size.split("x")) for size in text.split(","))
+    """Sizes written as ``"1x1,2x5"`` (the notation of ``moe-onnx optimize --sizes``) -> ``((1, 1), (2, 5))``.
+    Raises ValueError unless every dim is a positive integer."""
+    sizes = tuple(tuple(int(d) for d in size.split("x")) for size in text.split(","))
+    if any(d < 1 for size in sizes for d in size):
+        raise ValueError(f"sizes {text!r} have a dim < 1")
+    return sizes
 
 
 def format_sizes(sizes: Sequence[Sequence[int]]) -> str:
@@ -31,34 +42,50 @@ def format_sizes(sizes: Sequence[Sequence[int]]) -> str:
 
 @dataclasses.dataclass
 class SizeResult:
+    """One size: the differences when both models ran (``compared``), else ``note`` says why not;
+    ``note`` also holds the error of an optimized model that failed (``ok`` False)."""
+
     sizes: dict[str, int]
-    max_abs_diff: float
-    max_rel_diff: float
-    ok: bool
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    ok: bool = True
+    compared: bool = False
+    note: str | None = None
+
+    def summary(self) -> str:
+        dims = ", ".join(f"{k}={v}" for k, v in self.sizes.items()) or "static shapes"
+        if self.compared:
+            return (f"  {dims}: max abs diff {self.max_abs_diff:.2e}, max rel diff {self.max_rel_diff:.2e} "
+                    f"{'OK' if self.ok else 'MISMATCH'}")
+        return f"  {dims}: {'not compared' if self.ok else 'FAILED'}: {self.note}"
 
 
 @dataclasses.dataclass
 class VerifyResult:
+    """The comparison at each size, the timings, and ``error`` when a model could not be loaded."""
+
     backend: str
     results: list[SizeResult]
     original_ms: float | None = None
     optimized_ms: float | None = None
     timed_sizes: dict[str, int] | None = None
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        """Both models loaded, matched at every size compared, and at least one size was compared."""
+        return self.error is None and all(r.ok for r in self.results) and any(r.compared for r in self.results)
 
     def summary(self) -> str:
-        lines = []
-        for r in self.results:
-            dims = ", ".join(f"{k}={v}" for k, v in r.sizes.items()) or "static shapes"
-            lines.append(f"  {dims}: max abs diff {r.max_abs_diff:.2e}, max rel diff {r.max_rel_diff:.2e} "
-                         f"{'OK' if r.ok else 'MISMATCH'}")
+        lines = [r.summary() for r in self.results]
         if self.original_ms is not None:
             dims = ", ".join(f"{k}={v}" for k, v in (self.timed_sizes or {}).items())
             lines.append(f"  time ({dims}, median): original {self.original_ms:.2f} ms, optimized "
                          f"{self.optimized_ms:.2f} ms, speed-up {self.original_ms / self.optimized_ms:.1f}x")
+        if self.error is not None:
+            lines.append(f"  {self.error}")
+        elif not any(r.compared for r in self.results):
+            lines.append("  nothing compared: the original model runs at none of these sizes")
         return "\n".join(lines)
 
 
@@ -76,8 +103,27 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "ten
                 "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
-def random_feeds(sess: ort.InferenceSession, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs with the symbolic dims set to ``sizes`` (unnamed or unknown dims: 1)."""
+def integer_input_ranges(model: onnx.ModelProto) -> dict[str, int]:
+    """The vocabulary of each graph input used as the indices of a Gather over an initializer (an
+    embedding table): that table's size along the gather axis."""
+    inputs = {i.name for i in model.graph.input}
+    tables = {t.name: list(t.dims) for t in model.graph.initializer if t.name not in inputs}
+    ranges: dict[str, int] = {}
+    for node in model.graph.node:
+        if (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
+                and node.input[1] in inputs and node.input[0] in tables):
+            dims = tables[node.input[0]]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if dims and -len(dims) <= axis < len(dims):
+                ranges.setdefault(node.input[1], dims[axis])
+    return ranges
+
+
+def random_feeds(sess: ort.InferenceSession, sizes: dict[str, int], seed: int = 0,
+                 int_ranges: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Random inputs with the symbolic dims set to ``sizes`` (unnamed or unknown dims: 1). Integer
+    inputs are drawn from ``[0, int_ranges[name])`` (see :func:`integer_input_ranges`), else from
+    ``[0, DEFAULT_INT_HIGH)``."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for info in sess.get_inputs():
@@ -90,7 +136,8 @@ def random_feeds(sess: ort.InferenceSession, sizes: dict[str, int], seed: int = 
         elif dtype == np.bool_:
             feeds[info.name] = np.ones(shape, dtype=dtype)
         else:
-            feeds[info.name] = rng.integers(0, 2, size=shape).astype(dtype)
+            high = max(1, (int_ranges or {}).get(info.name, DEFAULT_INT_HIGH))
+            feeds[info.name] = rng.integers(0, high, size=shape).astype(dtype)
     return feeds
 
 
@@ -109,42 +156,89 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
            threads: int | None = None) -> VerifyResult:
     """Run both models (paths or ModelProtos) on random inputs at each size; compare every output.
 
-    ``sizes`` gives values for the symbolic input dims in order (batch, sequence, ...). With
-    ``time_it`` both models are also timed at the largest size (median of ``repeat`` runs).
+    ``sizes`` gives values for the symbolic input dims in order (batch, sequence, ...). Where the
+    original fails on :data:`ATTEMPTS` different random inputs, the size is reported as not
+    compared (a trace-bound export); a model that cannot be loaded, or an optimized model that
+    fails where the original ran, is reported in the result, not raised. With ``time_it`` both
+    models are also timed at the largest size compared (median of ``repeat`` runs).
     """
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    original_sess = ort.InferenceSession(_as_input(original), options, providers=["CPUExecutionProvider"])
-    optimized_sess = session(optimized, backend=backend, sess_options=options)
+    try:
+        original_sess = ort.InferenceSession(_as_input(original), options, providers=["CPUExecutionProvider"])
+        int_ranges = integer_input_ranges(_proto(original))
+    except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+        return VerifyResult(backend, [], error=f"the input model is invalid: onnxruntime cannot load it: "
+                                               f"{_first_line(error)}")
+    try:
+        optimized_sess = session(optimized, backend=backend, sess_options=options)
+    except Exception as error:  # noqa: BLE001
+        return VerifyResult(backend, [], error=f"the optimized model cannot be loaded on the {backend} backend: "
+                                               f"{_first_line(error)}")
     names = _symbolic_dims(original_sess)
-    results = []
-    for size in sizes:
+    results, ran = [], []
+    for index, size in enumerate(sizes):
         dims = dict(zip(names, size))
-        feeds = random_feeds(original_sess, dims, seed=len(results))
-        expected = original_sess.run(None, feeds)
-        got = optimized_sess.run(None, feeds)
-        max_abs = max_rel = 0.0
-        ok = len(expected) == len(got)
-        for e, g in zip(expected, got):
-            e64, g64 = np.asarray(e, np.float64), np.asarray(g, np.float64)
-            if e64.shape != g64.shape:
-                ok = False
-                continue
-            diff = np.abs(e64 - g64)
-            if diff.size:
-                max_abs = max(max_abs, float(np.nanmax(diff)))
-                max_rel = max(max_rel, float(np.nanmax(diff / np.maximum(np.abs(e64), 1e-12))))
-            ok = ok and bool(np.allclose(g64, e64, rtol=rtol, atol=atol, equal_nan=True))
-        results.append(SizeResult(dims, max_abs, max_rel, ok))
+        seeds = [index + attempt * len(sizes) for attempt in range(ATTEMPTS)]
+        feeds, expected, failure = _run_original(original_sess, dims, seeds, int_ranges)
+        if expected is None:
+            results.append(SizeResult(dims, note=f"the original model cannot run at this size ({ATTEMPTS} random "
+                                                 f"inputs tried; a trace-bound export?): {failure}"))
+            continue
+        try:
+            got = optimized_sess.run(None, feeds)
+        except Exception as error:  # noqa: BLE001
+            results.append(SizeResult(dims, ok=False, note=f"the optimized model failed: {_first_line(error)}"))
+            continue
+        results.append(_compare(dims, expected, got, rtol, atol))
+        ran.append((dims, feeds))
     result = VerifyResult(backend, results)
-    if time_it and sizes:
-        dims = dict(zip(names, max(sizes, key=lambda s: np.prod(s))))
-        feeds = random_feeds(original_sess, dims)
-        result.timed_sizes = dims
+    if time_it and ran:
+        result.timed_sizes, feeds = max(ran, key=lambda run: math.prod(run[0].values()))
         result.original_ms = _median_ms(original_sess, feeds, repeat)
         result.optimized_ms = _median_ms(optimized_sess, feeds, repeat)
     return result
+
+
+def _run_original(sess: ort.InferenceSession, dims: dict[str, int], seeds: Sequence[int],
+                  int_ranges: dict[str, int]) -> tuple[dict | None, list | None, str | None]:
+    """The first random inputs (one per seed) the original runs on, with its outputs; else the first error."""
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4  # a failed attempt is expected here; the result says so
+    failure = None
+    for seed in seeds:
+        feeds = random_feeds(sess, dims, seed=seed, int_ranges=int_ranges)
+        try:
+            return feeds, sess.run(None, feeds, quiet), None
+        except Exception as error:  # noqa: BLE001
+            failure = failure or _first_line(error)
+    return None, None, failure
+
+
+def _compare(dims: dict[str, int], expected: list, got: list, rtol: float, atol: float) -> SizeResult:
+    max_abs = max_rel = 0.0
+    ok = len(expected) == len(got)
+    for e, g in zip(expected, got):
+        e64, g64 = np.asarray(e, np.float64), np.asarray(g, np.float64)
+        if e64.shape != g64.shape:
+            ok = False
+            continue
+        diff = np.abs(e64 - g64)
+        if diff.size:
+            max_abs = max(max_abs, float(np.nanmax(diff)))
+            max_rel = max(max_rel, float(np.nanmax(diff / np.maximum(np.abs(e64), 1e-12))))
+        ok = ok and bool(np.allclose(g64, e64, rtol=rtol, atol=atol, equal_nan=True))
+    return SizeResult(dims, max_abs, max_rel, ok, compared=True)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _proto(model) -> onnx.ModelProto:
+    return model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
 
 
 def _as_input(model):
