@@ -59,6 +59,16 @@ def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not sizes like 1x1,2x5") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-onnx", description="Fused Mixture-of-Experts ops for ONNX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -85,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
                      help="values of the symbolic input dims (batch x sequence ...) for --verify "
                           f"(default {format_sizes(DEFAULT_SIZES)})")
-    opt.add_argument("--threads", type=int, default=None, help="intra-op threads for --verify")
+    opt.add_argument("--threads", type=_positive_int, default=None, help="intra-op threads for --verify")
     opt.add_argument("--report", metavar="FILE.json", help="write the report (and verify results) as JSON")
     opt.set_defaults(run=_optimize)
     return parser

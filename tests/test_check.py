@@ -7,6 +7,7 @@ import onnx
 import pytest
 from cases.moe import CASES
 
+from moe_onnx import check
 from moe_onnx.cli import main
 
 BASE = next(c for c in CASES if c.name == "gemm2_fp32")
@@ -111,3 +112,95 @@ def test_unreadable_file(tmp_path, capsys):
     path.write_bytes(b"\xff\x00not a model")
     assert main(["check", str(path)]) == 1
     assert "cannot read the model" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- models onnxruntime cannot load (issue 10, item 6)
+
+def _external(path, edit=None) -> str:
+    """The base model saved with every initializer in external data beside ``path``; ``edit(data_file, proto)``
+    may then corrupt the data file or the proto's external-data entries."""
+    _save(_model(), path, save_as_external_data=True, location=f"{path.name}.data", size_threshold=0)
+    if edit is not None:
+        proto = onnx.load(str(path), load_external_data=False)
+        edit(path.parent / f"{path.name}.data", proto)
+        onnx.save(proto, str(path))
+    return str(path)
+
+
+def _truncate_data(data, proto):
+    with open(data, "r+b") as handle:
+        handle.truncate(data.stat().st_size - 4)
+
+
+def _set_external(key, value):
+    def edit(data, proto):
+        for entry in proto.graph.initializer[0].external_data:
+            if entry.key == key:
+                entry.value = value
+    return edit
+
+
+def _routing_model(n=4, k=2, **attributes) -> onnx.ModelProto:
+    """A single MoeInitRouting node over x [n, 8] and expert_idx [n, k]."""
+    make = onnx.helper.make_tensor_value_info
+    node = onnx.helper.make_node("MoeInitRouting", ["x", "idx"], ["expanded_x", "row_idx", "counts"],
+                                 domain="moe_onnx", name="routing", expert_tokens_num_flag=1, **attributes)
+    graph = onnx.helper.make_graph(
+        [node], "g", [make("x", onnx.TensorProto.FLOAT, [n, 8]), make("idx", onnx.TensorProto.INT32, [n, k])],
+        [make("expanded_x", onnx.TensorProto.FLOAT, ["a", "b", "c"]), make("row_idx", onnx.TensorProto.INT32, ["r"]),
+         make("counts", onnx.TensorProto.INT64, ["e"])])
+    return onnx.helper.make_model(graph, ir_version=10, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                                       onnx.helper.make_opsetid("moe_onnx", 1)])
+
+
+UNLOADABLE = {
+    "external_data_shorter_than_declared": (
+        lambda folder: _external(folder / "m.onnx", _truncate_data),
+        "external data at offset"),
+    "external_offset_past_the_end": (
+        lambda folder: _external(folder / "m.onnx", _set_external("offset", str(10**9))),
+        "at offset 1000000000"),
+    "external_length_wrong": (
+        lambda folder: _external(folder / "m.onnx", _set_external("length", "4")),
+        "length is 4 bytes; expected"),
+    "drop_pad_rows_overflow": (
+        lambda folder: _save(_routing_model(expert_num=2**40, expert_capacity=2**40, drop_pad_mode=1),
+                             folder / "m.onnx"),
+        "MoeInitRouting node 'routing': output 'expanded_x' has shape [1099511627776, 1099511627776, 8]"),
+    "declared_dims_2_40": (  # N * k = 2**80 rows: once a traceback from shape inference
+        lambda folder: _save(_routing_model(n=2**40, k=2**40, expert_num=8), folder / "m.onnx"),
+        "value 'idx' has shape [1099511627776, 1099511627776]"),
+    "unused_moe_onnx_opset_2": (
+        lambda folder: _save(onnx.helper.make_model(
+            onnx.helper.make_graph([], "g", [], []), ir_version=10,
+            opset_imports=[onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid("moe_onnx", 2)]),
+            folder / "m.onnx"),
+        "opset_import for domain 'moe_onnx' is 2; expected 1"),
+}
+
+
+@pytest.mark.parametrize("name", UNLOADABLE)
+def test_models_onnxruntime_cannot_load_fail(name, tmp_path, capsys):
+    make, message = UNLOADABLE[name]
+    path = make(tmp_path)
+    assert main(["check", path]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}: INVALID" in out and message in out, out
+
+
+def test_empty_file_cannot_be_read(tmp_path, capsys):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    assert main(["check", str(tmp_path / "empty.onnx")]) == 1
+    assert "cannot read the model" in capsys.readouterr().out
+
+
+def test_check_never_raises(tmp_path, capsys, monkeypatch):
+    """Whatever fails inside the checks is one problem line under the file's name, not a traceback."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(check, "check_loaded", broken)
+    path = _save(_model(), tmp_path / "m.onnx")
+    assert main(["check", path]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{path}: INVALID (1 problem)",
+                                                    "  cannot check the model: RuntimeError: a bug"]

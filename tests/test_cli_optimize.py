@@ -1,17 +1,26 @@
-"""`moe-onnx optimize`: report, verification, JSON, external data, refusal to overwrite its input."""
+"""`moe-onnx optimize`: report, verification, JSON, external data, refusal to overwrite its input's files,
+no partial output, one-line errors, --verify on trace-bound exports."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
-
+from cases.moe import CASES
 from fixture_models import FIXTURES, TARGETS
 from moe_onnx import io
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.verify import verify
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CASE = next(c for c in CASES if c.name == "gemm2_fp32")
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -54,3 +63,220 @@ def test_unknown_target_is_a_usage_error(tmp_path):
         main(["optimize", str(FIXTURES / "mixtral_batched_mm_tiny.onnx"), "-o", str(tmp_path / "o.onnx"),
               "--target", "dense"])
     assert exit_info.value.code == 2
+
+
+# ----------------------------------------------------------------------------- never lose a file (issue 10, item 3)
+
+TINY = FIXTURES / "mixtral_batched_mm_tiny.onnx"
+
+
+def _external_copy(folder, name: str = "a.onnx", data: str = "a.onnx.data"):
+    """TINY saved in ``folder`` as ``name`` with its weights in ``data``; returns (model path, data path)."""
+    model = onnx.load(TINY)
+    onnx.save(model, str(folder / name), save_as_external_data=True, location=data, size_threshold=100)
+    return folder / name, folder / data
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_refuses_to_overwrite_the_data_file_of_its_input(tmp_path, capsys):
+    """(a) IN keeps its weights in b.onnx.data: `-o b.onnx` would write its own data there."""
+    source, _ = _external_copy(tmp_path, data="b.onnx.data")
+    before = _snapshot(tmp_path)
+    assert main(["optimize", str(source), "-o", str(tmp_path / "b.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "same file" in err and "b.onnx.data" in err
+    assert _snapshot(tmp_path) == before
+
+
+def test_refuses_to_write_over_its_inputs_external_data(tmp_path, capsys):
+    """(b) OUT names IN's external data file."""
+    source, data = _external_copy(tmp_path)
+    before = _snapshot(tmp_path)
+    assert main(["optimize", str(source), "-o", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "same file" in err and str(data) in err
+    assert _snapshot(tmp_path) == before
+
+
+def test_refuses_a_hard_link_to_its_input(tmp_path, capsys):
+    """(c) OUT is another name of IN."""
+    source = tmp_path / "m.onnx"
+    source.write_bytes(TINY.read_bytes())
+    os.link(source, tmp_path / "link.onnx")
+    assert main(["optimize", str(source), "-o", str(tmp_path / "link.onnx")]) == 2
+    assert "same file" in capsys.readouterr().err
+    assert source.read_bytes() == TINY.read_bytes()
+
+
+WRITE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+from moe_onnx import io
+from moe_onnx.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+io.EXTERNAL_DATA_THRESHOLD = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+sys.exit(main(["optimize", *sys.argv[3:]]))
+"""
+
+
+@pytest.mark.parametrize("threshold", [1 << 30, 0], ids=["inline", "external_data"])
+def test_a_failed_write_leaves_no_partial_output(threshold, tmp_path):
+    """(d) the file-size limit stops the write midway: OUT keeps its old content, nothing else is left."""
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"old")
+    limit = TINY.stat().st_size // 3
+    child = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_SIZE_LIMIT, str(threshold), str(limit), str(TINY),
+                            "-o", str(out)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"})
+    assert child.returncode == 1, child.stderr
+    assert _error_lines(child.stderr) == [f"moe-onnx optimize: {out}: cannot write it: File too large"]
+    assert _snapshot(tmp_path) == {"out.onnx": b"old"} and list(tmp_path.iterdir()) == [out]
+
+
+# ----------------------------------------------------------------------------- one line, nothing written (item 9)
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the progress lines."""
+    return [line for line in stderr.splitlines() if not line.startswith("[")]
+
+
+def _truncated(folder):
+    path = folder / "truncated.onnx"
+    path.write_bytes(TINY.read_bytes()[:3000])
+    return path
+
+
+def _random_bytes(folder):
+    path = folder / "random.onnx"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes())
+    return path
+
+
+def _empty(folder):
+    path = folder / "empty.onnx"
+    path.write_bytes(b"")
+    return path
+
+
+def _directory(folder):
+    (folder / "dir.onnx").mkdir()
+    return folder / "dir.onnx"
+
+
+def _missing_data(folder):
+    source, data = _external_copy(folder)
+    data.unlink()
+    return source
+
+
+def _short_data(folder):
+    source, data = _external_copy(folder)
+    with open(data, "r+b") as handle:
+        handle.truncate(data.stat().st_size // 2)
+    return source
+
+
+def _other_opset(folder):
+    model = onnx.load(TINY)
+    model.opset_import.append(onnx.helper.make_opsetid("moe_onnx", 2))
+    onnx.save(model, str(folder / "opset2.onnx"))
+    return folder / "opset2.onnx"
+
+
+BAD_INPUTS = {
+    "random_bytes": (_random_bytes, "is not an ONNX model"),
+    "truncated_protobuf": (_truncated, "is not an ONNX model"),
+    "empty_file": (_empty, "is empty (0 bytes)"),
+    "directory": (_directory, "is not a regular file"),
+    "missing_path": (lambda folder: folder / "nothere.onnx", "no such file"),
+    "missing_external_data": (_missing_data, "external data file 'a.onnx.data' does not exist"),
+    "short_external_data": (_short_data, "is past the end of 'a.onnx.data'"),
+    "other_moe_onnx_opset": (_other_opset, "opset_import for domain 'moe_onnx' is 2; expected 1"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_line(name, tmp_path, capsys):
+    inputs, outputs = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    make, message = BAD_INPUTS[name]
+    source = make(inputs)
+    assert main(["optimize", str(source), "-o", str(outputs / "o.onnx"), "--verify"]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith(f"moe-onnx optimize: {source}: ") and message in line, line
+    assert not outputs.exists()
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("a file, not a folder")
+    out = tmp_path / "file" / "o.onnx"
+    assert main(["optimize", str(TINY), "-o", str(out)]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith(f"moe-onnx optimize: {out}: cannot write it: "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("option", [["--sizes", "abc"], ["--sizes=0x2"], ["--sizes", "1x"], ["--threads", "0"]])
+def test_bad_option_is_a_usage_error(option, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["optimize", str(TINY), "-o", str(tmp_path / "o.onnx"), "--verify", *option])
+    assert exit_info.value.code == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_invalid_input_is_reported_as_such(tmp_path, capsys):
+    """A model that fails `moe-onnx check` already is refused, not blamed on the optimization."""
+    model = BASE_CASE.model(symbolic=True)
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "expert_beta":
+            attr.f = 0.0
+    onnx.save(model, str(tmp_path / "bad.onnx"))
+    assert main(["optimize", str(tmp_path / "bad.onnx"), "-o", str(tmp_path / "o.onnx"), "--verify"]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.startswith(f"moe-onnx optimize: {tmp_path / 'bad.onnx'}: the input model is invalid: MOE node"), line
+    assert not (tmp_path / "o.onnx").exists()
+
+
+# ----------------------------------------------------------------------------- --verify on trace-bound exports (item 12)
+
+def test_verify_skips_sizes_a_loop_export_cannot_run(tmp_path, capsys):
+    """A TorchScript loop export runs only inputs that reach all its traced experts: never one token."""
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    status = main(["optimize", str(FIXTURES / "mixtral_loop_small.onnx"), "-o", str(out), "--verify",
+                   "--sizes", "1x1,2x5,3x17", "--report", str(report)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "batch=1, seq=1: not compared: the original model cannot run at this size" in printed
+    assert "batch=3, seq=17: max abs diff" in printed and "speed-up" in printed
+    sizes = json.loads(report.read_text())["verify"]["sizes"]
+    assert [s["compared"] for s in sizes] == [False, True, True] and all(s["ok"] for s in sizes)
+
+
+def test_verify_says_when_nothing_could_be_compared(tmp_path, capsys):
+    """The export missing expert 3 runs only on inputs routed to exactly experts 0, 1, 2."""
+    report = tmp_path / "report.json"
+    status = main(["optimize", str(FIXTURES / "mixtral_loop_missing_tiny.onnx"), "-o", str(tmp_path / "o.onnx"),
+                   "--verify", "--sizes", "1x1,3x17", "--report", str(report)])
+    assert status == 1
+    assert "nothing compared: the original model runs at none of these sizes" in capsys.readouterr().out
+    assert json.loads(report.read_text())["verify"]["ok"] is False
+
+
+def _embedding_model(table: np.ndarray) -> onnx.ModelProto:
+    ids = onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "seq"])
+    out = onnx.helper.make_tensor_value_info("embedded", onnx.TensorProto.FLOAT, ["batch", "seq", table.shape[1]])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Gather", ["table", "input_ids"], ["embedded"])], "g",
+                                   [ids], [out], [onnx.numpy_helper.from_array(table, "table")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_verify_draws_token_ids_from_the_vocabulary():
+    """Rows past 1 of an embedding table are read too: a difference there is a mismatch."""
+    table = np.arange(50 * 4, dtype=np.float32).reshape(50, 4)
+    changed = table.copy()
+    changed[2:] += 1
+    assert not verify(_embedding_model(table), _embedding_model(changed), backend="python", time_it=False).ok
+    assert verify(_embedding_model(table), _embedding_model(table), backend="python", time_it=False).ok
