@@ -34,7 +34,15 @@ def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
 
 
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
-    """check_model of a model already loaded (without its external data) from `path`, if any."""
+    """check_model of a model already loaded (without its external data) from `path`, if any.
+    Never raises: a failure of the checks themselves (a model no rule foresaw) is a problem too."""
+    try:
+        return _problems(proto, path)
+    except Exception as error:  # noqa: BLE001 -- still one line naming what went wrong
+        return [f"cannot check the model: {type(error).__name__}: {error}"]
+
+
+def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
     base_dir = "" if path is None else str(path.parent)
     if path is not None:
         problems = io.external_data_problems(proto, base_dir)
@@ -50,16 +58,12 @@ def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
-    then one per problem). Nothing raises: an unreadable file, or any failure of the checks
-    themselves, is a problem."""
-    proto = None
+    then one per problem). Nothing raises: an unreadable file is a problem too."""
     try:
         proto = io.read_proto(path)
         problems = check_loaded(proto, Path(path))
     except io.ModelFileError as error:
         problems = [f"cannot read the model: {error}"]
-    except Exception as error:  # noqa: BLE001 -- a checker bug or a model no rule foresaw: still one line
-        problems = [f"cannot check the model: {type(error).__name__}: {error}"]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
         return False, "\n".join([heading] + [f"  {problem}" for problem in problems])

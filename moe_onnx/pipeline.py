@@ -8,9 +8,9 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from shutil import SameFileError
 
 import onnx
-from shutil import SameFileError
 
 from . import io
 from .check import check_loaded, check_model

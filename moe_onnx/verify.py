@@ -176,6 +176,10 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
     except Exception as error:  # noqa: BLE001
         return VerifyResult(backend, [], error=f"the optimized model cannot be loaded on the {backend} backend: "
                                                f"{_first_line(error)}")
+    unsupported = [i for i in original_sess.get_inputs() if i.type not in _NUMPY_TYPES]
+    if unsupported:
+        return VerifyResult(backend, [], error=f"verify: input '{unsupported[0].name}' has type "
+                                               f"{unsupported[0].type}, which verify cannot generate")
     names = _symbolic_dims(original_sess)
     results, ran = [], []
     for index, size in enumerate(sizes):

@@ -199,7 +199,7 @@ def test_check_never_raises(tmp_path, capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(check, "check_loaded", broken)
+    monkeypatch.setattr(check, "_check_opset", broken)
     path = _save(_model(), tmp_path / "m.onnx")
     assert main(["check", path]) == 1
     assert capsys.readouterr().out.splitlines() == [f"{path}: INVALID (1 problem)",

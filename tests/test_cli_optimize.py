@@ -280,3 +280,13 @@ def test_verify_draws_token_ids_from_the_vocabulary():
     changed[2:] += 1
     assert not verify(_embedding_model(table), _embedding_model(changed), backend="python", time_it=False).ok
     assert verify(_embedding_model(table), _embedding_model(table), backend="python", time_it=False).ok
+
+
+def test_verify_reports_an_input_it_cannot_generate():
+    text = onnx.helper.make_tensor_value_info("text", onnx.TensorProto.STRING, ["n"])
+    same = onnx.helper.make_tensor_value_info("same", onnx.TensorProto.STRING, ["n"])
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph([onnx.helper.make_node("Identity", ["text"], ["same"])], "g", [text], [same]),
+        opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    result = verify(model, model, backend="python", time_it=False)
+    assert not result.ok and result.error == "verify: input 'text' has type tensor(string), which verify cannot generate"
