@@ -130,7 +130,8 @@ def test_a_failed_write_leaves_no_partial_output(threshold, tmp_path):
     limit = TINY.stat().st_size // 3
     child = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_SIZE_LIMIT, str(threshold), str(limit), str(TINY),
                             "-o", str(out)], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"})
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+                                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert child.returncode == 1, child.stderr
     assert _error_lines(child.stderr) == [f"moe-onnx optimize: {out}: cannot write it: File too large"]
     assert _snapshot(tmp_path) == {"out.onnx": b"old"} and list(tmp_path.iterdir()) == [out]
