@@ -29,7 +29,8 @@ def _evaluator_class(op: OpDef) -> type[OpRun]:
 
     def _run(self, *inputs, **attributes):
         attributes = {k: v for k, v in attributes.items() if v is not None}
-        outputs = op.reference(*inputs, _node_name=self.onnx_node.name, **attributes)
+        named = [bool(name) for name in self.onnx_node.output]
+        outputs = op.reference(*inputs, _node_name=self.onnx_node.name, _named_outputs=named, **attributes)
         return tuple(outputs[: len(self.onnx_node.output)])
 
     return type(op.name, (OpRun,), {"op_domain": DOMAIN, "_run": _run, "__doc__": op.doc})
