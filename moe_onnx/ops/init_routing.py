@@ -203,7 +203,7 @@ def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None,
                  expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
                  active_expert_range=active_expert_range, row_idx_type=row_idx_type)
     if _named_outputs is None:
-        _named_outputs = [i != TOKEN_COUNTS or expert_tokens_num_flag != 0 for i in range(len(MOE_INIT_ROUTING.outputs))]
+        _named_outputs = [i != TOKEN_COUNTS or expert_tokens_num_flag != 0 for i in range(EXPANDED_SCALE + 1)]
     view = ArrayView(MOE_INIT_ROUTING, [x, expert_idx, scale, offset], attrs, node_name=_node_name,
                      named_outputs=_named_outputs)
     infos = MOE_INIT_ROUTING.validate(view)
