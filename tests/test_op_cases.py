@@ -60,7 +60,7 @@ def test_shape_inference_rejects(case):
 
 
 
-@pytest.mark.parametrize("dtype", [np.complex64, np.dtype("datetime64[s]")], ids=str)
+@pytest.mark.parametrize("dtype", [np.complex64, np.dtype("datetime64[s]")], ids=lambda d: np.dtype(d).name)
 def test_reference_rejects_types_onnxruntime_cannot_feed(dtype):
     """Element types no kernel is registered for (onnxruntime refuses the model) fail the references'
     own type check, directly and inside ReferenceEvaluator."""
