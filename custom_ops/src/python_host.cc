@@ -5,13 +5,12 @@
 // registers one generic kernel per variant in the private domain "moe_onnx.python". A variant is an
 // op with concrete output types (onnxruntime must know them before running, and they may depend on
 // attributes); moe_onnx.runtime.session(backend="python") rewrites the model's nodes to the variant
-// that shape inference gives them. At kernel creation the node's attributes are read into a dict (and which
-// outputs the node names into a tuple of bools); at Compute
-// the kernel takes the GIL (onnxruntime may call from its own threads, and the Python binding
-// releases the GIL during run), passes each input as a read-only memoryview over onnxruntime's
-// buffer (no copy; None when absent) with its element type and shape to
-// moe_onnx._python_host.compute, and copies the returned arrays into the named outputs. A Python
-// exception becomes an onnxruntime error carrying its message.
+// that shape inference gives them. At kernel creation the node's attributes are read into a dict and
+// which outputs it names into a tuple of bools; at Compute the kernel takes the GIL (onnxruntime may
+// call from its own threads, and the Python binding releases the GIL during run), passes each input
+// as a read-only memoryview over onnxruntime's buffer (no copy; None when absent) with its element
+// type and shape to moe_onnx._python_host.compute, and copies the returned arrays into the named
+// outputs. A Python exception becomes an onnxruntime error carrying its message.
 //
 // Built against Python's headers without linking libpython: the symbols come from the Python
 // process that loads onnxruntime. Loading this library into a process without Python fails.
