@@ -63,20 +63,25 @@ def op_specs() -> list[tuple]:
     return specs
 
 
-def compute(op_name: str, node_name: str, inputs: list, attrs: dict, n_outputs: int) -> list:
-    """Runs one node: inputs are (memoryview, elem_type, shape) or None; returns (elem_type, shape, bytes view)."""
+def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outputs: Sequence[bool]) -> list:
+    """Runs one node: inputs are (memoryview, elem_type, shape) or None, ``named_outputs`` says which outputs
+    the node names; returns per output (elem_type, shape, bytes view), None for an output the node does not name."""
     arrays = [None if item is None else np.frombuffer(item[0], dtype=np_dtype(item[1])).reshape(item[2])
               for item in inputs]
     while arrays and arrays[-1] is None:
         arrays.pop()
     op = OPS[op_name]
-    outputs = op.reference(*arrays, _node_name=node_name, **attrs)
+    n_outputs = len(named_outputs)
+    outputs = op.reference(*arrays, _node_name=node_name, _named_outputs=named_outputs, **attrs)
     if not isinstance(outputs, (tuple, list)) or len(outputs) < n_outputs:
         raise MoeOpError(f"{op_name}: the Python kernel returned {type(outputs).__name__} "
                          f"of length {len(outputs) if isinstance(outputs, (tuple, list)) else '?'}; "
                          f"expected a tuple of at least {n_outputs} arrays")
     result = []
-    for i, out in enumerate(outputs[:n_outputs]):
+    for i, (out, named) in enumerate(zip(outputs, named_outputs)):
+        if not named:
+            result.append(None)
+            continue
         if not isinstance(out, np.ndarray):
             raise MoeOpError(f"{op_name}: the Python kernel's output {i} is {type(out).__name__}; expected an array")
         elem = onnx.helper.np_dtype_to_tensor_dtype(out.dtype) if out.dtype.name != "bfloat16" else \

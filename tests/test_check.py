@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from cases import finalize_routing as finalize_cases
+from cases import row_parallel_linear as linear_cases
 from cases.moe import CASES
 
 from moe_onnx import check
@@ -204,3 +206,23 @@ def test_check_never_raises(tmp_path, capsys, monkeypatch):
     assert main(["check", path]) == 1
     assert capsys.readouterr().out.splitlines() == [f"{path}: INVALID (1 problem)",
                                                     "  cannot check the model: RuntimeError: a bug"]
+
+
+def _case_model(cases, name: str) -> onnx.ModelProto:
+    return next(c for c in cases if c.name == name).model()
+
+
+def test_expert_offsets_decreasing_past_int64_max_are_reported(tmp_path, capsys):
+    """Constant offsets [0, 2**63-1, -2, 5] decrease although their differences wrap to positive numbers."""
+    model = _case_model(linear_cases.CASES, "offsets_decreasing_past_int64_max")
+    assert main(["check", _save(model, tmp_path / "m.onnx")]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and ("MoeRowParallelLinear node 'MoeRowParallelLinear_node': input 'expert_offset'[2] = -2 "
+                                 "is less than expert_offset[1] = 9223372036854775807") in out, out
+
+
+def test_finalize_routing_expert_idx_without_bias_passes(tmp_path, capsys):
+    """Ascend graphs wire expert_idx with no bias: accepted (and unused)."""
+    model = _case_model(finalize_cases.CASES, "expert_idx_without_bias")
+    assert main(["check", _save(model, tmp_path / "m.onnx")]) == 0
+    assert "OK" in capsys.readouterr().out

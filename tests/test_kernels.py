@@ -16,6 +16,7 @@ import re
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from cases import ALL_CASES, Case
@@ -26,9 +27,10 @@ from cases.moe import BF16, GEMM2, GEMM3, TOL, make_inputs
 from fixture_models import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
-from moe_onnx.ops import MoeOpError
+from moe_onnx.ops import OPS, REFERENCE_OPS, MoeOpError
 from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
@@ -130,6 +132,29 @@ LARGER_CASES = _larger_cases()
 @pytest.mark.parametrize("case", LARGER_CASES, ids=lambda c: c.id)
 def test_cpp_larger(case):
     check(case, "cpp")
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python", "reference_evaluator"])
+def test_init_routing_unnamed_count_output_between_named_ones(backend):
+    """expert_tokens_num_flag 0 with output 2 left unnamed ("") and expanded_scale named: a valid node,
+    whose named outputs are the reference's on every backend."""
+    case = next(c for c in init_cases.CASES if c.name == "float_token_scale")
+    case = case.mutated("unnamed_count_output", None, expert_tokens_num_flag=0)
+    model = case.model()  # names every output (shape inference rejects it): leave output 2 unnamed
+    model.graph.node[0].output[2] = ""
+    del model.graph.output[2]
+    for out in model.graph.output:
+        out.ClearField("type")
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    if backend == "reference_evaluator":
+        got = ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(None, case.feeds())
+    else:
+        got = run(session(model, backend=backend, sess_options=options(2)), case.feeds())
+    expected = OPS[case.op].reference(*case.inputs, _named_outputs=[True, True, False, True], **case.attrs)
+    assert len(got) == 3 and expected[2] is None
+    for g, e in zip(got, (expected[0], expected[1], expected[3])):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_array_equal(g, e)
 
 
 @pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None] + LARGER_CASES, ids=lambda c: c.id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -55,3 +57,18 @@ def test_shape_inference_rejects(case):
     """Errors visible from types, shapes and attributes fail ONNX shape inference, with the same message."""
     with pytest.raises(Exception, match=case.error):
         onnx.shape_inference.infer_shapes(case.model(), strict_mode=True)
+
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.dtype("datetime64[s]")], ids=lambda d: np.dtype(d).name)
+def test_reference_rejects_types_onnxruntime_cannot_feed(dtype):
+    """Element types no kernel is registered for (onnxruntime refuses the model) fail the references'
+    own type check, directly and inside ReferenceEvaluator."""
+    base = next(c for c in ALL_CASES if c.id == "MoeRowParallelLinear-fp32")
+    case = base.mutated("x_other_type", None, X=base.inputs[0].astype(dtype))
+    expected = f"input 'X' has type {np.dtype(dtype)}; expected float32, float16, bfloat16, int8"
+    with pytest.raises(MoeOpError, match=re.escape(f"MoeRowParallelLinear: {expected}")):
+        case.run_reference()
+    if dtype == np.complex64:  # ONNX has a complex64 tensor type, so a model can carry it
+        with pytest.raises(MoeOpError, match=re.escape(f"MoeRowParallelLinear node '{case.node_name}': {expected}")):
+            ReferenceEvaluator(case.model(), new_ops=REFERENCE_OPS).run(None, case.feeds())

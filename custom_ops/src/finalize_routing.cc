@@ -32,10 +32,7 @@ Dims validate(const FinalizeRoutingKernel& kernel, const Checker& v) {
   v.expect_elem(EXPANDED_ROW_IDX);
   if (v.has(BIAS) && !v.has(EXPERT_IDX))
     v.fail(v.input_name(EXPERT_IDX), "is required when 'bias' is given (it says which expert's bias each slot adds)");
-  if (v.has(EXPERT_IDX)) {
-    if (!v.has(BIAS)) v.fail(v.input_name(EXPERT_IDX), "is given, but there is no 'bias' to index; leave it empty");
-    v.expect_elem(EXPERT_IDX);
-  }
+  if (v.has(EXPERT_IDX)) v.expect_elem(EXPERT_IDX);  // without bias it is unused, but checked all the same
   if (!v.has(X1) && !v.has(X2) && !v.has(SCALES) && !v.has(EXPERT_IDX))
     v.fail("inputs 'x1', 'x2', 'scales' and 'expert_idx'",
            "are all absent; expected at least one of them, to give the number of tokens N");

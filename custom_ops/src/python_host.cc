@@ -5,12 +5,12 @@
 // registers one generic kernel per variant in the private domain "moe_onnx.python". A variant is an
 // op with concrete output types (onnxruntime must know them before running, and they may depend on
 // attributes); moe_onnx.runtime.session(backend="python") rewrites the model's nodes to the variant
-// that shape inference gives them. At kernel creation the node's attributes are read into a dict; at Compute
-// the kernel takes the GIL (onnxruntime may call from its own threads, and the Python binding
-// releases the GIL during run), passes each input as a read-only memoryview over onnxruntime's
-// buffer (no copy; None when absent) with its element type and shape to
-// moe_onnx._python_host.compute, and copies the returned arrays into the outputs. A Python
-// exception becomes an onnxruntime error carrying its message.
+// that shape inference gives them. At kernel creation the node's attributes are read into a dict and
+// which outputs it names into a tuple of bools; at Compute the kernel takes the GIL (onnxruntime may
+// call from its own threads, and the Python binding releases the GIL during run), passes each input
+// as a read-only memoryview over onnxruntime's buffer (no copy; None when absent) with its element
+// type and shape to moe_onnx._python_host.compute, and copies the returned arrays into the named
+// outputs. A Python exception becomes an onnxruntime error carrying its message.
 //
 // Built against Python's headers without linking libpython: the symbols come from the Python
 // process that loads onnxruntime. Loading this library into a process without Python fails.
@@ -98,7 +98,8 @@ struct PyKernel {
 
   const Spec& spec;
   std::string node_name, where;
-  PyObject* attrs = nullptr;  // dict name -> value (absent attributes are left out)
+  PyObject* attrs = nullptr;          // dict name -> value (absent attributes are left out)
+  PyObject* named_outputs = nullptr;  // tuple of bools: whether the node names output i
 };
 
 struct PyOp : Ort::CustomOpBase<PyOp, PyKernel, true> {
@@ -166,13 +167,19 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
     }
     if (value) PyDict_SetItemString(dict.p, name.c_str(), value.p);
   }
+  const size_t n_out = kinfo.GetOutputCount();
+  Ref named(PyTuple_New(static_cast<Py_ssize_t>(n_out)));
+  if (!named) throw Ort::Exception(take_python_error(where).first, ORT_FAIL);
+  for (size_t i = 0; i < n_out; ++i) PyTuple_SET_ITEM(named.p, i, PyBool_FromLong(!kinfo.GetOutputName(i).empty()));
   attrs = dict.release();
+  named_outputs = named.release();
 }
 
 PyKernel::~PyKernel() {
-  if (attrs && Py_IsInitialized()) {
+  if ((attrs || named_outputs) && Py_IsInitialized()) {
     Gil gil;
-    Py_DECREF(attrs);
+    Py_XDECREF(attrs);
+    Py_XDECREF(named_outputs);
   }
 }
 
@@ -222,14 +229,15 @@ void PyKernel::Compute(OrtKernelContext* context) {
   Ref fn(PyObject_GetAttrString(module.p, "compute"));
   if (!fn) python_error();
   const size_t n_out = ctx.GetOutputCount();
-  Ref result(PyObject_CallFunction(fn.p, "ssOOn", spec.op.c_str(), node_name.c_str(), inputs.p, attrs,
-                                   static_cast<Py_ssize_t>(n_out)));
+  Ref result(PyObject_CallFunction(fn.p, "ssOOO", spec.op.c_str(), node_name.c_str(), inputs.p, attrs,
+                                   named_outputs));
   if (!result) python_error();
   if (!PyList_Check(result.p) || static_cast<size_t>(PyList_GET_SIZE(result.p)) < n_out)
     throw Ort::Exception(where + ": internal: moe_onnx._python_host.compute returned a wrong value", ORT_FAIL);
 
   for (size_t i = 0; i < n_out; ++i) {
-    PyObject* item = PyList_GET_ITEM(result.p, i);  // (elem_type, shape tuple, uint8 array)
+    PyObject* item = PyList_GET_ITEM(result.p, i);  // (elem_type, shape tuple, uint8 array), None: not named
+    if (item == Py_None) continue;
     int elem = 0;
     PyObject *dims = nullptr, *bytes = nullptr;
     if (!PyArg_ParseTuple(item, "iO!O", &elem, &PyTuple_Type, &dims, &bytes)) python_error();

@@ -6,6 +6,7 @@ onnx checker and shape inference validate models that use them.
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import defs
 from onnx.reference.op_run import OpRun
 
@@ -29,8 +30,10 @@ def _evaluator_class(op: OpDef) -> type[OpRun]:
 
     def _run(self, *inputs, **attributes):
         attributes = {k: v for k, v in attributes.items() if v is not None}
-        outputs = op.reference(*inputs, _node_name=self.onnx_node.name, **attributes)
-        return tuple(outputs[: len(self.onnx_node.output)])
+        named = [bool(name) for name in self.onnx_node.output]
+        outputs = op.reference(*inputs, _node_name=self.onnx_node.name, _named_outputs=named, **attributes)
+        # ReferenceEvaluator wants an array at every position, also where the node names no output ("")
+        return tuple(out if is_named else np.empty(0) for out, is_named in zip(outputs, named))
 
     return type(op.name, (OpRun,), {"op_domain": DOMAIN, "_run": _run, "__doc__": op.doc})
 

@@ -47,17 +47,6 @@ _ELEM_NAMES = {
     TensorProto.UINT8: "uint8",
     TensorProto.BOOL: "bool",
 }
-_NP_TO_ELEM = {
-    np.dtype(np.float32): TensorProto.FLOAT,
-    np.dtype(np.float16): TensorProto.FLOAT16,
-    np.dtype(ml_dtypes.bfloat16): TensorProto.BFLOAT16,
-    np.dtype(np.int8): TensorProto.INT8,
-    np.dtype(np.int32): TensorProto.INT32,
-    np.dtype(np.int64): TensorProto.INT64,
-    np.dtype(np.float64): TensorProto.DOUBLE,
-    np.dtype(np.uint8): TensorProto.UINT8,
-    np.dtype(np.bool_): TensorProto.BOOL,
-}
 
 
 def elem_name(elem_type: int) -> str:
@@ -71,10 +60,10 @@ def elem_of_type_str(type_str: str) -> int:
 
 
 def elem_of(array: np.ndarray) -> int:
-    """ONNX element type of a numpy array (bfloat16 through ml_dtypes)."""
+    """ONNX element type of a numpy array (bfloat16 through ml_dtypes); UNDEFINED when ONNX has none."""
     try:
-        return _NP_TO_ELEM[array.dtype]
-    except KeyError:
+        return helper.np_dtype_to_tensor_dtype(array.dtype)
+    except (KeyError, TypeError, ValueError):
         return TensorProto.UNDEFINED
 
 
@@ -88,6 +77,11 @@ def np_dtype(elem_type: int) -> np.dtype:
 def compute_dtype(dtype: np.dtype) -> np.dtype:
     """float16 and bfloat16 are computed in float32; float32 stays float32."""
     return np.dtype(np.float32) if dtype.kind == "f" or dtype == ml_dtypes.bfloat16 else dtype
+
+
+def as_rows(array: np.ndarray) -> np.ndarray:
+    """``array`` [..., H] as [rows, H], rows the product of its leading dims (also when H is 0)."""
+    return array.reshape(math.prod(array.shape[:-1]), array.shape[-1])
 
 
 # ----------------------------------------------------------------------------- formal parts
@@ -211,11 +205,14 @@ class NodeView:
     def expect_elem(self, i: int) -> int:
         """Input i's element type, after checking it is one its signature allows."""
         info = self.require(i)
-        allowed = self.op.input_elems(i)
-        if info.elem_type not in allowed and info.elem_type != TensorProto.UNDEFINED:
-            names = ", ".join(elem_name(e) for e in allowed)
-            self.fail(self.input_name(i), f"has type {elem_name(info.elem_type)}; expected {names}")
+        if info.elem_type not in self.op.input_elems(i) and info.elem_type != TensorProto.UNDEFINED:
+            self.fail_elem(i, elem_name(info.elem_type))
         return info.elem_type
+
+    def fail_elem(self, i: int, type_name: str) -> None:
+        """Input i has the element type ``type_name``, which its signature does not allow."""
+        names = ", ".join(elem_name(e) for e in self.op.input_elems(i))
+        self.fail(self.input_name(i), f"has type {type_name}; expected {names}")
 
     def expect_same_elem(self, i: int, ref: int) -> None:
         """Input i must have the element type of input ``ref``."""
@@ -330,10 +327,13 @@ class ContextView(NodeView):
 
 
 class ArrayView(NodeView):
-    """A node seen through concrete numpy arrays (references and kernels)."""
+    """A node seen through concrete numpy arrays (references and kernels).
+
+    ``named_outputs`` says which outputs the node names, by position (None: all of them).
+    """
 
     def __init__(self, op: OpDef, inputs: Sequence[np.ndarray | None], attrs: dict[str, Any],
-                 node_name: str = "", n_outputs: int | None = None):
+                 node_name: str = "", named_outputs: Sequence[bool] | None = None):
         self.op, self.node_name = op, node_name
         self.arrays = list(inputs) + [None] * (len(op.inputs) - len(inputs))
         unknown = set(attrs) - {a.name for a in op.attributes}
@@ -341,10 +341,14 @@ class ArrayView(NodeView):
             raise MoeOpError(f"{op.name}: unknown attribute(s) {sorted(unknown)}; "
                              f"expected some of {[a.name for a in op.attributes]}")
         self.attrs = {k: v for k, v in attrs.items() if v is not None}
-        self.n_outputs = len(op.outputs) if n_outputs is None else n_outputs
+        self.named_outputs = [True] * len(op.outputs) if named_outputs is None else [bool(n) for n in named_outputs]
         for i, arr in enumerate(self.arrays):
-            if arr is not None and not isinstance(arr, np.ndarray):
+            if arr is None:
+                continue
+            if not isinstance(arr, np.ndarray):
                 raise MoeOpError(f"{self.where()}: {self.input_name(i)} must be a numpy array, got {type(arr).__name__}")
+            if elem_of(arr) == TensorProto.UNDEFINED:  # a concrete array always has a type: none ONNX knows
+                self.fail_elem(i, str(arr.dtype))
 
     def input(self, i: int) -> TensorInfo | None:
         arr = self.arrays[i] if i < len(self.arrays) else None
@@ -359,7 +363,7 @@ class ArrayView(NodeView):
         return self.attrs.get(name)
 
     def has_output(self, i: int) -> bool:
-        return i < self.n_outputs
+        return i < len(self.named_outputs) and self.named_outputs[i]
 
 
 class GraphView(NodeView):

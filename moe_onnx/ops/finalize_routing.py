@@ -17,6 +17,7 @@ from ._common import (
     NodeView,
     OpDef,
     TensorInfo,
+    as_rows,
     check_choice,
     compute_dtype,
     is_known,
@@ -43,9 +44,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
     if v.has(BIAS) and not v.has(EXPERT_IDX):
         v.fail(v.input_name(EXPERT_IDX),
                "is required when 'bias' is given (it says which expert's bias each slot adds)")
-    if v.has(EXPERT_IDX):
-        if not v.has(BIAS):
-            v.fail(v.input_name(EXPERT_IDX), "is given, but there is no 'bias' to index; leave it empty")
+    if v.has(EXPERT_IDX):  # without bias it is unused (Ascend graphs always wire it), but checked all the same
         v.expect_elem(EXPERT_IDX)
     if not any(v.has(i) for i in (X1, X2, SCALES, EXPERT_IDX)):
         v.fail("inputs 'x1', 'x2', 'scales' and 'expert_idx'",
@@ -98,18 +97,18 @@ def _routed_pairs(row_idx: np.ndarray, n_rows: int, scatter: bool, where: str) -
 
 
 def moe_finalize_routing(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, *,
-                         drop_pad_mode=None, row_idx_type=None, _node_name=""):
+                         drop_pad_mode=None, row_idx_type=None, _node_name="", _named_outputs=None):
     """numpy reference of MoeFinalizeRouting; returns ``(out,)``, [N, H] in the type of ``expanded_x``.
 
     Raises MoeOpError for any input or attribute outside the contract.
     """
     attrs = dict(drop_pad_mode=drop_pad_mode, row_idx_type=row_idx_type)
     arrays = [expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx]
-    view = ArrayView(MOE_FINALIZE_ROUTING, arrays, attrs, node_name=_node_name)
+    view = ArrayView(MOE_FINALIZE_ROUTING, arrays, attrs, node_name=_node_name, named_outputs=_named_outputs)
     (out_info,) = MOE_FINALIZE_ROUTING.validate(view)
     tokens, hidden = out_info.shape
     k = expanded_row_idx.size // tokens if tokens else 1
-    rows = expanded_x.reshape(-1, hidden)
+    rows = as_rows(expanded_x)
     scatter = view.attr("row_idx_type") == SCATTER
     slots, row_of_slot = _routed_pairs(expanded_row_idx.astype(np.int64), rows.shape[0], scatter, view.where())
 

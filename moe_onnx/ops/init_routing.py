@@ -20,6 +20,7 @@ from ._common import (
     NodeView,
     OpDef,
     TensorInfo,
+    as_rows,
     check_choice,
     dim_product,
     is_known,
@@ -189,21 +190,22 @@ def _expand_rows(x, tokens, relative_experts, mode: Routing, scale, offset):
 def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None, active_num=None,
                      expert_capacity=None, drop_pad_mode=None, expert_tokens_num_type=None,
                      expert_tokens_num_flag=None, quant_mode=None, active_expert_range=None, row_idx_type=None,
-                     _node_name=""):
+                     _node_name="", _named_outputs=None):
     """numpy reference of MoeInitRouting.
 
     Returns ``(expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum, expanded_scale)``; the third
-    is None when ``expert_tokens_num_flag`` is 0. Raises MoeOpError for any input or attribute outside
-    the contract.
+    is None when ``expert_tokens_num_flag`` is 0. ``_named_outputs`` says which outputs the node names
+    (None: the count output exactly when the flag is 1, every other output). Raises MoeOpError for any
+    input or attribute outside the contract.
     """
     attrs = dict(expert_num=expert_num, active_num=active_num, expert_capacity=expert_capacity,
                  drop_pad_mode=drop_pad_mode, expert_tokens_num_type=expert_tokens_num_type,
                  expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
                  active_expert_range=active_expert_range, row_idx_type=row_idx_type)
-    # with the flag off the count output does not exist, so this call does not name it
-    n_outputs = TOKEN_COUNTS if expert_tokens_num_flag == 0 else None
+    if _named_outputs is None:
+        _named_outputs = [i != TOKEN_COUNTS or expert_tokens_num_flag != 0 for i in range(EXPANDED_SCALE + 1)]
     view = ArrayView(MOE_INIT_ROUTING, [x, expert_idx, scale, offset], attrs, node_name=_node_name,
-                     n_outputs=n_outputs)
+                     named_outputs=_named_outputs)
     infos = MOE_INIT_ROUTING.validate(view)
     mode = read_attributes(view)
     _check_expert_ids(expert_idx, mode.expert_num, view.where())
@@ -232,7 +234,7 @@ def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None,
 
     values, row_scale = _expand_rows(x, slots // k, flat[slots] - mode.start, mode, scale, offset)
     expanded_x = np.zeros(infos[EXPANDED_X].shape, dtype=values.dtype)
-    expanded_x.reshape(-1, x.shape[1])[rows] = values
+    as_rows(expanded_x)[rows] = values
     expanded_scale = np.zeros(infos[EXPANDED_SCALE].shape, dtype=_F32)
     if row_scale is not None:
         expanded_scale.reshape(-1)[rows] = row_scale

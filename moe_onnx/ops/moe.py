@@ -16,6 +16,7 @@ from ._common import (
     NodeView,
     OpDef,
     TensorInfo,
+    as_rows,
     check_choice,
     check_float_attr,
     compute_dtype,
@@ -91,7 +92,7 @@ def _check_indices(idx: np.ndarray, num_experts: int, where: str) -> None:
 
 def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0=None, weight_1=None,
         bias_1=None, weight_2=None, *, expert_type=None, expert_alpha=None, expert_beta=None, gate_parity=None,
-        _node_name=""):
+        _node_name="", _named_outputs=None):
     """numpy reference of MOE; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
 
     Raises MoeOpError for any input or attribute outside the contract.
@@ -99,7 +100,7 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     attrs = dict(expert_type=expert_type, expert_alpha=expert_alpha, expert_beta=expert_beta,
                  gate_parity=gate_parity)
     arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
-    view = ArrayView(MOE, arrays, attrs, node_name=_node_name)
+    view = ArrayView(MOE, arrays, attrs, node_name=_node_name, named_outputs=_named_outputs)
     MOE.validate(view)
     expert_type, alpha = view.attr("expert_type"), float(view.attr("expert_alpha"))
     beta, parity = float(view.attr("expert_beta")), int(view.attr("gate_parity"))
@@ -107,7 +108,7 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     dtype = hidden_states.dtype
     acc = compute_dtype(dtype)
     hidden = hidden_states.shape[-1]
-    x = hidden_states.reshape(int(np.prod(hidden_states.shape[:-1])), hidden).astype(acc)
+    x = as_rows(hidden_states).astype(acc)
     tokens, k = x.shape[0], router_topk_output_indices.shape[-1]
     idx = router_topk_output_indices.reshape(tokens, k).astype(np.int64)
     weights = routing_weights.reshape(tokens, k).astype(acc)

@@ -23,6 +23,7 @@ from ._common import (
     NodeView,
     OpDef,
     TensorInfo,
+    as_rows,
     check_choice,
     compute_dtype,
     dim_product,
@@ -111,7 +112,7 @@ def _check_offsets(v: NodeView, offsets: np.ndarray, rows: int | None) -> None:
         return
     if offsets[0] < 0:
         v.fail("input 'expert_offset'[0]", f"= {offsets[0]} is negative; expected 0 <= expert_offset[0]")
-    drops = np.flatnonzero(np.diff(offsets) < 0)
+    drops = np.flatnonzero(offsets[1:] < offsets[:-1])  # neighbours compared: a difference could wrap
     if drops.size:
         i = int(drops[0]) + 1
         v.fail(f"input 'expert_offset'[{i}]", f"= {offsets[i]} is less than expert_offset[{i - 1}] = "
@@ -129,7 +130,7 @@ def partial_product(x_d: np.ndarray, expert_offset: np.ndarray, w_d: np.ndarray)
     validate the node first.
     """
     acc = accumulation_dtype(x_d.dtype)
-    x_rows = x_d.reshape(int(np.prod(x_d.shape[:-1])), x_d.shape[-1])
+    x_rows = as_rows(x_d)
     partial = np.zeros((x_rows.shape[0], w_d.shape[1]), dtype=acc)
     for expert, (start, stop) in enumerate(zip(expert_offset[:-1], expert_offset[1:])):
         if stop > start:
@@ -142,26 +143,27 @@ def finish_reduced(reduced: np.ndarray, expert_offset: np.ndarray, bias: np.ndar
     """Y from the all-reduced partials (updated in place): B[i] added once to expert i's rows, then
     X's leading dims and Y's type (X's, int32 for int8)."""
     if bias is not None:
-        counts = np.diff(expert_offset)
-        owner = np.repeat(np.arange(len(counts)), counts)
-        reduced[expert_offset[0]:expert_offset[-1]] += bias[owner].astype(reduced.dtype)
+        for expert, (start, stop) in enumerate(zip(expert_offset[:-1], expert_offset[1:])):
+            reduced[start:stop] += bias[expert].astype(reduced.dtype)
     out_dtype = np.dtype(np.int32) if x.dtype == np.int8 else x.dtype
     return reduced.astype(out_dtype).reshape(*x.shape[:-1], reduced.shape[-1])
 
 
-def _validated(inputs: Sequence[np.ndarray | None], attrs: dict, node_name: str) -> None:
-    ROW_PARALLEL_LINEAR.validate(ArrayView(ROW_PARALLEL_LINEAR, inputs, attrs, node_name=node_name))
+def _validated(inputs: Sequence[np.ndarray | None], attrs: dict, node_name: str,
+               named_outputs: Sequence[bool] | None = None) -> None:
+    view = ArrayView(ROW_PARALLEL_LINEAR, inputs, attrs, node_name=node_name, named_outputs=named_outputs)
+    ROW_PARALLEL_LINEAR.validate(view)
 
 
 def row_parallel_linear(X, expert_offset, W, B=None, *, num_experts=None, in_features=None, out_features=None,
-                        bias_term=None, input_is_parallel=None, _node_name=""):
+                        bias_term=None, input_is_parallel=None, _node_name="", _named_outputs=None):
     """numpy reference of MoeRowParallelLinear on one process; returns ``(Y,)``, Y [*, N].
 
     Y has X's type, int32 for int8 X. Raises MoeOpError for any input or attribute outside the contract.
     """
     attrs = dict(num_experts=num_experts, in_features=in_features, out_features=out_features,
                  bias_term=bias_term, input_is_parallel=input_is_parallel)
-    _validated([X, expert_offset, W, B], attrs, _node_name)
+    _validated([X, expert_offset, W, B], attrs, _node_name, _named_outputs)
     return (finish_reduced(partial_product(X, expert_offset, W), expert_offset, B, X),)
 
 

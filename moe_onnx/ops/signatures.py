@@ -177,7 +177,8 @@ MOE_FINALIZE_ROUTING = Signature(
         Param("x2", "T", "[N, H]: shared-expert output, added as is.", optional=True),
         Param("bias", "T", "[E, H]: expert bias, added to each routed slot before scaling.", optional=True),
         Param("scales", "T", "[N, k]: routing weights (absent: 1).", optional=True),
-        Param("expert_idx", "T_ind", "[N, k]: each slot's expert, to index bias; only with bias.", optional=True),
+        Param("expert_idx", "T_ind", "[N, k]: each slot's expert, to index bias (unused without bias).",
+              optional=True),
     ),
     outputs=(Param("out", "T", "[N, H], the type of expanded_x."),),
     type_constraints=(

@@ -67,7 +67,8 @@ class Case:
 
     def run_reference(self, node_name: str = "") -> tuple[np.ndarray, ...]:
         """The reference's outputs; its errors name ``node_name`` as the backends name a node."""
-        outputs = OPS[self.op].reference(*self.inputs, _node_name=node_name, **self.attrs)
+        named = [i < self.n_outputs for i in range(len(OPS[self.op].outputs))]  # the outputs model() names
+        outputs = OPS[self.op].reference(*self.inputs, _node_name=node_name, _named_outputs=named, **self.attrs)
         return tuple(outputs[: self.n_outputs])
 
     @property

@@ -20,7 +20,7 @@ def oracle(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=Non
            drop_pad_mode=0, row_idx_type=0):
     """Token by token, slot by slot, in float64: written apart from the reference on purpose."""
     hidden = expanded_x.shape[-1]
-    rows = expanded_x.reshape(-1, hidden).astype(np.float64)
+    rows = expanded_x.reshape(int(np.prod(expanded_x.shape[:-1])), hidden).astype(np.float64)  # H may be 0
     tokens = next(a.shape[0] for a in (x1, x2, scales, expert_idx) if a is not None)
     k = len(expanded_row_idx) // tokens if tokens else 0
     index = [int(v) for v in expanded_row_idx]
@@ -63,6 +63,13 @@ def routed_case(name, init_attrs, *, tokens=6, hidden=8, experts=4, k=2, ids=Non
     return Case(OP, name, inputs, attrs, rtol=rtol, atol=atol)
 
 
+
+
+def zero_hidden(case, name, error=None, runtime=False, **changes):
+    """``case`` with H = 0: expanded_x, x1, x2 and bias keep their other dims and lose every column."""
+    hidden_inputs = ("expanded_x", "x1", "x2", "bias")
+    given = {n: a[..., :0] for n, a in zip(INPUTS, case.padded_inputs()) if n in hidden_inputs and a is not None}
+    return case.mutated(name, error, runtime=runtime, **{**given, **changes})
 
 
 SCATTER = {"row_idx_type": 1}
@@ -110,6 +117,13 @@ CASES = [
     _nan_tail,
     _base.mutated("nan_propagates", None, expanded_x=np.where(np.arange(12)[:, None] == 3, np.nan, _y)
             .astype(np.float32)),
+    zero_hidden(_base, "zero_hidden"),
+    zero_hidden(_scatter, "zero_hidden_scatter"),
+    zero_hidden(_drop, "zero_hidden_drop_pad"),
+    _base.mutated("expert_idx_without_bias", None, bias=None),
+    _base.mutated("expert_idx_without_bias_values_unused", None, bias=None,
+            expert_idx=np.where(np.arange(12).reshape(6, 2) == 3, 99, -7).astype(np.int32)),
+    _base.mutated("only_expert_idx", None, x1=None, x2=None, bias=None, scales=None),
     # errors: values
     _base.mutated("gather_row_too_large", runtime=True, error=r"expanded_row_idx\[4\] = 12 is outside \[-1, 12\) \(a row of expanded_x",
             expanded_row_idx=np.where(np.arange(12) == 4, 12, _rows).astype(np.int32)),
@@ -124,6 +138,15 @@ CASES = [
             .astype(np.int32)),
     _base.mutated("bias_expert_minus_one_routed", runtime=True, error=r"expert_idx\[0, 0\] = -1 is outside \[0, 4\)",
             expert_idx=np.where(np.arange(12).reshape(6, 2) == 0, -1, _ids).astype(np.int32)),
+    zero_hidden(_base, "zero_hidden_row_too_large", runtime=True, error=r"expanded_row_idx\[4\] = 12 is outside "
+            r"\[-1, 12\) \(a row of expanded_x", expanded_row_idx=np.where(np.arange(12) == 4, 12, _rows)
+            .astype(np.int32)),
+    zero_hidden(_scatter, "zero_hidden_scatter_slot_twice", runtime=True, error=r"expanded_row_idx names slot \d+ "
+            r"at rows 0 and 1; expected each slot at most once",
+            expanded_row_idx=np.where(np.arange(12) == 1, _scatter.inputs[1][0], _scatter.inputs[1]).astype(np.int32)),
+    zero_hidden(_base, "zero_hidden_bias_expert_too_large", runtime=True, error=r"expert_idx\[1, 0\] = 4 is outside "
+            r"\[0, 4\) \(the experts of bias\)", expert_idx=np.where(np.arange(12).reshape(6, 2) == 2, 4, _ids)
+            .astype(np.int32)),
     # errors: attributes
     _drop.mutated("drop_pad_scatter", r"attribute 'row_idx_type' is 1 \(scatter\); expected 0 \(gather\) for "
             r"drop_pad_mode 1", row_idx_type=1),
@@ -143,8 +166,16 @@ CASES = [
     _base.mutated("expert_idx_float", r"input 'expert_idx' has type float32; expected int32, int64",
             expert_idx=_ids.astype(np.float32)),
     _base.mutated("bias_without_expert_idx", r"input 'expert_idx' is required when 'bias' is given", expert_idx=None),
-    _base.mutated("expert_idx_without_bias", r"input 'expert_idx' is given, but there is no 'bias' to index",
-            bias=None),
+    _base.mutated("expert_idx_without_bias_wrong_k", r"input 'expert_idx' dim 1 is 1; expected k = 2 \(from "
+            r"input 'scales' dim 1\)", bias=None, expert_idx=_ids[:, :1]),
+    _base.mutated("expert_idx_without_bias_float", r"input 'expert_idx' has type float32; expected int32, int64",
+            bias=None, expert_idx=_ids.astype(np.float32)),
+    _base.mutated("expanded_x_uint16", r"input 'expanded_x' has type uint16; expected float32, float16, bfloat16",
+            expanded_x=_y.astype(np.uint16)),
+    _base.mutated("row_idx_int16", r"input 'expanded_row_idx' has type int16; expected int32, int64",
+            expanded_row_idx=_rows.astype(np.int16)),
+    _base.mutated("expert_idx_uint64", r"input 'expert_idx' has type uint64; expected int32, int64",
+            expert_idx=_ids.astype(np.uint64)),
     _base.mutated("no_token_count", r"inputs 'x1', 'x2', 'scales' and 'expert_idx' are all absent; expected at least "
             r"one", x1=None, x2=None, bias=None, scales=None, expert_idx=None),
     _base.mutated("row_idx_wrong_length", r"input 'expanded_row_idx' has 10 entries; expected N \* k = 6 \* 2 = 12",

@@ -191,6 +191,13 @@ CASES = [
     _case("k_equals_e_drop_pad", {**DROP, "expert_capacity": 3}, k=4),
     _case("k1", E4, k=1),
     _case("one_expert", {"expert_num": 1}, k=1, experts=1),
+    # H = 0: rows without elements, every index and count still given
+    _case("zero_hidden", E4, hidden=0),
+    _case("zero_hidden_scatter_key_value", {**E8, "row_idx_type": 1, "expert_tokens_num_type": 2}, experts=8,
+          hidden=0, scale=_f32(6)),
+    _case("zero_hidden_drop_pad", DROP, ids=SKEWED, hidden=0),
+    _case("zero_hidden_dynamic_quant", {**E4, "quant_mode": 1, "active_num": 7}, hidden=0, scale=_f32(4, 0)),
+    _case("zero_hidden_static_quant", {**DROP, "quant_mode": 0}, ids=SKEWED, hidden=0, scale=np.array([2.0], F32)),
     # dynamic quant
     _case("dynamic_quant_no_scale", {**E4, "quant_mode": 1}),
     _case("dynamic_quant_shared_smooth", {**E4, "quant_mode": 1}, scale=_f32(1, 8)),
@@ -234,6 +241,8 @@ CASES = [
     _base.mutated("dropless_capacity", r"attribute 'expert_capacity' is 3; expected 0 for drop_pad_mode 0",
             expert_capacity=3),
     _base.mutated("drop_pad_mode_2", r"attribute 'drop_pad_mode' is 2; expected one of 0, 1", drop_pad_mode=2),
+    _base.mutated("count_output_named_without_flag", r"output 'expert_tokens_count_or_cumsum' is named, but attribute "
+            r"'expert_tokens_num_flag' is 0; drop the output or set the flag to 1", expert_tokens_num_flag=0),
     _base.mutated("count_type_3", r"attribute 'expert_tokens_num_type' is 3; expected one of 0, 1, 2",
             expert_tokens_num_type=3),
     _base.mutated("count_flag_2", r"attribute 'expert_tokens_num_flag' is 2; expected one of 0, 1",
@@ -253,6 +262,12 @@ CASES = [
     # errors: types and shapes
     _base.mutated("x_float64", r"input 'x' has type float64; expected float32, float16, bfloat16, int8",
             x=_x.astype(np.float64)),
+    _base.mutated("x_uint16", r"input 'x' has type uint16; expected float32, float16, bfloat16, int8",
+            x=_x.astype(np.uint16)),
+    _base.mutated("ids_int16", r"input 'expert_idx' has type int16; expected int32, int64",
+            expert_idx=_idx.astype(np.int16)),
+    _base.mutated("ids_uint64", r"input 'expert_idx' has type uint64; expected int32, int64",
+            expert_idx=_idx.astype(np.uint64)),
     _base.mutated("ids_float", r"input 'expert_idx' has type float32; expected int32, int64",
             expert_idx=_idx.astype(np.float32)),
     _base.mutated("x_rank3", r"input 'x' has rank 3 .*expected rank 2", x=_x.reshape(6, 2, 4)),

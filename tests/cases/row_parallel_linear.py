@@ -105,6 +105,12 @@ CASES = [
             r".*expected expert_offset\[E\] <= 7", expert_offset=np.array([0, 2, 2, 5, 8]), constant=_STATIC_OFFSETS),
     _base.mutated("offset_negative", r"input 'expert_offset'\[0\] = -1 is negative; expected 0 <= expert_offset\[0\]",
             expert_offset=np.array([-1, 2, 2, 5, 7]), constant=_STATIC_OFFSETS),
+    _base.mutated("offsets_decreasing_past_int64_max", r"input 'expert_offset'\[2\] = -2 is less than "
+            r"expert_offset\[1\] = 9223372036854775807; expected expert_offset\[i\] <= expert_offset\[i\+1\]",
+            expert_offset=np.array([0, 2**63 - 1, -2, 5]), W=_w[:3], B=_b[:3], constant=_STATIC_OFFSETS),
+    _base.mutated("runtime_offsets_decreasing_past_int64_max", runtime=True, error=r"input 'expert_offset'\[2\] = -2 "
+            r"is less than expert_offset\[1\] = 9223372036854775807", expert_offset=np.array([0, 2**63 - 1, -2, 5]),
+            W=_w[:3], B=_b[:3]),
     _base.mutated("offset_beyond_zero_rows", r"input 'expert_offset'\[4\] = 1 is greater than the "
             r"0 rows of input 'X'", X=_x[:0], expert_offset=np.array([0, 0, 0, 0, 1]), constant=_STATIC_OFFSETS),
     # errors: offset shape and type
@@ -154,6 +160,10 @@ CASES = [
             X=_x.astype(np.float64), W=_w.astype(np.float64), B=_b.astype(np.float64)),
     _base.mutated("x_int32", r"input 'X' has type int32; expected float32, float16, bfloat16, int8",
             X=_x.astype(np.int32)),
+    _base.mutated("x_uint16", r"input 'X' has type uint16; expected float32, float16, bfloat16, int8",
+            X=_x.astype(np.uint16), W=_w.astype(np.uint16), B=_b.astype(np.uint16)),
+    _base.mutated("offset_uint64", r"input 'expert_offset' has type uint64; expected int64",
+            expert_offset=_off.astype(np.uint64)),
     _base.mutated("w_uint8", r"input 'W' has type uint8; expected float32, float16, bfloat16, int8",
             W=_w.astype(np.uint8)),
 ]
