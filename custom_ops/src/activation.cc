@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "isa.h"
 #include "gemm.h"
 
 namespace moe_onnx {
@@ -44,7 +45,7 @@ using ActivationFn = void (*)(const GatedActivation&, const float*, int64_t, con
 
 ActivationFn chosen() {
 #if defined(MOE_ONNX_HAVE_AVX2)
-  if (avx2_kernels_enabled(/*fma_f16c=*/true)) return detail::gated_activation_avx2;
+  if (isa_at_least(IsaLevel::kAvx2)) return detail::gated_activation_avx2;
 #endif
   return detail::gated_activation_portable;
 }

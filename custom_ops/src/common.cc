@@ -260,16 +260,4 @@ void from_float(ElemType type, const float* src, void* dst, int64_t n) {
   }
 }
 
-bool avx2_kernels_enabled(bool fma_f16c) {
-  const char* force = std::getenv("MOE_ONNX_GEMM");
-  if (force && std::strcmp(force, "portable") == 0) return false;
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") &&
-         (!fma_f16c || (__builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")));
-#else
-  return false;
-#endif
-}
-
 }  // namespace moe_onnx

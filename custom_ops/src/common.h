@@ -195,10 +195,6 @@ void to_float(ElemType type, const void* src, float* dst, int64_t n);
 // dst[i] = T(src[i]) for a float32/float16/bfloat16 destination.
 void from_float(ElemType type, const float* src, void* dst, int64_t n);
 
-// True when the AVX2 kernels may run: the CPU has AVX2 (and FMA and F16C when `fma_f16c`) and
-// MOE_ONNX_GEMM=portable does not force the portable ones.
-bool avx2_kernels_enabled(bool fma_f16c);
-
 // Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
 template <class Make>
 OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {

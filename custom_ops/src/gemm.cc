@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "isa.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -77,7 +78,7 @@ struct Dispatch {
   const char* name = "portable";
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
-    if (avx2_kernels_enabled(/*fma_f16c=*/true)) {
+    if (isa_at_least(IsaLevel::kAvx2)) {
       fn = detail::gemm_panels_avx2;
       widen = detail::widen_row_avx2;
       name = "avx2-fma";

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "isa.h"
 
 namespace moe_onnx {
 
@@ -48,7 +49,7 @@ struct Dispatch {
   WidenFn widen = detail::widen_int8_rows_portable;
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
-    if (avx2_kernels_enabled(/*fma_f16c=*/false)) {
+    if (isa_at_least(IsaLevel::kAvx2)) {
       fn = detail::int8_gemm_panels_avx2;
       widen = detail::widen_int8_rows_avx2;
     }

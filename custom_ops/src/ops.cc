@@ -9,6 +9,7 @@
 #include "finalize_routing.h"
 #include "gemm.h"
 #include "init_routing.h"
+#include "isa.h"
 #include "moe.h"
 #include "row_parallel_linear.h"
 #include "ort_api.h"
@@ -58,6 +59,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (api == nullptr) return nullptr;  // cannot even report: the runtime is older than the headers
   Ort::InitApi(api);
   try {
+    moe_onnx::isa_level();  // an invalid MOE_ONNX_GEMM fails the registration, naming the levels
     // The domains must outlive every session that uses them: they are kept until the process ends.
     static std::mutex mutex;
     static std::vector<OrtCustomOpDomain*> domains;
