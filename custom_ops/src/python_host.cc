@@ -51,6 +51,18 @@ struct Ref {
   explicit operator bool() const { return p != nullptr; }
 };
 
+// The UTF-8 text of a str object; characters UTF-8 cannot encode (lone surrogates) become
+// backslash escapes. `fallback` when it is not a str or cannot be encoded at all.
+std::string utf8_text(PyObject* text, const char* fallback) {
+  if (!text || !PyUnicode_Check(text)) return fallback;
+  Ref bytes(PyUnicode_AsEncodedString(text, "utf-8", "backslashreplace"));
+  if (!bytes) {
+    PyErr_Clear();
+    return fallback;
+  }
+  return std::string(PyBytes_AS_STRING(bytes.p), static_cast<size_t>(PyBytes_GET_SIZE(bytes.p)));
+}
+
 // The pending Python exception as (message, onnxruntime error code); clears it.
 std::pair<std::string, OrtErrorCode> take_python_error(const std::string& where) {
   PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
@@ -60,7 +72,7 @@ std::pair<std::string, OrtErrorCode> take_python_error(const std::string& where)
   OrtErrorCode code = ORT_RUNTIME_EXCEPTION;
   if (value) {
     Ref text(PyObject_Str(value));
-    if (text && PyUnicode_Check(text.p)) message = PyUnicode_AsUTF8(text.p);
+    message = utf8_text(text.p, "(a message that cannot be shown)");
     PyErr_Clear();
   }
   bool contract_error = false;
@@ -315,16 +327,20 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   try {
     static std::mutex mutex;
     std::lock_guard<std::mutex> lock(mutex);
-    std::deque<PyOp>* ops = nullptr;
-    {
-      Gil gil;
-      ops = &load_ops();
+    // One domain for every registration (onnxruntime keeps a pointer to it: it lives until the
+    // process ends), made with the ops on the first.
+    static OrtCustomOpDomain* domain = nullptr;
+    if (!domain) {
+      std::deque<PyOp>* ops = nullptr;
+      {
+        Gil gil;
+        ops = &load_ops();
+      }
+      OrtCustomOpDomain* made = nullptr;
+      Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &made));
+      for (const PyOp& op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(made, &op));
+      domain = made;
     }
-    static std::vector<OrtCustomOpDomain*> domains;  // kept until the process ends
-    OrtCustomOpDomain* domain = nullptr;
-    Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
-    domains.push_back(domain);
-    for (const PyOp& op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &op));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());
