@@ -111,3 +111,24 @@ def test_unreadable_file(tmp_path, capsys):
     path.write_bytes(b"\xff\x00not a model")
     assert main(["check", str(path)]) == 1
     assert "cannot read the model" in capsys.readouterr().out
+
+
+WRONG_ATTRIBUTE_TYPES = {
+    "string_for_float": ("expert_beta", "7", "attribute 'expert_beta' has type STRING; expected FLOAT"),
+    "floats_for_float": ("expert_alpha", [1.0, 2.0], "attribute 'expert_alpha' has type FLOATS; expected FLOAT"),
+    "tensor_for_float": ("expert_alpha", onnx.numpy_helper.from_array(np.array([1.0], np.float32)),
+                         "attribute 'expert_alpha' has type TENSOR; expected FLOAT"),
+    "float_for_int": ("gate_parity", 1.0, "attribute 'gate_parity' has type FLOAT; expected INT"),
+    "misspelled": ("expert_alhpa", 1.0, "attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
+                   "'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity'"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_ATTRIBUTE_TYPES)
+def test_wrong_attribute_type_is_a_problem(name, tmp_path, capsys):
+    """An attribute of the wrong ONNX type (or name) is one problem line naming the node, not a traceback."""
+    attribute, value, message = WRONG_ATTRIBUTE_TYPES[name]
+    path = _save(_set_attr(_model(), attribute, v=value), tmp_path / f"{name}.onnx")
+    assert main(["check", path]) == 1
+    out = capsys.readouterr().out
+    assert f"  MOE node 'MOE_node': {message}\n" in out, out

@@ -47,7 +47,7 @@ def test_model_checks_and_reference_evaluator_runs(case):
         np.testing.assert_array_equal(g, e)
 
 
-STATIC_ERRORS = [c for c in INVALID if not c.runtime]
+STATIC_ERRORS = [c for c in INVALID if not c.runtime and not c.session]
 
 
 @pytest.mark.parametrize("case", STATIC_ERRORS, ids=lambda c: c.id)
@@ -55,3 +55,16 @@ def test_shape_inference_rejects(case):
     """Errors visible from types, shapes and attributes fail ONNX shape inference, with the same message."""
     with pytest.raises(Exception, match=case.error):
         onnx.shape_inference.infer_shapes(case.model(), strict_mode=True)
+
+
+ATTRIBUTE_ERRORS = [c for c in INVALID if c.name.startswith("attr_")]
+
+
+@pytest.mark.parametrize("case", ATTRIBUTE_ERRORS, ids=lambda c: c.id)
+def test_reference_evaluator_rejects_attributes(case):
+    """ReferenceEvaluator checks a node's attributes as ONNX types them, in the reference's words."""
+    with pytest.raises(MoeOpError) as expected:
+        case.run_reference(node_name=case.node_name)
+    with pytest.raises(MoeOpError) as info:
+        ReferenceEvaluator(case.model(), new_ops=REFERENCE_OPS).run(None, case.feeds())
+    assert str(info.value) == str(expected.value)

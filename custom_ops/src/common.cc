@@ -127,6 +127,76 @@ bool AttrReader::has_int(const char* name, int64_t* out) const {
   return status == nullptr;
 }
 
+bool AttrReader::has_ints(const char* name, std::vector<int64_t>* out) const {
+  const OrtApi& api = Ort::GetApi();
+  size_t size = 0;
+  if (OrtStatus* status = api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size)) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  out->assign(size, 0);
+  if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, name, out->data(), &size));
+  return true;
+}
+
+bool AttrReader::has_floats(const char* name, std::vector<float>* out) const {
+  const OrtApi& api = Ort::GetApi();
+  size_t size = 0;
+  if (OrtStatus* status = api.KernelInfoGetAttributeArray_float(info, name, nullptr, &size)) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  out->assign(size, 0.0f);
+  if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_float(info, name, out->data(), &size));
+  return true;
+}
+
+namespace {
+
+// The ONNX type a node gives attribute `name` with, as far as the C API tells: "" when absent, "?"
+// when present but unreadable as any type (an empty list, STRINGS, GRAPH...): the array readers
+// accept an attribute of any type, as the elements of their own list.
+std::string given_attr_type(const AttrReader& reader, const char* name) {
+  float f;
+  int64_t i;
+  std::string s;
+  std::vector<int64_t> ints;
+  std::vector<float> floats;
+  if (reader.has_float(name, &f)) return "FLOAT";
+  if (reader.has_int(name, &i)) return "INT";
+  if (reader.has_string(name, &s)) return "STRING";
+  const bool present = reader.has_ints(name, &ints) && reader.has_floats(name, &floats);
+  if (!ints.empty()) return "INTS";
+  if (!floats.empty()) return "FLOATS";
+  OrtValue* tensor = nullptr;
+  Ort::AllocatorWithDefaultOptions allocator;
+  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_tensor(reader.info, name, allocator, &tensor)) {
+    Ort::GetApi().ReleaseStatus(status);
+  } else {
+    Ort::GetApi().ReleaseValue(tensor);
+    return "TENSOR";
+  }
+  return present ? "?" : "";
+}
+
+}  // namespace
+
+std::string AttrReader::type_problem(const char* name, const char* kind) const {
+  const std::string expected = std::strcmp(kind, "int") == 0      ? "INT"
+                               : std::strcmp(kind, "float") == 0  ? "FLOAT"
+                               : std::strcmp(kind, "string") == 0 ? "STRING"
+                               : std::strcmp(kind, "ints") == 0   ? "INTS"
+                                                                  : "FLOATS";
+  const std::string given = given_attr_type(*this, name);
+  const bool list = expected == "INTS" || expected == "FLOATS";
+  if (given.empty() || given == expected || (given == "?" && list)) return "";  // an empty list passes
+  const std::string prefix = std::string("attribute '") + name + "' ";
+  if (given == "?")
+    return prefix + "has an empty list or a type onnxruntime does not show kernels (STRINGS, GRAPH...); expected " +
+           expected;
+  return prefix + "has type " + given + "; expected " + expected;
+}
+
 const FormalAttr& OpSignature::attribute(const char* attr_name) const {
   for (const FormalAttr& attr : attributes)
     if (std::strcmp(attr.name, attr_name) == 0) return attr;

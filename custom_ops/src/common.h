@@ -53,6 +53,15 @@ struct AttrReader {
   bool has_string(const char* name, std::string* out) const;
   bool has_float(const char* name, float* out) const;
   bool has_int(const char* name, int64_t* out) const;
+  bool has_ints(const char* name, std::vector<int64_t>* out) const;
+  bool has_floats(const char* name, std::vector<float>* out) const;
+  // "attribute 'x' has type INT; expected FLOAT" when the node gives attribute `name` with another
+  // ONNX type than `kind` ("int", "float", "string", "ints", "floats") says; "" when it is absent or
+  // has that type. onnxruntime's C API tells types apart only by which reader succeeds: FLOAT, INT,
+  // STRING, TENSOR and non-empty INTS/FLOATS are named as check_attribute_types (Python) names them;
+  // an empty list, STRINGS, GRAPH and the other kinds cannot be told apart (a list kind takes them
+  // as an empty list; a scalar kind says so).
+  std::string type_problem(const char* name, const char* kind) const;
 };
 
 // A formal input or output of an op.

@@ -142,7 +142,10 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
   }
   where = node_name.empty() ? spec.op : spec.op + " node '" + node_name + "'";
   moe_onnx::AttrReader reader{info};
-  const OrtApi& api = Ort::GetApi();
+  for (const auto& [name, kind] : spec.attrs) {  // every given attribute has its kind's type (as Attributes checks)
+    const std::string problem = reader.type_problem(name.c_str(), kind.c_str());
+    if (!problem.empty()) moe_onnx::throw_invalid(where + ": " + problem);
+  }
   Gil gil;
   Ref dict(PyDict_New());
   for (const auto& [name, kind] : spec.attrs) {
@@ -156,24 +159,17 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
     } else if (kind == "int") {
       int64_t v;
       if (reader.has_int(name.c_str(), &v)) value.p = PyLong_FromLongLong(v);
-    } else if (kind == "ints" || kind == "floats") {
-      size_t size = 0;
-      const bool ints = kind == "ints";
-      OrtStatus* status = ints ? api.KernelInfoGetAttributeArray_int64(info, name.c_str(), nullptr, &size)
-                               : api.KernelInfoGetAttributeArray_float(info, name.c_str(), nullptr, &size);
-      if (status) {
-        api.ReleaseStatus(status);
-      } else {
-        value.p = PyList_New(static_cast<Py_ssize_t>(size));
-        if (ints) {
-          std::vector<int64_t> v(size);
-          if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, name.c_str(), v.data(), &size));
-          for (size_t i = 0; i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyLong_FromLongLong(v[i]));
-        } else {
-          std::vector<float> v(size);
-          if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_float(info, name.c_str(), v.data(), &size));
-          for (size_t i = 0; i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyFloat_FromDouble(v[i]));
-        }
+    } else if (kind == "ints") {
+      std::vector<int64_t> v;
+      if (reader.has_ints(name.c_str(), &v)) {
+        value.p = PyList_New(static_cast<Py_ssize_t>(v.size()));
+        for (size_t i = 0; value && i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyLong_FromLongLong(v[i]));
+      }
+    } else if (kind == "floats") {
+      std::vector<float> v;
+      if (reader.has_floats(name.c_str(), &v)) {
+        value.p = PyList_New(static_cast<Py_ssize_t>(v.size()));
+        for (size_t i = 0; value && i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyFloat_FromDouble(v[i]));
       }
     }
     if (value) PyDict_SetItemString(dict.p, name.c_str(), value.p);

@@ -9,7 +9,7 @@ from __future__ import annotations
 from onnx import defs
 from onnx.reference.op_run import OpRun
 
-from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef
+from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
 from .finalize_routing import MOE_FINALIZE_ROUTING
 from .init_routing import MOE_INIT_ROUTING
 from .moe import MOE
@@ -28,6 +28,7 @@ def _evaluator_class(op: OpDef) -> type[OpRun]:
     """An onnx.reference op class that runs ``op.reference`` inside ReferenceEvaluator."""
 
     def _run(self, *inputs, **attributes):
+        check_node_attributes(op, self.onnx_node.name, self.onnx_node.attribute)
         attributes = {k: v for k, v in attributes.items() if v is not None}
         outputs = op.reference(*inputs, _node_name=self.onnx_node.name, **attributes)
         return tuple(outputs[: len(self.onnx_node.output)])

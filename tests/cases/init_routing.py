@@ -222,6 +222,13 @@ CASES = [
     # errors: attributes
     _base.mutated("missing_expert_num", r"attribute 'expert_num' is required", expert_num=None),
     _base.mutated("expert_num_zero", r"attribute 'expert_num' is 0; expected >= 1", expert_num=0),
+    _base.mutated("attr_expert_num_float", r"attribute 'expert_num' has type FLOAT; expected INT", expert_num=4.0),
+    _base.mutated("attr_range_int", r"attribute 'active_expert_range' has type INT; expected INTS",
+            active_expert_range=3),
+    _base.mutated("attr_range_floats", r"attribute 'active_expert_range' has type FLOATS; expected INTS",
+            active_expert_range=[0.0, 2.0]),
+    _base.mutated("attr_misspelled", r"attribute 'expert_capacities' is not an attribute of MoeInitRouting; "
+            r"expected one of 'expert_num', 'active_num', 'expert_capacity', ", session=True, expert_capacities=2),
     _base.mutated("range_reversed", r"attribute 'active_expert_range' is \[3, 2\]; expected 0 <= start < end <= "
             r"expert_num \(4\)", active_expert_range=[3, 2]),
     _base.mutated("range_past_experts", r"attribute 'active_expert_range' is \[0, 5\]; expected 0 <= start",
