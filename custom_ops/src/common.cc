@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace moe_onnx {
@@ -327,6 +328,44 @@ void from_float(ElemType type, const float* src, void* dst, int64_t n) {
     }
     default:
       throw_invalid(std::string("internal: from_float to ") + elem_name(type));
+  }
+}
+
+AllocationFailure::AllocationFailure(uint64_t count, size_t element_bytes, const std::string& what) {
+  unsigned __int128 bytes = static_cast<unsigned __int128>(count) * element_bytes;
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(bytes % 10)));
+    bytes /= 10;
+  } while (bytes);
+  message_ = "cannot allocate " + digits + " bytes for " + what;
+}
+
+void check_allocatable(const std::vector<int64_t>& shape, size_t element_bytes, const std::string& what) {
+  unsigned __int128 count = 1;
+  for (int64_t dim : shape) {
+    count *= static_cast<uint64_t>(std::max<int64_t>(dim, 0));
+    if (count > std::numeric_limits<uint64_t>::max()) break;  // past any size: report what fits in the message
+  }
+  if (count == 0 || count * element_bytes <= static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()))
+    return;
+  if (count > std::numeric_limits<uint64_t>::max()) count = std::numeric_limits<uint64_t>::max();
+  throw AllocationFailure(static_cast<uint64_t>(count), element_bytes, what);
+}
+
+OrtStatusPtr exception_status(const OrtApi& api, const std::string& where) {
+  try {
+    throw;
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const AllocationFailure& e) {
+    return api.CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (...) {
+    return api.CreateStatus(ORT_FAIL, (where + ": unknown exception").c_str());
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -208,19 +209,51 @@ void from_float(ElemType type, const float* src, void* dst, int64_t n);
 // MOE_ONNX_GEMM=portable does not force the portable ones.
 bool avx2_kernels_enabled(bool fma_f16c);
 
-// Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
-template <class Make>
-OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
+// Memory a kernel cannot have: "cannot allocate N bytes for <what>" (count elements of
+// element_bytes each, N exact even past 2^64). create_kernel_status and compute_status put the
+// node before it.
+class AllocationFailure : public std::bad_alloc {
+ public:
+  AllocationFailure(uint64_t count, size_t element_bytes, const std::string& what);
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+// v = `count` copies of `value`, for `what` (messages): failing, or past what a vector can hold, is
+// an AllocationFailure.
+template <class T>
+void allocate(std::vector<T>& v, int64_t count, const T& value, const char* what) {
+  const uint64_t n = count < 0 ? 0 : static_cast<uint64_t>(count);
+  if (n > v.max_size()) throw AllocationFailure(n, sizeof(T), what);
   try {
-    *kernel = make();
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, e.what());
+    v.assign(static_cast<size_t>(n), value);
+  } catch (const std::bad_alloc&) {
+    throw AllocationFailure(n, sizeof(T), what);
   }
 }
 
+// An AllocationFailure for `what` unless a tensor of this shape, element_bytes each, has at most
+// INT64_MAX bytes (onnxruntime's size arithmetic overflows past that, in words naming nothing).
+void check_allocatable(const std::vector<int64_t>& shape, size_t element_bytes, const std::string& what);
+
+// The status of an exception escaping kernel creation or Compute: the op's errors as they are
+// (their messages name the node), memory and other failures prefixed with `where`.
+OrtStatusPtr exception_status(const OrtApi& api, const std::string& where);
+
+// Runs `make` (which builds the kernel of `op`'s node) and reports an exception as the status
+// onnxruntime expects.
+template <class Make>
+OrtStatusPtr create_kernel_status(const OrtApi& api, const char* op, const OrtKernelInfo* info, void** kernel,
+                                  Make&& make) {
+  try {
+    *kernel = make();
+    return nullptr;
+  } catch (...) {
+    return exception_status(api, node_where(op, Ort::ConstKernelInfo(info)));
+  }
+}
 
 // Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
 template <class Compute>
@@ -228,12 +261,8 @@ OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {
   try {
     compute();
     return nullptr;
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::bad_alloc&) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (...) {
+    return exception_status(Ort::GetApi(), where);
   }
 }
 

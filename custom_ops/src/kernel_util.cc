@@ -19,7 +19,7 @@ void Attributes::fail(const char* name, const std::string& message) const {
 double Attributes::default_of(const char* name) const {
   const FormalAttr& attr = op_.attribute(name);
   if (attr.required) fail(name, "is required");
-  if (!attr.has_default) throw std::logic_error(where_ + ": internal: attribute '" + name + "' has no default");
+  if (!attr.has_default) throw std::logic_error(std::string("internal: attribute '") + name + "' has no default");
   return attr.default_value;
 }
 

@@ -116,7 +116,7 @@ struct PyKernel {
 struct PyOp : Ort::CustomOpBase<PyOp, PyKernel, true> {
   explicit PyOp(Spec s) : spec(std::move(s)) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return moe_onnx::create_kernel_status(api, kernel, [&] { return new PyKernel(spec, info); });
+    return moe_onnx::create_kernel_status(api, spec.op.c_str(), info, kernel, [&] { return new PyKernel(spec, info); });
   }
   const char* GetName() const { return spec.name.c_str(); }
   size_t GetInputTypeCount() const { return spec.input_optional.size(); }

@@ -257,6 +257,9 @@ CASES = [
             r"\(cumsum\) or 1 \(count\) for drop_pad_mode 1", **DROP, expert_tokens_num_type=2),
     _base.mutated("drop_pad_active_num", r"attribute 'active_num' is 5; expected -1 or 0 for drop_pad_mode 1",
             **DROP, active_num=5),
+    _base.mutated("drop_pad_rows_overflow", r"attribute 'expert_capacity' is 4611686018427387905; expected expert_num "
+            r"\* expert_capacity \(the rows of expanded_x\) <= 9223372036854775807 \(expert_num 4\) for drop_pad_mode 1",
+            **{**DROP, "expert_capacity": 2**62 + 1}),
     # errors: types and shapes
     _base.mutated("x_float64", r"input 'x' has type float64; expected float32, float16, bfloat16, int8",
             x=_x.astype(np.float64)),
