@@ -128,28 +128,29 @@ bool AttrReader::has_int(const char* name, int64_t* out) const {
   return status == nullptr;
 }
 
-bool AttrReader::has_ints(const char* name, std::vector<int64_t>* out) const {
-  const OrtApi& api = Ort::GetApi();
+namespace {
+
+// An array attribute through `get` (KernelInfoGetAttributeArray_int64 or _float); false when absent.
+template <class T, class Get>
+bool read_array(const OrtKernelInfo* info, const char* name, std::vector<T>* out, Get get) {
   size_t size = 0;
-  if (OrtStatus* status = api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size)) {
-    api.ReleaseStatus(status);
+  if (OrtStatus* status = get(info, name, nullptr, &size)) {
+    Ort::GetApi().ReleaseStatus(status);
     return false;
   }
-  out->assign(size, 0);
-  if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, name, out->data(), &size));
+  out->assign(size, T());
+  if (size) Ort::ThrowOnError(get(info, name, out->data(), &size));
   return true;
 }
 
+}  // namespace
+
+bool AttrReader::has_ints(const char* name, std::vector<int64_t>* out) const {
+  return read_array(info, name, out, Ort::GetApi().KernelInfoGetAttributeArray_int64);
+}
+
 bool AttrReader::has_floats(const char* name, std::vector<float>* out) const {
-  const OrtApi& api = Ort::GetApi();
-  size_t size = 0;
-  if (OrtStatus* status = api.KernelInfoGetAttributeArray_float(info, name, nullptr, &size)) {
-    api.ReleaseStatus(status);
-    return false;
-  }
-  out->assign(size, 0.0f);
-  if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_float(info, name, out->data(), &size));
-  return true;
+  return read_array(info, name, out, Ort::GetApi().KernelInfoGetAttributeArray_float);
 }
 
 namespace {

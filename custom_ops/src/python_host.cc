@@ -140,7 +140,7 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
     node_name = kinfo.GetNodeName();
   } catch (const Ort::Exception&) {
   }
-  where = node_name.empty() ? spec.op : spec.op + " node '" + node_name + "'";
+  where = moe_onnx::node_where(spec.op.c_str(), kinfo);
   moe_onnx::AttrReader reader{info};
   for (const auto& [name, kind] : spec.attrs) {  // every given attribute has its kind's type (as Attributes checks)
     const std::string problem = reader.type_problem(name.c_str(), kind.c_str());
