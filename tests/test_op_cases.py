@@ -57,7 +57,7 @@ def test_shape_inference_rejects(case):
         onnx.shape_inference.infer_shapes(case.model(), strict_mode=True)
 
 
-ATTRIBUTE_ERRORS = [c for c in INVALID if c.name.startswith("attr_")]
+ATTRIBUTE_ERRORS = [c for c in INVALID if c.name.startswith("attr_")]  # the tables' attribute type and name cases
 
 
 @pytest.mark.parametrize("case", ATTRIBUTE_ERRORS, ids=lambda c: c.id)
