@@ -20,14 +20,20 @@ from .ops import DOMAIN, OPS
 CPP_PRIVATE_DOMAIN = "moe_onnx.cpp"  # custom_ops/src/ops.cc
 
 
-def cpp_model(model: str | os.PathLike | bytes | onnx.ModelProto):
-    """``model`` unchanged when it has no quantizing MoeInitRouting node, else a ModelProto copy
-    (with its external data loaded) whose quantizing MoeInitRouting nodes are in ``moe_onnx.cpp``."""
-    proto = model
+def structure(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as a ModelProto: parsed (a path: without its external data), or itself."""
     if isinstance(model, (str, os.PathLike)):
-        proto = onnx.load(os.fspath(model), load_external_data=False)
-    elif isinstance(model, bytes):
-        proto = onnx.ModelProto.FromString(model)
+        return onnx.load(os.fspath(model), load_external_data=False)
+    if isinstance(model, bytes):
+        return onnx.ModelProto.FromString(model)
+    return model
+
+
+def cpp_model(model: str | os.PathLike | bytes | onnx.ModelProto, proto: onnx.ModelProto | None = None):
+    """``model`` unchanged when it has no quantizing MoeInitRouting node, else a ModelProto copy
+    (with its external data loaded) whose quantizing MoeInitRouting nodes are in ``moe_onnx.cpp``.
+    ``proto``: ``structure(model)`` when the caller has it already."""
+    proto = structure(model) if proto is None else proto
     if not any(_quantizing_init_routing(node) for node, _ in walk(proto.graph)):
         return model
     if isinstance(model, (str, os.PathLike)):

@@ -22,8 +22,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ._graph import walk
 from ._library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, python_host_library
-from ._private_domain import cpp_model, python_model
+from ._private_domain import cpp_model, python_model, structure
+from .ops import DOMAIN, OPS
+from .ops._common import check_attribute_names
 
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "BACKENDS",
@@ -43,7 +46,9 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     ``sess_options`` is used as given (the library is registered on it once, its other settings
     are kept; one SessionOptions serves one backend); ``providers`` (default
     ``["CPUExecutionProvider"]``) and other keyword arguments go to ``InferenceSession``.
-    Raises ValueError for an unknown backend and FileNotFoundError when the library is not built;
+    Raises ValueError for an unknown backend, FileNotFoundError when the library is not built and
+    MoeOpError for a moe_onnx node with an attribute its op does not have (onnxruntime does not show
+    kernels the names of a node's attributes, so the kernels cannot report it);
     onnxruntime's exceptions come through unchanged.
     """
     if backend not in BACKENDS:
@@ -58,9 +63,12 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
             model = onnx.ModelProto.FromString(model)
         else:  # the caller's model: rewrite a copy
             model = onnx.ModelProto.FromString(model.SerializeToString())
+        _check_attribute_names(model)
         model = python_model(model)
     else:
-        model = cpp_model(model)
+        proto = structure(model)
+        _check_attribute_names(proto)
+        model = cpp_model(model, proto)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif isinstance(model, os.PathLike):
@@ -68,6 +76,13 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     return ort.InferenceSession(model, sess_options=options,
                                 providers=list(providers) if providers is not None else ["CPUExecutionProvider"],
                                 **kwargs)
+
+
+def _check_attribute_names(model: onnx.ModelProto) -> None:
+    """MoeOpError for the first moe_onnx node (subgraphs included) with an attribute its op lacks."""
+    for node, _ in walk(model.graph):
+        if node.domain == DOMAIN and node.op_type in OPS:
+            check_attribute_names(OPS[node.op_type], node.name, [a.name for a in node.attribute])
 
 
 _REGISTERED_KEY = "moe_onnx.registered_backend"  # a session config entry onnxruntime ignores

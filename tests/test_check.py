@@ -168,7 +168,8 @@ UNLOADABLE = {
     "drop_pad_rows_overflow": (
         lambda folder: _save(_routing_model(expert_num=2**40, expert_capacity=2**40, drop_pad_mode=1),
                              folder / "m.onnx"),
-        "MoeInitRouting node 'routing': output 'expanded_x' has shape [1099511627776, 1099511627776, 8]"),
+        "MoeInitRouting node 'routing': attribute 'expert_capacity' is 1099511627776; expected expert_num * "
+        "expert_capacity (the rows of expanded_x) <= 9223372036854775807"),
     "declared_dims_2_40": (  # N * k = 2**80 rows: once a traceback from shape inference
         lambda folder: _save(_routing_model(n=2**40, k=2**40, expert_num=8), folder / "m.onnx"),
         "value 'idx' has shape [1099511627776, 1099511627776]"),
@@ -226,3 +227,24 @@ def test_finalize_routing_expert_idx_without_bias_passes(tmp_path, capsys):
     model = _case_model(finalize_cases.CASES, "expert_idx_without_bias")
     assert main(["check", _save(model, tmp_path / "m.onnx")]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+WRONG_ATTRIBUTE_TYPES = {
+    "string_for_float": ("expert_beta", "7", "attribute 'expert_beta' has type STRING; expected FLOAT"),
+    "floats_for_float": ("expert_alpha", [1.0, 2.0], "attribute 'expert_alpha' has type FLOATS; expected FLOAT"),
+    "tensor_for_float": ("expert_alpha", onnx.numpy_helper.from_array(np.array([1.0], np.float32)),
+                         "attribute 'expert_alpha' has type TENSOR; expected FLOAT"),
+    "float_for_int": ("gate_parity", 1.0, "attribute 'gate_parity' has type FLOAT; expected INT"),
+    "misspelled": ("expert_alhpa", 1.0, "attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
+                   "'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity'"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_ATTRIBUTE_TYPES)
+def test_wrong_attribute_type_is_a_problem(name, tmp_path, capsys):
+    """An attribute of the wrong ONNX type (or name) is one problem line naming the node, not a traceback."""
+    attribute, value, message = WRONG_ATTRIBUTE_TYPES[name]
+    path = _save(_set_attr(_model(), attribute, v=value), tmp_path / f"{name}.onnx")
+    assert main(["check", path]) == 1
+    out = capsys.readouterr().out
+    assert f"  MOE node 'MOE_node': {message}\n" in out, out

@@ -74,6 +74,13 @@ def kernel_message(error: Exception) -> str:
 
 
 def check(case: Case, backend: str) -> list[np.ndarray] | None:
+    if case.session:  # moe_onnx.session() rejects the node before onnxruntime sees it: the reference's error
+        with pytest.raises(MoeOpError, match=case.error) as info:
+            run_case(case, backend)
+        with pytest.raises(MoeOpError) as expected:
+            case.run_reference(node_name=case.node_name)
+        assert str(info.value) == str(expected.value)
+        return None
     if case.error is not None:
         with pytest.raises(Exception) as info:
             run_case(case, backend)
@@ -358,3 +365,64 @@ print(n)
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(out.stdout.split()[-1]) > 10
+
+
+# ----------------------------------------------------------------------------- memory in proportion to the data
+
+@pytest.mark.parametrize("shape", ["hidden_zero", "inter_zero"])
+def test_zero_size_weights_of_many_experts_allocate_nothing(shape):
+    """A model of a few hundred bytes whose weights have millions of experts and no elements: the
+    session takes no memory for them (was +1 GiB, +70 MiB) and gives the reference's output (run in a
+    fresh process, whose peak resident size is measured)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import resource, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from cases import Case
+from cases.moe import GEMM2
+from moe_onnx.runtime import run, session
+
+E, H, I = {{"hidden_zero": (2**20, 0, 128), "inter_zero": (2**22, 8, 0)}}[{shape!r}]
+inputs = [np.zeros((3, H), np.float32), np.ones((3, 1), np.float32), np.zeros((3, 1), np.int64),
+          np.zeros((E, H, 2 * I), np.float32), None, np.zeros((E, I, H), np.float32)]
+case = Case("MOE", "zero_size_weights", inputs, {{"expert_type": GEMM2, "expert_beta": 7.0}}, constant=(3, 5))
+model = case.model()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sess = session(model)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+got = run(sess, case.feeds())[0]
+expected = case.run_reference()[0]
+assert got.shape == expected.shape == (3, H), got.shape
+np.testing.assert_array_equal(got, expected)
+print(len(model.SerializeToString()), grown)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    model_bytes, grown_kib = map(int, out.stdout.split()[-2:])
+    assert model_bytes < 1000 and grown_kib < 32 * 1024, (model_bytes, grown_kib)
+
+
+def _init_routing_case(expert_num: int, hidden: int, **attrs) -> Case:
+    ids = np.array([[0], [min(1, expert_num - 1)], [0]], np.int64)
+    return Case("MoeInitRouting", "huge", [np.zeros((3, hidden), np.float32), ids],
+                {"expert_num": expert_num, "expert_tokens_num_flag": 0, **attrs}, outputs=2)
+
+
+@pytest.mark.parametrize("case, message", [
+    (_init_routing_case(2**60, 0), "cannot allocate 9223372036854775816 bytes for the expert offsets of the slot sort"),
+    (_init_routing_case(1, 0, drop_pad_mode=1, expert_capacity=2**61 + 1),
+     "cannot allocate 18446744073709551624 bytes for the source slot of each row of expanded_x"),
+    (_init_routing_case(1, 8, drop_pad_mode=1, expert_capacity=2**61 + 1),
+     "cannot allocate 73786976294838206460 bytes for output 'expanded_x'"),
+], ids=["experts", "rows", "output"])
+def test_allocation_failure_names_node_and_size(case, message):
+    """Memory the attributes ask for and no machine has: an error naming the node, the bytes and
+    what they were for (was a bare std::bad_alloc or onnxruntime's 'Integer overflow')."""
+    with pytest.raises(Exception) as info:
+        run_case(case, "cpp")
+    assert kernel_message(info.value) == f"MoeInitRouting node 'MoeInitRouting_node': {message}"

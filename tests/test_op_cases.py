@@ -49,7 +49,7 @@ def test_model_checks_and_reference_evaluator_runs(case):
         np.testing.assert_array_equal(g, e)
 
 
-STATIC_ERRORS = [c for c in INVALID if not c.runtime]
+STATIC_ERRORS = [c for c in INVALID if not c.runtime and not c.session]
 
 
 @pytest.mark.parametrize("case", STATIC_ERRORS, ids=lambda c: c.id)
@@ -72,3 +72,16 @@ def test_reference_rejects_types_onnxruntime_cannot_feed(dtype):
     if dtype == np.complex64:  # ONNX has a complex64 tensor type, so a model can carry it
         with pytest.raises(MoeOpError, match=re.escape(f"MoeRowParallelLinear node '{case.node_name}': {expected}")):
             ReferenceEvaluator(case.model(), new_ops=REFERENCE_OPS).run(None, case.feeds())
+
+
+ATTRIBUTE_ERRORS = [c for c in INVALID if c.name.startswith("attr_")]  # the tables' attribute type and name cases
+
+
+@pytest.mark.parametrize("case", ATTRIBUTE_ERRORS, ids=lambda c: c.id)
+def test_reference_evaluator_rejects_attributes(case):
+    """ReferenceEvaluator checks a node's attributes as ONNX types them, in the reference's words."""
+    with pytest.raises(MoeOpError) as expected:
+        case.run_reference(node_name=case.node_name)
+    with pytest.raises(MoeOpError) as info:
+        ReferenceEvaluator(case.model(), new_ops=REFERENCE_OPS).run(None, case.feeds())
+    assert str(info.value) == str(expected.value)

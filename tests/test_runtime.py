@@ -6,6 +6,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -194,3 +197,64 @@ def test_sess_options_reused():
         np.testing.assert_allclose(sess.run(None, BASE.feeds())[0], BASE.run_reference()[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="already carry the 'cpp' backend"):
         session(BASE.model(), backend="python", sess_options=opts)
+
+
+def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh Python process (tests/ importable): a crash fails a test, not pytest."""
+    return subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_python_exception_message_not_utf8_encodable():
+    """A kernel's message with a lone surrogate becomes an onnxruntime error (escaped), not a crash."""
+    code = r"""
+import dataclasses, sys
+sys.path.insert(0, sys.argv[1])
+from test_runtime import BASE
+from moe_onnx.ops import OPS, MoeOpError
+from moe_onnx.runtime import session
+
+def broken(*args, **kwargs):
+    raise MoeOpError("bad \udcff text")
+
+sess = session(BASE.model(), backend="python")
+OPS["MOE"] = dataclasses.replace(OPS["MOE"], reference=broken)
+try:
+    sess.run(None, BASE.feeds())
+except Exception as error:
+    print(type(error).__name__, str(error).encode("ascii", "backslashreplace").decode())
+"""
+    out = run_python(code)
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    assert "INVALID_ARGUMENT" in out.stdout and "bad \\udcff text" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_registrations_do_not_grow_memory(backend):
+    """Registering the library on many SessionOptions keeps no memory per registration (the custom-op
+    domains are made once)."""
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("AddressSanitizer's allocator keeps freed memory (quarantine, caches): resident size tells nothing")
+    code = f"""
+import gc
+import onnxruntime as ort
+from moe_onnx.runtime import custom_ops_library, python_host_library
+
+library = custom_ops_library() if {backend!r} == "cpp" else python_host_library()
+
+def register(times):
+    for _ in range(times):
+        ort.SessionOptions().register_custom_ops_library(library)
+    gc.collect()
+
+def resident_kib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4
+
+register(200)  # allocator pools and caches settle
+before = resident_kib()
+register(4000)
+print(resident_kib() - before)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) < 256, f"{out.stdout.split()[-1]} KiB more after 4000 registrations"

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 
 namespace moe_onnx {
@@ -125,6 +126,77 @@ bool AttrReader::has_int(const char* name, int64_t* out) const {
   OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, out);
   if (status) Ort::GetApi().ReleaseStatus(status);
   return status == nullptr;
+}
+
+namespace {
+
+// An array attribute through `get` (KernelInfoGetAttributeArray_int64 or _float); false when absent.
+template <class T, class Get>
+bool read_array(const OrtKernelInfo* info, const char* name, std::vector<T>* out, Get get) {
+  size_t size = 0;
+  if (OrtStatus* status = get(info, name, nullptr, &size)) {
+    Ort::GetApi().ReleaseStatus(status);
+    return false;
+  }
+  out->assign(size, T());
+  if (size) Ort::ThrowOnError(get(info, name, out->data(), &size));
+  return true;
+}
+
+}  // namespace
+
+bool AttrReader::has_ints(const char* name, std::vector<int64_t>* out) const {
+  return read_array(info, name, out, Ort::GetApi().KernelInfoGetAttributeArray_int64);
+}
+
+bool AttrReader::has_floats(const char* name, std::vector<float>* out) const {
+  return read_array(info, name, out, Ort::GetApi().KernelInfoGetAttributeArray_float);
+}
+
+namespace {
+
+// The ONNX type a node gives attribute `name` with, as far as the C API tells: "" when absent, "?"
+// when present but unreadable as any type (an empty list, STRINGS, GRAPH...): the array readers
+// accept an attribute of any type, as the elements of their own list.
+std::string given_attr_type(const AttrReader& reader, const char* name) {
+  float f;
+  int64_t i;
+  std::string s;
+  std::vector<int64_t> ints;
+  std::vector<float> floats;
+  if (reader.has_float(name, &f)) return "FLOAT";
+  if (reader.has_int(name, &i)) return "INT";
+  if (reader.has_string(name, &s)) return "STRING";
+  const bool present = reader.has_ints(name, &ints) && reader.has_floats(name, &floats);
+  if (!ints.empty()) return "INTS";
+  if (!floats.empty()) return "FLOATS";
+  OrtValue* tensor = nullptr;
+  Ort::AllocatorWithDefaultOptions allocator;
+  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_tensor(reader.info, name, allocator, &tensor)) {
+    Ort::GetApi().ReleaseStatus(status);
+  } else {
+    Ort::GetApi().ReleaseValue(tensor);
+    return "TENSOR";
+  }
+  return present ? "?" : "";
+}
+
+}  // namespace
+
+std::string AttrReader::type_problem(const char* name, const char* kind) const {
+  const std::string expected = std::strcmp(kind, "int") == 0      ? "INT"
+                               : std::strcmp(kind, "float") == 0  ? "FLOAT"
+                               : std::strcmp(kind, "string") == 0 ? "STRING"
+                               : std::strcmp(kind, "ints") == 0   ? "INTS"
+                                                                  : "FLOATS";
+  const std::string given = given_attr_type(*this, name);
+  const bool list = expected == "INTS" || expected == "FLOATS";
+  if (given.empty() || given == expected || (given == "?" && list)) return "";  // an empty list passes
+  const std::string prefix = std::string("attribute '") + name + "' ";
+  if (given == "?")
+    return prefix + "has an empty list or a type onnxruntime does not show kernels (STRINGS, GRAPH...); expected " +
+           expected;
+  return prefix + "has type " + given + "; expected " + expected;
 }
 
 const FormalAttr& OpSignature::attribute(const char* attr_name) const {
@@ -257,6 +329,44 @@ void from_float(ElemType type, const float* src, void* dst, int64_t n) {
     }
     default:
       throw_invalid(std::string("internal: from_float to ") + elem_name(type));
+  }
+}
+
+AllocationFailure::AllocationFailure(uint64_t count, size_t element_bytes, const std::string& what) {
+  unsigned __int128 bytes = static_cast<unsigned __int128>(count) * element_bytes;
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(bytes % 10)));
+    bytes /= 10;
+  } while (bytes);
+  message_ = "cannot allocate " + digits + " bytes for " + what;
+}
+
+void check_allocatable(const std::vector<int64_t>& shape, size_t element_bytes, const std::string& what) {
+  unsigned __int128 count = 1;
+  for (int64_t dim : shape) {
+    count *= static_cast<uint64_t>(std::max<int64_t>(dim, 0));
+    if (count > std::numeric_limits<uint64_t>::max()) break;  // past any size: report what fits in the message
+  }
+  if (count == 0 || count * element_bytes <= static_cast<unsigned __int128>(std::numeric_limits<int64_t>::max()))
+    return;
+  if (count > std::numeric_limits<uint64_t>::max()) count = std::numeric_limits<uint64_t>::max();
+  throw AllocationFailure(static_cast<uint64_t>(count), element_bytes, what);
+}
+
+OrtStatusPtr exception_status(const OrtApi& api, const std::string& where) {
+  try {
+    throw;
+  } catch (const Ort::Exception& e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const AllocationFailure& e) {
+    return api.CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (...) {
+    return api.CreateStatus(ORT_FAIL, (where + ": unknown exception").c_str());
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,15 @@ struct AttrReader {
   bool has_string(const char* name, std::string* out) const;
   bool has_float(const char* name, float* out) const;
   bool has_int(const char* name, int64_t* out) const;
+  bool has_ints(const char* name, std::vector<int64_t>* out) const;
+  bool has_floats(const char* name, std::vector<float>* out) const;
+  // "attribute 'x' has type INT; expected FLOAT" when the node gives attribute `name` with another
+  // ONNX type than `kind` ("int", "float", "string", "ints", "floats") says; "" when it is absent or
+  // has that type. onnxruntime's C API tells types apart only by which reader succeeds: FLOAT, INT,
+  // STRING, TENSOR and non-empty INTS/FLOATS are named as check_attribute_types (Python) names them;
+  // an empty list, STRINGS, GRAPH and the other kinds cannot be told apart (a list kind takes them
+  // as an empty list; a scalar kind says so).
+  std::string type_problem(const char* name, const char* kind) const;
 };
 
 // A formal input or output of an op.
@@ -195,19 +205,51 @@ void to_float(ElemType type, const void* src, float* dst, int64_t n);
 // dst[i] = T(src[i]) for a float32/float16/bfloat16 destination.
 void from_float(ElemType type, const float* src, void* dst, int64_t n);
 
-// Runs `make` (which builds the kernel) and reports an exception as the status onnxruntime expects.
-template <class Make>
-OrtStatusPtr create_kernel_status(const OrtApi& api, void** kernel, Make&& make) {
+// Memory a kernel cannot have: "cannot allocate N bytes for <what>" (count elements of
+// element_bytes each, N exact even past 2^64). create_kernel_status and compute_status put the
+// node before it.
+class AllocationFailure : public std::bad_alloc {
+ public:
+  AllocationFailure(uint64_t count, size_t element_bytes, const std::string& what);
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+// v = `count` copies of `value`, for `what` (messages): failing, or past what a vector can hold, is
+// an AllocationFailure.
+template <class T>
+void allocate(std::vector<T>& v, int64_t count, const T& value, const char* what) {
+  const uint64_t n = count < 0 ? 0 : static_cast<uint64_t>(count);
+  if (n > v.max_size()) throw AllocationFailure(n, sizeof(T), what);
   try {
-    *kernel = make();
-    return nullptr;
-  } catch (const Ort::Exception& e) {
-    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, e.what());
+    v.assign(static_cast<size_t>(n), value);
+  } catch (const std::bad_alloc&) {
+    throw AllocationFailure(n, sizeof(T), what);
   }
 }
 
+// An AllocationFailure for `what` unless a tensor of this shape, element_bytes each, has at most
+// INT64_MAX bytes (onnxruntime's size arithmetic overflows past that, in words naming nothing).
+void check_allocatable(const std::vector<int64_t>& shape, size_t element_bytes, const std::string& what);
+
+// The status of an exception escaping kernel creation or Compute: the op's errors as they are
+// (their messages name the node), memory and other failures prefixed with `where`.
+OrtStatusPtr exception_status(const OrtApi& api, const std::string& where);
+
+// Runs `make` (which builds the kernel of `op`'s node) and reports an exception as the status
+// onnxruntime expects.
+template <class Make>
+OrtStatusPtr create_kernel_status(const OrtApi& api, const char* op, const OrtKernelInfo* info, void** kernel,
+                                  Make&& make) {
+  try {
+    *kernel = make();
+    return nullptr;
+  } catch (...) {
+    return exception_status(api, node_where(op, Ort::ConstKernelInfo(info)));
+  }
+}
 
 // Runs `compute` and reports an exception as a status (INVALID_ARGUMENT for the op's contract).
 template <class Compute>
@@ -215,12 +257,8 @@ OrtStatusPtr compute_status(const std::string& where, Compute&& compute) {
   try {
     compute();
     return nullptr;
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::bad_alloc&) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": out of memory").c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (where + ": " + e.what()).c_str());
+  } catch (...) {
+    return exception_status(Ort::GetApi(), where);
   }
 }
 

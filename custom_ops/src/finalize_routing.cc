@@ -123,7 +123,7 @@ void check_bias_experts(const Input& experts, int64_t n_bias, const std::vector<
 }  // namespace
 
 OrtStatusPtr FinalizeRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, kernel, [&] { return new FinalizeRoutingKernel(info); });
+  return create_kernel_status(api, signatures::MoeFinalizeRouting.name, info, kernel, [&] { return new FinalizeRoutingKernel(info); });
 }
 
 FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info) {

@@ -26,6 +26,8 @@ enum { CUMSUM = 0, COUNT = 1, KEY_VALUE = 2 };
 
 constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+// Element bytes of the outputs of fixed type (int32 row indices, int64 counts, float32 scales).
+constexpr size_t kOutputBytes[] = {0, 4, 8, 4};
 
 RoutingMode read_mode(const Attributes& a) {
   RoutingMode m;
@@ -63,6 +65,12 @@ RoutingMode read_mode(const Attributes& a) {
     if (m.active_num > 0)
       a.fail("active_num", "is " + std::to_string(m.active_num) + "; expected -1 or 0" + why +
                                ": the capacity bounds the rows");
+    int64_t rows = 0;
+    if (__builtin_mul_overflow(expert_num, m.capacity, &rows))
+      a.fail("expert_capacity", "is " + std::to_string(m.capacity) +
+                                    "; expected expert_num * expert_capacity (the rows of expanded_x) <= " +
+                                    std::to_string(std::numeric_limits<int64_t>::max()) + " (expert_num " +
+                                    std::to_string(expert_num) + ")" + why);
   } else if (m.capacity != 0) {
     a.fail("expert_capacity", "is " + std::to_string(m.capacity) +
                                   "; expected 0 for drop_pad_mode 0 (dropless has no capacity)");
@@ -153,16 +161,16 @@ Placement place_slots(const RoutingMode& mode, const Input& idx, int64_t rows) {
   const int64_t experts = mode.active_experts();
   const SlotsByExpert sorted = sort_slots_by_expert(idx, mode.start, mode.end);
   Placement p;
-  p.slot_of_row.assign(static_cast<size_t>(rows), -1);
+  allocate(p.slot_of_row, rows, int64_t{-1}, "the source slot of each row of expanded_x");
+  allocate(p.counts, experts, int64_t{0}, "the row count of each expert");
   if (mode.drop_pad) {  // rank r of expert e goes to row e * C + r when r < C; counts are before the drop
     for (int64_t e = 0; e < experts; ++e) {
       for (int64_t r = 0; r < std::min(sorted.count(e), mode.capacity); ++r)
         p.slot_of_row[e * mode.capacity + r] = sorted.order[sorted.start[e] + r];
-      p.counts.push_back(sorted.count(e));
+      p.counts[e] = sorted.count(e);
     }
   } else {  // the first rows of the sorted order; counts describe those rows
     const int64_t placed = std::min<int64_t>(rows, static_cast<int64_t>(sorted.order.size()));
-    p.counts.assign(static_cast<size_t>(experts), 0);
     for (int64_t r = 0; r < placed; ++r) {
       p.slot_of_row[r] = sorted.order[r];
       ++p.counts[load_index(idx, sorted.order[r]) - mode.start];
@@ -210,7 +218,7 @@ OrtCustomOpInputOutputCharacteristic InitRoutingOp::GetOutputCharacteristic(size
 
 OrtStatusPtr InitRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
   const ElemType out = GetOutputType(EXPANDED_X);
-  return create_kernel_status(api, kernel, [&] { return new InitRoutingKernel(info, out); });
+  return create_kernel_status(api, signatures::MoeInitRouting.name, info, kernel, [&] { return new InitRoutingKernel(info, out); });
 }
 
 InitRoutingKernel::InitRoutingKernel(const OrtKernelInfo* info, ElemType out_type) : output_type(out_type) {
@@ -249,6 +257,8 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
   const size_t n_outputs = ctx.GetOutputCount();
   auto output = [&](size_t i, const std::vector<int64_t>& shape) -> void* {
     if (i >= n_outputs) return nullptr;
+    check_allocatable(shape, i == EXPANDED_X ? elem_size(output_type) : kOutputBytes[i],
+                      std::string("output '") + signatures::MoeInitRouting.outputs[i].name + "'");
     Ort::UnownedValue value = ctx.GetOutput(i, shape);
     return value ? value.GetTensorMutableRawData() : nullptr;
   };

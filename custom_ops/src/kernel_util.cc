@@ -4,6 +4,14 @@
 
 namespace moe_onnx {
 
+Attributes::Attributes(const OrtKernelInfo* info, const OpSignature& op, std::string where)
+    : reader_{info}, op_(op), where_(std::move(where)) {
+  for (const FormalAttr& attr : op_.attributes) {
+    const std::string problem = reader_.type_problem(attr.name, attr.kind);
+    if (!problem.empty()) throw_invalid(where_ + ": " + problem);
+  }
+}
+
 void Attributes::fail(const char* name, const std::string& message) const {
   throw_invalid(where_ + ": attribute '" + name + "' " + message);
 }
@@ -11,7 +19,7 @@ void Attributes::fail(const char* name, const std::string& message) const {
 double Attributes::default_of(const char* name) const {
   const FormalAttr& attr = op_.attribute(name);
   if (attr.required) fail(name, "is required");
-  if (!attr.has_default) throw std::logic_error(where_ + ": internal: attribute '" + name + "' has no default");
+  if (!attr.has_default) throw std::logic_error(std::string("internal: attribute '") + name + "' has no default");
   return attr.default_value;
 }
 
@@ -29,18 +37,6 @@ std::string Attributes::get_string(const char* name) const {
   std::string value;
   if (!reader_.has_string(name, &value)) default_of(name);  // strings are required: fails
   return value;
-}
-
-bool Attributes::has_ints(const char* name, std::vector<int64_t>* out) const {
-  const OrtApi& api = Ort::GetApi();
-  size_t size = 0;
-  if (OrtStatus* status = api.KernelInfoGetAttributeArray_int64(reader_.info, name, nullptr, &size)) {
-    api.ReleaseStatus(status);
-    return false;
-  }
-  out->assign(size, 0);
-  if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(reader_.info, name, out->data(), &size));
-  return true;
 }
 
 int64_t Attributes::choice(const char* name, const std::vector<int64_t>& choices) const {

@@ -10,15 +10,15 @@
 namespace moe_onnx {
 
 // Attributes of one node, read at kernel creation; failures say "<where>: attribute 'x' ...".
-// The get_* readers apply the op's signature as NodeView.attr does: an absent attribute takes its
-// default, or fails "is required".
+// Construction checks that every attribute the node gives has the type of the op's signature (in
+// signature order, as check_attribute_types in Python). The get_* readers apply the signature as
+// NodeView.attr does: an absent attribute takes its default, or fails "is required".
 class Attributes {
  public:
-  Attributes(const OrtKernelInfo* info, const OpSignature& op, std::string where)
-      : reader_{info}, op_(op), where_(std::move(where)) {}
+  Attributes(const OrtKernelInfo* info, const OpSignature& op, std::string where);
   [[noreturn]] void fail(const char* name, const std::string& message) const;
   bool has_int(const char* name, int64_t* out) const { return reader_.has_int(name, out); }
-  bool has_ints(const char* name, std::vector<int64_t>* out) const;
+  bool has_ints(const char* name, std::vector<int64_t>* out) const { return reader_.has_ints(name, out); }
   int64_t get_int(const char* name) const;
   float get_float(const char* name) const;
   std::string get_string(const char* name) const;

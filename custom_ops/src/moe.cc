@@ -150,8 +150,9 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
   }
 }
 
-// All experts packed at kernel creation when every weight the expert type uses is an initializer
-// and their shapes agree; else null (Compute packs per run and reports any error).
+// All experts packed at kernel creation when every weight the expert type uses is an initializer,
+// their shapes agree and the matrices have elements (H, I > 0: the pack is then in proportion to the
+// weights' data, whatever E is); else null (Compute packs per run and reports any error).
 std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, ExpertType type,
                                                      int64_t parity) {
   std::vector<Input> inputs(N_INPUTS);
@@ -167,7 +168,7 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   const int64_t E = w0.shape[0];
   const int64_t H = gemm2 ? w0.shape[1] : w0.shape[2];
   const int64_t I = gemm2 ? w0.shape[2] / 2 : w0.shape[1];
-  if (gemm2 && w0.shape[2] % 2) return nullptr;
+  if ((gemm2 && w0.shape[2] % 2) || H == 0 || I == 0) return nullptr;
   auto same = [&](const Input& in, std::vector<int64_t> shape) {
     return in.present && in.type == w0.type && in.shape == shape;
   };
@@ -184,8 +185,8 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   return packed;
 }
 
-// Nothing reaches any token (no slots, or GEMM3 with I == 0; with I == 0, GEMM2 still adds its down
-// bias: the general path): out = 0.
+// Nothing reaches any token (no slots, or I == 0 without a down bias; with I == 0, GEMM2 still adds
+// its down bias: the general path): out = 0.
 void write_zeros(ElemType type, const Dims& d, char* out) {
   const std::vector<float> zeros(static_cast<size_t>(d.H), 0.0f);
   for (int64_t t = 0; t < d.T; ++t) from_float(type, zeros.data(), out + t * d.H * elem_size(type), d.H);
@@ -311,7 +312,7 @@ struct MoeRun {
 OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
 
 OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, kernel, [&] { return new MoeKernel(api, info); });
+  return create_kernel_status(api, signatures::MOE.name, info, kernel, [&] { return new MoeKernel(api, info); });
 }
 
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
@@ -351,7 +352,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   Ort::UnownedValue out_value = ctx.GetOutput(0, x.shape);
   char* out = static_cast<char*>(out_value.GetTensorMutableRawData());
   if (d.T == 0 || d.H == 0) return;
-  if (d.k == 0 || (d.I == 0 && type == ExpertType::kGemm3Swiglu)) return write_zeros(x.type, d, out);
+  if (d.k == 0 || (d.I == 0 && !inputs[B1].present)) return write_zeros(x.type, d, out);
   const SlotsByExpert sorted = sort_slots_by_expert(inputs[INDICES], 0, d.E);
   PackedExperts local;
   const PackedExperts& weights = experts_for_run(

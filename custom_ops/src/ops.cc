@@ -2,7 +2,6 @@
 // variants of kPrivateDomain to theirs).
 // Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
 // that decides the output type, see MoeOp).
-#include <mutex>
 #include <vector>
 
 #include "common.h"
@@ -48,6 +47,24 @@ const std::vector<const OrtCustomOp*>& private_kernels() {
   return all;
 }
 
+// The library's domains with their ops, made on the first registration and shared by every later
+// one: onnxruntime keeps pointers to them (so they live until the process ends), and a session
+// only reads them, so one set serves every SessionOptions without growing per registration.
+const std::vector<OrtCustomOpDomain*>& domains(const OrtApi& api) {
+  static const std::vector<OrtCustomOpDomain*> all = [&api] {
+    std::vector<OrtCustomOpDomain*> made;
+    for (const auto& [name, ops] :
+         {std::make_pair(kDomain, &kernels()), std::make_pair(kPrivateDomain, &private_kernels())}) {
+      OrtCustomOpDomain* domain = nullptr;
+      Ort::ThrowOnError(api.CreateCustomOpDomain(name, &domain));
+      for (const OrtCustomOp* op : *ops) Ort::ThrowOnError(api.CustomOpDomain_Add(domain, op));
+      made.push_back(domain);
+    }
+    return made;
+  }();
+  return all;
+}
+
 }  // namespace
 
 extern "C" {
@@ -60,19 +77,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   Ort::InitApi(api);
   try {
     moe_onnx::isa_level();  // an invalid MOE_ONNX_GEMM fails the registration, naming the levels
-    // The domains must outlive every session that uses them: they are kept until the process ends.
-    static std::mutex mutex;
-    static std::vector<OrtCustomOpDomain*> domains;
-    for (const auto& [name, ops] : {std::make_pair(kDomain, &kernels()), std::make_pair(kPrivateDomain, &private_kernels())}) {
-      OrtCustomOpDomain* domain = nullptr;
-      Ort::ThrowOnError(api->CreateCustomOpDomain(name, &domain));
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        domains.push_back(domain);
-      }
-      for (const OrtCustomOp* op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, op));
-      Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
-    }
+    for (OrtCustomOpDomain* domain : domains(*api)) Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());
   } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 #include "packed_weights.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -91,12 +92,15 @@ PanelType gemm_panel_type(WeightFormat format) {
 }
 
 PackedWeights::PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias)
-    : format_(format),
-      N_(N),
-      K_(K),
-      slot_bytes_(slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format))),
-      panels_(allocate_panels(static_cast<size_t>(slots * slot_bytes_))) {
-  if (with_bias) bias_.assign(static_cast<size_t>(slots * panels() * kPanel), 0.0f);
+    : format_(format), N_(N), K_(K), slot_bytes_(slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format))) {
+  const auto bytes = static_cast<unsigned __int128>(slots) * static_cast<uint64_t>(slot_bytes_);
+  try {
+    if (bytes > SIZE_MAX) throw std::bad_alloc();
+    panels_.reset(allocate_panels(static_cast<size_t>(bytes)));
+  } catch (const std::bad_alloc&) {
+    throw AllocationFailure(static_cast<uint64_t>(slots), static_cast<size_t>(slot_bytes_), "packed weights");
+  }
+  if (with_bias) allocate(bias_, slots * panels() * kPanel, 0.0f, "packed biases");
 }
 
 void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
@@ -117,7 +121,7 @@ void PackedWeights::pack_bias(int64_t slot, ElemType type, const ColumnSource& s
 
 ExpertSlots ExpertSlots::all(int64_t experts) {
   ExpertSlots s;
-  s.slot_of_expert.resize(static_cast<size_t>(experts));
+  allocate(s.slot_of_expert, experts, int64_t{0}, "the expert slot table");
   for (int64_t e = 0; e < experts; ++e) s.slot_of_expert[e] = e;
   s.expert_of_slot = s.slot_of_expert;
   return s;
@@ -125,7 +129,7 @@ ExpertSlots ExpertSlots::all(int64_t experts) {
 
 ExpertSlots ExpertSlots::with_rows(const int64_t* offsets, int64_t experts) {
   ExpertSlots s;
-  s.slot_of_expert.assign(static_cast<size_t>(experts), -1);
+  allocate(s.slot_of_expert, experts, int64_t{-1}, "the expert slot table");
   for (int64_t e = 0; e < experts; ++e)
     if (offsets[e + 1] > offsets[e]) {
       s.slot_of_expert[e] = s.count();

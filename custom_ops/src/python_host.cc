@@ -51,6 +51,18 @@ struct Ref {
   explicit operator bool() const { return p != nullptr; }
 };
 
+// The UTF-8 text of a str object; characters UTF-8 cannot encode (lone surrogates) become
+// backslash escapes. `fallback` when it is not a str or cannot be encoded at all.
+std::string utf8_text(PyObject* text, const char* fallback) {
+  if (!text || !PyUnicode_Check(text)) return fallback;
+  Ref bytes(PyUnicode_AsEncodedString(text, "utf-8", "backslashreplace"));
+  if (!bytes) {
+    PyErr_Clear();
+    return fallback;
+  }
+  return std::string(PyBytes_AS_STRING(bytes.p), static_cast<size_t>(PyBytes_GET_SIZE(bytes.p)));
+}
+
 // The pending Python exception as (message, onnxruntime error code); clears it.
 std::pair<std::string, OrtErrorCode> take_python_error(const std::string& where) {
   PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
@@ -60,7 +72,7 @@ std::pair<std::string, OrtErrorCode> take_python_error(const std::string& where)
   OrtErrorCode code = ORT_RUNTIME_EXCEPTION;
   if (value) {
     Ref text(PyObject_Str(value));
-    if (text && PyUnicode_Check(text.p)) message = PyUnicode_AsUTF8(text.p);
+    message = utf8_text(text.p, "(a message that cannot be shown)");
     PyErr_Clear();
   }
   bool contract_error = false;
@@ -105,7 +117,7 @@ struct PyKernel {
 struct PyOp : Ort::CustomOpBase<PyOp, PyKernel, true> {
   explicit PyOp(Spec s) : spec(std::move(s)) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return moe_onnx::create_kernel_status(api, kernel, [&] { return new PyKernel(spec, info); });
+    return moe_onnx::create_kernel_status(api, spec.op.c_str(), info, kernel, [&] { return new PyKernel(spec, info); });
   }
   const char* GetName() const { return spec.name.c_str(); }
   size_t GetInputTypeCount() const { return spec.input_optional.size(); }
@@ -129,9 +141,12 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
     node_name = kinfo.GetNodeName();
   } catch (const Ort::Exception&) {
   }
-  where = node_name.empty() ? spec.op : spec.op + " node '" + node_name + "'";
+  where = moe_onnx::node_where(spec.op.c_str(), kinfo);
   moe_onnx::AttrReader reader{info};
-  const OrtApi& api = Ort::GetApi();
+  for (const auto& [name, kind] : spec.attrs) {  // every given attribute has its kind's type (as Attributes checks)
+    const std::string problem = reader.type_problem(name.c_str(), kind.c_str());
+    if (!problem.empty()) moe_onnx::throw_invalid(where + ": " + problem);
+  }
   Gil gil;
   Ref dict(PyDict_New());
   for (const auto& [name, kind] : spec.attrs) {
@@ -145,24 +160,17 @@ PyKernel::PyKernel(const Spec& s, const OrtKernelInfo* info) : spec(s) {
     } else if (kind == "int") {
       int64_t v;
       if (reader.has_int(name.c_str(), &v)) value.p = PyLong_FromLongLong(v);
-    } else if (kind == "ints" || kind == "floats") {
-      size_t size = 0;
-      const bool ints = kind == "ints";
-      OrtStatus* status = ints ? api.KernelInfoGetAttributeArray_int64(info, name.c_str(), nullptr, &size)
-                               : api.KernelInfoGetAttributeArray_float(info, name.c_str(), nullptr, &size);
-      if (status) {
-        api.ReleaseStatus(status);
-      } else {
-        value.p = PyList_New(static_cast<Py_ssize_t>(size));
-        if (ints) {
-          std::vector<int64_t> v(size);
-          if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_int64(info, name.c_str(), v.data(), &size));
-          for (size_t i = 0; i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyLong_FromLongLong(v[i]));
-        } else {
-          std::vector<float> v(size);
-          if (size) Ort::ThrowOnError(api.KernelInfoGetAttributeArray_float(info, name.c_str(), v.data(), &size));
-          for (size_t i = 0; i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyFloat_FromDouble(v[i]));
-        }
+    } else if (kind == "ints") {
+      std::vector<int64_t> v;
+      if (reader.has_ints(name.c_str(), &v)) {
+        value.p = PyList_New(static_cast<Py_ssize_t>(v.size()));
+        for (size_t i = 0; value && i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyLong_FromLongLong(v[i]));
+      }
+    } else if (kind == "floats") {
+      std::vector<float> v;
+      if (reader.has_floats(name.c_str(), &v)) {
+        value.p = PyList_New(static_cast<Py_ssize_t>(v.size()));
+        for (size_t i = 0; value && i < v.size(); ++i) PyList_SET_ITEM(value.p, i, PyFloat_FromDouble(v[i]));
       }
     }
     if (value) PyDict_SetItemString(dict.p, name.c_str(), value.p);
@@ -323,16 +331,20 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   try {
     static std::mutex mutex;
     std::lock_guard<std::mutex> lock(mutex);
-    std::deque<PyOp>* ops = nullptr;
-    {
-      Gil gil;
-      ops = &load_ops();
+    // One domain for every registration (onnxruntime keeps a pointer to it: it lives until the
+    // process ends), made with the ops on the first.
+    static OrtCustomOpDomain* domain = nullptr;
+    if (!domain) {
+      std::deque<PyOp>* ops = nullptr;
+      {
+        Gil gil;
+        ops = &load_ops();
+      }
+      OrtCustomOpDomain* made = nullptr;
+      Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &made));
+      for (const PyOp& op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(made, &op));
+      domain = made;
     }
-    static std::vector<OrtCustomOpDomain*> domains;  // kept until the process ends
-    OrtCustomOpDomain* domain = nullptr;
-    Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &domain));
-    domains.push_back(domain);
-    for (const PyOp& op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(domain, &op));
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());

@@ -100,8 +100,10 @@ void check_offsets(const Checker& v, const int64_t* o, int64_t E, int64_t rows) 
                std::to_string(rows));
 }
 
+// Whether W can be packed at kernel creation: valid, and with elements (the pack is then in
+// proportion to W's data, whatever E is).
 bool is_packable(const Input& w) {
-  return w.present && w.shape.size() == 3 && signatures::MoeRowParallelLinear.inputs[W].allows(w.type);
+  return w.present && w.count > 0 && w.shape.size() == 3 && signatures::MoeRowParallelLinear.inputs[W].allows(w.type);
 }
 
 // Room for W's experts in `slots`, packed by pack_slot.
@@ -217,7 +219,7 @@ struct OutputTiles {
 ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(x_type_); }
 
 OrtStatusPtr RowParallelLinearOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, kernel, [&] { return new RowParallelLinearKernel(info); });
+  return create_kernel_status(api, signatures::MoeRowParallelLinear.name, info, kernel, [&] { return new RowParallelLinearKernel(info); });
 }
 
 RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {

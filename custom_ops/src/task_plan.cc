@@ -10,7 +10,7 @@ SlotsByExpert sort_slots_by_expert(const Input& expert_ids, int64_t first, int64
   const int64_t slots = expert_ids.count, experts = end - first;
   std::vector<int64_t> bucket(static_cast<size_t>(slots));
   SlotsByExpert sorted;
-  sorted.start.assign(static_cast<size_t>(experts + 1), 0);
+  allocate(sorted.start, experts + 1, int64_t{0}, "the expert offsets of the slot sort");
   for (int64_t f = 0; f < slots; ++f) {
     const int64_t id = load_index(expert_ids, f);
     bucket[f] = id >= first && id < end ? id - first : -1;

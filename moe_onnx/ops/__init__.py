@@ -10,7 +10,7 @@ import numpy as np
 from onnx import defs
 from onnx.reference.op_run import OpRun
 
-from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef
+from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
 from .finalize_routing import MOE_FINALIZE_ROUTING
 from .init_routing import MOE_INIT_ROUTING
 from .moe import MOE
@@ -29,6 +29,7 @@ def _evaluator_class(op: OpDef) -> type[OpRun]:
     """An onnx.reference op class that runs ``op.reference`` inside ReferenceEvaluator."""
 
     def _run(self, *inputs, **attributes):
+        check_node_attributes(op, self.onnx_node.name, self.onnx_node.attribute)
         attributes = {k: v for k, v in attributes.items() if v is not None}
         named = [bool(name) for name in self.onnx_node.output]
         outputs = op.reference(*inputs, _node_name=self.onnx_node.name, _named_outputs=named, **attributes)

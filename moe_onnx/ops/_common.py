@@ -20,7 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, defs, helper
+from onnx import AttributeProto, TensorProto, defs, helper
 
 from .signatures import Signature
 
@@ -94,6 +94,45 @@ _ATTR_TYPES = {
 }
 
 
+# The ONNX type of an attribute of each kind (signatures.Attr.kind).
+_ATTR_PROTO_TYPES = {"int": AttributeProto.INT, "float": AttributeProto.FLOAT, "string": AttributeProto.STRING,
+                     "ints": AttributeProto.INTS}
+
+
+def node_where(op_name: str, node_name: str) -> str:
+    """"MOE node 'name'" (or "MOE" for an unnamed node): how errors name a node."""
+    return f"{op_name} node '{node_name}'" if node_name else op_name
+
+
+def check_attribute_names(op: Signature, node_name: str, names: Sequence[str]) -> None:
+    """Raise MoeOpError for the first of ``names`` that is not an attribute of ``op``."""
+    known = [a.name for a in op.attributes]
+    for name in names:
+        if name not in known:
+            expected = ", ".join(f"'{k}'" for k in known)
+            raise MoeOpError(f"{node_where(op.name, node_name)}: attribute '{name}' is not an attribute of "
+                             f"{op.name}; expected one of {expected}")
+
+
+def check_attribute_types(op: Signature, node_name: str, attributes: Sequence[onnx.AttributeProto]) -> None:
+    """Raise MoeOpError for the first attribute of ``op``, in signature order, that the node gives with
+    another ONNX type than its kind (an INT for a float attribute...). Names ``op`` lacks are skipped."""
+    given = {a.name: a for a in attributes}
+    for spec in op.attributes:
+        proto, expected = given.get(spec.name), _ATTR_PROTO_TYPES[spec.kind]
+        if proto is not None and proto.type != expected:
+            name_of = AttributeProto.AttributeType.Name
+            raise MoeOpError(f"{node_where(op.name, node_name)}: attribute '{spec.name}' has type "
+                             f"{name_of(proto.type)}; expected {name_of(expected)}")
+
+
+def check_node_attributes(op: Signature, node_name: str, attributes: Sequence[onnx.AttributeProto]) -> None:
+    """The checks of a node's attributes as ONNX gives them: names first, then types
+    (MoeOpError). The kernels check types at creation; moe_onnx.session() checks names."""
+    check_attribute_names(op, node_name, [a.name for a in attributes])
+    check_attribute_types(op, node_name, attributes)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """Element type and shape of a value; ``shape`` is None when the rank is unknown."""
@@ -157,6 +196,7 @@ class NodeView:
 
     op: OpDef
     node_name: str
+    _attributes_checked = False
 
     def input(self, i: int) -> TensorInfo | None:
         """Type and shape of input i, or None when the input is absent."""
@@ -172,13 +212,19 @@ class NodeView:
     def has_output(self, i: int) -> bool:
         raise NotImplementedError
 
+    def _check_attributes(self) -> None:
+        """Check the node's attributes as a whole (names, ONNX types) where the view knows them."""
+
     # -- helpers built on the primitives
 
     def has(self, i: int) -> bool:
         return self.input(i) is not None
 
     def attr(self, name: str) -> Any:
-        """Attribute value, with the default of the OpDef applied."""
+        """Attribute value, with the default of the OpDef applied (the first call checks them all)."""
+        if not self._attributes_checked:
+            self._attributes_checked = True
+            self._check_attributes()
         spec = self.op.attr_spec(name)
         value = _normalize_attr(self._raw_attr(name))
         if value is None:
@@ -188,7 +234,7 @@ class NodeView:
         return value
 
     def where(self) -> str:
-        return f"{self.op.name} node '{self.node_name}'" if self.node_name else self.op.name
+        return node_where(self.op.name, self.node_name)
 
     def fail(self, subject: str, message: str) -> None:
         raise MoeOpError(f"{self.where()}: {subject} {message}")
@@ -325,6 +371,10 @@ class ContextView(NodeView):
     def has_output(self, i: int) -> bool:
         return i < self.ctx.get_num_outputs() and self.ctx.has_output(i)
 
+    def _check_attributes(self) -> None:  # inference shows the op's attributes only: their types
+        given = [self.ctx.get_attribute(a.name) for a in self.op.attributes]
+        check_attribute_types(self.op, self.node_name, [p for p in given if p is not None])
+
 
 class ArrayView(NodeView):
     """A node seen through concrete numpy arrays (references and kernels).
@@ -336,10 +386,7 @@ class ArrayView(NodeView):
                  node_name: str = "", named_outputs: Sequence[bool] | None = None):
         self.op, self.node_name = op, node_name
         self.arrays = list(inputs) + [None] * (len(op.inputs) - len(inputs))
-        unknown = set(attrs) - {a.name for a in op.attributes}
-        if unknown:
-            raise MoeOpError(f"{op.name}: unknown attribute(s) {sorted(unknown)}; "
-                             f"expected some of {[a.name for a in op.attributes]}")
+        check_attribute_names(op, node_name, list(attrs))
         self.attrs = {k: v for k, v in attrs.items() if v is not None}
         self.named_outputs = [True] * len(op.outputs) if named_outputs is None else [bool(n) for n in named_outputs]
         for i, arr in enumerate(self.arrays):
@@ -396,6 +443,9 @@ class GraphView(NodeView):
 
     def has_output(self, i: int) -> bool:
         return i < len(self.node.output) and bool(self.node.output[i])
+
+    def _check_attributes(self) -> None:
+        check_node_attributes(self.op, self.node_name, self.node.attribute)
 
 
 def _normalize_attr(value: Any) -> Any:

@@ -36,6 +36,7 @@ CUMSUM, COUNT, KEY_VALUE = 0, 1, 2
 GATHER, SCATTER = 0, 1
 
 _F32 = np.float32
+_INT64_MAX = 2**63 - 1  # the most elements a tensor dimension product may have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,9 @@ def read_attributes(v: NodeView) -> Routing:
             v.fail("attribute 'expert_tokens_num_type'", f"is 2 (key_value); expected 0 (cumsum) or 1 (count) {why}")
         if active_num > 0:
             v.fail("attribute 'active_num'", f"is {active_num}; expected -1 or 0 {why}: the capacity bounds the rows")
+        if expert_num * capacity > _INT64_MAX:
+            v.fail("attribute 'expert_capacity'", f"is {capacity}; expected expert_num * expert_capacity (the rows "
+                   f"of expanded_x) <= {_INT64_MAX} (expert_num {expert_num}) {why}")
     elif capacity != 0:
         v.fail("attribute 'expert_capacity'",
                f"is {capacity}; expected 0 for drop_pad_mode 0 (dropless has no capacity)")

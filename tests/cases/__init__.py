@@ -15,7 +15,7 @@ import onnx
 from onnx import helper
 
 from moe_onnx.ops import DOMAIN, OPS
-from moe_onnx.ops._common import elem_of
+from moe_onnx.ops._common import check_node_attributes, elem_of
 
 
 @dataclasses.dataclass
@@ -23,7 +23,10 @@ class Case:
     """One node of one op: inputs by position (None = absent), attributes, and what must happen.
 
     ``error`` is a regex the error message must match (None: the case is valid); ``runtime`` marks
-    errors only the input values reveal (so shape inference cannot see them); ``constant``
+    errors only the input values reveal (so shape inference cannot see them); ``session`` marks
+    errors moe_onnx.session() reports before onnxruntime runs (an attribute name the op lacks:
+    onnxruntime cannot list a node's attributes to its kernels, nor ONNX shape inference to the
+    op's inference function); ``constant``
     names the inputs stored as initializers when the case becomes a model (weights, offsets);
     ``outputs`` is how many outputs the node has (None: all of the op's outputs);
     ``rtol``/``atol`` bound the difference between backends and the reference.
@@ -35,18 +38,19 @@ class Case:
     attrs: dict[str, Any]
     error: str | None = None
     runtime: bool = False
+    session: bool = False
     constant: tuple[int, ...] = ()
     outputs: int | None = None
     rtol: float = 1e-5
     atol: float = 1e-5
 
     def mutated(self, name: str, error: str | None, runtime: bool = False, **changes: Any) -> Case:
-        """A copy with inputs replaced (by input name; None: absent), Case fields (``constant``...) set,
-        or attributes changed (None: removed)."""
+        """A copy with inputs replaced (by input name; None: absent), Case fields (``constant``,
+        ``session``...) set, or attributes changed (None: removed)."""
         names = [p.name for p in OPS[self.op].inputs]
         inputs, attrs, fields = self.padded_inputs(), dict(self.attrs), {}
         for key, value in changes.items():
-            if key in {"constant", "outputs", "rtol", "atol"}:
+            if key in {"constant", "outputs", "rtol", "atol", "session"}:
                 fields[key] = value
             elif key in names:
                 inputs[names.index(key)] = value
@@ -66,7 +70,9 @@ class Case:
         return f"{self.op}_node"
 
     def run_reference(self, node_name: str = "") -> tuple[np.ndarray, ...]:
-        """The reference's outputs; its errors name ``node_name`` as the backends name a node."""
+        """The reference's outputs; its errors name ``node_name`` as the backends name a node. The
+        attributes are first checked as ONNX types them (helper.make_node infers a type from each value)."""
+        check_node_attributes(OPS[self.op], node_name, self.node().attribute)
         named = [i < self.n_outputs for i in range(len(OPS[self.op].outputs))]  # the outputs model() names
         outputs = OPS[self.op].reference(*self.inputs, _node_name=node_name, _named_outputs=named, **self.attrs)
         return tuple(outputs[: self.n_outputs])
@@ -86,14 +92,19 @@ class Case:
         return {name: a for i, (name, a) in enumerate(zip(self.input_names(), self.padded_inputs()))
                 if a is not None and i not in self.constant}
 
-    def model(self, symbolic: bool = False) -> onnx.ModelProto:
-        """A single-node model; runtime inputs keep their shapes (or get symbolic dims)."""
+    def node(self) -> onnx.NodeProto:
+        """The case's node, named :attr:`node_name`."""
         op = OPS[self.op]
         names = self.input_names()
         while names and not names[-1]:
             names.pop()
         out_names = [p.name for p in op.outputs[: self.n_outputs]]
-        node = helper.make_node(op.name, names, out_names, domain=DOMAIN, name=self.node_name, **self.attrs)
+        return helper.make_node(op.name, names, out_names, domain=DOMAIN, name=self.node_name, **self.attrs)
+
+    def model(self, symbolic: bool = False) -> onnx.ModelProto:
+        """A single-node model; runtime inputs keep their shapes (or get symbolic dims)."""
+        node = self.node()
+        out_names = list(node.output)
         graph_inputs, initializers = [], []
         for i, (name, a) in enumerate(zip(self.input_names(), self.padded_inputs())):
             if a is None:

@@ -152,6 +152,9 @@ CASES = [
             r"drop_pad_mode 1", row_idx_type=1),
     _base.mutated("drop_pad_mode_2", r"attribute 'drop_pad_mode' is 2; expected one of 0, 1", drop_pad_mode=2),
     _base.mutated("row_idx_type_2", r"attribute 'row_idx_type' is 2; expected one of 0, 1", row_idx_type=2),
+    _base.mutated("attr_drop_pad_float", r"attribute 'drop_pad_mode' has type FLOAT; expected INT", drop_pad_mode=0.0),
+    _base.mutated("attr_misspelled", r"attribute 'row_index_type' is not an attribute of MoeFinalizeRouting; "
+            r"expected one of 'drop_pad_mode', 'row_idx_type'$", session=True, row_index_type=1),
     # errors: types and shapes
     _base.mutated("drop_pad_rank2", r"input 'expanded_x' has rank 2 .*expected rank 3", drop_pad_mode=1),
     _drop.mutated("dropless_rank3", r"input 'expanded_x' has rank 3 .*expected rank 2", drop_pad_mode=0),

@@ -229,6 +229,13 @@ CASES = [
     # errors: attributes
     _base.mutated("missing_expert_num", r"attribute 'expert_num' is required", expert_num=None),
     _base.mutated("expert_num_zero", r"attribute 'expert_num' is 0; expected >= 1", expert_num=0),
+    _base.mutated("attr_expert_num_float", r"attribute 'expert_num' has type FLOAT; expected INT", expert_num=4.0),
+    _base.mutated("attr_range_int", r"attribute 'active_expert_range' has type INT; expected INTS",
+            active_expert_range=3),
+    _base.mutated("attr_range_floats", r"attribute 'active_expert_range' has type FLOATS; expected INTS",
+            active_expert_range=[0.0, 2.0]),
+    _base.mutated("attr_misspelled", r"attribute 'expert_capacities' is not an attribute of MoeInitRouting; "
+            r"expected one of 'expert_num', 'active_num', 'expert_capacity', ", session=True, expert_capacities=2),
     _base.mutated("range_reversed", r"attribute 'active_expert_range' is \[3, 2\]; expected 0 <= start < end <= "
             r"expert_num \(4\)", active_expert_range=[3, 2]),
     _base.mutated("range_past_experts", r"attribute 'active_expert_range' is \[0, 5\]; expected 0 <= start",
@@ -259,6 +266,9 @@ CASES = [
             r"\(cumsum\) or 1 \(count\) for drop_pad_mode 1", **DROP, expert_tokens_num_type=2),
     _base.mutated("drop_pad_active_num", r"attribute 'active_num' is 5; expected -1 or 0 for drop_pad_mode 1",
             **DROP, active_num=5),
+    _base.mutated("drop_pad_rows_overflow", r"attribute 'expert_capacity' is 4611686018427387905; expected expert_num "
+            r"\* expert_capacity \(the rows of expanded_x\) <= 9223372036854775807 \(expert_num 4\) for drop_pad_mode 1",
+            **{**DROP, "expert_capacity": 2**62 + 1}),
     # errors: types and shapes
     _base.mutated("x_float64", r"input 'x' has type float64; expected float32, float16, bfloat16, int8",
             x=_x.astype(np.float64)),

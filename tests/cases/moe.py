@@ -130,6 +130,15 @@ CASES = [
     _base2.mutated("clamp_bound_absent", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=None),
     _base2.mutated("alpha_nan", r"attribute 'expert_alpha' is nan", expert_alpha=float("nan")),
     _base2.mutated("gate_parity_2", r"attribute 'gate_parity' is 2; expected one of 0, 1", gate_parity=2),
+    # errors: attribute types (helper.make_node types an attribute by its Python value) and names
+    _base2.mutated("attr_alpha_int", r"attribute 'expert_alpha' has type INT; expected FLOAT", expert_alpha=2),
+    _base2.mutated("attr_beta_int", r"attribute 'expert_beta' has type INT; expected FLOAT", expert_beta=7),
+    _base2.mutated("attr_beta_string", r"attribute 'expert_beta' has type STRING; expected FLOAT", expert_beta="7"),
+    _base2.mutated("attr_beta_floats", r"attribute 'expert_beta' has type FLOATS; expected FLOAT", expert_beta=[7.0]),
+    _base2.mutated("attr_parity_float", r"attribute 'gate_parity' has type FLOAT; expected INT", gate_parity=1.0),
+    _base2.mutated("attr_type_ints", r"attribute 'expert_type' has type INTS; expected STRING", expert_type=[1]),
+    _base2.mutated("attr_misspelled", r"attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
+            r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity'$", session=True, expert_alhpa=1.0),
     # errors: shapes and types
     _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
     _base2.mutated("weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",
