@@ -80,7 +80,7 @@ CORRUPTIONS = {
         "attribute 'expert_type'"),
     "unknown_attribute": (
         lambda m: _set_attr(m, "expert_gamma", v=1.0),
-        "MOE node 'MOE_node': unknown attribute(s) ['expert_gamma']"),
+        "MOE node 'MOE_node': attribute 'expert_gamma' is not an attribute of MOE; expected one of 'expert_type'"),
     "unknown_op": (
         lambda m: setattr(m.graph.node[0], "op_type", "MoeUnknown") or m,
         "unknown op 'MoeUnknown' in domain 'moe_onnx'"),
