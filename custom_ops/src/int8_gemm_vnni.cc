@@ -48,9 +48,15 @@ static inline void tile_vnni(const uint8_t* A, int64_t lda, int64_t quads, const
       acc[m][j] = start ? corrections : _mm512_loadu_si512(C + m * ldc + j * kInt8Panel);
   }
   const int64_t every = count > 0 && quads / count > 0 ? quads / count : quads;
+  const char* pf = count > 0 ? next.line(first) : nullptr;
+  int64_t left_in_stream = count > 0 ? next.lines - first % next.lines : 0;
   for (int64_t done = 0; done < quads; done += every) {
     const int64_t end = quads - done < every ? quads : done + every;
-    if (count-- > 0) _mm_prefetch(next.line(first++), _MM_HINT_T1);
+    if (count-- > 0) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+      if (--left_in_stream == 0) pf = next.stream[1], left_in_stream = next.lines;
+    }
     for (int64_t q = done; q < end; ++q) {
       __m512i b[NP];
       for (int j = 0; j < NP; ++j) b[j] = _mm512_loadu_si512(B + j * panel_bytes + q * 64);
