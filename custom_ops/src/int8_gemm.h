@@ -33,6 +33,9 @@ const char* int8_gemm_isa();
 
 inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
 inline int64_t int8_quads(int64_t K) { return (K + 3) / 4; }
+// Bytes of a quad panel's corrections (16 int32, in front of its quads), and of the whole panel.
+constexpr int64_t kInt8QuadHeader = kInt8Panel * 4;
+inline int64_t int8_quad_panel_bytes(int64_t K) { return kInt8QuadHeader + int8_quads(K) * 4 * kInt8Panel; }
 // Bytes of one prepared X row of K values (both layouts: a multiple of 4).
 int64_t int8_row_bytes(int64_t K);
 // Writes `rows` rows of K int8 values (row stride K) as the kernel reads them, int8_row_bytes(K)

@@ -21,8 +21,6 @@ namespace detail {
 constexpr int64_t kQuadBlock = 128;
 // Rows per tile: MR x 2 panels of accumulators (16 zmm) plus the two panel rows and a broadcast.
 constexpr int kMaxRows = 8;
-// Bytes of a panel's corrections (16 int32) in front of its quads.
-constexpr int64_t kHeaderBytes = kInt8Panel * 4;
 
 // The next block's lines, prefetched into L2 while the tiles compute on this one: `lines` 64-byte
 // lines from each of `streams` (1 or 2) panels.
@@ -105,7 +103,7 @@ void int8_gemm_quads_vnni(const void* A_rows, int64_t lda, int64_t M, int64_t K,
                           int64_t p1, int32_t* C, int64_t ldc) {
   const uint8_t* A = static_cast<const uint8_t*>(A_rows);
   const int64_t quads = int8_quads(K);
-  const int64_t panel_bytes = kHeaderBytes + quads * 64;
+  const int64_t panel_bytes = int8_quad_panel_bytes(K);
   const char* W = static_cast<const char*>(W_packed);
   // Row tiles of equal height, at most kMaxRows (17 rows: 6 + 6 + 5, not 8 + 8 + 1).
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
@@ -115,7 +113,7 @@ void int8_gemm_quads_vnni(const void* A_rows, int64_t lda, int64_t M, int64_t K,
     int32_t* Cp = C + (p - p0) * kInt8Panel;
     for (int64_t q0 = 0; q0 < quads; q0 += kQuadBlock) {
       const int64_t qb = quads - q0 < kQuadBlock ? quads - q0 : kQuadBlock;
-      const int8_t* B = reinterpret_cast<const int8_t*>(panel + kHeaderBytes + q0 * 64);
+      const int8_t* B = reinterpret_cast<const int8_t*>(panel + kInt8QuadHeader + q0 * 64);
       const int32_t* start = q0 == 0 ? reinterpret_cast<const int32_t*>(panel) : nullptr;
       // The next block of these panels, or the start of the next ones (headers included); each tile
       // fetches its share of the lines.

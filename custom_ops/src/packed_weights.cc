@@ -39,12 +39,9 @@ size_t element_bytes(WeightFormat format) {
   return format == WeightFormat::kF32 ? 4 : 2;
 }
 
-// Bytes of a quad panel's corrections (16 int32) in front of its quads.
-constexpr int64_t kQuadHeader = kPanel * 4;
-
 // Packed elements of one expert's B [K, N].
 int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
-  if (format == WeightFormat::kInt8Quads) return panel_count(N) * (kQuadHeader + kPanel * 4 * int8_quads(K));
+  if (format == WeightFormat::kInt8Quads) return panel_count(N) * int8_quad_panel_bytes(K);
   return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
 }
 
@@ -53,7 +50,7 @@ int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
 template <WeightFormat F>
 int64_t column_offset(int64_t K, int64_t panel, int64_t lane) {
   if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel + lane * 2;
-  if (F == WeightFormat::kInt8Quads) return panel * (kQuadHeader + int8_quads(K) * 4 * kPanel) + kQuadHeader + lane * 4;
+  if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K) + kInt8QuadHeader + lane * 4;
   if (F == WeightFormat::kBF16) return panel * K * kPanel + bf16_lane(lane);
   return panel * K * kPanel + lane;
 }
@@ -66,13 +63,14 @@ int64_t row_offset(int64_t k) {
 // Writes each quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
 // GEMM's int32 sums.
 void store_quad_corrections(int8_t* panels, int64_t count, int64_t K) {
-  const int64_t quads = int8_quads(K);
   for (int64_t p = 0; p < count; ++p) {
-    int8_t* panel = panels + p * (kQuadHeader + quads * 4 * kPanel);
+    int8_t* panel = panels + p * int8_quad_panel_bytes(K);
+    const int8_t* weights = panel + kInt8QuadHeader;
     uint32_t corrections[kPanel] = {};
-    for (int64_t q = 0; q < quads; ++q)
+    for (int64_t q = 0; q < int8_quads(K); ++q)
       for (int64_t c = 0; c < kPanel; ++c)
-        for (int64_t i = 0; i < 4; ++i) corrections[c] -= 128u * static_cast<uint32_t>(panel[kQuadHeader + (q * kPanel + c) * 4 + i]);
+        for (int64_t i = 0; i < 4; ++i)
+          corrections[c] -= 128u * static_cast<uint32_t>(weights[(q * kPanel + c) * 4 + i]);
     std::memcpy(panel, corrections, sizeof corrections);
   }
 }
