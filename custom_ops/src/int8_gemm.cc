@@ -9,22 +9,23 @@ namespace moe_onnx {
 
 namespace detail {
 
-void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
+void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst) {
   const int64_t stride = 2 * int8_pairs(K);
   for (int64_t r = 0; r < rows; ++r) {
-    int16_t* d = dst + r * stride;
+    int16_t* d = static_cast<int16_t*>(dst) + r * stride;
     for (int64_t k = 0; k < K; ++k) d[k] = src[r * K + k];
     if (stride > K) d[K] = 0;
   }
 }
 
-void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
-                               int64_t p0, int64_t p1, int32_t* C, int64_t ldc) {
+void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                              int64_t p1, int32_t* C, int64_t ldc) {
+  const int64_t pairs = int8_pairs(K);
   for (int64_t p = p0; p < p1; ++p) {
-    const int16_t* B = W_packed + p * pairs * 2 * kInt8Panel;
+    const int16_t* B = static_cast<const int16_t*>(W_packed) + p * pairs * 2 * kInt8Panel;
     for (int64_t m = 0; m < M; ++m) {
       uint32_t acc[kInt8Panel] = {};  // unsigned: the sum wraps modulo 2^32 without overflow UB
-      const int16_t* a = A + m * lda;
+      const int16_t* a = reinterpret_cast<const int16_t*>(static_cast<const char*>(A) + m * lda);
       for (int64_t q = 0; q < pairs; ++q) {
         const int32_t a0 = a[2 * q], a1 = a[2 * q + 1];
         const int16_t* b = B + q * 2 * kInt8Panel;
@@ -40,18 +41,29 @@ void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t
 }  // namespace detail
 
 namespace {
-using Int8GemmFn = void (*)(const int16_t*, int64_t, int64_t, int64_t, const int16_t*, int64_t, int64_t, int32_t*,
-                            int64_t);
-using WidenFn = void (*)(const int8_t*, int64_t, int64_t, int16_t*);
+using Int8GemmFn = void (*)(const void*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, int32_t*, int64_t);
+using PrepareFn = void (*)(const int8_t*, int64_t, int64_t, void*);
 
+// The one choice of kernel, and with it of the operands' layout.
 struct Dispatch {
-  Int8GemmFn fn = detail::int8_gemm_panels_portable;
-  WidenFn widen = detail::widen_int8_rows_portable;
+  const char* name = "portable";
+  Int8Layout layout = Int8Layout::kPairs;
+  Int8GemmFn fn = detail::int8_gemm_pairs_portable;
+  PrepareFn prepare = detail::widen_int8_rows_portable;
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (isa_at_least(IsaLevel::kAvx2)) {
-      fn = detail::int8_gemm_panels_avx2;
-      widen = detail::widen_int8_rows_avx2;
+      name = "avx2";
+      fn = detail::int8_gemm_pairs_avx2;
+      prepare = detail::widen_int8_rows_avx2;
+    }
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
+    if (use_avx512_vnni()) {
+      name = "avx512-vnni";
+      layout = Int8Layout::kQuads;
+      fn = detail::int8_gemm_quads_vnni;
+      prepare = detail::bias_int8_rows_vnni;
     }
 #endif
   }
@@ -63,18 +75,26 @@ const Dispatch& dispatch() {
 }
 }  // namespace
 
-void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed, int64_t p0,
-                      int64_t p1, int32_t* C, int64_t ldc) {
+Int8Layout int8_layout() { return dispatch().layout; }
+
+const char* int8_gemm_isa() { return dispatch().name; }
+
+int64_t int8_row_bytes(int64_t K) {
+  return int8_layout() == Int8Layout::kQuads ? 4 * int8_quads(K) : 2 * 2 * int8_pairs(K);
+}
+
+void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0, int64_t p1,
+                      int32_t* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
-  if (pairs <= 0) {
+  if (K <= 0) {
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kInt8Panel) * 4);
     return;
   }
-  dispatch().fn(A, lda, M, pairs, W_packed, p0, p1, C, ldc);
+  dispatch().fn(A, lda, M, K, W_packed, p0, p1, C, ldc);
 }
 
-void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
-  if (rows > 0) dispatch().widen(src, rows, K, dst);
+void prepare_int8_rows(const int8_t* src, int64_t rows, int64_t K, void* dst) {
+  if (rows > 0) dispatch().prepare(src, rows, K, dst);
 }
 
 }  // namespace moe_onnx

@@ -1,12 +1,18 @@
 // int8 x int8 -> int32 GEMM for Y = X @ W^T (W in nn.Linear layout [N, K]), exact: every product
-// and pair sum fits int32 and the sum over k wraps modulo 2^32 like numpy's int32 matmul, so the
-// result does not depend on the summation order. AVX2 (vpmaddwd on int16-widened values) chosen at
-// run time; portable fallback (MOE_ONNX_GEMM=portable forces it, as for the float GEMM).
+// and partial sum of an instruction fits int32 and the sum over k wraps modulo 2^32 like numpy's
+// int32 matmul, so the result does not depend on the summation order. The kernel is chosen once per
+// process at run time (isa.h) and fixes the layout of both operands:
 //
-// Layouts: A rows are widened to int16 with K padded to an even K2 = 2 * pairs (zeros); W is packed
-// into ceil(N / 16) panels, each [pairs][16 columns][2] int16: the two k of a pair side by side, so
-// one 32-bit broadcast of an A pair times one panel row gives 8 columns' pair sums per instruction.
-// packed_weights.h packs W.
+//   pairs (AVX2 vpmaddwd, portable)  X rows widened to int16, K padded to an even 2 * pairs (zeros);
+//          W in ceil(N / 16) panels, each [pairs][16 columns][2] int16: the two k of a pair side by
+//          side, so one 32-bit broadcast of an X pair times one panel row gives 8 columns' pair sums.
+//   quads (AVX512-VNNI vpdpbusd)     X rows as unsigned bytes u = x + 128 (x ^ 0x80), K padded to a
+//          multiple of 4; W in panels, each 16 int32 corrections -128 * sum_k W[c, k] (one per
+//          column) then [quads][16 columns][4] int8, K padded with zeros. vpdpbusd sums u * w over 4
+//          k per column; starting each column's sum at its correction gives sum x * w exactly.
+//
+// The caller prepares X rows with prepare_int8_rows (int8_row_bytes(K) bytes each) and packs W in
+// the matching WeightFormat (packed_weights.h asks int8_layout()).
 #pragma once
 
 #include <cstdint>
@@ -18,23 +24,44 @@ namespace moe_onnx {
 // Columns per panel: the float GEMM's, so callers split int8 and float work into the same tasks.
 constexpr int64_t kInt8Panel = kPanel;
 
-inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
-// dst[r * 2 * pairs + k] = src[r * K + k] as int16, zero for the padding k = K (odd K).
-void widen_int8_rows(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
+enum class Int8Layout { kPairs, kQuads };
 
-// C[m, 16 * (p - p0) + c] = sum_k A[m, k] * W[16 p + c, k] (int32, wrapping) for m < M, p in [p0, p1),
-// c < 16. A: widened rows with row stride lda (>= 2 * pairs); C row stride ldc (>= 16 * (p1 - p0)).
-void int8_gemm_panels(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed, int64_t p0,
-                      int64_t p1, int32_t* C, int64_t ldc);
+// The layout of the kernel in use.
+Int8Layout int8_layout();
+// The kernel in use ("avx512-vnni", "avx2" or "portable"), for diagnostics.
+const char* int8_gemm_isa();
+
+inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
+inline int64_t int8_quads(int64_t K) { return (K + 3) / 4; }
+// Bytes of a quad panel's corrections (16 int32, in front of its quads), and of the whole panel.
+constexpr int64_t kInt8QuadHeader = kInt8Panel * 4;
+inline int64_t int8_quad_panel_bytes(int64_t K) { return kInt8QuadHeader + int8_quads(K) * 4 * kInt8Panel; }
+// Bytes of one prepared X row of K values (both layouts: a multiple of 4).
+int64_t int8_row_bytes(int64_t K);
+// Writes `rows` rows of K int8 values (row stride K) as the kernel reads them, int8_row_bytes(K)
+// bytes per row, padding included.
+void prepare_int8_rows(const int8_t* src, int64_t rows, int64_t K, void* dst);
+
+// C[m, 16 * (p - p0) + c] = sum_k X[m, k] * W[16 p + c, k] (int32, wrapping) for m < M, p in [p0, p1),
+// c < 16. A: prepared rows with row stride lda bytes (>= int8_row_bytes(K)); W_packed: one expert's
+// panels in the kernel's layout; C row stride ldc (>= 16 * (p1 - p0)).
+void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0, int64_t p1,
+                      int32_t* C, int64_t ldc);
 
 namespace detail {
-void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
-void int8_gemm_panels_portable(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
-                               int64_t p0, int64_t p1, int32_t* C, int64_t ldc);
+// The kernels behind int8_gemm_panels and prepare_int8_rows, arguments as there (K > 0, M > 0).
+void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst);
+void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                              int64_t p1, int32_t* C, int64_t ldc);
 #if defined(MOE_ONNX_HAVE_AVX2)
-void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, int16_t* dst);
-void int8_gemm_panels_avx2(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
-                           int64_t p0, int64_t p1, int32_t* C, int64_t ldc);
+void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, void* dst);
+void int8_gemm_pairs_avx2(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                          int64_t p1, int32_t* C, int64_t ldc);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
+void bias_int8_rows_vnni(const int8_t* src, int64_t rows, int64_t K, void* dst);
+void int8_gemm_quads_vnni(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                          int64_t p1, int32_t* C, int64_t ldc);
 #endif
 }  // namespace detail
 

@@ -1,6 +1,7 @@
-// AVX2 micro-kernels of int8_gemm_panels; this file alone is compiled with -mavx2 and is only called
-// after a run-time check of the CPU. vpmaddwd multiplies int16 pairs and adds each pair into an
-// int32 (at most 2 * 128 * 128, no overflow); vpaddd then wraps modulo 2^32 like the reference.
+// AVX2 micro-kernels of int8_gemm_panels (the pair layout); this file alone is compiled with -mavx2
+// and is only called after a run-time check of the CPU. vpmaddwd multiplies int16 pairs and adds
+// each pair into an int32 (at most 2 * 128 * 128, no overflow); vpaddd then wraps modulo 2^32 like
+// the reference.
 //
 // Without VNNI this pair (one multiply, one add per 16 products) is the fastest exact int8 product
 // AVX2 has: vpmaddubsw does 32 products per instruction but saturates its int16 pair sums, and the
@@ -110,11 +111,11 @@ static inline void micro_int8(const int16_t* A, int64_t lda, int64_t pairs, cons
 #undef MOE_ONNX_INT8_POINTERS
 #undef MOE_ONNX_INT8_CLOBBERS
 
-void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, int16_t* dst) {
+void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, void* dst) {
   const int64_t stride = 2 * int8_pairs(K);
   for (int64_t r = 0; r < rows; ++r) {
     const int8_t* s = src + r * K;
-    int16_t* d = dst + r * stride;
+    int16_t* d = static_cast<int16_t*>(dst) + r * stride;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k),
@@ -124,8 +125,10 @@ void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, int16_t* d
   }
 }
 
-void int8_gemm_panels_avx2(const int16_t* A, int64_t lda, int64_t M, int64_t pairs, const int16_t* W_packed,
-                           int64_t p0, int64_t p1, int32_t* C, int64_t ldc) {
+void int8_gemm_pairs_avx2(const void* A_rows, int64_t lda_bytes, int64_t M, int64_t K, const void* W_packed,
+                          int64_t p0, int64_t p1, int32_t* C, int64_t ldc) {
+  const int16_t* A = static_cast<const int16_t*>(A_rows);
+  const int64_t lda = lda_bytes / 2, pairs = int8_pairs(K);
   // Row tiles of equal height, at most 4 (17 rows: 4 + 4 + 3 + 3 + 3, not 4 x 4 + 1): a short tile
   // spends as much on loads and loop control as on products.
   const int64_t tiles = (M + 3) / 4, base = M / tiles, extra = M % tiles;
@@ -133,7 +136,7 @@ void int8_gemm_panels_avx2(const int16_t* A, int64_t lda, int64_t M, int64_t pai
     int32_t* Cp = C + (p - p0) * kInt8Panel;
     for (int64_t q0 = 0; q0 < pairs; q0 += kPairBlock) {
       const int64_t qb = pairs - q0 < kPairBlock ? pairs - q0 : kPairBlock;
-      const int16_t* B = W_packed + (p * pairs + q0) * 2 * kInt8Panel;
+      const int16_t* B = static_cast<const int16_t*>(W_packed) + (p * pairs + q0) * 2 * kInt8Panel;
       const int16_t* Aq = A + 2 * q0;
       const bool acc = q0 > 0;
       // The next block (contiguous: the next pair block or the next panel) goes to L2 while the

@@ -8,6 +8,7 @@
 #include "finalize_routing.h"
 #include "gemm.h"
 #include "init_routing.h"
+#include "int8_gemm.h"
 #include "isa.h"
 #include "moe.h"
 #include "row_parallel_linear.h"
@@ -88,5 +89,8 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 
 // The GEMM implementation in use ("avx2-fma" or "portable"), for diagnostics (ctypes).
 __attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
+
+// The int8 GEMM implementation in use ("avx512-vnni", "avx2" or "portable"), for diagnostics (ctypes).
+__attribute__((visibility("default"))) const char* MoeOnnxInt8GemmIsa() { return moe_onnx::int8_gemm_isa(); }
 
 }  // extern "C"

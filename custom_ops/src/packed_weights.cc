@@ -35,10 +35,14 @@ char* allocate_panels(size_t bytes) {
   return static_cast<char*>(p);
 }
 
-size_t element_bytes(WeightFormat format) { return format == WeightFormat::kF32 ? 4 : 2; }
+size_t element_bytes(WeightFormat format) {
+  if (format == WeightFormat::kInt8Quads) return 1;
+  return format == WeightFormat::kF32 ? 4 : 2;
+}
 
 // Packed elements of one expert's B [K, N].
 int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
+  if (format == WeightFormat::kInt8Quads) return panel_count(N) * int8_quad_panel_bytes(K);
   return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
 }
 
@@ -47,12 +51,29 @@ int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
 template <WeightFormat F>
 int64_t column_offset(int64_t K, int64_t panel, int64_t lane) {
   if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel + lane * 2;
+  if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K) + kInt8QuadHeader + lane * 4;
   if (F == WeightFormat::kBF16) return panel * K * kPanel + bf16_lane(lane);
   return panel * K * kPanel + lane;
 }
 template <WeightFormat F>
 int64_t row_offset(int64_t k) {
+  if (F == WeightFormat::kInt8Quads) return (k / 4) * 4 * kPanel + k % 4;
   return F == WeightFormat::kInt8 ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
+}
+
+// Writes each quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
+// GEMM's int32 sums.
+void store_quad_corrections(int8_t* panels, int64_t count, int64_t K) {
+  for (int64_t p = 0; p < count; ++p) {
+    int8_t* panel = panels + p * int8_quad_panel_bytes(K);
+    const int8_t* weights = panel + kInt8QuadHeader;
+    uint32_t corrections[kPanel] = {};
+    for (int64_t q = 0; q < int8_quads(K); ++q)
+      for (int64_t c = 0; c < kPanel; ++c)
+        for (int64_t i = 0; i < 4; ++i)
+          corrections[c] -= 128u * static_cast<uint32_t>(weights[(q * kPanel + c) * 4 + i]);
+    std::memcpy(panel, corrections, sizeof corrections);
+  }
 }
 
 // Copies the columns of src into dst (one expert's panels of format F, K rows); Src is the weight
@@ -78,7 +99,8 @@ WeightFormat weight_format(ElemType weights) {
   switch (weights) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return WeightFormat::kF16;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return WeightFormat::kBF16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return WeightFormat::kInt8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
+      return int8_layout() == Int8Layout::kQuads ? WeightFormat::kInt8Quads : WeightFormat::kInt8;
     default: return WeightFormat::kF32;
   }
 }
@@ -110,6 +132,9 @@ void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
     case WeightFormat::kF16: return place<WeightFormat::kF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
     case WeightFormat::kBF16: return place<WeightFormat::kBF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
     case WeightFormat::kInt8: return place<WeightFormat::kInt8, int8_t>(src, K_, reinterpret_cast<int16_t*>(dst));
+    case WeightFormat::kInt8Quads:
+      place<WeightFormat::kInt8Quads, int8_t>(src, K_, reinterpret_cast<int8_t*>(dst));
+      return store_quad_corrections(reinterpret_cast<int8_t*>(dst), panels(), K_);
   }
 }
 

@@ -25,9 +25,13 @@ namespace moe_onnx {
 //                      weights stay 16-bit); bf16 rows in the interleaved lane order (bf16_lane).
 //   kInt8              the int8 GEMM's pair panels (int8_gemm.h): [pairs][16][2] int16, the two k
 //                      of a pair side by side, K padded to even with a zero.
-enum class WeightFormat { kF32, kF16, kBF16, kInt8 };
+//   kInt8Quads         the int8 GEMM's quad panels (int8_gemm.h, AVX512-VNNI): 16 int32
+//                      corrections -128 * (column sum), then [quads][16][4] int8, K padded to a
+//                      multiple of 4 with zeros.
+enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads };
 
-// The format that holds weights of this element type (float32, float16, bfloat16 or int8).
+// The format that holds weights of this element type (float32, float16, bfloat16 or int8; int8:
+// the layout of the int8 GEMM in use, int8_layout()).
 WeightFormat weight_format(ElemType weights);
 // The float GEMM's panel type of a float format.
 PanelType gemm_panel_type(WeightFormat format);
@@ -76,7 +80,7 @@ class PackedWeights {
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
   int64_t panels() const { return panel_count(N_); }
-  // The slot's panels (elements of the format: float, uint16_t bits, int16_t pairs).
+  // The slot's panels (elements of the format: float, uint16_t bits, int16_t pairs, int8 quads).
   const void* at(int64_t slot) const { return panels_.get() + slot * slot_bytes_; }
   // The slot's bias (panels() * 16 floats), or null without one.
   const float* bias_at(int64_t slot) const { return bias_.empty() ? nullptr : bias_.data() + slot * panels() * kPanel; }

@@ -5,7 +5,7 @@
 // 2. W is packed per expert into the GEMM's panels (packed_weights.h): once at kernel creation when
 //    it is an initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
 //    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
-//    int8 uses the exact int32 GEMM (int8_gemm.h).
+//    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
 // 3. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
 //    thread busy; each output element is computed by one task in a fixed order: 1 and N threads
 //    agree bitwise.
@@ -119,10 +119,10 @@ void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
   p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
 }
 
-// The covered rows of X as the GEMM reads them: int8 widened to int16 (K padded to pairs); float32
-// in place when gemm_rows_in_place allows, else widened or copied to fp32 at gemm_row_stride.
+// The covered rows of X as the GEMM reads them: int8 prepared for the int8 GEMM (ld in bytes);
+// float32 in place when gemm_rows_in_place allows, else widened or copied to fp32 at gemm_row_stride.
 struct GemmRows {
-  std::unique_ptr<int16_t[]> i16;  // every element written by widen_int8_rows
+  std::unique_ptr<char[]> int8_rows;  // every byte written by prepare_int8_rows
   std::vector<float> f32;
   const float* f = nullptr;
   int64_t ld = 0;
@@ -144,10 +144,10 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
     });
   };
   if (x.type == kInt8) {
-    a.ld = 2 * int8_pairs(K);
-    a.i16.reset(new int16_t[static_cast<size_t>(rows * a.ld)]);
+    a.ld = int8_row_bytes(K);
+    a.int8_rows.reset(new char[static_cast<size_t>(rows * a.ld)]);
     for_chunks([&](int64_t r0, int64_t r1) {
-      widen_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a.i16.get() + r0 * a.ld);
+      prepare_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a.int8_rows.get() + r0 * a.ld);
     });
     return a;
   }
@@ -184,8 +184,7 @@ struct OutputTiles {
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
     int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
     int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
-    int8_gemm_panels(a.i16.get() + (t.row0 - first) * a.ld, a.ld, t.rows, int8_pairs(K),
-                     static_cast<const int16_t*>(weights(t)), t.p0, t.p1, C, ldc);
+    int8_gemm_panels(a.int8_rows.get() + (t.row0 - first) * a.ld, a.ld, t.rows, K, weights(t), t.p0, t.p1, C, ldc);
     if (direct(t) && !b.present) return;
     const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
     for (int64_t r = 0; r < t.rows; ++r)

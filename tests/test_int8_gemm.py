@@ -1,0 +1,116 @@
+"""The int8 MoeRowParallelLinear on every int8 GEMM kernel this machine has (AVX512-VNNI `vpdpbusd`
+on quad panels, AVX2 `vpmaddwd` on pair panels, portable), each exactly the numpy reference's int32;
+and the kernel in use is the best one the CPU has.
+
+The kernel is chosen once per process (MOE_ONNX_GEMM caps it), so each level runs its cases in a
+child process. Besides the case tables' int8 cases and test_kernels' larger ones (several k blocks,
+every row-tile remainder), the cases here cover every K modulo 4 (the quad padding) and sums that
+wrap modulo 2^32 (the VNNI kernel's -128 * column-sum correction must wrap with them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cases import ALL_CASES, Case
+from cases import row_parallel_linear as linear_cases
+from test_kernels import LARGER_CASES
+
+import moe_onnx
+from moe_onnx.runtime import run, session
+
+LEVELS = ("portable", "avx2", "avx512")  # MOE_ONNX_GEMM values with int8 kernels
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+CPU = _cpu_flags()
+HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= CPU
+HAS_VNNI = HAS_AVX512 and "avx512_vnni" in CPU
+
+
+def _kernel_for(level: str) -> str:
+    """The int8 kernel MOE_ONNX_GEMM=level selects on this CPU."""
+    if level == "portable":
+        return "portable"
+    return "avx512-vnni" if level == "avx512" and HAS_VNNI else "avx2"
+
+
+def _wrapping_case(name: str, k: int) -> Case:
+    """Columns whose sums pass 2^31 (x = w = -128 all along k), and random ones, with a bias."""
+    case = linear_cases._case(name, dtype=np.int8, lead=(3,), k=k, n=20, offsets=(0, 3))
+    x, offsets, w, b = case.inputs
+    x[:2] = -128
+    w[0, :5] = -128
+    return dataclasses.replace(case, inputs=[x, offsets, w, b])
+
+
+EDGE_CASES = [linear_cases._case(f"int8_k{k}", dtype=np.int8, lead=(11,), k=k, n=37, offsets=(0, 3, 3, 11))
+              for k in (1, 2, 3, 5, 6, 7, 65)]
+EDGE_CASES.append(_wrapping_case("int8_wrapping_sums", k=131073))  # 128 * 128 * k > 2^31
+INT8_CASES = [c for c in ALL_CASES + LARGER_CASES if c.op == "MoeRowParallelLinear" and c.error is None
+              and c.inputs[0].dtype == np.int8] + EDGE_CASES
+
+
+def int8_gemm_isa() -> str:
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxInt8GemmIsa.restype = ctypes.c_char_p
+    return lib.MoeOnnxInt8GemmIsa().decode()
+
+
+def run_exact(cases) -> int:
+    """Runs each case on the C++ kernels; its output must be the reference's, bit for bit."""
+    for case in cases:
+        got = run(session(case.model()), case.feeds())[0]
+        expected = case.run_reference()[0]
+        assert got.dtype == np.int32 and expected.dtype == np.int32, case.id
+        np.testing.assert_array_equal(got, expected, err_msg=case.id)
+    return len(cases)
+
+
+def test_best_int8_kernel_in_use():
+    """With no MOE_ONNX_GEMM cap, a CPU with AVX512-VNNI runs the vpdpbusd kernel."""
+    if not HAS_VNNI:
+        pytest.skip("this CPU has no AVX512-VNNI (avx512f/bw/dq/vl + avx512_vnni)")
+    if os.environ.get("MOE_ONNX_GEMM") not in (None, "", "avx512", "amx"):
+        pytest.skip(f"MOE_ONNX_GEMM={os.environ['MOE_ONNX_GEMM']} caps the kernels below avx512")
+    assert int8_gemm_isa() == "avx512-vnni"
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.id)
+def test_int8_edge_case(case):
+    run_exact([case])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_int8_cases_on_kernel(level):
+    """Every int8 case, exactly, with MOE_ONNX_GEMM=level (in a fresh process)."""
+    if level == "avx2" and "avx2" not in CPU:
+        pytest.skip("this CPU has no AVX2")
+    if level == "avx512" and not HAS_AVX512:
+        pytest.skip("this CPU has no AVX-512 (avx512f/bw/dq/vl)")
+    code = f"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_int8_gemm import INT8_CASES, int8_gemm_isa, run_exact
+assert int8_gemm_isa() == {_kernel_for(level)!r}, int8_gemm_isa()
+print(run_exact(INT8_CASES))
+"""
+    env = {**os.environ, "MOE_ONNX_GEMM": level}
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == len(INT8_CASES)
