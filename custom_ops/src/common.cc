@@ -68,6 +68,32 @@ std::string py_float(double value) {
   return s;
 }
 
+std::string py_str(const std::string& value) {
+  const bool double_quotes = value.find('\'') != std::string::npos && value.find('"') == std::string::npos;
+  const char quote = double_quotes ? '"' : '\'';
+  std::string s(1, quote);
+  for (const char c : value) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\\' || c == quote) {
+      s += '\\';
+      s += c;
+    } else if (c == '\n') {
+      s += "\\n";
+    } else if (c == '\r') {
+      s += "\\r";
+    } else if (c == '\t') {
+      s += "\\t";
+    } else if (byte < 0x20 || byte == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", byte);
+      s += buf;
+    } else {
+      s += c;
+    }
+  }
+  return s + quote;
+}
+
 std::string fmt_shape(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) {

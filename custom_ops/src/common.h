@@ -25,6 +25,9 @@ const std::vector<ElemType>& numeric_types();
 
 // Python's repr of a float (shortest round trip, "nan", "inf", "1.0"), for messages.
 std::string py_float(double value);
+// Python's repr of a str of UTF-8 text ('GEMM3', "it's", 'a\x00b'), for messages: the quotes
+// Python picks, and control characters escaped (a raw NUL would cut onnxruntime's message short).
+std::string py_str(const std::string& value);
 // "[7, 8]"
 std::string fmt_shape(const std::vector<int64_t>& shape);
 
