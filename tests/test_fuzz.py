@@ -268,7 +268,7 @@ def fuzzed_cases(draw, op: str) -> Case:
 def _offsets_wrap(case: Case) -> bool:
     offsets = case.padded_inputs()[1]
     return (case.op == "MoeRowParallelLinear" and offsets is not None and offsets.dtype.kind in "iu"
-            and any(not -2**63 <= int(b) - int(a) < 2**63 for a, b in zip(offsets.reshape(-1), offsets.reshape(-1)[1:])))
+            and any(not -2**63 <= int(b) - int(a) < 2**63 for a, b in zip(offsets.flat, offsets.reshape(-1)[1:])))
 
 
 def _attribute_mistyped(case: Case) -> bool:

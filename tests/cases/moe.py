@@ -129,7 +129,7 @@ CASES = [
             expert_type="GEMM3_SWIGLU\x00x"),  # escaped as Python's repr escapes it: a raw NUL cut the message
     _base2.mutated("expert_type_quote_newline", r"attribute 'expert_type' is \"it's\\n\"; expected one of",
             expert_type="it's\n"),
-    _base2.mutated("expert_type_invalid_utf8", "attribute 'expert_type' is 'GEMM3\ufffd\ufffdx\\\\xa0'; expected one of",
+    _base2.mutated("expert_type_invalid_utf8", "attribute 'expert_type' is 'GEMM3\ufffd\ufffdx\\\\xa0'; expected",
             expert_type=b"GEMM3\xff\xe2\x82x\xc2\xa0"),  # decoded as Python decodes it with errors="replace"
     _base2.mutated("missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
     _base2.mutated("clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
