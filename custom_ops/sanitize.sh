@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the custom-op libraries with AddressSanitizer + UndefinedBehaviorSanitizer into
-# build/sanitize and runs the kernel tests against them (python is not instrumented: libasan is
-# preloaded). Any finding fails the run. Usage: custom_ops/sanitize.sh [pytest args...]
+# build/sanitize and runs the kernel tests and the fuzzer (tests/test_fuzz.py) against them (python
+# is not instrumented: libasan is preloaded). Any finding fails the run. Usage:
+# custom_ops/sanitize.sh [pytest args...]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build/sanitize
@@ -19,4 +20,4 @@ export LD_PRELOAD
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 cd "$root"
-"$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_runtime.py "$@"
+"$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_runtime.py tests/test_fuzz.py "$@"

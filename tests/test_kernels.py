@@ -14,11 +14,11 @@ import dataclasses
 import os
 import re
 
-import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from backends import as_float64, kernel_message, options, run_case
 from cases import ALL_CASES, Case
 from cases import finalize_routing as finalize_cases
 from cases import init_routing as init_cases
@@ -37,40 +37,6 @@ ort.set_default_logger_severity(4)  # the errors are asserted, not logged
 
 CPP_OPS = {"MOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}  # ops with a C++ kernel
 CPP_CASES = [c for c in ALL_CASES if c.op in CPP_OPS]
-
-
-def as_float64(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16 else a
-
-
-def options(threads: int) -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    return opts
-
-
-def run_case(case: Case, backend: str, threads: int = 2) -> list[np.ndarray]:
-    model = case.model()
-    if case.error is not None:
-        # Case.model() declares the outputs of an invalid node with input 0's type; leave them
-        # untyped so the kernel, not onnxruntime's graph type check, reports what is wrong.
-        for out in model.graph.output:
-            out.ClearField("type")
-    sess = session(model, backend=backend, sess_options=options(threads))
-    return run(sess, case.feeds())
-
-
-# What onnxruntime puts before a kernel's message: a failed Compute, or a failed kernel creation.
-ORT_PREFIX = re.compile(r"\[ONNXRuntimeError\] : \d+ : \w+ : (Non-zero status code returned while running \S+ "
-                        r"node\. Name:'[^']*' Status Message: |Exception during initialization: )")
-
-
-def kernel_message(error: Exception) -> str:
-    """The kernel's own message in an onnxruntime error (onnxruntime's prefix removed)."""
-    text = str(error)
-    prefix = ORT_PREFIX.match(text)
-    assert prefix, f"no onnxruntime prefix in {text!r}"
-    return text[prefix.end():]
 
 
 def check(case: Case, backend: str) -> list[np.ndarray] | None:

@@ -26,6 +26,12 @@ const std::vector<ElemType>& numeric_types();
 
 // Python's repr of a float (shortest round trip, "nan", "inf", "1.0"), for messages.
 std::string py_float(double value);
+// Python's repr of UTF-8 bytes decoded as Python decodes them with errors="replace" ('GEMM3',
+// "it's", 'a\x00b', 'a\ufffd' shown as the character), for messages: the quotes Python picks,
+// control characters escaped (a raw NUL would cut onnxruntime's message short), invalid UTF-8 as
+// U+FFFD (onnxruntime's Python binding cannot decode a message with it). Escapes the non-printable
+// characters up to U+00FF only (Python also escapes e.g. U+200B).
+std::string py_str(const std::string& value);
 // "[7, 8]"
 std::string fmt_shape(const std::vector<int64_t>& shape);
 

@@ -325,7 +325,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   else if (expert_type == kGemm3)
     type = ExpertType::kGemm3Swiglu;
   else
-    attrs.fail("expert_type", "is '" + expert_type + "'; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
+    attrs.fail("expert_type", "is " + py_str(expert_type) + "; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
   const float alpha = attrs.get_float("expert_alpha");
   if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
   const float beta = attrs.get_float("expert_beta");

@@ -449,8 +449,8 @@ class GraphView(NodeView):
 
 
 def _normalize_attr(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode()
+    if isinstance(value, bytes):  # invalid UTF-8 as U+FFFD, as the Python-kernel host and the C++ messages have it
+        return value.decode(errors="replace")
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, (list, tuple)):

@@ -113,7 +113,7 @@ class Case:
                 initializers.append(_tensor(a, name))
             else:
                 shape = [f"{name}_d{d}" for d in range(a.ndim)] if symbolic else list(a.shape)
-                graph_inputs.append(helper.make_tensor_value_info(name, elem_of(a), shape))
+                graph_inputs.append(helper.make_tensor_value_info(name, onnx_elem(a), shape))
         outputs = [onnx.ValueInfoProto(name=n) for n in out_names]
         graph = helper.make_graph([node], self.id, graph_inputs, outputs, initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
@@ -121,10 +121,15 @@ class Case:
         try:  # output types as shape inference gives them
             return onnx.shape_inference.infer_shapes(model, strict_mode=True)
         except Exception:  # an invalid case: declare the outputs with the type of input 0
-            fallback = elem_of(self.inputs[0]) if self.inputs[0] is not None else onnx.TensorProto.FLOAT
+            fallback = onnx_elem(self.inputs[0]) if self.inputs[0] is not None else onnx.TensorProto.FLOAT
             for out in model.graph.output:
                 out.CopyFrom(helper.make_tensor_value_info(out.name, fallback, None))
             return model
+
+
+def onnx_elem(array: np.ndarray) -> int:
+    """ONNX element type of any array, also of dtypes no op allows (int16, uint64, complex64...)."""
+    return elem_of(array) or helper.np_dtype_to_tensor_dtype(array.dtype)
 
 
 def _tensor(array: np.ndarray, name: str) -> onnx.TensorProto:

@@ -125,6 +125,12 @@ CASES = [
             router_topk_output_indices=np.where(_i == _i[0, 0], -1, _i)),
     # errors: attributes
     _base2.mutated("unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
+    _base2.mutated("expert_type_with_nul", r"attribute 'expert_type' is 'GEMM3_SWIGLU\\x00x'; expected one of",
+            expert_type="GEMM3_SWIGLU\x00x"),  # escaped as Python's repr escapes it: a raw NUL cut the message
+    _base2.mutated("expert_type_quote_newline", r"attribute 'expert_type' is \"it's\\n\"; expected one of",
+            expert_type="it's\n"),
+    _base2.mutated("expert_type_invalid_utf8", "attribute 'expert_type' is 'GEMM3\ufffd\ufffdx\\\\xa0'; expected",
+            expert_type=b"GEMM3\xff\xe2\x82x\xc2\xa0"),  # decoded as Python decodes it with errors="replace"
     _base2.mutated("missing_expert_type", r"attribute 'expert_type' is required", expert_type=None),
     _base2.mutated("clamp_bound_zero", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=0.0),
     _base2.mutated("clamp_bound_absent", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=None),
