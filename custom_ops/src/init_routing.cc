@@ -257,8 +257,12 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
   const size_t n_outputs = ctx.GetOutputCount();
   auto output = [&](size_t i, const std::vector<int64_t>& shape) -> void* {
     if (i >= n_outputs) return nullptr;
-    check_allocatable(shape, i == EXPANDED_X ? elem_size(output_type) : kOutputBytes[i],
-                      std::string("output '") + signatures::MoeInitRouting.outputs[i].name + "'");
+    try {  // sizes set by the attributes: a contract error, in the reference's words
+      check_allocatable(shape, i == EXPANDED_X ? elem_size(output_type) : kOutputBytes[i],
+                        std::string("output '") + signatures::MoeInitRouting.outputs[i].name + "'");
+    } catch (const AllocationFailure& failure) {
+      throw_invalid(where + ": " + failure.what());
+    }
     Ort::UnownedValue value = ctx.GetOutput(i, shape);
     return value ? value.GetTensorMutableRawData() : nullptr;
   };

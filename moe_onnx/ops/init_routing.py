@@ -24,6 +24,7 @@ from ._common import (
     check_choice,
     dim_product,
     is_known,
+    np_dtype,
 )
 
 # input positions
@@ -191,6 +192,17 @@ def _expand_rows(x, tokens, relative_experts, mode: Routing, scale, offset):
         return to_int8(values / row_scale[:, None]), row_scale
 
 
+def _check_output_sizes(view: ArrayView, infos: list[TensorInfo | None]) -> None:
+    """Outputs whose size (set by the attributes) is past any allocation: the kernel's words."""
+    for i, info in enumerate(infos):
+        if info is None or not view.has_output(i):
+            continue
+        size = int(np.prod([int(d) for d in info.shape], dtype=object)) * np_dtype(info.elem_type).itemsize
+        if size > np.iinfo(np.int64).max:
+            raise MoeOpError(f"{view.where()}: cannot allocate {size} bytes for output "
+                             f"'{MOE_INIT_ROUTING.outputs[i].name}'")
+
+
 def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None, active_num=None,
                      expert_capacity=None, drop_pad_mode=None, expert_tokens_num_type=None,
                      expert_tokens_num_flag=None, quant_mode=None, active_expert_range=None, row_idx_type=None,
@@ -213,6 +225,7 @@ def moe_init_routing(x, expert_idx, scale=None, offset=None, *, expert_num=None,
     infos = MOE_INIT_ROUTING.validate(view)
     mode = read_attributes(view)
     _check_expert_ids(expert_idx, mode.expert_num, view.where())
+    _check_output_sizes(view, infos)
 
     k = expert_idx.shape[1]
     flat = expert_idx.reshape(-1).astype(np.int64)

@@ -269,6 +269,8 @@ CASES = [
     _base.mutated("drop_pad_rows_overflow", r"attribute 'expert_capacity' is 4611686018427387905; expected expert_num "
             r"\* expert_capacity \(the rows of expanded_x\) <= 9223372036854775807 \(expert_num 4\) for drop_pad_mode 1",
             **{**DROP, "expert_capacity": 2**62 + 1}),
+    _base.mutated("count_output_overflow", r"cannot allocate 36893488147419103240 bytes for output "
+            r"'expert_tokens_count_or_cumsum'", runtime=True, expert_num=2**62 + 1),
     # errors: types and shapes
     _base.mutated("x_float64", r"input 'x' has type float64; expected float32, float16, bfloat16, int8",
             x=_x.astype(np.float64)),
