@@ -81,7 +81,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return nullptr;
 }
 
-// The GEMM implementation in use ("avx2-fma" or "portable"), for diagnostics (ctypes).
+// The GEMM kernels' level in use ("avx512", "avx2" or "portable"), for diagnostics (ctypes).
 __attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
 
 }  // extern "C"
