@@ -26,8 +26,8 @@ enum class PanelType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2; }
 
 // bf16 panels store each 16-column row with its two halves interleaved (columns 0, 8, 1, 9, ..., 7,
-// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask: column c is in
-// lane bf16_lane(c).
+// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask (the AVX-512 one
+// with a broadcast load and one byte shuffle): column c is in lane bf16_lane(c).
 inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16, with
