@@ -10,7 +10,7 @@ slows both sides of a ratio.
   qwen3    E=64, k=8, H=1024, I=384, GEMM3_SWIGLU
 
 Usage: PYTHONPATH=$PWD python benchmarks/bench_isa_levels.py [--levels avx2 avx512] [--tokens 1 16 128 512]
-       [--threads 2] [--rounds 3] [--budget-ms 300]
+       [--shapes gpt_oss qwen3] [--threads 2] [--rounds 3] [--budget-ms 300]
 """
 
 from __future__ import annotations
@@ -58,14 +58,15 @@ def moe_model(E: int, H: int, I: int, expert_type: str):
                            ir_version=10)
 
 
-def child(tokens: list[int], threads: int, budget_ms: float) -> dict:
+def child(shapes: list[str], tokens: list[int], threads: int, budget_ms: float) -> dict:
     """Median ms of session.run per (shape, T) in this process (its MOE_ONNX_GEMM level)."""
     import onnxruntime as ort
 
     from moe_onnx.runtime import session
 
     times = {}
-    for name, (E, k, H, I, expert_type) in SHAPES.items():
+    for name in shapes:
+        E, k, H, I, expert_type = SHAPES[name]
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         sess = session(moe_model(E, H, I, expert_type), sess_options=opts)
@@ -87,6 +88,7 @@ def child(tokens: list[int], threads: int, budget_ms: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", nargs=2, default=["avx2", "avx512"])
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 512])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -94,14 +96,14 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.tokens, args.threads, args.budget_ms)))
+        print(json.dumps(child(args.shapes, args.tokens, args.threads, args.budget_ms)))
         return
     base, other = args.levels
     runs: dict[str, list[dict]] = {base: [], other: []}
     for r in range(args.rounds):
         for level in (args.levels if r % 2 == 0 else args.levels[::-1]):
             cmd = [sys.executable, __file__, "--child", "--threads", str(args.threads), "--budget-ms",
-                   str(args.budget_ms), "--tokens", *map(str, args.tokens)]
+                   str(args.budget_ms), "--shapes", *args.shapes, "--tokens", *map(str, args.tokens)]
             out = subprocess.run(cmd, env={**os.environ, "MOE_ONNX_GEMM": level}, capture_output=True, text=True,
                                  check=True)
             runs[level].append(json.loads(out.stdout.splitlines()[-1]))

@@ -136,7 +136,7 @@ def test_cpp_larger(case):
 
 def _tile_path_cases() -> list[Case]:
     """Float cases (fp32, fp16, bf16) whose GEMMs take every tile path of every ISA level: experts
-    with 1 and 2 rows (the decode kernels: 8, 4, 2 and 1 panels at once), 3, 12, 13, 25, 27 and 30 rows (one
+    with 1 and 2 rows (the decode kernels: 4, 2 and 1 panels at once), 3, 12, 13, 25, 27 and 30 rows (one
     to three row tiles of equal height), panel counts that leave every remainder, and K over 256 and
     512 (several K blocks, the partial sums carried through C, the next block prefetched)."""
     from cases import moe as moe_module
@@ -144,7 +144,7 @@ def _tile_path_cases() -> list[Case]:
     cases = []
     for dtype in (np.float32, np.float16, BF16):
         name = np.dtype(dtype).name
-        # 15 panels (8 + 4 + 2 + 1); rows per expert 1, 2, 3, 12, 13, 25
+        # 15 panels (3 x 4 + 2 + 1); rows per expert 1, 2, 3, 12, 13, 25
         linear = linear_cases._case(f"tile_paths_{name}", lead=(56,), k=600, n=240, offsets=(0, 1, 3, 6, 18, 31, 56),
                                     dtype=dtype, seed=5)
         # token 0 on experts 0 and 3, tokens 1-2 on 1 and 3, the rest on 2 and 3: 1, 2, 27 and 30
