@@ -107,6 +107,38 @@ def test_cpp_larger(case):
     check(case, "cpp")
 
 
+def _tile_path_cases() -> list[Case]:
+    """Float cases (fp32, fp16, bf16) whose GEMMs take every tile path of every ISA level: experts
+    with 1 and 2 rows (the decode kernels: 4, 2 and 1 panels at once), 3, 12, 13, 25, 27 and 30 rows (one
+    to three row tiles of equal height), panel counts that leave every remainder, and K over 256 and
+    512 (several K blocks, the partial sums carried through C, the next block prefetched)."""
+    from cases import moe as moe_module
+
+    cases = []
+    for dtype in (np.float32, np.float16, BF16):
+        name = np.dtype(dtype).name
+        # 15 panels (3 x 4 + 2 + 1); rows per expert 1, 2, 3, 12, 13, 25
+        linear = linear_cases._case(f"tile_paths_{name}", lead=(56,), k=600, n=240, offsets=(0, 1, 3, 6, 18, 31, 56),
+                                    dtype=dtype, seed=5)
+        # token 0 on experts 0 and 3, tokens 1-2 on 1 and 3, the rest on 2 and 3: 1, 2, 27 and 30
+        # rows; gate/up 33 panels over K = 300, down 19 panels over K = 264
+        indices = np.array([[0, 3], [1, 3], [1, 3]] + [[2, 3]] * 27)
+        moe = moe_module._case(f"tile_paths_{name}", G3_ATTRS, tokens=30, hidden=300, inter=264, experts=4, k=2,
+                               indices=indices, dtype=dtype, scale=0.2)
+        cases += [linear, moe]
+    # fp32 sums of a few hundred products of values up to ~10: rounding allows ~1e-4 absolute
+    return [dataclasses.replace(c, rtol=max(c.rtol, 1e-4), atol=max(c.atol, 1e-4)) for c in cases]
+
+
+G3_ATTRS = {"expert_type": GEMM3}
+TILE_PATH_CASES = _tile_path_cases()
+
+
+@pytest.mark.parametrize("case", TILE_PATH_CASES, ids=lambda c: c.id)
+def test_cpp_tile_paths(case):
+    check(case, "cpp")
+
+
 @pytest.mark.parametrize("backend", ["cpp", "python", "reference_evaluator"])
 def test_init_routing_unnamed_count_output_between_named_ones(backend):
     """expert_tokens_num_flag 0 with output 2 left unnamed ("") and expanded_scale named: a valid node,
@@ -299,38 +331,50 @@ def test_grouped_target_cpp_matches_original(name):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
 
 
-def test_portable_gemm_fallback():
-    """The portable GEMMs (no AVX2; float and int8) give the reference's results too (run in a fresh process)."""
+ISA_LEVELS = ("portable", "avx2", "avx512", "amx")
+# The float GEMM's kernels at each level (amx has no float kernels of its own: the AVX-512 ones).
+GEMM_KERNELS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
+
+# Registers the C++ library under the MOE_ONNX_GEMM of the environment: prints the registration's
+# error (a level this CPU or build lacks), or the float GEMM's level in use.
+ISA_PROBE = """
+import ctypes, sys
+import onnxruntime as ort
+import moe_onnx
+try:
+    ort.SessionOptions().register_custom_ops_library(moe_onnx.custom_ops_library())
+except Exception as error:
+    print("unsupported:", error)
+    sys.exit(0)
+lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
+print("gemm:", lib.MoeOnnxGemmIsa().decode())
+"""
+
+
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_isa_level(level):
+    """Every ISA level this machine supports (MOE_ONNX_GEMM=level, in a fresh process) runs the C++
+    MOE and MoeRowParallelLinear cases (the tables, the larger and the tile-path ones; float and int8;
+    errors included) to the reference's results; a level the CPU or the build lacks is skipped."""
     import subprocess
     import sys
     from pathlib import Path
 
-    code = """
-import ctypes, re, sys
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-import moe_onnx
-from cases import ALL_CASES
-import moe_onnx
-from moe_onnx.runtime import run, session
-lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
-assert lib.MoeOnnxGemmIsa() == b"portable", lib.MoeOnnxGemmIsa()
-n = 0
-for case in ALL_CASES:
-    if case.op not in ("MOE", "MoeRowParallelLinear") or case.error is not None:
-        continue
-    got = run(session(case.model()), case.feeds())[0]
-    exp = case.run_reference()[0]
-    np.testing.assert_allclose(got.astype(np.float64), exp.astype(np.float64), rtol=case.rtol, atol=case.atol)
-    n += 1
-print(n)
-"""
-    env = {**os.environ, "MOE_ONNX_GEMM": "portable"}
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) > 10
+    env = {**os.environ, "MOE_ONNX_GEMM": level}
+    probe = subprocess.run([sys.executable, "-c", ISA_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    if probe.stdout.startswith("unsupported:"):
+        assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in probe.stdout
+        pytest.skip(f"ISA level '{level}' is not supported here: {probe.stdout.strip()}")
+    assert probe.stdout.split() == ["gemm:", GEMM_KERNELS[level]]
+    tests = [f"{__file__}::{name}" for name in ("test_cpp", "test_cpp_larger", "test_cpp_tile_paths")]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "[MOE- or [MoeRowParallelLinear-", *tests], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    passed = re.search(r"(\d+) passed", out.stdout)
+    assert passed and int(passed[1]) > 100, out.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------- memory in proportion to the data

@@ -44,6 +44,9 @@ using ActivationFn = void (*)(const GatedActivation&, const float*, int64_t, con
                               int64_t);
 
 ActivationFn chosen() {
+#if defined(MOE_ONNX_HAVE_AVX512)
+  if (isa_at_least(IsaLevel::kAvx512)) return detail::gated_activation_avx512;
+#endif
 #if defined(MOE_ONNX_HAVE_AVX2)
   if (isa_at_least(IsaLevel::kAvx2)) return detail::gated_activation_avx2;
 #endif

@@ -1,7 +1,7 @@
 // The gated activations of MOE's expert types (moe_onnx/ops/moe.py), applied as the epilogue of
 // the gate/up GEMM on results laid out as gate/up panels: 8 gate columns, then the 8 matching up
-// columns (moe.cc packs the weights so). AVX2/FMA chosen at run time, portable fallback
-// (MOE_ONNX_GEMM=portable forces it, as for the GEMM).
+// columns (moe.cc packs the weights so). AVX-512 or AVX2/FMA chosen at run time, portable fallback
+// (isa.h's level, as for the GEMM).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +33,10 @@ void gated_activation_portable(const GatedActivation& act, const float* C, int64
 #if defined(MOE_ONNX_HAVE_AVX2)
 void gated_activation_avx2(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
                            int64_t rows, int64_t panels, float* dst, int64_t ldd);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+void gated_activation_avx512(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
+                             int64_t rows, int64_t panels, float* dst, int64_t ldd);
 #endif
 }  // namespace detail
 

@@ -75,13 +75,21 @@ namespace {
 struct Dispatch {
   detail::GemmFn fn = detail::gemm_panels_portable;
   detail::WidenFn widen = detail::widen_row_portable;
-  const char* name = "portable";
+  IsaLevel level = IsaLevel::kPortable;
   Dispatch() {
+#if defined(MOE_ONNX_HAVE_AVX512)
+    if (isa_at_least(IsaLevel::kAvx512)) {
+      fn = detail::gemm_panels_avx512;
+      widen = detail::widen_row_avx512;
+      level = IsaLevel::kAvx512;
+      return;
+    }
+#endif
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (isa_at_least(IsaLevel::kAvx2)) {
       fn = detail::gemm_panels_avx2;
       widen = detail::widen_row_avx2;
-      name = "avx2-fma";
+      level = IsaLevel::kAvx2;
     }
 #endif
   }
@@ -107,6 +115,6 @@ void widen_row(PanelType type, const void* src, float* dst, int64_t n) {
   if (n > 0) dispatch().widen(type, src, dst, n);
 }
 
-const char* gemm_isa() { return dispatch().name; }
+const char* gemm_isa() { return isa_name(dispatch().level); }
 
 }  // namespace moe_onnx

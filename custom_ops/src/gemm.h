@@ -1,11 +1,13 @@
 // A small GEMM on packed B panels (fp32 activations, fp32/fp16/bf16 weights, fp32 accumulation),
-// with AVX2/FMA/F16C chosen at run time and a portable fallback (MOE_ONNX_GEMM=portable forces it).
+// with AVX-512 or AVX2/FMA/F16C kernels chosen at run time (isa.h; MOE_ONNX_GEMM caps the level)
+// and a portable fallback.
 //
 // Packed B ([K, N] logically): ceil(N / 16) panels, each [K][16] contiguous and zero padded, so a
-// micro-kernel streams one panel while it keeps up to 6 x 16 results in registers. The panels hold
+// micro-kernel streams a panel while it keeps a tile of rows x 16 results in registers (one zmm or
+// two ymm per row). The panels hold
 // the weights in their own type (fp16 and bf16 stay 16-bit: decode reads half the bytes) and the
 // micro-kernel widens them to fp32, which is exact. Every result element sums over k in increasing
-// order in one fp32 chain (fused multiply-adds in the AVX2 kernels, a multiply then an add in the
+// order in one fp32 chain (fused multiply-adds in the AVX2 and AVX-512 kernels, a multiply then an add in the
 // portable one), whatever the tile it falls in: results do not depend on how the caller splits rows
 // or panels into tasks. packed_weights.h packs the panels.
 #pragma once
@@ -24,8 +26,8 @@ enum class PanelType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2; }
 
 // bf16 panels store each 16-column row with its two halves interleaved (columns 0, 8, 1, 9, ..., 7,
-// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask: column c is in
-// lane bf16_lane(c).
+// 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask (the AVX-512 one
+// with a broadcast load and one byte shuffle): column c is in lane bf16_lane(c).
 inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16, with
@@ -39,7 +41,7 @@ void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t
 // allows; the same values as common.h's to_float.
 void widen_row(PanelType type, const void* src, float* dst, int64_t n);
 
-// Which implementation gemm_panels uses on this machine ("avx2-fma" or "portable").
+// Which level's kernels gemm_panels uses ("avx512", "avx2" or "portable": isa_name).
 const char* gemm_isa();
 
 namespace detail {
@@ -53,6 +55,11 @@ void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M
 void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                       int64_t p0, int64_t p1, float* C, int64_t ldc);
 void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+void gemm_panels_avx512(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+                        int64_t p0, int64_t p1, float* C, int64_t ldc);
+void widen_row_avx512(PanelType type, const void* src, float* dst, int64_t n);
 #endif
 }  // namespace detail
 

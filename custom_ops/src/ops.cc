@@ -87,7 +87,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return nullptr;
 }
 
-// The GEMM implementation in use ("avx2-fma" or "portable"), for diagnostics (ctypes).
+// The GEMM kernels' level in use ("avx512", "avx2" or "portable"), for diagnostics (ctypes).
 __attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
 
 // The int8 GEMM implementation in use ("avx512-vnni", "avx2" or "portable"), for diagnostics (ctypes).
