@@ -116,7 +116,7 @@ def test_unreadable_file(tmp_path, capsys):
     assert "cannot read the model" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- models onnxruntime cannot load (issue 10, item 6)
+# ----------------------------------------------------------------------------- models onnxruntime cannot load
 
 def _external(path, edit=None) -> str:
     """The base model saved with every initializer in external data beside ``path``; ``edit(data_file, proto)``

@@ -65,7 +65,7 @@ def test_unknown_target_is_a_usage_error(tmp_path):
     assert exit_info.value.code == 2
 
 
-# ----------------------------------------------------------------------------- never lose a file (issue 10, item 3)
+# ----------------------------------------------------------------------------- never lose a file
 
 TINY = FIXTURES / "mixtral_batched_mm_tiny.onnx"
 
@@ -137,7 +137,7 @@ def test_a_failed_write_leaves_no_partial_output(threshold, tmp_path):
     assert _snapshot(tmp_path) == {"out.onnx": b"old"} and list(tmp_path.iterdir()) == [out]
 
 
-# ----------------------------------------------------------------------------- one line, nothing written (item 9)
+# ----------------------------------------------------------------------------- one line, nothing written
 
 def _error_lines(stderr: str) -> list[str]:
     """stderr without the progress lines."""
@@ -241,7 +241,7 @@ def test_invalid_input_is_reported_as_such(tmp_path, capsys):
     assert not (tmp_path / "o.onnx").exists()
 
 
-# ----------------------------------------------------------------------------- --verify on trace-bound exports (item 12)
+# ----------------------------------------------------------------------------- --verify on trace-bound exports
 
 def test_verify_skips_sizes_a_loop_export_cannot_run(tmp_path, capsys):
     """A TorchScript loop export runs only inputs that reach all its traced experts: never one token."""
