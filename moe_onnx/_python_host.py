@@ -13,10 +13,9 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-import onnx
 
 from .ops import OPS, MoeOpError, OpDef
-from .ops._common import np_dtype
+from .ops._common import elem_of, elem_of_type_str, np_dtype
 
 PYTHON_DOMAIN = "moe_onnx.python"  # kDomain in python_host.cc
 # Output element types a variant may have when the op's output type is a constraint (not fixed).
@@ -29,23 +28,16 @@ def output_choices(op: OpDef) -> list[tuple[int, ...]]:
     choices = []
     for p in op.outputs:
         if p.type_str.startswith("tensor("):
-            choices.append((_elem_of_type_str(p.type_str),))
+            choices.append((elem_of_type_str(p.type_str),))
         else:
             choices.append(_VARIANT_TYPES)
     total = 1
     for c in choices:
         total *= len(c)
     if total > _MAX_VARIANTS:  # keep to the types the op's constraints allow
-        allowed = {name: types for name, types, _ in op.type_constraints}
-        choices = [c if len(c) == 1 else tuple(_elem_of_type_str(t) for t in allowed[p.type_str])
+        choices = [c if len(c) == 1 else tuple(elem_of_type_str(t) for t in op.allowed_types(p))
                    for c, p in zip(choices, op.outputs)]
     return choices
-
-
-def _elem_of_type_str(type_str: str) -> int:
-    name = type_str[len("tensor("):-1]
-    return {"float": 1, "float16": 10, "bfloat16": 16, "double": 11}.get(name) or \
-        onnx.helper.np_dtype_to_tensor_dtype(np.dtype(name))
 
 
 def variant_name(op_name: str, types: Sequence[int]) -> str:
@@ -68,8 +60,6 @@ def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outpu
     the node names; returns per output (elem_type, shape, bytes view), None for an output the node does not name."""
     arrays = [None if item is None else np.frombuffer(item[0], dtype=np_dtype(item[1])).reshape(item[2])
               for item in inputs]
-    while arrays and arrays[-1] is None:
-        arrays.pop()
     op = OPS[op_name]
     n_outputs = len(named_outputs)
     outputs = op.reference(*arrays, _node_name=node_name, _named_outputs=named_outputs, **attrs)
@@ -84,8 +74,7 @@ def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outpu
             continue
         if not isinstance(out, np.ndarray):
             raise MoeOpError(f"{op_name}: the Python kernel's output {i} is {type(out).__name__}; expected an array")
-        elem = onnx.helper.np_dtype_to_tensor_dtype(out.dtype) if out.dtype.name != "bfloat16" else \
-            onnx.TensorProto.BFLOAT16
+        elem = elem_of(out)
         shape = tuple(int(d) for d in out.shape)
         result.append((int(elem), shape, np.ascontiguousarray(out).reshape(-1).view(np.uint8)))
     return result

@@ -49,7 +49,7 @@ def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
         if problems:  # the rules below read constants from that data
             return problems
     # the checker reads external data files itself when given the path (models over 2 GB included)
-    checkable = path if path is not None and _has_external_data(proto) else proto
+    checkable = path if path is not None and next(io.external_tensors(proto), None) is not None else proto
     problems = _check_opset(proto) + _check_declared_sizes(proto) + _check_our_nodes(proto, base_dir)
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems
@@ -75,10 +75,6 @@ def summarize(model: onnx.ModelProto) -> str:
     counts = collections.Counter(n.op_type for n, _ in walk(model.graph) if n.domain == DOMAIN)
     ours = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none"
     return f"{len(model.graph.node)} nodes; moe_onnx ops: {ours}"
-
-
-def _has_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def _check_structure(model: onnx.ModelProto | Path) -> list[str]:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from . import io
 from .runtime import session
 
 DEFAULT_SIZES = ((1, 1), (2, 5), (3, 17))
@@ -242,7 +243,7 @@ def _first_line(error: Exception) -> str:
 
 
 def _proto(model) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+    return model if isinstance(model, onnx.ModelProto) else io.read_proto(model)
 
 
 def _as_input(model):
