@@ -26,8 +26,6 @@ enum { CUMSUM = 0, COUNT = 1, KEY_VALUE = 2 };
 
 constexpr ElemType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr ElemType kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-// Element bytes of the outputs of fixed type (int32 row indices, int64 counts, float32 scales).
-constexpr size_t kOutputBytes[] = {0, 4, 8, 4};
 
 RoutingMode read_mode(const Attributes& a) {
   RoutingMode m;
@@ -257,9 +255,10 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
   const size_t n_outputs = ctx.GetOutputCount();
   auto output = [&](size_t i, const std::vector<int64_t>& shape) -> void* {
     if (i >= n_outputs) return nullptr;
+    const FormalParam& formal = signatures::MoeInitRouting.outputs[i];
     try {  // sizes set by the attributes: a contract error, in the reference's words
-      check_allocatable(shape, i == EXPANDED_X ? elem_size(output_type) : kOutputBytes[i],
-                        std::string("output '") + signatures::MoeInitRouting.outputs[i].name + "'");
+      check_allocatable(shape, elem_size(i == EXPANDED_X ? output_type : formal.types[0]),
+                        std::string("output '") + formal.name + "'");
     } catch (const AllocationFailure& failure) {
       throw_invalid(where + ": " + failure.what());
     }

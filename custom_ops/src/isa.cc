@@ -67,6 +67,5 @@ const char* isa_name(IsaLevel level) {
 }
 
 bool use_avx512_vnni() { return isa_at_least(IsaLevel::kAvx512) && MOE_ONNX_CPU_HAS("avx512vnni"); }
-bool use_avx512_bf16() { return isa_at_least(IsaLevel::kAvx512) && MOE_ONNX_CPU_HAS("avx512bf16"); }
 
 }  // namespace moe_onnx

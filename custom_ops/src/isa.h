@@ -4,7 +4,7 @@
 // (AVX-512 F/BW/DQ/VL), amx (AMX tiles with bf16 and int8; no kernels for it are built yet). The kernels use the highest level the
 // CPU supports; MOE_ONNX_GEMM=portable|avx2|avx512|amx caps it at that level, and a level the CPU
 // lacks (or an unknown name) is an error naming what the CPU has. Extensions inside a level that
-// not every CPU of that level has (AVX512-VNNI, AVX512-BF16, AVX-VNNI) are asked for separately.
+// not every CPU of that level has (AVX512-VNNI today) are asked for separately.
 #pragma once
 
 #include <string>
@@ -23,8 +23,7 @@ IsaLevel cpu_isa_level();
 // "portable", "avx2", "avx512" or "amx".
 const char* isa_name(IsaLevel level);
 
-// Extensions, true only when the CPU has them and the chosen level includes their base level.
+// An extension, true only when the CPU has them and the chosen level includes their base level.
 bool use_avx512_vnni();  // vpdpbusd on zmm (needs avx512)
-bool use_avx512_bf16();  // vdpbf16ps (needs avx512)
 
 }  // namespace moe_onnx

@@ -232,13 +232,14 @@ struct MoeRun {
     ldx = gemm_row_stride(d.H);
     xs = ws.get(ws.xs, static_cast<size_t>(slots() * ldx));
     const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(x.type);
+    const PanelType x_panel = panel_type(x.type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
     parallel_for(ctx, n_chunks, [&](size_t c) {
       const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
       for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
-        widen_row(panel_type(x.type), static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes,
-                  xs + pos * ldx, d.H);
+        widen_row(x_panel, static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes, xs + pos * ldx,
+                  d.H);
     });
   }
 

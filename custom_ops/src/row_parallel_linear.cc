@@ -154,9 +154,10 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
   a.ld = gemm_row_stride(K);
   a.f32.resize(static_cast<size_t>(rows * a.ld));
   const size_t row_bytes = static_cast<size_t>(K) * elem_size(x.type);
+  const PanelType x_panel = panel_type(x.type);
   for_chunks([&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      widen_row(panel_type(x.type), static_cast<const char*>(x.data) + (first + r) * row_bytes, a.f32.data() + r * a.ld, K);
+      widen_row(x_panel, static_cast<const char*>(x.data) + (first + r) * row_bytes, a.f32.data() + r * a.ld, K);
   });
   a.f = a.f32.data();
   return a;
@@ -204,10 +205,15 @@ struct OutputTiles {
     gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
                 weights(t), t.p0, t.p1, C, ldc);
     const size_t y_size = elem_size(y_type);
+    std::vector<float> bias;  // the task's columns of the expert's bias, converted once
+    if (b.present) {
+      bias.resize(static_cast<size_t>(c1 - c0));
+      to_float(b.type, static_cast<const char*>(b.data) + (t.expert * N + c0) * elem_size(b.type), bias.data(),
+               c1 - c0);
+    }
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;
-      if (b.present)
-        for (int64_t c = c0; c < c1; ++c) row[c - c0] += load_float(b.type, b.data, t.expert * N + c);
+      for (size_t c = 0; c < bias.size(); ++c) row[c] += bias[c];
       if (!direct(t)) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
     }
   }
