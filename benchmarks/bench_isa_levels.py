@@ -23,12 +23,12 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import numpy as np
 
-SHAPES = {  # name: (E, k, H, I, expert_type)
-    "gpt_oss": (32, 4, 1024, 1024, "GEMM2_BIAS_SWIGLU_CLAMP"),
-    "qwen3": (64, 8, 1024, 384, "GEMM3_SWIGLU"),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _exports import SHAPES  # noqa: E402  (the benchmark shapes: E, k, H, I, gemm2)
 
 
 def moe_model(E: int, H: int, I: int, expert_type: str):
@@ -60,16 +60,16 @@ def moe_model(E: int, H: int, I: int, expert_type: str):
 
 def child(shapes: list[str], tokens: list[int], threads: int, budget_ms: float) -> dict:
     """Median ms of session.run per (shape, T) in this process (its MOE_ONNX_GEMM level)."""
-    import onnxruntime as ort
+    from _timing import session_options
 
     from moe_onnx.runtime import session
 
     times = {}
     for name in shapes:
-        E, k, H, I, expert_type = SHAPES[name]
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        sess = session(moe_model(E, H, I, expert_type), sess_options=opts)
+        shape = SHAPES[name]
+        E, k, H, I = shape.E, shape.k, shape.H, shape.I
+        expert_type = "GEMM2_BIAS_SWIGLU_CLAMP" if shape.gemm2 else "GEMM3_SWIGLU"
+        sess = session(moe_model(E, H, I, expert_type), sess_options=session_options(threads))
         rng = np.random.default_rng(1)
         for T in tokens:
             feeds = {"x": rng.standard_normal((T, H), dtype=np.float32),

@@ -21,12 +21,12 @@ import os
 import re
 import warnings
 
-import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 import pytest
 from backends import KERNEL_CREATION, as_float64, kernel_error, run_case
 from cases import ALL_CASES, Case
+from cases.moe import BF16, TOL
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
@@ -39,7 +39,6 @@ EXAMPLES = int(os.environ.get("MOE_ONNX_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(t) for t in (np.float32, np.float16, BF16, np.int8, np.int32, np.int64, np.uint8, np.int16,
                                 np.uint16, np.uint64, np.float64, np.complex64, np.bool_)]
 HUGE = 2**16
@@ -55,7 +54,6 @@ ATTR_VALUES = {
     "ints": [[0], [0, 1], [1, 0], [-1, 2], [0, 4], [2, 8], [0, 2**62], [2**63 - 1, -2**63], [0, 1, 2]],
 }
 SIZE_ATTRIBUTES = {"expert_num", "expert_capacity"}
-TOL = {np.dtype(np.float16): (2e-2, 2e-2), BF16: (5e-2, 5e-2)}
 
 
 # ----------------------------------------------------------------------------- mutations

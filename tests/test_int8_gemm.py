@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cases import ALL_CASES, Case
+from cases import Case
 from cases import row_parallel_linear as linear_cases
-from test_kernels import LARGER_CASES
 
 import moe_onnx
 from moe_onnx.runtime import run, session
@@ -61,8 +60,6 @@ def _wrapping_case(name: str, k: int) -> Case:
 EDGE_CASES = [linear_cases._case(f"int8_k{k}", dtype=np.int8, lead=(11,), k=k, n=37, offsets=(0, 3, 3, 11))
               for k in (1, 2, 3, 5, 6, 7, 65)]
 EDGE_CASES.append(_wrapping_case("int8_wrapping_sums", k=131073))  # 128 * 128 * k > 2^31
-INT8_CASES = [c for c in ALL_CASES + LARGER_CASES if c.op == "MoeRowParallelLinear" and c.error is None
-              and c.inputs[0].dtype == np.int8] + EDGE_CASES
 
 
 def int8_gemm_isa() -> str:
@@ -97,7 +94,8 @@ def test_int8_edge_case(case):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_int8_cases_on_kernel(level):
-    """Every int8 case, exactly, with MOE_ONNX_GEMM=level (in a fresh process)."""
+    """The edge cases, exactly, with MOE_ONNX_GEMM=level (in a fresh process); the case tables' int8
+    cases run at every level in test_kernels.py::test_isa_level."""
     if level == "avx2" and "avx2" not in CPU:
         pytest.skip("this CPU has no AVX2")
     if level == "avx512" and not HAS_AVX512:
@@ -105,12 +103,12 @@ def test_int8_cases_on_kernel(level):
     code = f"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from test_int8_gemm import INT8_CASES, int8_gemm_isa, run_exact
+from test_int8_gemm import EDGE_CASES, int8_gemm_isa, run_exact
 assert int8_gemm_isa() == {_kernel_for(level)!r}, int8_gemm_isa()
-print(run_exact(INT8_CASES))
+print(run_exact(EDGE_CASES))
 """
     env = {**os.environ, "MOE_ONNX_GEMM": level}
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) == len(INT8_CASES)
+    assert int(out.stdout.split()[-1]) == len(EDGE_CASES)
