@@ -36,6 +36,24 @@ def fixture_names(*styles: str) -> list[str]:
     return sorted(name for name, entry in MANIFEST.items() if entry["style"] in styles)
 
 
+def shared_chunks(name: str) -> int:
+    """The experts of width I that the fixture's shared expert folds into (0: it has none)."""
+    entry = MANIFEST[name]
+    return entry["shared_intermediate_size"] // entry["intermediate_size"] if entry["shared_expert"] else 0
+
+
+def routing_producer(model: onnx.ModelProto, value: str) -> tuple[onnx.NodeProto, int]:
+    """The node (and its output index) making an MOE routing input, seen through the shared-expert
+    fold's ``Concat(Reshape(routed, [-1, k]), shared columns)``."""
+    producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
+    node, index = producers[value]
+    if node.op_type == "Concat":
+        reshape, _ = producers[node.input[0]]
+        assert reshape.op_type == "Reshape"
+        node, index = producers[reshape.input[0]]
+    return node, index
+
+
 # ----------------------------------------------------------------------------- loading
 
 @functools.cache

@@ -17,6 +17,7 @@ from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, moe_node, mutable_copy, nodes,
     op_counts, optimized, original, ort_output, producer, random_feeds, random_hidden, reference_data,
     reference_output, set_input,
+    routing_producer, shared_chunks,
 )
 from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
@@ -39,17 +40,21 @@ def test_fuses(name, target):
     assert report.fused[rule_of(name)] == 1
     assert report.near_misses == []
     before, after = op_counts(original(name)), op_counts(model)
-    # the router (with its renormalization) and Qwen2-MoE's shared expert stay as they are
-    for op in ("Gemm", "TopK", "Softmax", "Div"):
+    # the router (with its renormalization) stays; Qwen2-MoE's shared expert folds into the MOE
+    folded = shared_chunks(name) > 0
+    assert report.fused.get("SharedExpertFold", 0) == folded
+    assert after["Gemm"] == before["Gemm"] - 3 * folded  # its gate, up and down projections
+    for op in ("TopK", "Softmax", "Div"):
         assert after[op] == before[op], op
     assert after["ReduceSum"] == before["ReduceSum"] - 1  # the sum over k went into the fused block
     if target == "moe":
-        assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+        left = UNFUSED & set(after)  # the fold extends the routing with Expand (weight and index columns)
+        assert left == ({"Expand"} if folded else set()), f"unfused ops left: {left}"
         assert after["MOE"] == 1
     else:
         assert (after["MoeInitRouting"], after["MoeFinalizeRouting"], after["MOE"]) == (1, 1, 0)
         assert after["MoeRowParallelLinear"] == (2 if rule_of(name) == GPT_OSS else 3)
-        assert not {"GatherND", "Expand", "MatMul", "Split"} & set(after)  # the activation is re-emitted
+        assert not {"GatherND", "MatMul", "Split"} & set(after)  # the activation is re-emitted
     assert check_model(model) == []
 
 
@@ -59,11 +64,10 @@ def test_moe_node(name):
     model, _ = optimized(name, "moe")
     node = moe_node(model)
     attrs = attributes(node)
-    producers = {out: n for n in model.graph.node for out in n.output}
-    routing, indices = producers[node.input[1]], producers[node.input[2]]
-    assert (indices.op_type, list(indices.output).index(node.input[2])) == ("TopK", 1)
+    routing = routing_producer(model, node.input[1])[0]
+    assert [(n.op_type, i) for n, i in [routing_producer(model, node.input[2])]] == [("TopK", 1)]
     shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    E, H, I = entry["num_experts"] + shared_chunks(name), entry["hidden_size"], entry["intermediate_size"]
     if entry["family"] == "gpt_oss":
         assert attrs == {"expert_type": b"GEMM2_BIAS_SWIGLU_CLAMP", "expert_alpha": pytest.approx(1.702),
                          "expert_beta": 7.0, "gate_parity": 0}

@@ -22,6 +22,7 @@ import moe_onnx
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
     ort_output, random_feeds, reference_data, reference_output,
+    routing_producer, shared_chunks,
 )
 from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
@@ -94,12 +95,16 @@ def test_fuses(name, target):
     assert report.fused[RULE] == 1
     assert near_misses(report) == []
     before, after = op_counts(original(name)), op_counts(model)
-    assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+    folded = shared_chunks(name) > 0
+    assert report.fused.get("SharedExpertFold", 0) == folded
+    # the shared expert's fold extends the routing with Expand (its weight and index columns)
+    left = UNFUSED & set(after)
+    assert left == ({"Expand"} if folded else set()), f"unfused ops left: {left}"
     for op in ("TopK", "Softmax", "Div"):  # the router and its renormalization stay
         assert after[op] == before[op], op
-    # the expert MatMuls are gone; the router's and Qwen2-MoE's shared expert's stay
+    # the expert MatMuls are gone, and a folded shared expert's; the router's and the shared gate's stay
     kept = {node.name for node in original(name).graph.node
-            if node.op_type == "MatMul" and "/experts." not in node.name}
+            if node.op_type == "MatMul" and "/experts." not in node.name and "/shared_expert/" not in node.name}
     assert {node.name for node in model.graph.node if node.op_type == "MatMul"} == kept
     if target == "moe":
         assert after["MOE"] == 1
@@ -117,12 +122,12 @@ def test_moe_node(name):
     attrs = attributes(node)
     assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
     producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
-    indices, position = producers[node.input[2]]
+    indices, position = routing_producer(model, node.input[2])
     assert (indices.op_type, position) == ("TopK", 1)
     # renormalized weights where the model renormalizes (Div, then the exporter's Cast), else TopK's values
-    routing = producers[node.input[1]][0]
+    routing = routing_producer(model, node.input[1])[0]
     assert producers[routing.input[0]][0].op_type == ("Div" if entry["renormalize"] else "TopK")
-    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    E, H, I = entry["num_experts"] + shared_chunks(name), entry["hidden_size"], entry["intermediate_size"]
     shapes = {i.name: list(i.dims) for i in model.graph.initializer}
     assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
     assert node.input[4] == node.input[6] == "" and len(node.input) == 8

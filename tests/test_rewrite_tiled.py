@@ -20,6 +20,7 @@ import moe_onnx
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, mutable_copy, nodes, op_counts,
     optimized, original, producer, random_feeds, random_hidden, reference_data, run_ort, run_reference, set_input,
+    shared_chunks,
 )
 from moe_onnx.check import check_model
 from moe_onnx.ops import DOMAIN
@@ -62,9 +63,12 @@ def test_fixture_fuses(name, target):
     assert report.fused.get(RULES[entry["style"]]) == 1, report.summary()
     assert report.near_misses == []
     assert_block_gone(new, target)
-    # the router's and the shared expert's Gemms, the router's TopK and Softmax stay
+    # the router's Gemm, TopK and Softmax stay; Qwen2-MoE's shared expert folds into the MOE
     before, after = op_counts(original(name)), op_counts(new)
-    for kept in ("Gemm", "TopK", "Softmax"):
+    folded = shared_chunks(name) > 0
+    assert report.fused.get("SharedExpertFold", 0) == folded
+    assert after.get("Gemm") == before["Gemm"] - 3 * folded  # its gate, up and down projections
+    for kept in ("TopK", "Softmax"):
         assert after.get(kept) == before[kept]
     assert check_model(new) == []
     if target == "moe":

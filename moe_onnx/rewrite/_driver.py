@@ -15,7 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, grouped, loop, tiled
+from . import batched_mm, grouped, loop, shared_expert, tiled
 from ._match import MoeFusion
 
 
@@ -101,6 +101,9 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                 if match.status == MatchStatus.CONDITION_FAILED and match.root_node in live:
                     near_misses.append({"rule": fusion.name, "node": match.root_node.name or "",
                                         "reason": match.match_result.reason or "check failed"})
+    say("folding shared experts")
+    fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
+    notes += fold_notes
     fused = {name: count for name, count in fused.items() if count}
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")

@@ -188,6 +188,22 @@ class _StreamedTensor(ir.LazyTensor):
             self._release_sources()
 
 
+def initializer_expert(value: ir.Value, e: int) -> np.ndarray:
+    """Slice ``e`` of the first axis of an initializer; a lazy one computes that slice alone."""
+    tensor = value.const_value
+    return tensor._slice(e) if isinstance(tensor, _StreamedTensor) else tensor.numpy()[e]
+
+
+def streamed_initializer(graph: ir.Graph, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,
+                         shape: Sequence[int], sources: Sequence[ir.Value]) -> ir.Value:
+    """A new initializer of ``graph`` like :func:`lazy_initializer`'s, made outside a rewrite rule."""
+    unique = fresh_name(graph, name)
+    tensor = _StreamedTensor(expert_slice, dtype, shape, unique, sources)
+    value = ir.Value(name=unique, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
 def lazy_initializer(op, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,
                      shape: Sequence[int], sources: Sequence[ir.Value]) -> ir.Value:
     """A new initializer computed when the model is saved (or read): ``expert_slice(e)`` gives its
