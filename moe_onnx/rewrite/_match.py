@@ -133,11 +133,13 @@ def int64s(op, values: Sequence[int]) -> ir.Value:
 # time, or None when unknown.
 Dim = int | tuple[ir.Value, int] | None
 _MAX_RANK = 8  # longest shape tensor that ConstantOfShape may build here
+# integer ops on shape elements (ONNX's integer Div truncates toward zero)
+_ARITHMETIC = {"Add": lambda x, y: x + y, "Mul": lambda x, y: x * y, "Div": lambda x, y: int(x / y)}
 
 
 def shape_dims(value: ir.Value | None) -> list[Dim] | None:
     """The elements of a 0-D or 1-D shape tensor, folded through the shape arithmetic exporters emit
-    (Shape, Gather, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape, Add of known ints);
+    (Shape, Gather, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape, Add/Mul/Div of known ints);
     None if not foldable."""
     if value is None:
         return None
@@ -166,12 +168,14 @@ def shape_dims(value: ir.Value | None) -> list[Dim] | None:
         if data is None or index is None or node.attributes.get_int("axis", 0) != 0:
             return None
         return [data[i] for i in index] if all(-len(data) <= i < len(data) for i in index) else None
-    if node.op_type == "Add":  # GPT-OSS's one-hot depth E + 1
-        a, b = (shape_dims(term) for term in node.inputs)
-        if a is None or b is None or not all(isinstance(d, int) for d in a + b):
+    if node.op_type in _ARITHMETIC:  # GPT-OSS's one-hot depth E + 1, torch.chunk's (2I + 1) // 2
+        x, y = (shape_dims(term) for term in node.inputs)
+        if x is None or y is None or not all(isinstance(d, int) for d in x + y):
             return None
-        a, b = (a * len(b) if len(a) == 1 else a), (b * len(a) if len(b) == 1 else b)
-        return [x + y for x, y in zip(a, b)] if len(a) == len(b) else None
+        x, y = (x * len(y) if len(x) == 1 else x), (y * len(x) if len(y) == 1 else y)
+        if len(x) != len(y) or (node.op_type == "Div" and 0 in y):
+            return None
+        return [_ARITHMETIC[node.op_type](i, j) for i, j in zip(x, y)]
     if node.op_type == "ConstantOfShape":
         length, fill = shape_dims(node.inputs[0]), node.attributes.get_tensor("value")
         if length is None or len(length) != 1 or not isinstance(length[0], int) or length[0] > _MAX_RANK:

@@ -52,6 +52,7 @@ from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import MatchFailure, MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, \
     require, shape_dims, standard
 from ._router import Route, one_hot_dense_route, one_hot_route
+from ._router import route as _route
 from ._weights import Weight, lazy_initializer, weight, weight_value
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
@@ -164,12 +165,22 @@ class _LastAccumulationMatcher(SimplePatternMatcher):
 
 @dataclasses.dataclass(frozen=True)
 class _Linears:
-    """An expert of its own constant Linear weights (MatMul layout [in, out]): swish(x @ gate) * (x @ up) @ down."""
+    """An expert of its own constant Linear weights (MatMul layout [in, out]): swish(x @ gate) * (x @ up) @ down;
+    gate and up may be column ranges of one gate_up matrix (``gate_cols``, ``up_cols``)."""
 
     gate_HI: Weight
     up_HI: Weight
     down_IH: Weight
     alpha: float
+    gate_cols: tuple[int | None, int | None] = (None, None)  # [start, end), None: to the edge
+    up_cols: tuple[int | None, int | None] = (None, None)
+
+    def matrix(self, role: str) -> np.ndarray:
+        """The [in, out] matrix of ``role``: "gate", "up" or "down" (loads it)."""
+        if role == "down":
+            return self.down_IH.array()
+        w, columns = (self.gate_HI, self.gate_cols) if role == "gate" else (self.up_HI, self.up_cols)
+        return w.array()[:, slice(*columns)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,16 +369,19 @@ def _weighted_rows(updates: ir.Value, hidden: int) -> ir.Node:
     return _producer(_skip_identity_casts(expand.inputs[0]), "Mul", "the weighted expert output")
 
 
-def _routed_tokens(index: ir.Value, updates: ir.Value) -> tuple[ir.Value, ir.Value | None, ir.Value, int]:
-    """``(token_N, slot_N, row, token column)``: ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))`` (row r
-    of the updates goes to token_N[r]) with token_N one column of NonZero(mask row ``row``) and slot_N the
-    other (None when the branch does not read it)."""
+def _scattered_tokens(index: ir.Value, updates: ir.Value) -> ir.Value:
+    """token_N of ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))``: row r of the updates goes to token_N[r]."""
     expand = _producer(index, "Expand", "the scatter index")
     require(_producer(expand.inputs[1], "Shape", "the scatter index shape").inputs[0] is updates,
             "the scatter index is not expanded to the updates' shape")
     unsqueeze = _producer(expand.inputs[0], "Unsqueeze", "the scatter index")
     require(_axes(unsqueeze, 2) == [1], "the scatter index is not unsqueezed on axis 1")
-    token_N = unsqueeze.inputs[0]
+    return unsqueeze.inputs[0]
+
+
+def _routed_tokens(token_N: ir.Value) -> tuple[ir.Value | None, ir.Value, int]:
+    """``(slot_N, row, token column)``: token_N is one column of NonZero(mask row ``row``) and slot_N the other
+    (None when the branch does not read it)."""
     split, column = _split_of(token_N, 1, "the routed tokens")
     require(len(split.outputs) == 2, "the routed tokens are not a column of NonZero(mask row)")
     slots = [user.outputs[0] for user in split.outputs[1 - column].consumers() if standard(user, "Squeeze")]
@@ -380,7 +394,7 @@ def _routed_tokens(index: ir.Value, updates: ir.Value) -> tuple[ir.Value, ir.Val
         require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL, "the mask row is cast to a non-bool type")
         row = cast.inputs[0]
     require(_static_shape(row) is not None and len(row.shape) == 2, "the mask row is not 2-D")
-    return token_N, slot_N, row, column
+    return slot_N, row, column
 
 
 def _expert_tokens(x_NH: ir.Value, token_N: ir.Value, hidden: int) -> ir.Value:
@@ -404,7 +418,8 @@ def _branch(scatter: ir.Node) -> _Branch:
     """Reads and verifies the branch whose result ``scatter`` writes."""
     hidden = _scatter_target(scatter)
     weighted = _weighted_rows(scatter.inputs[2], hidden)
-    token_N, slot_N, row, token_column = _routed_tokens(scatter.inputs[1], scatter.inputs[2])
+    token_N = _scattered_tokens(scatter.inputs[1], scatter.inputs[2])
+    slot_N, row, token_column = _routed_tokens(token_N)
     expert_mask, row_index = _mask_row(row)
     for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
         if standard(y_NH.producer(), "MatMul") or standard(y_NH.producer(), "Add"):
@@ -436,6 +451,7 @@ class _Block:
     experts: list[_Linears | None] | _Gathered
     hidden: int
     intermediate: int
+    note: str | None = None  # what the report should say about the export
 
 
 def _chain(last: ir.Node) -> list[ir.Node]:
@@ -517,8 +533,11 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
 
 
 def _block(last: ir.Node) -> _Block:
-    """Walks the accumulation chain back from ``last`` and verifies every branch."""
+    """Walks the accumulation chain back from ``last`` and verifies every branch (or the one sorted dispatch)."""
     scatters = _chain(last)
+    if len(scatters) == 1 and standard(_skip_identity_casts(_scattered_tokens(*scatters[0].inputs[1:])).producer(),
+                                       "Div"):
+        return _sorted_block(last, scatters[0])
     labels = [f"branch {i} ('{scatter.name}')" for i, scatter in enumerate(scatters)]
     branches = []
     for scatter, label in zip(scatters, labels, strict=True):
@@ -543,14 +562,119 @@ def _block(last: ir.Node) -> _Block:
     return _Block(last.outputs[0].name, first.tokens_TH, route, experts, hidden, intermediate)
 
 
-def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
-    """A lazy [E, rows, cols] initializer of the transposed per-expert matrices; zeros for absent experts."""
+# ----------------------------------------------------------------------------- the sorted dispatch
+# GraniteMoe / JetMoe (transformers 4.57): one index_add_ of all T * K routed rows, sorted by expert, each
+# expert's row block through its own weights (ParallelExperts: Split by the traced counts, MatMul, Concat).
+
+def _sorted_slots(token_R: ir.Value) -> tuple[ir.Value, ir.Value, int]:
+    """``(order_R, indices_TK, K)`` of ``token_R = Div(order_R, K)`` with ``order_R`` the indices of an ascending
+    TopK over all of ``Reshape(indices_TK, [-1])`` (the slots sorted by expert)."""
+    div = _producer(_skip_identity_casts(token_R), "Div", "the routed tokens")
+    k = constant_ints(div.inputs[1])
+    require(k is not None and len(k) == 1 and k[0] > 0, "the routed tokens divide the sorted slots by no constant K")
+    order_R = div.inputs[0]
+    sort = _producer(order_R, "TopK", "the sorted slots")
+    flat = sort.inputs[0]
+    length = flat.shape[0] if flat.shape is not None and len(flat.shape) == 1 else None
+    require(order_R.index() == 1 and sort.attributes.get_int("largest", 1) == 0
+            and sort.attributes.get_int("axis", -1) in (0, -1)
+            and shape_dims(sort.inputs[1]) == [length if isinstance(length, int) else (flat, 0)],
+            "the sorted slots are not the indices of an ascending TopK over all the flat expert indices")
+    flatten = _producer(flat, "Reshape", "the flat expert indices")
+    return order_R, flatten.inputs[0], k[0]
+
+
+def _sorted_weights(w_R1: ir.Value, order_R: ir.Value) -> ir.Value:
+    """weights_TK of ``w_R1 = Unsqueeze(Gather(Reshape(weights_TK, [-1]), order_R), 1)``."""
+    unsqueeze = _producer(w_R1, "Unsqueeze", "the routing weight")
+    require(_axes(unsqueeze, 2) == [1], "the routing weight is not unsqueezed on axis 1")
+    gather = _producer(unsqueeze.inputs[0], "Gather", "the routing weight")
+    require(gather.inputs[1] is order_R and gather.attributes.get_int("axis", 0) == 0,
+            "the routing weights are not gathered at the sorted slots")
+    flatten = _producer(gather.inputs[0], "Reshape", "the flat routing weights")
+    require(flatten.outputs[0].shape is not None and len(flatten.outputs[0].shape) == 1,
+            "the flat routing weights are not 1-D")
+    return flatten.inputs[0]
+
+
+def _expert_blocks(value: ir.Value, what: str) -> tuple[ir.Value, list[Weight], list[int] | None]:
+    """``(x_R, [W_e], sizes)`` of ``value = Concat_e(MatMul(Split(x_R, sizes, axis=0)[e], W_e), axis=0)``: row
+    block e of x_R through expert e's weight."""
+    concat = _producer(value, "Concat", what)
+    require(concat.attributes.get_int("axis", 0) == 0, f"{what}: Concat axis is not 0")
+    split, weights = None, []
+    for e, part in enumerate(concat.inputs):
+        x, w, _ = _linear(part, f"{what} of expert {e}")
+        node = x.producer()
+        require(standard(node, "Split") and (split is None or node is split) and list(node.outputs).index(x) == e,
+                f"{what}: the rows of expert {e} are not output {e} of one Split")
+        split = node
+        weights.append(w)
+    require(split.attributes.get_int("axis", 0) == 0 and len(split.outputs) == len(weights),
+            f"{what}: the Split is not into the {len(weights)} experts' row blocks")
+    return split.inputs[0], weights, _ints_input_or_attr(split, 1, "split")
+
+
+def _columns(half: ir.Value, width: int) -> tuple[int, int]:
+    """The column range [start, end) of the last axis of ``width`` columns that ``half = Slice(...)`` takes."""
+    node = _producer(half, "Slice", "a half of gate_up")
+    starts, ends, axes, steps = (shape_dims(v) for v in (list(node.inputs) + [None] * 5)[1:5])
+    require(starts is not None and ends is not None and len(starts) == len(ends) == 1
+            and axes in ([1], [-1]) and steps in (None, [1]) and all(isinstance(d, int) for d in starts + ends),
+            "a half of gate_up is not a constant column range of the last axis")
+    return starts[0], min(ends[0], width)
+
+
+def _sorted_block(last: ir.Node, scatter: ir.Node) -> _Block:
+    """Reads the sorted dispatch whose one index_add_ ``scatter`` writes."""
+    hidden = _scatter_target(scatter)
+    weighted = _weighted_rows(scatter.inputs[2], hidden)
+    token_R = _scattered_tokens(scatter.inputs[1], scatter.inputs[2])
+    order_R, indices_TK, k = _sorted_slots(token_R)
+    y_RH, w_R1 = weighted.inputs if standard(weighted.inputs[0].producer(), "Concat") else reversed(weighted.inputs)
+    route = _route(indices_TK, _sorted_weights(w_R1, order_R))
+    require(route.k == k, f"the routed tokens are the sorted slots divided by {k}, the router picks {route.k}")
+    act_RI, downs, down_sizes = _expert_blocks(y_RH, "the down projection")
+    activation = read_swiglu(act_RI)
+    gate_up = activation.gate.producer().inputs[0] if standard(activation.gate.producer(), "Slice") else None
+    require(gate_up is not None and standard(activation.up.producer(), "Slice")
+            and activation.up.producer().inputs[0] is gate_up, "gate and up are not Slices of one projection")
+    x_R, gate_ups, up_sizes = _expert_blocks(gate_up, "the gate_up projection")
+    require(down_sizes == up_sizes, f"the row blocks differ: {up_sizes} into gate_up, {down_sizes} into down")
+    require(len(downs) == route.experts, f"{len(downs)} experts' row blocks, the router picks among {route.experts}")
+    tokens_TH = _expert_tokens(x_R, token_R, hidden)
+    width = gate_ups[0].shape[1]
+    inter = width // 2
+    gate_cols, up_cols = _columns(activation.gate, width), _columns(activation.up, width)
+    require({gate_cols, up_cols} == {(0, inter), (inter, width)},
+            f"gate takes columns [{gate_cols[0]}, {gate_cols[1]}) and up [{up_cols[0]}, {up_cols[1]}) of {width}; "
+            "expected the two halves")
+    dtype = tokens_TH.dtype
+    for e, (gate_up, down) in enumerate(zip(gate_ups, downs, strict=True)):
+        with failing_in(f"expert {e}"):
+            _check_shapes([(gate_up, (hidden, width), "gate_up weight"), (down, (inter, hidden), "down weight")], dtype)
+    experts = [_Linears(gate_up, gate_up, down, activation.alpha, gate_cols, up_cols)
+               for gate_up, down in zip(gate_ups, downs, strict=True)]
+    name = last.outputs[0].name
+    note = (f"block '{name}': the export splits the sorted rows by its trace's expert counts {up_sizes}, so it runs "
+            "only on inputs with those counts; MOE routes any input")
+    if k > 1 and scatter.attributes.get_string("reduction", "none") == "none":
+        note += (f", and it scatters each token's {k} rows without reduction (duplicate indices: onnxruntime keeps "
+                 "one row, torch's index_add_ sums them, as MOE does), so the fused model follows torch where the "
+                 "export did not")
+    return _Block(name, tokens_TH, route, experts, hidden, inter, note)
+
+
+def _stacked(op, name: str, experts: list[_Linears | None], role: str, dtype: ir.DataType,
+             shape: tuple[int, int, int]) -> ir.Value:
+    """A lazy [E, rows, cols] initializer of the transposed ``role`` matrices; zeros for absent experts."""
 
     def expert_slice(e: int) -> np.ndarray:
-        w = weights[e]
-        return np.zeros(shape[1:], dtype=dtype.numpy()) if w is None else w.array().T
+        expert = experts[e]
+        return np.zeros(shape[1:], dtype=dtype.numpy()) if expert is None else expert.matrix(role).T
 
-    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=[w.source for w in weights if w])
+    sources = [w.source for x in experts if x for w in (x.gate_HI, x.up_HI, x.down_IH)]
+    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=list(dict.fromkeys(sources)))
 
 
 class LoopMoeFusion(MoeFusion):
@@ -578,6 +702,8 @@ class LoopMoeFusion(MoeFusion):
         return _block(context.root)
 
     def emit(self, op, block: _Block) -> ir.Value:
+        if block.note and block.note not in self.notes:
+            self.notes.append(block.note)
         if isinstance(block.experts, _Gathered):
             expert = block.experts
             return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices,
@@ -594,14 +720,10 @@ class LoopMoeFusion(MoeFusion):
             self.notes.append(note)
         experts, dtype = block.route.experts, block.tokens_TH.dtype
         shape_EIH, shape_EHI = (experts, block.intermediate, block.hidden), (experts, block.hidden, block.intermediate)
-
-        def stacked(role: str, name: str, shape: tuple[int, int, int]) -> ir.Value:
-            return _stacked(op, name, [None if e is None else getattr(e, role) for e in block.experts], dtype, shape)
-
         return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, expert_type=GEMM3_SWIGLU,
-                        weight_0=stacked("gate_HI", "loop_gate_EIH", shape_EIH),
-                        weight_1=stacked("up_HI", "loop_up_EIH", shape_EIH),
-                        weight_2=stacked("down_IH", "loop_down_EHI", shape_EHI),
+                        weight_0=_stacked(op, "loop_gate_EIH", block.experts, "gate", dtype, shape_EIH),
+                        weight_1=_stacked(op, "loop_up_EIH", block.experts, "up", dtype, shape_EIH),
+                        weight_2=_stacked(op, "loop_down_EHI", block.experts, "down", dtype, shape_EHI),
                         expert_alpha=block.experts[next(e for e, x in enumerate(block.experts) if x)].alpha)
 
 
