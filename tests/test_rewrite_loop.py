@@ -507,3 +507,135 @@ NEW_FORM_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
                          ids=[m[1].__name__ for m in NEW_FORM_MUTATIONS])
 def test_new_form_mutation_is_a_near_miss(name, mutate, reason):
     test_mutation_is_a_near_miss(name, mutate, reason)
+
+
+# ----------------------------------------------------------------------------- GraniteMoe / JetMoe's sorted dispatch
+# One index_add_ of the T * K routed rows sorted by expert; each expert's row block (Split by the traced
+# counts) through its own weights. The export is right only on inputs with the trace's counts, and even
+# there onnxruntime differs from torch: its ScatterElements has duplicate indices and no reduction. The
+# fused model is compared with torch and with the block computed in numpy from the export's weights.
+
+SORTED = fixture_names("sorted")
+
+
+def test_sorted_fixtures_are_covered():
+    assert {MANIFEST[name]["family"] for name in SORTED} == {"granitemoe", "jetmoe"}
+
+
+def sorted_reference(name: str, hidden_states: np.ndarray) -> np.ndarray:
+    """The block in numpy from the export's weights: each token through its top-k experts (SiLU of the first
+    half of input_linear times the second, then output_linear), weighted by the softmax over the k logits and
+    summed as torch's index_add_ does; plus JetMoe's output bias."""
+    model, entry = original(name), MANIFEST[name]
+    k, inter = entry["top_k"], entry["intermediate_size"]
+    producers = {out: node for node in model.graph.node for out in node.output}
+    constants = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+
+    def per_expert(layer: str) -> list[np.ndarray]:
+        (concat,) = [node for node in model.graph.node if node.name == f"/{layer}/Concat"]
+        return [constants[producers[part].input[1]] for part in concat.input]
+
+    gate_up, down = per_expert("input_linear"), per_expert("output_linear")
+    (router,) = [node for node in model.graph.node if node.name == "/router/layer/MatMul"]
+    tokens = hidden_states.reshape(-1, entry["hidden_size"]).astype(np.float64)
+    logits = tokens @ constants[router.input[1]]
+    chosen = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, chosen, axis=1)
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    out = np.zeros_like(tokens)
+    for t, (experts, scales) in enumerate(zip(chosen, weights, strict=True)):
+        for e, scale in zip(experts, scales, strict=True):
+            h = tokens[t] @ gate_up[e]
+            out[t] += scale * ((h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]) @ down[e])
+    last = producers["output"]
+    bias = [constants[value] for value in last.input if value in constants] if last.op_type == "Add" else []
+    return (out.reshape(hidden_states.shape) + sum(bias)).astype(np.float32)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", SORTED)
+def test_sorted_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[RULE] == 1 and report.near_misses == [], report.summary()
+    (note,) = report.notes
+    assert "expert counts" in note and "without reduction" in note and "follows torch" in note
+    after = op_counts(model)
+    assert after["Split"] == after["ScatterElements"] == 0
+    assert [n.name for n in model.graph.node if n.op_type == "MatMul"] == ["/router/layer/MatMul"]
+    assert (after["TopK"], after["Softmax"]) == (1, 1)  # the router's; the sort is gone
+    if target == "moe":
+        node = moe_node(model)
+        assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        producers = _producers(model)
+        assert (producers[node.input[2]][0].op_type, producers[node.input[2]][1]) == ("TopK", 1)
+        assert producers[node.input[1]][0].op_type == "Softmax"
+        E, H, I = (MANIFEST[name][key] for key in ("num_experts", "hidden_size", "intermediate_size"))
+        shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+        assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", SORTED)
+def test_sorted_numbers(name, target):
+    model, _ = optimized(name, target)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(reference_output(model, inputs), data[f"expected{suffix}"], **TOL)
+    # the export itself differs from torch (duplicate scatter indices): what the fusion repairs
+    original_output = ort_output(original(name), {"hidden_states": data["hidden_states"]})
+    assert not np.allclose(original_output, data["expected"], **TOL)
+    session = moe_onnx.session(model, backend="python")
+    for batch, seq in SHAPES:
+        inputs = scaled_random_feeds(name, batch, seq)
+        expected = sorted_reference(name, inputs["hidden_states"])
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
+        np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+
+
+def test_sorted_reference_is_torch():
+    """The numpy block above is the block: it gives torch's outputs."""
+    for name in SORTED:
+        data = reference_data(name)
+        for suffix in ("", "_alt"):
+            np.testing.assert_allclose(sorted_reference(name, data[f"hidden_states{suffix}"]),
+                                       data[f"expected{suffix}"], **TOL)
+
+
+def _named(model: ir.Model, name: str) -> ir.Node:
+    return next(node for node in model.graph if node.name == name)
+
+
+def down_blocks_differ(model: ir.Model, entry: dict) -> None:
+    """The down projection splits its rows with expert 0's and 1's counts swapped."""
+    split = _named(model, "/output_linear/Split")
+    sizes = split.inputs[1].producer().attributes["value"].as_tensor().numpy().copy()
+    sizes[[0, 1]] = sizes[[1, 0]]
+    _set_input(model, split, 1, sizes)
+
+
+def down_blocks_reordered(model: ir.Model, entry: dict) -> None:
+    """The down projection concatenates expert 1's block first."""
+    concat = _named(model, "/output_linear/Concat")
+    first, second = concat.inputs[0], concat.inputs[1]
+    concat.replace_input_with(0, second)
+    concat.replace_input_with(1, first)
+
+
+def descending_sort(model: ir.Model, entry: dict) -> None:
+    """The routed rows are sorted by descending expert."""
+    _named(model, "/router/TopK_1").attributes["largest"] = ir.AttrInt64("largest", 1)
+
+
+SORTED_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
+    ("granitemoe_sorted_tiny", down_blocks_differ, "the row blocks differ"),
+    ("jetmoe_sorted_tiny", down_blocks_reordered, "the rows of expert 0 are not output 0 of one Split"),
+    ("granitemoe_sorted_tiny", descending_sort, "the sorted slots are not the indices of an ascending TopK"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "reason"), SORTED_MUTATIONS, ids=[m[1].__name__ for m in SORTED_MUTATIONS])
+def test_sorted_mutation_is_a_near_miss(name, mutate, reason):
+    test_mutation_is_a_near_miss(name, mutate, reason)

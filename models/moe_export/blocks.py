@@ -20,6 +20,8 @@ _CLASSES = {
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE"),
+    "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
+    "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -37,8 +39,11 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=1,
     )
-    if spec.family == "gpt_oss":
+    if spec.family in ("gpt_oss", "granitemoe"):
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
+    if spec.family == "jetmoe":  # its attention is sized by kv_channels
+        common.pop("num_key_value_heads")
+        return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts, kv_channels=8)
     if spec.family == "mixtral":
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "olmoe":
@@ -89,7 +94,7 @@ def _randomize(block: torch.nn.Module, spec: BlockSpec) -> None:
             continue
         if param.dim() == 2:  # nn.Linear / router weight [out, in]
             fan_in = param.shape[1]
-        elif "down" in name:
+        elif "down" in name or "output_linear" in name:
             fan_in = spec.intermediate
         else:
             fan_in = spec.hidden
@@ -124,7 +129,12 @@ def router_choices(block: torch.nn.Module, spec: BlockSpec, hidden_states: torch
     tokens = hidden_states.reshape(-1, spec.hidden)
     if spec.family == "deepseek_v3":  # the group-limited top-k of the router itself
         return block.gate(tokens)[0]
-    router = block.router if spec.family == "gpt_oss" else block.gate
+    if spec.family == "gpt_oss":
+        router = block.router
+    elif spec.family in ("granitemoe", "jetmoe"):  # the gating module's linear layer
+        router = block.router.layer
+    else:
+        router = block.gate
     if isinstance(router, torch.nn.Linear):  # transformers 4.57 routers are a plain linear + softmax
         logits = router(tokens)
     else:

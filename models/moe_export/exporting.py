@@ -72,6 +72,24 @@ def _loop_inputs(block, spec: BlockSpec, seed: int):
     return trace, reference, alternate, traced, found
 
 
+def _sorted_inputs(block, spec: BlockSpec, seed: int):
+    """Trace (= reference) and alternate inputs for the sorted style: its export splits the routed rows by the
+    trace's per-expert counts, so it runs only on inputs with the same counts; the alternate input has them in
+    another (batch, seq) of as many tokens. Returns (trace, reference, alternate, whether one was found)."""
+    reference = _random_hidden(REFERENCE_SHAPE, spec.hidden, seed + 1)
+
+    def counts(hidden_states):
+        return torch.bincount(blocks.router_choices(block, spec, hidden_states).flatten(), minlength=spec.experts)
+
+    wanted = counts(reference)
+    shape = REFERENCE_SHAPE[::-1]
+    for candidate_seed in range(seed + 7000, seed + 27000):
+        candidate = _random_hidden(shape, spec.hidden, candidate_seed)
+        if torch.equal(counts(candidate), wanted):
+            return reference, reference, candidate, True
+    return reference, reference, _random_hidden(shape, spec.hidden, seed + 2), False
+
+
 def _run(block, hidden_states: torch.Tensor) -> list[np.ndarray]:
     with torch.no_grad():
         result = block(hidden_states)
@@ -102,6 +120,13 @@ def export_block(spec: BlockSpec, onnx_path: Path, *, keep_router_output: bool =
                 f"{sorted(traced)}; the reference inputs "
                 + ("are chosen so." if found else "are NOT such inputs (none found): onnxruntime will fail on them.")
             )
+    elif spec.style == "sorted":
+        trace_input, reference, alternate, found = _sorted_inputs(block, spec, seed)
+        note = (
+            "the export splits the routed rows by the trace's expert counts: it runs only on inputs with those counts "
+            + ("(the alternate input has them); " if found else "(no alternate input with them found); ")
+            + STYLES[spec.style].broken
+        )
     else:
         trace_input = _random_hidden(TRACE_SHAPE, spec.hidden, seed + 3)
         reference = _random_hidden(REFERENCE_SHAPE, spec.hidden, seed + 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 _FIRST_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
-FAMILIES = _FIRST_FAMILIES + ("deepseek_v3",)
+FAMILIES = _FIRST_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe")
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class Style:
     dynamo: bool  # torch.onnx.export(dynamo=True) (torch.export + onnxscript) or the TorchScript exporter
     families: tuple[str, ...]
     description: str
+    broken: str | None = None  # why onnxruntime cannot match torch on this export (--check says so, not MISMATCH)
 
 
 _LOOP_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
@@ -55,6 +56,13 @@ STYLES = {
         "transformers 4.57 DeepSeek-V3 MoE (sigmoid router with expert bias, group-limited top-k, renormalized and "
         "scaled; shared expert beside): its eager loop over range(E), torch.onnx.export(dynamo=False)",
     ),
+    "sorted": Style(
+        4, False, ("granitemoe", "jetmoe"),
+        "transformers 4.57 GraniteMoe / JetMoe MoE (ParallelExperts: the routed rows sorted by expert, split by the "
+        "traced expert counts), torch.onnx.export(dynamo=False)",
+        broken="the export scatters each token's k rows with ScatterElements without reduction (duplicate "
+        "indices): onnxruntime keeps one where torch's index_add_ sums them",
+    ),
     "loop_missing": Style(
         4, False, ("mixtral",),
         "as 'loop', but traced on an input that routes no token to one expert, so that expert is absent",
@@ -73,11 +81,13 @@ ROUTER = {
     "mixtral": "linear -> softmax -> topk -> renormalize (always)",
     "olmoe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
     "qwen2_moe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
+    "granitemoe": "linear -> topk over logits -> softmax over the k values",
+    "jetmoe": "linear -> topk over logits -> softmax over the k values",
     "deepseek_v3": "linear -> sigmoid; + e_score_correction_bias -> group-limited topk (n_group, topk_group) picks "
     "the experts; their sigmoid scores renormalized (norm_topk_prob=True) and scaled by routed_scaling_factor",
 }
 RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
-               "deepseek_v3": True}
+               "deepseek_v3": True, "granitemoe": False, "jetmoe": False}
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 
 
@@ -108,9 +118,12 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows) or 'separate' tensors."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors or 'parallel'
+        (halves of ParallelExperts' input_linear)."""
         if self.family == "gpt_oss":
             return "interleaved"
+        if self.family in ("granitemoe", "jetmoe"):
+            return "parallel"
         return "halves" if self.transformers_major == 5 else "separate"
 
     @property
@@ -122,6 +135,8 @@ class BlockSpec:
             "halves": "gate_up_proj [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); down_proj [E, H, I]",
             "separate": "per expert nn.Linear gate_proj/up_proj [I, H] and down_proj [H, I] "
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
+            "parallel": "input_linear.weight [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); "
+            "output_linear.weight [E, H, I] (ParallelExperts)",
         }[self.gate_up_layout]
 
 
