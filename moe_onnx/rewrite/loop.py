@@ -20,7 +20,7 @@ Split of that NonZero; such a graph runs only on inputs that reach exactly the t
 The whole chain of branches becomes one MOE GEMM3_SWIGLU node fed by the router's TopK indices and
 the routing weights the branches multiply by; experts without a branch get zero weights.
 
-Two more exports of the same loop, read by the same readers:
+Three more exports of the same loop, read by the same readers:
 
 - DeepSeek-V3 (and GLM-4-MoE, dots1) permutes the mask to [E, T, K] (perm [2, 0, 1]): a row's NonZero has
   the tokens in column 0; the tokens are gathered straight from tokens_TH, and the routing weights are
@@ -32,6 +32,13 @@ Two more exports of the same loop, read by the same readers:
   the dense [T, E] matrix that the router scatters from its TopK. It becomes one MOE GEMM2_BIAS_SWIGLU_CLAMP on
   the stacked weights as they are; since every branch computes whichever expert it reads at run time, the
   export is right on any input that hits as many experts as the trace, and so is MOE, on any input.
+- GraniteMoe / JetMoe (ParallelExperts) have one index_add_ of all T * K routed rows, sorted by expert:
+  ``token_R = Div(TopK(Reshape(topk_indices_TK, [-1]), ascending).indices, K)``, the rows ``Gather(tokens_TH,
+  token_R)`` split into per-expert blocks by the trace's expert counts (a constant), each block's
+  ``MatMul`` with that expert's gate_up matrix, ``Concat``, SwiGLU of its two halves (``Slice``), the same for
+  down, weighted by ``Gather(Reshape(routing_TK, [-1]), order)``. It becomes one MOE GEMM3_SWIGLU; the export
+  itself runs only on inputs with the traced counts and scatters duplicate indices without reduction
+  (onnxruntime keeps one of a token's K rows, torch sums them): the report notes that MOE computes torch's sum.
 
 Shapes in names: T tokens, H hidden size, I expert intermediate size, E experts, K experts per
 token, N tokens routed to one expert.
@@ -51,8 +58,7 @@ from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import MatchFailure, MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, \
     require, shape_dims, standard
-from ._router import Route, one_hot_dense_route, one_hot_route
-from ._router import route as _route
+from ._router import Route, one_hot_dense_route, one_hot_route, route as _route
 from ._weights import Weight, lazy_initializer, weight, weight_value
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
@@ -293,11 +299,13 @@ def _dense_column(gather: ir.Node, expert_index: ir.Value) -> ir.Value:
     require(column.attributes.get_int("axis", 0) == 1 and column.inputs[1] is expert_index,
             "the routing weights column is not the branch's expert's (Gather axis 1 at its index)")
     dense_TE = column.inputs[0]
-    require(_static_shape(dense_TE) is not None and len(dense_TE.shape) == 2, "the dense routing weights are not [T, E]")
+    require(_static_shape(dense_TE) is not None and len(dense_TE.shape) == 2,
+            "the dense routing weights are not [T, E]")
     return dense_TE
 
 
-def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value | None, expert_index: ir.Value) -> tuple[ir.Value, bool]:
+def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value | None,
+             expert_index: ir.Value) -> tuple[ir.Value, bool]:
     """``(weights, dense)``: the routing weights that ``w_N1`` [N, 1] gathers: ``routing_TK[token_N, slot_N]``
     (the top-k weights [T, K]) or, dense, ``dense_TE[token_N, expert]`` (a [T, E] matrix)."""
     shape = _static_shape(w_N1)
@@ -553,7 +561,8 @@ def _block(last: ir.Node) -> _Block:
     numbers = _expert_numbers(branches, route.experts)
     if isinstance(first.expert, _Gathered):
         stacked = first.expert.down_EIH.shape[0]
-        require(stacked == route.experts, f"the stacked expert weights have {stacked} experts, the router {route.experts}")
+        require(stacked == route.experts,
+                f"the stacked expert weights have {stacked} experts, the router {route.experts}")
         experts: list[_Linears | None] | _Gathered = first.expert
     else:
         experts = [None] * route.experts

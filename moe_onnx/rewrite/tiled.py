@@ -85,7 +85,8 @@ def _check_tiling(tokens_TH: ir.Value, expand_shape, repeats, tokens_shape, expe
         require(ones is not None and len(ones) <= 2 and all(d == 1 for d in ones),
                 f"Expand before Tile to {_show(ones)}; expected ones (no broadcast)")
     require(shape_dims(repeats) == [experts, 1],
-            f"Tile repeats {_show(shape_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the weights")
+            f"Tile repeats {_show(shape_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the "
+            "weights")
     require(shape_dims(tokens_shape) == [experts, -1, hidden],
             f"tiled tokens reshaped to {_show(shape_dims(tokens_shape))}; expected [{experts}, -1, {hidden}]")
 
