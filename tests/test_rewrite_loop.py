@@ -639,3 +639,17 @@ SORTED_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 @pytest.mark.parametrize(("name", "mutate", "reason"), SORTED_MUTATIONS, ids=[m[1].__name__ for m in SORTED_MUTATIONS])
 def test_sorted_mutation_is_a_near_miss(name, mutate, reason):
     test_mutation_is_a_near_miss(name, mutate, reason)
+
+
+def deepseek_mask_kt(model: ir.Model, entry: dict) -> None:
+    """DeepSeek-V3: the mask is permuted [2, 1, 0] ([E, K, T]) while the branches still take column 0 of each
+    row's NonZero as the tokens (now the slots)."""
+    transpose = _first(model, "Transpose", lambda node: _producer_op(node.inputs[0]) == "OneHot")
+    transpose.attributes["perm"] = ir.AttrInt64s("perm", [2, 1, 0])
+    for value in [transpose.outputs[0]] + [user.outputs[0] for user in transpose.outputs[0].consumers()]:
+        value.shape = None  # stale [E, T, K] / [T, K] annotations; shape inference sets them again
+
+
+def test_deepseek_token_column_is_checked():
+    test_mutation_is_a_near_miss("deepseek_v3_loop_grouped_tiny", deepseek_mask_kt,
+                                 "the routed tokens are not column 1 of NonZero(mask row), the mask row's token axis")
