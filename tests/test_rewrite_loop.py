@@ -360,3 +360,301 @@ def test_mutation_still_fuses(name, mutate, alpha):
     for suffix in ("", "_alt"):
         inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
         np.testing.assert_allclose(reference_output(new, inputs), ort_output(mutated, inputs), **TOL)
+
+
+# ----------------------------------------------------------------------------- GPT-OSS's CPU loop, DeepSeek-V3's loop
+# GPT-OSS (transformers 4.57, exported on CPU): the branches gather the stacked weights and biases at the
+# hit expert's index and read their routing weight from the dense [T, E] router scores; DeepSeek-V3: an
+# [E, T, K] mask (tokens in column 0 of its NonZero), the tokens gathered directly, a sigmoid + bias +
+# group-limited router, a shared expert beside.
+
+GPT_OSS_CPU = fixture_names("loop_cpu")
+DEEPSEEK = fixture_names("loop_grouped")
+
+
+def test_new_loop_forms_are_covered():
+    assert {MANIFEST[name]["family"] for name in GPT_OSS_CPU} == {"gpt_oss"}
+    assert {MANIFEST[name]["family"] for name in DEEPSEEK} == {"deepseek_v3"}
+
+
+def _producers(model: onnx.ModelProto) -> dict[str, tuple[onnx.NodeProto, int]]:
+    return {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", GPT_OSS_CPU + DEEPSEEK)
+def test_new_forms_fuse(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[RULE] == 1 and report.near_misses == [], report.summary()
+    after = op_counts(model)
+    assert not {"NonZero", "OneHot", "Flatten", "Split"} & set(after)
+    assert after["ScatterElements"] == 1  # the router's: GPT-OSS's dense scores, DeepSeek-V3's group mask
+    # the expert MatMuls are gone; the router's and DeepSeek-V3's shared expert's stay
+    kept = {n.name for n in original(name).graph.node if n.op_type == "MatMul"
+            and "/experts" not in n.name.replace("/shared_experts", "")}
+    assert {n.name for n in model.graph.node if n.op_type == "MatMul"} == kept
+    if target == "moe":
+        assert after["MOE"] == 1
+    else:
+        assert (after["MoeInitRouting"], after["MoeFinalizeRouting"]) == (1, 1)
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("name", GPT_OSS_CPU)
+def test_gpt_oss_cpu_moe_node(name):
+    """GEMM2_BIAS_SWIGLU_CLAMP on the block's own stacked weights, routed by the TopK and the softmax that the
+    dense router scores scatter."""
+    model, _ = optimized(name, "moe")
+    node = moe_node(model)
+    assert attributes(node) == {"expert_type": b"GEMM2_BIAS_SWIGLU_CLAMP", "expert_alpha": pytest.approx(1.702),
+                                "expert_beta": 7.0, "gate_parity": 0}
+    assert list(node.input[3:]) == ["experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
+                                    "experts.down_proj_bias"]
+    producers = _producers(model)
+    indices, position = producers[node.input[2]]
+    assert (indices.op_type, position) == ("TopK", 1)
+    weights = producers[node.input[1]][0]  # the exporter's Cast of the softmax over the top-k logits
+    assert (weights.op_type, producers[weights.input[0]][0].op_type) == ("Cast", "Softmax")
+
+
+@pytest.mark.parametrize("name", DEEPSEEK)
+def test_deepseek_moe_node(name):
+    """GEMM3_SWIGLU routed by the last TopK of the group-limited router (its indices) and the renormalized,
+    scaled sigmoid scores gathered there (its weights)."""
+    entry = MANIFEST[name]
+    model, _ = optimized(name, "moe")
+    node = moe_node(model)
+    assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+    producers = _producers(model)
+    indices, position = producers[node.input[2]]
+    assert (indices.op_type, position) == ("TopK", 1)
+    assert sum(n.op_type == "TopK" for n in model.graph.node) == 3  # group scores, groups, experts
+    scaled = producers[node.input[1]][0]
+    assert scaled.op_type == "Mul" and producers[scaled.input[0]][0].op_type == "Div"
+    assert producers[producers[scaled.input[0]][0].input[0]][0].op_type == "GatherElements"
+    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", GPT_OSS_CPU + DEEPSEEK)
+def test_new_forms_numbers(name, target):
+    model, _ = optimized(name, target)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
+        got = reference_output(model, inputs)
+        np.testing.assert_allclose(got, data[f"expected{suffix}"], **TOL)
+        np.testing.assert_allclose(got, ort_output(original(name), inputs), **TOL)
+    # any input, one token included (GPT-OSS: against its branches pinned to the experts, as above)
+    for batch, seq in SHAPES:
+        inputs = scaled_random_feeds(name, batch, seq)
+        expected = ort_output(pinned_original(name), inputs)
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
+        session = moe_onnx.session(model, backend="python")
+        np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+
+
+def _first(model: ir.Model, op_type: str, where: Callable[[ir.Node], bool]) -> ir.Node:
+    return next(node for node in model.graph if node.op_type == op_type and where(node))
+
+
+def _reads(node: ir.Node, initializer_name: str) -> bool:
+    return any(value is not None and value.name == initializer_name for value in node.inputs)
+
+
+def gathers_expert_0_down(model: ir.Model, entry: dict) -> None:
+    """GPT-OSS: branch 1 takes expert 0's down weight, whichever expert it computes."""
+    gathers = [node for node in model.graph if node.op_type == "Gather" and _reads(node, "experts.down_proj")]
+    _set_input(model, gathers[1], 1, np.array(0, dtype=np.int64))
+
+
+def routing_column_0(model: ir.Model, entry: dict) -> None:
+    """GPT-OSS: branch 1 multiplies by expert 0's column of the router scores."""
+    columns = [node for node in model.graph if node.op_type == "Gather" and _reads(node, "router_scores")
+               and node.attributes.get_int("axis", 0) == 1]
+    _set_input(model, columns[1], 1, np.array(0, dtype=np.int64))
+
+
+def gpt_oss_onehot_depth(model: ir.Model, entry: dict) -> None:
+    """GPT-OSS: the expert mask has two classes beyond the experts (GPT-OSS has one)."""
+    onehot = _first(model, "OneHot", lambda node: True)
+    _set_input(model, onehot, 1, np.array(entry["num_experts"] + 2, dtype=np.int64))
+
+
+def unclamped_up(model: ir.Model, entry: dict) -> None:
+    """GPT-OSS: branch 0 clamps up to [-7, 8]."""
+    clip = _first(model, "Clip", lambda node: node.inputs[1] is not None)
+    _set_input(model, clip, 2, np.array(8.0, dtype=np.float32))
+
+
+def deepseek_routing_step(model: ir.Model, entry: dict) -> None:
+    """DeepSeek-V3: branch 0 gathers its routing weight at token * 1 + slot instead of token * K + slot."""
+    flatten = _first(model, "Flatten", lambda node: True)
+    index = flatten.outputs[0].consumers()[0].inputs[1].producer()  # Add(slot, Mul(token, K))
+    mul = next(term.producer() for term in index.inputs if _producer_op(term) == "Mul")
+    _set_input(model, mul, 1, np.array(1, dtype=np.int64))
+
+
+NEW_FORM_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
+    ("gpt_oss_loop_cpu_tiny", gathers_expert_0_down,
+     "the down projection weight is not gathered on axis 0 at the branch's expert index"),
+    ("gpt_oss_loop_cpu_tiny", routing_column_0, "the routing weights column is not the branch's expert's"),
+    ("gpt_oss_loop_cpu_tiny", gpt_oss_onehot_depth, "OneHot depth 6 differs from the router's width 4 (or 5"),
+    ("gpt_oss_loop_cpu_tiny", unclamped_up, "up is clamped to [-7.0, 8.0], expected [-7.0, 7.0]"),
+    ("deepseek_v3_loop_grouped_tiny", deepseek_routing_step, "does not step by K = 2"),
+    ("deepseek_v3_loop_grouped_tiny", duplicate_mask_row, "two branches compute the same expert"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "reason"), NEW_FORM_MUTATIONS,
+                         ids=[m[1].__name__ for m in NEW_FORM_MUTATIONS])
+def test_new_form_mutation_is_a_near_miss(name, mutate, reason):
+    test_mutation_is_a_near_miss(name, mutate, reason)
+
+
+# ----------------------------------------------------------------------------- GraniteMoe / JetMoe's sorted dispatch
+# One index_add_ of the T * K routed rows sorted by expert; each expert's row block (Split by the traced
+# counts) through its own weights. The export is right only on inputs with the trace's counts, and even
+# there onnxruntime differs from torch: its ScatterElements has duplicate indices and no reduction. The
+# fused model is compared with torch and with the block computed in numpy from the export's weights.
+
+SORTED = fixture_names("sorted")
+
+
+def test_sorted_fixtures_are_covered():
+    assert {MANIFEST[name]["family"] for name in SORTED} == {"granitemoe", "jetmoe"}
+
+
+def sorted_reference(name: str, hidden_states: np.ndarray) -> np.ndarray:
+    """The block in numpy from the export's weights: each token through its top-k experts (SiLU of the first
+    half of input_linear times the second, then output_linear), weighted by the softmax over the k logits and
+    summed as torch's index_add_ does; plus JetMoe's output bias."""
+    model, entry = original(name), MANIFEST[name]
+    k, inter = entry["top_k"], entry["intermediate_size"]
+    producers = {out: node for node in model.graph.node for out in node.output}
+    constants = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+
+    def per_expert(layer: str) -> list[np.ndarray]:
+        (concat,) = [node for node in model.graph.node if node.name == f"/{layer}/Concat"]
+        return [constants[producers[part].input[1]] for part in concat.input]
+
+    gate_up, down = per_expert("input_linear"), per_expert("output_linear")
+    (router,) = [node for node in model.graph.node if node.name == "/router/layer/MatMul"]
+    tokens = hidden_states.reshape(-1, entry["hidden_size"]).astype(np.float64)
+    logits = tokens @ constants[router.input[1]]
+    chosen = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, chosen, axis=1)
+    weights = np.exp(top - top.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    out = np.zeros_like(tokens)
+    for t, (experts, scales) in enumerate(zip(chosen, weights, strict=True)):
+        for e, scale in zip(experts, scales, strict=True):
+            h = tokens[t] @ gate_up[e]
+            out[t] += scale * ((h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]) @ down[e])
+    last = producers["output"]
+    bias = [constants[value] for value in last.input if value in constants] if last.op_type == "Add" else []
+    return (out.reshape(hidden_states.shape) + sum(bias)).astype(np.float32)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", SORTED)
+def test_sorted_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[RULE] == 1 and report.near_misses == [], report.summary()
+    (note,) = report.notes
+    assert "expert counts" in note and "without reduction" in note and "follows torch" in note
+    after = op_counts(model)
+    assert after["Split"] == after["ScatterElements"] == 0
+    assert [n.name for n in model.graph.node if n.op_type == "MatMul"] == ["/router/layer/MatMul"]
+    assert (after["TopK"], after["Softmax"]) == (1, 1)  # the router's; the sort is gone
+    if target == "moe":
+        node = moe_node(model)
+        assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        producers = _producers(model)
+        assert (producers[node.input[2]][0].op_type, producers[node.input[2]][1]) == ("TopK", 1)
+        assert producers[node.input[1]][0].op_type == "Softmax"
+        E, H, I = (MANIFEST[name][key] for key in ("num_experts", "hidden_size", "intermediate_size"))
+        shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+        assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", SORTED)
+def test_sorted_numbers(name, target):
+    model, _ = optimized(name, target)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(reference_output(model, inputs), data[f"expected{suffix}"], **TOL)
+    # the export itself differs from torch (duplicate scatter indices): what the fusion repairs
+    original_output = ort_output(original(name), {"hidden_states": data["hidden_states"]})
+    assert not np.allclose(original_output, data["expected"], **TOL)
+    session = moe_onnx.session(model, backend="python")
+    for batch, seq in SHAPES:
+        inputs = scaled_random_feeds(name, batch, seq)
+        expected = sorted_reference(name, inputs["hidden_states"])
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
+        np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+
+
+def test_sorted_reference_is_torch():
+    """The numpy block above is the block: it gives torch's outputs."""
+    for name in SORTED:
+        data = reference_data(name)
+        for suffix in ("", "_alt"):
+            np.testing.assert_allclose(sorted_reference(name, data[f"hidden_states{suffix}"]),
+                                       data[f"expected{suffix}"], **TOL)
+
+
+def _named(model: ir.Model, name: str) -> ir.Node:
+    return next(node for node in model.graph if node.name == name)
+
+
+def down_blocks_differ(model: ir.Model, entry: dict) -> None:
+    """The down projection splits its rows with expert 0's and 1's counts swapped."""
+    split = _named(model, "/output_linear/Split")
+    sizes = split.inputs[1].producer().attributes["value"].as_tensor().numpy().copy()
+    sizes[[0, 1]] = sizes[[1, 0]]
+    _set_input(model, split, 1, sizes)
+
+
+def down_blocks_reordered(model: ir.Model, entry: dict) -> None:
+    """The down projection concatenates expert 1's block first."""
+    concat = _named(model, "/output_linear/Concat")
+    first, second = concat.inputs[0], concat.inputs[1]
+    concat.replace_input_with(0, second)
+    concat.replace_input_with(1, first)
+
+
+def descending_sort(model: ir.Model, entry: dict) -> None:
+    """The routed rows are sorted by descending expert."""
+    _named(model, "/router/TopK_1").attributes["largest"] = ir.AttrInt64("largest", 1)
+
+
+SORTED_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
+    ("granitemoe_sorted_tiny", down_blocks_differ, "the row blocks differ"),
+    ("jetmoe_sorted_tiny", down_blocks_reordered, "the rows of expert 0 are not output 0 of one Split"),
+    ("granitemoe_sorted_tiny", descending_sort, "the sorted slots are not the indices of an ascending TopK"),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate", "reason"), SORTED_MUTATIONS, ids=[m[1].__name__ for m in SORTED_MUTATIONS])
+def test_sorted_mutation_is_a_near_miss(name, mutate, reason):
+    test_mutation_is_a_near_miss(name, mutate, reason)
+
+
+def deepseek_mask_kt(model: ir.Model, entry: dict) -> None:
+    """DeepSeek-V3: the mask is permuted [2, 1, 0] ([E, K, T]) while the branches still take column 0 of each
+    row's NonZero as the tokens (now the slots)."""
+    transpose = _first(model, "Transpose", lambda node: _producer_op(node.inputs[0]) == "OneHot")
+    transpose.attributes["perm"] = ir.AttrInt64s("perm", [2, 1, 0])
+    for value in [transpose.outputs[0]] + [user.outputs[0] for user in transpose.outputs[0].consumers()]:
+        value.shape = None  # stale [E, T, K] / [T, K] annotations; shape inference sets them again
+
+
+def test_deepseek_token_column_is_checked():
+    test_mutation_is_a_near_miss("deepseek_v3_loop_grouped_tiny", deepseek_mask_kt,
+                                 "the routed tokens are not column 1 of NonZero(mask row), the mask row's token axis")

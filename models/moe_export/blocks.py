@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from . import patches
-from .specs import BlockSpec
+from .specs import ROUTED_SCALING_FACTOR, BlockSpec
 
 # family -> (modeling module, config class, sparse MoE block class)
 _CLASSES = {
@@ -19,6 +19,9 @@ _CLASSES = {
     "mixtral": ("mixtral", "MixtralConfig", "MixtralSparseMoeBlock"),
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE"),
+    "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
+    "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -36,8 +39,11 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=1,
     )
-    if spec.family == "gpt_oss":
+    if spec.family in ("gpt_oss", "granitemoe"):
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
+    if spec.family == "jetmoe":  # its attention is sized by kv_channels
+        common.pop("num_key_value_heads")
+        return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts, kv_channels=8)
     if spec.family == "mixtral":
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "olmoe":
@@ -52,6 +58,19 @@ def _config_kwargs(spec: BlockSpec) -> dict:
             num_experts=spec.experts,
             norm_topk_prob=False,
         )
+    if spec.family == "deepseek_v3":  # groups of two experts, half the groups allowed
+        groups = spec.experts // 2
+        return dict(
+            common,
+            moe_intermediate_size=spec.intermediate,
+            n_routed_experts=spec.experts,
+            n_shared_experts=spec.shared_intermediate // spec.intermediate,
+            n_group=groups,
+            topk_group=max(1, groups // 2),
+            norm_topk_prob=True,
+            routed_scaling_factor=ROUTED_SCALING_FACTOR,
+            first_k_dense_replace=0,
+        )
     raise ValueError(f"unknown family {spec.family!r}")
 
 
@@ -65,14 +84,17 @@ def _experts_implementation(style: str) -> str | None:
 
 
 def _randomize(block: torch.nn.Module, spec: BlockSpec) -> None:
-    """Fill every parameter: weights N(0, 1/fan_in) scaled so activations stay O(1), biases N(0, 0.1^2)."""
+    """Fill every parameter: weights N(0, 1/fan_in) scaled so activations stay O(1), biases N(0, 0.1^2)
+    (DeepSeek-V3's expert selection bias, a buffer, too)."""
+    if spec.family == "deepseek_v3":
+        torch.nn.init.normal_(block.gate.e_score_correction_bias, std=0.1)
     for name, param in block.named_parameters():
         if param.dim() == 1 or name.endswith("_bias"):
             torch.nn.init.normal_(param, std=0.1)
             continue
         if param.dim() == 2:  # nn.Linear / router weight [out, in]
             fan_in = param.shape[1]
-        elif "down" in name:
+        elif "down" in name or "output_linear" in name:
             fan_in = spec.intermediate
         else:
             fan_in = spec.hidden
@@ -105,7 +127,14 @@ def build_block(spec: BlockSpec, seed: int = 0) -> torch.nn.Module:
 def router_choices(block: torch.nn.Module, spec: BlockSpec, hidden_states: torch.Tensor) -> torch.Tensor:
     """The [T, k] expert indices the block's router picks for these tokens."""
     tokens = hidden_states.reshape(-1, spec.hidden)
-    router = block.router if spec.family == "gpt_oss" else block.gate
+    if spec.family == "deepseek_v3":  # the group-limited top-k of the router itself
+        return block.gate(tokens)[0]
+    if spec.family == "gpt_oss":
+        router = block.router
+    elif spec.family in ("granitemoe", "jetmoe"):  # the gating module's linear layer
+        router = block.router.layer
+    else:
+        router = block.gate
     if isinstance(router, torch.nn.Linear):  # transformers 4.57 routers are a plain linear + softmax
         logits = router(tokens)
     else:

@@ -17,6 +17,12 @@ OPSET = 18
 REFERENCE_SHAPE = (2, 3)  # the shape tests read as `hidden_states` / `expected`
 ALTERNATE_SHAPE = (1, 5)  # a second (batch, seq) for checking the dynamic dims
 TRACE_SHAPE = (2, 5)  # for the styles whose graph does not depend on the trace input's routing
+# The loops over range(E) rather than over the experts the trace hit: their exports run on any input.
+_RANGE_LOOP_NOTES = {
+    "olmoe": "transformers 4.57 OLMoE loops over range(num_experts): every expert is exported, any input works.",
+    "deepseek_v3": "transformers 4.57 DeepSeek-V3 loops over range(n_routed_experts), skipping while tracing the "
+    "experts that get no token; the trace input reaches all, so every expert is exported and any input works.",
+}
 
 
 def _random_hidden(shape: tuple[int, int], hidden: int, seed: int) -> torch.Tensor:
@@ -66,6 +72,24 @@ def _loop_inputs(block, spec: BlockSpec, seed: int):
     return trace, reference, alternate, traced, found
 
 
+def _sorted_inputs(block, spec: BlockSpec, seed: int):
+    """Trace (= reference) and alternate inputs for the sorted style: its export splits the routed rows by the
+    trace's per-expert counts, so it runs only on inputs with the same counts; the alternate input has them in
+    another (batch, seq) of as many tokens. Returns (trace, reference, alternate, whether one was found)."""
+    reference = _random_hidden(REFERENCE_SHAPE, spec.hidden, seed + 1)
+
+    def counts(hidden_states):
+        return torch.bincount(blocks.router_choices(block, spec, hidden_states).flatten(), minlength=spec.experts)
+
+    wanted = counts(reference)
+    shape = REFERENCE_SHAPE[::-1]
+    for candidate_seed in range(seed + 7000, seed + 27000):
+        candidate = _random_hidden(shape, spec.hidden, candidate_seed)
+        if torch.equal(counts(candidate), wanted):
+            return reference, reference, candidate, True
+    return reference, reference, _random_hidden(shape, spec.hidden, seed + 2), False
+
+
 def _run(block, hidden_states: torch.Tensor) -> list[np.ndarray]:
     with torch.no_grad():
         result = block(hidden_states)
@@ -85,10 +109,10 @@ def export_block(spec: BlockSpec, onnx_path: Path, *, keep_router_output: bool =
 
     missing: list[int] = []
     note = None
-    if spec.style in ("loop", "loop_missing"):
+    if spec.style.startswith("loop"):
         trace_input, reference, alternate, traced, found = _loop_inputs(block, spec, seed)
-        if spec.family == "olmoe":
-            note = "transformers 4.57 OLMoE loops over range(num_experts): every expert is exported, any input works."
+        if spec.family in _RANGE_LOOP_NOTES:
+            note = _RANGE_LOOP_NOTES[spec.family]
         else:
             missing = sorted(set(range(spec.experts)) - traced)
             note = (
@@ -96,6 +120,13 @@ def export_block(spec: BlockSpec, onnx_path: Path, *, keep_router_output: bool =
                 f"{sorted(traced)}; the reference inputs "
                 + ("are chosen so." if found else "are NOT such inputs (none found): onnxruntime will fail on them.")
             )
+    elif spec.style == "sorted":
+        trace_input, reference, alternate, found = _sorted_inputs(block, spec, seed)
+        note = (
+            "the export splits the routed rows by the trace's expert counts: it runs only on inputs with those counts "
+            + ("(the alternate input has them); " if found else "(no alternate input with them found); ")
+            + STYLES[spec.style].broken
+        )
     else:
         trace_input = _random_hidden(TRACE_SHAPE, spec.hidden, seed + 3)
         reference = _random_hidden(REFERENCE_SHAPE, spec.hidden, seed + 1)

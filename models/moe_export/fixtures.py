@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .specs import BlockSpec
+from .specs import STYLES, BlockSpec
 
 MANIFEST = "manifest.json"
 TOLERANCE = 1e-4  # rtol and atol of the onnxruntime-vs-torch check
@@ -146,11 +146,13 @@ def check_with_onnxruntime(directory: Path) -> list[str]:
                     "ok": bool(np.allclose(value, expected, rtol=TOLERANCE, atol=TOLERANCE)),
                 }
         entry["ort_check"] = {"onnxruntime": onnxruntime.__version__, "results": results}
-        verdict = "ok" if all(r["ok"] for r in results.values()) else "MISMATCH"
+        broken = STYLES[entry["style"]].broken
+        verdict = "ok" if all(r["ok"] for r in results.values()) else "broken" if broken else "MISMATCH"
         worst = max(r["max_abs_diff"] for r in results.values())
         lines.append(
             f"{name:32s} {verdict:8s} max|diff|={worst:.2e} "
             + " ".join(f"{label}:{'ok' if r['ok'] else 'FAIL'}" for label, r in results.items())
+            + (f" (known: {broken})" if verdict == "broken" else "")
         )
     save_manifest(directory, entries)
     return lines

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+_FIRST_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = _FIRST_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe")
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,13 @@ class Style:
     dynamo: bool  # torch.onnx.export(dynamo=True) (torch.export + onnxscript) or the TorchScript exporter
     families: tuple[str, ...]
     description: str
+    broken: str | None = None  # why onnxruntime cannot match torch on this export (--check says so, not MISMATCH)
 
 
 _LOOP_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 STYLES = {
     "batched_mm": Style(
-        5, True, FAMILIES,
+        5, True, _FIRST_FAMILIES,
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=True)",
     ),
     "tiled": Style(
@@ -44,6 +46,23 @@ STYLES = {
         4, False, _LOOP_FAMILIES,
         "transformers 4.57 eager per-expert loop traced by torch.onnx.export(dynamo=False)",
     ),
+    "loop_cpu": Style(
+        4, False, ("gpt_oss",),
+        "transformers 4.57 GptOssExperts unpatched: on CPU its per-expert loop over the hit experts, indexing the "
+        "stacked weights; plain torch.onnx.export(dynamo=False)",
+    ),
+    "loop_grouped": Style(
+        4, False, ("deepseek_v3",),
+        "transformers 4.57 DeepSeek-V3 MoE (sigmoid router with expert bias, group-limited top-k, renormalized and "
+        "scaled; shared expert beside): its eager loop over range(E), torch.onnx.export(dynamo=False)",
+    ),
+    "sorted": Style(
+        4, False, ("granitemoe", "jetmoe"),
+        "transformers 4.57 GraniteMoe / JetMoe MoE (ParallelExperts: the routed rows sorted by expert, split by the "
+        "traced expert counts), torch.onnx.export(dynamo=False)",
+        broken="the export scatters each token's k rows with ScatterElements without reduction (duplicate "
+        "indices): onnxruntime keeps one where torch's index_add_ sums them",
+    ),
     "loop_missing": Style(
         4, False, ("mixtral",),
         "as 'loop', but traced on an input that routes no token to one expert, so that expert is absent",
@@ -62,8 +81,14 @@ ROUTER = {
     "mixtral": "linear -> softmax -> topk -> renormalize (always)",
     "olmoe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
     "qwen2_moe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
+    "granitemoe": "linear -> topk over logits -> softmax over the k values",
+    "jetmoe": "linear -> topk over logits -> softmax over the k values",
+    "deepseek_v3": "linear -> sigmoid; + e_score_correction_bias -> group-limited topk (n_group, topk_group) picks "
+    "the experts; their sigmoid scores renormalized (norm_topk_prob=True) and scaled by routed_scaling_factor",
 }
-RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False}
+RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
+               "deepseek_v3": True, "granitemoe": False, "jetmoe": False}
+ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 
 
 @dataclass(frozen=True)
@@ -77,7 +102,7 @@ class BlockSpec:
     intermediate: int
     experts: int
     topk: int
-    shared_intermediate: int | None = None  # Qwen2-MoE shared expert only
+    shared_intermediate: int | None = None  # the shared expert of Qwen2-MoE and DeepSeek-V3
 
     @property
     def name(self) -> str:
@@ -93,9 +118,12 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows) or 'separate' tensors."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors or 'parallel'
+        (halves of ParallelExperts' input_linear)."""
         if self.family == "gpt_oss":
             return "interleaved"
+        if self.family in ("granitemoe", "jetmoe"):
+            return "parallel"
         return "halves" if self.transformers_major == 5 else "separate"
 
     @property
@@ -107,6 +135,8 @@ class BlockSpec:
             "halves": "gate_up_proj [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); down_proj [E, H, I]",
             "separate": "per expert nn.Linear gate_proj/up_proj [I, H] and down_proj [H, I] "
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
+            "parallel": "input_linear.weight [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); "
+            "output_linear.weight [E, H, I] (ParallelExperts)",
         }[self.gate_up_layout]
 
 
@@ -114,7 +144,8 @@ _PRESETS = {
     "tiny": dict(hidden=32, intermediate=16, experts=4, topk=2),
     "small": dict(hidden=64, intermediate=32, experts=8, topk=4),
 }
-_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2)}
+_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2), "deepseek_v3": dict(topk=2)}
+SHARED_EXPERT_FAMILIES = ("qwen2_moe", "deepseek_v3")  # with a shared expert of 2I
 # The dynamo exporter's optimizer folds a constant-only node only while its inputs have at most 8192
 # elements (Transpose of a single-use weight is folded at any size). Of the committed styles only
 # 'tiled_dynamo' has such a node whose input can pass that limit: the bias Unsqueeze, input [E, 2I].
@@ -129,7 +160,7 @@ def preset(family: str, style: str, size: str) -> BlockSpec:
     if size == "small":
         values.update(_SMALL_BY_FAMILY.get(family, {}))
         values.update(_SMALL_BY_STYLE.get(style, {}))
-    shared = 2 * values["intermediate"] if family == "qwen2_moe" else None
+    shared = 2 * values["intermediate"] if family in SHARED_EXPERT_FAMILIES else None
     return BlockSpec(family, style, size, shared_intermediate=shared, **values)
 
 
@@ -139,7 +170,7 @@ def custom(base: BlockSpec, **overrides: int | None) -> BlockSpec:
     if not given:
         return base
     spec = replace(base, size="custom", **given)
-    if spec.family == "qwen2_moe" and "shared_intermediate" not in given:
+    if spec.family in SHARED_EXPERT_FAMILIES and "shared_intermediate" not in given:
         spec = replace(spec, shared_intermediate=2 * spec.intermediate)
     return spec
 

@@ -62,11 +62,13 @@ class Swiglu:
 
 @dataclasses.dataclass(frozen=True)
 class ClampedSwiglu:
-    """GPT-OSS's activation: the gate's columns (``gate_parity``::2), the clamp bound, the swish alpha."""
+    """GPT-OSS's activation: the gate's columns (``gate_parity``::2), the clamp bound, the swish alpha, and
+    the projection whose columns gate and up are."""
 
     gate_parity: int
     limit: float
     alpha: float
+    gate_up: ir.Value
 
 
 def _close(a: float, b: float) -> bool:
@@ -180,4 +182,4 @@ def read_clamped_swiglu(act: ir.Value, width: int) -> ClampedSwiglu:
     gate_start, up_start = _interleaved_start(gate_slice, width, "gate"), _interleaved_start(up_slice, width, "up")
     require(gate_start != up_start, f"the gate and up Slices start at [{gate_start}] and [{up_start}]: both start "
             f"at {gate_start}; expected one at 0 and one at 1 (interleaved)")
-    return ClampedSwiglu(gate_start, _clamp_limit(gate_clip, up_clip), alpha)
+    return ClampedSwiglu(gate_start, _clamp_limit(gate_clip, up_clip), alpha, gate_slice.inputs[0])

@@ -127,6 +127,64 @@ def int64s(op, values: Sequence[int]) -> ir.Value:
     return op.Constant(value=ir.tensor(np.array(values, np.int64)))
 
 
+# ----------------------------------------------------------------------------- shape arithmetic
+
+# One element of a small int64 shape tensor: a known int, (value, axis) for a dim known only at run
+# time, or None when unknown.
+Dim = int | tuple[ir.Value, int] | None
+_MAX_RANK = 8  # longest shape tensor that ConstantOfShape may build here
+# integer ops on shape elements (ONNX's integer Div truncates toward zero)
+_ARITHMETIC = {"Add": lambda x, y: x + y, "Mul": lambda x, y: x * y, "Div": lambda x, y: int(x / y)}
+
+
+def shape_dims(value: ir.Value | None) -> list[Dim] | None:
+    """The elements of a 0-D or 1-D shape tensor, folded through the shape arithmetic exporters emit
+    (Shape, Gather, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape, Add/Mul/Div of known ints);
+    None if not foldable."""
+    if value is None:
+        return None
+    ints = constant_ints(value)
+    if ints is not None:
+        return ints
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Shape":
+        source = node.inputs[0]
+        if source.shape is None:
+            return None
+        rank = len(source.shape)
+        start, end = (min(rank, max(0, i + rank if i < 0 else i))
+                      for i in (node.attributes.get_int("start", 0), node.attributes.get_int("end", rank)))
+        return [dim if isinstance(dim, int) else (source, axis)
+                for axis, dim in enumerate(source.shape) if start <= axis < end]
+    if node.op_type in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape"):
+        return shape_dims(node.inputs[0])
+    if node.op_type == "Concat":
+        parts = [shape_dims(part) for part in node.inputs]
+        return None if any(part is None for part in parts) else [dim for part in parts for dim in part]
+    if node.op_type == "Gather":
+        data, index = shape_dims(node.inputs[0]), constant_ints(node.inputs[1])
+        if data is None or index is None or node.attributes.get_int("axis", 0) != 0:
+            return None
+        return [data[i] for i in index] if all(-len(data) <= i < len(data) for i in index) else None
+    if node.op_type in _ARITHMETIC:  # GPT-OSS's one-hot depth E + 1, torch.chunk's (2I + 1) // 2
+        x, y = (shape_dims(term) for term in node.inputs)
+        if x is None or y is None or not all(isinstance(d, int) for d in x + y):
+            return None
+        x, y = (x * len(y) if len(x) == 1 else x), (y * len(x) if len(y) == 1 else y)
+        if len(x) != len(y) or (node.op_type == "Div" and 0 in y):
+            return None
+        return [_ARITHMETIC[node.op_type](i, j) for i, j in zip(x, y)]
+    if node.op_type == "ConstantOfShape":
+        length, fill = shape_dims(node.inputs[0]), node.attributes.get_tensor("value")
+        if length is None or len(length) != 1 or not isinstance(length[0], int) or length[0] > _MAX_RANK:
+            return None
+        fill_value = 0 if fill is None else fill.numpy().reshape(-1)[0]
+        return [int(fill_value)] * length[0] if float(fill_value).is_integer() else None
+    return None
+
+
 # ----------------------------------------------------------------------------- emission
 
 def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value, *, expert_type: str,

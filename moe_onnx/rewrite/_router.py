@@ -9,7 +9,8 @@ form hands :func:`route` the indices and weights it found at the block boundary:
 
 - batched_mm: the TopK indices and the weights the slots are multiplied by, directly;
 - tiled: the ``ScatterElements(zeros [T, E], indices, weights, axis=1)`` dense matrix (:func:`dense_route`);
-- loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`).
+- loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`),
+  with the dense matrix above where the branches read their weights from it (:func:`one_hot_dense_route`).
 
 A new router (sigmoid scores with a selection bias, group-limited top-k, sparsemixer) produces its
 indices differently: it is one more entry of ``_INDEX_SOURCES``, a function that checks the
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
-from ._match import constant, constant_ints, is_zeros, require, standard
+from ._match import constant, constant_ints, is_zeros, require, shape_dims, standard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +88,44 @@ def dense_route(dense_TE: ir.Value) -> Route:
     return found
 
 
-def one_hot_route(mask_EKT: ir.Value, weights: ir.Value) -> Route:
-    """The route of ``mask_EKT = Transpose(OneHot(indices, E, [0, 1]), perm=[2, 1, 0])`` and ``weights``."""
-    transpose = mask_EKT.producer()
-    require(standard(transpose, "Transpose") and list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
-            "the expert mask is not OneHot permuted [2, 1, 0]")
+def _one_hot(mask: ir.Value) -> tuple[ir.Value, int]:
+    """``(indices, depth)`` of ``mask = Transpose(OneHot(indices [T, k], depth, [0, 1]), perm)`` with the experts
+    first: perm [2, 1, 0] ([E, k, T], most loops) or [2, 0, 1] ([E, T, k], DeepSeek-V3's)."""
+    transpose = mask.producer()
+    require(standard(transpose, "Transpose")
+            and list(transpose.attributes.get_ints("perm", [])) in ([2, 1, 0], [2, 0, 1]),
+            "the expert mask is not OneHot permuted [2, 1, 0] or [2, 0, 1]")
     onehot = transpose.inputs[0].producer()
-    require(standard(onehot, "OneHot"), "the expert mask is not OneHot permuted [2, 1, 0]")
+    require(standard(onehot, "OneHot"), "the expert mask is not OneHot permuted [2, 1, 0] or [2, 0, 1]")
     require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
     values = constant(onehot.inputs[2])
     require(values is not None and values.reshape(-1).tolist() == [0, 1],
             "the expert mask OneHot values are not [0, 1]")
-    depth = constant_ints(onehot.inputs[1])
-    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
-    found = route(onehot.inputs[0], weights)
-    require(depth[0] == found.experts,
-            f"the expert mask OneHot depth {depth[0]} differs from the router's width {found.experts}")
+    depth = shape_dims(onehot.inputs[1])
+    require(depth is not None and len(depth) == 1 and isinstance(depth[0], int),
+            "the expert mask OneHot depth is not a constant")
+    return onehot.inputs[0], depth[0]
+
+
+def _check_depth(depth: int, found: Route, widths: tuple[int, ...]) -> None:
+    require(depth in widths, f"the expert mask OneHot depth {depth} differs from the router's width {found.experts}"
+            + ("" if len(widths) == 1 else f" (or {widths[1]}, with GPT-OSS's masking class)"))
+
+
+def one_hot_route(mask: ir.Value, weights: ir.Value) -> Route:
+    """The route of the expert mask ``mask`` (see :func:`_one_hot`) and the top-k ``weights``."""
+    indices, depth = _one_hot(mask)
+    found = route(indices, weights)
+    _check_depth(depth, found, (found.experts,))
+    return found
+
+
+def one_hot_dense_route(mask: ir.Value, dense_TE: ir.Value) -> Route:
+    """The route of the expert mask ``mask`` (see :func:`_one_hot`) when the block reads its weights from the
+    dense [T, E] matrix ``dense_TE`` (:func:`dense_route`), scattered from the indices the mask encodes. GPT-OSS's
+    mask has E + 1 rows ("masking is also a class"); no top-k index reaches the last."""
+    indices, depth = _one_hot(mask)
+    found = dense_route(dense_TE)
+    require(indices is found.indices, "the expert mask does not encode the indices of the dense routing weights")
+    _check_depth(depth, found, (found.experts, found.experts + 1))
     return found

@@ -20,6 +20,26 @@ Split of that NonZero; such a graph runs only on inputs that reach exactly the t
 The whole chain of branches becomes one MOE GEMM3_SWIGLU node fed by the router's TopK indices and
 the routing weights the branches multiply by; experts without a branch get zero weights.
 
+Three more exports of the same loop, read by the same readers:
+
+- DeepSeek-V3 (and GLM-4-MoE, dots1) permutes the mask to [E, T, K] (perm [2, 0, 1]): a row's NonZero has
+  the tokens in column 0; the tokens are gathered straight from tokens_TH, and the routing weights are
+  flattened without the Unsqueeze. Its router (sigmoid, expert bias, group-limited TopK, renormalized and
+  scaled) stays; MOE takes its last TopK's indices and the weights it computes.
+- GPT-OSS on CPU (transformers 4.57) computes the hit expert ``e = Squeeze(Split(...)[i])[0]`` and gathers the
+  stacked weights and biases at it (``x @ gate_up[e] + gate_up_bias[e]``, the clamped SwiGLU, ``@ down[e] +
+  down_bias[e]``); its mask has E + 1 rows (a "masking" class) and its weight is ``router_scores[token_N, e]``,
+  the dense [T, E] matrix that the router scatters from its TopK. It becomes one MOE GEMM2_BIAS_SWIGLU_CLAMP on
+  the stacked weights as they are; since every branch computes whichever expert it reads at run time, the
+  export is right on any input that hits as many experts as the trace, and so is MOE, on any input.
+- GraniteMoe / JetMoe (ParallelExperts) have one index_add_ of all T * K routed rows, sorted by expert:
+  ``token_R = Div(TopK(Reshape(topk_indices_TK, [-1]), ascending).indices, K)``, the rows ``Gather(tokens_TH,
+  token_R)`` split into per-expert blocks by the trace's expert counts (a constant), each block's
+  ``MatMul`` with that expert's gate_up matrix, ``Concat``, SwiGLU of its two halves (``Slice``), the same for
+  down, weighted by ``Gather(Reshape(routing_TK, [-1]), order)``. It becomes one MOE GEMM3_SWIGLU; the export
+  itself runs only on inputs with the traced counts and scatters duplicate indices without reduction
+  (onnxruntime keeps one of a token's K rows, torch sums them): the report notes that MOE computes torch's sum.
+
 Shapes in names: T tokens, H hidden size, I expert intermediate size, E experts, K experts per
 token, N tokens routed to one expert.
 """
@@ -34,12 +54,12 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
-from ..ops.moe import GEMM3_SWIGLU
-from ._activation import read_swiglu
+from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import MatchFailure, MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, \
-    require, standard
-from ._router import Route, one_hot_route
-from ._weights import Weight, lazy_initializer, weight
+    require, shape_dims, standard
+from ._router import Route, one_hot_dense_route, one_hot_route, route as _route
+from ._weights import Weight, lazy_initializer, weight, weight_value
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
 
@@ -150,17 +170,50 @@ class _LastAccumulationMatcher(SimplePatternMatcher):
 # Each reader below checks one part of a branch; _block prefixes the branch to their failures.
 
 @dataclasses.dataclass(frozen=True)
-class _Branch:
-    """One unrolled expert: which mask row it reads, its inputs and its weights (MatMul layout)."""
+class _Linears:
+    """An expert of its own constant Linear weights (MatMul layout [in, out]): swish(x @ gate) * (x @ up) @ down;
+    gate and up may be column ranges of one gate_up matrix (``gate_cols``, ``up_cols``)."""
 
-    mask_EKT: ir.Value
-    row: int | tuple[ir.Node, int]  # a constant row, or (Split of the hit experts, output position)
-    tokens_TH: ir.Value
-    routing_TK: ir.Value
     gate_HI: Weight
     up_HI: Weight
     down_IH: Weight
     alpha: float
+    gate_cols: tuple[int | None, int | None] = (None, None)  # [start, end), None: to the edge
+    up_cols: tuple[int | None, int | None] = (None, None)
+
+    def matrix(self, role: str) -> np.ndarray:
+        """The [in, out] matrix of ``role``: "gate", "up" or "down" (loads it)."""
+        if role == "down":
+            return self.down_IH.array()
+        w, columns = (self.gate_HI, self.gate_cols) if role == "gate" else (self.up_HI, self.up_cols)
+        return w.array()[:, slice(*columns)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
+    """GPT-OSS's expert: the stacked weights and biases gathered at the branch's expert index, with the clamped
+    SwiGLU of the interleaved gate_up columns."""
+
+    gate_up_EHN: Weight
+    gate_up_bias_EN: Weight
+    down_EIH: Weight
+    down_bias_EH: Weight
+    gate_parity: int
+    limit: float
+    alpha: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branch:
+    """One unrolled expert: which mask row it reads, its inputs, routing weights and expert."""
+
+    expert_mask: ir.Value
+    row: int | tuple[ir.Node, int]  # a constant row, or (Split of the hit experts, output position)
+    token_column: int  # which column of NonZero(mask row) holds the routed tokens
+    tokens_TH: ir.Value
+    routing: ir.Value  # the top-k weights [T, K], or the dense [T, E] matrix (``dense``)
+    dense: bool
+    expert: _Linears | _Gathered
     scope_expert: int | None  # the e of the ".../experts.<e>/..." node names, when they all agree
 
 
@@ -172,79 +225,133 @@ def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
     return matmul.inputs[0], w, matmul
 
 
-def _expert(y_NH: ir.Value) -> tuple[ir.Value, Weight, Weight, Weight, float, list[ir.Node]]:
-    """``(x, gate, up, down, alpha, MatMuls)`` of ``y = MatMul(swish(x @ gate, alpha) * (x @ up), down)``;
-    which weight is which follows from the dataflow."""
+def _linears(y_NH: ir.Value) -> tuple[ir.Value, _Linears, list[ir.Node]]:
+    """``(x, expert, MatMuls)`` of ``y = MatMul(swish(x @ gate, alpha) * (x @ up), down)``; which weight is
+    which follows from the dataflow."""
     act_NI, down, down_mm = _linear(y_NH, "the down projection")
     activation = read_swiglu(act_NI)
     x_NH, gate, gate_mm = _linear(activation.gate, "the gate projection")
     x_up, up, up_mm = _linear(activation.up, "the up projection")
     require(x_up is x_NH, "the gate and up projections read different inputs")
-    return x_NH, gate, up, down, activation.alpha, [gate_mm, up_mm, down_mm]
+    return x_NH, _Linears(gate, up, down, activation.alpha), [gate_mm, up_mm, down_mm]
 
 
-def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value) -> ir.Value:
-    """The [T, K] routing weights that ``w_N1 = routing_TK[token_N, slot_N, None]`` gathers."""
-    shape = _static_shape(w_N1)
-    require(shape is not None and len(shape) == 2 and shape[1] == 1, "the routing weight is not [N, 1]")
-    value = w_N1
-    while standard(value.producer(), "Reshape"):  # reshapes to [N, 1] keep the element order
-        value = value.producer().inputs[0]
-    gather = _producer(value, "Gather", "the routing weight")
+def _gathered_weight(value: ir.Value, index: ir.Value, what: str) -> Weight:
+    """The constant stacked tensor W of ``value = Gather(W, index, axis=0)`` (one expert's slice)."""
+    gather = _producer(value, "Gather", what)
+    require(gather.attributes.get_int("axis", 0) == 0 and gather.inputs[1] is index,
+            f"{what} is not gathered on axis 0 at the branch's expert index")
+    w = weight(gather.inputs[0])
+    require(w is not None, f"{what} is not gathered from a constant")
+    return w
+
+
+def _biased_linear(value: ir.Value, index: ir.Value, what: str) -> tuple[ir.Value, Weight, Weight]:
+    """``(x, W, b)`` of ``value = Add(MatMul(x, Gather(W, index)), Gather(b, index))`` (Add in either order)."""
+    add = _producer(value, "Add", what)
+    product, bias = add.inputs if standard(add.inputs[0].producer(), "MatMul") else reversed(add.inputs)
+    matmul = _producer(product, "MatMul", f"{what} (with its bias)")
+    return (matmul.inputs[0], _gathered_weight(matmul.inputs[1], index, f"{what} weight"),
+            _gathered_weight(bias, index, f"{what} bias"))
+
+
+def _gathered(y_NH: ir.Value, index: ir.Value) -> tuple[ir.Value, _Gathered]:
+    """``(x, expert)`` of GPT-OSS's ``y = clamped_swiglu(x @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]``
+    with e the branch's expert ``index``."""
+    act_NI, down, down_bias = _biased_linear(y_NH, index, "the down projection")
+    require(len(down.shape) == 3, f"the down projection weight {list(down.shape)} is not [E, I, H]")
+    activation = read_clamped_swiglu(act_NI, 2 * down.shape[1])
+    x_NH, gate_up, gate_up_bias = _biased_linear(activation.gate_up, index, "the gate_up projection")
+    return x_NH, _Gathered(gate_up, gate_up_bias, down, down_bias, activation.gate_parity, activation.limit,
+                           activation.alpha)
+
+
+def _top_k_weights(gather: ir.Node, token_N: ir.Value, slot_N: ir.Value | None) -> ir.Value:
+    """routing_TK of ``gather = Gather(Flatten(routing_TK (unsqueezed on axis 2)), slot_N + token_N * K)``."""
     require(gather.attributes.get_int("axis", 0) == 0, "the routing weight Gather axis is not 0")
     flatten = _producer(gather.inputs[0], "Flatten", "the gathered routing weights")
     require(flatten.attributes.get_int("axis", 1) == 2, "the routing weights Flatten axis is not 2")
-    unsqueeze = _producer(flatten.inputs[0], "Unsqueeze", "the flattened routing weights")
-    routing_TK = unsqueeze.inputs[0]
+    routing_TK = flatten.inputs[0]
+    unsqueeze = routing_TK.producer()
+    if standard(unsqueeze, "Unsqueeze"):
+        require(_axes(unsqueeze, 3) == [2], "the routing weights are not unsqueezed on axis 2")
+        routing_TK = unsqueeze.inputs[0]
     shape = _static_shape(routing_TK)
     require(shape is not None and len(shape) == 2 and shape[1] is not None, "the routing weights are not [T, K]")
-    require(_axes(unsqueeze, 3) == [2], "the routing weights are not unsqueezed on axis 2")
     # the flat index into [T * K, 1] must be slot + token * K
     add = _producer(gather.inputs[1], "Add", "the routing weight index")
-    require(slot_N in add.inputs, "the routing weight index does not add the slot")
+    require(slot_N is not None and slot_N in add.inputs, "the routing weight index does not add the slot")
     scaled_token = add.inputs[1] if add.inputs[0] is slot_N else add.inputs[0]
     mul = _producer(scaled_token, "Mul", "the routing weight index")
     require(token_N in mul.inputs, "the routing weight index does not scale the token")
-    k = mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0]
-    k_value = constant_ints(k)
-    if k_value is None:  # Gather(Shape(routing_TK1), 1)
-        dim = _producer(k, "Gather", "the routing weight row length")
-        of_shape = _producer(dim.inputs[0], "Shape", "the routing weight row length")
-        axis = constant_ints(dim.inputs[1])
-        k_value = [shape[1]] if of_shape.inputs[0] is unsqueeze.outputs[0] and axis == [1] else None
-    require(k_value == [shape[1]], f"the routing weight index does not step by K = {shape[1]} per token")
+    k = shape_dims(mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0])
+    require(k == [shape[1]], f"the routing weight index does not step by K = {shape[1]} per token")
     return routing_TK
 
 
-def _mask_row(row_KT: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``(mask_EKT, row index)`` of ``row_KT = mask_EKT[index]`` (Gather, Squeeze of a 1-element index)."""
-    node = row_KT.producer()
+def _dense_column(gather: ir.Node, expert_index: ir.Value) -> ir.Value:
+    """dense_TE of ``gather = Gather(Unsqueeze(Gather(dense_TE, expert_index, axis=1), 1), token_N)``: the
+    branch's expert's column of a dense [T, E] matrix at the routed tokens (GPT-OSS)."""
+    require(gather.attributes.get_int("axis", 0) == 0, "the routing weight Gather axis is not 0")
+    unsqueeze = _producer(gather.inputs[0], "Unsqueeze", "the routing weights column")
+    require(_axes(unsqueeze, 2) == [1], "the routing weights column is not unsqueezed on axis 1")
+    column = _producer(unsqueeze.inputs[0], "Gather", "the routing weights column")
+    require(column.attributes.get_int("axis", 0) == 1 and column.inputs[1] is expert_index,
+            "the routing weights column is not the branch's expert's (Gather axis 1 at its index)")
+    dense_TE = column.inputs[0]
+    require(_static_shape(dense_TE) is not None and len(dense_TE.shape) == 2,
+            "the dense routing weights are not [T, E]")
+    return dense_TE
+
+
+def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value | None,
+             expert_index: ir.Value) -> tuple[ir.Value, bool]:
+    """``(weights, dense)``: the routing weights that ``w_N1`` [N, 1] gathers: ``routing_TK[token_N, slot_N]``
+    (the top-k weights [T, K]) or, dense, ``dense_TE[token_N, expert]`` (a [T, E] matrix)."""
+    shape = _static_shape(w_N1)
+    require(shape is not None and len(shape) == 2 and shape[1] == 1, "the routing weight is not [N, 1]")
+    value = w_N1
+    while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
+        value = value.producer().inputs[0]  # keep the element order; the [N, 1] result is checked above
+    gather = _producer(value, "Gather", "the routing weight")
+    if gather.inputs[1] is token_N:
+        return _dense_column(gather, expert_index), True
+    return _top_k_weights(gather, token_N, slot_N), False
+
+
+def _mask_row(row: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """``(expert_mask, row index)`` of ``row = expert_mask[index]`` (Gather, Squeeze of a 1-element index)."""
+    node = row.producer()
     if standard(node, "Squeeze"):
         require(_axes(node, 3) == [0], "the mask row Squeeze axes are not [0]")
-        row_KT = node.inputs[0]
-    gather = _producer(row_KT, "Gather", "the mask row")
+        row = node.inputs[0]
+    gather = _producer(row, "Gather", "the mask row")
     require(gather.attributes.get_int("axis", 0) == 0, "the mask row Gather axis is not 0")
     return gather.inputs[0], gather.inputs[1]
 
 
-def _hit_position(index: ir.Value, mask_EKT: ir.Value) -> tuple[ir.Node, int]:
-    """The Split output position of ``index = Squeeze(Split(nonzero(ReduceSum(mask, (1, 2)) > 0))[i])``."""
+def _hit_position(index: ir.Value, expert_mask: ir.Value) -> tuple[ir.Node, int]:
+    """The Split output position of ``index = Squeeze(Split(nonzero(ReduceSum(mask, (1, 2)) > 0))[i])``, or of
+    its element 0 (GPT-OSS's ``expert_idx[0]``)."""
+    pick = index.producer()
+    if standard(pick, "Gather") and constant_ints(pick.inputs[1]) == [0] and pick.attributes.get_int("axis", 0) == 0:
+        index = pick.inputs[0]
     split, position = _split_of(index, 0, "the hit expert index")
     hit = _nonzero_of(split.inputs[0], "the hit experts")
     greater = _producer(hit, "Greater", "the hit experts")
     require(constant_scalar(greater.inputs[1]) == 0, "the hit experts are not those with a count > 0")
     reduce = _producer(greater.inputs[0], "ReduceSum", "the expert counts")
-    require(reduce.inputs[0] is mask_EKT, "the expert counts are not summed over the expert mask")
+    require(reduce.inputs[0] is expert_mask, "the expert counts are not summed over the expert mask")
     require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
             "the expert counts are not summed over (slot, token) to [E]")
     return split, position
 
 
-def _row_ref(row_index: ir.Value, mask_EKT: ir.Value) -> int | tuple[ir.Node, int]:
+def _row_ref(row_index: ir.Value, expert_mask: ir.Value) -> int | tuple[ir.Node, int]:
     """The mask row a branch reads: a constant, or its position among the hit experts."""
     constant_row = constant_ints(row_index)
     if constant_row is None:
-        return _hit_position(row_index, mask_EKT)
+        return _hit_position(row_index, expert_mask)
     require(len(constant_row) == 1, f"the mask row index {constant_row} is not one row")
     return constant_row[0]
 
@@ -270,59 +377,72 @@ def _weighted_rows(updates: ir.Value, hidden: int) -> ir.Node:
     return _producer(_skip_identity_casts(expand.inputs[0]), "Mul", "the weighted expert output")
 
 
-def _routed_tokens(index: ir.Value, updates: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """``(token_N, slot_N, row_KT)``: ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))`` (row r of the
-    updates goes to token_N[r]) with token_N and slot_N the columns of NonZero(mask row row_KT)."""
+def _scattered_tokens(index: ir.Value, updates: ir.Value) -> ir.Value:
+    """token_N of ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))``: row r of the updates goes to token_N[r]."""
     expand = _producer(index, "Expand", "the scatter index")
     require(_producer(expand.inputs[1], "Shape", "the scatter index shape").inputs[0] is updates,
             "the scatter index is not expanded to the updates' shape")
     unsqueeze = _producer(expand.inputs[0], "Unsqueeze", "the scatter index")
     require(_axes(unsqueeze, 2) == [1], "the scatter index is not unsqueezed on axis 1")
-    token_N = unsqueeze.inputs[0]
+    return unsqueeze.inputs[0]
+
+
+def _routed_tokens(token_N: ir.Value) -> tuple[ir.Value | None, ir.Value, int]:
+    """``(slot_N, row, token column)``: token_N is one column of NonZero(mask row ``row``) and slot_N the other
+    (None when the branch does not read it)."""
     split, column = _split_of(token_N, 1, "the routed tokens")
-    require(column == 1 and len(split.outputs) == 2, "the routed tokens are not column 1 of NonZero(mask row)")
-    slot_N = next((user.outputs[0] for user in split.outputs[0].consumers() if standard(user, "Squeeze")), None)
-    require(slot_N is not None and _split_of(slot_N, 1, "the slots") == (split, 0),
-            "the slots are not column 0 of NonZero(mask row)")
+    require(len(split.outputs) == 2, "the routed tokens are not a column of NonZero(mask row)")
+    slots = [user.outputs[0] for user in split.outputs[1 - column].consumers() if standard(user, "Squeeze")]
+    slot_N = slots[0] if slots else None
+    require(slot_N is None or _split_of(slot_N, 1, "the slots") == (split, 1 - column),
+            "the slots are not the other column of NonZero(mask row)")
     row = _nonzero_of(split.inputs[0], "the routed tokens")
     cast = row.producer()
     if standard(cast, "Cast"):
         require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL, "the mask row is cast to a non-bool type")
         row = cast.inputs[0]
-    require(_static_shape(row) is not None and len(row.shape) == 2, "the mask row is not [K, T]")
-    return token_N, slot_N, row
+    require(_static_shape(row) is not None and len(row.shape) == 2, "the mask row is not 2-D")
+    return slot_N, row, column
 
 
 def _expert_tokens(x_NH: ir.Value, token_N: ir.Value, hidden: int) -> ir.Value:
-    """tokens_TH of ``x_NH = Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N, axis=1))`` to [N, H]."""
-    reshape = _producer(x_NH, "Reshape", "the expert input")
+    """tokens_TH of ``x_NH = Gather(tokens_TH, token_N)`` or ``Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N,
+    axis=1))`` to [N, H]."""
     require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
             f"the expert input is not [N, {hidden}]")
-    picked = _producer(reshape.inputs[0], "Gather", "the expert input")
-    require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == 1,
-            "the expert input does not gather the routed tokens on axis 1")
-    lifted = _producer(picked.inputs[0], "Unsqueeze", "the gathered tokens")
-    require(_axes(lifted, 3) == [0], "the tokens are not unsqueezed on axis 0")
-    return lifted.inputs[0]
+    reshape = x_NH.producer()
+    lifted = standard(reshape, "Reshape")
+    picked = _producer(reshape.inputs[0] if lifted else x_NH, "Gather", "the expert input")
+    require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == int(lifted),
+            f"the expert input does not gather the routed tokens on axis {int(lifted)}")
+    if not lifted:
+        return picked.inputs[0]
+    unsqueeze = _producer(picked.inputs[0], "Unsqueeze", "the gathered tokens")
+    require(_axes(unsqueeze, 3) == [0], "the tokens are not unsqueezed on axis 0")
+    return unsqueeze.inputs[0]
 
 
 def _branch(scatter: ir.Node) -> _Branch:
     """Reads and verifies the branch whose result ``scatter`` writes."""
     hidden = _scatter_target(scatter)
     weighted = _weighted_rows(scatter.inputs[2], hidden)
-    token_N, slot_N, row_KT = _routed_tokens(scatter.inputs[1], scatter.inputs[2])
-    mask_EKT, row_index = _mask_row(row_KT)
+    token_N = _scattered_tokens(scatter.inputs[1], scatter.inputs[2])
+    slot_N, row, token_column = _routed_tokens(token_N)
+    expert_mask, row_index = _mask_row(row)
     for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
-        if standard(y_NH.producer(), "MatMul"):
+        if standard(y_NH.producer(), "MatMul") or standard(y_NH.producer(), "Add"):
             break
     else:
-        raise MatchFailure("no expert MatMul among the factors of the weighted output")
-    routing_TK = _routing(w_N1, token_N, slot_N)
-    x_NH, gate, up, down, alpha, matmuls = _expert(y_NH)
+        raise MatchFailure("no expert output (MatMul, or MatMul + bias) among the factors of the weighted output")
+    routing, dense = _routing(w_N1, token_N, slot_N, row_index)
+    if standard(y_NH.producer(), "Add"):
+        (x_NH, expert), matmuls = _gathered(y_NH, row_index), []
+    else:
+        x_NH, expert, matmuls = _linears(y_NH)
     tokens_TH = _expert_tokens(x_NH, token_N, hidden)
     scopes = {match.group(1) for node in matmuls if (match := _SCOPE_EXPERT.search(node.name or ""))}
     scope_expert = int(scopes.pop()) if len(scopes) == 1 and len(matmuls) == 3 else None
-    return _Branch(mask_EKT, _row_ref(row_index, mask_EKT), tokens_TH, routing_TK, gate, up, down, alpha,
+    return _Branch(expert_mask, _row_ref(row_index, expert_mask), token_column, tokens_TH, routing, dense, expert,
                    scope_expert)
 
 
@@ -330,17 +450,16 @@ def _branch(scatter: ir.Node) -> _Branch:
 
 @dataclasses.dataclass(frozen=True)
 class _Block:
-    """A verified chain of branches: the MOE inputs and each expert's weights (None: no branch)."""
+    """A verified chain of branches: the MOE inputs and the experts, each expert's own weights (None: no
+    branch) or the stacked weights every branch gathers from."""
 
     name: str  # the chain's result, for the report
     tokens_TH: ir.Value
     route: Route
-    gate_HI: list[Weight | None]
-    up_HI: list[Weight | None]
-    down_IH: list[Weight | None]
-    alpha: float
+    experts: list[_Linears | None] | _Gathered
     hidden: int
     intermediate: int
+    note: str | None = None  # what the report should say about the export
 
 
 def _chain(last: ir.Node) -> list[ir.Node]:
@@ -356,30 +475,49 @@ def _chain(last: ir.Node) -> list[ir.Node]:
     return scatters[::-1]
 
 
+def _check_shapes(weights: list[tuple[Weight, tuple[int, ...], str]], dtype: ir.DataType) -> None:
+    for w, shape, what in weights:
+        require(w.shape == shape, f"the {what} is {list(w.shape)}, expected {list(shape)}")
+        require(w.dtype == dtype, f"the {what} is {w.dtype}, the tokens are {dtype}")
+
+
 def _check_alike(branches: list[_Branch], labels: list[str]) -> tuple[int, int]:
-    """(H, I): every branch reads the same mask, tokens and routing weights, with weights of one shape,
-    type and swish alpha."""
+    """(H, I): every branch reads the same mask, tokens and routing weights, with experts of one kind, shape,
+    type and activation constants."""
     first = branches[0]
-    for name in ("mask_EKT", "tokens_TH", "routing_TK"):
+    for name in ("expert_mask", "tokens_TH", "routing"):
         require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
+    require(all(type(b.expert) is type(first.expert) for b in branches), "the branches' experts differ in kind")
     dtype = first.tokens_TH.dtype
     tokens_shape = _static_shape(first.tokens_TH)
     require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
             "the tokens are not [T, H] with a static H")
     hidden = tokens_shape[1]
-    intermediate = first.gate_HI.shape[1]
+    if isinstance(first.expert, _Gathered):
+        expert = first.expert
+        require(all(b.expert == expert for b in branches),
+                "the branches gather different expert weights or differ in the activation constants")
+        experts, inter = expert.down_EIH.shape[0], expert.down_EIH.shape[1]
+        _check_shapes([(expert.gate_up_EHN, (experts, hidden, 2 * inter), "gate_up weight"),
+                       (expert.gate_up_bias_EN, (experts, 2 * inter), "gate_up bias"),
+                       (expert.down_EIH, (experts, inter, hidden), "down weight"),
+                       (expert.down_bias_EH, (experts, hidden), "down bias")], dtype)
+        return hidden, inter
+    intermediate = first.expert.gate_HI.shape[1]
     for b, label in zip(branches, labels, strict=True):
         with failing_in(label):
-            for w, shape, what in ((b.gate_HI, (hidden, intermediate), "gate"),
-                                   (b.up_HI, (hidden, intermediate), "up"), (b.down_IH, (intermediate, hidden), "down")):
-                require(w.shape == shape, f"the {what} weight is {list(w.shape)}, expected {list(shape)}")
-                require(w.dtype == dtype, f"the {what} weight is {w.dtype}, the tokens are {dtype}")
-            require(b.alpha == first.alpha, f"swish alpha {b.alpha:g} differs from {first.alpha:g}")
+            _check_shapes([(b.expert.gate_HI, (hidden, intermediate), "gate weight"),
+                           (b.expert.up_HI, (hidden, intermediate), "up weight"),
+                           (b.expert.down_IH, (intermediate, hidden), "down weight")], dtype)
+            require(b.expert.alpha == first.expert.alpha,
+                    f"swish alpha {b.expert.alpha:g} differs from {first.expert.alpha:g}")
     return hidden, intermediate
 
 
 def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
-    """The expert of each branch: its constant mask row, or its hit position mapped to the traced experts."""
+    """The expert of each branch: its constant mask row, or its hit position mapped to the traced experts.
+    Branches that gather their weights at the hit expert's index compute that expert whichever it is: their
+    positions only have to be distinct."""
     if all(isinstance(b.row, int) for b in branches):
         numbers = [b.row for b in branches]
     else:
@@ -390,8 +528,8 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
         positions = [b.row[1] for b in branches]
         hits = len(next(iter(splits)).outputs)
         require(sorted(positions) == list(range(hits)), f"the branches read hit experts {positions} of {hits}")
-        if hits == experts:  # the i-th of all E experts in increasing order is expert i
-            numbers = positions
+        if hits == experts or isinstance(branches[0].expert, _Gathered):
+            numbers = positions  # the i-th of all E experts in increasing order is expert i
         else:  # the trace missed some experts; only the branches' scope names tell which ones it hit
             numbers = [b.scope_expert for b in branches]
             by_position = [n for _, n in sorted(zip(positions, numbers, strict=True))]
@@ -403,8 +541,11 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
 
 
 def _block(last: ir.Node) -> _Block:
-    """Walks the accumulation chain back from ``last`` and verifies every branch."""
+    """Walks the accumulation chain back from ``last`` and verifies every branch (or the one sorted dispatch)."""
     scatters = _chain(last)
+    if len(scatters) == 1 and standard(_skip_identity_casts(_scattered_tokens(*scatters[0].inputs[1:])).producer(),
+                                       "Div"):
+        return _sorted_block(last, scatters[0])
     labels = [f"branch {i} ('{scatter.name}')" for i, scatter in enumerate(scatters)]
     branches = []
     for scatter, label in zip(scatters, labels, strict=True):
@@ -412,27 +553,137 @@ def _block(last: ir.Node) -> _Block:
             branches.append(_branch(scatter))
     hidden, intermediate = _check_alike(branches, labels)
     first = branches[0]
-    route = one_hot_route(first.mask_EKT, first.routing_TK)
+    route = (one_hot_dense_route if first.dense else one_hot_route)(first.expert_mask, first.routing)
+    # a mask row [K, T] (perm [2, 1, 0]) has the tokens in column 1 of its NonZero, a row [T, K] in column 0
+    token_column = list(first.expert_mask.producer().attributes.get_ints("perm")).index(0) - 1
+    require(all(b.token_column == token_column for b in branches),
+            f"the routed tokens are not column {token_column} of NonZero(mask row), the mask row's token axis")
     numbers = _expert_numbers(branches, route.experts)
-
-    def by_expert(field: str) -> list[Weight | None]:
-        weights: list[Weight | None] = [None] * route.experts
+    if isinstance(first.expert, _Gathered):
+        stacked = first.expert.down_EIH.shape[0]
+        require(stacked == route.experts,
+                f"the stacked expert weights have {stacked} experts, the router {route.experts}")
+        experts: list[_Linears | None] | _Gathered = first.expert
+    else:
+        experts = [None] * route.experts
         for n, b in zip(numbers, branches, strict=True):
-            weights[n] = getattr(b, field)
-        return weights
-
-    return _Block(last.outputs[0].name, first.tokens_TH, route, by_expert("gate_HI"), by_expert("up_HI"),
-                  by_expert("down_IH"), first.alpha, hidden, intermediate)
+            experts[n] = b.expert
+    return _Block(last.outputs[0].name, first.tokens_TH, route, experts, hidden, intermediate)
 
 
-def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
-    """A lazy [E, rows, cols] initializer of the transposed per-expert matrices; zeros for absent experts."""
+# ----------------------------------------------------------------------------- the sorted dispatch
+# GraniteMoe / JetMoe (transformers 4.57): one index_add_ of all T * K routed rows, sorted by expert, each
+# expert's row block through its own weights (ParallelExperts: Split by the traced counts, MatMul, Concat).
+
+def _sorted_slots(token_R: ir.Value) -> tuple[ir.Value, ir.Value, int]:
+    """``(order_R, indices_TK, K)`` of ``token_R = Div(order_R, K)`` with ``order_R`` the indices of an ascending
+    TopK over all of ``Reshape(indices_TK, [-1])`` (the slots sorted by expert)."""
+    div = _producer(_skip_identity_casts(token_R), "Div", "the routed tokens")
+    k = constant_ints(div.inputs[1])
+    require(k is not None and len(k) == 1 and k[0] > 0, "the routed tokens divide the sorted slots by no constant K")
+    order_R = div.inputs[0]
+    sort = _producer(order_R, "TopK", "the sorted slots")
+    flat = sort.inputs[0]
+    length = flat.shape[0] if flat.shape is not None and len(flat.shape) == 1 else None
+    require(order_R.index() == 1 and sort.attributes.get_int("largest", 1) == 0
+            and sort.attributes.get_int("axis", -1) in (0, -1)
+            and shape_dims(sort.inputs[1]) == [length if isinstance(length, int) else (flat, 0)],
+            "the sorted slots are not the indices of an ascending TopK over all the flat expert indices")
+    flatten = _producer(flat, "Reshape", "the flat expert indices")
+    return order_R, flatten.inputs[0], k[0]
+
+
+def _sorted_weights(w_R1: ir.Value, order_R: ir.Value) -> ir.Value:
+    """weights_TK of ``w_R1 = Unsqueeze(Gather(Reshape(weights_TK, [-1]), order_R), 1)``."""
+    unsqueeze = _producer(w_R1, "Unsqueeze", "the routing weight")
+    require(_axes(unsqueeze, 2) == [1], "the routing weight is not unsqueezed on axis 1")
+    gather = _producer(unsqueeze.inputs[0], "Gather", "the routing weight")
+    require(gather.inputs[1] is order_R and gather.attributes.get_int("axis", 0) == 0,
+            "the routing weights are not gathered at the sorted slots")
+    flatten = _producer(gather.inputs[0], "Reshape", "the flat routing weights")
+    require(flatten.outputs[0].shape is not None and len(flatten.outputs[0].shape) == 1,
+            "the flat routing weights are not 1-D")
+    return flatten.inputs[0]
+
+
+def _expert_blocks(value: ir.Value, what: str) -> tuple[ir.Value, list[Weight], list[int] | None]:
+    """``(x_R, [W_e], sizes)`` of ``value = Concat_e(MatMul(Split(x_R, sizes, axis=0)[e], W_e), axis=0)``: row
+    block e of x_R through expert e's weight."""
+    concat = _producer(value, "Concat", what)
+    require(concat.attributes.get_int("axis", 0) == 0, f"{what}: Concat axis is not 0")
+    split, weights = None, []
+    for e, part in enumerate(concat.inputs):
+        x, w, _ = _linear(part, f"{what} of expert {e}")
+        node = x.producer()
+        require(standard(node, "Split") and (split is None or node is split) and list(node.outputs).index(x) == e,
+                f"{what}: the rows of expert {e} are not output {e} of one Split")
+        split = node
+        weights.append(w)
+    require(split.attributes.get_int("axis", 0) == 0 and len(split.outputs) == len(weights),
+            f"{what}: the Split is not into the {len(weights)} experts' row blocks")
+    return split.inputs[0], weights, _ints_input_or_attr(split, 1, "split")
+
+
+def _columns(half: ir.Value, width: int) -> tuple[int, int]:
+    """The column range [start, end) of the last axis of ``width`` columns that ``half = Slice(...)`` takes."""
+    node = _producer(half, "Slice", "a half of gate_up")
+    starts, ends, axes, steps = (shape_dims(v) for v in (list(node.inputs) + [None] * 5)[1:5])
+    require(starts is not None and ends is not None and len(starts) == len(ends) == 1
+            and axes in ([1], [-1]) and steps in (None, [1]) and all(isinstance(d, int) for d in starts + ends),
+            "a half of gate_up is not a constant column range of the last axis")
+    return starts[0], min(ends[0], width)
+
+
+def _sorted_block(last: ir.Node, scatter: ir.Node) -> _Block:
+    """Reads the sorted dispatch whose one index_add_ ``scatter`` writes."""
+    hidden = _scatter_target(scatter)
+    weighted = _weighted_rows(scatter.inputs[2], hidden)
+    token_R = _scattered_tokens(scatter.inputs[1], scatter.inputs[2])
+    order_R, indices_TK, k = _sorted_slots(token_R)
+    y_RH, w_R1 = weighted.inputs if standard(weighted.inputs[0].producer(), "Concat") else reversed(weighted.inputs)
+    route = _route(indices_TK, _sorted_weights(w_R1, order_R))
+    require(route.k == k, f"the routed tokens are the sorted slots divided by {k}, the router picks {route.k}")
+    act_RI, downs, down_sizes = _expert_blocks(y_RH, "the down projection")
+    activation = read_swiglu(act_RI)
+    gate_up = activation.gate.producer().inputs[0] if standard(activation.gate.producer(), "Slice") else None
+    require(gate_up is not None and standard(activation.up.producer(), "Slice")
+            and activation.up.producer().inputs[0] is gate_up, "gate and up are not Slices of one projection")
+    x_R, gate_ups, up_sizes = _expert_blocks(gate_up, "the gate_up projection")
+    require(down_sizes == up_sizes, f"the row blocks differ: {up_sizes} into gate_up, {down_sizes} into down")
+    require(len(downs) == route.experts, f"{len(downs)} experts' row blocks, the router picks among {route.experts}")
+    tokens_TH = _expert_tokens(x_R, token_R, hidden)
+    width = gate_ups[0].shape[1]
+    inter = width // 2
+    gate_cols, up_cols = _columns(activation.gate, width), _columns(activation.up, width)
+    require({gate_cols, up_cols} == {(0, inter), (inter, width)},
+            f"gate takes columns [{gate_cols[0]}, {gate_cols[1]}) and up [{up_cols[0]}, {up_cols[1]}) of {width}; "
+            "expected the two halves")
+    dtype = tokens_TH.dtype
+    for e, (gate_up, down) in enumerate(zip(gate_ups, downs, strict=True)):
+        with failing_in(f"expert {e}"):
+            _check_shapes([(gate_up, (hidden, width), "gate_up weight"), (down, (inter, hidden), "down weight")], dtype)
+    experts = [_Linears(gate_up, gate_up, down, activation.alpha, gate_cols, up_cols)
+               for gate_up, down in zip(gate_ups, downs, strict=True)]
+    name = last.outputs[0].name
+    note = (f"block '{name}': the export splits the sorted rows by its trace's expert counts {up_sizes}, so it runs "
+            "only on inputs with those counts; MOE routes any input")
+    if k > 1 and scatter.attributes.get_string("reduction", "none") == "none":
+        note += (f", and it scatters each token's {k} rows without reduction (duplicate indices: onnxruntime keeps "
+                 "one row, torch's index_add_ sums them, as MOE does), so the fused model follows torch where the "
+                 "export did not")
+    return _Block(name, tokens_TH, route, experts, hidden, inter, note)
+
+
+def _stacked(op, name: str, experts: list[_Linears | None], role: str, dtype: ir.DataType,
+             shape: tuple[int, int, int]) -> ir.Value:
+    """A lazy [E, rows, cols] initializer of the transposed ``role`` matrices; zeros for absent experts."""
 
     def expert_slice(e: int) -> np.ndarray:
-        w = weights[e]
-        return np.zeros(shape[1:], dtype=dtype.numpy()) if w is None else w.array().T
+        expert = experts[e]
+        return np.zeros(shape[1:], dtype=dtype.numpy()) if expert is None else expert.matrix(role).T
 
-    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=[w.source for w in weights if w])
+    sources = [w.source for x in experts if x for w in (x.gate_HI, x.up_HI, x.down_IH)]
+    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=list(dict.fromkeys(sources)))
 
 
 class LoopMoeFusion(MoeFusion):
@@ -442,7 +693,9 @@ class LoopMoeFusion(MoeFusion):
 
     ``read`` walks the chain of such index_add_s back to its zeros and verifies each branch;
     ``emit`` replaces the chain's result by
-    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_EIH, -, up_EIH, -, down_EHI)``.
+    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_EIH, -, up_EIH, -, down_EHI)`` (SwiGLU experts) or
+    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_up_EHN, gate_up_bias_EN, down_EIH, down_bias_EH)``
+    (GPT-OSS's gathered experts).
     """
 
     def pattern(self, op, acc_TH, token_NH, updates_NH):
@@ -458,7 +711,18 @@ class LoopMoeFusion(MoeFusion):
         return _block(context.root)
 
     def emit(self, op, block: _Block) -> ir.Value:
-        missing = [e for e, w in enumerate(block.gate_HI) if w is None]
+        if block.note and block.note not in self.notes:
+            self.notes.append(block.note)
+        if isinstance(block.experts, _Gathered):
+            expert = block.experts
+            return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices,
+                            expert_type=GEMM2_BIAS_SWIGLU_CLAMP,
+                            weight_0=weight_value(op, expert.gate_up_EHN, "loop_gate_up_EHN"),
+                            bias_0=weight_value(op, expert.gate_up_bias_EN, "loop_gate_up_bias_EN"),
+                            weight_1=weight_value(op, expert.down_EIH, "loop_down_EIH"),
+                            bias_1=weight_value(op, expert.down_bias_EH, "loop_down_bias_EH"),
+                            expert_alpha=expert.alpha, expert_beta=expert.limit, gate_parity=expert.gate_parity)
+        missing = [e for e, expert in enumerate(block.experts) if expert is None]
         note = (f"block '{block.name}': experts {missing} have no branch in the export (the trace routed no token "
                 "to them); fused with zero weights, so they contribute nothing")
         if missing and note not in self.notes:
@@ -466,10 +730,10 @@ class LoopMoeFusion(MoeFusion):
         experts, dtype = block.route.experts, block.tokens_TH.dtype
         shape_EIH, shape_EHI = (experts, block.intermediate, block.hidden), (experts, block.hidden, block.intermediate)
         return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, expert_type=GEMM3_SWIGLU,
-                        weight_0=_stacked(op, "loop_gate_EIH", block.gate_HI, dtype, shape_EIH),
-                        weight_1=_stacked(op, "loop_up_EIH", block.up_HI, dtype, shape_EIH),
-                        weight_2=_stacked(op, "loop_down_EHI", block.down_IH, dtype, shape_EHI),
-                        expert_alpha=block.alpha)
+                        weight_0=_stacked(op, "loop_gate_EIH", block.experts, "gate", dtype, shape_EIH),
+                        weight_1=_stacked(op, "loop_up_EIH", block.experts, "up", dtype, shape_EIH),
+                        weight_2=_stacked(op, "loop_down_EHI", block.experts, "down", dtype, shape_EHI),
+                        expert_alpha=block.experts[next(e for e, x in enumerate(block.experts) if x)].alpha)
 
 
 FUSIONS = [LoopMoeFusion]

@@ -37,65 +37,21 @@ from onnxscript.rewriter import pattern
 
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import clamped_swiglu, read_clamped_swiglu, read_swiglu, swiglu
-from ._match import MoeFusion, constant_ints, emit_moe, int64s, require
+from ._match import Dim, MoeFusion, constant_ints, emit_moe, int64s, require, shape_dims
 from ._router import Route, dense_route
 from ._weights import Weight, weight, weight_value
 
-# One element of a small int64 shape tensor: a known int, (value, axis) for a dim known only at run
-# time, or None when unknown.
-_Dim = int | tuple[ir.Value, int] | None
-_MAX_RANK = 8  # longest shape tensor that ConstantOfShape may build here
 
+# ----------------------------------------------------------------------------- shape tensors
 
-# ----------------------------------------------------------------------------- shape arithmetic
-
-def _dims(value: ir.Value | None) -> list[_Dim] | None:
-    """The elements of a 1-D shape tensor, folded through the shape arithmetic exporters emit
-    (Shape, Gather, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape); None if not foldable."""
-    if value is None:
-        return None
-    ints = constant_ints(value)
-    if ints is not None:
-        return ints
-    node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx"):
-        return None
-    if node.op_type == "Shape":
-        source = node.inputs[0]
-        if source.shape is None:
-            return None
-        rank = len(source.shape)
-        start, end = (min(rank, max(0, i + rank if i < 0 else i))
-                      for i in (node.attributes.get_int("start", 0), node.attributes.get_int("end", rank)))
-        return [dim if isinstance(dim, int) else (source, axis)
-                for axis, dim in enumerate(source.shape) if start <= axis < end]
-    if node.op_type in ("Identity", "Cast", "Squeeze", "Unsqueeze", "Reshape"):
-        return _dims(node.inputs[0])
-    if node.op_type == "Concat":
-        parts = [_dims(part) for part in node.inputs]
-        return None if any(part is None for part in parts) else [dim for part in parts for dim in part]
-    if node.op_type == "Gather":
-        data, index = _dims(node.inputs[0]), constant_ints(node.inputs[1])
-        if data is None or index is None or node.attributes.get_int("axis", 0) != 0:
-            return None
-        return [data[i] for i in index] if all(-len(data) <= i < len(data) for i in index) else None
-    if node.op_type == "ConstantOfShape":
-        length, fill = _dims(node.inputs[0]), node.attributes.get_tensor("value")
-        if length is None or len(length) != 1 or not isinstance(length[0], int) or length[0] > _MAX_RANK:
-            return None
-        fill_value = 0 if fill is None else fill.numpy().reshape(-1)[0]
-        return [int(fill_value)] * length[0] if float(fill_value).is_integer() else None
-    return None
-
-
-def _show(dims: list[_Dim] | None) -> str:
+def _show(dims: list[Dim] | None) -> str:
     if dims is None:
         return "(not a constant)"
     return "[" + ", ".join("?" if d is None else str(d) if isinstance(d, int) else f"{d[0].name}.shape[{d[1]}]"
                            for d in dims) + "]"
 
 
-def _shape_value(op, dims: list[_Dim]) -> ir.Value:
+def _shape_value(op, dims: list[Dim]) -> ir.Value:
     """A shape tensor with these elements (run-time dims read again with Shape)."""
     parts = [int64s(op, [d]) if isinstance(d, int) else op.Shape(d[0], start=d[1], end=d[1] + 1) for d in dims]
     return op.Concat(*parts, axis=0)
@@ -125,13 +81,14 @@ def _check_tiling(tokens_TH: ir.Value, expand_shape, repeats, tokens_shape, expe
     require(shape is not None and len(shape) == 2 and shape[1] == hidden,
             f"the tiled tokens have shape {shape}; expected [T, {hidden}]")
     if expand_shape is not None:
-        ones = _dims(expand_shape)
+        ones = shape_dims(expand_shape)
         require(ones is not None and len(ones) <= 2 and all(d == 1 for d in ones),
                 f"Expand before Tile to {_show(ones)}; expected ones (no broadcast)")
-    require(_dims(repeats) == [experts, 1],
-            f"Tile repeats {_show(_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the weights")
-    require(_dims(tokens_shape) == [experts, -1, hidden],
-            f"tiled tokens reshaped to {_show(_dims(tokens_shape))}; expected [{experts}, -1, {hidden}]")
+    require(shape_dims(repeats) == [experts, 1],
+            f"Tile repeats {_show(shape_dims(repeats))}; expected [{experts}, 1] for the {experts} experts of the "
+            "weights")
+    require(shape_dims(tokens_shape) == [experts, -1, hidden],
+            f"tiled tokens reshaped to {_show(shape_dims(tokens_shape))}; expected [{experts}, -1, {hidden}]")
 
 
 def _check_tail(out_shape, scores_shape, scores_axes, sum_axes, dense_ET: ir.Value, block_out: ir.Value,
@@ -150,7 +107,7 @@ def _check_tail(out_shape, scores_shape, scores_axes, sum_axes, dense_ET: ir.Val
             f"routing weights unsqueezed at {constant_ints(scores_axes)}; expected the last axis {last}")
     if out_shape is None:
         return
-    split, scores_split = _dims(out_shape), _dims(scores_shape)
+    split, scores_split = shape_dims(out_shape), shape_dims(scores_shape)
     require(split is not None and len(split) == 4 and split[0] == experts and split[3] == hidden
             and all(d is not None and d != 0 for d in split[1:3]) and scores_split == split[:3],
             f"expert outputs reshaped to {_show(split)} and routing weights to {_show(scores_split)}; "
@@ -189,7 +146,7 @@ class _Block:
     tokens_TH: ir.Value
     route: Route
     experts: _Experts
-    out_dims: list[_Dim] | None
+    out_dims: list[Dim] | None
 
 
 class _TiledFusion(MoeFusion):
@@ -208,7 +165,7 @@ class _TiledFusion(MoeFusion):
                 f"dense routing weights of shape {dense_TE.shape}; expected [T, {experts.count}]")
         _check_tail(out_shape, scores_shape, scores_axes, sum_axes, dense_ET, block_out, experts.count,
                     experts.hidden, context.nodes)
-        return _Block(tokens_TH, route, experts, None if out_shape is None else _dims(out_shape)[1:])
+        return _Block(tokens_TH, route, experts, None if out_shape is None else shape_dims(out_shape)[1:])
 
     def emit(self, op, block: _Block) -> ir.Value:
         weights = {name: weight_value(op, w.weight, f"{w.weight.source.name}.{w.role}", w.per_expert, w.shape)
