@@ -389,9 +389,10 @@ def test_new_forms_fuse(name, target):
     after = op_counts(model)
     assert not {"NonZero", "OneHot", "Flatten", "Split"} & set(after)
     assert after["ScatterElements"] == 1  # the router's: GPT-OSS's dense scores, DeepSeek-V3's group mask
-    # the expert MatMuls are gone; the router's and DeepSeek-V3's shared expert's stay
-    kept = {n.name for n in original(name).graph.node if n.op_type == "MatMul"
-            and "/experts" not in n.name.replace("/shared_experts", "")}
+    # the expert MatMuls are gone, and DeepSeek-V3's shared expert's (folded into the MOE); the router's stay
+    assert report.fused.get("SharedExpertFold", 0) == (shared_chunks(name) > 0)
+    kept = {n.name for n in original(name).graph.node if n.op_type == "MatMul" and "/experts" not in n.name
+            and "/shared_experts/" not in n.name}
     assert {n.name for n in model.graph.node if n.op_type == "MatMul"} == kept
     if target == "moe":
         assert after["MOE"] == 1
@@ -426,13 +427,13 @@ def test_deepseek_moe_node(name):
     node = moe_node(model)
     assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
     producers = _producers(model)
-    indices, position = producers[node.input[2]]
+    indices, position = routing_producer(model, node.input[2])
     assert (indices.op_type, position) == ("TopK", 1)
     assert sum(n.op_type == "TopK" for n in model.graph.node) == 3  # group scores, groups, experts
-    scaled = producers[node.input[1]][0]
+    scaled = routing_producer(model, node.input[1])[0]
     assert scaled.op_type == "Mul" and producers[scaled.input[0]][0].op_type == "Div"
     assert producers[producers[scaled.input[0]][0].input[0]][0].op_type == "GatherElements"
-    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    E, H, I = entry["num_experts"] + shared_chunks(name), entry["hidden_size"], entry["intermediate_size"]
     shapes = {i.name: list(i.dims) for i in model.graph.initializer}
     assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
 

@@ -96,6 +96,13 @@ def _read_shared(value: ir.Value) -> _SharedExpert:
     return _SharedExpert(gate.x, gate, up, down, act.alpha, scale)
 
 
+def _row_preserving(node: ir.Node, value: ir.Value) -> bool:
+    """A Reshape of ``value`` or a Cast that keeps its type (exporters write both after the experts)."""
+    if node.inputs[0] is not value:
+        return False
+    return standard(node, "Reshape") or (standard(node, "Cast") and node.attributes.get_int("to") == value.dtype)
+
+
 def _reshape_source(value: ir.Value) -> ir.Value | None:
     node = value.producer()
     return node.inputs[0] if standard(node, "Reshape") else None
@@ -115,7 +122,7 @@ def _read_fold(moe: ir.Node) -> _Fold | None:
     (a residual, say). Raises MatchFailure when there is a shared expert that cannot fold."""
     routed = moe.outputs[0]
     consumers = routed.consumers()
-    if len(consumers) == 1 and standard(consumers[0], "Reshape") and consumers[0].inputs[0] is routed:
+    while len(consumers) == 1 and _row_preserving(consumers[0], routed):
         routed = consumers[0].outputs[0]
         consumers = routed.consumers()
     if len(consumers) != 1 or not standard(consumers[0], "Add") or routed.is_graph_output():
