@@ -333,6 +333,22 @@ def test_grouped_target_cpp_matches_original(name):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
 
 
+GEMM2_ACT_CASES = [c for c in CPP_CASES if c.op == "MOE" and c.error is None
+                   and c.attrs.get("expert_type") == GEMM2_ACT and c.inputs[0].dtype == np.float32]
+
+
+@pytest.mark.parametrize("case", GEMM2_ACT_CASES, ids=lambda c: c.id)
+def test_grouped_target_gemm2_act_matches_reference(case):
+    """A GEMM2_ACT node (each activation, with and without biases) expanded to the grouped chain and
+    run on the C++ kernels gives the reference's output."""
+    grouped, report = moe_onnx.optimize(case.model(), target="grouped")
+    assert report.fused == {"MoeToGrouped": 1}
+    assert "MOE" not in {n.op_type for n in grouped.graph.node}
+    got = run(session(grouped, sess_options=options(2)), case.feeds())
+    expected = case.run_reference(case.node_name)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=case.atol)
+
+
 ISA_LEVELS = ("portable", "avx2", "avx512", "amx")
 # The float GEMM's kernels at each level (amx has no float kernels of its own: the AVX-512 ones).
 GEMM_KERNELS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
