@@ -22,12 +22,20 @@ from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("batched_mm")
-GPT_OSS, SWIGLU = "BatchedMmGptOss", "BatchedMmSwiglu"
+GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
 UNFUSED = {"GatherND", "Expand", "MatMul", "Split", "Slice", "Clip", "Squeeze", "Unsqueeze"}
+# Of those, what stays outside the block: Nemotron-H's group-limited router (two Expand, an
+# Unsqueeze) and its shared expert (two MatMul)
+KEPT = {"nemotron_h": {"Expand": 2, "MatMul": 2, "Unsqueeze": 1}}
 
 
 def rule_of(name: str) -> str:
-    return GPT_OSS if MANIFEST[name]["family"] == "gpt_oss" else SWIGLU
+    return {"gpt_oss": GPT_OSS, "nemotron_h": NON_GATED}.get(MANIFEST[name]["family"], SWIGLU)
+
+
+def unfused_left(model: onnx.ModelProto, ops) -> dict[str, int]:
+    counts = op_counts(model)
+    return {op: counts[op] for op in sorted(ops) if counts[op]}
 
 
 # ----------------------------------------------------------------------------- fixtures fuse
@@ -43,13 +51,15 @@ def test_fuses(name, target):
     for op in ("Gemm", "TopK", "Softmax", "Div"):
         assert after[op] == before[op], op
     assert after["ReduceSum"] == before["ReduceSum"] - 1  # the sum over k went into the fused block
+    kept = KEPT.get(MANIFEST[name]["family"], {})
     if target == "moe":
-        assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+        assert unfused_left(model, UNFUSED) == kept, "unfused ops left"
         assert after["MOE"] == 1
     else:
         assert (after["MoeInitRouting"], after["MoeFinalizeRouting"], after["MOE"]) == (1, 1, 0)
-        assert after["MoeRowParallelLinear"] == (2 if rule_of(name) == GPT_OSS else 3)
-        assert not {"GatherND", "Expand", "MatMul", "Split"} & set(after)  # the activation is re-emitted
+        assert after["MoeRowParallelLinear"] == {GPT_OSS: 2, SWIGLU: 3, NON_GATED: 2}[rule_of(name)]
+        # the activation is re-emitted
+        assert unfused_left(model, {"GatherND", "Expand", "MatMul", "Split"}) == kept
     assert check_model(model) == []
 
 
@@ -69,6 +79,11 @@ def test_moe_node(name):
                          "expert_beta": 7.0, "gate_parity": 0}
         assert routing.op_type == "Softmax"  # the top-k softmax the slots are multiplied by
         assert [shapes[n] for n in node.input[3:7]] == [[E, H, 2 * I], [E, 2 * I], [E, I, H], [E, H]]
+    elif entry["family"] == "nemotron_h":
+        assert attrs == {"expert_type": b"GEMM2_ACT", "activation": b"relu2"}
+        assert routing.op_type == "Div"  # the renormalized sigmoid scores of the chosen experts
+        assert list(node.input[4:]) == ["", node.input[5]]  # no biases, no weight_2
+        assert [shapes[node.input[i]] for i in (3, 5)] == [[E, I, H], [E, H, I]]
     else:
         assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
         # renormalized weights where the model renormalizes, else the TopK values themselves

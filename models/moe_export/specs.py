@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "nemotron_h")
+# The families whose block has a shared expert beside the routed ones (its size: 2 * intermediate).
+_SHARED_FAMILIES = ("qwen2_moe", "nemotron_h")
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,10 @@ STYLES = {
 }  # fmt: skip
 
 # Block-level facts the fuser has to check, by family (and by transformers major where they differ).
-ACTIVATION = {family: "silu" for family in FAMILIES} | {"gpt_oss": "gpt_oss_swiglu"}
+ACTIVATION = {family: "silu" for family in FAMILIES} | {"gpt_oss": "gpt_oss_swiglu", "nemotron_h": "relu2"}
 ACTIVATION_FORMULA = {
     "silu": "silu(gate) * up",
+    "relu2": "relu(up)^2 (non-gated: down(relu2(up(x))))",
     "gpt_oss_swiglu": "g = min(gate, 7); (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)",
 }
 ROUTER = {
@@ -62,8 +65,11 @@ ROUTER = {
     "mixtral": "linear -> softmax -> topk -> renormalize (always)",
     "olmoe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
     "qwen2_moe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
+    "nemotron_h": "linear -> sigmoid -> (+ e_score_correction_bias) group-limited topk -> the sigmoid scores of "
+    "the chosen experts -> renormalize (norm_topk_prob=True) * routed_scaling_factor",
 }
-RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False}
+RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
+               "nemotron_h": True}
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class BlockSpec:
     intermediate: int
     experts: int
     topk: int
-    shared_intermediate: int | None = None  # Qwen2-MoE shared expert only
+    shared_intermediate: int | None = None  # the shared expert of _SHARED_FAMILIES only
 
     @property
     def name(self) -> str:
@@ -93,9 +99,12 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows) or 'separate' tensors."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors or 'none'
+        (non-gated experts)."""
         if self.family == "gpt_oss":
             return "interleaved"
+        if self.family == "nemotron_h":
+            return "none"
         return "halves" if self.transformers_major == 5 else "separate"
 
     @property
@@ -107,6 +116,7 @@ class BlockSpec:
             "halves": "gate_up_proj [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); down_proj [E, H, I]",
             "separate": "per expert nn.Linear gate_proj/up_proj [I, H] and down_proj [H, I] "
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
+            "none": "up_proj [E, I, H], down_proj [E, H, I] (no gate)",
         }[self.gate_up_layout]
 
 
@@ -129,7 +139,7 @@ def preset(family: str, style: str, size: str) -> BlockSpec:
     if size == "small":
         values.update(_SMALL_BY_FAMILY.get(family, {}))
         values.update(_SMALL_BY_STYLE.get(style, {}))
-    shared = 2 * values["intermediate"] if family == "qwen2_moe" else None
+    shared = 2 * values["intermediate"] if family in _SHARED_FAMILIES else None
     return BlockSpec(family, style, size, shared_intermediate=shared, **values)
 
 
@@ -139,7 +149,7 @@ def custom(base: BlockSpec, **overrides: int | None) -> BlockSpec:
     if not given:
         return base
     spec = replace(base, size="custom", **given)
-    if spec.family == "qwen2_moe" and "shared_intermediate" not in given:
+    if spec.family in _SHARED_FAMILIES and "shared_intermediate" not in given:
         spec = replace(spec, shared_intermediate=2 * spec.intermediate)
     return spec
 

@@ -58,10 +58,15 @@ def clamped_swiglu(op, gate_up):
 def pointwise(op, z):
     """A pointwise activation of ``z`` in the forms exporters write (relu; relu² as Pow or Mul; SiLU;
     Gelu; GELU erf and the two tanh expansions of torch's exporter; or ``z`` itself), output named
-    ``act``. The constants are left free: :func:`read_pointwise` checks what the subgraph computes."""
+    ``act``; last, any other one or two ops with ``z`` first, so that an activation MOE lacks is a
+    near-miss with its reason. The constants are left free: :func:`read_pointwise` checks what the
+    subgraph computes."""
 
     def free(name):
         return pattern.Var(f"pointwise_{name}")
+
+    def any_op(x):
+        return op.submodule("")(x, _allow_other_inputs=True)  # a standard op of any type, x its first input
 
     relu = op.Relu(z)
     erf_cdf = op.Mul(free("erf_half"), op.Add(op.Erf(op.Div(z, free("erf_sqrt2"))), free("erf_one")))
@@ -75,6 +80,7 @@ def pointwise(op, z):
         op.Gelu(z, _allow_other_attributes=True),
         op.Mul(z, erf_cdf), op.Mul(z, tanh_cdf), op.Mul(op.Mul(z, free("new_half")), new_tanh),
         z,
+        any_op(z), any_op(any_op(z)),
     ], name="act")
 
 
