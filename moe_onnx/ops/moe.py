@@ -126,7 +126,10 @@ def _check_activation(v: NodeView, expert_type: str) -> None:
         v.fail("attribute 'activation'", f"is required for {GEMM2_ACT}")
     check_choice(v, "activation", tuple(ACTIVATIONS))
     for name in _SWIGLU_ONLY:
-        value, default = v.attr(name), v.op.attr_spec(name).default
+        value, spec = v.attr(name), v.op.attr_spec(name)
+        if spec.kind == "float":
+            value = float(np.float32(value))  # as a node stores it, and as the kernels see it
+        default = spec.default
         if value != default:
             v.fail(f"attribute '{name}'", f"is {value!r}; {GEMM2_ACT} does not use it: leave the default {default!r}")
 

@@ -246,6 +246,9 @@ CASES = [
                    activation="silu"),
     _base_act.mutated("act_expert_alpha", r"attribute 'expert_alpha' is 0.5; GEMM2_ACT does not use it: leave the "
                       r"default 1.0$", expert_alpha=0.5),
+    # a float attribute is float32 in a node: the message shows the value every backend sees
+    _base_act.mutated("act_expert_alpha_float32", r"attribute 'expert_alpha' is 1.7020000219345093; GEMM2_ACT does not "
+                      r"use it", expert_alpha=1.702),
     _base_act.mutated("act_expert_beta", r"attribute 'expert_beta' is 7.0; GEMM2_ACT does not use it: leave the "
                       r"default 0.0$", expert_beta=7.0),
     _base_act.mutated("act_gate_parity", r"attribute 'gate_parity' is 1; GEMM2_ACT does not use it: leave the "
