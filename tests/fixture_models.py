@@ -37,9 +37,11 @@ def fixture_names(*styles: str) -> list[str]:
 
 
 def shared_chunks(name: str) -> int:
-    """The experts of width I that the fixture's shared expert folds into (0: it has none)."""
+    """The experts of width I that the fixture's shared expert folds into (0: it has none, or it is not a
+    SwiGLU MLP like the routed experts)."""
     entry = MANIFEST[name]
-    return entry["shared_intermediate_size"] // entry["intermediate_size"] if entry["shared_expert"] else 0
+    foldable = entry["shared_expert"] and entry["activation"] == "silu"
+    return entry["shared_intermediate_size"] // entry["intermediate_size"] if foldable else 0
 
 
 def routing_producer(model: onnx.ModelProto, value: str) -> tuple[onnx.NodeProto, int]:

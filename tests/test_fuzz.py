@@ -49,7 +49,7 @@ FLOAT_VALUES = [math.nan, math.inf, -math.inf, 1e30, -0.0]
 ATTR_VALUES = {
     "int": [-2**63, -2**31 - 1, -2, -1, 0, 1, 2, 3, 4, 8, 2**31, 2**62 + 1, 2**63 - 1],
     "float": [math.nan, math.inf, -math.inf, -1.0, 0.0, 0.5, 1.702, 7.0, 1e38],
-    "string": ["", "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU", "gemm3_swiglu", "SWIGLU", "GEMM3_SWIGLU\x00x", "it's\n",
+    "string": ["", "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU", "GEMM2_ACT", "relu2", "gelu_tanh", "gemm3_swiglu", "SWIGLU", "GEMM3_SWIGLU\x00x", "it's\n",
                "é", "\xa0", b"\xff", b"GEMM3_SWIGLU\xe2\x82"],  # \xa0: Python's repr escapes it; invalid UTF-8
     "ints": [[0], [0, 1], [1, 0], [-1, 2], [0, 4], [2, 8], [0, 2**62], [2**63 - 1, -2**63], [0, 1, 2]],
 }

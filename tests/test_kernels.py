@@ -23,7 +23,7 @@ from cases import ALL_CASES, Case
 from cases import finalize_routing as finalize_cases
 from cases import init_routing as init_cases
 from cases import row_parallel_linear as linear_cases
-from cases.moe import BF16, GEMM2, GEMM3, TOL, make_inputs
+from cases.moe import BF16, GEMM2, GEMM2_ACT, GEMM3, SCALAR_ACTIVATIONS, TOL, make_inputs
 from fixture_models import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -173,7 +173,7 @@ def test_cpp_threads_identical(case):
 
 @st.composite
 def moe_cases(draw):
-    expert_type = draw(st.sampled_from([GEMM2, GEMM3]))
+    expert_type = draw(st.sampled_from([GEMM2, GEMM3, GEMM2_ACT]))
     dtype = draw(st.sampled_from([np.float32, np.float32, np.float16, BF16]))
     experts = draw(st.integers(1, 6))
     k = draw(st.integers(1, 3))
@@ -188,6 +188,8 @@ def moe_cases(draw):
     else:
         indices = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k))
     attrs = {"expert_type": expert_type, "expert_alpha": draw(st.sampled_from([1.0, 1.702, 0.5]))}
+    if expert_type == GEMM2_ACT:
+        attrs = {"expert_type": expert_type, "activation": draw(st.sampled_from(sorted(SCALAR_ACTIVATIONS)))}
     if expert_type == GEMM2:
         attrs["expert_beta"] = draw(st.sampled_from([7.0, 0.5, float("inf")]))
         attrs["gate_parity"] = draw(st.sampled_from([0, 1]))
@@ -329,6 +331,22 @@ def test_grouped_target_cpp_matches_original(name):
         assert np.abs(expected[0]).max() > 1e-3  # the block contributes
         for g, e in zip(got, expected):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
+GEMM2_ACT_CASES = [c for c in CPP_CASES if c.op == "MOE" and c.error is None
+                   and c.attrs.get("expert_type") == GEMM2_ACT and c.inputs[0].dtype == np.float32]
+
+
+@pytest.mark.parametrize("case", GEMM2_ACT_CASES, ids=lambda c: c.id)
+def test_grouped_target_gemm2_act_matches_reference(case):
+    """A GEMM2_ACT node (each activation, with and without biases) expanded to the grouped chain and
+    run on the C++ kernels gives the reference's output."""
+    grouped, report = moe_onnx.optimize(case.model(), target="grouped")
+    assert report.fused == {"MoeToGrouped": 1}
+    assert "MOE" not in {n.op_type for n in grouped.graph.node}
+    got = run(session(grouped, sess_options=options(2)), case.feeds())
+    expected = case.run_reference(case.node_name)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=case.atol)
 
 
 ISA_LEVELS = ("portable", "avx2", "avx512", "amx")

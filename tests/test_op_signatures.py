@@ -49,10 +49,15 @@ def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
                                for n, opt, types in re.findall(r'\{"(\w+)", (true|false), \{([\w, ]+)\}\}', rows)]
                         for part, rows in (("inputs", inputs), ("outputs", outputs))}
         tables[name]["attributes"] = [
-            (n, kind, required == "true", float(default.replace("HUGE_VAL", "inf")) if has_default == "true" else None)
+            (n, kind, required == "true", _default(kind, default) if has_default == "true" else None)
             for n, kind, required, has_default, default in re.findall(
                 r'\{"(\w+)", "(\w+)", (true|false), (true|false), ([-\w.]+)\}', attributes)]
     return tables
+
+
+def _default(kind: str, literal: str):
+    """A table's default as Python has it: a number, or "" for a string (the only string default C++ holds)."""
+    return "" if kind == "string" else float(literal.replace("HUGE_VAL", "inf"))
 
 
 def _enum(elem: int) -> str:

@@ -23,12 +23,20 @@ from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("batched_mm")
-GPT_OSS, SWIGLU = "BatchedMmGptOss", "BatchedMmSwiglu"
+GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
 UNFUSED = {"GatherND", "Expand", "MatMul", "Split", "Slice", "Clip", "Squeeze", "Unsqueeze"}
+# Of those, what stays outside the block: Nemotron-H's group-limited router (two Expand, an
+# Unsqueeze) and its shared expert (two MatMul)
+KEPT = {"nemotron_h": {"Expand": 2, "MatMul": 2, "Unsqueeze": 1}}
 
 
 def rule_of(name: str) -> str:
-    return GPT_OSS if MANIFEST[name]["family"] == "gpt_oss" else SWIGLU
+    return {"gpt_oss": GPT_OSS, "nemotron_h": NON_GATED}.get(MANIFEST[name]["family"], SWIGLU)
+
+
+def unfused_left(model: onnx.ModelProto, ops) -> dict[str, int]:
+    counts = op_counts(model)
+    return {op: counts[op] for op in sorted(ops) if counts[op]}
 
 
 # ----------------------------------------------------------------------------- fixtures fuse
@@ -47,14 +55,18 @@ def test_fuses(name, target):
     for op in ("TopK", "Softmax", "Div"):
         assert after[op] == before[op], op
     assert after["ReduceSum"] == before["ReduceSum"] - 1  # the sum over k went into the fused block
+    kept = dict(KEPT.get(MANIFEST[name]["family"], {}))
+    if folded:  # the fold extends the routing with two Expand (its weight and index columns)
+        kept["Expand"] = kept.get("Expand", 0) + 2
     if target == "moe":
-        left = UNFUSED & set(after)  # the fold extends the routing with Expand (weight and index columns)
-        assert left == ({"Expand"} if folded else set()), f"unfused ops left: {left}"
+        assert unfused_left(model, UNFUSED) == kept, "unfused ops left"
         assert after["MOE"] == 1
     else:
         assert (after["MoeInitRouting"], after["MoeFinalizeRouting"], after["MOE"]) == (1, 1, 0)
-        assert after["MoeRowParallelLinear"] == (2 if rule_of(name) == GPT_OSS else 3)
-        assert not {"GatherND", "MatMul", "Split"} & set(after)  # the activation is re-emitted
+        assert after["MoeRowParallelLinear"] == {GPT_OSS: 2, SWIGLU: 3, NON_GATED: 2}[rule_of(name)]
+        # the activation is re-emitted
+        checked = {"GatherND", "Expand", "MatMul", "Split"}
+        assert unfused_left(model, checked) == {op: n for op, n in kept.items() if op in checked}
     assert check_model(model) == []
 
 
@@ -73,6 +85,11 @@ def test_moe_node(name):
                          "expert_beta": 7.0, "gate_parity": 0}
         assert routing.op_type == "Softmax"  # the top-k softmax the slots are multiplied by
         assert [shapes[n] for n in node.input[3:7]] == [[E, H, 2 * I], [E, 2 * I], [E, I, H], [E, H]]
+    elif entry["family"] == "nemotron_h":
+        assert attrs == {"expert_type": b"GEMM2_ACT", "activation": b"relu2"}
+        assert routing.op_type == "Div"  # the renormalized sigmoid scores of the chosen experts
+        assert list(node.input[4:]) == ["", node.input[5]]  # no biases, no weight_2
+        assert [shapes[node.input[i]] for i in (3, 5)] == [[E, I, H], [E, H, I]]
     else:
         assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
         # renormalized weights where the model renormalizes, else the TopK values themselves
@@ -268,3 +285,161 @@ def test_near_miss_stays_unfused(case):
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == rule_of(name)]
     assert any(reason in r for r in reasons), reasons
     assert_same_numbers(name, model, new)
+
+
+# ----------------------------------------------------------------------------- non-gated experts (Nemotron-H)
+
+NEMOTRON_TINY = "nemotron_h_batched_mm_tiny"
+
+
+def expert_activation(m) -> tuple[str, onnx.NodeProto]:
+    """The experts' relu² (the shared expert has its own): the up bmm's Squeeze output and the Pow
+    whose output the down bmm reads."""
+    (relu,) = nodes(m, "Relu", lambda n: producer(m, n.input[0]).op_type == "Squeeze")
+    (power,) = nodes(m, "Pow", lambda n: n.input[0] == relu.output[0])
+    return relu.input[0], power
+
+
+def set_activation(m, make: Callable[[Callable, str], str]) -> None:
+    """Replace the experts' relu² by ``make(node, z)``'s nodes (``node(op, inputs, **attrs)`` adds one
+    and returns its output; a float input is a new scalar constant), ``make`` returning the result."""
+    z, power = expert_activation(m)
+    relu = producer(m, power.input[0])
+    added = []
+
+    def node(op_type, *inputs, **attrs):
+        names = []
+        for value in inputs:
+            if isinstance(value, float):
+                names.append(f"act_const_{len(m.graph.initializer)}")
+                m.graph.initializer.append(numpy_helper.from_array(np.array(value, np.float32), names[-1]))
+            else:
+                names.append(value)
+        added.append(onnx.helper.make_node(op_type, names, [f"act_{len(added)}"], **attrs))
+        return added[-1].output[0]
+
+    result = make(node, z)
+    at = list(m.graph.node).index(relu)
+    m.graph.node.remove(power)
+    m.graph.node.remove(relu)
+    for i, new in enumerate(added):
+        m.graph.node.insert(at + i, new)
+    for consumer in m.graph.node:
+        consumer.input[:] = [result if v == power.output[0] else v for v in consumer.input]
+
+
+def with_opset(version: int, make):
+    """``make`` on a model that imports the default domain at ``version`` (Gelu is opset 20)."""
+    def mutate(m):
+        for opset in m.opset_import:
+            if opset.domain == "":
+                opset.version = version
+        set_activation(m, make)
+    return mutate
+
+
+def gelu_erf(node, z):
+    return node("Mul", z, node("Mul", 0.5, node("Add", node("Erf", node("Div", z, float(np.sqrt(2)))), 1.0)))
+
+
+def gelu_tanh(node, z):
+    cubic = node("Add", z, node("Mul", 0.044715, node("Pow", z, 3.0)))
+    return node("Mul", z, node("Mul", 0.5, node("Add", node("Tanh", node("Mul", float(np.sqrt(2 / np.pi)), cubic)), 1.0)))
+
+
+def gelu_new(node, z):  # transformers' gelu_new as torch's exporter writes it
+    cubic = node("Add", z, node("Mul", node("Pow", z, 3.0), 0.044715))
+    return node("Mul", node("Mul", z, 0.5), node("Add", node("Tanh", node("Mul", cubic, float(np.sqrt(2 / np.pi)))), 1.0))
+
+
+# (mutation, the activation the MOE must name)
+NON_GATED_VARIANTS = {
+    "relu": (lambda node, z: node("Relu", z), "relu"),
+    "relu² as Mul": (lambda node, z: (lambda r: node("Mul", r, r))(node("Relu", z)), "relu2"),
+    "SiLU": (lambda node, z: node("Mul", node("Sigmoid", z), z), "silu"),
+    "GELU erf": (gelu_erf, "gelu"),
+    "GELU tanh": (gelu_tanh, "gelu_tanh"),
+    "gelu_new": (gelu_new, "gelu_tanh"),
+    "identity": (lambda node, z: z, "identity"),
+}
+
+
+@pytest.mark.parametrize("variant", NON_GATED_VARIANTS)
+def test_non_gated_activation_is_read_from_the_graph(variant):
+    make, activation = NON_GATED_VARIANTS[variant]
+    model = mutated(NEMOTRON_TINY, lambda m: set_activation(m, make))
+    for target in TARGETS:
+        new, report = optimize(model, target=target)
+        assert report.fused.get(NON_GATED) == 1 and report.near_misses == [], report.summary()
+        assert check_model(new) == []
+        if target == "moe":
+            assert attributes(moe_node(new)) == {"expert_type": b"GEMM2_ACT", "activation": activation.encode()}
+        assert_same_numbers(NEMOTRON_TINY, model, new)
+        python = moe_onnx.session(new, backend="python")
+        cpp = moe_onnx.session(new, backend="cpp")
+        inputs = random_feeds(NEMOTRON_TINY, 2, 3, seed=2, scale=3.0)
+        expected = ort_output(model, inputs)
+        for session in (python, cpp):
+            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_non_gated_gelu_op(approximate):
+    """The Gelu op of opset 20 (what torch writes at that opset) is read with its approximation."""
+    model = mutated(NEMOTRON_TINY, with_opset(20, lambda node, z: node("Gelu", z, approximate=approximate)))
+    new, report = optimize(model)
+    assert report.fused.get(NON_GATED) == 1, report.summary()
+    assert attributes(moe_node(new))["activation"] == (b"gelu" if approximate == "none" else b"gelu_tanh")
+    inputs = random_feeds(NEMOTRON_TINY, 3, 7, seed=1)
+    np.testing.assert_allclose(moe_onnx.session(new, backend="cpp").run(["output"], inputs)[0],
+                               ort_output(model, inputs), **TOL)
+
+
+def test_non_gated_weights_behind_transpose():
+    model = mutated(NEMOTRON_TINY, transpose_weights)
+    new, report = optimize(model)
+    assert report.fused.get(NON_GATED) == 1, report.summary()
+    assert_same_numbers(NEMOTRON_TINY, model, new)
+
+
+def test_non_gated_block_beside_a_gated_one():
+    """Layers in a row: Nemotron-H's non-gated block feeds Qwen3-MoE's SwiGLU block."""
+    first, second = original(NEMOTRON_TINY), original(QWEN3_TINY)
+    model = onnx.compose.merge_models(first, second, io_map=[("output", "hidden_states")], prefix1="a/", prefix2="b/")
+    new, report = optimize(model)
+    assert (report.fused[NON_GATED], report.fused[SWIGLU]) == (1, 1)
+    inputs = {"a/hidden_states": random_hidden(NEMOTRON_TINY, 2, 3)}
+    np.testing.assert_allclose(reference_output(new, inputs, "b/output"), ort_output(model, inputs, "b/output"), **TOL)
+
+
+def set_exponent(m, value) -> None:
+    set_input(m, expert_activation(m)[1], 1, value)
+
+
+# (mutation, words the near-miss reason must contain)
+NON_GATED_NEAR_MISSES = {
+    "relu cubed": (lambda m: set_exponent(m, np.float32(3)),
+                   "the activation of the up projection is none of relu, relu2, gelu, gelu_tanh, silu, identity "
+                   "(f(-2.0) = 0, f(-0.5) = 0, f(0.5) = 0.125, f(2.0) = 8)"),
+    "per-channel exponent": (lambda m: set_exponent(m, np.full(16, 2.0, np.float32)),
+                             "the activation uses a constant of shape [16]; expected scalars"),
+    "LeakyRelu": (lambda m: set_activation(m, lambda node, z: node("LeakyRelu", z, alpha=0.1)),
+                  "the activation uses LeakyRelu; expected a pointwise function of the up projection"),
+    "LeakyRelu squared": (lambda m: set_activation(m, lambda node, z: node("Pow", node("LeakyRelu", z), 2.0)),
+                          "the activation uses LeakyRelu"),
+    "tanh": (lambda m: set_activation(m, lambda node, z: node("Tanh", z)),
+             "the activation of the up projection is none of"),
+    "expert count (nemotron_h down)": (lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 32, 16]"),
+}
+
+
+@pytest.mark.parametrize("case", NON_GATED_NEAR_MISSES)
+def test_non_gated_near_miss_stays_unfused(case):
+    mutate, reason = NON_GATED_NEAR_MISSES[case]
+    model = mutated(NEMOTRON_TINY, mutate)
+    new, report = optimize(model)
+    assert report.fused == {}
+    assert "MOE" not in op_counts(new)
+    reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == NON_GATED]
+    assert any(reason in r for r in reasons), reasons
+    assert_same_numbers(NEMOTRON_TINY, model, new)

@@ -55,8 +55,11 @@ def formal_params(signature, params) -> str:
 
 
 def default_literal(attr) -> str:
-    """The C++ double of a numeric default ("-1", "1.0", "HUGE_VAL" for inf)."""
+    """The C++ double of a numeric default ("-1", "1.0", "HUGE_VAL" for inf); "0" for a string's "" (the
+    only string default C++ knows: Attributes::get_string returns "" for it)."""
     value = attr.default
+    if attr.kind == "string" and value == "":
+        return "0"
     if attr.kind not in ("int", "float") or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"attribute '{attr.name}': a default of kind {attr.kind} ({value!r}) has no C++ form here")
     if math.isnan(value):

@@ -1,6 +1,7 @@
 #include "activation.h"
 
 #include <cmath>
+#include <utility>
 
 #include "common.h"
 #include "isa.h"
@@ -37,9 +38,64 @@ void gated_activation_portable(const GatedActivation& act, const float* C, int64
     }
 }
 
+namespace {
+// Phi(z) = 0.5 * (1 + erf(z / sqrt 2)) through Abramowitz-Stegun 7.1.26 on |z|.
+inline float normal_cdf(float z) {
+  const float x = std::fabs(z) * kInvSqrt2;
+  const float t = 1.0f / (1.0f + kErfP * x);
+  float poly = kErfA[4];
+  for (int i = 3; i >= 0; --i) poly = poly * t + kErfA[i];
+  const float tail = 0.5f * (poly * t) * std::exp(-(x * x));  // Phi(-|z|)
+  return z >= 0.0f ? 1.0f - tail : tail;
+}
+
+inline float pointwise(PointwiseActivation::Form form, float z) {
+  using Form = PointwiseActivation::Form;
+  switch (form) {
+    case Form::kRelu: return z < 0.0f ? 0.0f : z;  // NaN stays NaN
+    case Form::kRelu2: {
+      const float r = z < 0.0f ? 0.0f : z;
+      return r * r;
+    }
+    case Form::kGelu: return z * normal_cdf(z);
+    case Form::kGeluTanh: return z * sigmoid(z * (kGeluTanhC3 * (z * z) + kGeluTanhC1));
+    case Form::kSilu: return z * sigmoid(z);
+    case Form::kIdentity: return z;
+  }
+  return z;
+}
+}  // namespace
+
+void pointwise_activation_portable(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                                   int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  const int64_t columns = panels * kPanel;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < columns; ++c)
+      dst[r * ldd + c] = pointwise(act.form, C[r * ldc + c] + (bias ? bias[c] : 0.0f));
+}
+
 }  // namespace detail
 
 namespace {
+constexpr std::pair<const char*, PointwiseActivation::Form> kPointwiseForms[] = {
+    {"relu", PointwiseActivation::Form::kRelu},          {"relu2", PointwiseActivation::Form::kRelu2},
+    {"gelu", PointwiseActivation::Form::kGelu},          {"gelu_tanh", PointwiseActivation::Form::kGeluTanh},
+    {"silu", PointwiseActivation::Form::kSilu},          {"identity", PointwiseActivation::Form::kIdentity},
+};
+
+using PointwiseFn = void (*)(const PointwiseActivation&, const float*, int64_t, const float*, int64_t, int64_t,
+                             float*, int64_t);
+
+PointwiseFn chosen_pointwise() {
+#if defined(MOE_ONNX_HAVE_AVX512)
+  if (isa_at_least(IsaLevel::kAvx512)) return detail::pointwise_activation_avx512;
+#endif
+#if defined(MOE_ONNX_HAVE_AVX2)
+  if (isa_at_least(IsaLevel::kAvx2)) return detail::pointwise_activation_avx2;
+#endif
+  return detail::pointwise_activation_portable;
+}
+
 using ActivationFn = void (*)(const GatedActivation&, const float*, int64_t, const float*, int64_t, int64_t, float*,
                               int64_t);
 
@@ -58,6 +114,30 @@ void GatedActivation::apply(const float* C, int64_t ldc, const float* bias, int6
                             int64_t ldd) const {
   static const ActivationFn fn = chosen();
   if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
+}
+
+void PointwiseActivation::apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels,
+                                float* dst, int64_t ldd) const {
+  static const PointwiseFn fn = chosen_pointwise();
+  if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
+}
+
+bool pointwise_form(const std::string& name, PointwiseActivation::Form* form) {
+  for (const auto& [known, f] : kPointwiseForms)
+    if (name == known) {
+      *form = f;
+      return true;
+    }
+  return false;
+}
+
+const char* pointwise_names() {
+  static const std::string names = [] {
+    std::string listed;
+    for (const auto& [known, f] : kPointwiseForms) listed += std::string(listed.empty() ? "'" : ", '") + known + "'";
+    return listed;
+  }();
+  return names.c_str();
 }
 
 }  // namespace moe_onnx

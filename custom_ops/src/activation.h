@@ -1,10 +1,11 @@
-// The gated activations of MOE's expert types (moe_onnx/ops/moe.py), applied as the epilogue of
-// the gate/up GEMM on results laid out as gate/up panels: 8 gate columns, then the 8 matching up
-// columns (moe.cc packs the weights so). AVX-512 or AVX2/FMA chosen at run time, portable fallback
-// (isa.h's level, as for the GEMM).
+// The activations of MOE's expert types (moe_onnx/ops/moe.py), applied as the epilogue of the first
+// GEMM: the gated ones (SwiGLU) on results laid out as gate/up panels, 8 gate columns then the 8
+// matching up columns (moe.cc packs the weights so); GEMM2_ACT's pointwise ones on plain panels.
+// AVX-512 or AVX2/FMA chosen at run time, portable fallback (isa.h's level, as for the GEMM).
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace moe_onnx {
 
@@ -27,7 +28,47 @@ struct GatedActivation {
              int64_t ldd) const;
 };
 
+// GEMM2_ACT's activation (MOE's `activation` attribute).
+struct PointwiseActivation {
+  enum class Form {
+    kRelu,      // max(z, 0)
+    kRelu2,     // max(z, 0)^2 (Nemotron-H)
+    kGelu,      // z * Phi(z), Phi the normal CDF through erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7)
+    kGeluTanh,  // 0.5 * z * (1 + tanh(sqrt(2 / pi) * (z + 0.044715 z^3))) = z * sigmoid(2 * that argument)
+    kSilu,      // z * sigmoid(z)
+    kIdentity,  // z
+  };
+  Form form = Form::kIdentity;
+
+  // For r < rows, c < 16 * panels, with z = C[r, c] + bias[c] (bias may be null: 0):
+  // dst[r * ldd + c] = f(z). NaN propagates.
+  void apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
+             int64_t ldd) const;
+};
+
+// The form of an `activation` attribute value; false when the name is none of them.
+bool pointwise_form(const std::string& name, PointwiseActivation::Form* form);
+// The names pointwise_form knows, as moe.py lists them: "'relu', 'relu2', ...".
+const char* pointwise_names();
+
 namespace detail {
+void pointwise_activation_portable(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                                   int64_t rows, int64_t panels, float* dst, int64_t ldd);
+#if defined(MOE_ONNX_HAVE_AVX2)
+void pointwise_activation_avx2(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                               int64_t rows, int64_t panels, float* dst, int64_t ldd);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+void pointwise_activation_avx512(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                                 int64_t rows, int64_t panels, float* dst, int64_t ldd);
+#endif
+// The constants of the pointwise forms, shared by the three implementations.
+constexpr float kGeluTanhC1 = 1.5957691216057308f;            // 2 * sqrt(2 / pi)
+constexpr float kGeluTanhC3 = 1.5957691216057308f * 0.044715f;  // 2 * sqrt(2 / pi) * 0.044715
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kErfP = 0.3275911f;  // Abramowitz-Stegun 7.1.26: erf(x) = 1 - t * poly(t) * exp(-x^2), t = 1/(1 + p x)
+constexpr float kErfA[5] = {0.254829592f, -0.284496736f, 1.421413741f, -1.453152027f, 1.061405429f};
+
 void gated_activation_portable(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
                                int64_t rows, int64_t panels, float* dst, int64_t ldd);
 #if defined(MOE_ONNX_HAVE_AVX2)

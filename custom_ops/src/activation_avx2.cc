@@ -40,7 +40,61 @@ inline __m256 sigmoid8(__m256 z) {
   return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
 }
 
+// Phi(z) as activation.cc's normal_cdf, 8 lanes.
+inline __m256 normal_cdf8(__m256 z) {
+  const __m256 x = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), z), _mm256_set1_ps(kInvSqrt2));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(kErfP), x, one));
+  __m256 poly = _mm256_set1_ps(kErfA[4]);
+  for (int i = 3; i >= 0; --i) poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(kErfA[i]));
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(x, x)));
+  const __m256 tail = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(poly, t)), e);
+  return _mm256_blendv_ps(tail, _mm256_sub_ps(one, tail), _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+
+// f(z) of one pointwise form on 8 lanes (activation.h); NaN stays NaN (max returns its 2nd operand).
+template <PointwiseActivation::Form F>
+inline __m256 pointwise8(__m256 z) {
+  using Form = PointwiseActivation::Form;
+  if constexpr (F == Form::kRelu) return _mm256_max_ps(_mm256_setzero_ps(), z);
+  if constexpr (F == Form::kRelu2) {
+    const __m256 r = _mm256_max_ps(_mm256_setzero_ps(), z);
+    return _mm256_mul_ps(r, r);
+  }
+  if constexpr (F == Form::kGelu) return _mm256_mul_ps(z, normal_cdf8(z));
+  if constexpr (F == Form::kGeluTanh) {
+    const __m256 s = _mm256_fmadd_ps(_mm256_set1_ps(kGeluTanhC3), _mm256_mul_ps(z, z), _mm256_set1_ps(kGeluTanhC1));
+    return _mm256_mul_ps(z, sigmoid8(_mm256_mul_ps(z, s)));
+  }
+  if constexpr (F == Form::kSilu) return _mm256_mul_ps(z, sigmoid8(z));
+  return z;
+}
+
+template <PointwiseActivation::Form F>
+void pointwise_rows(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
+                    int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < panels * kPanel; c += 8) {
+      __m256 z = _mm256_loadu_ps(C + r * ldc + c);
+      if (bias) z = _mm256_add_ps(z, _mm256_loadu_ps(bias + c));
+      _mm256_storeu_ps(dst + r * ldd + c, pointwise8<F>(z));
+    }
+}
+
 }  // namespace
+
+void pointwise_activation_avx2(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                               int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  using Form = PointwiseActivation::Form;
+  switch (act.form) {
+    case Form::kRelu: return pointwise_rows<Form::kRelu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kRelu2: return pointwise_rows<Form::kRelu2>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kGelu: return pointwise_rows<Form::kGelu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kGeluTanh: return pointwise_rows<Form::kGeluTanh>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kSilu: return pointwise_rows<Form::kSilu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kIdentity: return pointwise_rows<Form::kIdentity>(C, ldc, bias, rows, panels, dst, ldd);
+  }
+}
 
 void gated_activation_avx2(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
                            int64_t rows, int64_t panels, float* dst, int64_t ldd) {

@@ -40,7 +40,61 @@ inline __m512 sigmoid16(__m512 z) {
   return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
 }
 
+// Phi(z) as activation_avx2.cc's normal_cdf8, 16 lanes (the same operations in the same order).
+inline __m512 normal_cdf16(__m512 z) {
+  const __m512 x = _mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(kInvSqrt2));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(kErfP), x, one));
+  __m512 poly = _mm512_set1_ps(kErfA[4]);
+  for (int i = 3; i >= 0; --i) poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(kErfA[i]));
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(x, x)));
+  const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(poly, t)), e);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ), tail, _mm512_sub_ps(one, tail));
+}
+
+// f(z) of one pointwise form on 16 lanes (activation.h); NaN stays NaN (max returns its 2nd operand).
+template <PointwiseActivation::Form F>
+inline __m512 pointwise16(__m512 z) {
+  using Form = PointwiseActivation::Form;
+  if constexpr (F == Form::kRelu) return _mm512_max_ps(_mm512_setzero_ps(), z);
+  if constexpr (F == Form::kRelu2) {
+    const __m512 r = _mm512_max_ps(_mm512_setzero_ps(), z);
+    return _mm512_mul_ps(r, r);
+  }
+  if constexpr (F == Form::kGelu) return _mm512_mul_ps(z, normal_cdf16(z));
+  if constexpr (F == Form::kGeluTanh) {
+    const __m512 s = _mm512_fmadd_ps(_mm512_set1_ps(kGeluTanhC3), _mm512_mul_ps(z, z), _mm512_set1_ps(kGeluTanhC1));
+    return _mm512_mul_ps(z, sigmoid16(_mm512_mul_ps(z, s)));
+  }
+  if constexpr (F == Form::kSilu) return _mm512_mul_ps(z, sigmoid16(z));
+  return z;
+}
+
+template <PointwiseActivation::Form F>
+void pointwise_rows(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
+                    int64_t ldd) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < panels * kPanel; c += 16) {
+      __m512 z = _mm512_loadu_ps(C + r * ldc + c);
+      if (bias) z = _mm512_add_ps(z, _mm512_loadu_ps(bias + c));
+      _mm512_storeu_ps(dst + r * ldd + c, pointwise16<F>(z));
+    }
+}
+
 }  // namespace
+
+void pointwise_activation_avx512(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                               int64_t rows, int64_t panels, float* dst, int64_t ldd) {
+  using Form = PointwiseActivation::Form;
+  switch (act.form) {
+    case Form::kRelu: return pointwise_rows<Form::kRelu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kRelu2: return pointwise_rows<Form::kRelu2>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kGelu: return pointwise_rows<Form::kGelu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kGeluTanh: return pointwise_rows<Form::kGeluTanh>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kSilu: return pointwise_rows<Form::kSilu>(C, ldc, bias, rows, panels, dst, ldd);
+    case Form::kIdentity: return pointwise_rows<Form::kIdentity>(C, ldc, bias, rows, panels, dst, ldd);
+  }
+}
 
 void gated_activation_avx512(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
                              int64_t rows, int64_t panels, float* dst, int64_t ldd) {

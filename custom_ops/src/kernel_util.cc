@@ -35,7 +35,7 @@ float Attributes::get_float(const char* name) const {
 
 std::string Attributes::get_string(const char* name) const {
   std::string value;
-  if (!reader_.has_string(name, &value)) default_of(name);  // strings are required: fails
+  if (!reader_.has_string(name, &value)) default_of(name);  // required: fails; else the only string default, ""
   return value;
 }
 

@@ -9,7 +9,8 @@
 // 3. gate_up, per (expert, block of rows, group of panels) task: gate/up = x @ W0 (+ b0) with gate
 //    and up side by side in one 16-wide panel (8 gate columns, the 8 matching up columns), the
 //    expert type's activation (activation.h) in the epilogue on the task's [rows, 128] tile
-//    -> act [T*k, I]; the [T*k, 2I] gate/up product is never stored.
+//    -> act [T*k, I]; the [T*k, 2I] gate/up product is never stored. GEMM2_ACT (no gate): up =
+//    x @ W0 (+ b0) in plain panels, its pointwise activation in the same epilogue.
 // 4. down, per (expert, block of rows, group of panels) task: y = (act @ W1 + b1) * routing weight,
 //    stored per slot.
 // 5. sum_slots, per token: out[t] = sum over j = 0..k-1 of y[t*k + j], in that order, then to T.
@@ -38,6 +39,18 @@ namespace {
 enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, N_INPUTS };
 const char* kGemm2 = "GEMM2_BIAS_SWIGLU_CLAMP";
 const char* kGemm3 = "GEMM3_SWIGLU";
+const char* kGemm2Act = "GEMM2_ACT";
+
+const char* type_name(ExpertType type) {
+  switch (type) {
+    case ExpertType::kGemm2BiasSwigluClamp: return kGemm2;
+    case ExpertType::kGemm3Swiglu: return kGemm3;
+    case ExpertType::kGemm2Act: return kGemm2Act;
+  }
+  return kGemm2;
+}
+// Whether the first GEMM's panels are gate/up panels (8 gate, 8 up columns), not plain ones.
+bool gated(ExpertType type) { return type != ExpertType::kGemm2Act; }
 
 constexpr int64_t kHalf = kPanel / 2;  // gate (or up) columns per gate/up panel
 // Tasks of up to 96 rows (A block per K block: 192 KB, in L2), an expert's rows in equal blocks,
@@ -69,17 +82,22 @@ Dims validate(const MoeKernel& kernel, const Checker& v) {
     dims.bind("k", shape.back(), "input '" + name + "' dim -1");
     dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
   }
-  const bool gemm2 = kernel.type == ExpertType::kGemm2BiasSwigluClamp;
-  const char* type_name = gemm2 ? kGemm2 : kGemm3;
   std::vector<std::pair<int, std::vector<std::string>>> layout;
-  if (gemm2)
-    layout = {{W0, {"E", "H", "2I"}}, {B0, {"E", "2I"}}, {W1, {"E", "I", "H"}}, {B1, {"E", "H"}}};
-  else
-    layout = {{W0, {"E", "I", "H"}}, {W1, {"E", "I", "H"}}, {W2, {"E", "H", "I"}}};
-  for (int i : gemm2 ? std::vector<int>{W0, W1} : std::vector<int>{W0, W1, W2}) v.require(i);
+  switch (kernel.type) {
+    case ExpertType::kGemm2BiasSwigluClamp:
+      layout = {{W0, {"E", "H", "2I"}}, {B0, {"E", "2I"}}, {W1, {"E", "I", "H"}}, {B1, {"E", "H"}}};
+      break;
+    case ExpertType::kGemm3Swiglu: layout = {{W0, {"E", "I", "H"}}, {W1, {"E", "I", "H"}}, {W2, {"E", "H", "I"}}}; break;
+    case ExpertType::kGemm2Act:
+      layout = {{W0, {"E", "I", "H"}}, {B0, {"E", "I"}}, {W1, {"E", "H", "I"}}, {B1, {"E", "H"}}};
+      break;
+  }
+  const bool gemm3 = kernel.type == ExpertType::kGemm3Swiglu;
+  for (int i : gemm3 ? std::vector<int>{W0, W1, W2} : std::vector<int>{W0, W1}) v.require(i);
   for (int i : {B0, W1, B1, W2}) {
     const bool used = std::any_of(layout.begin(), layout.end(), [i](const auto& l) { return l.first == i; });
-    if (v.has(i) && !used) v.fail(v.input_name(i), std::string("is given, but ") + type_name + " does not use it; leave it empty");
+    if (v.has(i) && !used)
+      v.fail(v.input_name(i), std::string("is given, but ") + type_name(kernel.type) + " does not use it; leave it empty");
   }
   for (const auto& [i, symbols] : layout)
     if (v.has(i)) {
@@ -111,12 +129,13 @@ WeightSignature moe_signature(const std::vector<Input>& inputs) {
   return weight_signature({&inputs[W0], &inputs[B0], &inputs[W1], &inputs[B1], &inputs[W2]});
 }
 
-// Room for the experts in `slots`: gate/up B [H, 2I] in gate/up panels (with the bias for GEMM2) and
-// down B [I, H] with its bias (zeros when there is none).
+// Room for the experts in `slots`: gate/up B [H, 2I] in gate/up panels (GEMM2_ACT: up B [H, I] in
+// plain panels), with the bias for the types that have one, and down B [I, H] with its bias (zeros
+// when there is none).
 PackedExperts empty_pack(ExpertType type, const std::vector<Input>& inputs, int64_t H, int64_t I, ExpertSlots slots) {
   PackedExperts p;
   const WeightFormat format = weight_format(inputs[W0].type);
-  p.matrices.emplace_back(format, 2 * I, H, slots.count(), type == ExpertType::kGemm2BiasSwigluClamp);
+  p.matrices.emplace_back(format, gated(type) ? 2 * I : I, H, slots.count(), type != ExpertType::kGemm3Swiglu);
   p.matrices.emplace_back(format, H, I, slots.count(), true);
   p.slots = std::move(slots);
   p.signature = moe_signature(inputs);
@@ -139,6 +158,12 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
     // weight_1 [E, I, H] is already [K, N].
     down.pack(slot, plain_columns(in[W1].data, e, I, H));
     if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
+  } else if (type == ExpertType::kGemm2Act) {
+    // up = weight_0 [E, I, H] with bias_0 [E, I], down = weight_1 [E, H, I] with bias_1 [E, H] (x @ W^T).
+    gate_up.pack(slot, transposed_columns(in[W0].data, e, I, H));
+    if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * I, 0, 1, I});
+    down.pack(slot, transposed_columns(in[W1].data, e, H, I));
+    if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
   } else {
     // gate = weight_0 [E, I, H], up = weight_1 [E, I, H] (x @ W^T), down = weight_2 [E, H, I].
     ColumnSource gate = transposed_columns(in[W0].data, e, I, H), up = transposed_columns(in[W1].data, e, I, H);
@@ -157,6 +182,7 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
                                                      int64_t parity) {
   std::vector<Input> inputs(N_INPUTS);
   const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
+  const bool act = type == ExpertType::kGemm2Act;
   for (int i : {W0, B0, W1, B1, W2}) {
     if (!node_has_input(kinfo, i)) continue;
     inputs[i] = constant_input(kinfo, i);
@@ -172,9 +198,10 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   auto same = [&](const Input& in, std::vector<int64_t> shape) {
     return in.present && in.type == w0.type && in.shape == shape;
   };
-  if (gemm2) {
-    if (!same(w1, {E, I, H}) || inputs[W2].present) return nullptr;
-    if (inputs[B0].present && !same(inputs[B0], {E, 2 * I})) return nullptr;
+  if (gemm2 || act) {
+    if (!same(w1, gemm2 ? std::vector<int64_t>{E, I, H} : std::vector<int64_t>{E, H, I}) || inputs[W2].present)
+      return nullptr;
+    if (inputs[B0].present && !same(inputs[B0], {E, gemm2 ? 2 * I : I})) return nullptr;
     if (inputs[B1].present && !same(inputs[B1], {E, H})) return nullptr;
   } else {
     if (!same(w1, {E, I, H}) || !same(inputs[W2], {E, H, I}) || inputs[B0].present || inputs[B1].present)
@@ -243,10 +270,12 @@ struct MoeRun {
     });
   }
 
-  // act = activation(xs @ W0 (+ b0)), I columns (rounded up to the half panel) per row.
-  void gate_up(const GatedActivation& activation) {
+  // act = activation(xs @ W0 (+ b0)), I columns (rounded up to the half panel, GEMM2_ACT: the panel)
+  // per row.
+  void gate_up(const MoeKernel& kernel) {
     const PackedWeights& w = weights.matrices[GATE_UP];
-    ldact = gemm_row_stride(w.panels() * kHalf);
+    const int64_t act_columns = gated(kernel.type) ? kHalf : kPanel;  // per panel of W0
+    ldact = gemm_row_stride(w.panels() * act_columns);
     act = ws.get(ws.act, static_cast<size_t>(slots() * ldact));
     const std::vector<Task> plan = tasks(w);
     parallel_for(ctx, plan.size(), [&](size_t ti) {
@@ -256,8 +285,12 @@ struct MoeRun {
       float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
       gemm_panels(gemm_panel_type(w.format()), xs + t.row0 * ldx, ldx, t.rows, d.H, w.at(slot), t.p0, t.p1, C, ldc);
       const float* bias = w.bias_at(slot);
-      activation.apply(C, ldc, bias ? bias + t.p0 * kPanel : nullptr, t.rows, t.p1 - t.p0,
-                       act + t.row0 * ldact + t.p0 * kHalf, ldact);
+      if (bias) bias += t.p0 * kPanel;
+      float* dst = act + t.row0 * ldact + t.p0 * act_columns;
+      if (gated(kernel.type))
+        kernel.activation.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
+      else
+        kernel.pointwise.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
     });
   }
 
@@ -325,8 +358,11 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
     type = ExpertType::kGemm2BiasSwigluClamp;
   else if (expert_type == kGemm3)
     type = ExpertType::kGemm3Swiglu;
+  else if (expert_type == kGemm2Act)
+    type = ExpertType::kGemm2Act;
   else
-    attrs.fail("expert_type", "is " + py_str(expert_type) + "; expected one of '" + kGemm2 + "', '" + kGemm3 + "'");
+    attrs.fail("expert_type", "is " + py_str(expert_type) + "; expected one of '" + kGemm2 + "', '" + kGemm3 + "', '" +
+                                  kGemm2Act + "'");
   const float alpha = attrs.get_float("expert_alpha");
   if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
   const float beta = attrs.get_float("expert_beta");
@@ -336,9 +372,31 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
     if (!(beta > 0)) attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a value > 0");
   }
   parity = attrs.choice("gate_parity", {0, 1});
+  read_activation(attrs, alpha, beta);
   const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
   activation = {gemm2 ? GatedActivation::Form::kClampedSwiglu : GatedActivation::Form::kSwiglu, alpha, beta};
   constant = pack_constant_weights(kinfo, type, parity);
+}
+
+// moe.py's _check_activation: GEMM2_ACT names its activation and leaves the SwiGLU attributes at
+// their defaults; the SwiGLU types name none.
+void MoeKernel::read_activation(const Attributes& attrs, float alpha, float beta) {
+  const std::string name = attrs.get_string("activation");
+  if (type != ExpertType::kGemm2Act) {
+    if (!name.empty())
+      attrs.fail("activation", "is " + py_str(name) + "; " + type_name(type) +
+                                   " does not use it (its activation is SwiGLU): leave it empty");
+    return;
+  }
+  if (name.empty()) attrs.fail("activation", std::string("is required for ") + kGemm2Act);
+  if (!pointwise_form(name, &pointwise.form))
+    attrs.fail("activation", "is " + py_str(name) + "; expected one of " + pointwise_names());
+  const auto unused = [&](const char* attr, const std::string& value, const char* default_text) {
+    attrs.fail(attr, "is " + value + "; " + kGemm2Act + " does not use it: leave the default " + default_text);
+  };
+  if (alpha != 1.0f) unused("expert_alpha", py_float(alpha), "1.0");
+  if (!(beta == 0.0f)) unused("expert_beta", py_float(beta), "0.0");
+  if (parity != 0) unused("gate_parity", std::to_string(parity), "0");
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -363,7 +421,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   WorkspaceLease workspace(*this);
   MoeRun run{ctx, d, sorted, weights, workspace.get()};
   run.gather_rows(x);
-  run.gate_up(activation);
+  run.gate_up(*this);
   run.down(inputs[ROUTING]);
   run.sum_slots(x.type, out);
 }

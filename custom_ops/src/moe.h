@@ -13,7 +13,9 @@
 
 namespace moe_onnx {
 
-enum class ExpertType { kGemm2BiasSwigluClamp, kGemm3Swiglu };
+class Attributes;
+
+enum class ExpertType { kGemm2BiasSwigluClamp, kGemm3Swiglu, kGemm2Act };
 
 // Per-run buffers, O(T*k*max(H, 2I)): gathered rows, activations, weighted expert outputs. Kept by
 // the kernel between runs (a run takes them, and gives them back when no other run has), so a run
@@ -30,10 +32,13 @@ struct MoeKernel {
   MoeKernel(const OrtApi& api, const OrtKernelInfo* info);
   void Compute(OrtKernelContext* context);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
+  // Sets `pointwise` from the `activation` attribute after the checks of moe.py's _check_activation.
+  void read_activation(const Attributes& attrs, float alpha, float beta);
 
   std::string where;
   ExpertType type = ExpertType::kGemm2BiasSwigluClamp;
-  GatedActivation activation;  // of the expert type, with expert_alpha (and expert_beta: the clamp limit)
+  GatedActivation activation;  // of the SwiGLU types, with expert_alpha (and expert_beta: the clamp limit)
+  PointwiseActivation pointwise;  // of GEMM2_ACT
   int64_t parity = 0;
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
   std::mutex workspace_mutex;

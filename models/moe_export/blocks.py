@@ -22,6 +22,7 @@ _CLASSES = {
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Config", "DeepseekV3MoE"),
     "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
     "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
+    "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHMoE"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -71,6 +72,17 @@ def _config_kwargs(spec: BlockSpec) -> dict:
             routed_scaling_factor=ROUTED_SCALING_FACTOR,
             first_k_dense_replace=0,
         )
+    if spec.family == "nemotron_h":  # one MoE layer (no Mamba or attention layer is built)
+        return dict(
+            {key: value for key, value in common.items() if key != "num_hidden_layers"},
+            layers_block_type=["moe"],
+            head_dim=8,
+            moe_intermediate_size=spec.intermediate,
+            moe_shared_expert_intermediate_size=spec.shared_intermediate,
+            n_routed_experts=spec.experts,
+            n_group=1,
+            topk_group=1,
+        )
     raise ValueError(f"unknown family {spec.family!r}")
 
 
@@ -99,6 +111,9 @@ def _randomize(block: torch.nn.Module, spec: BlockSpec) -> None:
         else:
             fan_in = spec.hidden
         torch.nn.init.normal_(param, std=1.0 / math.sqrt(fan_in))
+    for name, buffer in block.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # a router's selection-only bias (Nemotron-H)
+            torch.nn.init.normal_(buffer, std=0.1)
 
 
 def build_block(spec: BlockSpec, seed: int = 0) -> torch.nn.Module:

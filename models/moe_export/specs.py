@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 _FIRST_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
-FAMILIES = _FIRST_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe")
+_BATCHED_MM_FAMILIES = _FIRST_FAMILIES + ("nemotron_h",)
+FAMILIES = _BATCHED_MM_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe")
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class Style:
 _LOOP_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 STYLES = {
     "batched_mm": Style(
-        5, True, _FIRST_FAMILIES,
+        5, True, _BATCHED_MM_FAMILIES,
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=True)",
     ),
     "tiled": Style(
@@ -70,9 +71,10 @@ STYLES = {
 }  # fmt: skip
 
 # Block-level facts the fuser has to check, by family (and by transformers major where they differ).
-ACTIVATION = {family: "silu" for family in FAMILIES} | {"gpt_oss": "gpt_oss_swiglu"}
+ACTIVATION = {family: "silu" for family in FAMILIES} | {"gpt_oss": "gpt_oss_swiglu", "nemotron_h": "relu2"}
 ACTIVATION_FORMULA = {
     "silu": "silu(gate) * up",
+    "relu2": "relu(up)^2 (non-gated: down(relu2(up(x))))",
     "gpt_oss_swiglu": "g = min(gate, 7); (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 * g)",
 }
 ROUTER = {
@@ -85,9 +87,11 @@ ROUTER = {
     "jetmoe": "linear -> topk over logits -> softmax over the k values",
     "deepseek_v3": "linear -> sigmoid; + e_score_correction_bias -> group-limited topk (n_group, topk_group) picks "
     "the experts; their sigmoid scores renormalized (norm_topk_prob=True) and scaled by routed_scaling_factor",
+    "nemotron_h": "linear -> sigmoid -> (+ e_score_correction_bias) group-limited topk -> the sigmoid scores of "
+    "the chosen experts -> renormalize (norm_topk_prob=True) * routed_scaling_factor",
 }
 RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
-               "deepseek_v3": True, "granitemoe": False, "jetmoe": False}
+               "deepseek_v3": True, "granitemoe": False, "jetmoe": False, "nemotron_h": True}
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 
 
@@ -102,7 +106,7 @@ class BlockSpec:
     intermediate: int
     experts: int
     topk: int
-    shared_intermediate: int | None = None  # the shared expert of Qwen2-MoE and DeepSeek-V3
+    shared_intermediate: int | None = None  # the shared expert of SHARED_EXPERT_FAMILIES only
 
     @property
     def name(self) -> str:
@@ -118,12 +122,14 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors or 'parallel'
-        (halves of ParallelExperts' input_linear)."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors, 'parallel'
+        (halves of ParallelExperts' input_linear) or 'none' (non-gated experts)."""
         if self.family == "gpt_oss":
             return "interleaved"
         if self.family in ("granitemoe", "jetmoe"):
             return "parallel"
+        if self.family == "nemotron_h":
+            return "none"
         return "halves" if self.transformers_major == 5 else "separate"
 
     @property
@@ -137,6 +143,7 @@ class BlockSpec:
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
             "parallel": "input_linear.weight [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); "
             "output_linear.weight [E, H, I] (ParallelExperts)",
+            "none": "up_proj [E, I, H], down_proj [E, H, I] (no gate)",
         }[self.gate_up_layout]
 
 
@@ -145,7 +152,7 @@ _PRESETS = {
     "small": dict(hidden=64, intermediate=32, experts=8, topk=4),
 }
 _SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2), "deepseek_v3": dict(topk=2)}
-SHARED_EXPERT_FAMILIES = ("qwen2_moe", "deepseek_v3")  # with a shared expert of 2I
+SHARED_EXPERT_FAMILIES = ("qwen2_moe", "deepseek_v3", "nemotron_h")  # with a shared expert of 2I
 # The dynamo exporter's optimizer folds a constant-only node only while its inputs have at most 8192
 # elements (Transpose of a single-use weight is folded at any size). Of the committed styles only
 # 'tiled_dynamo' has such a node whose input can pass that limit: the bias Unsqueeze, input [E, 2I].

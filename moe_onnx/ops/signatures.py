@@ -70,11 +70,14 @@ MOE = Signature(
         Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
         Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
         Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
-        Param("weight_0", "T", "GEMM2: gate_up [E, H, 2I], gate and up interleaved. GEMM3: gate [E, I, H]."),
-        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM3: must be absent.", optional=True),
-        Param("weight_1", "T", "GEMM2: down [E, I, H]. GEMM3: up [E, I, H]."),
-        Param("bias_1", "T", "GEMM2: down bias [E, H]. GEMM3: must be absent.", optional=True),
-        Param("weight_2", "T", "GEMM3: down [E, H, I]. GEMM2: must be absent.", optional=True),
+        Param("weight_0", "T", "GEMM2: gate_up [E, H, 2I], gate and up interleaved. GEMM3: gate [E, I, H]. "
+              "GEMM2_ACT: up [E, I, H]."),
+        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM2_ACT: up bias [E, I]. GEMM3: must be absent.",
+              optional=True),
+        Param("weight_1", "T", "GEMM2: down [E, I, H]. GEMM3: up [E, I, H]. GEMM2_ACT: down [E, H, I]."),
+        Param("bias_1", "T", "GEMM2: down bias [E, H]. GEMM2_ACT: down bias [E, H]. GEMM3: must be absent.",
+              optional=True),
+        Param("weight_2", "T", "GEMM3: down [E, H, I]. GEMM2 and GEMM2_ACT: must be absent.", optional=True),
     ),
     outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
     type_constraints=(
@@ -82,14 +85,16 @@ MOE = Signature(
         ("T_ind", INDEX_TYPES, "Expert indices."),
     ),
     attributes=(
-        Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS) or GEMM3_SWIGLU (Mixtral, Qwen, OLMoE).",
-             required=True),
+        Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS), GEMM3_SWIGLU (Mixtral, Qwen, OLMoE) or "
+             "GEMM2_ACT (non-gated: down(activation(up(x))), Nemotron-H).", required=True),
         Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
         Attr("expert_beta", "float", "GEMM2 only, and a GEMM2 node must set it: the clamp bound (> 0, inf for "
              "none). The default 0.0 is the seed's and is rejected (it would clamp every activation to 0).",
              default=0.0),
         Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
              default=0),
+        Attr("activation", "string", "GEMM2_ACT only, and a GEMM2_ACT node must set it: relu, relu2 (relu "
+             "squared), gelu (erf), gelu_tanh, silu or identity. The default '' means not given.", default=""),
     ),
 )
 

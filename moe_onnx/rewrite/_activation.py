@@ -4,6 +4,10 @@
 - GPT-OSS's clamped SwiGLU (GEMM2_BIAS_SWIGLU_CLAMP): gate and up are the interleaved columns of one
   projection (the gate's start is ``gate_parity``), ``gate = Clip(gate, max=limit)``,
   ``up = Clip(up, -limit, limit)``, then ``(up + 1) * swish(gate)``.
+- A pointwise activation of one projection (GEMM2_ACT, non-gated experts): relu, relu², GELU (erf or
+  tanh), SiLU or none. :func:`read_pointwise` tells which by evaluating the matched elementwise
+  subgraph on probe points against moe.py's ACTIVATIONS, so any association or expansion an exporter
+  writes is read the same way.
 
 Two front ends with one meaning. The pattern fragments (:func:`swiglu`, :func:`clamped_swiglu`)
 tell the onnxscript-matched forms (tiled, batched_mm) which nodes their rule replaces; each
@@ -20,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from ._match import MatchFailure, constant_ints, constant_scalar, constant_text, require, standard
+from ..ops.moe import ACTIVATIONS
+from ._match import MatchFailure, constant, constant_ints, constant_scalar, constant_text, require, standard
 
 # ----------------------------------------------------------------------------- pattern fragments
 
@@ -47,6 +53,35 @@ def clamped_swiglu(op, gate_up):
     sigmoid = op.Sigmoid(pattern.OrValue([op.Mul(gate, pattern.Var("alpha")), gate]))
     return pattern.OrValue([op.Mul(op.Mul(up_plus_one, gate), sigmoid), op.Mul(up_plus_one, op.Mul(gate, sigmoid))],
                            name="act")
+
+
+def pointwise(op, z):
+    """A pointwise activation of ``z`` in the forms exporters write (relu; relu² as Pow or Mul; SiLU;
+    Gelu; GELU erf and the two tanh expansions of torch's exporter; or ``z`` itself), output named
+    ``act``; last, any other one or two ops with ``z`` first, so that an activation MOE lacks is a
+    near-miss with its reason. The constants are left free: :func:`read_pointwise` checks what the
+    subgraph computes."""
+
+    def free(name):
+        return pattern.Var(f"pointwise_{name}")
+
+    def any_op(x):
+        return op.submodule("")(x, _allow_other_inputs=True)  # a standard op of any type, x its first input
+
+    relu = op.Relu(z)
+    erf_cdf = op.Mul(free("erf_half"), op.Add(op.Erf(op.Div(z, free("erf_sqrt2"))), free("erf_one")))
+    tanh_cdf = op.Mul(free("tanh_half"), op.Add(op.Tanh(op.Mul(free("tanh_scale"), op.Add(
+        z, op.Mul(free("tanh_cubic"), op.Pow(z, free("tanh_three")))))), free("tanh_one")))
+    new_tanh = op.Add(op.Tanh(op.Mul(op.Add(z, op.Mul(op.Pow(z, free("new_three")), free("new_cubic"))),
+                                     free("new_scale"))), free("new_one"))
+    return pattern.OrValue([
+        relu, op.Pow(relu, free("exponent")), op.Mul(relu, relu),
+        op.Mul(z, op.Sigmoid(z)), op.Mul(op.Sigmoid(z), z),
+        op.Gelu(z, _allow_other_attributes=True),
+        op.Mul(z, erf_cdf), op.Mul(z, tanh_cdf), op.Mul(op.Mul(z, free("new_half")), new_tanh),
+        z,
+        any_op(z), any_op(any_op(z)),
+    ], name="act")
 
 
 # ----------------------------------------------------------------------------- readers
@@ -183,3 +218,53 @@ def read_clamped_swiglu(act: ir.Value, width: int) -> ClampedSwiglu:
     require(gate_start != up_start, f"the gate and up Slices start at [{gate_start}] and [{up_start}]: both start "
             f"at {gate_start}; expected one at 0 and one at 1 (interleaved)")
     return ClampedSwiglu(gate_start, _clamp_limit(gate_clip, up_clip), alpha, gate_slice.inputs[0])
+
+
+# elementwise ops a pointwise activation may be built of, as numpy on float64
+_ELEMENTWISE = {
+    "Relu": lambda x: np.maximum(x, 0.0),
+    "Sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "Tanh": np.tanh,
+    "Erf": np.vectorize(math.erf, otypes=[np.float64]),
+    "Neg": np.negative,
+    "Mul": np.multiply,
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Div": np.divide,
+    "Pow": np.power,
+}
+# Where an activation is compared with each of ACTIVATIONS: both sides of its kinks and its
+# saturation, and far out.
+_PROBES = np.concatenate([np.linspace(-8.0, 8.0, 129), [-1e3, -40.0, -20.0, 20.0, 40.0, 1e3]])
+
+
+def _evaluate(value: ir.Value, z: ir.Value, at: np.ndarray) -> np.ndarray:
+    """``value`` as a function of ``z`` (= ``at``): an elementwise subgraph of z and scalar constants."""
+    if value is z:
+        return at
+    scalar = constant(value)
+    if scalar is not None:
+        require(scalar.size == 1, f"the activation uses a constant of shape {list(scalar.shape)}; expected scalars")
+        return np.full_like(at, float(scalar.reshape(-1)[0]))
+    node = value.producer()
+    if standard(node, "Gelu"):
+        approximate = node.attributes.get_string("approximate", "none")
+        return ACTIVATIONS["gelu_tanh" if approximate == "tanh" else "gelu"](_evaluate(node.inputs[0], z, at))
+    require(node is not None and node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE,
+            f"the activation uses {'an input' if node is None else node.op_type}; expected a pointwise function "
+            f"of the up projection ({', '.join(_ELEMENTWISE)}, Gelu and scalar constants)")
+    with np.errstate(all="ignore"):
+        return _ELEMENTWISE[node.op_type](*(_evaluate(x, z, at) for x in node.inputs))
+
+
+def read_pointwise(act: ir.Value, z: ir.Value) -> str:
+    """The name (moe.py's ACTIVATIONS) of the pointwise function ``act`` computes of ``z``: the one it
+    equals on every probe point (float64, relative 1e-5: float32 constants pass, GELU erf and tanh
+    differ by 1e-4 and more)."""
+    got = _evaluate(act, z, _PROBES)
+    for name, function in ACTIVATIONS.items():
+        if np.allclose(got, function(_PROBES), rtol=1e-5, atol=1e-6, equal_nan=True):
+            return name
+    at = [-2.0, -0.5, 0.5, 2.0]
+    shown = ", ".join(f"f({x}) = {float(_evaluate(act, z, np.array([x]))[0]):.6g}" for x in at)
+    raise MatchFailure(f"the activation of the up projection is none of {', '.join(ACTIVATIONS)} ({shown})")

@@ -18,8 +18,8 @@ import dataclasses
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from ._activation import clamped_swiglu, read_clamped_swiglu, read_swiglu, swiglu
+from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from ._activation import clamped_swiglu, pointwise, read_clamped_swiglu, read_pointwise, read_swiglu, swiglu
 from ._match import MoeFusion, constant_ints, emit_moe, require
 from ._router import Route, route
 from ._weights import Weight, weight, weight_value
@@ -261,4 +261,55 @@ class BatchedMmSwiglu(MoeFusion):
                         expert_alpha=block.alpha)
 
 
-FUSIONS = [BatchedMmGptOss, BatchedMmSwiglu]
+# ----------------------------------------------------------------------------- Nemotron-H (non-gated experts)
+
+@dataclasses.dataclass(frozen=True)
+class _NonGatedBlock:
+    slots: _Slots
+    up: Weight
+    down: Weight
+    activation: str
+
+
+class BatchedMmNonGated(MoeFusion):
+    """Non-gated experts ``down(act(up(x)))`` (Nemotron-H's relu², transformers' has_gate=False)
+    -> MOE GEMM2_ACT::
+
+        tokens_TkH = Reshape(Expand(Unsqueeze(tokens_TH, 1), [1, k, 1]), [-1, H])
+        expert_Tk1 = Unsqueeze(Reshape(TopK(scores)[1], [-1]), -1)
+        up_TkI = Squeeze(MatMul(GatherND(up_EIH, expert_Tk1), Unsqueeze(tokens_TkH, -1)), -1)
+        act_TkI = act(up_TkI)              relu, relu², GELU, SiLU or none (_activation.pointwise)
+        down_TkH = Squeeze(MatMul(GatherND(down_EHI, expert_Tk1), Unsqueeze(act_TkI, -1)), -1)
+        out_TH = ReduceSum(Reshape(down_TkH * Unsqueeze(Reshape(routing_TK, [-1]), -1), [-1, k, H]), 1)
+    """
+
+    def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, up_EIH, down_EHI, up_col_axis, down_col_axis):
+        tokens_TkH, expert_Tk1 = _slots(op, tokens_TH, topk_indices_TK)
+        up_TkI = op.Squeeze(op.MatMul(op.GatherND(up_EIH, expert_Tk1, _outputs=["up_TkIH"]),
+                                      op.Unsqueeze(tokens_TkH, up_col_axis)),
+                            up_col_axis, _outputs=["up_TkI"])
+        down_TkH = op.Squeeze(op.MatMul(op.GatherND(down_EHI, expert_Tk1, _outputs=["down_TkHI"]),
+                                        op.Unsqueeze(pointwise(op, up_TkI), down_col_axis)),
+                              down_col_axis)
+        return _weighted_sum(op, down_TkH, routing_TK)
+
+    def read(self, context, **b) -> _NonGatedBlock:
+        slots = _check_slots(b)
+        E, H, dtype = slots.route.experts, slots.hidden, slots.tokens_TH.dtype
+        up = _weight(b["up_EIH"], dtype, "up", (E, "I", H), "[E, I, H]")
+        inter = up.shape[1]
+        down = _weight(b["down_EHI"], dtype, "down", (E, H, inter), "[E, H, I]")
+        _require_plain_gathers(b, "up_TkIH", "down_TkHI")
+        for axis in ("up_col_axis", "down_col_axis"):
+            require(_ints(b[axis], "bmm Unsqueeze axes") in ([2], [-1]),
+                    "the bmm does not multiply [Tk, in, 1] columns")
+        return _NonGatedBlock(slots, up, down, read_pointwise(b["act"], b["up_TkI"]))
+
+    def emit(self, op, block: _NonGatedBlock) -> ir.Value:
+        route = block.slots.route
+        return emit_moe(op, block.slots.tokens_TH, route.weights, route.indices, expert_type=GEMM2_ACT,
+                        weight_0=weight_value(op, block.up, "moe_up_EIH"),
+                        weight_1=weight_value(op, block.down, "moe_down_EHI"), activation=block.activation)
+
+
+FUSIONS = [BatchedMmGptOss, BatchedMmSwiglu, BatchedMmNonGated]

@@ -1,6 +1,6 @@
 """target="grouped": each MOE node becomes the routed chain
 
-    MoeInitRouting -> MoeRowParallelLinear (gate/up) -> activation (standard ops)
+    MoeInitRouting -> MoeRowParallelLinear (gate/up; GEMM2_ACT: up) -> activation (standard ops)
     -> MoeRowParallelLinear (down) -> MoeFinalizeRouting
 
 which computes the same block for any activation and is the form tensor parallelism shards
@@ -16,7 +16,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 from ..ops import DOMAIN, OPSET_VERSION
-from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
+from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 from ._match import int64s
 from ._onnxscript import TapeBuilder
 from ._weights import Weight, weight, weight_value
@@ -48,6 +48,23 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
 def _swish(op, gate: ir.Value, alpha: float, dtype: ir.DataType) -> ir.Value:
     scaled = gate if alpha == 1.0 else op.Mul(gate, _scalar(op, alpha, dtype))
     return op.Mul(gate, op.Sigmoid(scaled))
+
+
+def _pointwise(op, z: ir.Value, activation: str, dtype: ir.DataType) -> ir.Value:
+    """GEMM2_ACT's activation (moe.py's ACTIVATIONS) in standard ops."""
+    if activation in ("relu", "relu2"):
+        r = op.Relu(z)
+        return r if activation == "relu" else op.Mul(r, r)
+    if activation == "silu":
+        return _swish(op, z, 1.0, dtype)
+    if activation == "identity":
+        return z
+    if activation == "gelu":
+        cdf = op.Add(_scalar(op, 1.0, dtype), op.Erf(op.Mul(z, _scalar(op, 1.0 / math.sqrt(2.0), dtype))))
+    else:  # gelu_tanh
+        cubic = op.Add(z, op.Mul(_scalar(op, 0.044715, dtype), op.Mul(z, op.Mul(z, z))))
+        cdf = op.Add(_scalar(op, 1.0, dtype), op.Tanh(op.Mul(_scalar(op, math.sqrt(2.0 / math.pi), dtype), cubic)))
+    return op.Mul(op.Mul(z, _scalar(op, 0.5, dtype)), cdf)
 
 
 def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | None:
@@ -87,6 +104,10 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
             up = op.Clip(up, _scalar(op, -beta, dtype), _scalar(op, beta, dtype))
         act = op.Mul(op.Add(up, _scalar(op, 1.0, dtype)), _swish(op, gate, alpha, dtype))
         down = _grouped_linear(op, act, offsets, weights[1], "moe_down_enk", True, b1)
+    elif expert_type == GEMM2_ACT:
+        up = _grouped_linear(op, rows, offsets, weights[0], "moe_up", False, b0)
+        act = _pointwise(op, up, _attr(node, "activation", ""), dtype)
+        down = _grouped_linear(op, act, offsets, weights[1], "moe_down", False, b1)
     else:
         gate = _grouped_linear(op, rows, offsets, weights[0], "moe_gate", False)
         up = _grouped_linear(op, rows, offsets, weights[1], "moe_up", False)

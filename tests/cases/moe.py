@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
 from . import Case
 
 OP = "MOE"
-GEMM2, GEMM3 = "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU"
+GEMM2, GEMM3, GEMM2_ACT = "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU", "GEMM2_ACT"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-2, 2e-2), BF16: (5e-2, 5e-2)}
 
@@ -35,11 +37,28 @@ def make_inputs(tokens=7, hidden=8, inter=6, experts=4, k=2, expert_type=GEMM2, 
         b0 = rand(experts, 2 * inter, s=0.3) if bias else None
         b1 = rand(experts, hidden, s=0.3) if bias else None
         return [x, weights, indices, w0, b0, w1, b1, None]
+    if expert_type == GEMM2_ACT:
+        w0, w1 = rand(experts, inter, hidden, s=0.3), rand(experts, hidden, inter, s=0.3)
+        b0 = rand(experts, inter, s=0.3) if bias else None
+        b1 = rand(experts, hidden, s=0.3) if bias else None
+        return [x, weights, indices, w0, b0, w1, b1, None]
     w0, w1, w2 = rand(experts, inter, hidden, s=0.3), rand(experts, inter, hidden, s=0.3), rand(experts, hidden, inter, s=0.3)
     return [x, weights, indices, w0, None, w1, None, w2]
 
 
-def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0):
+# GEMM2_ACT's activations on one float64 value, from the textbook formulas.
+SCALAR_ACTIVATIONS = {
+    "relu": lambda z: z if not z <= 0 else 0.0,
+    "relu2": lambda z: (z if not z <= 0 else 0.0) ** 2,
+    "gelu": lambda z: z * (1 + math.erf(z / math.sqrt(2))) / 2,
+    "gelu_tanh": lambda z: z * (1 + math.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z * z * z))) / 2,
+    "silu": lambda z: z / (1 + math.exp(-z)) if z > -700 else 0.0,
+    "identity": lambda z: z,
+}
+
+
+def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0,
+           activation=""):
     """Token by token, slot by slot, in float64: written apart from the reference on purpose."""
     flat = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1]).astype(np.float64)
     k = indices.shape[-1]
@@ -55,6 +74,10 @@ def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha
                 up = np.array([max(-expert_beta, min(v, expert_beta)) for v in gu[1 - gate_parity::2]])
                 act = (up + 1) * gate / (1 + np.exp(-expert_alpha * gate))
                 y = act @ w1[e].astype(np.float64) + (0 if b1 is None else b1[e].astype(np.float64))
+            elif expert_type == GEMM2_ACT:
+                up = w0[e].astype(np.float64) @ flat[t] + (0 if b0 is None else b0[e].astype(np.float64))
+                act = np.array([SCALAR_ACTIVATIONS[activation](float(v)) for v in up])
+                y = w1[e].astype(np.float64) @ act + (0 if b1 is None else b1[e].astype(np.float64))
             else:
                 gate = w0[e].astype(np.float64) @ flat[t]
                 up = w1[e].astype(np.float64) @ flat[t]
@@ -81,6 +104,13 @@ def _case(name, attrs, atol=None, **kw):
 _base2 = _case("gemm2_fp32", G2)
 _base3 = _case("gemm3_fp32", G3)
 _x, _w, _i = _base2.inputs[:3]
+
+
+def _act(activation):
+    return dict(expert_type=GEMM2_ACT, activation=activation)
+
+
+_base_act = _case("act_relu2_fp32", _act("relu2"))
 
 CASES = [
     _base2,
@@ -116,6 +146,28 @@ CASES = [
     _case("gemm3_k_blocks_over_512", G3, tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2, atol=1e-4),
     Case("MOE", "routing_rank3", [_x, _w.reshape(7, 1, 2), _i.reshape(7, 1, 2), *_base2.inputs[3:]], dict(G2),
          constant=WEIGHTS),
+    # GEMM2_ACT: every activation, with and without biases, each float type, the edge cases
+    _base_act,
+    *(_case(f"act_{a}_fp32", _act(a)) for a in ("relu", "gelu", "gelu_tanh", "silu", "identity")),
+    *(_case(f"act_{a}_no_bias", _act(a), bias=False) for a in ("relu2", "gelu", "silu")),
+    _base_act.mutated("act_up_bias_only", None, bias_1=None),
+    _base_act.mutated("act_down_bias_only", None, bias_0=None),
+    *(_case(f"act_{a}_fp16", _act(a), dtype=np.float16) for a in ("relu2", "gelu_tanh", "silu")),
+    *(_case(f"act_{a}_bf16", _act(a), dtype=BF16) for a in ("relu2", "gelu", "identity")),
+    _case("act_int32_indices", _act("gelu"), index_dtype=np.int32),
+    _case("act_rank3", _act("relu2"), tokens=6, lead=(2, 3)),
+    _case("act_one_token", _act("relu2"), tokens=1),
+    _case("act_empty", _act("relu2"), tokens=0),
+    _case("act_empty_rank3", _act("gelu"), tokens=0, lead=(0, 5)),
+    _case("act_k_equals_e", _act("silu"), experts=4, k=4),
+    _case("act_all_on_one_expert", _act("relu2"), k=1, indices=np.full(7, 2)),
+    _case("act_experts_without_tokens", _act("gelu"), experts=8, k=2, indices=np.tile([1, 3], (7, 1))),
+    _case("act_inter_zero", _act("relu2"), inter=0),  # y = down bias only
+    _case("act_more_tokens", _act("relu2"), tokens=65, hidden=16, inter=40, experts=8, k=2),
+    _case("act_k_blocks_over_512", _act("gelu_tanh"), tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2,
+          atol=1e-4),
+    _base_act.mutated("act_nan_propagates", None,
+                      hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _base_act.inputs[0]).astype(np.float32)),
     _base2.mutated("nan_propagates", None,
             hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _x).astype(np.float32)),
     # errors: values
@@ -144,7 +196,8 @@ CASES = [
     _base2.mutated("attr_parity_float", r"attribute 'gate_parity' has type FLOAT; expected INT", gate_parity=1.0),
     _base2.mutated("attr_type_ints", r"attribute 'expert_type' has type INTS; expected STRING", expert_type=[1]),
     _base2.mutated("attr_misspelled", r"attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
-            r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity'$", session=True, expert_alhpa=1.0),
+            r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation'$", session=True,
+            expert_alhpa=1.0),
     # errors: shapes and types
     _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
     _base2.mutated("weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",
@@ -181,4 +234,41 @@ CASES = [
     _base3.mutated("gemm3_missing_down", r"input 'weight_2' is required", weight_2=None),
     _base3.mutated("gemm3_down_shape", r"input 'weight_2' dim 2 is 5; expected I = 6",
             weight_2=_base3.inputs[7][:, :, :5]),
+    # errors: GEMM2_ACT
+    _base_act.mutated("act_missing_activation", r"attribute 'activation' is required for GEMM2_ACT$", activation=None),
+    _base_act.mutated("act_empty_activation", r"attribute 'activation' is required for GEMM2_ACT$", activation=""),
+    _base_act.mutated("act_unknown_activation", r"attribute 'activation' is 'swish'; expected one of 'relu', 'relu2', "
+                      r"'gelu', 'gelu_tanh', 'silu', 'identity'$", activation="swish"),
+    _base_act.mutated("act_activation_int", r"attribute 'activation' has type INT; expected STRING", activation=2),
+    _base3.mutated("activation_on_gemm3", r"attribute 'activation' is 'relu'; GEMM3_SWIGLU does not use it \(its "
+                   r"activation is SwiGLU\): leave it empty$", activation="relu"),
+    _base2.mutated("activation_on_gemm2", r"attribute 'activation' is 'silu'; GEMM2_BIAS_SWIGLU_CLAMP does not use it",
+                   activation="silu"),
+    _base_act.mutated("act_expert_alpha", r"attribute 'expert_alpha' is 0.5; GEMM2_ACT does not use it: leave the "
+                      r"default 1.0$", expert_alpha=0.5),
+    # a float attribute is float32 in a node: the message shows the value every backend sees
+    _base_act.mutated("act_expert_alpha_float32", r"attribute 'expert_alpha' is 1.7020000219345093; GEMM2_ACT does not "
+                      r"use it", expert_alpha=1.702),
+    _base_act.mutated("act_expert_beta", r"attribute 'expert_beta' is 7.0; GEMM2_ACT does not use it: leave the "
+                      r"default 0.0$", expert_beta=7.0),
+    _base_act.mutated("act_gate_parity", r"attribute 'gate_parity' is 1; GEMM2_ACT does not use it: leave the "
+                      r"default 0$", gate_parity=1),
+    _base_act.mutated("act_weight_2_given", r"input 'weight_2' is given, but GEMM2_ACT does not use it",
+                      weight_2=_base3.inputs[7]),
+    _base_act.mutated("act_missing_down", r"input 'weight_1' is required", weight_1=None),
+    _base_act.mutated("act_up_hidden", r"input 'weight_0' dim 2 is 7; expected H = 8",
+                      weight_0=_base_act.inputs[3][:, :, :7]),
+    _base_act.mutated("act_down_inter", r"input 'weight_1' dim 2 is 5; expected I = 6",
+                      weight_1=_base_act.inputs[5][:, :, :5]),
+    _base_act.mutated("act_down_experts", r"input 'weight_1' dim 0 is 3; expected E = 4",
+                      weight_1=_base_act.inputs[5][:3]),
+    _base_act.mutated("act_bias_0_wrong", r"input 'bias_0' dim 1 is 4; expected I = 6",
+                      bias_0=_base_act.inputs[4][:, :4]),
+    _base_act.mutated("act_bias_1_wrong", r"input 'bias_1' dim 1 is 4; expected H = 8",
+                      bias_1=_base_act.inputs[6][:, :4]),
+    _base_act.mutated("act_bias_0_rank3", r"input 'bias_0' has rank 3 .*expected rank 2",
+                      bias_0=_base_act.inputs[4][:, :, None]),
+    _base_act.mutated("act_index_too_large", runtime=True,
+                      error=r"router_topk_output_indices\[.*\] = 4 is outside \[0, 4\)",
+                      router_topk_output_indices=np.where(_i == _i[2, 1], 4, _i)),
 ]
