@@ -28,7 +28,10 @@ import dataclasses
 import math
 
 import numpy as np
+import onnx
 import onnx_ir as ir
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
 
 from ..ops import DOMAIN, OPSET_VERSION
 from ._match import MatchFailure, constant, constant_ints, constant_scalar, is_zeros, require, standard
@@ -73,13 +76,51 @@ def _uncast(value: ir.Value) -> ir.Value:
 
 
 def _rows(value: ir.Value, experts: int) -> ir.Value:
-    """``value`` before float32 Casts and Reshapes to [-1, E] (views of the same [T, E] scores)."""
+    """``value`` before float32 Casts and Reshapes to [rows, E] (views of the same [T, E] scores)."""
     while True:
         value = _widened(value)
         reshape = _producer(value, "Reshape")
-        if reshape is None or constant_ints(reshape.inputs[1]) != [-1, experts]:
+        if reshape is None or not _is_rows_shape(constant_ints(reshape.inputs[1]), experts):
             return value
         value = reshape.inputs[0]
+
+
+def _is_rows_shape(shape: list[int] | None, experts: int) -> bool:
+    """A Reshape target that views a tensor as [rows, E] (rows -1 or static)."""
+    return shape is not None and len(shape) == 2 and shape[1] == experts and shape[0] != 0
+
+
+def _folded_ints(value: ir.Value, limit: int = 12) -> list[int] | None:
+    """An integer tensor computed from constants only (an exporter's shape arithmetic, such as
+    torch's ``expand(-1, G, n)`` lowering), evaluated; None when it depends on a graph input or takes
+    more than ``limit`` nodes."""
+    found = constant_ints(value)
+    if found is not None or value.producer() is None:
+        return found
+    nodes, constants, pending = [], {}, [value.producer()]
+    while pending:
+        node = pending.pop()
+        if node in nodes:
+            continue
+        nodes.append(node)
+        if len(nodes) > limit or node.domain not in ("", "ai.onnx") or node.graph is None:
+            return None
+        for source in node.inputs:
+            if source is None or source.producer() is not None and source.const_value is None:
+                if source is not None:
+                    pending.append(source.producer())
+                continue
+            array = constant(source)
+            if array is None:
+                return None  # a graph input
+            constants[source.name] = array
+    position = {node: i for i, node in enumerate(value.producer().graph)}
+    protos = [ir.serde.serialize_node(node) for node in sorted(nodes, key=position.__getitem__)]
+    model = helper.make_model(helper.make_graph(
+        protos, "folded", [], [helper.make_tensor_value_info(value.name, onnx.TensorProto.UNDEFINED, None)],
+        [onnx.numpy_helper.from_array(array, name) for name, array in constants.items()]))
+    (result,) = ReferenceEvaluator(model).run([value.name], {})
+    return [int(v) for v in np.asarray(result).reshape(-1)] if np.asarray(result).dtype.kind in "iu" else None
 
 
 def _axes(node: ir.Node) -> list[int] | None:
@@ -217,8 +258,8 @@ def _group_mask(where: ir.Node, sel: ir.Value, experts: int, k: int) -> dict:
         cond = node.inputs[0]
     require(negations % 2 == 1, "the Where does not keep the selection scores where the group mask is set")
     reshape = _producer(cond, "Reshape")
-    require(reshape is not None and constant_ints(reshape.inputs[1]) == [-1, experts],
-            "the group mask is not a Reshape to [-1, E]")
+    require(reshape is not None and _is_rows_shape(constant_ints(reshape.inputs[1]), experts),
+            "the group mask is not a Reshape to [rows, E]")
     expand = _producer(reshape.inputs[0], "Expand")
     unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
     require(unsqueeze is not None and constant_ints(unsqueeze.inputs[1]) in ([-1], [2]),
@@ -230,9 +271,10 @@ def _group_mask(where: ir.Node, sel: ir.Value, experts: int, k: int) -> dict:
     topk, topk_group = _top_k(scatter.inputs[1], 1, "the kept groups")
     n_group, group_select = _group_scores(topk.inputs[0], sel, experts)
     size = experts // n_group
-    shape = expand.outputs[0].shape
-    require(shape is not None and len(shape) == 3 and list(shape)[1:] == [n_group, size],
-            f"the spread group mask has shape {shape}; expected [T, {n_group}, {size}]")
+    shape = _folded_ints(expand.inputs[1])
+    require(shape is not None and len(shape) == 3 and shape[1:] in ([n_group, size], [1, size]),
+            f"the group mask is expanded to {shape if shape is not None else 'a shape that is not a constant'}; "
+            f"expected [T, {n_group}, {size}]")
     require(1 <= topk_group <= n_group and k <= topk_group * size,
             f"k = {k} experts from {topk_group} of {n_group} groups of {size}: more than the kept groups hold")
     if group_select == "sum_top2":
