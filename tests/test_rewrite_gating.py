@@ -1,0 +1,311 @@
+"""The router pass (moe_onnx/rewrite/gating.py): ``optimize(..., fuse_routers=True)`` replaces each
+fused block's router chain by one MoeGatingTopK and keeps the numbers, on both targets and backends.
+
+Chains: the fixtures' softmax -> top-k (Qwen2-MoE, OLMoE), with the ReduceSum/Div renormalization
+(Mixtral, Qwen3-MoE), and top-k -> softmax (GPT-OSS); transformers' DeepSeek-V3 router exported alone
+(models/fixtures/routers, models/export_routers.py) by both transformers versions and exporters, with
+an MOE node added. A near-miss table: mutations whose router must stay (the report's note names
+why, the numbers are kept) and mutations that must still fuse.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import moe_onnx
+from fixture_models import FIXTURES, MANIFEST, TARGETS, attributes, nodes, original, producer, reference_data, run_ort
+from moe_onnx.check import check_model
+from moe_onnx.rewrite import optimize
+from moe_onnx.rewrite.gating import RULE
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+ROUTERS = FIXTURES / "routers"
+# one fixture per router chain and export form: softmax -> top-k, renormalized, top-k -> softmax
+FIXTURE_NAMES = ["qwen2_moe_batched_mm_tiny", "olmoe_loop_tiny", "qwen2_moe_tiled3_small", "mixtral_batched_mm_tiny",
+                 "qwen3_moe_loop_tiny", "qwen3_moe_tiled3_tiny", "gpt_oss_batched_mm_tiny", "gpt_oss_tiled_tiny",
+                 "gpt_oss_tiled_dynamo_tiny"]
+DEEPSEEK = sorted(p.name for p in ROUTERS.glob("deepseek_v3_*.onnx"))
+
+
+def expected_attributes(name: str) -> dict:
+    """The MoeGatingTopK attributes of a fixture's router (the manifest's description of it)."""
+    entry = MANIFEST[name]
+    topk_softmax = entry["family"] == "gpt_oss"
+    return {"k": entry["top_k"], "score_func": b"softmax", "renormalize": int(topk_softmax or entry["renormalize"])}
+
+
+def gating_node(model: onnx.ModelProto) -> onnx.NodeProto:
+    (node,) = nodes(model, "MoeGatingTopK")
+    return node
+
+
+def run(model: onnx.ModelProto, feeds: dict, backend: str) -> np.ndarray:
+    return moe_onnx.session(model, backend=backend).run(None, feeds)[0]
+
+
+# ----------------------------------------------------------------------------- the fixtures' routers
+
+@functools.cache
+def fused(name: str, target: str):
+    return optimize(original(name), target=target, fuse_routers=True)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_router_fuses(name, target):
+    model, report = fused(name, target)
+    assert report.fused[RULE] == 1 and report.notes == [], report.summary()
+    assert check_model(model) == []
+    node = gating_node(model)
+    assert attributes(node) == expected_attributes(name)
+    assert len(node.input) == 1  # no bias
+    if target == "moe":  # the MOE takes the node's indices, and its weights (or their Cast to the block's type)
+        (moe,) = nodes(model, "MOE")
+        assert moe.input[2] == node.output[1]
+        weights = producer(model, moe.input[1])
+        assert weights is node or (weights.op_type == "Cast" and weights.input[0] == node.output[0])
+    else:  # MoeInitRouting takes them as [T, k] (a Reshape)
+        (init,) = nodes(model, "MoeInitRouting")
+        assert producer(model, init.input[1]).input[0] == node.output[1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_numbers(name, target):
+    model, _ = fused(name, target)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        feeds = {"hidden_states": data["hidden_states" + suffix]}
+        expected = run_ort(original(name), feeds, ["output"])[0]
+        for backend in ("cpp", "python"):
+            got = moe_onnx.session(model, backend=backend).run(["output"], feeds)[0]
+            np.testing.assert_allclose(got, expected, **TOL)
+
+
+def test_routers_stay_by_default():
+    """Without fuse_routers the router chain is left as exported (the MOE takes TopK's indices)."""
+    model, report = optimize(original("qwen3_moe_batched_mm_tiny"))
+    assert RULE not in report.fused and not nodes(model, "MoeGatingTopK")
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 routers
+
+def with_moe(router: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
+    """The router model with a GEMM3 MOE (random experts) on its weights and indices: output ``y``."""
+    model = onnx.ModelProto()
+    model.CopyFrom(router)
+    outputs = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
+    (indices,) = [n for n, t in outputs.items() if t == TensorProto.INT64]
+    (weights,) = [n for n in outputs if n != indices]
+    rng = np.random.default_rng(seed)
+    experts, hidden, inter = 8, 16, 12
+    for name, shape in (("w0", (experts, inter, hidden)), ("w1", (experts, inter, hidden)),
+                        ("w2", (experts, hidden, inter))):
+        model.graph.initializer.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.3)
+                                                               .astype(np.float32), name))
+    model.graph.node.append(helper.make_node("MOE", ["hidden_states", weights, indices, "w0", "", "w1", "", "w2"],
+                                             ["y"], domain="moe_onnx", name="moe", expert_type="GEMM3_SWIGLU"))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", hidden]))
+    model.opset_import.append(helper.make_opsetid("moe_onnx", 1))
+    return model
+
+
+@functools.cache
+def deepseek(file: str) -> onnx.ModelProto:
+    return with_moe(onnx.load(ROUTERS / file))
+
+
+def hidden_states(seed: int = 1, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """[2, 5, 16]: the shape the routers were traced with (the dynamo exports keep it)."""
+    return {"hidden_states": (np.random.default_rng(seed).standard_normal((2, 5, 16)) * scale).astype(np.float32)}
+
+
+def assert_same_numbers(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    for seed in (1, 2, 3):
+        feeds = hidden_states(seed, scale=3.0)
+        expected = run(before, feeds, "cpp")
+        for backend in ("cpp", "python"):
+            np.testing.assert_allclose(run(after, feeds, backend), expected, **TOL)
+
+
+def bias_initializer(model: onnx.ModelProto) -> onnx.TensorProto:
+    (bias,) = [t for t in model.graph.initializer if list(t.dims) in ([8], [1, 8])]
+    return bias
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("file", DEEPSEEK)
+def test_deepseek_router_fuses(file, target):
+    model, report = optimize(deepseek(file), target=target, fuse_routers=True)
+    assert report.fused[RULE] == 1 and report.notes == [], report.summary()
+    assert check_model(model) == []
+    node = gating_node(model)
+    torchscript = "torchscript" in file  # the dynamo exporter folds "+ 1e-20" away
+    eps = {"eps": pytest.approx(1e-20)} if torchscript else {}
+    assert attributes(node) == {"k": 2, "score_func": b"sigmoid", "n_group": 4, "topk_group": 2,
+                                "group_select": b"sum_top2", "renormalize": 1, **eps, "routed_scaling_factor": 2.5}
+    bias = numpy_helper.to_array(bias_initializer(deepseek(file)))
+    got = [numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.output[0] == node.input[1]]
+    got = got or [numpy_helper.to_array(t) for t in model.graph.initializer if t.name == node.input[1]]
+    np.testing.assert_array_equal(got[0], bias.reshape(8))
+    for op in ("Where", "GatherElements", "ScatterElements", "ReduceSum", "Not"):  # the chain is gone
+        assert not nodes(model, op), op
+    assert_same_numbers(deepseek(file), model)
+
+
+# ----------------------------------------------------------------------------- near-misses
+
+def mutated(file: str, mutate: Callable[[onnx.ModelProto], None]) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(deepseek(file))
+    mutate(model)
+    return model
+
+
+def set_initializer(model: onnx.ModelProto, name: str, array: np.ndarray) -> None:
+    (tensor,) = [t for t in model.graph.initializer if t.name == name]
+    tensor.CopyFrom(numpy_helper.from_array(array.astype(numpy_helper.to_array(tensor).dtype), name))
+
+
+def set_constant(model: onnx.ModelProto, output: str, array: np.ndarray) -> None:
+    """The Constant node or initializer ``output`` gets the value ``array`` (its dtype kept)."""
+    node = [n for n in model.graph.node if n.op_type == "Constant" and n.output[0] == output]
+    if not node:
+        return set_initializer(model, output, array)
+    old = numpy_helper.to_array(node[0].attribute[0].t)
+    node[0].attribute[0].t.CopyFrom(numpy_helper.from_array(np.asarray(array, dtype=old.dtype)))
+
+
+def op_node(model: onnx.ModelProto, op_type: str, index: int = 0) -> onnx.NodeProto:
+    return nodes(model, op_type)[index]
+
+
+def negative_bias(model):
+    """A bias that makes some allowed experts' selection scores negative (and changes the choice)."""
+    bias = bias_initializer(model)
+    set_initializer(model, bias.name, np.linspace(-1.5, 0.5, 8).reshape(numpy_helper.to_array(bias).shape))
+
+
+def scale_by_tensor(model):
+    mul = nodes(model, "Mul", lambda n: n.output[0] in [i for m in nodes(model, "MOE") for i in m.input])[0]
+    model.graph.initializer.append(numpy_helper.from_array(np.full((1, 2), 2.5, np.float32), "scale_tensor"))
+    mul.input[1] = "scale_tensor"
+
+
+def scale_by_input(model):
+    mul = nodes(model, "Mul", lambda n: n.output[0] in [i for m in nodes(model, "MOE") for i in m.input])[0]
+    mul.input[1] = "hidden_states"  # [2, 5, 16] times [T, 2] fails to broadcast: the check only reads the graph
+
+
+def gather_the_selection(model):
+    """The weights gathered from s + bias instead of s."""
+    gather = op_node(model, "GatherElements")
+    gather.input[0] = op_node(model, "Where", -1).input[2]  # the last Where masks (the first computes a shape)
+
+
+def keep_masked_groups(model):
+    """The Where keeps the scores of the masked groups (its condition without the Not)."""
+    not_ = op_node(model, "Not")
+    for node in model.graph.node:
+        node.input[:] = [not_.input[0] if name == not_.output[0] else name for name in node.input]
+
+
+def keep_three_groups(model):
+    set_constant(model, op_node(model, "TopK", 1).input[1], np.array([3]))
+
+
+def group_max(model):
+    """DeepSeek-V2's group score: ReduceMax of the group view instead of the sum of its top 2."""
+    topk, total = op_node(model, "TopK", 0), op_node(model, "ReduceSum", 0)
+    total.op_type = "ReduceMax"
+    total.input[0] = topk.input[0]
+
+
+def divide_by_other_sum(model):
+    """The weights divided by the sum of the selection scores' top values (not their own)."""
+    total = op_node(model, "ReduceSum", 1)
+    total.input[0] = op_node(model, "GatherElements").input[0]
+
+
+def smallest_k(model):
+    """The expert TopK takes the smallest selection scores."""
+    topk = op_node(model, "TopK", 2)
+    del topk.attribute[:]
+    topk.attribute.extend([helper.make_attribute("axis", -1), helper.make_attribute("largest", 0)])
+
+
+TS457, TS5 = "deepseek_v3_tf457_torchscript.onnx", "deepseek_v3_tf5_torchscript.onnx"
+DYNAMO457 = "deepseek_v3_tf457_dynamo.onnx"
+# (name, file, mutation, the note's reason, whether the mutated model runs); each leaves the router as exported
+STAYS = [
+    ("zero_fill_negative_bias", TS457, negative_bias, "filled with 0.0, not -inf, and the expert bias has values "
+                                                      "down to -1.5", True),
+    ("zero_fill_negative_bias_dynamo", DYNAMO457, negative_bias, "filled with 0.0, not -inf", True),
+    ("scale_by_tensor", TS5, scale_by_tensor, "a Mul by a tensor that is not a scalar constant", True),
+    ("scale_by_graph_input", TS5, scale_by_input, "a Mul by a tensor that is not a scalar constant", False),
+    ("gather_the_selection", TS5, gather_the_selection, "ranks other scores than the weights are gathered from", True),
+    ("keep_masked_groups", TS5, keep_masked_groups, "does not keep the selection scores where the group mask is set",
+     True),
+    ("divide_by_other_sum", TS5, divide_by_other_sum, "divided by a sum that is not theirs", True),
+    ("smallest_k", TS5, smallest_k, "the TopK does not take the largest values", True),
+]
+# (name, file, mutation, attributes that change); each must still fuse and keep the numbers
+FUSES = [
+    ("minus_inf_fill_negative_bias", "deepseek_v3_tf5_dynamo.onnx", negative_bias, {}),
+    ("minus_inf_fill_negative_bias_ts", TS5, negative_bias, {}),
+    ("keep_three_groups", TS5, keep_three_groups, {"topk_group": 3}),
+    ("group_max", TS5, group_max, {"group_select": b"max"}),
+    ("group_max_zero_fill", TS457, group_max, {"group_select": b"max"}),
+]
+
+
+@pytest.mark.parametrize("name, file, mutate, reason, runs", STAYS, ids=[c[0] for c in STAYS])
+def test_near_miss_router_stays(name, file, mutate, reason, runs):
+    before = mutated(file, mutate)
+    model, report = optimize(before, fuse_routers=True)
+    assert RULE not in report.fused and not nodes(model, "MoeGatingTopK")
+    (note,) = report.notes
+    assert note.startswith("MOE node 'moe': the router stays as exported (") and reason in note, note
+    if runs:
+        assert_same_numbers(before, model)
+
+
+@pytest.mark.parametrize("name, file, mutate, changed", FUSES, ids=[c[0] for c in FUSES])
+def test_variant_still_fuses(name, file, mutate, changed):
+    before = mutated(file, mutate)
+    model, report = optimize(before, fuse_routers=True)
+    assert report.fused[RULE] == 1 and report.notes == [], report.summary()
+    got = attributes(gating_node(model))
+    for key, value in changed.items():
+        assert got[key] == value
+    assert_same_numbers(before, model)
+
+
+def test_negative_bias_changes_the_choice():
+    """The negative-bias variant routes differently from the unbiased router: the bias reaches the op."""
+    before = mutated("deepseek_v3_tf5_dynamo.onnx", negative_bias)
+    feeds = hidden_states(1, scale=3.0)
+    assert not np.allclose(run(before, feeds, "cpp"), run(deepseek("deepseek_v3_tf5_dynamo.onnx"), feeds, "cpp"))
+
+
+def test_fixture_near_miss_softmax_over_tokens():
+    """A softmax over the tokens (axis 0) is not a router's: the chain stays, with the reason."""
+    model = onnx.ModelProto()
+    model.CopyFrom(original("qwen2_moe_batched_mm_tiny"))
+    (softmax,) = nodes(model, "Softmax")
+    for attr in softmax.attribute:
+        if attr.name == "axis":
+            attr.i = 0
+    new, report = optimize(model, fuse_routers=True)
+    (note,) = [n for n in report.notes if "router" in n]
+    assert "the router Softmax is not over the experts" in note
+    assert not nodes(new, "MoeGatingTopK")
+    feeds = {"hidden_states": reference_data("qwen2_moe_batched_mm_tiny")["hidden_states"]}
+    np.testing.assert_allclose(run(new, feeds, "cpp"), run_ort(model, feeds, ["output"])[0], **TOL)
