@@ -8,8 +8,10 @@ the expert bias is drawn from [0, 0.2) (>= 0, so the 0.0 fill never ranks a mask
 Outputs: the top-k weights and indices, in the order the router returns them.
 """
 
+import os
 import sys
 
+import onnx
 import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
@@ -40,6 +42,9 @@ def main(exporter: str, out: str) -> None:
     torch.onnx.export(module, (hidden_states,), out, dynamo=exporter == "dynamo", opset_version=18,
                       input_names=["hidden_states"], output_names=["first", "second"],
                       dynamic_axes=None if exporter == "dynamo" else {"hidden_states": {0: "batch", 1: "seq"}})
+    if os.path.exists(out + ".data"):  # the dynamo exporter writes the weights beside: keep them inside
+        onnx.save(onnx.load(out), out, save_as_external_data=False)
+        os.remove(out + ".data")
 
 
 if __name__ == "__main__":

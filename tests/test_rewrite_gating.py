@@ -309,3 +309,15 @@ def test_fixture_near_miss_softmax_over_tokens():
     assert not nodes(new, "MoeGatingTopK")
     feeds = {"hidden_states": reference_data("qwen2_moe_batched_mm_tiny")["hidden_states"]}
     np.testing.assert_allclose(run(new, feeds, "cpp"), run_ort(model, feeds, ["output"])[0], **TOL)
+
+
+def test_cli_fuse_routers(tmp_path, capsys):
+    """`moe-onnx optimize --fuse-routers` reports the router fused and verifies the numbers."""
+    from moe_onnx.cli import main
+
+    out = tmp_path / "out.onnx"
+    status = main(["optimize", str(FIXTURES / "mixtral_batched_mm_tiny.onnx"), "-o", str(out), "--fuse-routers",
+                   "--verify", "--sizes", "1x1,2x3"])
+    printed = capsys.readouterr().out
+    assert status == 0 and f"{RULE}: 1 block fused" in printed and "OK" in printed, printed
+    assert attributes(gating_node(onnx.load(out))) == {"k": 2, "score_func": b"softmax", "renormalize": 1}
