@@ -1,4 +1,4 @@
-"""The router pass (moe_onnx/rewrite/gating.py): ``optimize(..., fuse_routers=True)`` replaces each
+"""The router pass (moe_onnx/rewrite/_gating.py): ``optimize(..., fuse_routers=True)`` replaces each
 fused block's router chain by one MoeGatingTopK and keeps the numbers, on both targets and backends.
 
 Chains: the fixtures' softmax -> top-k (Qwen2-MoE, OLMoE), with the ReduceSum/Div renormalization
@@ -22,7 +22,7 @@ import moe_onnx
 from fixture_models import FIXTURES, MANIFEST, TARGETS, attributes, nodes, original, producer, reference_data, run_ort
 from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
-from moe_onnx.rewrite.gating import RULE
+from moe_onnx.rewrite._gating import RULE
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 ROUTERS = FIXTURES / "routers"

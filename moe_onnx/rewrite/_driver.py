@@ -15,7 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, gating, grouped, loop, tiled
+from . import _gating, batched_mm, grouped, loop, tiled
 from ._match import MoeFusion
 
 
@@ -78,7 +78,7 @@ def _parameters(model: ir.Model) -> int:
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
                 fuse_routers: bool = False) -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
-    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py)."""
+    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (_gating.py)."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     say = progress or (lambda message: None)
@@ -105,7 +105,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                                         "reason": match.match_result.reason or "check failed"})
     if fuse_routers:
         say("routers")
-        fused[gating.RULE], router_notes = gating.fuse_routers(model)
+        fused[_gating.RULE], router_notes = _gating.fuse_routers(model)
         notes += router_notes
     fused = {name: count for name, count in fused.items() if count}
     if target == "grouped":
