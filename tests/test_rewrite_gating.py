@@ -228,6 +228,24 @@ def group_max(model):
     total.input[0] = topk.input[0]
 
 
+def rename_uses(model, old: str, new: str) -> None:
+    for node in model.graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+
+
+def deepseek_v2_style(model):
+    """DeepSeek-V2's group-limited greedy router: no bias, the weights the expert TopK's own values."""
+    add = [n for n in nodes(model, "Add") if any(i.endswith("e_score_correction_bias") or i.startswith("onnx::Add")
+                                                 for i in n.input)][0]
+    rename_uses(model, add.output[0], add.input[0])
+    rename_uses(model, op_node(model, "GatherElements").output[0], op_node(model, "TopK", 2).output[0])
+
+
+def topk_values_with_bias(model):
+    """The weights are the expert TopK's values, which include the bias."""
+    rename_uses(model, op_node(model, "GatherElements").output[0], op_node(model, "TopK", 2).output[0])
+
+
 def divide_by_other_sum(model):
     """The weights divided by the sum of the selection scores' top values (not their own)."""
     total = op_node(model, "ReduceSum", 1)
@@ -255,6 +273,7 @@ STAYS = [
      True),
     ("divide_by_other_sum", TS5, divide_by_other_sum, "divided by a sum that is not theirs", True),
     ("smallest_k", TS5, smallest_k, "the TopK does not take the largest values", True),
+    ("topk_values_with_bias", TS5, topk_values_with_bias, "the top values of the scores plus a bias", True),
 ]
 # (name, file, mutation, attributes that change); each must still fuse and keep the numbers
 FUSES = [
@@ -263,6 +282,8 @@ FUSES = [
     ("keep_three_groups", TS5, keep_three_groups, {"topk_group": 3}),
     ("group_max", TS5, group_max, {"group_select": b"max"}),
     ("group_max_zero_fill", TS457, group_max, {"group_select": b"max"}),
+    ("deepseek_v2_style", TS5, deepseek_v2_style, {}),
+    ("deepseek_v2_style_zero_fill", TS457, deepseek_v2_style, {}),
 ]
 
 

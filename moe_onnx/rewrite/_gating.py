@@ -7,6 +7,7 @@ else reads it). Recognized chains, T tokens, E experts:
 
 - softmax -> top-k: ``TopK(Softmax(L), k)``, the weights its values (Qwen2-MoE, OLMoE), optionally
   renormalized ``w / ReduceSum(w)`` (Mixtral, Qwen3-MoE), optionally ``+ eps`` in the denominator;
+  DeepSeek-V2's group-limited form ranks the scores under the group mask below and takes the values;
 - top-k -> softmax: ``Softmax(TopK(L, k).values)`` (GPT-OSS, Mixtral's v5 router): softmax with
   renormalize, the same numbers up to rounding;
 - the DeepSeek-V3 router (GLM-4-MoE, dots1): ``sel = Sigmoid(L) + bias``; group scores
@@ -19,7 +20,9 @@ Each may end in ``Mul`` by a scalar (routed_scaling_factor); float Casts that wi
 float32 may sit between the steps. A masked fill must rank the masked experts below every allowed
 one: -inf always does; transformers 4.57 fills 0.0, which does only where no allowed ``s + bias``
 is negative (a constant bias >= 0). A chain that is not recognized stays as it is (MOE works with
-it) and the report says why in a note.
+it) and the report says why in a note. PhiMoE's sparsemixer does not fit: its weights are a softmax
+over the experts within a relative threshold (jitter_eps) of each round's maximum, a set the logits
+decide, not the chosen experts' scores.
 """
 
 from __future__ import annotations
@@ -241,7 +244,7 @@ def _group_scores(groups: ir.Value, sel: ir.Value, experts: int) -> tuple[int, s
     shape = None if reshape is None else constant_ints(reshape.inputs[1])
     require(shape is not None and len(shape) == 3 and shape[1] > 0 and shape[1] * shape[2] == experts,
             f"the groups are not a Reshape of the selection scores to [-1, G, E / G] with E = {experts}")
-    require(_rows(reshape.inputs[0], experts) is sel, "the groups are not made of the selection scores")
+    require(_rows(reshape.inputs[0], experts) is _rows(sel, experts), "the groups are not made of the selection scores")
     return shape[1], group_select
 
 
@@ -331,9 +334,11 @@ def read_router(weights: ir.Value, indices: ir.Value) -> Router:
                 "the top-k Softmax is not over k")
         attributes = {"k": k, "score_func": "softmax", "renormalize": 1, "routed_scaling_factor": scale}
         return Router(topk.inputs[0], None, attributes)
-    if _producer(w, "TopK") is topk:  # the TopK's own values: the scores are what it ranks
+    if _producer(w, "TopK") is topk:  # the TopK's own values: the scores it ranks (DeepSeek-V2: masked by group)
         require(w.index() == 0, "the routing weights are the TopK's indices")
-        scores, bias, groups = _rows(topk.inputs[0], experts), None, {}
+        scores, bias, groups = _selection(topk.inputs[0], experts, k)
+        require(bias is None, "the routing weights are the top values of the scores plus a bias; expected the "
+                "scores alone")
     else:
         gather = _producer(w, "GatherElements")
         require(gather is not None, "the routing weights are not TopK's values, a Softmax of them or the scores "
