@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
+import moe_onnx.runtime
 from fixture_models import FIXTURES, MANIFEST, TARGETS, attributes, nodes, original, producer, reference_data, run_ort
 from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
@@ -31,6 +33,7 @@ FIXTURE_NAMES = ["qwen2_moe_batched_mm_tiny", "olmoe_loop_tiny", "qwen2_moe_tile
                  "qwen3_moe_loop_tiny", "qwen3_moe_tiled3_tiny", "gpt_oss_batched_mm_tiny", "gpt_oss_tiled_tiny",
                  "gpt_oss_tiled_dynamo_tiny"]
 DEEPSEEK = sorted(p.name for p in ROUTERS.glob("deepseek_v3_*.onnx"))
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def expected_attributes(name: str) -> dict:
@@ -46,7 +49,8 @@ def gating_node(model: onnx.ModelProto) -> onnx.NodeProto:
 
 
 def run(model: onnx.ModelProto, feeds: dict, backend: str) -> np.ndarray:
-    return moe_onnx.session(model, backend=backend).run(None, feeds)[0]
+    """The first output on ``backend`` (bfloat16 feeds and outputs included)."""
+    return moe_onnx.runtime.run(moe_onnx.session(model, backend=backend), feeds)[0]
 
 
 # ----------------------------------------------------------------------------- the fixtures' routers
@@ -342,3 +346,67 @@ def test_cli_fuse_routers(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0 and f"{RULE}: 1 block fused" in printed and "OK" in printed, printed
     assert attributes(gating_node(onnx.load(out))) == {"k": 2, "score_func": b"softmax", "renormalize": 1}
+
+
+# ----------------------------------------------------------------------------- routers in fp16 / bf16
+
+def built_router(dtype, softmax_in_float: bool) -> onnx.ModelProto:
+    """hidden [T, 16] (``dtype``) -> MatMul -> (Cast float32 ->) Softmax -> TopK(2) -> Div(ReduceSum)
+    (-> Cast back) -> a GEMM3 MOE in ``dtype``, as the loop exports of Qwen3/Mixtral write it. bf16
+    blocks compute the router in float32 (onnxruntime has no bf16 MatMul or TopK), as DeepSeek-V3 does."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    router_dtype = np.float32 if np.dtype(dtype) == BF16 else dtype
+    rng = np.random.default_rng(4)
+    experts, hidden, inter = 8, 16, 12
+
+    def tensor(name, shape, as_dtype=dtype, scale=0.3):
+        values = (rng.standard_normal(shape) * scale).astype(np.float32).astype(as_dtype)
+        return helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(np.dtype(as_dtype)), shape,
+                                  values.tobytes(), raw=True)
+
+    inits = [tensor("router_w", (hidden, experts), router_dtype, 1.0), tensor("w0", (experts, inter, hidden)),
+             tensor("w1", (experts, inter, hidden)), tensor("w2", (experts, hidden, inter)),
+             numpy_helper.from_array(np.array([2], np.int64), "k"),
+             numpy_helper.from_array(np.array([-1], np.int64), "last")]
+    chain = [helper.make_node("Cast", ["hidden_states"], ["router_in"],
+                              to=helper.np_dtype_to_tensor_dtype(np.dtype(router_dtype))),
+             helper.make_node("MatMul", ["router_in", "router_w"], ["logits"])]
+    scores_in = "logits"
+    if softmax_in_float:
+        chain.append(helper.make_node("Cast", ["logits"], ["logits_f"], to=TensorProto.FLOAT))
+        scores_in = "logits_f"
+    chain += [helper.make_node("Softmax", [scores_in], ["scores"], axis=1),
+              helper.make_node("TopK", ["scores", "k"], ["top", "idx"], axis=-1),
+              helper.make_node("ReduceSum", ["top", "last"], ["total"], keepdims=1),
+              helper.make_node("Div", ["top", "total"], ["w"]),
+              helper.make_node("Cast", ["w"], ["w_t"], to=elem),
+              helper.make_node("MOE", ["hidden_states", "w_t", "idx", "w0", "", "w1", "", "w2"], ["y"],
+                               domain="moe_onnx", name="moe", expert_type="GEMM3_SWIGLU")]
+    graph = helper.make_graph(chain, "router", [helper.make_tensor_value_info("hidden_states", elem, ["T", hidden])],
+                              [helper.make_tensor_value_info("y", elem, ["T", hidden])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("moe_onnx", 1)],
+                             ir_version=10)
+
+
+HALF = [(np.float16, True), (np.float16, False), (BF16, False)]
+
+
+@pytest.mark.parametrize("dtype, softmax_in_float", HALF, ids=["fp16_softmax_in_float32", "fp16", "bf16_fp32_router"])
+def test_half_precision_router(dtype, softmax_in_float):
+    """The logits' type decides MoeGatingTopK's weights' type; a Cast to the block's type follows when they differ."""
+    before = built_router(dtype, softmax_in_float)
+    model, report = optimize(before, fuse_routers=True)
+    assert report.fused[RULE] == 1 and report.notes == [], report.summary()
+    assert check_model(model) == []
+    node = gating_node(model)
+    assert attributes(node) == {"k": 2, "score_func": b"softmax", "renormalize": 1}
+    (moe,) = nodes(model, "MOE")
+    cast_back = softmax_in_float or np.dtype(dtype) == BF16
+    assert producer(model, moe.input[1]).op_type == ("Cast" if cast_back else "MoeGatingTopK")
+    feeds = {"hidden_states": np.random.default_rng(5).standard_normal((9, 16)).astype(np.float32).astype(dtype)}
+    expected = run(before, feeds, "cpp").astype(np.float32)
+    for backend in ("cpp", "python"):
+        got = run(model, feeds, backend)
+        assert got.dtype == np.dtype(dtype)
+        # fp16 softmax in the original vs float32 inside MoeGatingTopK: the weights differ by its rounding
+        np.testing.assert_allclose(got.astype(np.float32), expected, rtol=1e-2, atol=1e-2)

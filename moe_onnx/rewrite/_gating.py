@@ -42,6 +42,7 @@ from ._onnxscript import TapeBuilder
 
 RULE = "RouterToMoeGatingTopK"
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_UNWRITTEN = {"eps": 0.0, "routed_scaling_factor": 1.0}  # defaults left off the node
 
 
 @dataclasses.dataclass
@@ -106,17 +107,17 @@ def _folded_ints(value: ir.Value, limit: int = 12) -> list[int] | None:
         if node in nodes:
             continue
         nodes.append(node)
-        if len(nodes) > limit or node.domain not in ("", "ai.onnx") or node.graph is None:
+        if len(nodes) > limit or node.domain not in ("", "ai.onnx"):
             return None
         for source in node.inputs:
-            if source is None or source.producer() is not None and source.const_value is None:
-                if source is not None:
-                    pending.append(source.producer())
+            if source is None:
                 continue
-            array = constant(source)
-            if array is None:
+            if source.producer() is not None:
+                pending.append(source.producer())
+            elif (array := constant(source)) is not None:
+                constants[source.name] = array
+            else:
                 return None  # a graph input
-            constants[source.name] = array
     position = {node: i for i, node in enumerate(value.producer().graph)}
     protos = [ir.serde.serialize_node(node) for node in sorted(nodes, key=position.__getitem__)]
     model = helper.make_model(helper.make_graph(
@@ -361,10 +362,10 @@ def _emit(graph: ir.Graph, moe: ir.Node, router: Router) -> None:
     bias = None
     if router.bias is not None:
         bias = op.Constant(value=ir.tensor(np.ascontiguousarray(router.bias)))
-    attributes = {name: value for name, value in router.attributes.items()
-                  if not (name in ("eps",) and value == 0.0) and not (name == "routed_scaling_factor" and value == 1.0)}
+    attributes = {name: value for name, value in router.attributes.items() if value != _UNWRITTEN.get(name)}
     weights, indices = op.MoeGatingTopK(router.logits, bias, _outputs=2, _domain=DOMAIN, _version=OPSET_VERSION,
                                         **attributes)
+    indices.producer().name = f"{moe.name or 'MOE'}/router"
     wanted = moe.inputs[1].dtype
     if wanted is not None and wanted != router.logits.dtype:
         weights = op.Cast(weights, to=wanted)
