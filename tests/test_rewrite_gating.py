@@ -320,19 +320,42 @@ def test_negative_bias_changes_the_choice():
     assert not np.allclose(run(before, feeds, "cpp"), run(deepseek("deepseek_v3_tf5_dynamo.onnx"), feeds, "cpp"))
 
 
-def test_fixture_near_miss_softmax_over_tokens():
-    """A softmax over the tokens (axis 0) is not a router's: the chain stays, with the reason."""
+def set_attribute(node: onnx.NodeProto, name: str, value) -> None:
+    for attr in list(node.attribute):
+        if attr.name == name:
+            node.attribute.remove(attr)
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def sum_over_tokens(model):
+    """The renormalization divides by the sum over the tokens (axis 0), not over k."""
+    (total,) = nodes(model, "ReduceSum", lambda n: producer(model, n.input[0]).op_type == "TopK")
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), "axis_0"))
+    total.input[1] = "axis_0"
+
+
+# (fixture, mutation of its router, the note's reason); the block still fuses, its router stays
+FIXTURE_STAYS = [
+    ("qwen2_moe_batched_mm_tiny", lambda m: set_attribute(nodes(m, "Softmax")[0], "axis", 0),
+     "the router Softmax is not over the experts"),
+    ("gpt_oss_batched_mm_tiny", lambda m: set_attribute(nodes(m, "Softmax")[0], "axis", 0),
+     "the top-k Softmax is not over k"),
+    ("mixtral_batched_mm_tiny", sum_over_tokens, "divided by a sum that is not theirs over k"),
+    ("olmoe_tiled3_tiny", lambda m: set_attribute(nodes(m, "TopK")[0], "largest", 0),
+     "the TopK does not take the largest values"),
+]
+
+
+@pytest.mark.parametrize("name, mutate, reason", FIXTURE_STAYS, ids=[c[0] for c in FIXTURE_STAYS])
+def test_fixture_near_miss_router_stays(name, mutate, reason):
     model = onnx.ModelProto()
-    model.CopyFrom(original("qwen2_moe_batched_mm_tiny"))
-    (softmax,) = nodes(model, "Softmax")
-    for attr in softmax.attribute:
-        if attr.name == "axis":
-            attr.i = 0
+    model.CopyFrom(original(name))
+    mutate(model)
     new, report = optimize(model, fuse_routers=True)
-    (note,) = [n for n in report.notes if "router" in n]
-    assert "the router Softmax is not over the experts" in note
-    assert not nodes(new, "MoeGatingTopK")
-    feeds = {"hidden_states": reference_data("qwen2_moe_batched_mm_tiny")["hidden_states"]}
+    assert report.total_fused == 1 and not nodes(new, "MoeGatingTopK"), report.summary()
+    (note,) = report.notes
+    assert "the router stays as exported" in note and reason in note, note
+    feeds = {"hidden_states": reference_data(name)["hidden_states"]}
     np.testing.assert_allclose(run(new, feeds, "cpp"), run_ort(model, feeds, ["output"])[0], **TOL)
 
 
