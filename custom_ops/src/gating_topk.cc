@@ -87,10 +87,18 @@ inline bool before(float a, int64_t i, float b, int64_t j) {
   return i < j;
 }
 
-// Sorts the first `count` of positions[0, n) best first by values[position].
+// Moves the `count` best of positions[0, n) to its front, best first, by values[position]: one pass
+// keeping the best so far in order (most positions lose to the last of them in one comparison).
 void best_first(int64_t* positions, int64_t n, int64_t count, const float* values) {
-  std::partial_sort(positions, positions + count, positions + n,
-                    [values](int64_t i, int64_t j) { return before(values[i], i, values[j], j); });
+  auto better = [values](int64_t i, int64_t j) { return before(values[i], i, values[j], j); };
+  std::sort(positions, positions + count, better);
+  for (int64_t p = count; p < n; ++p) {
+    const int64_t candidate = positions[p];
+    if (!better(candidate, positions[count - 1])) continue;
+    int64_t at = count - 1;
+    for (; at > 0 && better(candidate, positions[at - 1]); --at) positions[at] = positions[at - 1];
+    positions[at] = candidate;
+  }
 }
 
 // s = softmax or sigmoid of x over E, in float32 (a NaN anywhere makes a softmax row NaN, as np.max).
