@@ -64,7 +64,8 @@ int64_t validate(const GatingMode& m, const Checker& v) {
   }
   const int64_t E = dims.get("E");
   const std::string k = std::to_string(m.k), n_group = std::to_string(m.n_group), experts = std::to_string(E);
-  if (m.k > E) v.fail("attribute 'k'", "is " + k + "; expected at most E = " + experts + " (the last dim of input 'logits')");
+  if (m.k > E)
+    v.fail("attribute 'k'", "is " + k + "; expected at most E = " + experts + " (the last dim of input 'logits')");
   if (E % m.n_group) v.fail("attribute 'n_group'", "is " + n_group + "; expected a divisor of E = " + experts);
   const int64_t group_size = E / m.n_group;
   if (m.n_group > 1 && m.sum_top2 && group_size < 2)
