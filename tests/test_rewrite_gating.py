@@ -334,6 +334,14 @@ def sum_over_tokens(model):
     total.input[1] = "axis_0"
 
 
+def clamped_sum(model):
+    """Ernie 4.5's renormalization: divided by Clip(sum, min=norm_min) instead of the sum."""
+    (div,) = nodes(model, "Div", lambda n: producer(model, n.input[1]).op_type == "ReduceSum")
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1e-12, np.float32), "norm_min"))
+    model.graph.node.append(helper.make_node("Clip", [div.input[1], "norm_min"], ["clamped_sum"]))
+    div.input[1] = "clamped_sum"
+
+
 # (fixture, mutation of its router, the note's reason); the block still fuses, its router stays
 FIXTURE_STAYS = [
     ("qwen2_moe_batched_mm_tiny", lambda m: set_attribute(nodes(m, "Softmax")[0], "axis", 0),
@@ -341,6 +349,7 @@ FIXTURE_STAYS = [
     ("gpt_oss_batched_mm_tiny", lambda m: set_attribute(nodes(m, "Softmax")[0], "axis", 0),
      "the top-k Softmax is not over k"),
     ("mixtral_batched_mm_tiny", sum_over_tokens, "divided by a sum that is not theirs over k"),
+    ("qwen3_moe_batched_mm_tiny", clamped_sum, "divided by max(their sum, 1e-12) (Ernie 4.5's norm_min)"),
     ("olmoe_tiled3_tiny", lambda m: set_attribute(nodes(m, "TopK")[0], "largest", 0),
      "the TopK does not take the largest values"),
 ]

@@ -37,7 +37,9 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from ..ops import DOMAIN, OPSET_VERSION
-from ._match import MatchFailure, constant, constant_ints, constant_scalar, is_zeros, require, standard
+from ._match import (
+    MatchFailure, constant, constant_ints, constant_scalar, constant_text, is_zeros, require, standard,
+)
 from ._onnxscript import TapeBuilder
 
 RULE = "RouterToMoeGatingTopK"
@@ -127,6 +129,12 @@ def _folded_ints(value: ir.Value, limit: int = 12) -> list[int] | None:
     return [int(v) for v in np.asarray(result).reshape(-1)] if np.asarray(result).dtype.kind in "iu" else None
 
 
+def _float32_text(value: ir.Value | None) -> str:
+    """A scalar constant as float32 prints it (1e-12, not 9.999999960041972e-13), or what constant_text says."""
+    scalar = constant_scalar(value)
+    return str(np.float32(scalar)) if scalar is not None else constant_text(value)
+
+
 def _axes(node: ir.Node) -> list[int] | None:
     """A reduction's axes (an attribute before opset 18, an input since)."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
@@ -200,6 +208,11 @@ def _renormalized(weights: ir.Value) -> tuple[ir.Value, bool, float]:
         require(len(sums) == 1 and len(others) == 1 and others[0] is not None and math.isfinite(others[0]),
                 "the routing weights are divided by a sum plus something that is not a scalar constant")
         denominator, eps = sums[0], others[0]
+    clip = _producer(denominator, "Clip")
+    require(clip is None or _producer(clip.inputs[0], "ReduceSum") is None,
+            f"the routing weights are divided by max(their sum, {_float32_text(clip.inputs[1]) if clip else ''}) "
+            "(Ernie 4.5's norm_min): MoeGatingTopK adds eps to the sum instead, which differs where the sum "
+            "is below that minimum")
     total = _producer(denominator, "ReduceSum")
     require(total is not None, "the routing weights are divided by something other than their sum")
     rank = len(w.shape) if w.shape is not None else 0
