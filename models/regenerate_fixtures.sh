@@ -12,4 +12,9 @@ out="$here/fixtures"
 rm -f "$out"/*.onnx "$out"/*.npz "$out"/manifest.json
 "$venv5/bin/python" "$here/export_moe_blocks.py" --all --out-dir "$out"
 "$venv457/bin/python" "$here/export_moe_blocks.py" --all --out-dir "$out"
+for venv in "$venv457:tf457" "$venv5:tf5"; do  # the routers alone (tests/test_rewrite_gating.py)
+  for exporter in torchscript dynamo; do
+    "${venv%%:*}/bin/python" "$here/export_routers.py" "$exporter" "$out/routers/deepseek_v3_${venv##*:}_$exporter.onnx"
+  done
+done
 "$check_python" "$here/export_moe_blocks.py" --check "$out" --op-table "$out" --update-readme

@@ -34,7 +34,7 @@ def _optimize(args: argparse.Namespace) -> int:
     try:
         result = optimize_file(args.input, args.output, args.target, progress=progress,
                                verify_backend=args.backend if args.verify else None, sizes=args.sizes,
-                               threads=args.threads)
+                               threads=args.threads, fuse_routers=args.fuse_routers)
     except SameFileError as error:
         print(f"moe-onnx optimize: {error}", file=sys.stderr)
         return 2
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--target", choices=TARGETS, default="moe",
                      help="moe: one MOE node per block (default); grouped: MoeInitRouting -> MoeRowParallelLinear "
                           "-> activation -> MoeRowParallelLinear -> MoeFinalizeRouting")
+    opt.add_argument("--fuse-routers", action="store_true",
+                     help="also replace each fused block's router chain by one MoeGatingTopK node")
     opt.add_argument("--verify", action="store_true",
                      help="run both models on random inputs and compare (exit 1 on a mismatch), and time them")
     opt.add_argument("--backend", choices=BACKENDS, default="cpp", help="kernels used by --verify")

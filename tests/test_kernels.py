@@ -21,6 +21,7 @@ import pytest
 from backends import as_float64, kernel_message, options, run_case
 from cases import ALL_CASES, Case
 from cases import finalize_routing as finalize_cases
+from cases import gating_topk as gating_cases
 from cases import init_routing as init_cases
 from cases import row_parallel_linear as linear_cases
 from cases.moe import BF16, GEMM2, GEMM2_ACT, GEMM3, SCALAR_ACTIVATIONS, TOL, make_inputs
@@ -35,7 +36,7 @@ from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
 
-CPP_OPS = {"MOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}  # ops with a C++ kernel
+CPP_OPS = {"MOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK"}  # ops with a C++ kernel
 CPP_CASES = [c for c in ALL_CASES if c.op in CPP_OPS]
 
 
@@ -96,7 +97,10 @@ def _larger_cases() -> list[Case]:
                              tokens=300, hidden=40, experts=8, k=3, ids=ids, dtype=np.float16)]
     finalize = [finalize_cases.routed_case("larger_scatter", {"row_idx_type": 1, "active_expert_range": [0, 6]},
                                            tokens=300, hidden=40, experts=8, k=3, ids=ids)]
-    return linear + init + finalize
+    gating = [gating_cases.gating_case("larger_deepseek_v3", shape=(300, 64), k=6, bias=True, dtype=BF16,
+                                       **gating_cases.DEEPSEEK_V3),
+              gating_cases.gating_case("larger_softmax", shape=(20, 15, 32), k=4, renormalize=1)]
+    return linear + init + finalize + gating
 
 
 LARGER_CASES = _larger_cases()

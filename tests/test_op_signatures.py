@@ -39,7 +39,8 @@ def header(tmp_path_factory) -> str:
 
 def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
     """{op: {"inputs": [(name, optional, [enum, ...])], "outputs": [...],
-    "attributes": [(name, kind, required, default or None)]}} read back from the header."""
+    "attributes": [(name, kind, required, default or None)]}} read back from the header (a string
+    default is the text after the numeric field)."""
     tables = {}
     for variable, name, inputs, outputs, attributes in re.findall(
             r'inline const OpSignature (\w+) = \{\n    "(\w+)",\n    \{  // inputs\n(.*?)    \},\n'
@@ -49,15 +50,11 @@ def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
                                for n, opt, types in re.findall(r'\{"(\w+)", (true|false), \{([\w, ]+)\}\}', rows)]
                         for part, rows in (("inputs", inputs), ("outputs", outputs))}
         tables[name]["attributes"] = [
-            (n, kind, required == "true", _default(kind, default) if has_default == "true" else None)
-            for n, kind, required, has_default, default in re.findall(
-                r'\{"(\w+)", "(\w+)", (true|false), (true|false), ([-\w.]+)\}', attributes)]
+            (n, kind, required == "true",
+             (text if kind == "string" else float(default.replace("HUGE_VAL", "inf"))) if has_default == "true" else None)
+            for n, kind, required, has_default, default, text in re.findall(
+                r'\{"(\w+)", "(\w+)", (true|false), (true|false), ([-\w.]+)(?:, "([-\w.]*)")?\}', attributes)]
     return tables
-
-
-def _default(kind: str, literal: str):
-    """A table's default as Python has it: a number, or "" for a string (the only string default C++ holds)."""
-    return "" if kind == "string" else float(literal.replace("HUGE_VAL", "inf"))
 
 
 def _enum(elem: int) -> str:

@@ -55,11 +55,13 @@ def formal_params(signature, params) -> str:
 
 
 def default_literal(attr) -> str:
-    """The C++ double of a numeric default ("-1", "1.0", "HUGE_VAL" for inf); "0" for a string's "" (the
-    only string default C++ knows: Attributes::get_string returns "" for it)."""
+    """The C++ initializers of a default: a numeric one's double ("-1", "1.0", "HUGE_VAL" for inf); a
+    string's is 0 and its text ("0, \"softmax\"")."""
     value = attr.default
-    if attr.kind == "string" and value == "":
-        return "0"
+    if attr.kind == "string" and isinstance(value, str):
+        if not all(c.isalnum() or c in "_-." for c in value):
+            raise ValueError(f"attribute '{attr.name}': the string default {value!r} needs escaping in C++")
+        return f'0, "{value}"'
     if attr.kind not in ("int", "float") or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"attribute '{attr.name}': a default of kind {attr.kind} ({value!r}) has no C++ form here")
     if math.isnan(value):

@@ -80,14 +80,15 @@ struct FormalParam {
   bool allows(ElemType type) const { return std::find(types.begin(), types.end(), type) != types.end(); }
 };
 
-// A formal attribute of an op. Only int and float attributes have defaults (gen_op_tables.py refuses
-// a default of another kind).
+// A formal attribute of an op. int and float attributes have a numeric default, string attributes
+// a text one (gen_op_tables.py refuses a default of another kind).
 struct FormalAttr {
   const char* name;
   const char* kind;  // "int", "float", "string" or "ints"
   bool required;
   bool has_default;
   double default_value;
+  const char* default_string = nullptr;  // a string attribute's default
 };
 
 // The formal signature of an op as moe_onnx/ops/signatures.py declares it. The build generates one

@@ -35,8 +35,9 @@ float Attributes::get_float(const char* name) const {
 
 std::string Attributes::get_string(const char* name) const {
   std::string value;
-  if (!reader_.has_string(name, &value)) default_of(name);  // required: fails; else the only string default, ""
-  return value;
+  if (reader_.has_string(name, &value)) return value;
+  default_of(name);  // fails when the attribute is required or has no default
+  return op_.attribute(name).default_string;
 }
 
 int64_t Attributes::choice(const char* name, const std::vector<int64_t>& choices) const {

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "finalize_routing.h"
+#include "gating_topk.h"
 #include "gemm.h"
 #include "init_routing.h"
 #include "int8_gemm.h"
@@ -34,6 +35,7 @@ const std::vector<const OrtCustomOp*>& kernels() {
     for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, false));
     add_per_type<moe_onnx::RowParallelLinearOp>(ops);
     add_per_type<moe_onnx::FinalizeRoutingOp>(ops);
+    add_per_type<moe_onnx::GatingTopKOp>(ops);
     return ops;
   }();
   return all;

@@ -12,11 +12,13 @@ from onnx.reference.op_run import OpRun
 
 from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
 from .finalize_routing import MOE_FINALIZE_ROUTING
+from .gating_topk import MOE_GATING_TOPK
 from .init_routing import MOE_INIT_ROUTING
 from .moe import MOE
 from .row_parallel_linear import ROW_PARALLEL_LINEAR
 
-OPS: dict[str, OpDef] = {op.name: op for op in (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING)}
+OPS: dict[str, OpDef] = {op.name: op for op in (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
+                                                MOE_GATING_TOPK)}
 
 
 def _register_schemas() -> None:

@@ -198,4 +198,35 @@ MOE_FINALIZE_ROUTING = Signature(
 )
 
 
-SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING)
+MOE_GATING_TOPK = Signature(
+    name="MoeGatingTopK",
+    doc=("Router: scores s = softmax or sigmoid of the logits, an optional expert bias for selection only, "
+         "group-limited top-k (DeepSeek), renormalize and scale: the [*, k] weights and indices MOE and "
+         "MoeInitRouting take. See docs/ops/MoeGatingTopK.md."),
+    inputs=(
+        Param("logits", "T", "[*, E]: the router logits, rank >= 1; rows = product of the leading dims."),
+        Param("bias", "T", "[E]: expert bias added to the scores to choose the experts, not to weight them "
+              "(DeepSeek-V3 e_score_correction_bias).", optional=True),
+    ),
+    outputs=(
+        Param("weights", "T", "[*, k]: the chosen experts' scores (renormalized, scaled)."),
+        Param("indices", "tensor(int64)", "[*, k]: the chosen experts, best first (ties: lower index first)."),
+        Param("scores", "T", "[*, E]: the scores s, before the bias.", optional=True),
+    ),
+    type_constraints=(("T", FLOAT_TYPES, "Logits, bias, weights and scores."),),
+    attributes=(
+        Attr("k", "int", "Experts per row, 1 <= k <= E.", required=True),
+        Attr("score_func", "string", "softmax or sigmoid: s over the E logits of a row.", default="softmax"),
+        Attr("n_group", "int", "Expert groups (E % n_group == 0); 1: plain top-k.", default=1),
+        Attr("topk_group", "int", "Groups kept per row, 1..n_group; 0 means n_group (all).", default=0),
+        Attr("group_select", "string", "A group's score: sum_top2 (the sum of its two best selection scores, "
+             "DeepSeek-V3) or max (DeepSeek-V2).", default="sum_top2"),
+        Attr("renormalize", "int", "1: weights = w / (sum(w) + eps); 0: the scores as they are.", default=0),
+        Attr("eps", "float", "Added to the renormalize denominator (DeepSeek: 1e-20).", default=0.0),
+        Attr("routed_scaling_factor", "float", "Multiplies the weights, after renormalize.", default=1.0),
+    ),
+)
+
+
+SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
+                                        MOE_GATING_TOPK)

@@ -15,7 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, grouped, loop, shared_expert, tiled
+from . import batched_mm, gating, grouped, loop, shared_expert, tiled
 from ._match import MoeFusion
 
 
@@ -75,8 +75,10 @@ def _parameters(model: ir.Model) -> int:
     return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None) -> OptimizeReport:
-    """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages."""
+def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
+                fuse_routers: bool = False) -> OptimizeReport:
+    """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
+    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py)."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     say = progress or (lambda message: None)
@@ -101,6 +103,10 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                 if match.status == MatchStatus.CONDITION_FAILED and match.root_node in live:
                     near_misses.append({"rule": fusion.name, "node": match.root_node.name or "",
                                         "reason": match.match_result.reason or "check failed"})
+    if fuse_routers:
+        say("routers")
+        fused[gating.RULE], router_notes = gating.fuse_routers(model)
+        notes += router_notes
     say("folding shared experts")
     fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
     notes += fold_notes
@@ -136,19 +142,21 @@ def _infer_shapes(model: ir.Model) -> None:
                 value.shape = shape
 
 
-def optimize(model: Any, target: str = "moe") -> tuple[Any, OptimizeReport]:
+def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = False) -> tuple[Any, OptimizeReport]:
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
     (a path gives a ModelProto) and comes with an :class:`OptimizeReport`. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
-    MoeRowParallelLinear -> MoeFinalizeRouting. Raises ValueError for an unknown target.
+    MoeRowParallelLinear -> MoeFinalizeRouting. ``fuse_routers`` makes each block's router one
+    MoeGatingTopK where its chain is a known one (the report notes the others). Raises ValueError for
+    an unknown target.
     """
     if isinstance(model, ir.Model):
-        return model, optimize_ir(model, target)
+        return model, optimize_ir(model, target, fuse_routers=fuse_routers)
     if isinstance(model, (str, os.PathLike)):
         ir_model = ir.load(model)
     else:
         ir_model = ir.serde.deserialize_model(model)
-    report = optimize_ir(ir_model, target)
+    report = optimize_ir(ir_model, target, fuse_routers=fuse_routers)
     return ir.serde.serialize_model(ir_model), report
