@@ -5,7 +5,8 @@ One module per export form (``tiled``, ``batched_mm``, ``loop``), each a list of
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants), ``_router`` (the MOE's routing inputs), ``_activation``
 (SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind layout ops, lazy
-initializers) and ``_onnxscript`` (the private onnxscript names used).
+initializers) and ``_onnxscript`` (the private onnxscript names used). ``_unfused`` reports every
+MoE block (found by its router) that no rule fused or reported.
 """
 
 from ._driver import OptimizeReport, optimize, optimize_ir

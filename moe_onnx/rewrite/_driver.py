@@ -17,6 +17,7 @@ from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
 from . import batched_mm, grouped, loop, tiled
 from ._match import MoeFusion
+from ._unfused import PartialMatch, unfused_blocks
 
 
 # The export forms, in the order their rules run (a module each, with its list of FUSIONS).
@@ -85,12 +86,14 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     _infer_shapes(model)
 
     fused, near_misses, notes = {}, [], []
+    missed_roots, partial = [], []
     for fusion in fusions():
         say(f"rule {fusion.name}")
         rules = RewriteRuleSet([fusion.as_rule()])
         count = rules.apply_to_model(model)
         # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
-        # the blocks left unfused and the check that failed
+        # the blocks left unfused and the check that failed (or, for a pattern that did not match
+        # all the way, how far it got)
         tracer = MatchingTracer()
         rules.apply_to_model(model, tracer=tracer)
         fused[fusion.name] = count
@@ -98,10 +101,19 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         live = set(ir.traversal.RecursiveGraphIterator(model.graph))
         for matches in tracer.best_matches_map.values():
             for match in matches:
-                if match.status == MatchStatus.CONDITION_FAILED and match.root_node in live:
-                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "",
-                                        "reason": match.match_result.reason or "check failed"})
+                if match.root_node not in live:
+                    continue
+                reason = match.match_result.reason or "check failed"
+                if match.status == MatchStatus.CONDITION_FAILED:
+                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "", "reason": reason})
+                    missed_roots.append(match.root_node)
+                elif match.status == MatchStatus.NO_MATCH:
+                    partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
+                                                reason))
     fused = {name: count for name, count in fused.items() if count}
+    common_passes.RemoveUnusedNodesPass()(model)
+    say("looking for MoE blocks left unfused")
+    near_misses += unfused_blocks(model, missed_roots, partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))
