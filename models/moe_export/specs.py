@@ -44,6 +44,10 @@ STYLES = {
         4, False, _LOOP_FAMILIES,
         "transformers 4.57 eager per-expert loop traced by torch.onnx.export(dynamo=False)",
     ),
+    "loop_dynamo": Style(
+        4, True, ("olmoe",),
+        "transformers 4.57 eager loop over range(num_experts) exported by torch.onnx.export(dynamo=True)",
+    ),
     "loop_missing": Style(
         4, False, ("mixtral",),
         "as 'loop', but traced on an input that routes no token to one expert, so that expert is absent",

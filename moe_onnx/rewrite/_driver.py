@@ -15,13 +15,13 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, grouped, loop, tiled
+from . import batched_mm, grouped, loop, loop_dynamo, tiled
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
 
 
 # The export forms, in the order their rules run (a module each, with its list of FUSIONS).
-FAMILIES = (tiled, batched_mm, loop)
+FAMILIES = (tiled, batched_mm, loop, loop_dynamo)
 
 
 def fusions() -> list[MoeFusion]:

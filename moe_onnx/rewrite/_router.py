@@ -9,7 +9,8 @@ form hands :func:`route` the indices and weights it found at the block boundary:
 
 - batched_mm: the TopK indices and the weights the slots are multiplied by, directly;
 - tiled: the ``ScatterElements(zeros [T, E], indices, weights, axis=1)`` dense matrix (:func:`dense_route`);
-- loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`).
+- loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`);
+  the dynamo exporter writes the one-hot as ``Cast(Equal(Unsqueeze(indices, -1), arange(E)))``.
 
 A new router (sigmoid scores with a selection bias, group-limited top-k, sparsemixer) produces its
 indices differently: it is one more entry of ``_INDEX_SOURCES``, a function that checks the
@@ -87,20 +88,38 @@ def dense_route(dense_TE: ir.Value) -> Route:
     return found
 
 
+def _one_hot(one_hot_TKE: ir.Value) -> tuple[ir.Value, int]:
+    """``(indices, depth)`` of ``OneHot(indices, depth, [0, 1])`` or ``Cast(Equal(Unsqueeze(indices, -1),
+    arange(depth)))`` (the dynamo exporter's one_hot)."""
+    node = one_hot_TKE.producer()
+    if standard(node, "Cast"):
+        equal = node.inputs[0].producer()
+        require(standard(equal, "Equal"), "the expert mask is neither OneHot nor Cast(Equal(indices, arange(E)))")
+        unsqueezed, arange = equal.inputs
+        steps = constant_ints(arange)
+        require(steps is not None and steps == list(range(len(steps))),
+                "the expert mask compares the indices with something other than arange(E)")
+        unsqueeze = unsqueezed.producer()
+        axes = None if not standard(unsqueeze, "Unsqueeze") else constant_ints(unsqueeze.inputs[1])
+        require(axes in ([-1], [2]), "the expert mask does not compare Unsqueeze(indices, -1) with arange(E)")
+        return unsqueeze.inputs[0], len(steps)
+    require(standard(node, "OneHot"), "the expert mask is not OneHot permuted [2, 1, 0]")
+    require(node.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
+    values = constant(node.inputs[2])
+    require(values is not None and values.reshape(-1).tolist() == [0, 1],
+            "the expert mask OneHot values are not [0, 1]")
+    depth = constant_ints(node.inputs[1])
+    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
+    return node.inputs[0], depth[0]
+
+
 def one_hot_route(mask_EKT: ir.Value, weights: ir.Value) -> Route:
-    """The route of ``mask_EKT = Transpose(OneHot(indices, E, [0, 1]), perm=[2, 1, 0])`` and ``weights``."""
+    """The route of ``mask_EKT = Transpose(one_hot(indices, E), perm=[2, 1, 0])`` and ``weights``."""
     transpose = mask_EKT.producer()
     require(standard(transpose, "Transpose") and list(transpose.attributes.get_ints("perm", [])) == [2, 1, 0],
             "the expert mask is not OneHot permuted [2, 1, 0]")
-    onehot = transpose.inputs[0].producer()
-    require(standard(onehot, "OneHot"), "the expert mask is not OneHot permuted [2, 1, 0]")
-    require(onehot.attributes.get_int("axis", -1) in (-1, 2), "the expert mask OneHot axis is not the last")
-    values = constant(onehot.inputs[2])
-    require(values is not None and values.reshape(-1).tolist() == [0, 1],
-            "the expert mask OneHot values are not [0, 1]")
-    depth = constant_ints(onehot.inputs[1])
-    require(depth is not None and len(depth) == 1, "the expert mask OneHot depth is not a constant")
-    found = route(onehot.inputs[0], weights)
-    require(depth[0] == found.experts,
-            f"the expert mask OneHot depth {depth[0]} differs from the router's width {found.experts}")
+    indices, depth = _one_hot(transpose.inputs[0])
+    found = route(indices, weights)
+    require(depth == found.experts,
+            f"the expert mask OneHot depth {depth} differs from the router's width {found.experts}")
     return found

@@ -341,6 +341,9 @@ class _Block:
     alpha: float
     hidden: int
     intermediate: int
+    # per projection (gate, up, down): stored [in, out] as named above (MatMul), or [out, in] (nn.Linear
+    # weights of a Gemm with transB=1, the layout MOE takes)
+    in_out: tuple[bool, bool, bool] = (True, True, True)
 
 
 def _chain(last: ir.Node) -> list[ir.Node]:
@@ -425,12 +428,16 @@ def _block(last: ir.Node) -> _Block:
                   by_expert("down_IH"), first.alpha, hidden, intermediate)
 
 
-def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int]) -> ir.Value:
-    """A lazy [E, rows, cols] initializer of the transposed per-expert matrices; zeros for absent experts."""
+def _stacked(op, name: str, weights: list[Weight | None], dtype: ir.DataType, shape: tuple[int, int, int],
+             transpose: bool = True) -> ir.Value:
+    """A lazy [E, rows, cols] initializer of the per-expert matrices (transposed unless ``transpose`` is
+    False: already [out, in]); zeros for absent experts."""
 
     def expert_slice(e: int) -> np.ndarray:
         w = weights[e]
-        return np.zeros(shape[1:], dtype=dtype.numpy()) if w is None else w.array().T
+        if w is None:
+            return np.zeros(shape[1:], dtype=dtype.numpy())
+        return w.array().T if transpose else w.array()
 
     return lazy_initializer(op, name, expert_slice, dtype, shape, sources=[w.source for w in weights if w])
 
@@ -465,10 +472,11 @@ class LoopMoeFusion(MoeFusion):
             self.notes.append(note)
         experts, dtype = block.route.experts, block.tokens_TH.dtype
         shape_EIH, shape_EHI = (experts, block.intermediate, block.hidden), (experts, block.hidden, block.intermediate)
+        gate_in_out, up_in_out, down_in_out = block.in_out
         return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, expert_type=GEMM3_SWIGLU,
-                        weight_0=_stacked(op, "loop_gate_EIH", block.gate_HI, dtype, shape_EIH),
-                        weight_1=_stacked(op, "loop_up_EIH", block.up_HI, dtype, shape_EIH),
-                        weight_2=_stacked(op, "loop_down_EHI", block.down_IH, dtype, shape_EHI),
+                        weight_0=_stacked(op, "loop_gate_EIH", block.gate_HI, dtype, shape_EIH, gate_in_out),
+                        weight_1=_stacked(op, "loop_up_EIH", block.up_HI, dtype, shape_EIH, up_in_out),
+                        weight_2=_stacked(op, "loop_down_EHI", block.down_IH, dtype, shape_EHI, down_in_out),
                         expert_alpha=block.alpha)
 
 
