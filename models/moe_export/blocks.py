@@ -19,6 +19,8 @@ _CLASSES = {
     "mixtral": ("mixtral", "MixtralConfig", "MixtralSparseMoeBlock"),
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"),
+    "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
+    "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -36,8 +38,12 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=1,
     )
-    if spec.family == "gpt_oss":
+    if spec.family in ("gpt_oss", "granitemoe"):
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
+    if spec.family == "jetmoe":
+        common.pop("num_attention_heads")
+        return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts,
+                    kv_channels=spec.hidden // 4)
     if spec.family == "mixtral":
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "olmoe":
@@ -72,7 +78,7 @@ def _randomize(block: torch.nn.Module, spec: BlockSpec) -> None:
             continue
         if param.dim() == 2:  # nn.Linear / router weight [out, in]
             fan_in = param.shape[1]
-        elif "down" in name:
+        elif "down" in name or "output_linear" in name:
             fan_in = spec.intermediate
         else:
             fan_in = spec.hidden

@@ -171,7 +171,7 @@ def _export_dynamo(block, trace_input, path: Path, output_names: list[str]) -> N
         opset_version=OPSET,
         input_names=["hidden_states"],
         output_names=output_names,
-        dynamic_shapes={"hidden_states": {0: batch, 1: seq}},
+        dynamic_shapes=({0: batch, 1: seq},),  # by position: the forward's argument is not always named hidden_states
         external_data=False,
         verbose=False,
     )

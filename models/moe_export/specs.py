@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "jetmoe")
+_BLOCK_FAMILIES = FAMILIES[:5]  # the families with a block in every transformers version
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Style:
 _LOOP_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 STYLES = {
     "batched_mm": Style(
-        5, True, FAMILIES,
+        5, True, _BLOCK_FAMILIES,
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=True)",
     ),
     "tiled": Style(
@@ -48,6 +49,11 @@ STYLES = {
         4, True, ("olmoe",),
         "transformers 4.57 eager loop over range(num_experts) exported by torch.onnx.export(dynamo=True)",
     ),
+    "parallel_experts_dynamo": Style(
+        4, True, ("granitemoe", "jetmoe"),
+        "transformers 4.57 ParallelExperts (tokens sorted by expert, one Linear per chunk) exported by "
+        "torch.onnx.export(dynamo=True)",
+    ),
     "loop_missing": Style(
         4, False, ("mixtral",),
         "as 'loop', but traced on an input that routes no token to one expert, so that expert is absent",
@@ -66,8 +72,11 @@ ROUTER = {
     "mixtral": "linear -> softmax -> topk -> renormalize (always)",
     "olmoe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
     "qwen2_moe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
+    "granitemoe": "linear -> topk over logits -> softmax over the k values",
+    "jetmoe": "linear -> topk over logits -> softmax over the k values",
 }
-RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False}
+RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
+               "granitemoe": False, "jetmoe": False}
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class BlockSpec:
         """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows) or 'separate' tensors."""
         if self.family == "gpt_oss":
             return "interleaved"
-        return "halves" if self.transformers_major == 5 else "separate"
+        return "halves" if self.transformers_major == 5 or self.family in ("granitemoe", "jetmoe") else "separate"
 
     @property
     def weight_layout(self) -> str:

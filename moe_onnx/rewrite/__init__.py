@@ -1,6 +1,7 @@
 """Fusing the MoE blocks of exported models into moe_onnx ops.
 
-One module per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``), each a list of ``FUSIONS``
+One module per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``,
+``parallel_experts``), each a list of ``FUSIONS``
 (onnxscript rewrite rules); ``grouped`` turns MOE nodes into the routed chain; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants), ``_router`` (the MOE's routing inputs), ``_activation``

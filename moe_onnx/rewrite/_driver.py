@@ -15,13 +15,13 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, grouped, loop, loop_dynamo, tiled
+from . import batched_mm, grouped, loop, loop_dynamo, parallel_experts, tiled
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
 
 
 # The export forms, in the order their rules run (a module each, with its list of FUSIONS).
-FAMILIES = (tiled, batched_mm, loop, loop_dynamo)
+FAMILIES = (tiled, batched_mm, loop, loop_dynamo, parallel_experts)
 
 
 def fusions() -> list[MoeFusion]:
@@ -85,8 +85,9 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
 
-    fused, near_misses, notes = {}, [], []
-    missed_roots, partial = [], []
+    fused, notes = {}, []
+    missed: list[tuple[ir.Node, dict[str, str]]] = []  # (root node, near-miss)
+    partial: list[PartialMatch] = []
     for fusion in fusions():
         say(f"rule {fusion.name}")
         rules = RewriteRuleSet([fusion.as_rule()])
@@ -105,15 +106,15 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                     continue
                 reason = match.match_result.reason or "check failed"
                 if match.status == MatchStatus.CONDITION_FAILED:
-                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "", "reason": reason})
-                    missed_roots.append(match.root_node)
+                    missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
+                                                     "reason": reason}))
                 elif match.status == MatchStatus.NO_MATCH:
                     partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
                                                 reason))
     fused = {name: count for name, count in fused.items() if count}
     common_passes.RemoveUnusedNodesPass()(model)
     say("looking for MoE blocks left unfused")
-    near_misses += unfused_blocks(model, missed_roots, partial)
+    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed], partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))

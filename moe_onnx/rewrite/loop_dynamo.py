@@ -43,9 +43,21 @@ def _is_accumulation(node: ir.Node | None) -> bool:
     return standard(node, "ScatterND") and node.attributes.get_string("reduction", "none") == "add"
 
 
-class _LastScatterMatcher(SimplePatternMatcher):
-    """Tries only the last ScatterND (reduction add) of a chain, so each block is matched (and reported)
-    once and other ScatterNDs (cache updates) are no near-misses."""
+def _indexes_by_nonzero(scatter: ir.Node) -> bool:
+    """Whether the ScatterND's row index is a column of a NonZero (through Unsqueeze/Squeeze/Slice/Transpose)."""
+    node = scatter.inputs[1].producer()
+    while node is not None and node.op_type in ("Unsqueeze", "Squeeze", "Slice", "Transpose"):
+        node = node.inputs[0].producer()
+    return standard(node, "NonZero")
+
+
+class AccumulatingScatterMatcher(SimplePatternMatcher):
+    """Tries only the last ScatterND with reduction add of a chain (index_add_), so each block is matched
+    (and reported) once and other ScatterNDs (cache updates) are no near-misses; and only those whose
+    row index comes from a NonZero (the loop's routed tokens) when ``loop_index``, else only the others
+    (sorted experts). A block that neither form takes is still reported, by its router (``_unfused``)."""
+
+    loop_index = True
 
     def match(self, model, graph_or_function, node, **kwargs):
         if not _is_accumulation(node):
@@ -53,6 +65,8 @@ class _LastScatterMatcher(SimplePatternMatcher):
         if node.outputs and any(_is_accumulation(user) and user.inputs[0] is node.outputs[0]
                                 for user in node.outputs[0].consumers()):
             return MatchResult().fail("not the last accumulation of its chain")
+        if _indexes_by_nonzero(node) != self.loop_index:
+            return MatchResult().fail("the scatter index belongs to another form")
         return super().match(model, graph_or_function, node, **kwargs)
 
 
@@ -239,7 +253,7 @@ class LoopDynamoMoeFusion(LoopMoeFusion):
         return op.ScatterND(acc_TH, token_N1, updates_NH)
 
     def as_rule(self) -> RewriteRule:
-        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_LastScatterMatcher,
+        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=AccumulatingScatterMatcher,
                            name=self.name, remove_nodes=False)
 
     def read(self, context, **_) -> _Block:
