@@ -21,6 +21,7 @@ _CLASSES = {
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock"),
     "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
     "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
+    "aria_text": ("aria", "AriaTextConfig", "AriaTextMoELayer"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -44,6 +45,9 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         common.pop("num_attention_heads")
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts,
                     kv_channels=spec.hidden // 4)
+    if spec.family == "aria_text":
+        return dict(common, intermediate_size=spec.intermediate, moe_num_experts=spec.experts, moe_topk=spec.topk,
+                    moe_num_shared_experts=spec.shared_intermediate // spec.intermediate)
     if spec.family == "mixtral":
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "olmoe":
@@ -62,7 +66,7 @@ def _config_kwargs(spec: BlockSpec) -> dict:
 
 
 def _experts_implementation(style: str) -> str | None:
-    if style == "batched_mm":
+    if style in ("batched_mm", "batched_mm_transposed"):
         return "batched_mm"
     if style == "tiled3":
         patches.register_tiled_experts()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "jetmoe")
+FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "jetmoe", "aria_text")
 _BLOCK_FAMILIES = FAMILIES[:5]  # the families with a block in every transformers version
 
 
@@ -26,6 +26,11 @@ STYLES = {
     "batched_mm": Style(
         5, True, _BLOCK_FAMILIES,
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=True)",
+    ),
+    "batched_mm_transposed": Style(
+        5, True, ("aria_text",),
+        "transformers 5 experts_implementation='batched_mm' of experts stored [E, in, out] (is_transposed=True), "
+        "torch.onnx.export(dynamo=True)",
     ),
     "tiled": Style(
         4, False, ("gpt_oss",),
@@ -74,9 +79,10 @@ ROUTER = {
     "qwen2_moe": "linear -> softmax -> topk (norm_topk_prob=False: no renormalization)",
     "granitemoe": "linear -> topk over logits -> softmax over the k values",
     "jetmoe": "linear -> topk over logits -> softmax over the k values",
+    "aria_text": "linear -> topk over logits -> softmax over the k values",
 }
 RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
-               "granitemoe": False, "jetmoe": False}
+               "granitemoe": False, "jetmoe": False, "aria_text": False}
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class BlockSpec:
     intermediate: int
     experts: int
     topk: int
-    shared_intermediate: int | None = None  # Qwen2-MoE shared expert only
+    shared_intermediate: int | None = None  # the shared expert of Qwen2-MoE and AriaText
 
     @property
     def name(self) -> str:
@@ -106,9 +112,12 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows) or 'separate' tensors."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'column_halves' (gate = first I
+        columns) or 'separate' tensors."""
         if self.family == "gpt_oss":
             return "interleaved"
+        if self.family == "aria_text":
+            return "column_halves"
         return "halves" if self.transformers_major == 5 or self.family in ("granitemoe", "jetmoe") else "separate"
 
     @property
@@ -118,6 +127,8 @@ class BlockSpec:
             "interleaved": "gate_up_proj [E, H, 2I] (+ bias [E, 2I]), gate = [..., 0::2], up = [..., 1::2]; "
             "down_proj [E, I, H] (+ bias [E, H])",
             "halves": "gate_up_proj [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); down_proj [E, H, I]",
+            "column_halves": "gate_up_proj [E, H, 2I], gate = columns [0, I), up = columns [I, 2I); "
+            "down_proj [E, I, H]",
             "separate": "per expert nn.Linear gate_proj/up_proj [I, H] and down_proj [H, I] "
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
         }[self.gate_up_layout]
@@ -142,7 +153,7 @@ def preset(family: str, style: str, size: str) -> BlockSpec:
     if size == "small":
         values.update(_SMALL_BY_FAMILY.get(family, {}))
         values.update(_SMALL_BY_STYLE.get(style, {}))
-    shared = 2 * values["intermediate"] if family == "qwen2_moe" else None
+    shared = {"qwen2_moe": 2 * values["intermediate"], "aria_text": values["intermediate"]}.get(family)
     return BlockSpec(family, style, size, shared_intermediate=shared, **values)
 
 
@@ -154,6 +165,8 @@ def custom(base: BlockSpec, **overrides: int | None) -> BlockSpec:
     spec = replace(base, size="custom", **given)
     if spec.family == "qwen2_moe" and "shared_intermediate" not in given:
         spec = replace(spec, shared_intermediate=2 * spec.intermediate)
+    if spec.family == "aria_text":  # one shared expert of the experts' size
+        spec = replace(spec, shared_intermediate=spec.intermediate)
     return spec
 
 
