@@ -22,6 +22,7 @@ _CLASSES = {
     "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
     "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
     "aria_text": ("aria", "AriaTextConfig", "AriaTextMoELayer"),
+    "phimoe": ("phimoe", "PhimoeConfig", "PhimoeSparseMoeBlock"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -39,7 +40,7 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=1,
     )
-    if spec.family in ("gpt_oss", "granitemoe"):
+    if spec.family in ("gpt_oss", "granitemoe", "phimoe"):
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "jetmoe":
         common.pop("num_attention_heads")
@@ -66,7 +67,7 @@ def _config_kwargs(spec: BlockSpec) -> dict:
 
 
 def _experts_implementation(style: str) -> str | None:
-    if style in ("batched_mm", "batched_mm_transposed"):
+    if style in ("batched_mm", "batched_mm_transposed", "sparsemixer_batched_mm"):
         return "batched_mm"
     if style == "tiled3":
         patches.register_tiled_experts()

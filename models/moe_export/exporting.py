@@ -85,7 +85,7 @@ def export_block(spec: BlockSpec, onnx_path: Path, *, keep_router_output: bool =
 
     missing: list[int] = []
     note = None
-    if spec.style in ("loop", "loop_missing"):
+    if spec.style in ("loop", "loop_missing", "sparsemixer_loop"):
         trace_input, reference, alternate, traced, found = _loop_inputs(block, spec, seed)
         if spec.family == "olmoe":
             note = "transformers 4.57 OLMoE loops over range(num_experts): every expert is exported, any input works."

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "jetmoe", "aria_text")
+FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "granitemoe", "jetmoe", "aria_text", "phimoe")
 _BLOCK_FAMILIES = FAMILIES[:5]  # the families with a block in every transformers version
 
 
@@ -31,6 +31,10 @@ STYLES = {
         5, True, ("aria_text",),
         "transformers 5 experts_implementation='batched_mm' of experts stored [E, in, out] (is_transposed=True), "
         "torch.onnx.export(dynamo=True)",
+    ),
+    "sparsemixer_batched_mm": Style(
+        5, True, ("phimoe",),
+        "as 'batched_mm', for PhiMoE's sparsemixer router (successive ArgMax picks, no TopK)",
     ),
     "tiled": Style(
         4, False, ("gpt_oss",),
@@ -59,6 +63,10 @@ STYLES = {
         "transformers 4.57 ParallelExperts (tokens sorted by expert, one Linear per chunk) exported by "
         "torch.onnx.export(dynamo=True)",
     ),
+    "sparsemixer_loop": Style(
+        4, False, ("phimoe",),
+        "as 'loop', for PhiMoE's sparsemixer router (successive ArgMax picks, no TopK)",
+    ),
     "loop_missing": Style(
         4, False, ("mixtral",),
         "as 'loop', but traced on an input that routes no token to one expert, so that expert is absent",
@@ -80,9 +88,11 @@ ROUTER = {
     "granitemoe": "linear -> topk over logits -> softmax over the k values",
     "jetmoe": "linear -> topk over logits -> softmax over the k values",
     "aria_text": "linear -> topk over logits -> softmax over the k values",
+    "phimoe": "linear -> sparsemixer: argmax, then argmax with the first masked to -inf; each weight a softmax "
+              "of the logits masked near its pick",
 }
 RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
-               "granitemoe": False, "jetmoe": False, "aria_text": False}
+               "granitemoe": False, "jetmoe": False, "aria_text": False, "phimoe": False}
 
 
 @dataclass(frozen=True)
@@ -138,7 +148,7 @@ _PRESETS = {
     "tiny": dict(hidden=32, intermediate=16, experts=4, topk=2),
     "small": dict(hidden=64, intermediate=32, experts=8, topk=4),
 }
-_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2)}
+_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2), "phimoe": dict(topk=2)}
 # The dynamo exporter's optimizer folds a constant-only node only while its inputs have at most 8192
 # elements (Transpose of a single-use weight is folded at any size). Of the committed styles only
 # 'tiled_dynamo' has such a node whose input can pass that limit: the bias Unsqueeze, input [E, 2I].

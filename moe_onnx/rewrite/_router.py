@@ -12,8 +12,9 @@ form hands :func:`route` the indices and weights it found at the block boundary:
 - loop: the ``Transpose(OneHot(indices, E, [0, 1]), [2, 1, 0])`` expert mask (:func:`one_hot_route`);
   the dynamo exporter writes the one-hot as ``Cast(Equal(Unsqueeze(indices, -1), arange(E)))``.
 
-A new router (sigmoid scores with a selection bias, group-limited top-k, sparsemixer) produces its
-indices differently: it is one more entry of ``_INDEX_SOURCES``, a function that checks the
+A new router (sigmoid scores with a selection bias, group-limited top-k) produces its indices
+differently: it is one more entry of ``_INDEX_SOURCES`` (as PhiMoE's sparsemixer, successive ArgMaxes
+each over the scores with the earlier picks masked out, is), a function that checks the
 indices' producer and returns E and k (raising MatchFailure with the reason otherwise).
 
 Abbreviations: T tokens, E experts, k experts per token.
@@ -55,8 +56,51 @@ def _top_k(indices: ir.Value) -> tuple[int, int]:
     return experts, k[0]
 
 
+def _fill_value(value: ir.Value) -> float | None:
+    """The one value a constant, ``ConstantOfShape`` or an ``Expand`` of either is filled with (None otherwise)."""
+    node = value.producer()
+    if standard(node, "Expand"):
+        return _fill_value(node.inputs[0])
+    if standard(node, "ConstantOfShape"):
+        fill = node.attributes.get_tensor("value")
+        array = None if fill is None else fill.numpy().reshape(-1)
+        return None if array is None or array.size != 1 else float(array[0])
+    array = constant(value)
+    return None if array is None or array.size == 0 or (array != array.reshape(-1)[0]).any() else \
+        float(array.reshape(-1)[0])
+
+
+def _successive_argmax(indices: ir.Value) -> tuple[int, int]:
+    """(E, k) when ``indices = Concat(ArgMax(s), ArgMax(ScatterElements(s, pick 0, -inf)), ...)`` over [T, E]
+    scores s, each pick masking the previous one out of the scores it chose from (PhiMoE's sparsemixer):
+    k distinct experts per token, one per pick."""
+    concat = indices.producer()
+    require(concat.attributes.get_int("axis", 0) in (-1, 1),
+            "the expert indices are a Concat that is not along the slots (sparsemixer: axis -1)")
+    chosen_from = None
+    for j, pick in enumerate(concat.inputs):
+        argmax = pick.producer()
+        require(standard(argmax, "ArgMax") and argmax.attributes.get_int("axis", 0) in (-1, 1)
+                and argmax.attributes.get_int("keepdims", 1) == 1,
+                f"the expert indices are a Concat whose input {j} is not an ArgMax over the experts (keepdims)")
+        scores = argmax.inputs[0]
+        if j:
+            masked = scores.producer()
+            require(standard(masked, "ScatterElements") and masked.attributes.get_int("axis", 0) in (-1, 1)
+                    and masked.attributes.get_string("reduction", "none") == "none"
+                    and masked.inputs[0] is chosen_from and masked.inputs[1] is concat.inputs[j - 1]
+                    and _fill_value(masked.inputs[2]) == float("-inf"),
+                    f"sparsemixer pick {j} does not choose among the scores with pick {j - 1} set to -inf "
+                    "(ScatterElements(scores, previous pick, -inf)): two picks could name the same expert")
+        chosen_from = scores
+    shape = concat.inputs[0].producer().inputs[0].shape
+    experts = None if shape is None or len(shape) != 2 else shape[1]
+    require(isinstance(experts, int), f"the sparsemixer scores have shape {shape}; expected [T, E] with a static E")
+    return experts, len(concat.inputs)
+
+
 # op type of the indices' producer -> (E, k) of that router; one entry per kind of router
-_INDEX_SOURCES: dict[str, Callable[[ir.Value], tuple[int, int]]] = {"TopK": _top_k}
+_INDEX_SOURCES: dict[str, Callable[[ir.Value], tuple[int, int]]] = {"TopK": _top_k, "Concat": _successive_argmax}
 
 
 def route(indices: ir.Value, weights: ir.Value) -> Route:
