@@ -88,10 +88,15 @@ def test_an_unknown_form_names_what_it_resembles():
     assert "no fusion rule recognises the experts that TopK" in miss["reason"]
 
 
-def _router_graph(selection: str) -> onnx.ModelProto:
-    """tokens [T, 8] -> MatMul(router [8, 4]) -> Softmax -> ``selection`` -> Gather of a [4, 8] table."""
+def _router_graph(selection: str, experts_read_the_tokens: bool = True) -> onnx.ModelProto:
+    """tokens [T, 8] -> MatMul(router [8, 4]) -> Softmax -> ``selection`` -> Gather of a [4, 8] table;
+    the tokens also go to an output (as they go to the experts) when ``experts_read_the_tokens``."""
     nodes = [helper.make_node("MatMul", ["tokens", "router"], ["logits"]),
              helper.make_node("Softmax", ["logits"], ["scores"], axis=-1)]
+    outputs = [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, None)]
+    if experts_read_the_tokens:
+        nodes.append(helper.make_node("Relu", ["tokens"], ["expert_input"]))
+        outputs.append(helper.make_tensor_value_info("expert_input", onnx.TensorProto.FLOAT, None))
     if selection == "TopK":
         nodes.append(helper.make_node("TopK", ["scores", "k"], ["top", "picked"], axis=-1))
     else:
@@ -102,8 +107,7 @@ def _router_graph(selection: str) -> onnx.ModelProto:
              onnx.numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "table"),
              onnx.numpy_helper.from_array(np.array([2], np.int64), "k")]
     graph = helper.make_graph(nodes, "router", [helper.make_tensor_value_info("tokens", onnx.TensorProto.FLOAT,
-                                                                              ["T", 8])],
-                              [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, None)], inits)
+                                                                              ["T", 8])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -113,6 +117,11 @@ def test_a_bare_router_is_reported(selection):
     (miss,) = detected(report)
     assert miss["node"] == "" and f"({selection} '')" in miss["reason"]
     assert "no fusion rule recognises" in miss["reason"]
+
+
+def test_a_sampling_topk_over_an_lm_head_is_not_a_router():
+    _, report = optimize(_router_graph("TopK", experts_read_the_tokens=False))
+    assert detected(report) == []
 
 
 def test_a_topk_that_is_not_over_router_scores_is_not_a_router():

@@ -3,7 +3,9 @@
 A MoE block is recognised by its router, whatever form its experts take: a linear layer with a
 constant [H, E] weight whose scores (through elementwise ops, Softmax, Sigmoid, masking) reach an
 expert selection over their last axis, E: a ``TopK`` with k < E or an ``ArgMax`` (PhiMoE's
-sparsemixer). The selections of one router linear are one block.
+sparsemixer), and whose input tokens feed more than the router (the experts read them too; a
+sampling TopK over an LM head's logits is no router). The selections of one router linear are one
+block.
 
 Every node of the main graph is *owned* by the latest selection it depends on (the graph is
 topologically ordered and layers are sequential, so that is the selection of its own block). A block
@@ -104,10 +106,18 @@ def _router_linear(scores: ir.Value, experts: int) -> ir.Node | None:
             if (standard(node, "MatMul") or standard(node, "Gemm")) and len(node.inputs) > 1:
                 w = weight(node.inputs[1])
                 if w is not None and len(w.shape) == 2 and experts in w.shape:
-                    return node
+                    return node if _shared_input(node.inputs[0]) else None
             producers.append(node)
         frontier = [value for node in producers for value in node.inputs]
     return None
+
+
+def _shared_input(tokens: ir.Value) -> bool:
+    """Whether ``tokens``, or what they are reshaped from, feed more than one node."""
+    while len(tokens.consumers()) == 1 and (node := tokens.producer()) is not None \
+            and node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"):
+        tokens = node.inputs[0]
+    return len(tokens.consumers()) > 1
 
 
 def _routers(graph: ir.Graph) -> tuple[list[_Router], dict[ir.Node, _Router]]:
