@@ -111,7 +111,7 @@ def _set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) ->
 
 
 def _expert_gemms(model: ir.Model) -> list[ir.Node]:
-    return [node for node in _nodes(model, "Gemm") if node.inputs[1].name.startswith("experts.") or ".experts." in node.inputs[1].name]
+    return [node for node in _nodes(model, "Gemm") if node.inputs[1].name.startswith("experts.")]
 
 
 def duplicate_mask_row(model: ir.Model, entry: dict) -> None:

@@ -56,6 +56,7 @@ def test_fuses(name, target):
     assert report.fused[RULE] == 1 and report.near_misses == []
     before, after = op_counts(original(name)), op_counts(model)
     assert not UNFUSED & set(after), f"unfused ops left: {UNFUSED & set(after)}"
+    assert (before["TopK"], before["Gemm"]) == (2, 1 + 2 * MANIFEST[name]["num_experts"])
     assert (after["TopK"], after["Softmax"], after["Gemm"]) == (1, 1, 1)  # the router stays, the sort goes
     if target == "moe":
         assert after["MOE"] == 1
@@ -194,3 +195,33 @@ def test_matmul_layout_still_fuses():
     for suffix in ("", "_alt"):
         inputs = {"hidden_states": reference_data(TINY)[f"hidden_states{suffix}"]}
         np.testing.assert_allclose(reference_output(new, inputs), reference_data(TINY)[f"expected{suffix}"], **TOL)
+
+
+# JetMoe's mixture of attention heads uses ParallelExperts too, but is no expert MLP: its two steps
+# are named as such (the graphs below only need to be read, not run)
+
+def scatter_to_sorted_slots(model: ir.Model, entry: dict) -> None:
+    """The weighted outputs go to their sorted slot positions (MoA's map), not to their tokens."""
+    (scatter,) = _nodes(model, "ScatterND")
+    order = next(node for node in _nodes(model, "TopK") if node.attributes.get_int("largest", 1) == 0).outputs[1]
+    unsqueeze = scatter.inputs[1].producer()
+    unsqueeze.replace_input_with(0, order)
+
+
+def one_projection(model: ir.Model, entry: dict) -> None:
+    """The down projection's chunks are the gathered tokens themselves (MoA's reduce: one Linear, no MLP)."""
+    split = next(node for node in _nodes(model, "Split") if node.inputs[0].producer().op_type == "Mul")
+    token_Tk1 = _nodes(model, "ScatterND")[0].inputs[1]
+    gathered = next(node for node in _nodes(model, "GatherND") if node.inputs[1] is token_Tk1)
+    split.replace_input_with(0, gathered.outputs[0])
+
+
+@pytest.mark.parametrize(("mutate", "reason"), [
+    (scatter_to_sorted_slots, "scattered to their sorted slots, not added to their tokens"),
+    (one_projection, "the experts are one projection of the gathered tokens, no MLP"),
+], ids=["map", "reduce"])
+def test_mixture_of_attention_steps_are_named(mutate, reason):
+    _, report = optimize(mutated_copy(TINY, mutate))
+    assert report.fused.get(RULE, 0) == 0
+    misses = near_misses(report)
+    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses

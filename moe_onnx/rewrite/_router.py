@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
-from ._match import constant, constant_ints, is_zeros, require, standard
+from ._match import constant, constant_ints, fill_value, is_zeros, require, standard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,20 +56,6 @@ def _top_k(indices: ir.Value) -> tuple[int, int]:
     return experts, k[0]
 
 
-def _fill_value(value: ir.Value) -> float | None:
-    """The one value a constant, ``ConstantOfShape`` or an ``Expand`` of either is filled with (None otherwise)."""
-    node = value.producer()
-    if standard(node, "Expand"):
-        return _fill_value(node.inputs[0])
-    if standard(node, "ConstantOfShape"):
-        fill = node.attributes.get_tensor("value")
-        array = None if fill is None else fill.numpy().reshape(-1)
-        return None if array is None or array.size != 1 else float(array[0])
-    array = constant(value)
-    return None if array is None or array.size == 0 or (array != array.reshape(-1)[0]).any() else \
-        float(array.reshape(-1)[0])
-
-
 def _successive_argmax(indices: ir.Value) -> tuple[int, int]:
     """(E, k) when ``indices = Concat(ArgMax(s), ArgMax(ScatterElements(s, pick 0, -inf)), ...)`` over [T, E]
     scores s, each pick masking the previous one out of the scores it chose from (PhiMoE's sparsemixer):
@@ -89,7 +75,7 @@ def _successive_argmax(indices: ir.Value) -> tuple[int, int]:
             require(standard(masked, "ScatterElements") and masked.attributes.get_int("axis", 0) in (-1, 1)
                     and masked.attributes.get_string("reduction", "none") == "none"
                     and masked.inputs[0] is chosen_from and masked.inputs[1] is concat.inputs[j - 1]
-                    and _fill_value(masked.inputs[2]) == float("-inf"),
+                    and fill_value(masked.inputs[2]) == float("-inf"),
                     f"sparsemixer pick {j} does not choose among the scores with pick {j - 1} set to -inf "
                     "(ScatterElements(scores, previous pick, -inf)): two picks could name the same expert")
         chosen_from = scores

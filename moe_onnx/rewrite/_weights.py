@@ -97,7 +97,8 @@ def _layout(node: ir.Node) -> _Layout | None:
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """A constant tensor reached through layout-only ops (Transpose, Unsqueeze, Squeeze, Reshape, Cast,
-    Identity, Gather of one constant index on axis 0) from one initializer; ``source`` is that initializer and ``steps`` rebuild the value."""
+    Identity, Gather of one constant index on axis 0) from one initializer; ``source`` is that
+    initializer and ``steps`` rebuild the value."""
 
     source: ir.Value
     steps: tuple[_Layout, ...]

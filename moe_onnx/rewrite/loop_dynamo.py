@@ -147,7 +147,8 @@ def _expert_tokens(x_NH: ir.Value, token_N1: ir.Value, hidden: int) -> ir.Value:
     gather = _producer(back.inputs[0], "GatherND", "the expert input")
     front = _producer(gather.inputs[0], "Transpose", "the tokens")
     for transpose, what in ((back, "the gathered tokens"), (front, "the tokens")):
-        require(list(transpose.attributes.get_ints("perm", [])) == [1, 0, 2], f"{what}: Transpose perm is not [1, 0, 2]")
+        require(list(transpose.attributes.get_ints("perm", [])) == [1, 0, 2],
+                f"{what}: Transpose perm is not [1, 0, 2]")
     require(gather.inputs[1] is token_N1 and gather.attributes.get_int("batch_dims", 0) == 0,
             "the expert input does not gather the routed tokens")
     lifted = _producer(front.inputs[0], "Unsqueeze", "the tokens")

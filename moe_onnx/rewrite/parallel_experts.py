@@ -37,7 +37,9 @@ from onnxscript.rewriter import RewriteRule
 
 from ..ops.moe import GEMM3_SWIGLU
 from ._activation import read_swiglu
-from ._match import MoeFusion, constant, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, require, standard
+from ._match import (
+    MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, fill_value, is_zeros, require, standard,
+)
 from ._router import Route, route
 from ._weights import Weight, lazy_initializer
 from .loop import _axes, _producer, _static_shape
@@ -82,7 +84,8 @@ def _argsort(order_Tk: ir.Value) -> ir.Value:
 def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> None:
     """``sizes_E`` lists counts_E[0], ..., counts_E[E - 1], the number of slots routed to each expert."""
     concat = _producer(sizes_E, "Concat", "the chunk sizes")
-    require(len(concat.inputs) == experts, f"the tokens are split into {len(concat.inputs)} chunks for {experts} experts")
+    require(len(concat.inputs) == experts,
+            f"the tokens are split into {len(concat.inputs)} chunks for {experts} experts")
     counts = set()
     for e, size in enumerate(concat.inputs):
         value = _skip_reshapes(size)
@@ -105,18 +108,8 @@ def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> 
         one_hot = one_hot.producer().inputs[0]
     scatter = _producer(one_hot, "ScatterElements", "the expert counts")
     require(scatter.attributes.get_int("axis", 0) in (1, -1) and is_zeros(scatter.inputs[0])
-            and scatter.inputs[1] is topk_indices_TK and _is_ones(scatter.inputs[2]),
+            and scatter.inputs[1] is topk_indices_TK and fill_value(scatter.inputs[2]) == 1.0,
             "the expert counts do not count the top-k indices (ScatterElements of ones into zeros [T, E], axis 1)")
-
-
-def _is_ones(value: ir.Value) -> bool:
-    """A constant of ones, or ConstantOfShape(1)."""
-    array = constant(value)
-    if array is not None:
-        return bool((array == 1).all())
-    node = value.producer()
-    fill = node.attributes.get_tensor("value") if standard(node, "ConstantOfShape") else None
-    return fill is not None and bool((fill.numpy() == 1).all())
 
 
 def _experts(joined: ir.Value, what: str, sizes_E: ir.Value | None) -> tuple[ir.Value, list[Weight], bool, ir.Value]:
@@ -133,7 +126,8 @@ def _experts(joined: ir.Value, what: str, sizes_E: ir.Value | None) -> tuple[ir.
             split = node
             weights.append(w)
             layouts.add(in_out)
-    require(split.attributes.get_int("axis", 0) == 0 and len(split.inputs) > 1, f"{what}: the Split is not by sizes on axis 0")
+    require(split.attributes.get_int("axis", 0) == 0 and len(split.inputs) > 1,
+            f"{what}: the Split is not by sizes on axis 0")
     require(sizes_E in (None, split.inputs[1]), f"{what}: the chunks are split by other sizes than the input's")
     require(len(layouts) == 1, f"{what}: the experts store their weights in different layouts")
     return split.inputs[0], weights, layouts.pop(), split.inputs[1]
@@ -161,8 +155,9 @@ class _Block:
 def _gates(gate_Tk1: ir.Value, order_Tk: ir.Value) -> ir.Value:
     """gates_TK of ``gate_Tk1 = Unsqueeze(GatherND(Reshape(gates_TK, [-1]), Unsqueeze(order_Tk, -1)), 1)``."""
     gather = _producer(_unsqueezed_last(gate_Tk1, 2, "the slot gate"), "GatherND", "the slot gate")
-    require(gather.attributes.get_int("batch_dims", 0) == 0 and _unsqueezed_last(gather.inputs[1], 2, "the slot gate index")
-            is order_Tk, "the slot gates are not gathered in the sorted slot order")
+    require(gather.attributes.get_int("batch_dims", 0) == 0
+            and _unsqueezed_last(gather.inputs[1], 2, "the slot gate index") is order_Tk,
+            "the slot gates are not gathered in the sorted slot order")
     flat = _producer(gather.inputs[0], "Reshape", "the slot gates")
     require(constant_ints(flat.inputs[1]) == [-1], "the slot gates are not the flattened [T, k] gates")
     return flat.inputs[0]
@@ -174,7 +169,11 @@ def _block(scatter: ir.Node) -> _Block:
     require(is_zeros(zeros_TH) and shape is not None and len(shape) == 2 and shape[1] is not None,
             "the scatter target is not zeros [T, H] with a static H")
     hidden = shape[1]
-    order_Tk, k = _floor_div(_unsqueezed_last(token_Tk1, 2, "the scatter index"), "the slot's token")
+    token_Tk = _unsqueezed_last(token_Tk1, 2, "the scatter index")
+    require(not standard(token_Tk.producer(), "TopK"),
+            "the expert outputs are scattered to their sorted slots, not added to their tokens (as JetMoe's "
+            "mixture of attention heads maps tokens to k heads): MOE fuses expert MLPs summed per token")
+    order_Tk, k = _floor_div(token_Tk, "the slot's token")
     topk_indices_TK = _argsort(order_Tk)
 
     expand = updates.producer()
