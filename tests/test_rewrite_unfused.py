@@ -130,3 +130,14 @@ def test_a_topk_that_is_not_over_router_scores_is_not_a_router():
     model.graph.node[0].input[0] = "tokens"
     _, report = optimize(model)
     assert detected(report) == []
+
+
+def test_sorted_experts_that_no_rule_takes_are_named():
+    # the index_add_ becomes a plain ScatterND (no reduction): no rule tries it, the detector names the form
+    model = mutable_copy("granitemoe_parallel_experts_dynamo_tiny")
+    scatter = next(node for node in model.graph.node if node.op_type == "ScatterND")
+    del scatter.attribute[:]
+    _, report = optimize(model)
+    assert report.total_fused == 0
+    (miss,) = detected(report)
+    assert "its experts look like sorted expert chunks" in miss["reason"], miss
