@@ -443,3 +443,87 @@ def test_non_gated_near_miss_stays_unfused(case):
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == NON_GATED]
     assert any(reason in r for r in reasons), reasons
     assert_same_numbers(NEMOTRON_TINY, model, new)
+
+
+# ----------------------------------------------------------------------------- weights stored [E, in, out]
+# transformers' batched_mm with is_transposed=True (AriaText): MatMul(Unsqueeze(tokens, 1), GatherND(W))
+
+TRANSPOSED = fixture_names("batched_mm_transposed")
+TRANSPOSED_RULE, ARIA_TINY = "BatchedMmSwigluTransposed", "aria_text_batched_mm_transposed_tiny"
+
+
+def test_transposed_fixtures_exist():
+    assert {"aria_text_batched_mm_transposed_tiny", "aria_text_batched_mm_transposed_small"} <= set(TRANSPOSED)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", TRANSPOSED)
+def test_transposed_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[TRANSPOSED_RULE] == 1 and report.near_misses == []
+    before, after = op_counts(original(name)), op_counts(model)
+    for op in ("Gemm", "TopK", "Softmax"):  # the router stays
+        assert after[op] == before[op], op
+    assert not {"GatherND", "Split", "ReduceSum"} & set(after)
+    assert report.fused["SharedExpertFold"] == 1 and after["MatMul"] == 0  # the shared expert, folded in
+    assert after["MOE" if target == "moe" else "MoeInitRouting"] == 1
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("name", TRANSPOSED)
+def test_transposed_moe_node(name):
+    entry = MANIFEST[name]
+    model, _ = optimized(name, "moe")
+    node = moe_node(model)
+    assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    gate_up = initializer(original(name), nodes(original(name), "GatherND")[0].input[0])  # [E, H, 2I]
+    down = initializer(original(name), down_gather(original(name)).input[0])  # [E, I, H]
+    assert (gate_up.shape, down.shape) == ((E, H, 2 * I), (E, I, H))
+    # the routed experts first; the folded shared expert (one of width I) after them
+    assert [weights[node.input[i]].shape[0] for i in (3, 5, 7)] == [E + shared_chunks(name)] * 3
+    np.testing.assert_array_equal(weights[node.input[3]][:E], gate_up[:, :, :I].transpose(0, 2, 1))
+    np.testing.assert_array_equal(weights[node.input[5]][:E], gate_up[:, :, I:].transpose(0, 2, 1))
+    np.testing.assert_array_equal(weights[node.input[7]][:E], down.transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", TRANSPOSED)
+def test_transposed_numbers(name, target):
+    model, _ = optimized(name, target)
+    sessions = [moe_onnx.session(model, backend=backend) for backend in ("cpp", "python")]
+    for batch, seq in SHAPES:
+        inputs = random_feeds(name, batch, seq)
+        expected = ort_output(original(name), inputs)
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
+        for session in sessions:
+            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
+        np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
+
+
+def test_transposed_swapped_halves_pick_the_other_columns():
+    model = mutated(ARIA_TINY, rewire_sigmoid_to_second_half)
+    new, report = optimize(model)
+    assert report.fused == {TRANSPOSED_RULE: 1, "SharedExpertFold": 1}
+    gate_up = initializer(model, nodes(model, "GatherND")[0].input[0])
+    weights = {i.name: numpy_helper.to_array(i) for i in new.graph.initializer}
+    routed = weights[moe_node(new).input[3]][:len(gate_up)]  # the folded shared expert follows
+    np.testing.assert_array_equal(routed, gate_up[:, :, 16:].transpose(0, 2, 1))
+    assert_same_numbers(ARIA_TINY, model, new)
+
+
+@pytest.mark.parametrize(("mutate", "reason"), [
+    (lambda m: grow_experts(m, down_gather(m)), "down has shape [5, 16, 32], expected [4, 16, 32] = [E, I, H]"),
+    (lambda m: scale_sigmoid(m, np.full(16, 2.0)), "swish alpha"),
+], ids=["expert count", "per-channel alpha"])
+def test_transposed_near_miss_stays_unfused(mutate, reason):
+    model = mutated(ARIA_TINY, mutate)
+    new, report = optimize(model)
+    assert report.fused == {} and "MOE" not in op_counts(new)
+    reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == TRANSPOSED_RULE]
+    assert any(reason in r for r in reasons), report.near_misses
+    assert_same_numbers(ARIA_TINY, model, new)

@@ -24,7 +24,7 @@ def layout_chain(*nodes: onnx.NodeProto) -> onnx.ModelProto:
         node.input[0], node.output[0] = f"x{i}", f"x{i + 1}" if i + 1 < len(nodes) else "y"
         chain.append(node)
     extra = [numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
-             (("flat_shape", [4, 15]), ("axis0", [0]), ("shape_eab", [4, 3, 5]))]
+             (("flat_shape", [4, 15]), ("axis0", [0]), ("shape_eab", [4, 3, 5]), ("two", 2))]
     graph = helper.make_graph(chain, "chain", [], [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)],
                               [numpy_helper.from_array(SOURCE, "x0")] + extra)
     return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
@@ -45,6 +45,9 @@ CHAINS = {
     "unsqueeze, reshape (whole value)": ([node("Unsqueeze", "axis0"), node("Reshape", "shape_eab")], True),
     "cast, unsqueeze, reshape (whole value)": ([node("Cast", to=TensorProto.FLOAT16), node("Unsqueeze", "axis0"),
                                                 node("Reshape", "shape_eab")], False),
+    # one expert of a stacked tensor (the dynamo exporter's weight[e]): [A, B], its "experts" are rows of A
+    "select expert 2": ([node("Gather", "two", axis=0)], True),
+    "select expert 2, transpose": ([node("Gather", "two", axis=0), node("Transpose", perm=[1, 0])], True),
 }
 
 

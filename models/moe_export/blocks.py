@@ -23,6 +23,8 @@ _CLASSES = {
     "granitemoe": ("granitemoe", "GraniteMoeConfig", "GraniteMoeMoE"),
     "jetmoe": ("jetmoe", "JetMoeConfig", "JetMoeMoE"),
     "nemotron_h": ("nemotron_h", "NemotronHConfig", "NemotronHMoE"),
+    "aria_text": ("aria", "AriaTextConfig", "AriaTextMoELayer"),
+    "phimoe": ("phimoe", "PhimoeConfig", "PhimoeSparseMoeBlock"),
 }
 
 REFERENCE_INPUT_STD = 3.0  # large enough that GPT-OSS's clamp at 7 is reached by a few percent of activations
@@ -40,11 +42,14 @@ def _config_kwargs(spec: BlockSpec) -> dict:
         num_key_value_heads=2,
         num_hidden_layers=1,
     )
-    if spec.family in ("gpt_oss", "granitemoe"):
+    if spec.family in ("gpt_oss", "granitemoe", "phimoe"):
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "jetmoe":  # its attention is sized by kv_channels
         common.pop("num_key_value_heads")
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts, kv_channels=8)
+    if spec.family == "aria_text":
+        return dict(common, intermediate_size=spec.intermediate, moe_num_experts=spec.experts, moe_topk=spec.topk,
+                    moe_num_shared_experts=spec.shared_intermediate // spec.intermediate)
     if spec.family == "mixtral":
         return dict(common, intermediate_size=spec.intermediate, num_local_experts=spec.experts)
     if spec.family == "olmoe":
@@ -87,7 +92,7 @@ def _config_kwargs(spec: BlockSpec) -> dict:
 
 
 def _experts_implementation(style: str) -> str | None:
-    if style == "batched_mm":
+    if style in ("batched_mm", "batched_mm_transposed", "sparsemixer_batched_mm"):
         return "batched_mm"
     if style == "tiled3":
         patches.register_tiled_experts()

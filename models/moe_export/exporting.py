@@ -109,7 +109,7 @@ def export_block(spec: BlockSpec, onnx_path: Path, *, keep_router_output: bool =
 
     missing: list[int] = []
     note = None
-    if spec.style.startswith("loop"):
+    if "loop" in spec.style and not STYLES[spec.style].dynamo:  # a TorchScript loop: valid for its trace only
         trace_input, reference, alternate, traced, found = _loop_inputs(block, spec, seed)
         if spec.family in _RANGE_LOOP_NOTES:
             note = _RANGE_LOOP_NOTES[spec.family]
@@ -202,7 +202,7 @@ def _export_dynamo(block, trace_input, path: Path, output_names: list[str]) -> N
         opset_version=OPSET,
         input_names=["hidden_states"],
         output_names=output_names,
-        dynamic_shapes={"hidden_states": {0: batch, 1: seq}},
+        dynamic_shapes=({0: batch, 1: seq},),  # by position: the forward's argument is not always named hidden_states
         external_data=False,
         verbose=False,
     )

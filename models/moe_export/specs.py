@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-_FIRST_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+_FIRST_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")  # a block in every transformers version
 _BATCHED_MM_FAMILIES = _FIRST_FAMILIES + ("nemotron_h",)
-FAMILIES = _BATCHED_MM_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe")
+FAMILIES = _BATCHED_MM_FAMILIES + ("deepseek_v3", "granitemoe", "jetmoe", "aria_text", "phimoe")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,15 @@ STYLES = {
     "batched_mm": Style(
         5, True, _BATCHED_MM_FAMILIES,
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=True)",
+    ),
+    "batched_mm_transposed": Style(
+        5, True, ("aria_text",),
+        "transformers 5 experts_implementation='batched_mm' of experts stored [E, in, out] (is_transposed=True), "
+        "torch.onnx.export(dynamo=True)",
+    ),
+    "sparsemixer_batched_mm": Style(
+        5, True, ("phimoe",),
+        "as 'batched_mm', for PhiMoE's sparsemixer router (successive ArgMax picks, no TopK)",
     ),
     "tiled": Style(
         4, False, ("gpt_oss",),
@@ -62,7 +71,20 @@ STYLES = {
         "transformers 4.57 GraniteMoe / JetMoe MoE (ParallelExperts: the routed rows sorted by expert, split by the "
         "traced expert counts), torch.onnx.export(dynamo=False)",
         broken="the export scatters each token's k rows with ScatterElements without reduction (duplicate "
-        "indices): onnxruntime keeps one where torch's index_add_ sums them",
+        "indices): onnxruntime keeps one where torch's index_add_ sums them"
+    ),
+    "loop_dynamo": Style(
+        4, True, ("olmoe",),
+        "transformers 4.57 eager loop over range(num_experts) exported by torch.onnx.export(dynamo=True)",
+    ),
+    "parallel_experts_dynamo": Style(
+        4, True, ("granitemoe", "jetmoe"),
+        "transformers 4.57 ParallelExperts (tokens sorted by expert, one Linear per chunk) exported by "
+        "torch.onnx.export(dynamo=True)",
+    ),
+    "sparsemixer_loop": Style(
+        4, False, ("phimoe",),
+        "as 'loop', for PhiMoE's sparsemixer router (successive ArgMax picks, no TopK)",
     ),
     "loop_missing": Style(
         4, False, ("mixtral",),
@@ -89,9 +111,13 @@ ROUTER = {
     "the experts; their sigmoid scores renormalized (norm_topk_prob=True) and scaled by routed_scaling_factor",
     "nemotron_h": "linear -> sigmoid -> (+ e_score_correction_bias) group-limited topk -> the sigmoid scores of "
     "the chosen experts -> renormalize (norm_topk_prob=True) * routed_scaling_factor",
+    "aria_text": "linear -> topk over logits -> softmax over the k values",
+    "phimoe": "linear -> sparsemixer: argmax, then argmax with the first masked to -inf; each weight a softmax "
+              "of the logits masked near its pick",
 }
 RENORMALIZE = {"gpt_oss": False, "qwen3_moe": True, "mixtral": True, "olmoe": False, "qwen2_moe": False,
-               "deepseek_v3": True, "granitemoe": False, "jetmoe": False, "nemotron_h": True}
+               "deepseek_v3": True, "granitemoe": False, "jetmoe": False, "nemotron_h": True, "aria_text": False,
+               "phimoe": False}
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 
 
@@ -106,7 +132,7 @@ class BlockSpec:
     intermediate: int
     experts: int
     topk: int
-    shared_intermediate: int | None = None  # the shared expert of SHARED_EXPERT_FAMILIES only
+    shared_intermediate: int | None = None  # the shared expert of SHARED_EXPERT_WIDTH's families only
 
     @property
     def name(self) -> str:
@@ -122,14 +148,17 @@ class BlockSpec:
 
     @property
     def gate_up_layout(self) -> str:
-        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'separate' tensors, 'parallel'
-        (halves of ParallelExperts' input_linear) or 'none' (non-gated experts)."""
+        """'interleaved' (gate = columns 0::2), 'halves' (gate = first I rows), 'column_halves' (gate = first I
+        columns), 'separate' tensors, 'parallel' (halves of ParallelExperts' input_linear) or 'none' (non-gated
+        experts)."""
         if self.family == "gpt_oss":
             return "interleaved"
         if self.family in ("granitemoe", "jetmoe"):
             return "parallel"
         if self.family == "nemotron_h":
             return "none"
+        if self.family == "aria_text":
+            return "column_halves"
         return "halves" if self.transformers_major == 5 else "separate"
 
     @property
@@ -139,6 +168,8 @@ class BlockSpec:
             "interleaved": "gate_up_proj [E, H, 2I] (+ bias [E, 2I]), gate = [..., 0::2], up = [..., 1::2]; "
             "down_proj [E, I, H] (+ bias [E, H])",
             "halves": "gate_up_proj [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); down_proj [E, H, I]",
+            "column_halves": "gate_up_proj [E, H, 2I], gate = columns [0, I), up = columns [I, 2I); "
+            "down_proj [E, I, H]",
             "separate": "per expert nn.Linear gate_proj/up_proj [I, H] and down_proj [H, I] "
             "(Mixtral: w1 = gate, w3 = up, w2 = down)",
             "parallel": "input_linear.weight [E, 2I, H], gate = rows [0, I), up = rows [I, 2I); "
@@ -151,8 +182,10 @@ _PRESETS = {
     "tiny": dict(hidden=32, intermediate=16, experts=4, topk=2),
     "small": dict(hidden=64, intermediate=32, experts=8, topk=4),
 }
-_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2), "deepseek_v3": dict(topk=2)}
-SHARED_EXPERT_FAMILIES = ("qwen2_moe", "deepseek_v3", "nemotron_h")  # with a shared expert of 2I
+_SMALL_BY_FAMILY = {"gpt_oss": dict(intermediate=64), "mixtral": dict(topk=2), "deepseek_v3": dict(topk=2),
+                    "phimoe": dict(topk=2)}
+# the shared expert's width, as a multiple of I
+SHARED_EXPERT_WIDTH = {"qwen2_moe": 2, "deepseek_v3": 2, "nemotron_h": 2, "aria_text": 1}
 # The dynamo exporter's optimizer folds a constant-only node only while its inputs have at most 8192
 # elements (Transpose of a single-use weight is folded at any size). Of the committed styles only
 # 'tiled_dynamo' has such a node whose input can pass that limit: the bias Unsqueeze, input [E, 2I].
@@ -167,7 +200,7 @@ def preset(family: str, style: str, size: str) -> BlockSpec:
     if size == "small":
         values.update(_SMALL_BY_FAMILY.get(family, {}))
         values.update(_SMALL_BY_STYLE.get(style, {}))
-    shared = 2 * values["intermediate"] if family in SHARED_EXPERT_FAMILIES else None
+    shared = SHARED_EXPERT_WIDTH[family] * values["intermediate"] if family in SHARED_EXPERT_WIDTH else None
     return BlockSpec(family, style, size, shared_intermediate=shared, **values)
 
 
@@ -177,8 +210,8 @@ def custom(base: BlockSpec, **overrides: int | None) -> BlockSpec:
     if not given:
         return base
     spec = replace(base, size="custom", **given)
-    if spec.family in SHARED_EXPERT_FAMILIES and "shared_intermediate" not in given:
-        spec = replace(spec, shared_intermediate=2 * spec.intermediate)
+    if spec.family in SHARED_EXPERT_WIDTH and "shared_intermediate" not in given:
+        spec = replace(spec, shared_intermediate=SHARED_EXPERT_WIDTH[spec.family] * spec.intermediate)
     return spec
 
 

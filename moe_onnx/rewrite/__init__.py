@@ -1,12 +1,14 @@
 """Fusing the MoE blocks of exported models into moe_onnx ops.
 
-One module per export form (``tiled``, ``batched_mm``, ``loop``), each a list of ``FUSIONS``
-(onnxscript rewrite rules); ``grouped`` turns MOE nodes into the routed chain; ``gating`` (with
-``fuse_routers``) turns their routers into MoeGatingTopK; ``_driver`` runs
+One module per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``,
+``parallel_experts``), each a list of ``FUSIONS`` (onnxscript rewrite rules); passes over the fused
+graph: ``gating`` turns the routers into MoeGatingTopK, ``shared_expert`` folds shared experts into
+their MOE, ``grouped`` turns MOE nodes into the routed chain; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants), ``_router`` (the MOE's routing inputs), ``_activation``
 (SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind layout ops, lazy
-initializers) and ``_onnxscript`` (the private onnxscript names used).
+initializers) and ``_onnxscript`` (the private onnxscript names used). ``_unfused`` reports every
+MoE block (found by its router) that no rule fused or reported.
 """
 
 from ._driver import OptimizeReport, optimize, optimize_ir

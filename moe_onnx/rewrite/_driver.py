@@ -15,12 +15,13 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, gating, grouped, loop, shared_expert, tiled
+from . import batched_mm, gating, grouped, loop, loop_dynamo, parallel_experts, shared_expert, tiled
 from ._match import MoeFusion
+from ._unfused import PartialMatch, unfused_blocks
 
 
 # The export forms, in the order their rules run (a module each, with its list of FUSIONS).
-FAMILIES = (tiled, batched_mm, loop)
+FAMILIES = (tiled, batched_mm, loop, loop_dynamo, parallel_experts)
 
 
 def fusions() -> list[MoeFusion]:
@@ -86,13 +87,16 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
 
-    fused, near_misses, notes = {}, [], []
+    fused, notes = {}, []
+    missed: list[tuple[ir.Node, dict[str, str]]] = []  # (root node, near-miss)
+    partial: list[PartialMatch] = []
     for fusion in fusions():
         say(f"rule {fusion.name}")
         rules = RewriteRuleSet([fusion.as_rule()])
         count = rules.apply_to_model(model)
         # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
-        # the blocks left unfused and the check that failed
+        # the blocks left unfused and the check that failed (or, for a pattern that did not match
+        # all the way, how far it got)
         tracer = MatchingTracer()
         rules.apply_to_model(model, tracer=tracer)
         fused[fusion.name] = count
@@ -100,9 +104,15 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         live = set(ir.traversal.RecursiveGraphIterator(model.graph))
         for matches in tracer.best_matches_map.values():
             for match in matches:
-                if match.status == MatchStatus.CONDITION_FAILED and match.root_node in live:
-                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "",
-                                        "reason": match.match_result.reason or "check failed"})
+                if match.root_node not in live:
+                    continue
+                reason = match.match_result.reason or "check failed"
+                if match.status == MatchStatus.CONDITION_FAILED:
+                    missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
+                                                     "reason": reason}))
+                elif match.status == MatchStatus.NO_MATCH:
+                    partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
+                                                reason))
     if fuse_routers:
         say("routers")
         fused[gating.RULE], router_notes = gating.fuse_routers(model)
@@ -111,6 +121,9 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
     notes += fold_notes
     fused = {name: count for name, count in fused.items() if count}
+    common_passes.RemoveUnusedNodesPass()(model)
+    say("looking for MoE blocks left unfused")
+    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed], partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))

@@ -122,6 +122,24 @@ def is_zeros(value: ir.Value) -> bool:
     return node.op_type == "Expand" and is_zeros(node.inputs[0])
 
 
+def fill_value(value: ir.Value) -> float | None:
+    """The one value a constant, ``ConstantOfShape`` or an ``Expand`` of either holds everywhere (None
+    otherwise: not constant, or not one value)."""
+    node = value.producer()
+    if node is not None and node.op_type == "Expand":
+        return fill_value(node.inputs[0])
+    if node is not None and node.op_type == "ConstantOfShape":
+        fill = node.attributes.get_tensor("value")
+        return 0.0 if fill is None else _single(fill.numpy())
+    array = constant(value)
+    return None if array is None else _single(array)
+
+
+def _single(array: np.ndarray) -> float | None:
+    flat = array.reshape(-1)
+    return None if flat.size == 0 or (flat != flat[0]).any() else float(flat[0])
+
+
 def int64s(op, values: Sequence[int]) -> ir.Value:
     """A Constant node's 1-D int64 tensor (shapes, axes, Slice operands of emitted nodes)."""
     return op.Constant(value=ir.tensor(np.array(values, np.int64)))

@@ -21,8 +21,10 @@ import onnx_ir as ir
 class _Layout:
     """One layout-only op on the way from the source initializer to a weight.
 
-    ``kind`` is "identity", "cast" (``to``), "transpose" (``perm``) or "reshape" (Reshape, Squeeze and
-    Unsqueeze, to ``shape``); ``input_shape`` is the op's static input shape (None if unknown).
+    ``kind`` is "identity", "cast" (``to``), "transpose" (``perm``), "reshape" (Reshape, Squeeze and
+    Unsqueeze, to ``shape``) or "select" (a Gather of one constant ``index`` on axis 0: one expert of a
+    stacked tensor, as the dynamo exporter leaves ``weight[e]`` above its folding size limit);
+    ``input_shape`` is the op's static input shape (None if unknown).
     """
 
     kind: str
@@ -30,6 +32,7 @@ class _Layout:
     perm: tuple[int, ...] | None = None
     to: np.dtype | None = None
     shape: tuple[int, ...] | None = None
+    index: int | None = None
 
     def whole(self, a: np.ndarray) -> np.ndarray:
         if self.kind == "cast":
@@ -38,6 +41,8 @@ class _Layout:
             return a.transpose(self.perm or tuple(reversed(range(a.ndim))))
         if self.kind == "reshape":
             return a.reshape(self.shape)
+        if self.kind == "select":
+            return a[self.index]
         return a
 
     def indexed(self, axis: int) -> tuple[int, Callable[[np.ndarray], np.ndarray]] | None:
@@ -49,6 +54,8 @@ class _Layout:
             return axis, lambda a: a
         if self.kind == "cast":
             return axis, lambda a: a.astype(self.to)
+        if self.kind == "select":  # output[.., e on axis] = input[index, .., e on axis + 1]
+            return axis + 1, lambda a: a[self.index]
         if self.kind == "transpose":
             if self.perm is None and self.input_shape is None:
                 return None
@@ -74,6 +81,11 @@ def _layout(node: ir.Node) -> _Layout | None:
         return _Layout("transpose", input_shape, perm=None if perm is None else tuple(perm.as_ints()))
     if node.op_type == "Cast":
         return _Layout("cast", input_shape, to=ir.DataType(node.attributes["to"].as_int()).numpy())
+    if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 0:
+        index = node.inputs[1].const_value if node.inputs[1] is not None else None
+        if index is None or index.shape != () or index.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+            return None
+        return _Layout("select", input_shape, index=int(index.numpy()))
     if node.op_type in ("Unsqueeze", "Squeeze", "Reshape"):
         shape = node.outputs[0].shape
         if shape is None or not shape.is_static():
@@ -85,7 +97,8 @@ def _layout(node: ir.Node) -> _Layout | None:
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """A constant tensor reached through layout-only ops (Transpose, Unsqueeze, Squeeze, Reshape, Cast,
-    Identity) from one initializer; ``source`` is that initializer and ``steps`` rebuild the value."""
+    Identity, Gather of one constant index on axis 0) from one initializer; ``source`` is that
+    initializer and ``steps`` rebuild the value."""
 
     source: ir.Value
     steps: tuple[_Layout, ...]

@@ -5,7 +5,9 @@ each slot gathers its expert's weights with ``GatherND`` and a batched ``MatMul`
 the slot outputs are multiplied by the routing weights and summed over k. Each rule replaces that
 block, from the repeated tokens to the ``ReduceSum`` over k, by one MOE node fed by the router's
 TopK indices and by the exact tensor the slots were multiplied by (renormalized or not). The router,
-the shared expert of Qwen2-MoE and the reshape back to [B, S, H] stay as they are.
+the shared expert of Qwen2-MoE and the reshape back to [B, S, H] stay as they are. Weights come
+[E, out, in] (``MatMul(GatherND(W), column)``) or, with transformers' ``is_transposed=True`` (AriaText,
+and GPT-OSS's own layout), [E, in, out] (``MatMul(row, GatherND(W))``).
 
 Shapes in names: T tokens, k experts per token, Tk = T * k slots, H hidden size, I expert
 intermediate size, E experts.
@@ -199,6 +201,15 @@ class _SwigluBlock:
     alpha: float
 
 
+def _bmm(op, x_TkIn, weights, expert_Tk1, axis, gathered: str, transposed: bool):
+    """Each slot's ``x @ W[expert]``, [Tk, out]: ``Squeeze(MatMul(GatherND(W [E, out, in]), Unsqueeze(x, -1)), -1)``,
+    or with ``transposed`` weights ``Squeeze(MatMul(Unsqueeze(x, 1), GatherND(W [E, in, out])), 1)``."""
+    per_slot = op.GatherND(weights, expert_Tk1, _outputs=[gathered])
+    if transposed:
+        return op.Squeeze(op.MatMul(op.Unsqueeze(x_TkIn, axis), per_slot), axis)
+    return op.Squeeze(op.MatMul(per_slot, op.Unsqueeze(x_TkIn, axis)), axis)
+
+
 class BatchedMmSwiglu(MoeFusion):
     """SwiGLU experts with one gate_up [E, 2I, H] tensor (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE)
     -> MOE GEMM3_SWIGLU::
@@ -215,28 +226,34 @@ class BatchedMmSwiglu(MoeFusion):
     The gate (MOE weight_0) is the half of gate_up whose Split output goes through the Sigmoid.
     """
 
-    def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, gate_up_E2IH, down_EHI,
-                gate_up_col_axis, down_col_axis):
+    # the weights' layout: [E, out, in] (MatMul(weights, column)), or [E, in, out] (MatMul(row, weights))
+    transposed = False
+
+    def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, gate_up_weights, down_weights,
+                gate_up_axis, down_axis):
         tokens_TkH, expert_Tk1 = _slots(op, tokens_TH, topk_indices_TK)
-        gate_up_Tk2I = op.Squeeze(op.MatMul(op.GatherND(gate_up_E2IH, expert_Tk1, _outputs=["gate_up_Tk2IH"]),
-                                            op.Unsqueeze(tokens_TkH, gate_up_col_axis)),
-                                  gate_up_col_axis)
+        gate_up_Tk2I = _bmm(op, tokens_TkH, gate_up_weights, expert_Tk1, gate_up_axis, "gate_up_per_slot",
+                            self.transposed)
         first, second = op.Split(gate_up_Tk2I, _allow_other_inputs=True, _outputs=["first_half", "second_half"])
-        down_TkH = op.Squeeze(op.MatMul(op.GatherND(down_EHI, expert_Tk1, _outputs=["down_TkHI"]),
-                                        op.Unsqueeze(swiglu(op, first, second), down_col_axis)),
-                              down_col_axis)
+        down_TkH = _bmm(op, swiglu(op, first, second), down_weights, expert_Tk1, down_axis, "down_per_slot",
+                        self.transposed)
         return _weighted_sum(op, down_TkH, routing_TK)
 
     def read(self, context, **b) -> _SwigluBlock:
         slots = _check_slots(b)
         E, H, dtype = slots.route.experts, slots.hidden, slots.tokens_TH.dtype
-        gate_up = _weight(b["gate_up_E2IH"], dtype, "gate_up", (E, "2I", H), "[E, 2I, H]")
-        two_i = gate_up.shape[1]
-        down = _weight(b["down_EHI"], dtype, "down", (E, H, two_i // 2), "[E, H, I]")
-        _require_plain_gathers(b, "gate_up_Tk2IH", "down_TkHI")
-        for axis in ("gate_up_col_axis", "down_col_axis"):
-            require(_ints(b[axis], "bmm Unsqueeze axes") in ([2], [-1]),
-                    "the bmm does not multiply [Tk, in, 1] columns")
+        if self.transposed:
+            gate_up = _weight(b["gate_up_weights"], dtype, "gate_up", (E, H, "2I"), "[E, H, 2I]")
+            two_i = gate_up.shape[2]
+            down = _weight(b["down_weights"], dtype, "down", (E, two_i // 2, H), "[E, I, H]")
+        else:
+            gate_up = _weight(b["gate_up_weights"], dtype, "gate_up", (E, "2I", H), "[E, 2I, H]")
+            two_i = gate_up.shape[1]
+            down = _weight(b["down_weights"], dtype, "down", (E, H, two_i // 2), "[E, H, I]")
+        _require_plain_gathers(b, "gate_up_per_slot", "down_per_slot")
+        axes, operand = (([1], [-2]), "[Tk, 1, in] rows") if self.transposed else (([2], [-1]), "[Tk, in, 1] columns")
+        for axis in ("gate_up_axis", "down_axis"):
+            require(_ints(b[axis], "bmm Unsqueeze axes") in axes, f"the bmm does not multiply {operand}")
 
         split = b["first_half"].producer()
         require(split.attributes.get_int("axis", 0) in (1, -1), "gate_up is not split along its last axis")
@@ -247,18 +264,33 @@ class BatchedMmSwiglu(MoeFusion):
         return _SwigluBlock(slots, gate_up, down, 0 if activation.gate is b["first_half"] else 1, activation.alpha)
 
     def emit(self, op, block: _SwigluBlock) -> ir.Value:
-        experts, two_i, hidden = block.gate_up.shape
-        i = two_i // 2
-        halves = (slice(0, i), slice(i, two_i))
+        experts, hidden = block.gate_up.shape[0], block.slots.hidden
+        i = block.down.shape[1] if self.transposed else block.down.shape[2]
+        halves = (slice(0, i), slice(i, 2 * i))
         gate_rows, up_rows = halves if block.gate_half == 0 else halves[::-1]
+        # an expert's [out, in] matrix (MOE's layout) from its slice of the weights
+        out_in = (lambda a: a.T) if self.transposed else (lambda a: a)
         route = block.slots.route
         return emit_moe(op, block.slots.tokens_TH, route.weights, route.indices, expert_type=GEMM3_SWIGLU,
-                        weight_0=weight_value(op, block.gate_up, "moe_gate_EIH", lambda a: a[gate_rows],
+                        weight_0=weight_value(op, block.gate_up, "moe_gate_EIH", lambda a: out_in(a)[gate_rows],
                                               (experts, i, hidden)),
-                        weight_1=weight_value(op, block.gate_up, "moe_up_EIH", lambda a: a[up_rows],
+                        weight_1=weight_value(op, block.gate_up, "moe_up_EIH", lambda a: out_in(a)[up_rows],
                                               (experts, i, hidden)),
-                        weight_2=weight_value(op, block.down, "moe_down_EHI"),
+                        weight_2=weight_value(op, block.down, "moe_down_EHI", out_in if self.transposed else None,
+                                              (experts, hidden, i)),
                         expert_alpha=block.alpha)
+
+
+class BatchedMmSwigluTransposed(BatchedMmSwiglu):
+    """:class:`BatchedMmSwiglu` with the weights stored [E, in, out] (transformers' ``batched_mm`` with
+    ``is_transposed=True``, AriaText): gate_up [E, H, 2I] split into column halves, down [E, I, H]::
+
+        gate_up_Tk2I = Squeeze(MatMul(Unsqueeze(tokens_TkH, 1), GatherND(gate_up_EH2I, expert_Tk1)), 1)
+        down_TkH = Squeeze(MatMul(Unsqueeze(act_TkI, 1), GatherND(down_EIH, expert_Tk1)), 1)
+    """
+
+    transposed = True
+
 
 
 # ----------------------------------------------------------------------------- Nemotron-H (non-gated experts)
@@ -312,4 +344,4 @@ class BatchedMmNonGated(MoeFusion):
                         weight_1=weight_value(op, block.down, "moe_down_EHI"), activation=block.activation)
 
 
-FUSIONS = [BatchedMmGptOss, BatchedMmSwiglu, BatchedMmNonGated]
+FUSIONS = [BatchedMmGptOss, BatchedMmSwiglu, BatchedMmSwigluTransposed, BatchedMmNonGated]

@@ -171,8 +171,10 @@ class _LastAccumulationMatcher(SimplePatternMatcher):
 
 @dataclasses.dataclass(frozen=True)
 class _Linears:
-    """An expert of its own constant Linear weights (MatMul layout [in, out]): swish(x @ gate) * (x @ up) @ down;
-    gate and up may be column ranges of one gate_up matrix (``gate_cols``, ``up_cols``)."""
+    """An expert of its own constant Linear weights: swish(x @ gate) * (x @ up) @ down; gate and up may be
+    column ranges of one gate_up matrix (``gate_cols``, ``up_cols``). Each weight is stored [in, out] (a
+    MatMul's, as the names say) unless ``in_out`` says [out, in] (an nn.Linear weight of a Gemm with
+    transB=1, the dynamo exporter's)."""
 
     gate_HI: Weight
     up_HI: Weight
@@ -180,13 +182,14 @@ class _Linears:
     alpha: float
     gate_cols: tuple[int | None, int | None] = (None, None)  # [start, end), None: to the edge
     up_cols: tuple[int | None, int | None] = (None, None)
+    in_out: tuple[bool, bool, bool] = (True, True, True)  # gate, up, down
 
     def matrix(self, role: str) -> np.ndarray:
         """The [in, out] matrix of ``role``: "gate", "up" or "down" (loads it)."""
-        if role == "down":
-            return self.down_IH.array()
-        w, columns = (self.gate_HI, self.gate_cols) if role == "gate" else (self.up_HI, self.up_cols)
-        return w.array()[:, slice(*columns)]
+        w, columns = {"gate": (self.gate_HI, self.gate_cols), "up": (self.up_HI, self.up_cols),
+                      "down": (self.down_IH, (None, None))}[role]
+        array = w.array() if self.in_out[("gate", "up", "down").index(role)] else w.array().T
+        return array[:, slice(*columns)]
 
 
 @dataclasses.dataclass(frozen=True)

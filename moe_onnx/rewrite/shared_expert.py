@@ -103,9 +103,13 @@ def _row_preserving(node: ir.Node, value: ir.Value) -> bool:
     return standard(node, "Reshape") or (standard(node, "Cast") and node.attributes.get_int("to") == value.dtype)
 
 
-def _reshape_source(value: ir.Value) -> ir.Value | None:
+def _unreshaped(value: ir.Value) -> ir.Value:
+    """``value`` before the Reshapes that made it: the same rows of H in the same order."""
     node = value.producer()
-    return node.inputs[0] if standard(node, "Reshape") else None
+    while standard(node, "Reshape"):
+        value = node.inputs[0]
+        node = value.producer()
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +137,7 @@ def _read_fold(moe: ir.Node) -> _Fold | None:
     except MatchFailure:
         return None
     hidden = moe.inputs[0]
-    require(shared.x is hidden or _reshape_source(hidden) is shared.x,
-            "the shared expert does not read the MOE's hidden_states")
+    require(_unreshaped(shared.x) is _unreshaped(hidden), "the shared expert does not read the MOE's hidden_states")
     attrs = moe.attributes
     expert_type = attrs.get_string("expert_type")
     require(expert_type == "GEMM3_SWIGLU", f"the MOE is {expert_type}; only GEMM3_SWIGLU takes a SwiGLU shared expert")
