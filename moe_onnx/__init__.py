@@ -20,15 +20,16 @@ __version__ = "0.1.0"
 TARGETS = ("moe", "grouped")
 
 
-def optimize(model, target: str = "moe", *, fuse_routers: bool = False):
+def optimize(model, target: str = "moe", *, fuse_routers: bool = True):
     """Fuse the MoE blocks of an exported model; returns ``(optimized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` (a path or ModelProto gives a
     ModelProto back). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
     MoeInitRouting -> MoeRowParallelLinear -> activation -> MoeRowParallelLinear -> MoeFinalizeRouting.
-    ``fuse_routers=True`` also makes each fused block's router one MoeGatingTopK node where its chain
-    is a known one (softmax -> top-k, top-k -> softmax, DeepSeek-V3's group-limited sigmoid router);
-    the report notes the routers left as exported, with the reason. The report
+    ``fuse_routers`` (default) also makes each fused block's router one MoeGatingTopK node where its
+    chain is a known one (softmax -> top-k, top-k -> softmax, DeepSeek-V3's group-limited sigmoid
+    router); the report notes the routers left as exported, with the reason. ``fuse_routers=False``
+    keeps every router as exported. The report
     (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses with the check
     that failed, notes, and nodes and parameters before and after. Raises ValueError for an unknown
     target.

@@ -34,7 +34,7 @@ def _optimize(args: argparse.Namespace) -> int:
     try:
         result = optimize_file(args.input, args.output, args.target, progress=progress,
                                verify_backend=args.backend if args.verify else None, sizes=args.sizes,
-                               threads=args.threads, fuse_routers=args.fuse_routers)
+                               threads=args.threads, fuse_routers=not args.keep_routers)
     except SameFileError as error:
         print(f"moe-onnx optimize: {error}", file=sys.stderr)
         return 2
@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--target", choices=TARGETS, default="moe",
                      help="moe: one MOE node per block (default); grouped: MoeInitRouting -> MoeRowParallelLinear "
                           "-> activation -> MoeRowParallelLinear -> MoeFinalizeRouting")
-    opt.add_argument("--fuse-routers", action="store_true",
-                     help="also replace each fused block's router chain by one MoeGatingTopK node")
+    opt.add_argument("--keep-routers", action="store_true",
+                     help="keep each block's router chain as exported (default: one MoeGatingTopK node where "
+                          "the chain is a known one)")
     opt.add_argument("--verify", action="store_true",
                      help="run both models on random inputs and compare (exit 1 on a mismatch), and time them")
     opt.add_argument("--backend", choices=BACKENDS, default="cpp", help="kernels used by --verify")

@@ -62,7 +62,7 @@ class OptimizeResult:
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
                   verify_backend: str | None = None, sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   threads: int | None = None, progress: Callable[[str], None] | None = None,
-                  fuse_routers: bool = False) -> OptimizeResult:
+                  fuse_routers: bool = True) -> OptimizeResult:
     """Fuse the MoE blocks of the model at ``source`` (``target`` and ``fuse_routers`` as in
     :func:`moe_onnx.optimize`)
     and write it to ``destination`` (with external data when large, see :func:`moe_onnx.io.save`);

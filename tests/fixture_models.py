@@ -71,10 +71,16 @@ def mutable_copy(name: str) -> onnx.ModelProto:
     return model
 
 
+def optimize_form(model, target: str = "moe"):
+    """``optimize`` with the routers left as exported: what the export-form tests check (the fusions,
+    the shared-expert fold); tests/test_rewrite_gating.py checks the router pass."""
+    return optimize(model, target=target, fuse_routers=False)
+
+
 @functools.cache
 def optimized(name: str, target: str):
-    """``optimize(original(name), target=target)``: the optimized model and its report."""
-    return optimize(original(name), target=target)
+    """``optimize_form(original(name), target)``: the optimized model and its report."""
+    return optimize_form(original(name), target=target)
 
 
 @functools.cache

@@ -324,7 +324,7 @@ def test_grouped_target_cpp_matches_original(name):
     path = str(FIXTURES / f"{name}.onnx")  # optimize() from a path (the other tests pass models)
     grouped, _ = moe_onnx.optimize(path, target="grouped")
     ours = {n.op_type for n in grouped.graph.node if n.domain == moe_onnx.DOMAIN}
-    assert ours == {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}
+    assert ours == {"MoeGatingTopK", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}
     original = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     hidden = original.get_inputs()[0].shape[-1]
     fast = session(grouped, sess_options=options(2))

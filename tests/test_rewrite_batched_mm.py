@@ -17,10 +17,9 @@ from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, moe_node, mutable_copy, nodes,
     op_counts, optimized, original, ort_output, producer, random_feeds, random_hidden, reference_data,
     reference_output, set_input,
-    routing_producer, shared_chunks,
+    routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
-from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
@@ -118,7 +117,7 @@ def test_two_blocks_in_one_model():
     first, second = original("gpt_oss_batched_mm_tiny"), original("qwen2_moe_batched_mm_tiny")
     model = onnx.compose.merge_models(first, second, io_map=[("output", "hidden_states")], prefix1="a/", prefix2="b/")
     for target in TARGETS:
-        new, report = optimize(model, target=target)
+        new, report = optimize_form(model, target=target)
         assert (report.fused[GPT_OSS], report.fused[SWIGLU]) == (1, 1)
         assert check_model(new) == []
         inputs = {"a/hidden_states": random_hidden("gpt_oss_batched_mm_tiny", 2, 3)}
@@ -226,7 +225,7 @@ FUSED_VARIANTS = {
 def test_variant_fuses_with_the_graph_values(variant):
     name, mutate, expected_attrs = FUSED_VARIANTS[variant]
     model = mutated(name, mutate)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused.get(rule_of(name)) == 1, report.summary()
     attrs = attributes(moe_node(new))
     assert {key: attrs[key] for key in expected_attrs} == pytest.approx(expected_attrs)
@@ -235,7 +234,7 @@ def test_variant_fuses_with_the_graph_values(variant):
 
 
 def test_swapped_halves_pick_the_other_rows():
-    new, _ = optimize(mutated(QWEN3_TINY, rewire_sigmoid_to_second_half))
+    new, _ = optimize_form(mutated(QWEN3_TINY, rewire_sigmoid_to_second_half))
     gate_up = initializer(original(QWEN3_TINY), nodes(original(QWEN3_TINY), "GatherND")[0].input[0])
     weights = {i.name: numpy_helper.to_array(i) for i in new.graph.initializer}
     gate, up = weights[moe_node(new).input[3]], weights[moe_node(new).input[5]]
@@ -244,7 +243,7 @@ def test_swapped_halves_pick_the_other_rows():
 
 
 def test_missing_renormalization_feeds_the_topk_values():
-    new, _ = optimize(mutated(QWEN3_TINY, drop_renormalization))
+    new, _ = optimize_form(mutated(QWEN3_TINY, drop_renormalization))
     routing = producer(new, moe_node(new).input[1])
     assert (routing.op_type, list(routing.output).index(moe_node(new).input[1])) == ("TopK", 0)
 
@@ -279,7 +278,7 @@ NEAR_MISSES = {
 def test_near_miss_stays_unfused(case):
     name, mutate, reason = NEAR_MISSES[case]
     model = mutated(name, mutate)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused == {}
     assert "MOE" not in op_counts(new)
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == rule_of(name)]
@@ -369,7 +368,7 @@ def test_non_gated_activation_is_read_from_the_graph(variant):
     make, activation = NON_GATED_VARIANTS[variant]
     model = mutated(NEMOTRON_TINY, lambda m: set_activation(m, make))
     for target in TARGETS:
-        new, report = optimize(model, target=target)
+        new, report = optimize_form(model, target=target)
         assert report.fused.get(NON_GATED) == 1 and report.near_misses == [], report.summary()
         assert check_model(new) == []
         if target == "moe":
@@ -387,7 +386,7 @@ def test_non_gated_activation_is_read_from_the_graph(variant):
 def test_non_gated_gelu_op(approximate):
     """The Gelu op of opset 20 (what torch writes at that opset) is read with its approximation."""
     model = mutated(NEMOTRON_TINY, with_opset(20, lambda node, z: node("Gelu", z, approximate=approximate)))
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused.get(NON_GATED) == 1, report.summary()
     assert attributes(moe_node(new))["activation"] == (b"gelu" if approximate == "none" else b"gelu_tanh")
     inputs = random_feeds(NEMOTRON_TINY, 3, 7, seed=1)
@@ -397,7 +396,7 @@ def test_non_gated_gelu_op(approximate):
 
 def test_non_gated_weights_behind_transpose():
     model = mutated(NEMOTRON_TINY, transpose_weights)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused.get(NON_GATED) == 1, report.summary()
     assert_same_numbers(NEMOTRON_TINY, model, new)
 
@@ -406,7 +405,7 @@ def test_non_gated_block_beside_a_gated_one():
     """Layers in a row: Nemotron-H's non-gated block feeds Qwen3-MoE's SwiGLU block."""
     first, second = original(NEMOTRON_TINY), original(QWEN3_TINY)
     model = onnx.compose.merge_models(first, second, io_map=[("output", "hidden_states")], prefix1="a/", prefix2="b/")
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert (report.fused[NON_GATED], report.fused[SWIGLU]) == (1, 1)
     inputs = {"a/hidden_states": random_hidden(NEMOTRON_TINY, 2, 3)}
     np.testing.assert_allclose(reference_output(new, inputs, "b/output"), ort_output(model, inputs, "b/output"), **TOL)
@@ -437,7 +436,7 @@ NON_GATED_NEAR_MISSES = {
 def test_non_gated_near_miss_stays_unfused(case):
     mutate, reason = NON_GATED_NEAR_MISSES[case]
     model = mutated(NEMOTRON_TINY, mutate)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused == {}
     assert "MOE" not in op_counts(new)
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == NON_GATED]
@@ -507,7 +506,7 @@ def test_transposed_numbers(name, target):
 
 def test_transposed_swapped_halves_pick_the_other_columns():
     model = mutated(ARIA_TINY, rewire_sigmoid_to_second_half)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused == {TRANSPOSED_RULE: 1, "SharedExpertFold": 1}
     gate_up = initializer(model, nodes(model, "GatherND")[0].input[0])
     weights = {i.name: numpy_helper.to_array(i) for i in new.graph.initializer}
@@ -522,7 +521,7 @@ def test_transposed_swapped_halves_pick_the_other_columns():
 ], ids=["expert count", "per-channel alpha"])
 def test_transposed_near_miss_stays_unfused(mutate, reason):
     model = mutated(ARIA_TINY, mutate)
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused == {} and "MOE" not in op_counts(new)
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == TRANSPOSED_RULE]
     assert any(reason in r for r in reasons), report.near_misses

@@ -1,4 +1,4 @@
-"""The router pass (moe_onnx/rewrite/gating.py): ``optimize(..., fuse_routers=True)`` replaces each
+"""The router pass (moe_onnx/rewrite/gating.py): ``optimize`` (``fuse_routers=True``, the default) replaces each
 fused block's router chain by one MoeGatingTopK and keeps the numbers, on both targets and backends.
 
 Chains: the fixtures' softmax -> top-k (Qwen2-MoE, OLMoE), with the ReduceSum/Div renormalization
@@ -101,10 +101,15 @@ def test_fixture_numbers(name, target):
             np.testing.assert_allclose(got, expected, **TOL)
 
 
-def test_routers_stay_by_default():
-    """Without fuse_routers the router chain is left as exported (the MOE takes TopK's indices)."""
+def test_routers_fused_by_default_and_kept_on_request():
+    """``optimize`` fuses the router by default; ``fuse_routers=False`` leaves the chain as exported (the
+    MOE takes TopK's indices)."""
     model, report = optimize(original("qwen3_moe_batched_mm_tiny"))
+    assert report.fused[RULE] == 1 and len(nodes(model, "MoeGatingTopK")) == 1
+    model, report = optimize(original("qwen3_moe_batched_mm_tiny"), fuse_routers=False)
     assert RULE not in report.fused and not nodes(model, "MoeGatingTopK")
+    (moe,) = nodes(model, "MOE")
+    assert producer(model, moe.input[2]).op_type == "TopK"
 
 
 # ----------------------------------------------------------------------------- DeepSeek-V3 routers
@@ -378,16 +383,20 @@ def test_fixture_near_miss_router_stays(name, mutate, reason):
     np.testing.assert_allclose(run(new, feeds, "cpp"), run_ort(model, feeds, ["output"])[0], **TOL)
 
 
-def test_cli_fuse_routers(tmp_path, capsys):
-    """`moe-onnx optimize --fuse-routers` reports the router fused and verifies the numbers."""
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "--keep-routers"])
+def test_cli_routers(tmp_path, capsys, keep):
+    """`moe-onnx optimize` reports the router fused and verifies the numbers; `--keep-routers` keeps it."""
     from moe_onnx.cli import main
 
     out = tmp_path / "out.onnx"
-    status = main(["optimize", str(FIXTURES / "mixtral_batched_mm_tiny.onnx"), "-o", str(out), "--fuse-routers",
-                   "--verify", "--sizes", "1x1,2x3"])
+    status = main(["optimize", str(FIXTURES / "mixtral_batched_mm_tiny.onnx"), "-o", str(out), "--verify",
+                   "--sizes", "1x1,2x3"] + (["--keep-routers"] if keep else []))
     printed = capsys.readouterr().out
-    assert status == 0 and f"{RULE}: 1 block fused" in printed and "OK" in printed, printed
-    assert attributes(gating_node(onnx.load(out))) == {"k": 2, "score_func": b"softmax", "renormalize": 1}
+    assert status == 0 and "OK" in printed and (f"{RULE}: 1 block fused" in printed) != keep, printed
+    if keep:
+        assert not nodes(onnx.load(out), "MoeGatingTopK")
+    else:
+        assert attributes(gating_node(onnx.load(out))) == {"k": 2, "score_func": b"softmax", "renormalize": 1}
 
 
 # ----------------------------------------------------------------------------- routers in fp16 / bf16

@@ -22,10 +22,9 @@ import moe_onnx
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
     ort_output, random_feeds, reference_data, reference_output,
-    routing_producer, shared_chunks,
+    routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
-from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("loop", "loop_missing")
 RULE = "LoopMoeFusion"
@@ -135,7 +134,7 @@ def test_moe_node(name):
 
 def test_weights_are_stacked_lazily():
     model = ir.from_proto(original("mixtral_loop_small"))
-    optimize(model)
+    optimize_form(model)
     (node,) = [n for n in model.graph if n.op_type == "MOE"]
     assert all(isinstance(node.inputs[i].const_value, ir.LazyTensor) for i in (3, 5, 7))
 
@@ -144,7 +143,7 @@ def test_two_blocks_in_one_graph():
     """Two stacked blocks: each chain is matched at its own last accumulation."""
     first, second = (onnx.compose.add_prefix(original("olmoe_loop_tiny"), prefix) for prefix in ("a/", "b/"))
     model = onnx.compose.merge_models(first, second, io_map=[("a/output", "b/hidden_states")], outputs=["b/output"])
-    new, report = optimize(model)
+    new, report = optimize_form(model)
     assert report.fused[RULE] == 2 and near_misses(report) == []
     inputs = {"a/hidden_states": scaled_random_feeds("olmoe_loop_tiny", 2, 3)["hidden_states"]}
     expected = ort_output(model, inputs, "b/output")
@@ -311,7 +310,7 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 @pytest.mark.parametrize(("name", "mutate", "reason"), MUTATIONS, ids=[m[1].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(name, mutate, reason):
     mutated = mutated_copy(name, mutate)
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused.get(RULE, 0) == 0
     misses = near_misses(report)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
@@ -353,7 +352,7 @@ STILL_FUSE: list[tuple[str, Callable[[ir.Model, dict], None], float]] = [
 @pytest.mark.parametrize(("name", "mutate", "alpha"), STILL_FUSE, ids=[m[1].__name__ for m in STILL_FUSE])
 def test_mutation_still_fuses(name, mutate, alpha):
     mutated = mutated_copy(name, mutate)
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused[RULE] == 1 and near_misses(report) == []
     node = moe_node(new)
     assert {a.name: a.f for a in node.attribute if a.name == "expert_alpha"} == {"expert_alpha": pytest.approx(alpha)}

@@ -15,10 +15,9 @@ import pytest
 import moe_onnx
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
-    ort_output, random_feeds, reference_data, reference_output,
+    ort_output, random_feeds, reference_data, reference_output, optimize_form,
 )
 from moe_onnx.check import check_model
-from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("loop_dynamo")
 RULE = "LoopDynamoMoeFusion"
@@ -178,7 +177,7 @@ MUTATIONS: list[tuple[Callable[[ir.Model, dict], None], str]] = [
 def test_mutation_is_a_near_miss(mutate, reason):
     name = "olmoe_loop_dynamo_tiny"
     mutated = mutated_copy(name, mutate)
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused.get(RULE, 0) == 0
     misses = near_misses(report)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
@@ -200,7 +199,7 @@ def matmul_layout(model: ir.Model, entry: dict) -> None:
 def test_matmul_layout_still_fuses():
     name = "olmoe_loop_dynamo_tiny"
     mutated = mutated_copy(name, matmul_layout)
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused[RULE] == 1 and report.near_misses == []
     for suffix in ("", "_alt"):
         inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}

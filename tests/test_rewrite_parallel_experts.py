@@ -16,10 +16,9 @@ import pytest
 import moe_onnx
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
-    ort_output, random_feeds, reference_data, reference_output,
+    ort_output, random_feeds, reference_data, reference_output, optimize_form,
 )
 from moe_onnx.check import check_model
-from moe_onnx.rewrite import optimize
 
 NAMES = fixture_names("parallel_experts_dynamo")
 RULE = "ParallelExpertsFusion"
@@ -167,7 +166,7 @@ MUTATIONS: list[tuple[Callable[[ir.Model, dict], None], str]] = [
 @pytest.mark.parametrize(("mutate", "reason"), MUTATIONS, ids=[m[0].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(mutate, reason):
     mutated = mutated_copy(TINY, mutate)
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused.get(RULE, 0) == 0
     misses = near_misses(report)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
@@ -190,7 +189,7 @@ def matmul_layout(model: ir.Model, entry: dict) -> None:
 def test_matmul_layout_still_fuses():
     mutated = mutated_copy(TINY, matmul_layout)
     assert op_counts(mutated)["MatMul"] == 2 * MANIFEST[TINY]["num_experts"]
-    new, report = optimize(mutated)
+    new, report = optimize_form(mutated)
     assert report.fused[RULE] == 1 and report.near_misses == []
     for suffix in ("", "_alt"):
         inputs = {"hidden_states": reference_data(TINY)[f"hidden_states{suffix}"]}
@@ -221,7 +220,7 @@ def one_projection(model: ir.Model, entry: dict) -> None:
     (one_projection, "the experts are one projection of the gathered tokens, no MLP"),
 ], ids=["map", "reduce"])
 def test_mixture_of_attention_steps_are_named(mutate, reason):
-    _, report = optimize(mutated_copy(TINY, mutate))
+    _, report = optimize_form(mutated_copy(TINY, mutate))
     assert report.fused.get(RULE, 0) == 0
     misses = near_misses(report)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses

@@ -12,10 +12,9 @@ from onnx import TensorProto, helper, numpy_helper
 import moe_onnx
 from fixture_models import (
     MANIFEST, TARGETS, TOL, moe_node, optimized, reference_data, reference_output,
-    shared_chunks,
+    shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
-from moe_onnx.rewrite import optimize
 
 SHARED = sorted(name for name in MANIFEST if shared_chunks(name))  # the fixtures with a SwiGLU shared expert
 H, I, E, K = 16, 8, 4, 2
@@ -98,7 +97,7 @@ def run(model: onnx.ModelProto, inputs: dict, backend: str = "cpp") -> np.ndarra
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_block_folds(gated, chunks):
     model = block(shared_width=chunks * I, gated=gated)
-    folded, report = optimize(model)
+    folded, report = optimize_form(model)
     assert report.fused == {"SharedExpertFold": 1} and report.notes == []
     assert [o.name for o in folded.graph.output] == ["y"]  # the Add was the graph output: its name stays
     node = moe_node(folded)
@@ -115,7 +114,7 @@ def test_block_folds(gated, chunks):
 
 def test_grouped_target_takes_the_folded_experts():
     model = block(shared_width=2 * I)
-    grouped, report = optimize(model, target="grouped")
+    grouped, report = optimize_form(model, target="grouped")
     assert report.fused == {"SharedExpertFold": 1, "MoeToGrouped": 1}
     inputs = feeds(6)
     np.testing.assert_allclose(run(grouped, inputs), run(model, inputs), **TOL)
@@ -123,7 +122,7 @@ def test_grouped_target_takes_the_folded_experts():
 
 def test_weights_are_stacked_lazily():
     model = ir.from_proto(block())
-    optimize(model)
+    optimize_form(model)
     (node,) = [n for n in model.graph if n.op_type == "MOE"]
     assert all(isinstance(node.inputs[i].const_value, ir.LazyTensor) for i in (3, 5, 7))
 
@@ -134,7 +133,7 @@ def test_weights_are_stacked_lazily():
 ])
 def test_unfoldable_shared_expert_stays_with_a_note(mutation, reason):
     model = block(**mutation)
-    unfolded, report = optimize(model)
+    unfolded, report = optimize_form(model)
     assert "SharedExpertFold" not in report.fused
     (note,) = report.notes
     assert note.startswith("SharedExpertFold: the shared expert beside MOE node") and reason in note
@@ -143,5 +142,5 @@ def test_unfoldable_shared_expert_stays_with_a_note(mutation, reason):
 
 
 def test_a_residual_add_is_not_a_shared_expert():
-    _, report = optimize(block(residual=True))
+    _, report = optimize_form(block(residual=True))
     assert report.fused == {} and report.notes == [] and report.near_misses == []

@@ -9,8 +9,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from fixture_models import fixture_names, mutable_copy, optimized
-from moe_onnx.rewrite import optimize
+from fixture_models import fixture_names, mutable_copy, optimized, optimize_form
 
 RULE = "UnfusedMoe"
 
@@ -60,7 +59,7 @@ def test_a_rule_near_miss_is_not_reported_twice():
     topk = next(node for node in model.graph.node if node.op_type == "TopK")
     k = next(init for init in model.graph.initializer if init.name == topk.input[1])
     k.CopyFrom(onnx.numpy_helper.from_array(np.array([3], np.int64), k.name))  # k 3 != the repeat's 2
-    _, report = optimize(model)
+    _, report = optimize_form(model)
     assert [miss["rule"] for miss in report.near_misses] == ["BatchedMmSwiglu"], report.near_misses
 
 
@@ -68,7 +67,7 @@ def test_a_pattern_that_stops_short_names_the_closest_rule():
     # the gate_up weight gather reaches the MatMul through an Identity: BatchedMmSwiglu's pattern
     # matches up to that MatMul and no further
     model = with_identity_after(mutable_copy("qwen3_moe_batched_mm_tiny"), "GatherND", input_index=0)
-    _, report = optimize(model)
+    _, report = optimize_form(model)
     assert report.total_fused == 0
     (miss,) = detected(report)
     topk = next(node for node in model.graph.node if node.op_type == "TopK")
@@ -81,7 +80,7 @@ def test_a_pattern_that_stops_short_names_the_closest_rule():
 def test_an_unknown_form_names_what_it_resembles():
     # an Identity after each index_add_ scatter: the loop pattern matches only its root
     model = with_identity_after(mutable_copy("olmoe_loop_tiny"), "ScatterElements")
-    _, report = optimize(model)
+    _, report = optimize_form(model)
     assert report.total_fused == 0
     (miss,) = detected(report)
     assert "its experts look like a per-expert loop" in miss["reason"]
@@ -113,14 +112,14 @@ def _router_graph(selection: str, experts_read_the_tokens: bool = True) -> onnx.
 
 @pytest.mark.parametrize("selection", ["TopK", "ArgMax"])
 def test_a_bare_router_is_reported(selection):
-    _, report = optimize(_router_graph(selection))
+    _, report = optimize_form(_router_graph(selection))
     (miss,) = detected(report)
     assert miss["node"] == "" and f"({selection} '')" in miss["reason"]
     assert "no fusion rule recognises" in miss["reason"]
 
 
 def test_a_sampling_topk_over_an_lm_head_is_not_a_router():
-    _, report = optimize(_router_graph("TopK", experts_read_the_tokens=False))
+    _, report = optimize_form(_router_graph("TopK", experts_read_the_tokens=False))
     assert detected(report) == []
 
 
@@ -128,7 +127,7 @@ def test_a_topk_that_is_not_over_router_scores_is_not_a_router():
     model = _router_graph("TopK")
     del model.graph.node[0]  # the Softmax reads the tokens themselves: no router linear
     model.graph.node[0].input[0] = "tokens"
-    _, report = optimize(model)
+    _, report = optimize_form(model)
     assert detected(report) == []
 
 
@@ -137,7 +136,7 @@ def test_sorted_experts_that_no_rule_takes_are_named():
     model = mutable_copy("granitemoe_parallel_experts_dynamo_tiny")
     scatter = next(node for node in model.graph.node if node.op_type == "ScatterND")
     del scatter.attribute[:]
-    _, report = optimize(model)
+    _, report = optimize_form(model)
     assert report.total_fused == 0
     (miss,) = detected(report)
     assert "its experts look like sorted expert chunks" in miss["reason"], miss

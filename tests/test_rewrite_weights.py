@@ -10,8 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from fixture_models import original
-from moe_onnx.rewrite import optimize
+from fixture_models import original, optimize_form
 from moe_onnx.rewrite._weights import weight
 
 SOURCE = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)  # [E, A, B]
@@ -70,6 +69,6 @@ def test_expert_slices_equal_the_whole_value(chain):
 
 def test_initializer_names_do_not_depend_on_history():
     """The same model rewritten twice in one process gets the same initializer names."""
-    names = [sorted(t.name for t in optimize(original("gpt_oss_tiled_tiny"), target="grouped")[0].graph.initializer)
+    names = [sorted(t.name for t in optimize_form(original("gpt_oss_tiled_tiny"), target="grouped")[0].graph.initializer)
              for _ in range(2)]
     assert names[0] == names[1]

@@ -77,7 +77,7 @@ def _parameters(model: ir.Model) -> int:
 
 
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
-                fuse_routers: bool = False) -> OptimizeReport:
+                fuse_routers: bool = True) -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
     ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py)."""
     if target not in TARGETS:
@@ -155,14 +155,14 @@ def _infer_shapes(model: ir.Model) -> None:
                 value.shape = shape
 
 
-def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = False) -> tuple[Any, OptimizeReport]:
+def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True) -> tuple[Any, OptimizeReport]:
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
     (a path gives a ModelProto) and comes with an :class:`OptimizeReport`. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
-    MoeRowParallelLinear -> MoeFinalizeRouting. ``fuse_routers`` makes each block's router one
-    MoeGatingTopK where its chain is a known one (the report notes the others). Raises ValueError for
+    MoeRowParallelLinear -> MoeFinalizeRouting. ``fuse_routers`` (default) makes each block's
+    router one MoeGatingTopK where its chain is a known one (the report notes the others). Raises ValueError for
     an unknown target.
     """
     if isinstance(model, ir.Model):

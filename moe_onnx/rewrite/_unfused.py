@@ -155,6 +155,18 @@ def _owners(graph: ir.Graph, of_selection: dict[ir.Node, _Router]) -> dict[ir.No
     return owner
 
 
+def _scores_reach_our_op(linear: ir.Node) -> bool:
+    """Whether the router's scores reach a moe_onnx node within a few ops (a fused router: MoeGatingTopK
+    takes them, while the exporter's own selection may stay alive for another output)."""
+    frontier = list(linear.outputs)
+    for _ in range(_ROUTER_DEPTH):
+        consumers = [node for value in frontier for node in value.consumers()]
+        if any(node.domain == DOMAIN for node in consumers):
+            return True
+        frontier = [value for node in consumers for value in node.outputs]
+    return False
+
+
 def _resemblance(nodes: Sequence[ir.Node], experts: int) -> str | None:
     return next((what for fits, what in _RESEMBLANCES if any(fits(node, experts) for node in nodes)), None)
 
@@ -193,5 +205,7 @@ def unfused_blocks(model: ir.Model, missed_roots: Iterable[ir.Node],
             router.fused = True
         elif node in reported:
             router.reported = True
+    for router in routers:
+        router.fused = router.fused or _scores_reach_our_op(router.linear)
     return [{"rule": RULE, "node": router.selections[0].name or "", "reason": _reason(router, owner, partial)}
             for router in routers if not (router.fused or router.reported)]

@@ -1,4 +1,4 @@
-"""Routers into MoeGatingTopK: a pass over the fused graph (``optimize(..., fuse_routers=True)``).
+"""Routers into MoeGatingTopK: a pass over the fused graph (``optimize(..., fuse_routers=True)``, the default).
 
 Every export form leaves the router in the graph and hands MOE the router's result (see _router.py).
 This pass reads each MOE node's routing weights and indices back to the router logits and, when
