@@ -5,9 +5,11 @@ One module per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``
 graph: ``gating`` turns the routers into MoeGatingTopK, ``shared_expert`` folds shared experts into
 their MOE, ``grouped`` turns MOE nodes into the routed chain; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
-class and its check idiom, constants), ``_router`` (the MOE's routing inputs), ``_activation``
-(SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind layout ops, lazy
-initializers) and ``_onnxscript`` (the private onnxscript names used). ``_unfused`` reports every
+class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
+and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing
+inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind
+layout ops, Linear layers, lazy initializers) and ``_onnxscript`` (the private onnxscript names
+used). ``_unfused`` reports every
 MoE block (found by its router) that no rule fused or reported.
 """
 

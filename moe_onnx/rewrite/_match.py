@@ -74,10 +74,54 @@ class MoeFusion(RewriteRuleClassBase):
 
 
 # ----------------------------------------------------------------------------- nodes and constants
+# What several forms' readers check on a node: its op, its axes, its producer chain.
 
 def standard(node: ir.Node | None, op_type: str) -> bool:
     """Whether ``node`` is the standard ONNX op ``op_type``."""
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
+    """The node computing ``value``, which must be a standard ``op_type`` (else the match fails naming ``what``)."""
+    node = None if value is None else value.producer()
+    require(standard(node, op_type),
+            f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
+    return node
+
+
+def ints_input_or_attr(node: ir.Node, index: int, name: str) -> list[int] | None:
+    """An int-list operand given as input ``index`` (recent opsets) or attribute ``name`` (older)."""
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        return constant_ints(node.inputs[index])
+    attr = node.attributes.get(name)
+    return None if attr is None else list(attr.as_ints())
+
+
+def axes(node: ir.Node, rank: int) -> list[int] | None:
+    """The (non-negative) axes of a Squeeze, Unsqueeze or ReduceSum; ``rank`` normalizes negatives."""
+    found = ints_input_or_attr(node, 1, "axes")
+    return None if found is None else sorted(a % rank for a in found)
+
+
+def static_shape(value: ir.Value) -> tuple[int | None, ...] | None:
+    """The shape of ``value`` with None for each dim that is not a known int (None when the rank is unknown)."""
+    if value.shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else None for d in value.shape)
+
+
+def unsqueezed_last(value: ir.Value, rank: int, what: str) -> ir.Value:
+    """x of ``value = Unsqueeze(x, -1)`` with a result of ``rank``."""
+    unsqueeze = producer(value, "Unsqueeze", what)
+    require(axes(unsqueeze, rank) == [rank - 1], f"{what} is not unsqueezed on its last axis")
+    return unsqueeze.inputs[0]
+
+
+def nonzero_of(value: ir.Value, what: str) -> ir.Value:
+    """The input of ``Transpose(NonZero(x), perm=[1, 0])`` (the exporter's torch.where/nonzero)."""
+    transpose = producer(value, "Transpose", what)
+    require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
+    return producer(transpose.inputs[0], "NonZero", what).inputs[0]
 
 
 def constant(value: ir.Value | None) -> np.ndarray | None:

@@ -49,50 +49,23 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
-from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import read_clamped_swiglu, read_swiglu
-from ._match import MatchFailure, MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, is_zeros, \
-    require, shape_dims, standard
-from ._router import Route, one_hot_dense_route, one_hot_route, route as _route
-from ._weights import Weight, lazy_initializer, weight, weight_value
+from ._match import (
+    MatchFailure, axes, constant_ints, constant_scalar, failing_in, ints_input_or_attr, is_zeros, nonzero_of, producer,
+    require, shape_dims, standard, static_shape,
+)
+from ._router import one_hot_dense_route, one_hot_route, route as _route
+from ._unrolled import GatheredExpert, LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row
+from ._weights import Weight, weight
 
 _SCOPE_EXPERT = re.compile(r"(?:^|/)experts\.(\d+)/")
 
 
 # ----------------------------------------------------------------------------- graph helpers
-
-def _producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
-    """The node computing ``value``, which must be a standard ``op_type``."""
-    node = None if value is None else value.producer()
-    require(standard(node, op_type),
-            f"{what} is not computed by {op_type} (found {'no node' if node is None else node.op_type})")
-    return node
-
-
-def _ints_input_or_attr(node: ir.Node, index: int, name: str) -> list[int] | None:
-    """An int-list operand given as input ``index`` (recent opsets) or attribute ``name`` (older)."""
-    if len(node.inputs) > index and node.inputs[index] is not None:
-        return constant_ints(node.inputs[index])
-    attr = node.attributes.get(name)
-    return None if attr is None else list(attr.as_ints())
-
-
-def _axes(node: ir.Node, rank: int) -> list[int] | None:
-    """The (non-negative) axes of a Squeeze, Unsqueeze or ReduceSum; ``rank`` normalizes negatives."""
-    axes = _ints_input_or_attr(node, 1, "axes")
-    return None if axes is None else sorted(a % rank for a in axes)
-
-
-def _static_shape(value: ir.Value) -> tuple[int | None, ...] | None:
-    if value.shape is None:
-        return None
-    return tuple(d if isinstance(d, int) else None for d in value.shape)
-
 
 def _skip_identity_casts(value: ir.Value) -> ir.Value:
     """Follows Casts to the type their input already has (the exporter's ``.to(dtype)``)."""
@@ -105,20 +78,13 @@ def _skip_identity_casts(value: ir.Value) -> ir.Value:
 
 def _split_of(value: ir.Value, axis: int, what: str) -> tuple[ir.Node, int]:
     """The Split into rows/columns of one element that ``Squeeze(value, axis)`` takes; and which output."""
-    squeeze = _producer(value, "Squeeze", what)
-    split = _producer(squeeze.inputs[0], "Split", what)
-    require(_axes(squeeze, 2) == [axis], f"{what}: Squeeze axes are not [{axis}]")
+    squeeze = producer(value, "Squeeze", what)
+    split = producer(squeeze.inputs[0], "Split", what)
+    require(axes(squeeze, 2) == [axis], f"{what}: Squeeze axes are not [{axis}]")
     require(split.attributes.get_int("axis", 0) == axis, f"{what}: Split axis is not {axis}")
-    sizes = _ints_input_or_attr(split, 1, "split")
+    sizes = ints_input_or_attr(split, 1, "split")
     require(sizes is None or sizes == [1] * len(split.outputs), f"{what}: Split sizes {sizes} are not all 1")
     return split, list(split.outputs).index(squeeze.inputs[0])
-
-
-def _nonzero_of(value: ir.Value, what: str) -> ir.Value:
-    """The input of ``Transpose(NonZero(x), perm=[1, 0])`` (the exporter's torch.where/nonzero)."""
-    transpose = _producer(value, "Transpose", what)
-    require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
-    return _producer(transpose.inputs[0], "NonZero", what).inputs[0]
 
 
 def _first_row(value: ir.Value, hidden: int) -> bool:
@@ -130,11 +96,11 @@ def _first_row(value: ir.Value, hidden: int) -> bool:
     starts, ends = constant_ints(inputs[1]), constant_ints(inputs[2])
     if starts is None or ends is None:
         return False
-    axes = constant_ints(inputs[3]) if inputs[3] is not None else list(range(len(starts)))
+    slice_axes = constant_ints(inputs[3]) if inputs[3] is not None else list(range(len(starts)))
     steps = constant_ints(inputs[4]) if inputs[4] is not None else [1] * len(starts)
-    if axes is None or steps is None:
+    if slice_axes is None or steps is None:
         return False
-    ranges = {axis % 2: (start, end, step) for axis, start, end, step in zip(axes, starts, ends, steps)}
+    ranges = {axis % 2: (start, end, step) for axis, start, end, step in zip(slice_axes, starts, ends, steps)}
     start, end, step = ranges.get(1, (0, hidden, 1))
     return ranges.get(0) == (0, 1, 1) and (start, step) == (0, 1) and end >= hidden
 
@@ -170,43 +136,6 @@ class _LastAccumulationMatcher(SimplePatternMatcher):
 # Each reader below checks one part of a branch; _block prefixes the branch to their failures.
 
 @dataclasses.dataclass(frozen=True)
-class _Linears:
-    """An expert of its own constant Linear weights: swish(x @ gate) * (x @ up) @ down; gate and up may be
-    column ranges of one gate_up matrix (``gate_cols``, ``up_cols``). Each weight is stored [in, out] (a
-    MatMul's, as the names say) unless ``in_out`` says [out, in] (an nn.Linear weight of a Gemm with
-    transB=1, the dynamo exporter's)."""
-
-    gate_HI: Weight
-    up_HI: Weight
-    down_IH: Weight
-    alpha: float
-    gate_cols: tuple[int | None, int | None] = (None, None)  # [start, end), None: to the edge
-    up_cols: tuple[int | None, int | None] = (None, None)
-    in_out: tuple[bool, bool, bool] = (True, True, True)  # gate, up, down
-
-    def matrix(self, role: str) -> np.ndarray:
-        """The [in, out] matrix of ``role``: "gate", "up" or "down" (loads it)."""
-        w, columns = {"gate": (self.gate_HI, self.gate_cols), "up": (self.up_HI, self.up_cols),
-                      "down": (self.down_IH, (None, None))}[role]
-        array = w.array() if self.in_out[("gate", "up", "down").index(role)] else w.array().T
-        return array[:, slice(*columns)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Gathered:
-    """GPT-OSS's expert: the stacked weights and biases gathered at the branch's expert index, with the clamped
-    SwiGLU of the interleaved gate_up columns."""
-
-    gate_up_EHN: Weight
-    gate_up_bias_EN: Weight
-    down_EIH: Weight
-    down_bias_EH: Weight
-    gate_parity: int
-    limit: float
-    alpha: float
-
-
-@dataclasses.dataclass(frozen=True)
 class _Branch:
     """One unrolled expert: which mask row it reads, its inputs, routing weights and expert."""
 
@@ -216,19 +145,19 @@ class _Branch:
     tokens_TH: ir.Value
     routing: ir.Value  # the top-k weights [T, K], or the dense [T, E] matrix (``dense``)
     dense: bool
-    expert: _Linears | _Gathered
+    expert: LinearExpert | GatheredExpert
     scope_expert: int | None  # the e of the ".../experts.<e>/..." node names, when they all agree
 
 
 def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, ir.Node]:
     """``(x, W, node)`` of ``value = MatMul(x, W)`` with a constant matrix W."""
-    matmul = _producer(value, "MatMul", what)
+    matmul = producer(value, "MatMul", what)
     w = weight(matmul.inputs[1])
     require(w is not None and len(w.shape) == 2, f"{what} weight is not a constant matrix")
     return matmul.inputs[0], w, matmul
 
 
-def _linears(y_NH: ir.Value) -> tuple[ir.Value, _Linears, list[ir.Node]]:
+def _linears(y_NH: ir.Value) -> tuple[ir.Value, LinearExpert, list[ir.Node]]:
     """``(x, expert, MatMuls)`` of ``y = MatMul(swish(x @ gate, alpha) * (x @ up), down)``; which weight is
     which follows from the dataflow."""
     act_NI, down, down_mm = _linear(y_NH, "the down projection")
@@ -236,12 +165,12 @@ def _linears(y_NH: ir.Value) -> tuple[ir.Value, _Linears, list[ir.Node]]:
     x_NH, gate, gate_mm = _linear(activation.gate, "the gate projection")
     x_up, up, up_mm = _linear(activation.up, "the up projection")
     require(x_up is x_NH, "the gate and up projections read different inputs")
-    return x_NH, _Linears(gate, up, down, activation.alpha), [gate_mm, up_mm, down_mm]
+    return x_NH, LinearExpert(gate, up, down, activation.alpha), [gate_mm, up_mm, down_mm]
 
 
 def _gathered_weight(value: ir.Value, index: ir.Value, what: str) -> Weight:
     """The constant stacked tensor W of ``value = Gather(W, index, axis=0)`` (one expert's slice)."""
-    gather = _producer(value, "Gather", what)
+    gather = producer(value, "Gather", what)
     require(gather.attributes.get_int("axis", 0) == 0 and gather.inputs[1] is index,
             f"{what} is not gathered on axis 0 at the branch's expert index")
     w = weight(gather.inputs[0])
@@ -251,41 +180,41 @@ def _gathered_weight(value: ir.Value, index: ir.Value, what: str) -> Weight:
 
 def _biased_linear(value: ir.Value, index: ir.Value, what: str) -> tuple[ir.Value, Weight, Weight]:
     """``(x, W, b)`` of ``value = Add(MatMul(x, Gather(W, index)), Gather(b, index))`` (Add in either order)."""
-    add = _producer(value, "Add", what)
+    add = producer(value, "Add", what)
     product, bias = add.inputs if standard(add.inputs[0].producer(), "MatMul") else reversed(add.inputs)
-    matmul = _producer(product, "MatMul", f"{what} (with its bias)")
+    matmul = producer(product, "MatMul", f"{what} (with its bias)")
     return (matmul.inputs[0], _gathered_weight(matmul.inputs[1], index, f"{what} weight"),
             _gathered_weight(bias, index, f"{what} bias"))
 
 
-def _gathered(y_NH: ir.Value, index: ir.Value) -> tuple[ir.Value, _Gathered]:
+def _gathered(y_NH: ir.Value, index: ir.Value) -> tuple[ir.Value, GatheredExpert]:
     """``(x, expert)`` of GPT-OSS's ``y = clamped_swiglu(x @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e]``
     with e the branch's expert ``index``."""
     act_NI, down, down_bias = _biased_linear(y_NH, index, "the down projection")
     require(len(down.shape) == 3, f"the down projection weight {list(down.shape)} is not [E, I, H]")
     activation = read_clamped_swiglu(act_NI, 2 * down.shape[1])
     x_NH, gate_up, gate_up_bias = _biased_linear(activation.gate_up, index, "the gate_up projection")
-    return x_NH, _Gathered(gate_up, gate_up_bias, down, down_bias, activation.gate_parity, activation.limit,
+    return x_NH, GatheredExpert(gate_up, gate_up_bias, down, down_bias, activation.gate_parity, activation.limit,
                            activation.alpha)
 
 
 def _top_k_weights(gather: ir.Node, token_N: ir.Value, slot_N: ir.Value | None) -> ir.Value:
     """routing_TK of ``gather = Gather(Flatten(routing_TK (unsqueezed on axis 2)), slot_N + token_N * K)``."""
     require(gather.attributes.get_int("axis", 0) == 0, "the routing weight Gather axis is not 0")
-    flatten = _producer(gather.inputs[0], "Flatten", "the gathered routing weights")
+    flatten = producer(gather.inputs[0], "Flatten", "the gathered routing weights")
     require(flatten.attributes.get_int("axis", 1) == 2, "the routing weights Flatten axis is not 2")
     routing_TK = flatten.inputs[0]
     unsqueeze = routing_TK.producer()
     if standard(unsqueeze, "Unsqueeze"):
-        require(_axes(unsqueeze, 3) == [2], "the routing weights are not unsqueezed on axis 2")
+        require(axes(unsqueeze, 3) == [2], "the routing weights are not unsqueezed on axis 2")
         routing_TK = unsqueeze.inputs[0]
-    shape = _static_shape(routing_TK)
+    shape = static_shape(routing_TK)
     require(shape is not None and len(shape) == 2 and shape[1] is not None, "the routing weights are not [T, K]")
     # the flat index into [T * K, 1] must be slot + token * K
-    add = _producer(gather.inputs[1], "Add", "the routing weight index")
+    add = producer(gather.inputs[1], "Add", "the routing weight index")
     require(slot_N is not None and slot_N in add.inputs, "the routing weight index does not add the slot")
     scaled_token = add.inputs[1] if add.inputs[0] is slot_N else add.inputs[0]
-    mul = _producer(scaled_token, "Mul", "the routing weight index")
+    mul = producer(scaled_token, "Mul", "the routing weight index")
     require(token_N in mul.inputs, "the routing weight index does not scale the token")
     k = shape_dims(mul.inputs[1] if mul.inputs[0] is token_N else mul.inputs[0])
     require(k == [shape[1]], f"the routing weight index does not step by K = {shape[1]} per token")
@@ -296,13 +225,13 @@ def _dense_column(gather: ir.Node, expert_index: ir.Value) -> ir.Value:
     """dense_TE of ``gather = Gather(Unsqueeze(Gather(dense_TE, expert_index, axis=1), 1), token_N)``: the
     branch's expert's column of a dense [T, E] matrix at the routed tokens (GPT-OSS)."""
     require(gather.attributes.get_int("axis", 0) == 0, "the routing weight Gather axis is not 0")
-    unsqueeze = _producer(gather.inputs[0], "Unsqueeze", "the routing weights column")
-    require(_axes(unsqueeze, 2) == [1], "the routing weights column is not unsqueezed on axis 1")
-    column = _producer(unsqueeze.inputs[0], "Gather", "the routing weights column")
+    unsqueeze = producer(gather.inputs[0], "Unsqueeze", "the routing weights column")
+    require(axes(unsqueeze, 2) == [1], "the routing weights column is not unsqueezed on axis 1")
+    column = producer(unsqueeze.inputs[0], "Gather", "the routing weights column")
     require(column.attributes.get_int("axis", 0) == 1 and column.inputs[1] is expert_index,
             "the routing weights column is not the branch's expert's (Gather axis 1 at its index)")
     dense_TE = column.inputs[0]
-    require(_static_shape(dense_TE) is not None and len(dense_TE.shape) == 2,
+    require(static_shape(dense_TE) is not None and len(dense_TE.shape) == 2,
             "the dense routing weights are not [T, E]")
     return dense_TE
 
@@ -311,26 +240,15 @@ def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value | None,
              expert_index: ir.Value) -> tuple[ir.Value, bool]:
     """``(weights, dense)``: the routing weights that ``w_N1`` [N, 1] gathers: ``routing_TK[token_N, slot_N]``
     (the top-k weights [T, K]) or, dense, ``dense_TE[token_N, expert]`` (a [T, E] matrix)."""
-    shape = _static_shape(w_N1)
+    shape = static_shape(w_N1)
     require(shape is not None and len(shape) == 2 and shape[1] == 1, "the routing weight is not [N, 1]")
     value = w_N1
     while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
         value = value.producer().inputs[0]  # keep the element order; the [N, 1] result is checked above
-    gather = _producer(value, "Gather", "the routing weight")
+    gather = producer(value, "Gather", "the routing weight")
     if gather.inputs[1] is token_N:
         return _dense_column(gather, expert_index), True
     return _top_k_weights(gather, token_N, slot_N), False
-
-
-def _mask_row(row: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``(expert_mask, row index)`` of ``row = expert_mask[index]`` (Gather, Squeeze of a 1-element index)."""
-    node = row.producer()
-    if standard(node, "Squeeze"):
-        require(_axes(node, 3) == [0], "the mask row Squeeze axes are not [0]")
-        row = node.inputs[0]
-    gather = _producer(row, "Gather", "the mask row")
-    require(gather.attributes.get_int("axis", 0) == 0, "the mask row Gather axis is not 0")
-    return gather.inputs[0], gather.inputs[1]
 
 
 def _hit_position(index: ir.Value, expert_mask: ir.Value) -> tuple[ir.Node, int]:
@@ -340,12 +258,12 @@ def _hit_position(index: ir.Value, expert_mask: ir.Value) -> tuple[ir.Node, int]
     if standard(pick, "Gather") and constant_ints(pick.inputs[1]) == [0] and pick.attributes.get_int("axis", 0) == 0:
         index = pick.inputs[0]
     split, position = _split_of(index, 0, "the hit expert index")
-    hit = _nonzero_of(split.inputs[0], "the hit experts")
-    greater = _producer(hit, "Greater", "the hit experts")
+    hit = nonzero_of(split.inputs[0], "the hit experts")
+    greater = producer(hit, "Greater", "the hit experts")
     require(constant_scalar(greater.inputs[1]) == 0, "the hit experts are not those with a count > 0")
-    reduce = _producer(greater.inputs[0], "ReduceSum", "the expert counts")
+    reduce = producer(greater.inputs[0], "ReduceSum", "the expert counts")
     require(reduce.inputs[0] is expert_mask, "the expert counts are not summed over the expert mask")
-    require(_axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
+    require(axes(reduce, 3) == [1, 2] and reduce.attributes.get_int("keepdims", 1) == 0,
             "the expert counts are not summed over (slot, token) to [E]")
     return split, position
 
@@ -365,7 +283,7 @@ def _scatter_target(scatter: ir.Node) -> int:
     reduction = scatter.attributes.get_string("reduction", "none")
     require(reduction in ("none", "add"), f"ScatterElements reduction is {reduction!r}")
     require(is_zeros(scatter.inputs[0]), "the scatter target is not zeros")
-    zeros_shape = _static_shape(scatter.inputs[0])
+    zeros_shape = static_shape(scatter.inputs[0])
     require(zeros_shape is not None and len(zeros_shape) == 2 and zeros_shape[1] is not None,
             "the accumulator is not [T, H] with a static H")
     return zeros_shape[1]
@@ -373,20 +291,20 @@ def _scatter_target(scatter: ir.Node) -> int:
 
 def _weighted_rows(updates: ir.Value, hidden: int) -> ir.Node:
     """The Mul(y_NH, w_N1) that ``updates = Expand(Mul(...), Shape(acc[:1]))`` broadcasts to [N, H] unchanged."""
-    expand = _producer(updates, "Expand", "the scattered rows")
-    target = _producer(expand.inputs[1], "Shape", "the scattered rows' shape").inputs[0]
-    require(_static_shape(target) == (1, hidden) or _first_row(target, hidden),
+    expand = producer(updates, "Expand", "the scattered rows")
+    target = producer(expand.inputs[1], "Shape", "the scattered rows' shape").inputs[0]
+    require(static_shape(target) == (1, hidden) or _first_row(target, hidden),
             "the scattered rows are not expanded to the shape of one accumulator row")
-    return _producer(_skip_identity_casts(expand.inputs[0]), "Mul", "the weighted expert output")
+    return producer(_skip_identity_casts(expand.inputs[0]), "Mul", "the weighted expert output")
 
 
 def _scattered_tokens(index: ir.Value, updates: ir.Value) -> ir.Value:
     """token_N of ``index = Expand(Unsqueeze(token_N, 1), Shape(updates))``: row r of the updates goes to token_N[r]."""
-    expand = _producer(index, "Expand", "the scatter index")
-    require(_producer(expand.inputs[1], "Shape", "the scatter index shape").inputs[0] is updates,
+    expand = producer(index, "Expand", "the scatter index")
+    require(producer(expand.inputs[1], "Shape", "the scatter index shape").inputs[0] is updates,
             "the scatter index is not expanded to the updates' shape")
-    unsqueeze = _producer(expand.inputs[0], "Unsqueeze", "the scatter index")
-    require(_axes(unsqueeze, 2) == [1], "the scatter index is not unsqueezed on axis 1")
+    unsqueeze = producer(expand.inputs[0], "Unsqueeze", "the scatter index")
+    require(axes(unsqueeze, 2) == [1], "the scatter index is not unsqueezed on axis 1")
     return unsqueeze.inputs[0]
 
 
@@ -399,29 +317,29 @@ def _routed_tokens(token_N: ir.Value) -> tuple[ir.Value | None, ir.Value, int]:
     slot_N = slots[0] if slots else None
     require(slot_N is None or _split_of(slot_N, 1, "the slots") == (split, 1 - column),
             "the slots are not the other column of NonZero(mask row)")
-    row = _nonzero_of(split.inputs[0], "the routed tokens")
+    row = nonzero_of(split.inputs[0], "the routed tokens")
     cast = row.producer()
     if standard(cast, "Cast"):
         require(cast.attributes.get_int("to", 0) == ir.DataType.BOOL, "the mask row is cast to a non-bool type")
         row = cast.inputs[0]
-    require(_static_shape(row) is not None and len(row.shape) == 2, "the mask row is not 2-D")
+    require(static_shape(row) is not None and len(row.shape) == 2, "the mask row is not 2-D")
     return slot_N, row, column
 
 
 def _expert_tokens(x_NH: ir.Value, token_N: ir.Value, hidden: int) -> ir.Value:
     """tokens_TH of ``x_NH = Gather(tokens_TH, token_N)`` or ``Reshape(Gather(Unsqueeze(tokens_TH, 0), token_N,
     axis=1))`` to [N, H]."""
-    require(_static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
+    require(static_shape(x_NH) is not None and len(x_NH.shape) == 2 and x_NH.shape[1] == hidden,
             f"the expert input is not [N, {hidden}]")
     reshape = x_NH.producer()
     lifted = standard(reshape, "Reshape")
-    picked = _producer(reshape.inputs[0] if lifted else x_NH, "Gather", "the expert input")
+    picked = producer(reshape.inputs[0] if lifted else x_NH, "Gather", "the expert input")
     require(picked.inputs[1] is token_N and picked.attributes.get_int("axis", 0) == int(lifted),
             f"the expert input does not gather the routed tokens on axis {int(lifted)}")
     if not lifted:
         return picked.inputs[0]
-    unsqueeze = _producer(picked.inputs[0], "Unsqueeze", "the gathered tokens")
-    require(_axes(unsqueeze, 3) == [0], "the tokens are not unsqueezed on axis 0")
+    unsqueeze = producer(picked.inputs[0], "Unsqueeze", "the gathered tokens")
+    require(axes(unsqueeze, 3) == [0], "the tokens are not unsqueezed on axis 0")
     return unsqueeze.inputs[0]
 
 
@@ -431,7 +349,7 @@ def _branch(scatter: ir.Node) -> _Branch:
     weighted = _weighted_rows(scatter.inputs[2], hidden)
     token_N = _scattered_tokens(scatter.inputs[1], scatter.inputs[2])
     slot_N, row, token_column = _routed_tokens(token_N)
-    expert_mask, row_index = _mask_row(row)
+    expert_mask, row_index = mask_row(row)
     for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
         if standard(y_NH.producer(), "MatMul") or standard(y_NH.producer(), "Add"):
             break
@@ -450,20 +368,6 @@ def _branch(scatter: ir.Node) -> _Branch:
 
 
 # ----------------------------------------------------------------------------- the block
-
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """A verified chain of branches: the MOE inputs and the experts, each expert's own weights (None: no
-    branch) or the stacked weights every branch gathers from."""
-
-    name: str  # the chain's result, for the report
-    tokens_TH: ir.Value
-    route: Route
-    experts: list[_Linears | None] | _Gathered
-    hidden: int
-    intermediate: int
-    note: str | None = None  # what the report should say about the export
-
 
 def _chain(last: ir.Node) -> list[ir.Node]:
     """The ScatterElements of each index_add_ from the zeros to ``last``, in order."""
@@ -492,11 +396,11 @@ def _check_alike(branches: list[_Branch], labels: list[str]) -> tuple[int, int]:
         require(all(getattr(b, name) is getattr(first, name) for b in branches), f"the branches differ in {name}")
     require(all(type(b.expert) is type(first.expert) for b in branches), "the branches' experts differ in kind")
     dtype = first.tokens_TH.dtype
-    tokens_shape = _static_shape(first.tokens_TH)
+    tokens_shape = static_shape(first.tokens_TH)
     require(tokens_shape is not None and len(tokens_shape) == 2 and tokens_shape[1] is not None,
             "the tokens are not [T, H] with a static H")
     hidden = tokens_shape[1]
-    if isinstance(first.expert, _Gathered):
+    if isinstance(first.expert, GatheredExpert):
         expert = first.expert
         require(all(b.expert == expert for b in branches),
                 "the branches gather different expert weights or differ in the activation constants")
@@ -531,7 +435,7 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
         positions = [b.row[1] for b in branches]
         hits = len(next(iter(splits)).outputs)
         require(sorted(positions) == list(range(hits)), f"the branches read hit experts {positions} of {hits}")
-        if hits == experts or isinstance(branches[0].expert, _Gathered):
+        if hits == experts or isinstance(branches[0].expert, GatheredExpert):
             numbers = positions  # the i-th of all E experts in increasing order is expert i
         else:  # the trace missed some experts; only the branches' scope names tell which ones it hit
             numbers = [b.scope_expert for b in branches]
@@ -543,7 +447,7 @@ def _expert_numbers(branches: list[_Branch], experts: int) -> list[int]:
     return numbers
 
 
-def _block(last: ir.Node) -> _Block:
+def _block(last: ir.Node) -> LoopBlock:
     """Walks the accumulation chain back from ``last`` and verifies every branch (or the one sorted dispatch)."""
     scatters = _chain(last)
     if len(scatters) == 1 and standard(_skip_identity_casts(_scattered_tokens(*scatters[0].inputs[1:])).producer(),
@@ -562,16 +466,16 @@ def _block(last: ir.Node) -> _Block:
     require(all(b.token_column == token_column for b in branches),
             f"the routed tokens are not column {token_column} of NonZero(mask row), the mask row's token axis")
     numbers = _expert_numbers(branches, route.experts)
-    if isinstance(first.expert, _Gathered):
+    if isinstance(first.expert, GatheredExpert):
         stacked = first.expert.down_EIH.shape[0]
         require(stacked == route.experts,
                 f"the stacked expert weights have {stacked} experts, the router {route.experts}")
-        experts: list[_Linears | None] | _Gathered = first.expert
+        experts: list[LinearExpert | None] | GatheredExpert = first.expert
     else:
         experts = [None] * route.experts
         for n, b in zip(numbers, branches, strict=True):
             experts[n] = b.expert
-    return _Block(last.outputs[0].name, first.tokens_TH, route, experts, hidden, intermediate)
+    return LoopBlock(last.outputs[0].name, first.tokens_TH, route, experts, hidden, intermediate)
 
 
 # ----------------------------------------------------------------------------- the sorted dispatch
@@ -581,29 +485,29 @@ def _block(last: ir.Node) -> _Block:
 def _sorted_slots(token_R: ir.Value) -> tuple[ir.Value, ir.Value, int]:
     """``(order_R, indices_TK, K)`` of ``token_R = Div(order_R, K)`` with ``order_R`` the indices of an ascending
     TopK over all of ``Reshape(indices_TK, [-1])`` (the slots sorted by expert)."""
-    div = _producer(_skip_identity_casts(token_R), "Div", "the routed tokens")
+    div = producer(_skip_identity_casts(token_R), "Div", "the routed tokens")
     k = constant_ints(div.inputs[1])
     require(k is not None and len(k) == 1 and k[0] > 0, "the routed tokens divide the sorted slots by no constant K")
     order_R = div.inputs[0]
-    sort = _producer(order_R, "TopK", "the sorted slots")
+    sort = producer(order_R, "TopK", "the sorted slots")
     flat = sort.inputs[0]
     length = flat.shape[0] if flat.shape is not None and len(flat.shape) == 1 else None
     require(order_R.index() == 1 and sort.attributes.get_int("largest", 1) == 0
             and sort.attributes.get_int("axis", -1) in (0, -1)
             and shape_dims(sort.inputs[1]) == [length if isinstance(length, int) else (flat, 0)],
             "the sorted slots are not the indices of an ascending TopK over all the flat expert indices")
-    flatten = _producer(flat, "Reshape", "the flat expert indices")
+    flatten = producer(flat, "Reshape", "the flat expert indices")
     return order_R, flatten.inputs[0], k[0]
 
 
 def _sorted_weights(w_R1: ir.Value, order_R: ir.Value) -> ir.Value:
     """weights_TK of ``w_R1 = Unsqueeze(Gather(Reshape(weights_TK, [-1]), order_R), 1)``."""
-    unsqueeze = _producer(w_R1, "Unsqueeze", "the routing weight")
-    require(_axes(unsqueeze, 2) == [1], "the routing weight is not unsqueezed on axis 1")
-    gather = _producer(unsqueeze.inputs[0], "Gather", "the routing weight")
+    unsqueeze = producer(w_R1, "Unsqueeze", "the routing weight")
+    require(axes(unsqueeze, 2) == [1], "the routing weight is not unsqueezed on axis 1")
+    gather = producer(unsqueeze.inputs[0], "Gather", "the routing weight")
     require(gather.inputs[1] is order_R and gather.attributes.get_int("axis", 0) == 0,
             "the routing weights are not gathered at the sorted slots")
-    flatten = _producer(gather.inputs[0], "Reshape", "the flat routing weights")
+    flatten = producer(gather.inputs[0], "Reshape", "the flat routing weights")
     require(flatten.outputs[0].shape is not None and len(flatten.outputs[0].shape) == 1,
             "the flat routing weights are not 1-D")
     return flatten.inputs[0]
@@ -612,7 +516,7 @@ def _sorted_weights(w_R1: ir.Value, order_R: ir.Value) -> ir.Value:
 def _expert_blocks(value: ir.Value, what: str) -> tuple[ir.Value, list[Weight], list[int] | None]:
     """``(x_R, [W_e], sizes)`` of ``value = Concat_e(MatMul(Split(x_R, sizes, axis=0)[e], W_e), axis=0)``: row
     block e of x_R through expert e's weight."""
-    concat = _producer(value, "Concat", what)
+    concat = producer(value, "Concat", what)
     require(concat.attributes.get_int("axis", 0) == 0, f"{what}: Concat axis is not 0")
     split, weights = None, []
     for e, part in enumerate(concat.inputs):
@@ -624,20 +528,20 @@ def _expert_blocks(value: ir.Value, what: str) -> tuple[ir.Value, list[Weight], 
         weights.append(w)
     require(split.attributes.get_int("axis", 0) == 0 and len(split.outputs) == len(weights),
             f"{what}: the Split is not into the {len(weights)} experts' row blocks")
-    return split.inputs[0], weights, _ints_input_or_attr(split, 1, "split")
+    return split.inputs[0], weights, ints_input_or_attr(split, 1, "split")
 
 
 def _columns(half: ir.Value, width: int) -> tuple[int, int]:
     """The column range [start, end) of the last axis of ``width`` columns that ``half = Slice(...)`` takes."""
-    node = _producer(half, "Slice", "a half of gate_up")
-    starts, ends, axes, steps = (shape_dims(v) for v in (list(node.inputs) + [None] * 5)[1:5])
+    node = producer(half, "Slice", "a half of gate_up")
+    starts, ends, slice_axes, steps = (shape_dims(v) for v in (list(node.inputs) + [None] * 5)[1:5])
     require(starts is not None and ends is not None and len(starts) == len(ends) == 1
-            and axes in ([1], [-1]) and steps in (None, [1]) and all(isinstance(d, int) for d in starts + ends),
+            and slice_axes in ([1], [-1]) and steps in (None, [1]) and all(isinstance(d, int) for d in starts + ends),
             "a half of gate_up is not a constant column range of the last axis")
     return starts[0], min(ends[0], width)
 
 
-def _sorted_block(last: ir.Node, scatter: ir.Node) -> _Block:
+def _sorted_block(last: ir.Node, scatter: ir.Node) -> LoopBlock:
     """Reads the sorted dispatch whose one index_add_ ``scatter`` writes."""
     hidden = _scatter_target(scatter)
     weighted = _weighted_rows(scatter.inputs[2], hidden)
@@ -665,7 +569,7 @@ def _sorted_block(last: ir.Node, scatter: ir.Node) -> _Block:
     for e, (gate_up, down) in enumerate(zip(gate_ups, downs, strict=True)):
         with failing_in(f"expert {e}"):
             _check_shapes([(gate_up, (hidden, width), "gate_up weight"), (down, (inter, hidden), "down weight")], dtype)
-    experts = [_Linears(gate_up, gate_up, down, activation.alpha, gate_cols, up_cols)
+    experts = [LinearExpert(gate_up, gate_up, down, activation.alpha, gate_cols, up_cols)
                for gate_up, down in zip(gate_ups, downs, strict=True)]
     name = last.outputs[0].name
     note = (f"block '{name}': the export splits the sorted rows by its trace's expert counts {up_sizes}, so it runs "
@@ -674,31 +578,16 @@ def _sorted_block(last: ir.Node, scatter: ir.Node) -> _Block:
         note += (f", and it scatters each token's {k} rows without reduction (duplicate indices: onnxruntime keeps "
                  "one row, torch's index_add_ sums them, as MOE does), so the fused model follows torch where the "
                  "export did not")
-    return _Block(name, tokens_TH, route, experts, hidden, inter, note)
+    return LoopBlock(name, tokens_TH, route, experts, hidden, inter, note)
 
 
-def _stacked(op, name: str, experts: list[_Linears | None], role: str, dtype: ir.DataType,
-             shape: tuple[int, int, int]) -> ir.Value:
-    """A lazy [E, rows, cols] initializer of the transposed ``role`` matrices; zeros for absent experts."""
-
-    def expert_slice(e: int) -> np.ndarray:
-        expert = experts[e]
-        return np.zeros(shape[1:], dtype=dtype.numpy()) if expert is None else expert.matrix(role).T
-
-    sources = [w.source for x in experts if x for w in (x.gate_HI, x.up_HI, x.down_IH)]
-    return lazy_initializer(op, name, expert_slice, dtype, shape, sources=list(dict.fromkeys(sources)))
-
-
-class LoopMoeFusion(MoeFusion):
+class LoopMoeFusion(UnrolledLoopFusion):
     """The unrolled per-expert loop (see the module docstring), matched at its last accumulation::
 
         acc_TH = Add(acc_TH, ScatterElements(ConstantOfShape(Shape(acc_TH)), token_NH, updates_NH))
 
-    ``read`` walks the chain of such index_add_s back to its zeros and verifies each branch;
-    ``emit`` replaces the chain's result by
-    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_EIH, -, up_EIH, -, down_EHI)`` (SwiGLU experts) or
-    ``MOE(tokens_TH, routing_TK, topk_indices_TK, gate_up_EHN, gate_up_bias_EN, down_EIH, down_bias_EH)``
-    (GPT-OSS's gathered experts).
+    ``read`` walks the chain of such index_add_s back to its zeros and verifies each branch; ``emit``
+    (:class:`UnrolledLoopFusion`'s) writes the MOE.
     """
 
     def pattern(self, op, acc_TH, token_NH, updates_NH):
@@ -710,33 +599,8 @@ class LoopMoeFusion(MoeFusion):
         return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_LastAccumulationMatcher,
                            name=self.name, remove_nodes=False)
 
-    def read(self, context, **_) -> _Block:
+    def read(self, context, **_) -> LoopBlock:
         return _block(context.root)
-
-    def emit(self, op, block: _Block) -> ir.Value:
-        if block.note and block.note not in self.notes:
-            self.notes.append(block.note)
-        if isinstance(block.experts, _Gathered):
-            expert = block.experts
-            return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices,
-                            expert_type=GEMM2_BIAS_SWIGLU_CLAMP,
-                            weight_0=weight_value(op, expert.gate_up_EHN, "loop_gate_up_EHN"),
-                            bias_0=weight_value(op, expert.gate_up_bias_EN, "loop_gate_up_bias_EN"),
-                            weight_1=weight_value(op, expert.down_EIH, "loop_down_EIH"),
-                            bias_1=weight_value(op, expert.down_bias_EH, "loop_down_bias_EH"),
-                            expert_alpha=expert.alpha, expert_beta=expert.limit, gate_parity=expert.gate_parity)
-        missing = [e for e, expert in enumerate(block.experts) if expert is None]
-        note = (f"block '{block.name}': experts {missing} have no branch in the export (the trace routed no token "
-                "to them); fused with zero weights, so they contribute nothing")
-        if missing and note not in self.notes:
-            self.notes.append(note)
-        experts, dtype = block.route.experts, block.tokens_TH.dtype
-        shape_EIH, shape_EHI = (experts, block.intermediate, block.hidden), (experts, block.hidden, block.intermediate)
-        return emit_moe(op, block.tokens_TH, block.route.weights, block.route.indices, expert_type=GEMM3_SWIGLU,
-                        weight_0=_stacked(op, "loop_gate_EIH", block.experts, "gate", dtype, shape_EIH),
-                        weight_1=_stacked(op, "loop_up_EIH", block.experts, "up", dtype, shape_EIH),
-                        weight_2=_stacked(op, "loop_down_EHI", block.experts, "down", dtype, shape_EHI),
-                        expert_alpha=block.experts[next(e for e, x in enumerate(block.experts) if x)].alpha)
 
 
 FUSIONS = [LoopMoeFusion]

@@ -18,7 +18,7 @@ running sum::
         acc_TH = ScatterND(acc_TH, token_N1, Mul(y_NH, w_N1), reduction="add")
     with acc_TH = zeros [T, H] before the first branch.
 
-The chain becomes the same MOE GEMM3_SWIGLU node as the TorchScript loop (``loop.LoopMoeFusion.emit``).
+The chain becomes the same MOE GEMM3_SWIGLU node as the TorchScript loop (``_unrolled.UnrolledLoopFusion.emit``).
 
 Shapes in names: T tokens, H hidden size, I expert intermediate size, E experts, K experts per
 token, N tokens routed to one expert.
@@ -33,10 +33,13 @@ from onnxscript.rewriter import MatchResult, RewriteRule
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
 from ._activation import read_swiglu
-from ._match import MatchFailure, constant_ints, failing_in, is_zeros, require, standard
+from ._match import (
+    MatchFailure, axes, constant_ints, failing_in, is_zeros, nonzero_of, producer, require, standard, static_shape,
+    unsqueezed_last,
+)
 from ._router import one_hot_route
-from ._weights import Weight, weight
-from .loop import LoopMoeFusion, _axes, _Block, _Linears, _mask_row, _nonzero_of, _producer, _static_shape
+from ._unrolled import LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row
+from ._weights import Linear, Weight, read_linear
 
 
 def _is_accumulation(node: ir.Node | None) -> bool:
@@ -87,103 +90,81 @@ class _Branch:
     alpha: float
 
 
-def _linear(value: ir.Value, what: str) -> tuple[ir.Value, Weight, bool]:
-    """``(x, W, in_out)`` of ``value = x @ W``: a Gemm (W [out, in] with transB=1) or a MatMul (W [in, out])."""
-    node = value.producer()
-    require(standard(node, "Gemm") or standard(node, "MatMul"),
-            f"{what} is not computed by Gemm or MatMul (found {'no node' if node is None else node.op_type})")
-    in_out = True
-    if node.op_type == "Gemm":
-        require(node.attributes.get_int("transA", 0) == 0 and node.attributes.get_float("alpha", 1.0) == 1.0
-                and (len(node.inputs) < 3 or node.inputs[2] is None),
-                f"{what} Gemm is not x @ W (transA, alpha or a bias C)")
-        in_out = node.attributes.get_int("transB", 0) == 0
-    w = weight(node.inputs[1])
-    require(w is not None and len(w.shape) == 2, f"{what} weight is not a constant matrix")
-    return node.inputs[0], w, in_out
-
-
 def _column(value: ir.Value, what: str) -> tuple[ir.Value, int]:
     """``(where_N2, c)`` of ``value = Squeeze(Slice(where_N2, c:c+1 on axis 1), 1)``."""
-    squeeze = _producer(value, "Squeeze", what)
-    require(_axes(squeeze, 2) == [1], f"{what}: Squeeze axes are not [1]")
-    piece = _producer(squeeze.inputs[0], "Slice", what)
+    squeeze = producer(value, "Squeeze", what)
+    require(axes(squeeze, 2) == [1], f"{what}: Squeeze axes are not [1]")
+    piece = producer(squeeze.inputs[0], "Slice", what)
     inputs = list(piece.inputs) + [None] * (5 - len(piece.inputs))
     starts, ends = constant_ints(inputs[1]), constant_ints(inputs[2])
-    axes = constant_ints(inputs[3]) if inputs[3] is not None else None
+    slice_axes = constant_ints(inputs[3]) if inputs[3] is not None else None
     steps = constant_ints(inputs[4]) if inputs[4] is not None else [1]
-    require(starts is not None and len(starts) == 1 and ends == [starts[0] + 1] and axes in ([1], [-1])
+    require(starts is not None and len(starts) == 1 and ends == [starts[0] + 1] and slice_axes in ([1], [-1])
             and steps == [1], f"{what} is not one column of NonZero's [N, 2] indices")
     return piece.inputs[0], starts[0]
 
 
-def _unsqueezed_last(value: ir.Value, rank: int, what: str) -> ir.Value:
-    """x of ``value = Unsqueeze(x, -1)`` with a result of ``rank``."""
-    unsqueeze = _producer(value, "Unsqueeze", what)
-    require(_axes(unsqueeze, rank) == [rank - 1], f"{what} is not unsqueezed on its last axis")
-    return unsqueeze.inputs[0]
-
-
 def _routing(w_N1: ir.Value, token_N1: ir.Value, where_N2: ir.Value) -> ir.Value:
     """The [T, K] routing weights of ``w_N1 = GatherND(Unsqueeze(routing_TK, -1), Concat(token_N1, slot_N1))``."""
-    gather = _producer(w_N1, "GatherND", "the routing weight")
+    gather = producer(w_N1, "GatherND", "the routing weight")
     require(gather.attributes.get_int("batch_dims", 0) == 0, "the routing weight GatherND has batch_dims != 0")
-    routing_TK = _unsqueezed_last(gather.inputs[0], 3, "the gathered routing weights")
-    shape = _static_shape(routing_TK)
+    routing_TK = unsqueezed_last(gather.inputs[0], 3, "the gathered routing weights")
+    shape = static_shape(routing_TK)
     require(shape is not None and len(shape) == 2 and shape[1] is not None, "the routing weights are not [T, K]")
-    concat = _producer(gather.inputs[1], "Concat", "the routing weight index")
+    concat = producer(gather.inputs[1], "Concat", "the routing weight index")
     require(concat.attributes.get_int("axis", 0) in (1, -1) and len(concat.inputs) == 2
             and concat.inputs[0] is token_N1, "the routing weight index is not (routed token, slot)")
-    slot_N = _unsqueezed_last(concat.inputs[1], 2, "the routing weight slot")
+    slot_N = unsqueezed_last(concat.inputs[1], 2, "the routing weight slot")
     require(_column(slot_N, "the slots") == (where_N2, 0), "the slots are not column 0 of NonZero(mask row)")
     return routing_TK
 
 
 def _expert_tokens(x_NH: ir.Value, token_N1: ir.Value, hidden: int) -> ir.Value:
     """tokens_TH of ``x_NH = Reshape(Transpose(GatherND(Transpose(Unsqueeze(tokens_TH, 0)), token_N1)), [-1, H])``."""
-    reshape = _producer(x_NH, "Reshape", "the expert input")
+    reshape = producer(x_NH, "Reshape", "the expert input")
     require(constant_ints(reshape.inputs[1]) == [-1, hidden], f"the expert input is not reshaped to [-1, {hidden}]")
-    back = _producer(reshape.inputs[0], "Transpose", "the gathered tokens")
-    gather = _producer(back.inputs[0], "GatherND", "the expert input")
-    front = _producer(gather.inputs[0], "Transpose", "the tokens")
+    back = producer(reshape.inputs[0], "Transpose", "the gathered tokens")
+    gather = producer(back.inputs[0], "GatherND", "the expert input")
+    front = producer(gather.inputs[0], "Transpose", "the tokens")
     for transpose, what in ((back, "the gathered tokens"), (front, "the tokens")):
         require(list(transpose.attributes.get_ints("perm", [])) == [1, 0, 2],
                 f"{what}: Transpose perm is not [1, 0, 2]")
     require(gather.inputs[1] is token_N1 and gather.attributes.get_int("batch_dims", 0) == 0,
             "the expert input does not gather the routed tokens")
-    lifted = _producer(front.inputs[0], "Unsqueeze", "the tokens")
-    require(_axes(lifted, 3) == [0], "the tokens are not unsqueezed on axis 0")
+    lifted = producer(front.inputs[0], "Unsqueeze", "the tokens")
+    require(axes(lifted, 3) == [0], "the tokens are not unsqueezed on axis 0")
     return lifted.inputs[0]
 
 
-def _expert(y_NH: ir.Value) -> tuple[ir.Value, tuple[Weight, Weight, Weight], tuple[bool, bool, bool], float]:
-    """``(x, (gate, up, down), in_out, alpha)`` of ``y = swish(x @ gate, alpha) * (x @ up) @ down``."""
-    act_NI, down, down_in_out = _linear(y_NH, "the down projection")
-    activation = read_swiglu(act_NI)
-    x_NH, gate, gate_in_out = _linear(activation.gate, "the gate projection")
-    x_up, up, up_in_out = _linear(activation.up, "the up projection")
-    require(x_up is x_NH, "the gate and up projections read different inputs")
-    return x_NH, (gate, up, down), (gate_in_out, up_in_out, down_in_out), activation.alpha
+def _expert(y_NH: ir.Value) -> tuple[ir.Value, tuple[Linear, Linear, Linear], float]:
+    """``(x, (gate, up, down), alpha)`` of ``y = swish(x @ gate, alpha) * (x @ up) @ down``."""
+    down = read_linear(y_NH, "the down projection")
+    activation = read_swiglu(down.x)
+    gate = read_linear(activation.gate, "the gate projection")
+    up = read_linear(activation.up, "the up projection")
+    require(up.x is gate.x, "the gate and up projections read different inputs")
+    return gate.x, (gate, up, down), activation.alpha
 
 
 def _branch(scatter: ir.Node, hidden: int) -> _Branch:
     """Reads and verifies the branch whose result ``scatter`` adds into the sum."""
     token_N1, updates_NH = scatter.inputs[1], scatter.inputs[2]
-    where_N2, column = _column(_unsqueezed_last(token_N1, 2, "the scatter index"), "the routed tokens")
+    where_N2, column = _column(unsqueezed_last(token_N1, 2, "the scatter index"), "the routed tokens")
     require(column == 1, "the routed tokens are not column 1 of NonZero(mask row)")
-    mask_EKT, row_index = _mask_row(_nonzero_of(where_N2, "the routed tokens"))
+    mask_EKT, row_index = mask_row(nonzero_of(where_N2, "the routed tokens"))
     expert = constant_ints(row_index)
     require(expert is not None and len(expert) == 1, "the mask row index is not one constant")
-    weighted = _producer(updates_NH, "Mul", "the scattered rows")
+    weighted = producer(updates_NH, "Mul", "the scattered rows")
     for y_NH, w_N1 in (weighted.inputs, reversed(weighted.inputs)):
         if standard(y_NH.producer(), "Gemm") or standard(y_NH.producer(), "MatMul"):
             break
     else:
         raise MatchFailure("no expert Gemm/MatMul among the factors of the weighted output")
     routing_TK = _routing(w_N1, token_N1, where_N2)
-    x_NH, (gate, up, down), in_out, alpha = _expert(y_NH)
+    x_NH, (gate, up, down), alpha = _expert(y_NH)
     tokens_TH = _expert_tokens(x_NH, token_N1, hidden)
-    return _Branch(mask_EKT, expert[0], tokens_TH, routing_TK, gate, up, down, in_out, alpha)
+    return _Branch(mask_EKT, expert[0], tokens_TH, routing_TK, gate.weight, up.weight, down.weight,
+                   (gate.in_out, up.in_out, down.in_out), alpha)
 
 
 # ----------------------------------------------------------------------------- the block
@@ -204,9 +185,9 @@ def _moe_layout(w: Weight, in_out: bool) -> tuple[int, ...]:
     return tuple(reversed(w.shape)) if in_out else w.shape
 
 
-def _block(last: ir.Node) -> _Block:
+def _block(last: ir.Node) -> LoopBlock:
     """Walks the ScatterND chain back from ``last`` and verifies every branch."""
-    shape = _static_shape(last.outputs[0])
+    shape = static_shape(last.outputs[0])
     require(shape is not None and len(shape) == 2 and shape[1] is not None, "the sum is not [T, H] with a static H")
     hidden = shape[1]
     scatters = _chain(last)
@@ -235,16 +216,16 @@ def _block(last: ir.Node) -> _Block:
     require(all(0 <= e < route.experts for e in experts), f"expert rows {experts} are outside [0, {route.experts})")
     require(len(set(experts)) == len(experts), f"two branches compute the same expert ({sorted(experts)})")
 
-    experts_by_row: list[_Linears | None] = [None] * route.experts
+    experts_by_row: list[LinearExpert | None] = [None] * route.experts
     for b in branches:
-        experts_by_row[b.expert] = _Linears(b.gate, b.up, b.down, b.alpha, in_out=b.in_out)
-    return _Block(last.outputs[0].name, first.tokens_TH, route, experts_by_row, hidden, intermediate)
+        experts_by_row[b.expert] = LinearExpert(b.gate, b.up, b.down, b.alpha, in_out=b.in_out)
+    return LoopBlock(last.outputs[0].name, first.tokens_TH, route, experts_by_row, hidden, intermediate)
 
 
-class LoopDynamoMoeFusion(LoopMoeFusion):
+class LoopDynamoMoeFusion(UnrolledLoopFusion):
     """The dynamo exporter's unrolled per-expert loop (see the module docstring), matched at its last
     ``acc_TH = ScatterND(acc_TH, token_N1, updates_NH, reduction="add")``; ``read`` walks the chain back
-    to its zeros; ``emit`` is the TorchScript loop's (one MOE GEMM3_SWIGLU)."""
+    to its zeros; ``emit`` is :class:`UnrolledLoopFusion`'s, as for the TorchScript loop (one MOE GEMM3_SWIGLU)."""
 
     def pattern(self, op, acc_TH, token_N1, updates_NH):
         return op.ScatterND(acc_TH, token_N1, updates_NH)
@@ -253,7 +234,7 @@ class LoopDynamoMoeFusion(LoopMoeFusion):
         return RewriteRule(self.pattern, self.rewrite, self.check, matcher=AccumulatingScatterMatcher,
                            name=self.name, remove_nodes=False)
 
-    def read(self, context, **_) -> _Block:
+    def read(self, context, **_) -> LoopBlock:
         return _block(context.root)
 
 

@@ -38,12 +38,12 @@ from onnxscript.rewriter import RewriteRule
 from ..ops.moe import GEMM3_SWIGLU
 from ._activation import read_swiglu
 from ._match import (
-    MoeFusion, constant_ints, constant_scalar, emit_moe, failing_in, fill_value, is_zeros, require, standard,
+    MoeFusion, axes, constant_ints, constant_scalar, emit_moe, failing_in, fill_value, is_zeros, producer, require,
+    standard, static_shape, unsqueezed_last,
 )
 from ._router import Route, route
-from ._weights import Weight, lazy_initializer
-from .loop import _axes, _producer, _static_shape
-from .loop_dynamo import AccumulatingScatterMatcher, _linear, _unsqueezed_last
+from ._weights import Weight, lazy_initializer, read_linear
+from .loop_dynamo import AccumulatingScatterMatcher
 
 
 def _skip_reshapes(value: ir.Value) -> ir.Value:
@@ -57,33 +57,33 @@ def _skip_reshapes(value: ir.Value) -> ir.Value:
 def _floor_div(value: ir.Value, what: str) -> tuple[ir.Value, float]:
     """``(n, d)`` of ``value = n // d`` as the exporter writes it for non-negative integers:
     ``Cast(Mul(Floor(Abs(q)), Sign(q)), int64)`` with ``q = Div(Cast(n, float), d)``."""
-    cast_back = _producer(value, "Cast", what)
-    product = _producer(cast_back.inputs[0], "Mul", what)
+    cast_back = producer(value, "Cast", what)
+    product = producer(cast_back.inputs[0], "Mul", what)
     ops = {factor.producer().op_type: factor.producer() for factor in product.inputs if factor.producer()}
     require(set(ops) == {"Floor", "Sign"}, f"{what} is not a floor division (Floor(Abs(q)) * Sign(q))")
     quotient = ops["Sign"].inputs[0]
-    require(_producer(ops["Floor"].inputs[0], "Abs", what).inputs[0] is quotient,
+    require(producer(ops["Floor"].inputs[0], "Abs", what).inputs[0] is quotient,
             f"{what}: Floor and Sign take different quotients")
-    div = _producer(quotient, "Div", what)
+    div = producer(quotient, "Div", what)
     divisor = constant_scalar(div.inputs[1])
     require(divisor is not None, f"{what}: the divisor is not a constant")
-    return _producer(div.inputs[0], "Cast", what).inputs[0], divisor
+    return producer(div.inputs[0], "Cast", what).inputs[0], divisor
 
 
 def _argsort(order_Tk: ir.Value) -> ir.Value:
     """topk_indices_TK of ``order_Tk = TopK(Reshape(topk_indices_TK, [-1]), all, axis 0, ascending)[1]``."""
-    sort = _producer(order_Tk, "TopK", "the slot order")
+    sort = producer(order_Tk, "TopK", "the slot order")
     require(order_Tk.index() == 1, "the slot order is not the indices output of a TopK")
     require(sort.attributes.get_int("largest", 1) == 0 and sort.attributes.get_int("axis", -1) in (0, -1),
             "the slot order is not an ascending sort (TopK largest=0 over the flattened slots)")
-    flat = _producer(sort.inputs[0], "Reshape", "the sorted expert indices")
+    flat = producer(sort.inputs[0], "Reshape", "the sorted expert indices")
     require(constant_ints(flat.inputs[1]) == [-1], "the sorted expert indices are not the flattened top-k indices")
     return flat.inputs[0]
 
 
 def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> None:
     """``sizes_E`` lists counts_E[0], ..., counts_E[E - 1], the number of slots routed to each expert."""
-    concat = _producer(sizes_E, "Concat", "the chunk sizes")
+    concat = producer(sizes_E, "Concat", "the chunk sizes")
     require(len(concat.inputs) == experts,
             f"the tokens are split into {len(concat.inputs)} chunks for {experts} experts")
     counts = set()
@@ -93,20 +93,20 @@ def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> 
         if standard(pick, "Gather"):  # [n][0]
             require(constant_ints(pick.inputs[1]) == [0], "a chunk size is not one element of the expert counts")
             value = _skip_reshapes(pick.inputs[0])
-        piece = _producer(value, "Slice", "a chunk size")
+        piece = producer(value, "Slice", "a chunk size")
         starts, ends = constant_ints(piece.inputs[1]), constant_ints(piece.inputs[2])
-        axes = constant_ints(piece.inputs[3]) if len(piece.inputs) > 3 and piece.inputs[3] is not None else [0]
-        require(starts == [e] and ends == [e + 1] and axes in ([0], [-1]),
+        slice_axes = constant_ints(piece.inputs[3]) if len(piece.inputs) > 3 and piece.inputs[3] is not None else [0]
+        require(starts == [e] and ends == [e + 1] and slice_axes in ([0], [-1]),
                 f"chunk {e}'s size is not the count of expert {e}")
         counts.add(piece.inputs[0])
     require(len(counts) == 1, "the chunk sizes come from different expert counts")
-    reduce = _producer(counts.pop(), "ReduceSum", "the expert counts")
-    require(_axes(reduce, 2) == [0] and reduce.attributes.get_int("keepdims", 1) == 0,
+    reduce = producer(counts.pop(), "ReduceSum", "the expert counts")
+    require(axes(reduce, 2) == [0] and reduce.attributes.get_int("keepdims", 1) == 0,
             "the expert counts are not summed over the tokens")
     one_hot = reduce.inputs[0]
     if standard(one_hot.producer(), "Cast"):
         one_hot = one_hot.producer().inputs[0]
-    scatter = _producer(one_hot, "ScatterElements", "the expert counts")
+    scatter = producer(one_hot, "ScatterElements", "the expert counts")
     require(scatter.attributes.get_int("axis", 0) in (1, -1) and is_zeros(scatter.inputs[0])
             and scatter.inputs[1] is topk_indices_TK and fill_value(scatter.inputs[2]) == 1.0,
             "the expert counts do not count the top-k indices (ScatterElements of ones into zeros [T, E], axis 1)")
@@ -114,18 +114,18 @@ def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> 
 
 def _experts(joined: ir.Value, what: str, sizes_E: ir.Value | None) -> tuple[ir.Value, list[Weight], bool, ir.Value]:
     """``(x, weights, in_out, sizes)`` of ``joined = Concat(x @ W_e on Split(x, sizes)[e] for each e)``."""
-    concat = _producer(joined, "Concat", what)
+    concat = producer(joined, "Concat", what)
     require(concat.attributes.get_int("axis", 0) == 0, f"{what}: the expert outputs are not concatenated on axis 0")
     split, weights, layouts = None, [], set()
     for e, part in enumerate(concat.inputs):
         with failing_in(f"{what} of expert {e}"):
-            chunk, w, in_out = _linear(part, "the projection")
-            node = _producer(chunk, "Split", "the expert's tokens")
-            require(split in (None, node) and list(node.outputs).index(chunk) == e,
+            linear = read_linear(part, "the projection")
+            node = producer(linear.x, "Split", "the expert's tokens")
+            require(split in (None, node) and list(node.outputs).index(linear.x) == e,
                     f"the tokens are not chunk {e} of one Split")
             split = node
-            weights.append(w)
-            layouts.add(in_out)
+            weights.append(linear.weight)
+            layouts.add(linear.in_out)
     require(split.attributes.get_int("axis", 0) == 0 and len(split.inputs) > 1,
             f"{what}: the Split is not by sizes on axis 0")
     require(sizes_E in (None, split.inputs[1]), f"{what}: the chunks are split by other sizes than the input's")
@@ -154,22 +154,22 @@ class _Block:
 
 def _gates(gate_Tk1: ir.Value, order_Tk: ir.Value) -> ir.Value:
     """gates_TK of ``gate_Tk1 = Unsqueeze(GatherND(Reshape(gates_TK, [-1]), Unsqueeze(order_Tk, -1)), 1)``."""
-    gather = _producer(_unsqueezed_last(gate_Tk1, 2, "the slot gate"), "GatherND", "the slot gate")
+    gather = producer(unsqueezed_last(gate_Tk1, 2, "the slot gate"), "GatherND", "the slot gate")
     require(gather.attributes.get_int("batch_dims", 0) == 0
-            and _unsqueezed_last(gather.inputs[1], 2, "the slot gate index") is order_Tk,
+            and unsqueezed_last(gather.inputs[1], 2, "the slot gate index") is order_Tk,
             "the slot gates are not gathered in the sorted slot order")
-    flat = _producer(gather.inputs[0], "Reshape", "the slot gates")
+    flat = producer(gather.inputs[0], "Reshape", "the slot gates")
     require(constant_ints(flat.inputs[1]) == [-1], "the slot gates are not the flattened [T, k] gates")
     return flat.inputs[0]
 
 
 def _block(scatter: ir.Node) -> _Block:
     zeros_TH, token_Tk1, updates = scatter.inputs
-    shape = _static_shape(zeros_TH)
+    shape = static_shape(zeros_TH)
     require(is_zeros(zeros_TH) and shape is not None and len(shape) == 2 and shape[1] is not None,
             "the scatter target is not zeros [T, H] with a static H")
     hidden = shape[1]
-    token_Tk = _unsqueezed_last(token_Tk1, 2, "the scatter index")
+    token_Tk = unsqueezed_last(token_Tk1, 2, "the scatter index")
     require(not standard(token_Tk.producer(), "TopK"),
             "the expert outputs are scattered to their sorted slots, not added to their tokens (as JetMoe's "
             "mixture of attention heads maps tokens to k heads): MOE fuses expert MLPs summed per token")
@@ -178,7 +178,7 @@ def _block(scatter: ir.Node) -> _Block:
 
     expand = updates.producer()
     weighted = expand.inputs[0] if standard(expand, "Expand") else updates
-    mul = _producer(weighted, "Mul", "the weighted expert outputs")
+    mul = producer(weighted, "Mul", "the weighted expert outputs")
     y_TkH, gate_Tk1 = mul.inputs if standard(mul.inputs[0].producer(), "Concat") else reversed(mul.inputs)
     gates_TK = _gates(gate_Tk1, order_Tk)
     found = route(topk_indices_TK, gates_TK)
@@ -191,11 +191,11 @@ def _block(scatter: ir.Node) -> _Block:
             "the experts are one projection of the gathered tokens, no MLP (as JetMoe's mixture of attention "
             "heads): MOE fuses expert MLPs (gate_up, activation, down)")
     activation = read_swiglu(act_TkI)
-    halves = _producer(activation.gate, "Split", "the gate")
+    halves = producer(activation.gate, "Split", "the gate")
     require(activation.up in halves.outputs and len(halves.outputs) == 2
             and halves.attributes.get_int("axis", 0) in (1, -1), "gate and up are not the two halves of one Split")
     x_TkH, gate_up, gate_up_in_out, _ = _experts(halves.inputs[0], "the gate_up projection", sizes_E)
-    tokens = _producer(x_TkH, "GatherND", "the sorted tokens")
+    tokens = producer(x_TkH, "GatherND", "the sorted tokens")
     require(tokens.inputs[1] is token_Tk1 and tokens.attributes.get_int("batch_dims", 0) == 0,
             "the sorted tokens are not gathered at the slots' tokens")
 

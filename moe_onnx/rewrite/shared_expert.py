@@ -21,44 +21,9 @@ import onnx_ir as ir
 from ..ops import DOMAIN
 from ._activation import read_swiglu
 from ._match import MatchFailure, require, standard
-from ._weights import Weight, initializer_expert, streamed_initializer, weight
+from ._weights import Linear, initializer_expert, read_linear, streamed_initializer
 
 RULE_NAME = "SharedExpertFold"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Linear:
-    """``y = x @ W`` (MatMul, W [K, N]) or ``Gemm(x, W, transB)``; ``matrix()`` is W as [N, K]."""
-
-    x: ir.Value
-    weight: Weight
-    out_major: bool  # the stored weight is [N, K] (nn.Linear) rather than [K, N]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0] if self.out_major else self.weight.shape[1]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1] if self.out_major else self.weight.shape[0]
-
-    def matrix(self) -> np.ndarray:
-        array = self.weight.array()
-        return array if self.out_major else array.T
-
-
-def _read_linear(value: ir.Value, role: str) -> _Linear:
-    node = value.producer()
-    is_matmul = standard(node, "MatMul")
-    is_gemm = standard(node, "Gemm") and len([v for v in node.inputs if v is not None]) == 2
-    require(is_matmul or is_gemm, f"the shared {role} is not a MatMul or a Gemm without bias")
-    if is_gemm:
-        attrs = node.attributes
-        require(attrs.get_int("transA", 0) == 0 and attrs.get_float("alpha", 1.0) == 1.0,
-                f"the shared {role} Gemm has transA or alpha set")
-    w = weight(node.inputs[1])
-    require(w is not None and len(w.shape) == 2, f"the shared {role}'s weight is not a constant matrix")
-    return _Linear(node.inputs[0], w, out_major=is_gemm and node.attributes.get_int("transB", 0) == 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +31,9 @@ class _SharedExpert:
     """A shared SwiGLU MLP on ``x``: gate/up [S, H] and down [H, S] as nn.Linear, the optional scale."""
 
     x: ir.Value
-    gate: _Linear
-    up: _Linear
-    down: _Linear
+    gate: Linear
+    up: Linear
+    down: Linear
     alpha: float
     scale: ir.Value | None  # [..., 1]: the routing weight of the shared experts (None: 1)
 
@@ -83,14 +48,14 @@ def _read_shared(value: ir.Value) -> _SharedExpert:
                 scale, value = sigmoid, mlp
                 break
         require(scale is not None, "the shared branch is a Mul without a Sigmoid gate")
-    down = _read_linear(value, "down projection")
+    down = read_linear(value, "the shared down projection")
     act = read_swiglu(down.x)
-    gate, up = _read_linear(act.gate, "gate projection"), _read_linear(act.up, "up projection")
+    gate, up = read_linear(act.gate, "the shared gate projection"), read_linear(act.up, "the shared up projection")
     require(gate.x is up.x, "the shared gate and up projections read different inputs")
     require(gate.out_features == up.out_features == down.in_features and gate.in_features == up.in_features
             == down.out_features, "the shared gate, up and down projections' shapes do not fit together")
     if scale is not None:
-        logit = _read_linear(scale.producer().inputs[0], "gate logit")
+        logit = read_linear(scale.producer().inputs[0], "the shared gate logit")
         require(logit.x is gate.x and logit.out_features == 1, "the shared expert's Sigmoid gate is not "
                 "a one-column projection of the shared expert's input")
     return _SharedExpert(gate.x, gate, up, down, act.alpha, scale)
@@ -180,7 +145,7 @@ def _fold(fold: _Fold) -> None:
     graph = moe.graph
     experts, width = moe.inputs[3].shape[0], moe.inputs[3].shape[1]
     columns = [slice(c * width, (c + 1) * width) for c in range(m)]
-    gate, up, down = shared.gate.matrix(), shared.up.matrix(), shared.down.matrix()
+    gate, up, down = shared.gate.out_in(), shared.up.out_in(), shared.down.out_in()
     weights = {3: _stacked(graph, moe.inputs[3], [gate[c] for c in columns]),
                5: _stacked(graph, moe.inputs[5], [up[c] for c in columns]),
                7: _stacked(graph, moe.inputs[7], [np.ascontiguousarray(down[:, c]) for c in columns])}
