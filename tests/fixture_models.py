@@ -1,7 +1,8 @@
 """The committed export fixtures (models/fixtures) as the rewrite tests load, run, compare and mutate them.
 
-Shared by test_rewrite_{tiled,batched_mm,loop,fixtures}.py and test_cli_optimize.py; what only one
-export form needs stays in its own test module.
+Shared by the test_rewrite_*.py modules and test_cli_optimize.py: loading, running, reading and
+mutating the fixtures, and the checks several export forms' tests make; what only one export form
+needs stays in its own test module.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+import moe_onnx
 from moe_onnx import TARGETS  # noqa: F401  (the test modules take it from here)
 from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
@@ -148,3 +151,93 @@ def set_input(model: onnx.ModelProto, node: onnx.NodeProto, index: int, array) -
     while len(node.input) <= index:
         node.input.append("")
     node.input[index] = name
+
+
+# ----------------------------------------------------------------------------- mutating graphs in onnx_ir
+
+def ir_nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
+    return [node for node in model.graph if node.op_type == op_type]
+
+
+def ir_set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
+    """Give input ``index`` of ``node`` a new initializer of its own holding ``array``."""
+    value = ir.Value(name=f"mutated_{node.name}_{index}", shape=ir.Shape(array.shape),
+                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
+    model.graph.register_initializer(value)
+    node.replace_input_with(index, value)
+
+
+def mutated_copy(name: str, mutate: Callable[[ir.Model, dict], None]) -> onnx.ModelProto:
+    """The fixture after ``mutate(model, its manifest entry)`` on an IR copy."""
+    model = ir.from_proto(original(name))
+    mutate(model, MANIFEST[name])
+    return ir.to_proto(model)
+
+
+# ----------------------------------------------------------------------------- checks the form tests share
+
+def scaled_random_feeds(name: str, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """Random hidden states on the scale of the fixture's own."""
+    return random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
+
+
+def near_misses(report, rule: str) -> list[dict]:
+    """The report's near-misses of ``rule``."""
+    return [miss for miss in report.near_misses if miss["rule"] == rule]
+
+
+def producers(model: onnx.ModelProto) -> dict[str, tuple[onnx.NodeProto, int]]:
+    """Each value's producing node and output index."""
+    return {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
+
+
+def expert_weight_shapes(model: onnx.ModelProto, node: onnx.NodeProto) -> list[list[int]]:
+    """The shapes of a GEMM3_SWIGLU MOE node's gate, up and down weights (inputs 3, 5, 7)."""
+    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
+    return [shapes[node.input[i]] for i in (3, 5, 7)]
+
+
+def assert_near_miss(name: str, mutate: Callable[[ir.Model, dict], None], rule: str, reason: str) -> None:
+    """Fixture ``name`` mutated by ``mutate`` stays unfused, with one near-miss of ``rule`` naming ``reason``,
+    and computes what the mutated export does."""
+    mutated = mutated_copy(name, mutate)
+    new, report = optimize_form(mutated)
+    assert report.fused.get(rule, 0) == 0
+    misses = near_misses(report, rule)
+    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
+    assert op_counts(new)["MOE"] == 0
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(ort_output(new, inputs), ort_output(mutated, inputs), **TOL)
+
+
+def assert_fuses_to_torch(name: str, mutated: onnx.ModelProto, rule: str) -> None:
+    """The mutated copy of fixture ``name`` fuses by ``rule`` without near-misses and computes torch's outputs."""
+    new, report = optimize_form(mutated)
+    assert report.fused[rule] == 1 and report.near_misses == []
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(reference_output(new, inputs), reference_data(name)[f"expected{suffix}"], **TOL)
+
+
+def assert_numbers(name: str, target: str) -> None:
+    """The optimized fixture computes torch's outputs, and the original's at any (batch, seq) of SHAPES."""
+    model, _ = optimized(name, target)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
+        np.testing.assert_allclose(reference_output(model, inputs), data[f"expected{suffix}"], **TOL)
+    for batch, seq in SHAPES:
+        inputs = scaled_random_feeds(name, batch, seq)
+        np.testing.assert_allclose(reference_output(model, inputs), ort_output(original(name), inputs), **TOL)
+
+
+def assert_numbers_on_both_backends(name: str) -> None:
+    """The fixture optimized for MOE computes the original's outputs on the cpp and the python kernels."""
+    model, _ = optimized(name, "moe")
+    for backend in ("cpp", "python"):
+        session = moe_onnx.session(model, backend=backend)
+        for batch, seq in SHAPES:
+            inputs = scaled_random_feeds(name, batch, seq)
+            np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs),
+                                       **TOL)

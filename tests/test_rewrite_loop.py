@@ -20,31 +20,15 @@ import pytest
 
 import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
-    ort_output, random_feeds, reference_data, reference_output,
-    routing_producer, shared_chunks, optimize_form,
+    MANIFEST, SHAPES, TARGETS, TOL, assert_near_miss, attributes, expert_weight_shapes, fixture_names, ir_set_input,
+    moe_node, mutated_copy, near_misses, op_counts, optimize_form, optimized, original, ort_output, producers,
+    reference_data, reference_output, routing_producer, scaled_random_feeds, shared_chunks,
 )
 from moe_onnx.check import check_model
 
 NAMES = fixture_names("loop", "loop_missing")
 RULE = "LoopMoeFusion"
 UNFUSED = {"NonZero", "ScatterElements", "OneHot", "Split", "Expand", "Flatten", "ConstantOfShape"}
-
-
-def scaled_random_feeds(name: str, batch: int, seq: int) -> dict[str, np.ndarray]:
-    """Random hidden states on the scale of the fixture's own."""
-    return random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
-
-
-def near_misses(report) -> list[dict]:
-    return [miss for miss in report.near_misses if miss["rule"] == RULE]
-
-
-def mutated_copy(name: str, mutate: Callable[[ir.Model, dict], None]) -> onnx.ModelProto:
-    """The fixture after ``mutate(model, its manifest entry)`` on an IR copy."""
-    model = ir.from_proto(original(name))
-    mutate(model, MANIFEST[name])
-    return ir.to_proto(model)
 
 
 # ----------------------------------------------------------------------------- graph surgery
@@ -92,7 +76,7 @@ def test_every_loop_fixture_is_covered():
 def test_fuses(name, target):
     model, report = optimized(name, target)
     assert report.fused[RULE] == 1
-    assert near_misses(report) == []
+    assert near_misses(report, RULE) == []
     before, after = op_counts(original(name)), op_counts(model)
     folded = shared_chunks(name) > 0
     assert report.fused.get("SharedExpertFold", 0) == folded
@@ -120,15 +104,14 @@ def test_moe_node(name):
     node = moe_node(model)
     attrs = attributes(node)
     assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-    producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
+    made_by = producers(model)
     indices, position = routing_producer(model, node.input[2])
     assert (indices.op_type, position) == ("TopK", 1)
     # renormalized weights where the model renormalizes (Div, then the exporter's Cast), else TopK's values
     routing = routing_producer(model, node.input[1])[0]
-    assert producers[routing.input[0]][0].op_type == ("Div" if entry["renormalize"] else "TopK")
+    assert made_by[routing.input[0]][0].op_type == ("Div" if entry["renormalize"] else "TopK")
     E, H, I = entry["num_experts"] + shared_chunks(name), entry["hidden_size"], entry["intermediate_size"]
-    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
     assert node.input[4] == node.input[6] == "" and len(node.input) == 8
 
 
@@ -144,7 +127,7 @@ def test_two_blocks_in_one_graph():
     first, second = (onnx.compose.add_prefix(original("olmoe_loop_tiny"), prefix) for prefix in ("a/", "b/"))
     model = onnx.compose.merge_models(first, second, io_map=[("a/output", "b/hidden_states")], outputs=["b/output"])
     new, report = optimize_form(model)
-    assert report.fused[RULE] == 2 and near_misses(report) == []
+    assert report.fused[RULE] == 2 and near_misses(report, RULE) == []
     inputs = {"a/hidden_states": scaled_random_feeds("olmoe_loop_tiny", 2, 3)["hidden_states"]}
     expected = ort_output(model, inputs, "b/output")
     got = reference_output(new, inputs, "b/output")
@@ -204,13 +187,6 @@ def _mask(model: ir.Model) -> ir.Value:
     return transpose.outputs[0]
 
 
-def _set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
-    value = ir.Value(name=f"mutated_{node.name}_{index}", shape=ir.Shape(array.shape),
-                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
-    model.graph.register_initializer(value)
-    node.replace_input_with(index, value)
-
-
 def _expert_nodes(model: ir.Model, expert: int, op_type: str) -> list[ir.Node]:
     return [node for node in model.graph if node.op_type == op_type and f"/experts.{expert}/" in node.name]
 
@@ -218,7 +194,7 @@ def _expert_nodes(model: ir.Model, expert: int, op_type: str) -> list[ir.Node]:
 def duplicate_mask_row(model: ir.Model, entry: dict) -> None:
     """OLMoE: branch 1 reads expert 0's mask row."""
     rows = [node for node in _mask(model).consumers() if node.op_type == "Gather"]
-    _set_input(model, rows[1], 1, np.array(0, dtype=np.int64))
+    ir_set_input(model, rows[1], 1, np.array(0, dtype=np.int64))
 
 
 def duplicate_hit_expert(model: ir.Model, entry: dict) -> None:
@@ -231,7 +207,7 @@ def duplicate_hit_expert(model: ir.Model, entry: dict) -> None:
 def onehot_depth(model: ir.Model, entry: dict) -> None:
     """The expert mask has one more expert than the router."""
     (onehot,) = [node for node in model.graph if node.op_type == "OneHot"]
-    _set_input(model, onehot, 1, np.array(entry["num_experts"] + 1, dtype=np.int64))
+    ir_set_input(model, onehot, 1, np.array(entry["num_experts"] + 1, dtype=np.int64))
 
 
 def tanh_activation(model: ir.Model, entry: dict) -> None:
@@ -267,7 +243,7 @@ def smaller_expert(model: ir.Model, entry: dict) -> None:
     for matmul in _expert_nodes(model, 2, "MatMul"):
         w = matmul.inputs[1].const_value.numpy()
         half = w[:, : w.shape[1] // 2] if w.shape[0] == entry["hidden_size"] else w[: w.shape[0] // 2]
-        _set_input(model, matmul, 1, np.ascontiguousarray(half))
+        ir_set_input(model, matmul, 1, np.ascontiguousarray(half))
 
 
 def routing_step(model: ir.Model, entry: dict) -> None:
@@ -277,7 +253,7 @@ def routing_step(model: ir.Model, entry: dict) -> None:
     width = next(node for node in model.graph if node.op_type == "Gather" and _producer_op(node.inputs[0]) == "Shape"
                  and node.inputs[0].producer().inputs[0] is unsqueeze
                  and node.outputs[0].consumers()[0].op_type == "Mul")
-    _set_input(model, width, 1, np.array([2], dtype=np.int64))
+    ir_set_input(model, width, 1, np.array([2], dtype=np.int64))
 
 
 def scatter_reduction(model: ir.Model, entry: dict) -> None:
@@ -309,15 +285,7 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 
 @pytest.mark.parametrize(("name", "mutate", "reason"), MUTATIONS, ids=[m[1].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(name, mutate, reason):
-    mutated = mutated_copy(name, mutate)
-    new, report = optimize_form(mutated)
-    assert report.fused.get(RULE, 0) == 0
-    misses = near_misses(report)
-    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
-    assert op_counts(new)["MOE"] == 0
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(ort_output(new, inputs), ort_output(mutated, inputs), **TOL)
+    assert_near_miss(name, mutate, RULE, reason)
 
 
 # ----------------------------------------------------------------------------- mutations that still fuse
@@ -353,7 +321,7 @@ STILL_FUSE: list[tuple[str, Callable[[ir.Model, dict], None], float]] = [
 def test_mutation_still_fuses(name, mutate, alpha):
     mutated = mutated_copy(name, mutate)
     new, report = optimize_form(mutated)
-    assert report.fused[RULE] == 1 and near_misses(report) == []
+    assert report.fused[RULE] == 1 and near_misses(report, RULE) == []
     node = moe_node(new)
     assert {a.name: a.f for a in node.attribute if a.name == "expert_alpha"} == {"expert_alpha": pytest.approx(alpha)}
     for suffix in ("", "_alt"):
@@ -374,10 +342,6 @@ DEEPSEEK = fixture_names("loop_grouped")
 def test_new_loop_forms_are_covered():
     assert {MANIFEST[name]["family"] for name in GPT_OSS_CPU} == {"gpt_oss"}
     assert {MANIFEST[name]["family"] for name in DEEPSEEK} == {"deepseek_v3"}
-
-
-def _producers(model: onnx.ModelProto) -> dict[str, tuple[onnx.NodeProto, int]]:
-    return {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -410,11 +374,11 @@ def test_gpt_oss_cpu_moe_node(name):
                                 "expert_beta": 7.0, "gate_parity": 0}
     assert list(node.input[3:]) == ["experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj",
                                     "experts.down_proj_bias"]
-    producers = _producers(model)
-    indices, position = producers[node.input[2]]
+    made_by = producers(model)
+    indices, position = made_by[node.input[2]]
     assert (indices.op_type, position) == ("TopK", 1)
-    weights = producers[node.input[1]][0]  # the exporter's Cast of the softmax over the top-k logits
-    assert (weights.op_type, producers[weights.input[0]][0].op_type) == ("Cast", "Softmax")
+    weights = made_by[node.input[1]][0]  # the exporter's Cast of the softmax over the top-k logits
+    assert (weights.op_type, made_by[weights.input[0]][0].op_type) == ("Cast", "Softmax")
 
 
 @pytest.mark.parametrize("name", DEEPSEEK)
@@ -425,16 +389,15 @@ def test_deepseek_moe_node(name):
     model, _ = optimized(name, "moe")
     node = moe_node(model)
     assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-    producers = _producers(model)
+    made_by = producers(model)
     indices, position = routing_producer(model, node.input[2])
     assert (indices.op_type, position) == ("TopK", 1)
     assert sum(n.op_type == "TopK" for n in model.graph.node) == 3  # group scores, groups, experts
     scaled = routing_producer(model, node.input[1])[0]
-    assert scaled.op_type == "Mul" and producers[scaled.input[0]][0].op_type == "Div"
-    assert producers[producers[scaled.input[0]][0].input[0]][0].op_type == "GatherElements"
+    assert scaled.op_type == "Mul" and made_by[scaled.input[0]][0].op_type == "Div"
+    assert made_by[made_by[scaled.input[0]][0].input[0]][0].op_type == "GatherElements"
     E, H, I = entry["num_experts"] + shared_chunks(name), entry["hidden_size"], entry["intermediate_size"]
-    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -467,26 +430,26 @@ def _reads(node: ir.Node, initializer_name: str) -> bool:
 def gathers_expert_0_down(model: ir.Model, entry: dict) -> None:
     """GPT-OSS: branch 1 takes expert 0's down weight, whichever expert it computes."""
     gathers = [node for node in model.graph if node.op_type == "Gather" and _reads(node, "experts.down_proj")]
-    _set_input(model, gathers[1], 1, np.array(0, dtype=np.int64))
+    ir_set_input(model, gathers[1], 1, np.array(0, dtype=np.int64))
 
 
 def routing_column_0(model: ir.Model, entry: dict) -> None:
     """GPT-OSS: branch 1 multiplies by expert 0's column of the router scores."""
     columns = [node for node in model.graph if node.op_type == "Gather" and _reads(node, "router_scores")
                and node.attributes.get_int("axis", 0) == 1]
-    _set_input(model, columns[1], 1, np.array(0, dtype=np.int64))
+    ir_set_input(model, columns[1], 1, np.array(0, dtype=np.int64))
 
 
 def gpt_oss_onehot_depth(model: ir.Model, entry: dict) -> None:
     """GPT-OSS: the expert mask has two classes beyond the experts (GPT-OSS has one)."""
     onehot = _first(model, "OneHot", lambda node: True)
-    _set_input(model, onehot, 1, np.array(entry["num_experts"] + 2, dtype=np.int64))
+    ir_set_input(model, onehot, 1, np.array(entry["num_experts"] + 2, dtype=np.int64))
 
 
 def unclamped_up(model: ir.Model, entry: dict) -> None:
     """GPT-OSS: branch 0 clamps up to [-7, 8]."""
     clip = _first(model, "Clip", lambda node: node.inputs[1] is not None)
-    _set_input(model, clip, 2, np.array(8.0, dtype=np.float32))
+    ir_set_input(model, clip, 2, np.array(8.0, dtype=np.float32))
 
 
 def deepseek_routing_step(model: ir.Model, entry: dict) -> None:
@@ -494,7 +457,7 @@ def deepseek_routing_step(model: ir.Model, entry: dict) -> None:
     flatten = _first(model, "Flatten", lambda node: True)
     index = flatten.outputs[0].consumers()[0].inputs[1].producer()  # Add(slot, Mul(token, K))
     mul = next(term.producer() for term in index.inputs if _producer_op(term) == "Mul")
-    _set_input(model, mul, 1, np.array(1, dtype=np.int64))
+    ir_set_input(model, mul, 1, np.array(1, dtype=np.int64))
 
 
 NEW_FORM_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
@@ -533,12 +496,12 @@ def sorted_reference(name: str, hidden_states: np.ndarray) -> np.ndarray:
     summed as torch's index_add_ does; plus JetMoe's output bias."""
     model, entry = original(name), MANIFEST[name]
     k, inter = entry["top_k"], entry["intermediate_size"]
-    producers = {out: node for node in model.graph.node for out in node.output}
+    made_by = {out: node for node in model.graph.node for out in node.output}
     constants = {tensor.name: onnx.numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
 
     def per_expert(layer: str) -> list[np.ndarray]:
         (concat,) = [node for node in model.graph.node if node.name == f"/{layer}/Concat"]
-        return [constants[producers[part].input[1]] for part in concat.input]
+        return [constants[made_by[part].input[1]] for part in concat.input]
 
     gate_up, down = per_expert("input_linear"), per_expert("output_linear")
     (router,) = [node for node in model.graph.node if node.name == "/router/layer/MatMul"]
@@ -553,7 +516,7 @@ def sorted_reference(name: str, hidden_states: np.ndarray) -> np.ndarray:
         for e, scale in zip(experts, scales, strict=True):
             h = tokens[t] @ gate_up[e]
             out[t] += scale * ((h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]) @ down[e])
-    last = producers["output"]
+    last = made_by["output"]
     bias = [constants[value] for value in last.input if value in constants] if last.op_type == "Add" else []
     return (out.reshape(hidden_states.shape) + sum(bias)).astype(np.float32)
 
@@ -572,12 +535,11 @@ def test_sorted_fuses(name, target):
     if target == "moe":
         node = moe_node(model)
         assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-        producers = _producers(model)
-        assert (producers[node.input[2]][0].op_type, producers[node.input[2]][1]) == ("TopK", 1)
-        assert producers[node.input[1]][0].op_type == "Softmax"
+        made_by = producers(model)
+        assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
+        assert made_by[node.input[1]][0].op_type == "Softmax"
         E, H, I = (MANIFEST[name][key] for key in ("num_experts", "hidden_size", "intermediate_size"))
-        shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-        assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+        assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
     assert check_model(model) == []
 
 
@@ -618,7 +580,7 @@ def down_blocks_differ(model: ir.Model, entry: dict) -> None:
     split = _named(model, "/output_linear/Split")
     sizes = split.inputs[1].producer().attributes["value"].as_tensor().numpy().copy()
     sizes[[0, 1]] = sizes[[1, 0]]
-    _set_input(model, split, 1, sizes)
+    ir_set_input(model, split, 1, sizes)
 
 
 def down_blocks_reordered(model: ir.Model, entry: dict) -> None:

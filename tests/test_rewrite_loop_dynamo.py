@@ -8,34 +8,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import pytest
 
-import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
-    ort_output, random_feeds, reference_data, reference_output, optimize_form,
+    MANIFEST, TARGETS, assert_fuses_to_torch, assert_near_miss, assert_numbers, assert_numbers_on_both_backends,
+    attributes, expert_weight_shapes, fixture_names, ir_nodes, ir_set_input, moe_node, mutated_copy, op_counts,
+    optimized, original, producers,
 )
 from moe_onnx.check import check_model
 
 NAMES = fixture_names("loop_dynamo")
 RULE = "LoopDynamoMoeFusion"
 UNFUSED = {"NonZero", "ScatterND", "Equal", "GatherND"}
-
-
-def near_misses(report) -> list[dict]:
-    return [miss for miss in report.near_misses if miss["rule"] == RULE]
-
-
-def feeds(name: str, batch: int, seq: int) -> dict[str, np.ndarray]:
-    return random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
-
-
-def mutated_copy(name: str, mutate: Callable[[ir.Model, dict], None]) -> onnx.ModelProto:
-    model = ir.from_proto(original(name))
-    mutate(model, MANIFEST[name])
-    return ir.to_proto(model)
 
 
 def test_fixtures_exist():
@@ -64,72 +49,47 @@ def test_moe_node(name):
     model, _ = optimized(name, "moe")
     node = moe_node(model)
     assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-    producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
-    assert (producers[node.input[2]][0].op_type, producers[node.input[2]][1]) == ("TopK", 1)
-    assert (producers[node.input[1]][0].op_type, producers[node.input[1]][1]) == ("TopK", 0)  # no renormalization
+    made_by = producers(model)
+    assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
+    assert (made_by[node.input[1]][0].op_type, made_by[node.input[1]][1]) == ("TopK", 0)  # no renormalization
     E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
-    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
-    model, _ = optimized(name, target)
-    data = reference_data(name)
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(reference_output(model, inputs), data[f"expected{suffix}"], **TOL)
-    for batch, seq in SHAPES:
-        inputs = feeds(name, batch, seq)
-        np.testing.assert_allclose(reference_output(model, inputs), ort_output(original(name), inputs), **TOL)
+    assert_numbers(name, target)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_both_backends(name):
-    model, _ = optimized(name, "moe")
-    for backend in ("cpp", "python"):
-        session = moe_onnx.session(model, backend=backend)
-        for batch, seq in SHAPES:
-            inputs = feeds(name, batch, seq)
-            np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs),
-                                       **TOL)
+    assert_numbers_on_both_backends(name)
 
 
 # ----------------------------------------------------------------------------- mutations
 
-def _nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
-    return [node for node in model.graph if node.op_type == op_type]
-
-
-def _set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
-    value = ir.Value(name=f"mutated_{node.name}_{index}", shape=ir.Shape(array.shape),
-                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
-    model.graph.register_initializer(value)
-    node.replace_input_with(index, value)
-
-
 def _expert_gemms(model: ir.Model) -> list[ir.Node]:
-    return [node for node in _nodes(model, "Gemm") if node.inputs[1].name.startswith("experts.")]
+    return [node for node in ir_nodes(model, "Gemm") if node.inputs[1].name.startswith("experts.")]
 
 
 def duplicate_mask_row(model: ir.Model, entry: dict) -> None:
     """Branch 1 reads expert 0's mask row."""
-    rows = [nonzero.inputs[0].producer() for nonzero in _nodes(model, "NonZero")]
-    _set_input(model, rows[1], 1, np.array(0, dtype=np.int64))
+    rows = [nonzero.inputs[0].producer() for nonzero in ir_nodes(model, "NonZero")]
+    ir_set_input(model, rows[1], 1, np.array(0, dtype=np.int64))
 
 
 def shifted_arange(model: ir.Model, entry: dict) -> None:
     """The one-hot compares the indices with arange(1, E + 1)."""
-    (equal,) = _nodes(model, "Equal")
-    _set_input(model, equal, 1, np.arange(1, entry["num_experts"] + 1, dtype=np.int64))
+    (equal,) = ir_nodes(model, "Equal")
+    ir_set_input(model, equal, 1, np.arange(1, entry["num_experts"] + 1, dtype=np.int64))
 
 
 def nonzero_start(model: ir.Model, entry: dict) -> None:
     """The accumulation starts from ones."""
-    first = next(node for node in _nodes(model, "ScatterND") if node.inputs[0].producer().op_type != "ScatterND")
+    first = next(node for node in ir_nodes(model, "ScatterND") if node.inputs[0].producer().op_type != "ScatterND")
     start = first.inputs[0].producer()
-    _set_input(model, start, 0, np.array(1.0, dtype=np.float32))
+    ir_set_input(model, start, 0, np.array(1.0, dtype=np.float32))
 
 
 def scaled_gemm(model: ir.Model, entry: dict) -> None:
@@ -140,7 +100,7 @@ def scaled_gemm(model: ir.Model, entry: dict) -> None:
 
 def slot_zero(model: ir.Model, entry: dict) -> None:
     """Branch 0 gathers its routing weight at (token, 0 * slot) instead of (token, slot)."""
-    concat = next(node for node in _nodes(model, "Concat") if any(user.op_type == "GatherND"
+    concat = next(node for node in ir_nodes(model, "Concat") if any(user.op_type == "GatherND"
                                                                    for user in node.outputs[0].consumers()))
     zero = ir.Value(name="mutated_zero", shape=ir.Shape([]), type=ir.TensorType(ir.DataType.INT64),
                     const_value=ir.tensor(np.array(0, dtype=np.int64)))
@@ -156,7 +116,7 @@ def smaller_expert(model: ir.Model, entry: dict) -> None:
         if "experts.2." in gemm.inputs[1].name:
             w = gemm.inputs[1].const_value.numpy()
             half = w[:, : w.shape[1] // 2] if "down_proj" in gemm.inputs[1].name else w[: w.shape[0] // 2]
-            _set_input(model, gemm, 1, np.ascontiguousarray(half))
+            ir_set_input(model, gemm, 1, np.ascontiguousarray(half))
     for node in model.graph:  # the exporter's shapes of the intermediate values no longer hold
         for value in node.outputs:
             if not value.is_graph_output():
@@ -175,22 +135,13 @@ MUTATIONS: list[tuple[Callable[[ir.Model, dict], None], str]] = [
 
 @pytest.mark.parametrize(("mutate", "reason"), MUTATIONS, ids=[m[0].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(mutate, reason):
-    name = "olmoe_loop_dynamo_tiny"
-    mutated = mutated_copy(name, mutate)
-    new, report = optimize_form(mutated)
-    assert report.fused.get(RULE, 0) == 0
-    misses = near_misses(report)
-    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
-    assert op_counts(new)["MOE"] == 0
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(ort_output(new, inputs), ort_output(mutated, inputs), **TOL)
+    assert_near_miss("olmoe_loop_dynamo_tiny", mutate, RULE, reason)
 
 
 def matmul_layout(model: ir.Model, entry: dict) -> None:
     """Every expert Gemm (transB=1) becomes a MatMul by the transposed weight."""
     for gemm in _expert_gemms(model):
-        _set_input(model, gemm, 1, np.ascontiguousarray(gemm.inputs[1].const_value.numpy().T))
+        ir_set_input(model, gemm, 1, np.ascontiguousarray(gemm.inputs[1].const_value.numpy().T))
         gemm.op_type = "MatMul"
         for attribute in list(gemm.attributes):
             del gemm.attributes[attribute]
@@ -198,9 +149,4 @@ def matmul_layout(model: ir.Model, entry: dict) -> None:
 
 def test_matmul_layout_still_fuses():
     name = "olmoe_loop_dynamo_tiny"
-    mutated = mutated_copy(name, matmul_layout)
-    new, report = optimize_form(mutated)
-    assert report.fused[RULE] == 1 and report.near_misses == []
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": reference_data(name)[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(reference_output(new, inputs), reference_data(name)[f"expected{suffix}"], **TOL)
+    assert_fuses_to_torch(name, mutated_copy(name, matmul_layout), RULE)

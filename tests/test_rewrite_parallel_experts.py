@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import pytest
 
-import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, op_counts, optimized, original,
-    ort_output, random_feeds, reference_data, reference_output, optimize_form,
+    MANIFEST, TARGETS, assert_fuses_to_torch, assert_near_miss, assert_numbers, assert_numbers_on_both_backends,
+    attributes, expert_weight_shapes, fixture_names, ir_nodes, ir_set_input, moe_node, mutated_copy, near_misses,
+    op_counts, optimize_form, optimized, original, producers,
 )
 from moe_onnx.check import check_model
 
@@ -24,20 +23,6 @@ NAMES = fixture_names("parallel_experts_dynamo")
 RULE = "ParallelExpertsFusion"
 UNFUSED = {"ScatterND", "GatherND", "Split", "Floor", "ScatterElements"}
 TINY = "granitemoe_parallel_experts_dynamo_tiny"
-
-
-def near_misses(report) -> list[dict]:
-    return [miss for miss in report.near_misses if miss["rule"] == RULE]
-
-
-def feeds(name: str, batch: int, seq: int) -> dict[str, np.ndarray]:
-    return random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
-
-
-def mutated_copy(name: str, mutate: Callable[[ir.Model, dict], None]) -> onnx.ModelProto:
-    model = ir.from_proto(original(name))
-    mutate(model, MANIFEST[name])
-    return ir.to_proto(model)
 
 
 def test_fixtures_exist():
@@ -70,54 +55,29 @@ def test_moe_node(name):
     model, _ = optimized(name, "moe")
     node = moe_node(model)
     assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-    producers = {out: (n, i) for n in model.graph.node for i, out in enumerate(n.output)}
-    assert (producers[node.input[2]][0].op_type, producers[node.input[2]][1]) == ("TopK", 1)
-    assert producers[node.input[1]][0].op_type == "Softmax"  # softmax over the k logits
+    made_by = producers(model)
+    assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
+    assert made_by[node.input[1]][0].op_type == "Softmax"  # softmax over the k logits
     E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
-    shapes = {i.name: list(i.dims) for i in model.graph.initializer}
-    assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
+    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
-    model, _ = optimized(name, target)
-    data = reference_data(name)
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": data[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(reference_output(model, inputs), data[f"expected{suffix}"], **TOL)
-    for batch, seq in SHAPES:
-        inputs = feeds(name, batch, seq)
-        np.testing.assert_allclose(reference_output(model, inputs), ort_output(original(name), inputs), **TOL)
+    assert_numbers(name, target)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_both_backends(name):
-    model, _ = optimized(name, "moe")
-    for backend in ("cpp", "python"):
-        session = moe_onnx.session(model, backend=backend)
-        for batch, seq in SHAPES:
-            inputs = feeds(name, batch, seq)
-            np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs),
-                                       **TOL)
+    assert_numbers_on_both_backends(name)
 
 
 # ----------------------------------------------------------------------------- mutations
 
-def _nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
-    return [node for node in model.graph if node.op_type == op_type]
-
-
-def _set_input(model: ir.Model, node: ir.Node, index: int, array: np.ndarray) -> None:
-    value = ir.Value(name=f"mutated_{node.name}_{index}", shape=ir.Shape(array.shape),
-                     type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
-    model.graph.register_initializer(value)
-    node.replace_input_with(index, value)
-
-
 def _sizes(model: ir.Model) -> ir.Node:
     """The Concat of the per-expert chunk sizes."""
-    split = next(node for node in _nodes(model, "Split") if len(node.outputs) > 2)
+    split = next(node for node in ir_nodes(model, "Split") if len(node.outputs) > 2)
     return split.inputs[1].producer()
 
 
@@ -131,26 +91,26 @@ def sizes_swapped(model: ir.Model, entry: dict) -> None:
 
 def descending_sort(model: ir.Model, entry: dict) -> None:
     """The slots are sorted by descending expert index."""
-    sort = next(node for node in _nodes(model, "TopK") if node.attributes.get_int("largest", 1) == 0)
+    sort = next(node for node in ir_nodes(model, "TopK") if node.attributes.get_int("largest", 1) == 0)
     sort.attributes["largest"] = ir.AttrInt64("largest", 1)
 
 
 def token_divisor(model: ir.Model, entry: dict) -> None:
     """Each slot's token is its position // (k + 1)."""
-    div = next(node for node in _nodes(model, "Div") if node.outputs[0].consumers()[0].op_type == "Abs")
-    _set_input(model, div, 1, np.array(entry["top_k"] + 1, dtype=np.float32))
+    div = next(node for node in ir_nodes(model, "Div") if node.outputs[0].consumers()[0].op_type == "Abs")
+    ir_set_input(model, div, 1, np.array(entry["top_k"] + 1, dtype=np.float32))
 
 
 def tanh_activation(model: ir.Model, entry: dict) -> None:
     """The SiLU uses Tanh instead of Sigmoid."""
-    (sigmoid,) = _nodes(model, "Sigmoid")
+    (sigmoid,) = ir_nodes(model, "Sigmoid")
     sigmoid.op_type = "Tanh"
 
 
 def gates_by_token(model: ir.Model, entry: dict) -> None:
     """The slot gates are gathered at the slot's token instead of its sorted position."""
-    gather = next(node for node in _nodes(model, "GatherND") if node.inputs[0].producer().op_type == "Reshape")
-    scatter = _nodes(model, "ScatterND")[0]
+    gather = next(node for node in ir_nodes(model, "GatherND") if node.inputs[0].producer().op_type == "Reshape")
+    scatter = ir_nodes(model, "ScatterND")[0]
     gather.replace_input_with(1, scatter.inputs[1])
 
 
@@ -165,22 +125,14 @@ MUTATIONS: list[tuple[Callable[[ir.Model, dict], None], str]] = [
 
 @pytest.mark.parametrize(("mutate", "reason"), MUTATIONS, ids=[m[0].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(mutate, reason):
-    mutated = mutated_copy(TINY, mutate)
-    new, report = optimize_form(mutated)
-    assert report.fused.get(RULE, 0) == 0
-    misses = near_misses(report)
-    assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
-    assert op_counts(new)["MOE"] == 0
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": reference_data(TINY)[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(ort_output(new, inputs), ort_output(mutated, inputs), **TOL)
+    assert_near_miss(TINY, mutate, RULE, reason)
 
 
 def matmul_layout(model: ir.Model, entry: dict) -> None:
     """Every expert Gemm (transB=1) becomes a MatMul by the transposed weight."""
-    for gemm in _nodes(model, "Gemm"):
+    for gemm in ir_nodes(model, "Gemm"):
         if gemm.inputs[1].name.startswith("select"):
-            _set_input(model, gemm, 1, np.ascontiguousarray(gemm.inputs[1].const_value.numpy().T))
+            ir_set_input(model, gemm, 1, np.ascontiguousarray(gemm.inputs[1].const_value.numpy().T))
             gemm.op_type = "MatMul"
             for attribute in list(gemm.attributes):
                 del gemm.attributes[attribute]
@@ -189,11 +141,7 @@ def matmul_layout(model: ir.Model, entry: dict) -> None:
 def test_matmul_layout_still_fuses():
     mutated = mutated_copy(TINY, matmul_layout)
     assert op_counts(mutated)["MatMul"] == 2 * MANIFEST[TINY]["num_experts"]
-    new, report = optimize_form(mutated)
-    assert report.fused[RULE] == 1 and report.near_misses == []
-    for suffix in ("", "_alt"):
-        inputs = {"hidden_states": reference_data(TINY)[f"hidden_states{suffix}"]}
-        np.testing.assert_allclose(reference_output(new, inputs), reference_data(TINY)[f"expected{suffix}"], **TOL)
+    assert_fuses_to_torch(TINY, mutated, RULE)
 
 
 # JetMoe's mixture of attention heads uses ParallelExperts too, but is no expert MLP: its two steps
@@ -201,17 +149,17 @@ def test_matmul_layout_still_fuses():
 
 def scatter_to_sorted_slots(model: ir.Model, entry: dict) -> None:
     """The weighted outputs go to their sorted slot positions (MoA's map), not to their tokens."""
-    (scatter,) = _nodes(model, "ScatterND")
-    order = next(node for node in _nodes(model, "TopK") if node.attributes.get_int("largest", 1) == 0).outputs[1]
+    (scatter,) = ir_nodes(model, "ScatterND")
+    order = next(node for node in ir_nodes(model, "TopK") if node.attributes.get_int("largest", 1) == 0).outputs[1]
     unsqueeze = scatter.inputs[1].producer()
     unsqueeze.replace_input_with(0, order)
 
 
 def one_projection(model: ir.Model, entry: dict) -> None:
     """The down projection's chunks are the gathered tokens themselves (MoA's reduce: one Linear, no MLP)."""
-    split = next(node for node in _nodes(model, "Split") if node.inputs[0].producer().op_type == "Mul")
-    token_Tk1 = _nodes(model, "ScatterND")[0].inputs[1]
-    gathered = next(node for node in _nodes(model, "GatherND") if node.inputs[1] is token_Tk1)
+    split = next(node for node in ir_nodes(model, "Split") if node.inputs[0].producer().op_type == "Mul")
+    token_Tk1 = ir_nodes(model, "ScatterND")[0].inputs[1]
+    gathered = next(node for node in ir_nodes(model, "GatherND") if node.inputs[1] is token_Tk1)
     split.replace_input_with(0, gathered.outputs[0])
 
 
@@ -222,5 +170,5 @@ def one_projection(model: ir.Model, entry: dict) -> None:
 def test_mixture_of_attention_steps_are_named(mutate, reason):
     _, report = optimize_form(mutated_copy(TINY, mutate))
     assert report.fused.get(RULE, 0) == 0
-    misses = near_misses(report)
+    misses = near_misses(report, RULE)
     assert len(misses) == 1 and reason in misses[0]["reason"], report.near_misses
