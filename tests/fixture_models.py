@@ -197,6 +197,16 @@ def expert_weight_shapes(model: onnx.ModelProto, node: onnx.NodeProto) -> list[l
     return [shapes[node.input[i]] for i in (3, 5, 7)]
 
 
+def assert_swiglu_block_on(target: str, after: Counter) -> None:
+    """The op counts ``after`` hold one GEMM3_SWIGLU block on ``target``: one MOE, or the routed chain
+    (MoeInitRouting, three MoeRowParallelLinear, MoeFinalizeRouting) and no MOE."""
+    if target == "moe":
+        assert after["MOE"] == 1
+    else:
+        assert (after["MoeInitRouting"], after["MoeRowParallelLinear"], after["MoeFinalizeRouting"]) == (1, 3, 1)
+        assert after["MOE"] == 0
+
+
 def assert_near_miss(name: str, mutate: Callable[[ir.Model, dict], None], rule: str, reason: str) -> None:
     """Fixture ``name`` mutated by ``mutate`` stays unfused, with one near-miss of ``rule`` naming ``reason``,
     and computes what the mutated export does."""
