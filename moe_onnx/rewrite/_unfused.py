@@ -1,18 +1,18 @@
 """Finding the MoE blocks that no fusion took: no MoE-shaped subgraph may stay unfused silently.
 
 A MoE block is recognised by its router, whatever form its experts take: a linear layer with a
-constant [H, E] weight whose scores (through elementwise ops, Softmax, Sigmoid, masking) reach an
-expert selection over their last axis, E: a ``TopK`` with k < E or an ``ArgMax`` (PhiMoE's
+constant [H, E] (or [E, H]) weight whose scores (through elementwise ops, Softmax, Sigmoid, masking)
+reach an expert selection over their last axis, E: a ``TopK`` with k < E or an ``ArgMax`` (PhiMoE's
 sparsemixer), and whose input tokens feed more than the router (the experts read them too; a
 sampling TopK over an LM head's logits is no router). The selections of one router linear are one
 block.
 
 Every node of the main graph is *owned* by the latest selection it depends on (the graph is
 topologically ordered and layers are sequential, so that is the selection of its own block). A block
-is accounted for when it owns a fused MoE node or a near-miss the rules reported; any other block is
-reported as a near-miss of :data:`RULE` at its first selection node, with the most specific reason
-known: the check of the onnxscript pattern that got furthest into the block, or the export form its
-nodes resemble.
+is accounted for when it owns a fused MoE node or a near-miss the rules reported, or when its scores
+reach a moe_onnx node (a router fused into MoeGatingTopK); any other block is reported as a near-miss
+of :data:`RULE` at its first selection node, with the most specific reason known: the check of the
+onnxscript pattern that got furthest into the block, or the export form its nodes resemble.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _owners(graph: ir.Graph, of_selection: dict[ir.Node, _Router]) -> dict[ir.No
     return owner
 
 
-def _scores_reach_our_op(linear: ir.Node) -> bool:
+def _scores_reach_a_moe_onnx_node(linear: ir.Node) -> bool:
     """Whether the router's scores reach a moe_onnx node within a few ops (a fused router: MoeGatingTopK
     takes them, while the exporter's own selection may stay alive for another output)."""
     frontier = list(linear.outputs)
@@ -206,6 +206,6 @@ def unfused_blocks(model: ir.Model, missed_roots: Iterable[ir.Node],
         elif node in reported:
             router.reported = True
     for router in routers:
-        router.fused = router.fused or _scores_reach_our_op(router.linear)
+        router.fused = router.fused or _scores_reach_a_moe_onnx_node(router.linear)
     return [{"rule": RULE, "node": router.selections[0].name or "", "reason": _reason(router, owner, partial)}
             for router in routers if not (router.fused or router.reported)]

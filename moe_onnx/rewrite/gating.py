@@ -38,7 +38,8 @@ from onnx.reference import ReferenceEvaluator
 
 from ..ops import DOMAIN, OPSET_VERSION
 from ._match import (
-    MatchFailure, constant, constant_ints, constant_scalar, constant_text, is_zeros, require, standard,
+    MatchFailure, constant, constant_ints, constant_scalar, constant_text, fill_value, ints_input_or_attr, is_zeros,
+    require, standard,
 )
 from ._onnxscript import TapeBuilder
 
@@ -58,14 +59,15 @@ class Router:
 
 # ----------------------------------------------------------------------------- small readers
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+def _producer_if(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The node computing ``value`` if it is a standard ``op_type``, else None."""
     node = None if value is None else value.producer()
     return node if standard(node, op_type) else None
 
 
 def _widened(value: ir.Value) -> ir.Value:
     """``value`` before Casts to float32 from a float type (exact: they widen or keep every value)."""
-    while (cast := _producer(value, "Cast")) is not None:
+    while (cast := _producer_if(value, "Cast")) is not None:
         source = cast.inputs[0]
         if cast.attributes.get_int("to", 0) != ir.DataType.FLOAT or source.dtype not in _FLOATS:
             break
@@ -76,7 +78,8 @@ def _widened(value: ir.Value) -> ir.Value:
 def _uncast(value: ir.Value) -> ir.Value:
     """``value`` before Casts between float types (the routing weights' last steps: MoeGatingTopK
     gives its weights in the logits' type, and a Cast to the MOE's type follows where they differ)."""
-    while (cast := _producer(value, "Cast")) is not None and value.dtype in _FLOATS and cast.inputs[0].dtype in _FLOATS:
+    while (cast := _producer_if(value, "Cast")) is not None and value.dtype in _FLOATS \
+            and cast.inputs[0].dtype in _FLOATS:
         value = cast.inputs[0]
     return value
 
@@ -85,7 +88,7 @@ def _rows(value: ir.Value, experts: int) -> ir.Value:
     """``value`` before float32 Casts and Reshapes to [rows, E] (views of the same [T, E] scores)."""
     while True:
         value = _widened(value)
-        reshape = _producer(value, "Reshape")
+        reshape = _producer_if(value, "Reshape")
         if reshape is None or not _is_rows_shape(constant_ints(reshape.inputs[1]), experts):
             return value
         value = reshape.inputs[0]
@@ -135,21 +138,13 @@ def _float32_text(value: ir.Value | None) -> str:
     return str(np.float32(scalar)) if scalar is not None else constant_text(value)
 
 
-def _axes(node: ir.Node) -> list[int] | None:
-    """A reduction's axes (an attribute before opset 18, an input since)."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        return constant_ints(node.inputs[1])
-    attr = node.attributes.get("axes")
-    return None if attr is None else list(attr.value)
-
-
 def _is_last_axis(axis: int | None, rank: int) -> bool:
     return axis is not None and axis in (-1, rank - 1)
 
 
 def _top_k(value: ir.Value, output: int, what: str) -> tuple[ir.Node, int]:
     """The TopK (largest, last axis) whose output ``output`` is ``value``, and its k."""
-    topk = _producer(value, "TopK")
+    topk = _producer_if(value, "TopK")
     require(topk is not None and value.index() == output, f"{what} is not {'the indices' if output else 'the values'} "
             "output of a TopK")
     rank = len(topk.inputs[0].shape) if topk.inputs[0].shape is not None else None
@@ -162,6 +157,7 @@ def _top_k(value: ir.Value, output: int, what: str) -> tuple[ir.Node, int]:
 
 
 def _experts(value: ir.Value) -> int:
+    """E of the [T, E] scores ``value`` (static)."""
     shape = value.shape
     require(shape is not None and len(shape) == 2 and isinstance(shape[1], int),
             f"the router scores have shape {shape}; expected [T, E] with a static E")
@@ -184,7 +180,7 @@ def _scores(value: ir.Value) -> tuple[str, ir.Value]:
 
 def _scaled(weights: ir.Value) -> tuple[ir.Value, float]:
     """(w, routed_scaling_factor) of ``weights`` = w * scalar constant (1.0 when there is no Mul)."""
-    mul = _producer(weights, "Mul")
+    mul = _producer_if(weights, "Mul")
     if mul is None:
         return weights, 1.0
     for w, factor in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
@@ -197,26 +193,26 @@ def _scaled(weights: ir.Value) -> tuple[ir.Value, float]:
 
 def _renormalized(weights: ir.Value) -> tuple[ir.Value, bool, float]:
     """(w, renormalize, eps) of ``weights`` = w / (ReduceSum(w, last axis, keepdims) + eps), or w as it is."""
-    div = _producer(weights, "Div")
+    div = _producer_if(weights, "Div")
     if div is None:
         return weights, False, 0.0
     w, denominator, eps = div.inputs[0], div.inputs[1], 0.0
-    add = _producer(denominator, "Add")
+    add = _producer_if(denominator, "Add")
     if add is not None:
-        sums = [v for v in add.inputs if _producer(v, "ReduceSum") is not None]
-        others = [constant_scalar(v) for v in add.inputs if _producer(v, "ReduceSum") is None]
+        sums = [v for v in add.inputs if _producer_if(v, "ReduceSum") is not None]
+        others = [constant_scalar(v) for v in add.inputs if _producer_if(v, "ReduceSum") is None]
         require(len(sums) == 1 and len(others) == 1 and others[0] is not None and math.isfinite(others[0]),
                 "the routing weights are divided by a sum plus something that is not a scalar constant")
         denominator, eps = sums[0], others[0]
-    clip = _producer(denominator, "Clip")
-    require(clip is None or _producer(clip.inputs[0], "ReduceSum") is None,
+    clip = _producer_if(denominator, "Clip")
+    require(clip is None or _producer_if(clip.inputs[0], "ReduceSum") is None,
             f"the routing weights are divided by max(their sum, {_float32_text(clip.inputs[1]) if clip else ''}) "
             "(Ernie 4.5's norm_min): MoeGatingTopK adds eps to the sum instead, which differs where the sum "
             "is below that minimum")
-    total = _producer(denominator, "ReduceSum")
+    total = _producer_if(denominator, "ReduceSum")
     require(total is not None, "the routing weights are divided by something other than their sum")
     rank = len(w.shape) if w.shape is not None else 0
-    axes = _axes(total)
+    axes = ints_input_or_attr(total, 1, "axes")
     require(total.inputs[0] is w and axes is not None and len(axes) == 1 and _is_last_axis(axes[0], rank)
             and total.attributes.get_int("keepdims", 1) == 1,
             "the routing weights are divided by a sum that is not theirs over k (keepdims)")
@@ -225,18 +221,6 @@ def _renormalized(weights: ir.Value) -> tuple[ir.Value, bool, float]:
 
 # ----------------------------------------------------------------------------- the selection chain
 
-def _is_ones(value: ir.Value) -> bool:
-    """A constant of ones, ConstantOfShape(1), or an Expand of either."""
-    array = constant(value)
-    if array is not None:
-        return bool((array == 1).all())
-    node = value.producer()
-    if standard(node, "ConstantOfShape"):
-        fill = node.attributes.get_tensor("value")
-        return fill is not None and bool((fill.numpy() == 1).all())
-    return standard(node, "Expand") and _is_ones(node.inputs[0])
-
-
 def _group_scores(groups: ir.Value, sel: ir.Value, experts: int) -> tuple[int, str]:
     """(n_group, group_select) of ``groups`` [T, G] = ReduceSum(TopK(view, 2).values) or ReduceMax(view)
     over the last axis, ``view`` = Reshape(sel, [-1, G, E / G])."""
@@ -244,7 +228,7 @@ def _group_scores(groups: ir.Value, sel: ir.Value, experts: int) -> tuple[int, s
     require(standard(node, "ReduceSum") or standard(node, "ReduceMax"),
             f"the group scores come from {node.op_type if node else 'a graph input'}; expected ReduceSum of a "
             "TopK(2) or ReduceMax")
-    axes = _axes(node)
+    axes = ints_input_or_attr(node, 1, "axes")
     require(axes in ([-1], [2]) and node.attributes.get_int("keepdims", 1) == 0,
             "the group scores are not reduced over the experts of a group")
     view = node.inputs[0]
@@ -254,7 +238,7 @@ def _group_scores(groups: ir.Value, sel: ir.Value, experts: int) -> tuple[int, s
         view, group_select = topk.inputs[0], "sum_top2"
     else:
         group_select = "max"
-    reshape = _producer(view, "Reshape")
+    reshape = _producer_if(view, "Reshape")
     shape = None if reshape is None else constant_ints(reshape.inputs[1])
     require(shape is not None and len(shape) == 3 and shape[1] > 0 and shape[1] * shape[2] == experts,
             f"the groups are not a Reshape of the selection scores to [-1, G, E / G] with E = {experts}")
@@ -274,16 +258,16 @@ def _group_mask(where: ir.Node, sel: ir.Value, experts: int, k: int) -> dict:
             break
         cond = node.inputs[0]
     require(negations % 2 == 1, "the Where does not keep the selection scores where the group mask is set")
-    reshape = _producer(cond, "Reshape")
+    reshape = _producer_if(cond, "Reshape")
     require(reshape is not None and _is_rows_shape(constant_ints(reshape.inputs[1]), experts),
             "the group mask is not a Reshape to [rows, E]")
-    expand = _producer(reshape.inputs[0], "Expand")
-    unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    expand = _producer_if(reshape.inputs[0], "Expand")
+    unsqueeze = _producer_if(expand.inputs[0], "Unsqueeze") if expand is not None else None
     require(unsqueeze is not None and constant_ints(unsqueeze.inputs[1]) in ([-1], [2]),
             "the group mask is not spread over the experts by Unsqueeze(-1) and Expand")
-    scatter = _producer(unsqueeze.inputs[0], "ScatterElements")
+    scatter = _producer_if(unsqueeze.inputs[0], "ScatterElements")
     require(scatter is not None and scatter.attributes.get_int("axis", 0) in (1, -1) and is_zeros(scatter.inputs[0])
-            and _is_ones(scatter.inputs[2]) and scatter.attributes.get_string("reduction", "none") == "none",
+            and fill_value(scatter.inputs[2]) == 1 and scatter.attributes.get_string("reduction", "none") == "none",
             "the group mask is not ScatterElements of ones into zeros [T, G] along the groups")
     topk, topk_group = _top_k(scatter.inputs[1], 1, "the kept groups")
     n_group, group_select = _group_scores(topk.inputs[0], sel, experts)
@@ -303,14 +287,14 @@ def _selection(sel: ir.Value, experts: int, k: int) -> tuple[ir.Value, np.ndarra
     """(scores, bias, group attributes) of the values the expert TopK ranks: the scores, + a bias,
     under a group mask."""
     groups, fill = {}, None
-    where = _producer(sel, "Where")
+    where = _producer_if(sel, "Where")
     if where is not None:
         fill = constant_scalar(where.inputs[1])
         require(fill is not None, "the masked selection scores are not filled with a constant")
         sel = where.inputs[2]
         groups = _group_mask(where, sel, experts, k)
     bias = None
-    add = _producer(sel, "Add")
+    add = _producer_if(sel, "Add")
     if add is not None:
         for scores, other in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
             bias = constant(other)
@@ -340,21 +324,21 @@ def read_router(weights: ir.Value, indices: ir.Value) -> Router:
     w, scale = _scaled(_uncast(weights))
     w, renormalize, eps = _renormalized(w)
     w = _widened(w)
-    softmax = _producer(w, "Softmax")
-    if softmax is not None and _producer(softmax.inputs[0], "TopK") is topk:  # top-k -> softmax
+    softmax = _producer_if(w, "Softmax")
+    if softmax is not None and _producer_if(softmax.inputs[0], "TopK") is topk:  # top-k -> softmax
         require(softmax.inputs[0].index() == 0, "the router's Softmax takes TopK's indices")
         require(not renormalize, "the top-k softmax is renormalized again")
         require(_is_last_axis(softmax.attributes.get_int("axis", -1), len(softmax.inputs[0].shape or ())),
                 "the top-k Softmax is not over k")
         attributes = {"k": k, "score_func": "softmax", "renormalize": 1, "routed_scaling_factor": scale}
         return Router(topk.inputs[0], None, attributes)
-    if _producer(w, "TopK") is topk:  # the TopK's own values: the scores it ranks (DeepSeek-V2: masked by group)
+    if _producer_if(w, "TopK") is topk:  # the TopK's own values: the scores it ranks (DeepSeek-V2: masked by group)
         require(w.index() == 0, "the routing weights are the TopK's indices")
         scores, bias, groups = _selection(topk.inputs[0], experts, k)
         require(bias is None, "the routing weights are the top values of the scores plus a bias; expected the "
                 "scores alone")
     else:
-        gather = _producer(w, "GatherElements")
+        gather = _producer_if(w, "GatherElements")
         require(gather is not None, "the routing weights are not TopK's values, a Softmax of them or the scores "
                 "gathered at the indices")
         require(gather.inputs[1] is indices and gather.attributes.get_int("axis", 0) in (1, -1),
