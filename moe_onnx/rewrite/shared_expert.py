@@ -79,6 +79,8 @@ def _unreshaped(value: ir.Value) -> ir.Value:
 
 @dataclasses.dataclass(frozen=True)
 class _Fold:
+    """A foldable ``Add(MOE(x), shared(x))``: the MOE, the Add, and the shared expert's m chunks of width I."""
+
     moe: ir.Node
     add: ir.Node
     routed: ir.Value  # the Add input from the MOE (its output, or a Reshape of it)
@@ -141,6 +143,8 @@ def _stacked(graph: ir.Graph, routed: ir.Value, extra: list[np.ndarray]) -> ir.V
 
 
 def _fold(fold: _Fold) -> None:
+    """Makes the MOE take the shared expert's chunks as m more experts that every token selects (with the
+    shared scale, or 1, as weight) and its Add's readers the MOE's output."""
     moe, shared, m = fold.moe, fold.shared, fold.chunks
     graph = moe.graph
     experts, width = moe.inputs[3].shape[0], moe.inputs[3].shape[1]
