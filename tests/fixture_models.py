@@ -207,6 +207,18 @@ def assert_swiglu_block_on(target: str, after: Counter) -> None:
         assert after["MOE"] == 0
 
 
+def assert_swiglu_moe_node(name: str, model: onnx.ModelProto) -> onnx.NodeProto:
+    """The MOE node of fixture ``name``'s optimized ``model``: GEMM3_SWIGLU (alpha 1) on a TopK's indices,
+    with [E, I, H], [E, I, H] and [E, H, I] weights; returned for the form's own checks of its weights."""
+    node = moe_node(model)
+    assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+    made_by = producers(model)
+    assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
+    E, H, I = (MANIFEST[name][key] for key in ("num_experts", "hidden_size", "intermediate_size"))
+    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
+    return node
+
+
 def assert_near_miss(name: str, mutate: Callable[[ir.Model, dict], None], rule: str, reason: str) -> None:
     """Fixture ``name`` mutated by ``mutate`` stays unfused, with one near-miss of ``rule`` naming ``reason``,
     and computes what the mutated export does."""

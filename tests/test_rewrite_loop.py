@@ -20,9 +20,10 @@ import pytest
 
 import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, assert_near_miss, assert_swiglu_block_on, attributes, expert_weight_shapes,
-    fixture_names, ir_set_input, moe_node, mutated_copy, near_misses, op_counts, optimize_form, optimized, original,
-    ort_output, producers, reference_data, reference_output, routing_producer, scaled_random_feeds, shared_chunks,
+    MANIFEST, SHAPES, TARGETS, TOL, assert_near_miss, assert_swiglu_block_on, assert_swiglu_moe_node, attributes,
+    expert_weight_shapes, fixture_names, ir_set_input, moe_node, mutated_copy, near_misses, op_counts,
+    optimize_form, optimized, original, ort_output, producers, reference_data, reference_output, routing_producer,
+    scaled_random_feeds, shared_chunks,
 )
 from moe_onnx.check import check_model
 
@@ -528,13 +529,8 @@ def test_sorted_fuses(name, target):
     assert [n.name for n in model.graph.node if n.op_type == "MatMul"] == ["/router/layer/MatMul"]
     assert (after["TopK"], after["Softmax"]) == (1, 1)  # the router's; the sort is gone
     if target == "moe":
-        node = moe_node(model)
-        assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-        made_by = producers(model)
-        assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
-        assert made_by[node.input[1]][0].op_type == "Softmax"
-        E, H, I = (MANIFEST[name][key] for key in ("num_experts", "hidden_size", "intermediate_size"))
-        assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
+        node = assert_swiglu_moe_node(name, model)
+        assert producers(model)[node.input[1]][0].op_type == "Softmax"
     assert check_model(model) == []
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from fixture_models import (
     MANIFEST, TARGETS, assert_fuses_to_torch, assert_near_miss, assert_numbers, assert_numbers_on_both_backends,
-    assert_swiglu_block_on, attributes, expert_weight_shapes, fixture_names, ir_nodes, ir_set_input, moe_node,
-    mutated_copy, near_misses, op_counts, optimize_form, optimized, original, producers,
+    assert_swiglu_block_on, assert_swiglu_moe_node, fixture_names, ir_nodes, ir_set_input, mutated_copy,
+    near_misses, op_counts, optimize_form, optimized, original, producers,
 )
 from moe_onnx.check import check_model
 
@@ -48,15 +48,9 @@ def test_fuses(name, target):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_moe_node(name):
-    entry = MANIFEST[name]
     model, _ = optimized(name, "moe")
-    node = moe_node(model)
-    assert attributes(node) == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
-    made_by = producers(model)
-    assert (made_by[node.input[2]][0].op_type, made_by[node.input[2]][1]) == ("TopK", 1)
-    assert made_by[node.input[1]][0].op_type == "Softmax"  # softmax over the k logits
-    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
-    assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
+    node = assert_swiglu_moe_node(name, model)
+    assert producers(model)[node.input[1]][0].op_type == "Softmax"  # softmax over the k logits
 
 
 @pytest.mark.parametrize("target", TARGETS)
