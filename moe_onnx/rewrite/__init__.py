@@ -9,8 +9,7 @@ class and its check idiom, constants, the producer/axes/shape checks), ``_unroll
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing
 inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind
 layout ops, Linear layers, lazy initializers) and ``_onnxscript`` (the private onnxscript names
-used). ``_unfused`` reports every
-MoE block (found by its router) that no rule fused or reported.
+used). ``_unfused`` reports every MoE block (found by its router) that no rule fused or reported.
 """
 
 from ._driver import OptimizeReport, optimize, optimize_ir
