@@ -571,8 +571,12 @@ def test_torchscript_fuses(name, target):
         assert after[op] == before[op], op
     assert after["MOE" if target == "moe" else "MoeInitRouting"] == 1
     assert weight_gathers(model) == [] and unfused_left(model, {"Tile", "OneHot", "Flatten"}) == {}
-    # the two per-slot bmm and the sum over k went into the fused block
-    assert (after["MatMul"], after["ReduceSum"]) == (before["MatMul"] - 2, before["ReduceSum"] - 1)
+    # the two per-slot bmm and the sum over k went into the fused block; Qwen2-MoE's shared expert
+    # (gate, up and down MatMul) folds into it
+    folded = shared_chunks(name) > 0
+    assert report.fused.get("SharedExpertFold", 0) == folded
+    assert after["MatMul"] == before["MatMul"] - 2 - 3 * folded
+    assert after["ReduceSum"] == before["ReduceSum"] - 1
     assert check_model(model) == []
 
 
@@ -602,8 +606,9 @@ def test_torchscript_moe_node_has_the_exported_weights(name):
         gate_up, down = exported
         expected = {3: gate_up[:, :I], 5: gate_up[:, I:], 7: down}
         assert gate_up.shape == (E, 2 * I, H)
-    for index, array in expected.items():
-        np.testing.assert_array_equal(weights[node.input[index]], array, err_msg=f"MOE input {index}")
+    for index, array in expected.items():  # the routed experts first (a folded shared expert follows)
+        assert weights[node.input[index]].shape[0] == E + shared_chunks(name)
+        np.testing.assert_array_equal(weights[node.input[index]][:E], array, err_msg=f"MOE input {index}")
 
 
 @pytest.mark.parametrize("target", TARGETS)
