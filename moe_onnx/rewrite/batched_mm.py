@@ -10,10 +10,11 @@ are multiplied by the routing weights and summed over k. Each exporter writes th
 - dynamo=False (TorchScript): ``Flatten(Tile(Unsqueeze(tokens, 1), [1, k, 1]), 2)`` with the repeats
   computed from the shapes (OneHot), ``Gather(W, Reshape(indices, [-1]), axis=0)``, two ``Slice`` halves
   (torch.chunk) and the sum's [T, k, H] shape computed from the shapes.
- Each rule replaces that
-block, from the repeated tokens to the ``ReduceSum`` over k, by one MOE node fed by the router's
-TopK indices and by the exact tensor the slots were multiplied by (renormalized or not). The router,
-the shared expert of Qwen2-MoE and the reshape back to [B, S, H] stay as they are. Weights come
+
+Each rule replaces that block, from the repeated tokens to the ``ReduceSum`` over k, by one MOE node
+fed by the router's TopK indices and by the exact tensor the slots were multiplied by (renormalized or
+not). The router, the shared expert of Qwen2-MoE and the reshape back to [B, S, H] stay as they are
+(passes over the fused graph may fold them: gating.py, shared_expert.py). Weights come
 [E, out, in] (``MatMul(GatherND(W), column)``) or, with transformers' ``is_transposed=True`` (AriaText,
 and GPT-OSS's own layout), [E, in, out] (``MatMul(row, GatherND(W))``).
 
@@ -146,6 +147,13 @@ class _Slots:
     hidden: int
 
 
+def _shown(dims: list | None) -> str:
+    """A folded shape tensor for a message: known ints, and ``name[axis]`` for a dim known at run time."""
+    if dims is None:
+        return "not foldable"
+    return "[" + ", ".join(str(d) if not isinstance(d, tuple) else f"{d[0].name}[{d[1]}]" for d in dims) + "]"
+
+
 def _token_count(dim, tokens_TH: ir.Value) -> bool:
     """Whether a shape element is T, the tokens' count: -1, their dim 0 at run time, or its static value."""
     return dim == -1 or dim == (tokens_TH, 0) or (isinstance(dim, int) and dim == tokens_TH.shape[0])
@@ -165,7 +173,7 @@ def _check_slots(b: dict, torchscript: bool) -> _Slots:
     repeat = shape_dims(b["repeat_shape"])
     repeater = "Tile repeats" if torchscript else "Expand shape"
     require(repeat is not None, f"the repeat_interleave {repeater} is not a shape computation folding to [1, k, 1]")
-    require(repeat == [1, k, 1], f"repeat_interleave {'tiles' if torchscript else 'expands'} to {repeat}, "
+    require(repeat == [1, k, 1], f"repeat_interleave {'tiles' if torchscript else 'expands'} to {_shown(repeat)}, "
             f"expected [1, {k}, 1] (k from TopK)")
     if torchscript:
         require(b["tokens_TkH"].producer().attributes.get_int("axis", 1) == 2,
@@ -183,7 +191,7 @@ def _check_slots(b: dict, torchscript: bool) -> _Slots:
     sum_shape = shape_dims(b["sum_shape"])
     require(sum_shape is not None, "the sum reshape is not a shape computation")
     require(len(sum_shape) == 3 and _token_count(sum_shape[0], tokens) and sum_shape[1:] == [k, hidden],
-            f"the weighted slots are reshaped to {sum_shape}, expected [-1 or T, {k}, {hidden}]")
+            f"the weighted slots are reshaped to {_shown(sum_shape)}, expected [-1 or T, {k}, {hidden}]")
     require(_ints(b["sum_axis"], "ReduceSum axes") in ([1], [-2]), "ReduceSum is not over the k axis")
     require(b["out_TH"].producer().attributes.get_int("keepdims", 1) == 0, "ReduceSum keeps the k axis")
     require(routing.dtype == tokens.dtype, "the routing weights and the tokens have different types")
