@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
@@ -20,6 +21,7 @@ from fixture_models import (
     routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
+from moe_onnx.rewrite._match import shape_dims
 
 NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
@@ -665,3 +667,35 @@ def test_torchscript_near_miss_stays_unfused(case):
     assert any(reason in r for r in reasons), report.near_misses
     if runs:
         assert_same_numbers(name, model, new)
+
+
+def folded(nodes_: list[onnx.NodeProto], output: str, shape=("T", 2)) -> list:
+    """shape_dims of ``output`` in a graph of ``nodes_`` over an input ``x`` of ``shape``."""
+    graph = onnx.helper.make_graph(nodes_, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64,
+                                                                                      list(shape))],
+                                   [onnx.helper.make_tensor_value_info(output, onnx.TensorProto.INT64, None)])
+    model = ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)]))
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    return shape_dims(values[output])
+
+
+def ints(name: str, values) -> onnx.NodeProto:
+    return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))
+
+
+def test_shape_dims_fold_torchscripts_size_and_repeats():
+    """Shape(x)[-1:] (torch's size(-1)) and OneHot([1], 3, [1, k]) (repeat_interleave's Tile repeats)."""
+    size = [onnx.helper.make_node("Shape", ["x"], ["shape"]), ints("start", [-1]), ints("end", [2 ** 63 - 1]),
+            ints("axes", [0]), onnx.helper.make_node("Slice", ["shape", "start", "end", "axes"], ["k"])]
+    assert folded(size, "k") == [2]
+    repeats = size + [ints("index", [1]), ints("depth", 3), ints("one", [1]),
+                      onnx.helper.make_node("Concat", ["one", "k"], ["values"], axis=0),
+                      onnx.helper.make_node("OneHot", ["index", "depth", "values"], ["repeats"])]
+    assert folded(repeats, "repeats") == [1, 2, 1]
+    at_zero = repeats + [ints("zero", [0]), onnx.helper.make_node("OneHot", ["zero", "depth", "values"], ["r0"])]
+    assert folded(at_zero, "r0") == [2, 1, 1]
+    two_picks = repeats + [ints("both", [0, 1]), onnx.helper.make_node("OneHot", ["both", "depth", "values"], ["r2"])]
+    assert folded(two_picks, "r2") is None  # more than one index: a 2-D one-hot, not a shape
+    stepped = size[:-1] + [ints("steps", [2]), onnx.helper.make_node("Slice", ["shape", "start", "end", "axes",
+                                                                               "steps"], ["k"])]
+    assert folded(stepped, "k") is None
