@@ -81,7 +81,10 @@ def standard(node: ir.Node | None, op_type: str) -> bool:
 
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of an initializer or Constant output (None when not constant). Loads its data."""
+    """The value of an initializer or Constant output, also behind Identity nodes (the TorchScript
+    exporter shares equal initializers through them); None when not constant. Loads its data."""
+    while value is not None and standard(value.producer(), "Identity"):
+        value = value.producer().inputs[0]
     if value is None:
         return None
     tensor = ir.convenience.get_const_tensor(value)
