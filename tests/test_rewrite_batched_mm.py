@@ -539,7 +539,8 @@ QWEN3_TS, GPT_TS = "qwen3_moe_batched_mm_torchscript_tiny", "gpt_oss_batched_mm_
 
 
 def torchscript_rule(name: str) -> str:
-    return rule_of(name) + "TorchScript"
+    transposed = MANIFEST[name]["family"] == "aria_text"  # experts stored [E, in, out]
+    return (TRANSPOSED_RULE if transposed else rule_of(name)) + "TorchScript"
 
 
 def weight_gathers(m) -> list[onnx.NodeProto]:
@@ -603,6 +604,12 @@ def test_torchscript_moe_node_has_the_exported_weights(name):
         up, down = exported
         expected = {3: up, 5: down}
         assert up.shape == (E, I, H)
+    elif entry["family"] == "aria_text":  # [E, in, out]: MOE takes each expert's [out, in]
+        assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        gate_up, down = exported
+        expected = {3: gate_up[:, :, :I].transpose(0, 2, 1), 5: gate_up[:, :, I:].transpose(0, 2, 1),
+                    7: down.transpose(0, 2, 1)}
+        assert gate_up.shape == (E, H, 2 * I)
     else:
         assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
         gate_up, down = exported

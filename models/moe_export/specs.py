@@ -35,9 +35,10 @@ STYLES = {
         "torch.onnx.export(dynamo=True)",
     ),
     "batched_mm_torchscript": Style(
-        5, False, _BATCHED_MM_FAMILIES,
+        5, False, _BATCHED_MM_FAMILIES + ("aria_text",),
         "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=False) (TorchScript: "
-        "tokens repeated by Tile, per-slot weights by Gather, gate/up halves by Slice)",
+        "tokens repeated by Tile, per-slot weights by Gather, gate/up halves by Slice; AriaText's weights "
+        "[E, in, out])",
     ),
     "sparsemixer_batched_mm": Style(
         5, True, ("phimoe",),
