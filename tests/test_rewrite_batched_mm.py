@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import numpy_helper
 
@@ -20,6 +21,7 @@ from fixture_models import (
     routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
+from moe_onnx.rewrite._match import shape_dims
 
 NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
@@ -526,3 +528,181 @@ def test_transposed_near_miss_stays_unfused(mutate, reason):
     reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == TRANSPOSED_RULE]
     assert any(reason in r for r in reasons), report.near_misses
     assert_same_numbers(ARIA_TINY, model, new)
+
+
+# ----------------------------------------------------------------------------- the TorchScript exports
+# torch.onnx.export(dynamo=False) of the same blocks: Flatten(Tile(Unsqueeze(tokens, 1), [1, k, 1]), 2),
+# Gather(W, Reshape(indices, [-1])) per slot, torch.chunk's two Slices, shapes computed from Shape nodes
+
+TORCHSCRIPT = fixture_names("batched_mm_torchscript")
+QWEN3_TS, GPT_TS = "qwen3_moe_batched_mm_torchscript_tiny", "gpt_oss_batched_mm_torchscript_tiny"
+
+
+def torchscript_rule(name: str) -> str:
+    transposed = MANIFEST[name]["family"] == "aria_text"  # experts stored [E, in, out]
+    return (TRANSPOSED_RULE if transposed else rule_of(name)) + "TorchScript"
+
+
+def weight_gathers(m) -> list[onnx.NodeProto]:
+    """The per-slot Gathers of expert weights (and biases), in graph order."""
+    weights = {i.name for i in m.graph.initializer}
+    return nodes(m, "Gather", lambda n: n.input[0] in weights)
+
+
+def chunk_halves(m) -> list[onnx.NodeProto]:
+    """torch.chunk's two Slices of the gate_up projection (first half, second half)."""
+    return nodes(m, "Slice", lambda n: producer(m, n.input[0]).op_type == "Squeeze")
+
+
+def set_axis(node: onnx.NodeProto, axis: int) -> None:
+    del node.attribute[:]
+    node.attribute.append(onnx.helper.make_attribute("axis", axis))
+
+
+def test_torchscript_fixtures_exist():
+    assert {f"{family}_batched_mm_torchscript_{size}" for family in ("qwen3_moe", "gpt_oss")
+            for size in ("tiny", "small")} <= set(TORCHSCRIPT)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", TORCHSCRIPT)
+def test_torchscript_fuses(name, target):
+    model, report = optimized(name, target)
+    assert report.fused[torchscript_rule(name)] == 1 and report.near_misses == []
+    before, after = op_counts(original(name)), op_counts(model)
+    for op in ("TopK", "Softmax", "Gemm"):  # the router stays (optimize_form)
+        assert after[op] == before[op], op
+    assert after["MOE" if target == "moe" else "MoeInitRouting"] == 1
+    assert weight_gathers(model) == [] and unfused_left(model, {"Tile", "OneHot", "Flatten"}) == {}
+    # the two per-slot bmm and the sum over k went into the fused block; Qwen2-MoE's shared expert
+    # (gate, up and down MatMul) folds into it
+    folded = shared_chunks(name) > 0
+    assert report.fused.get("SharedExpertFold", 0) == folded
+    assert after["MatMul"] == before["MatMul"] - 2 - 3 * folded
+    assert after["ReduceSum"] == before["ReduceSum"] - 1
+    assert check_model(model) == []
+
+
+@pytest.mark.parametrize("name", TORCHSCRIPT)
+def test_torchscript_moe_node_has_the_exported_weights(name):
+    entry = MANIFEST[name]
+    model, _ = optimized(name, "moe")
+    node = moe_node(model)
+    attrs = attributes(node)
+    E, H, I = entry["num_experts"], entry["hidden_size"], entry["intermediate_size"]
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    exported = [initializer(original(name), g.input[0]) for g in weight_gathers(original(name))]
+    assert [(n.op_type, i) for n, i in [routing_producer(model, node.input[2])]] == [("TopK", 1)]
+    if entry["family"] == "gpt_oss":
+        assert attrs == {"expert_type": b"GEMM2_BIAS_SWIGLU_CLAMP", "expert_alpha": pytest.approx(1.702),
+                         "expert_beta": 7.0, "gate_parity": 0}
+        gate_up, gate_up_bias, down, down_bias = exported
+        expected = {3: gate_up, 4: gate_up_bias, 5: down, 6: down_bias}
+        assert gate_up.shape == (E, H, 2 * I)
+    elif entry["family"] == "nemotron_h":
+        assert attrs == {"expert_type": b"GEMM2_ACT", "activation": b"relu2"}
+        up, down = exported
+        expected = {3: up, 5: down}
+        assert up.shape == (E, I, H)
+    elif entry["family"] == "aria_text":  # [E, in, out]: MOE takes each expert's [out, in]
+        assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        gate_up, down = exported
+        expected = {3: gate_up[:, :, :I].transpose(0, 2, 1), 5: gate_up[:, :, I:].transpose(0, 2, 1),
+                    7: down.transpose(0, 2, 1)}
+        assert gate_up.shape == (E, H, 2 * I)
+    else:
+        assert attrs == {"expert_type": b"GEMM3_SWIGLU", "expert_alpha": 1.0}
+        gate_up, down = exported
+        expected = {3: gate_up[:, :I], 5: gate_up[:, I:], 7: down}
+        assert gate_up.shape == (E, 2 * I, H)
+    for index, array in expected.items():  # the routed experts first (a folded shared expert follows)
+        assert weights[node.input[index]].shape[0] == E + shared_chunks(name)
+        np.testing.assert_array_equal(weights[node.input[index]][:E], array, err_msg=f"MOE input {index}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", TORCHSCRIPT)
+def test_torchscript_numbers(name, target):
+    model, _ = optimized(name, target)
+    sessions = [moe_onnx.session(model, backend=backend) for backend in ("cpp", "python")]
+    for batch, seq in SHAPES:
+        inputs = random_feeds(name, batch, seq)
+        expected = ort_output(original(name), inputs)
+        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
+        for session in sessions:
+            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
+    data = reference_data(name)
+    for suffix in ("", "_alt"):
+        got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
+        np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
+
+
+def test_torchscript_chunk_end_past_the_width_still_fuses():
+    """torch.chunk's second Slice ending past 2I (clamped) still takes the second half."""
+    model = mutated(QWEN3_TS, lambda m: set_input(m, producer(m, chunk_halves(m)[1].input[2]), 1, np.array([3])))
+    new, report = optimize_form(model)
+    assert report.fused == {"BatchedMmSwigluTorchScript": 1}, report.summary()
+    assert check_model(new) == []
+    assert_same_numbers(QWEN3_TS, model, new)
+
+
+# (fixture, mutation, words the near-miss reason must contain, whether the mutated model still runs)
+TORCHSCRIPT_NEAR_MISSES = {
+    "tokens tiled along T": (QWEN3_TS, lambda m: set_input(m, nodes(m, "OneHot")[0], 0, np.array([0])),
+                             "repeat_interleave tiles to [2, 1, 1], expected [1, 2, 1]", True),
+    "expert count (qwen3 down)": (QWEN3_TS, lambda m: grow_experts(m, weight_gathers(m)[1]),
+                                  "down has shape [5, 32, 16], expected [4, 32, 16] = [E, H, I]", True),
+    "expert count (gpt_oss down)": (GPT_TS, lambda m: grow_experts(m, weight_gathers(m)[2]),
+                                    "down has shape [5, 16, 32], expected [4, 16, 32] = [E, I, H]", True),
+    "gate_up not cut in halves": (QWEN3_TS, lambda m: set_input(m, chunk_halves(m)[0], 1, np.array([1])),
+                                  "gate_up is sliced into columns [(1, 16), (16, 32)], expected the halves "
+                                  "[(0, 16), (16, 32)]", False),
+    "tiled tokens flattened at axis 1": (QWEN3_TS, lambda m: set_axis(nodes(m, "Flatten")[0], 1),
+                                         "are not flattened at axis 2", False),
+    "weights gathered along axis 1": (QWEN3_TS, lambda m: set_axis(weight_gathers(m)[0], 1),
+                                      "Gather of gate_up_per_slot is not along axis 0", False),
+}
+
+
+@pytest.mark.parametrize("case", TORCHSCRIPT_NEAR_MISSES)
+def test_torchscript_near_miss_stays_unfused(case):
+    name, mutate, reason, runs = TORCHSCRIPT_NEAR_MISSES[case]
+    model = mutated(name, mutate)
+    new, report = optimize_form(model)
+    assert report.fused == {} and "MOE" not in op_counts(new)
+    reasons = [miss["reason"] for miss in report.near_misses if miss["rule"] == torchscript_rule(name)]
+    assert any(reason in r for r in reasons), report.near_misses
+    if runs:
+        assert_same_numbers(name, model, new)
+
+
+def folded(nodes_: list[onnx.NodeProto], output: str, shape=("T", 2)) -> list:
+    """shape_dims of ``output`` in a graph of ``nodes_`` over an input ``x`` of ``shape``."""
+    graph = onnx.helper.make_graph(nodes_, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.INT64,
+                                                                                      list(shape))],
+                                   [onnx.helper.make_tensor_value_info(output, onnx.TensorProto.INT64, None)])
+    model = ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)]))
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    return shape_dims(values[output])
+
+
+def ints(name: str, values) -> onnx.NodeProto:
+    return onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64)))
+
+
+def test_shape_dims_fold_torchscripts_size_and_repeats():
+    """Shape(x)[-1:] (torch's size(-1)) and OneHot([1], 3, [1, k]) (repeat_interleave's Tile repeats)."""
+    size = [onnx.helper.make_node("Shape", ["x"], ["shape"]), ints("start", [-1]), ints("end", [2 ** 63 - 1]),
+            ints("axes", [0]), onnx.helper.make_node("Slice", ["shape", "start", "end", "axes"], ["k"])]
+    assert folded(size, "k") == [2]
+    repeats = size + [ints("index", [1]), ints("depth", 3), ints("one", [1]),
+                      onnx.helper.make_node("Concat", ["one", "k"], ["values"], axis=0),
+                      onnx.helper.make_node("OneHot", ["index", "depth", "values"], ["repeats"])]
+    assert folded(repeats, "repeats") == [1, 2, 1]
+    at_zero = repeats + [ints("zero", [0]), onnx.helper.make_node("OneHot", ["zero", "depth", "values"], ["r0"])]
+    assert folded(at_zero, "r0") == [2, 1, 1]
+    two_picks = repeats + [ints("both", [0, 1]), onnx.helper.make_node("OneHot", ["both", "depth", "values"], ["r2"])]
+    assert folded(two_picks, "r2") is None  # more than one index: a 2-D one-hot, not a shape
+    stepped = size[:-1] + [ints("steps", [2]), onnx.helper.make_node("Slice", ["shape", "start", "end", "axes",
+                                                                               "steps"], ["k"])]
+    assert folded(stepped, "k") is None

@@ -259,6 +259,13 @@ def deepseek_v2_style(model):
     rename_uses(model, op_node(model, "GatherElements").output[0], op_node(model, "TopK", 2).output[0])
 
 
+def bias_behind_identity(model):
+    """The bias shared as the TorchScript exporter shares equal initializers of two layers: an Identity."""
+    bias = bias_initializer(model).name
+    rename_uses(model, bias, "shared_bias")
+    model.graph.node.insert(0, helper.make_node("Identity", [bias], ["shared_bias"]))
+
+
 def topk_values_with_bias(model):
     """The weights are the expert TopK's values, which include the bias."""
     rename_uses(model, op_node(model, "GatherElements").output[0], op_node(model, "TopK", 2).output[0])
@@ -302,6 +309,7 @@ FUSES = [
     ("group_max_zero_fill", TS457, group_max, {"group_select": b"max"}),
     ("deepseek_v2_style", TS5, deepseek_v2_style, {}),
     ("deepseek_v2_style_zero_fill", TS457, deepseek_v2_style, {}),
+    ("bias_behind_identity", TS5, bias_behind_identity, {}),
 ]
 
 

@@ -48,7 +48,8 @@ def _topologically_sorted(model: onnx.ModelProto) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("name", fixture_names("batched_mm", "tiled", "tiled_dynamo", "tiled3", "loop", "loop_dynamo",
                                                  "parallel_experts_dynamo", "batched_mm_transposed",
-                                                 "sparsemixer_batched_mm", "sparsemixer_loop"))
+                                                 "sparsemixer_batched_mm", "sparsemixer_loop",
+                                                 "batched_mm_torchscript"))
 def test_fused_blocks_add_nothing(name):
     _, report = optimized(name, "moe")
     assert report.total_fused >= 1 and detected(report) == []

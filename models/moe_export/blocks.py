@@ -92,7 +92,7 @@ def _config_kwargs(spec: BlockSpec) -> dict:
 
 
 def _experts_implementation(style: str) -> str | None:
-    if style in ("batched_mm", "batched_mm_transposed", "sparsemixer_batched_mm"):
+    if style in ("batched_mm", "batched_mm_transposed", "sparsemixer_batched_mm", "batched_mm_torchscript"):
         return "batched_mm"
     if style == "tiled3":
         patches.register_tiled_experts()

@@ -34,6 +34,12 @@ STYLES = {
         "transformers 5 experts_implementation='batched_mm' of experts stored [E, in, out] (is_transposed=True), "
         "torch.onnx.export(dynamo=True)",
     ),
+    "batched_mm_torchscript": Style(
+        5, False, _BATCHED_MM_FAMILIES + ("aria_text",),
+        "transformers 5 experts_implementation='batched_mm', torch.onnx.export(dynamo=False) (TorchScript: "
+        "tokens repeated by Tile, per-slot weights by Gather, gate/up halves by Slice; AriaText's weights "
+        "[E, in, out])",
+    ),
     "sparsemixer_batched_mm": Style(
         5, True, ("phimoe",),
         "as 'batched_mm', for PhiMoE's sparsemixer router (successive ArgMax picks, no TopK)",

@@ -125,7 +125,10 @@ def nonzero_of(value: ir.Value, what: str) -> ir.Value:
 
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of an initializer or Constant output (None when not constant). Loads its data."""
+    """The value of an initializer or Constant output, also behind Identity nodes (the TorchScript
+    exporter shares equal initializers through them); None when not constant. Loads its data."""
+    while value is not None and standard(value.producer(), "Identity"):
+        value = value.producer().inputs[0]
     if value is None:
         return None
     tensor = ir.convenience.get_const_tensor(value)
@@ -201,7 +204,8 @@ _ARITHMETIC = {"Add": lambda x, y: x + y, "Mul": lambda x, y: x * y, "Div": lamb
 
 def shape_dims(value: ir.Value | None) -> list[Dim] | None:
     """The elements of a 0-D or 1-D shape tensor, folded through the shape arithmetic exporters emit
-    (Shape, Gather, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape, Add/Mul/Div of known ints);
+    (Shape, Gather, Slice, Concat, Unsqueeze/Squeeze/Reshape, Cast, ConstantOfShape, a one-element OneHot,
+    Add/Mul/Div of known ints);
     None if not foldable."""
     if value is None:
         return None
@@ -230,6 +234,21 @@ def shape_dims(value: ir.Value | None) -> list[Dim] | None:
         if data is None or index is None or node.attributes.get_int("axis", 0) != 0:
             return None
         return [data[i] for i in index] if all(-len(data) <= i < len(data) for i in index) else None
+    if node.op_type == "Slice":  # torch's size(-1) through TorchScript: Shape(x)[-1:]
+        data, starts, ends = shape_dims(node.inputs[0]), constant_ints(node.inputs[1]), constant_ints(node.inputs[2])
+        axes = constant_ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else [0]
+        steps = constant_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+        if data is None or starts is None or ends is None or len(starts) != 1 or axes not in ([0], [-1]) \
+                or steps != [1]:
+            return None
+        return data[starts[0]:ends[0]]
+    if node.op_type == "OneHot":  # TorchScript's repeat_interleave repeats [1, k, 1]: OneHot([1], 3, [1, k])
+        index, depth, values = constant_ints(node.inputs[0]), shape_dims(node.inputs[1]), shape_dims(node.inputs[2])
+        if index is None or len(index) != 1 or depth is None or len(depth) != 1 or not isinstance(depth[0], int) \
+                or not -depth[0] <= index[0] < depth[0] <= _MAX_RANK or values is None or len(values) != 2:
+            return None
+        off, on = values
+        return [on if axis == index[0] % depth[0] else off for axis in range(depth[0])]
     if node.op_type in _ARITHMETIC:  # GPT-OSS's one-hot depth E + 1, torch.chunk's (2I + 1) // 2
         x, y = (shape_dims(term) for term in node.inputs)
         if x is None or y is None or not all(isinstance(d, int) for d in x + y):
