@@ -26,6 +26,9 @@ from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (fo
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
+# whole tiny causal LMs (input_ids -> logits), with the fusion state the rewriter is expected to reach
+WHOLE_FIXTURES = FIXTURES / "whole"
+WHOLE_MANIFEST = json.loads((WHOLE_FIXTURES / "manifest.json").read_text())["fixtures"]
 # (batch, seq): one token, a small shape, and one unlike the exports' traced (2, 5) or (2, 8)
 SHAPES = [(1, 1), (2, 3), (3, 7)]
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -55,6 +58,25 @@ def mutable_copy(name: str) -> onnx.ModelProto:
 def optimized(name: str, target: str):
     """``optimize(original(name), target=target)``: the optimized model and its report."""
     return optimize(original(name), target=target)
+
+
+@functools.cache
+def optimized_whole(name: str, target: str):
+    """``optimize`` of the whole-model fixture ``name``: the optimized model and its report."""
+    return optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]), target=target)
+
+
+def whole_reference_data(name: str) -> dict[str, np.ndarray]:
+    """The whole-model fixture's .npz: ``input_ids[_alt]`` and torch's logits ``expected[_alt]``."""
+    return dict(np.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["reference"]))
+
+
+def whole_feeds(model: onnx.ModelProto, input_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """``input_ids``, and an all-ones ``attention_mask`` where the export takes one (TorchScript)."""
+    feeds = {"input_ids": input_ids}
+    if any(value.name == "attention_mask" for value in model.graph.input):
+        feeds["attention_mask"] = np.ones_like(input_ids)
+    return feeds
 
 
 @functools.cache
