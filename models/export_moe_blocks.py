@@ -49,7 +49,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     whole.add_argument("--whole", action="store_true", help="export whole models into --out-dir (all families unless --family)")
     whole.add_argument("--exporter", choices=("torchscript", "dynamo", "both"), default="both")
     whole.add_argument("--families", nargs="+", help="these whole-model families, in this order")
-    whole.add_argument("--retry", action="store_true", help="redo only the exports not already recorded as ok")
+    whole.add_argument(
+        "--resume", action="store_true", help="skip the exports already recorded, ok or failed (delete a record to redo it)"
+    )
     whole.add_argument("--timeout", type=int, default=600, help="seconds per export (each runs in its own process)")
     whole.add_argument("--list-families", action="store_true", help="the installed transformers' MoE model types")
     whole.add_argument(
@@ -96,10 +98,10 @@ def _export_whole(args: argparse.Namespace) -> int:
         print(f"{whole.export_stem(args.family, exporters[0])}: {record['status']} {record.get('error', '')}")
         return 0 if record["status"] == "ok" else 1
     families = args.families or ([args.family] if args.family else whole.installed_families())
-    done = {stem for stem, record in whole.load_records(args.out_dir).items() if record["status"] == "ok"}
+    done = set(whole.load_records(args.out_dir)) if args.resume else set()
     for family in families:
         for exporter in exporters:
-            if args.retry and whole.export_stem(family, exporter) in done:
+            if whole.export_stem(family, exporter) in done:
                 continue
             command = [sys.executable, __file__, "--whole", "--family", family, "--exporter", exporter,
                        "--out-dir", str(args.out_dir), "--seed", str(args.seed)]  # fmt: skip

@@ -470,7 +470,10 @@ def _summary(error: BaseException) -> str:
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     text = f"{type(cause).__name__}: {lines[0] if lines else ''}"
     frames = _TRANSFORMERS_FRAME.findall("".join(traceback.format_exception(error)))
-    return text + (f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else "")
+    if frames:
+        return f"{text} (at {frames[-1][0]}:{frames[-1][1]})"
+    last = traceback.extract_tb(cause.__traceback__)[-1:] if cause.__traceback__ else []
+    return text + "".join(f" (in {Path(frame.filename).name} {frame.name})" for frame in last)
 
 
 def record_failure(out_dir: Path, family: str, exporter: str, message: str, details: str = "") -> dict:
