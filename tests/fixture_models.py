@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,9 @@ from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.rewrite import optimize
 from moe_onnx.testing import random_hidden_states
 from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from moe_export.fixtures import whole_feeds, whole_logits_match  # noqa: E402, F401 (no torch in there)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
@@ -69,14 +73,6 @@ def optimized_whole(name: str, target: str):
 def whole_reference_data(name: str) -> dict[str, np.ndarray]:
     """The whole-model fixture's .npz: ``input_ids[_alt]`` and torch's logits ``expected[_alt]``."""
     return dict(np.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["reference"]))
-
-
-def whole_feeds(model: onnx.ModelProto, input_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """``input_ids``, and an all-ones ``attention_mask`` where the export takes one (TorchScript)."""
-    feeds = {"input_ids": input_ids}
-    if any(value.name == "attention_mask" for value in model.graph.input):
-        feeds["attention_mask"] = np.ones_like(input_ids)
-    return feeds
 
 
 @functools.cache

@@ -163,7 +163,6 @@ WHOLE_FIXTURES = (
     "granitemoe__tf457__torchscript",  # ParallelExperts
     "phimoe__tf5__dynamo",  # sparsemixer routing
     "aria_text__tf5__dynamo",  # batched_mm with transposed expert weights
-    "nemotron_h__tf5__dynamo",  # non-gated relu2 experts, hybrid Mamba layers
-    "qwen2_moe__tf5__dynamo",  # gated shared expert beside the routed ones
+    "nemotron_h__tf5__dynamo",  # non-gated relu2 experts (hybrid pattern "E*": a MoE and an attention layer)
     "mixtral__tf5__torchscript",  # transformers 5 batched_mm through the TorchScript exporter
 )
