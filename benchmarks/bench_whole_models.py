@@ -121,6 +121,10 @@ def _survey_export(row: Row, record: dict, directory: Path, threads: int, rounds
     path = directory / record["file"]
     data = dict(np.load(directory / record["reference"]))
     original = onnx.load(str(path))
+    for value in original.graph.input:
+        dims = [dim.dim_param or dim.dim_value for dim in value.type.tensor_type.shape.dim]
+        if any(isinstance(dim, int) for dim in dims):
+            row.notes.append(f"the exporter fixed {value.name} to {dims} (the trace shape is {record['trace_shape']})")
     options = session_options(threads)
     original_session = ort.InferenceSession(path.read_bytes(), options, providers=["CPUExecutionProvider"])
     try:
