@@ -157,7 +157,7 @@ FAMILIES: dict[str, Family] = {
                                              intermediate_size_mlp=48)),
     "longcat_flash": Family("longcat_flash", dict(zero_expert_num=2, num_layers=1)),
     "mellum": Family("mellum"),
-    "mimo_v2_flash": Family("mimo_v2_flash"),
+    "mimo_v2_flash": Family("mimo_v2_flash", dict(num_key_value_heads=2), "sliding-window layers double the kv heads"),
     "minimax": Family("minimax", dict(layer_types=["full_attention"] * 2)),
     "minimax_m2": Family("minimax_m2"),
     "minimax_m3_vl_text": Family("minimax_m3_vl_text"),
