@@ -215,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="an export directory or a fixture directory")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--only", nargs="*", default=None, help="these families only")
+    parser.add_argument("--exporter", choices=("dynamo", "torchscript"), help="this exporter's exports only")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--budget-ms", type=float, default=200.0, help="time per variant per round")
     args = parser.parse_args(argv)
     rows = []
     for record in load_exports(args.directory):
-        if args.only and record["family"] not in args.only:
+        if (args.only and record["family"] not in args.only) or args.exporter not in (None, record["exporter"]):
             continue
         rows.append(survey_one(record, args.directory, args.threads, args.rounds, args.budget_ms))
         if not args.markdown:

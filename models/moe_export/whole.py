@@ -125,7 +125,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family("deepseek_v2", dict(topk_method="greedy")),
     "deepseek_v3": Family("deepseek_v3", _GROUPED, "sigmoid + e_score_correction_bias, n_group 4 / topk_group 2"),
     "deepseek_v32": Family("deepseek_v32", _GROUPED),
-    "deepseek_v4": Family("deepseek_v4", _GROUPED),
+    "deepseek_v4": Family("deepseek_v4", dict(_GROUPED, mlp_layer_types=["moe", "moe"])),
     "dots1": Family("dots1", _GROUPED),
     "dots3_note_text": Family("dots3_note_text", _GROUPED),
     "ernie4_5_moe": Family("ernie4_5_moe"),
