@@ -204,10 +204,13 @@ def format_table(rows: list[Row], markdown: bool) -> str:
 
 def summary(rows: list[Row]) -> str:
     exported = [row for row in rows if row.moe_layers is not None]
-    complete = [row for row in exported if row.fused.get("moe", 0) >= (row.moe_layers or 1) and row.moe_layers]
-    wrong = [row for row in exported if row.mismatches]
-    return (f"{len(rows)} exports attempted, {len(exported)} exported, {len(complete)} with every MoE layer "
-            f"fused (target moe), {len(wrong)} with fused logits off torch's")  # fmt: skip
+    complete = [row for row in exported if row.moe_layers and row.fused.get("moe", 0) >= row.moe_layers]
+    silent = [row for row in exported if any("SILENT MISS" in note for note in row.notes)]
+    broken = [row for row in exported if row.original_diff == float("inf")]
+    wrong = [row for row in exported if row.mismatches and row.original_diff != float("inf")]
+    return (f"{len(rows)} exports attempted, {len(exported)} exported; of these {len(complete)} with every MoE layer "
+            f"fused (target moe), {len(silent)} silent misses, {len(broken)} whose original export fails on its "
+            f"reference inputs, {len(wrong)} with fused logits off torch's where the original matches")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
