@@ -114,7 +114,10 @@ _GROUPED = dict(num_experts=8, n_routed_experts=8, n_group=4, topk_group=2)  # g
 FAMILIES: dict[str, Family] = {
     "afmoe": Family("afmoe", dict(num_dense_layers=0, layer_types=["full_attention"] * 2)),
     "aria_text": Family("aria_text", note="the text model of Aria (aria itself is image-text only)"),
+    "axk1": Family("axk1", _GROUPED),
+    "axk2": Family("axk2", _GROUPED),
     "bailing_hybrid": Family("bailing_hybrid", dict(num_expert_group=1, first_k_dense_replace=0)),
+    "beam": Family("beam"),
     "cohere2_moe": Family("cohere2_moe"),
     "dbrx": Family(
         "dbrx",
@@ -183,6 +186,7 @@ SKIPPED = {
     "qwen3_5_moe": "image-text model; its text model is exported as qwen3_5_moe_text",
     "qwen4_exp": "image-text model; its text model is exported as qwen4_exp_text",
     "dots3_note": "image-text model; its text model is exported as dots3_note_text",
+    "gemma4": "image-text model; its text model is exported as gemma4_text",
     "gptsan-japanese": "not a causal LM in AutoModelForCausalLM",
     "nllb-moe": "encoder-decoder translation model",
     "switch_transformers": "encoder-decoder model",
@@ -192,7 +196,7 @@ SKIPPED = {
     "no expert MLPs for a MoE op",
     "openai_privacy_filter": "token-classification model, no causal LM",
 }
-_MULTIMODAL_ONLY = "multimodal model whose text part has no AutoModelForCausalLM"
+_MULTIMODAL_ONLY = "no AutoModelForCausalLM for this model type (multimodal parts, or not wired as a causal LM)"
 
 _TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k_experts", "moe_top_k")
 
