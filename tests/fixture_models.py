@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,8 +28,14 @@ from moe_onnx.rewrite import optimize
 from moe_onnx.testing import random_hidden_states
 from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from moe_export.fixtures import whole_feeds, whole_logits_match  # noqa: E402, F401 (no torch in there)
+
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
+# whole tiny causal LMs (input_ids -> logits), with the fusion state the rewriter is expected to reach
+WHOLE_FIXTURES = FIXTURES / "whole"
+WHOLE_MANIFEST = json.loads((WHOLE_FIXTURES / "manifest.json").read_text())["fixtures"]
 # (batch, seq): one token, a small shape, and one unlike the exports' traced (2, 5) or (2, 8)
 SHAPES = [(1, 1), (2, 3), (3, 7)]
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -84,6 +91,17 @@ def optimize_form(model, target: str = "moe"):
 def optimized(name: str, target: str):
     """``optimize_form(original(name), target)``: the optimized model and its report."""
     return optimize_form(original(name), target=target)
+
+
+@functools.cache
+def optimized_whole(name: str, target: str):
+    """``optimize`` of the whole-model fixture ``name``: the optimized model and its report."""
+    return optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]), target=target)
+
+
+def whole_reference_data(name: str) -> dict[str, np.ndarray]:
+    """The whole-model fixture's .npz: ``input_ids[_alt]`` and torch's logits ``expected[_alt]``."""
+    return dict(np.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["reference"]))
 
 
 @functools.cache

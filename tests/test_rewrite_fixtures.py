@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import moe_onnx
-from fixture_models import MANIFEST, TARGETS, TOL, original, reference_data
+from fixture_models import (MANIFEST, TARGETS, TOL, WHOLE_MANIFEST, optimized_whole, original, reference_data,
+                            whole_feeds, whole_logits_match, whole_reference_data)
 from moe_onnx.check import check_model
 from moe_onnx.rewrite.gating import RULE as ROUTER_RULE
 
@@ -58,3 +59,31 @@ def test_fixture_fuses_and_keeps_the_numbers(name, target):
             outputs = sess.run(None, {input_name: data[f"hidden_states{suffix}"]})
             np.testing.assert_allclose(outputs[0], data[f"expected{suffix}"], **TOL,
                                        err_msg=f"{name} {target} on {backend}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(WHOLE_MANIFEST))
+def test_whole_model_fuses_as_recorded_and_keeps_the_logits(name, target):
+    """Whole tiny causal LMs: the rewriter reaches exactly the recorded state (fused blocks, near-miss
+    reasons, whether the logits equal torch's; `models/export_moe_blocks.py --record-fusion` updates
+    it). Where the recorded state says they match, the logits equal torch's on both backends."""
+    entry = WHOLE_MANIFEST[name]
+    model, report = optimized_whole(name, target)
+    expected = entry["expected_fusion"][target]
+    fused_op = "MOE" if target == "moe" else "MoeFinalizeRouting"
+    assert report.fused_blocks == sum(n.domain == moe_onnx.DOMAIN and n.op_type == fused_op for n in model.graph.node)
+    reasons = sorted({f"{miss['rule']}: {miss['reason']}" for miss in report.near_misses})
+    assert (report.fused_blocks, reasons) == (expected["fused"], expected["near_misses"]), report.summary()
+    assert report.fused_blocks <= entry["moe_layers"]
+    assert check_model(model) == []
+
+    data = whole_reference_data(name)
+    for backend in ("cpp", "python"):
+        sess = moe_onnx.session(model, backend=backend)
+        for suffix in ("", "_alt"):
+            assert whole_logits_match(sess, data, suffix) == expected["matches_torch"], f"{name} {target} {backend}"
+            if expected["matches_torch"]:
+                feeds = whole_feeds([value.name for value in model.graph.input], data[f"input_ids{suffix}"])
+                logits = sess.run(None, feeds)[0]
+                np.testing.assert_allclose(logits, data[f"expected{suffix}"], **TOL,
+                                           err_msg=f"{name} {target} on {backend}")

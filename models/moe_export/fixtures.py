@@ -180,3 +180,91 @@ def replace_marked_section(path: Path, marker: str, content: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{start}\n{content}\n{end}{tail}")
+
+
+# ----------------------------------------------------------------------------- whole models
+
+WHOLE_DIRECTORY = "whole"  # models/fixtures/whole: the whole-model fixtures and their manifest
+
+
+def strip_debug_info(model: onnx.ModelProto) -> None:
+    """Drop the exporters' per-node source locations (doc strings, metadata_props): they make up most
+    of a tiny export's bytes and no rule reads them. Nothing else changes."""
+    for graph in [model.graph] + [a.g for n in model.graph.node for a in n.attribute if a.HasField("g")]:
+        for node in graph.node:
+            node.ClearField("doc_string")
+            del node.metadata_props[:]
+        for value in list(graph.value_info) + list(graph.input) + list(graph.output):
+            del value.metadata_props[:]
+
+
+def copy_whole_fixture(export_dir: Path, fixture_dir: Path, stem: str) -> None:
+    """Copy one whole-model export (onnx without debug info, npz, its record) into a fixture directory."""
+    record = json.loads((export_dir / f"{stem}.json").read_text())
+    if record["status"] != "ok":
+        raise ValueError(f"{stem}: the export failed ({record['error']}), there is no fixture to copy")
+    model = onnx.load(str(export_dir / record["file"]))
+    strip_debug_info(model)
+    fixture_dir.mkdir(parents=True, exist_ok=True)
+    path = fixture_dir / record["file"]
+    onnx.save(model, str(path))
+    (fixture_dir / record["reference"]).write_bytes((export_dir / record["reference"]).read_bytes())
+    entry = {key: value for key, value in record.items() if key not in ("status", "traceback")}
+    entry.update(bytes=path.stat().st_size, sha256=sha256(path), note=_join(record.get("note"), _STRIPPED))
+    entries = load_manifest(fixture_dir)
+    entries[stem] = dict(entries.get(stem, {}), **entry)
+    save_manifest(fixture_dir, entries)
+
+
+_STRIPPED = "node doc strings and metadata_props (source locations) dropped from the export"
+
+
+def _join(*notes: str | None) -> str:
+    return "; ".join(note for note in notes if note)
+
+
+def record_fusion_state(fixture_dir: Path) -> list[str]:
+    """Store what the current rewriter does to each whole-model fixture, per target, as `expected_fusion`:
+    the fused block count, the near-miss reasons and whether the optimized model's logits (C++ backend)
+    equal torch's on the reference inputs. tests/test_rewrite_fixtures.py asserts exactly that state,
+    so a rewriter change that fuses more (or less) shows up there until this is re-run."""
+    import moe_onnx
+
+    entries = load_manifest(fixture_dir)
+    lines = []
+    for name, entry in entries.items():
+        model = onnx.load(str(fixture_dir / entry["file"]))
+        data = np.load(fixture_dir / entry["reference"])
+        state = {}
+        for target in moe_onnx.TARGETS:
+            optimized, report = moe_onnx.optimize(model, target=target)
+            reasons = sorted({f"{miss['rule']}: {miss['reason']}" for miss in report.near_misses})
+            matches = all(whole_logits_match(moe_onnx.session(optimized), data, suffix) for suffix in ("", "_alt"))
+            state[target] = {"fused": report.fused_blocks, "near_misses": reasons, "matches_torch": matches}
+        entry["expected_fusion"] = state
+        lines.append(f"{name:40s} " + " ".join(
+            f"{t}: {s['fused']}/{entry['moe_layers']} fused, logits {'ok' if s['matches_torch'] else 'OFF'}"
+            for t, s in state.items()))  # fmt: skip
+    save_manifest(fixture_dir, entries)
+    return lines
+
+
+def whole_feeds(input_names: list[str], input_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """A whole model's inputs: `input_ids`, and an all-ones `attention_mask` where the export takes one
+    (the TorchScript exports)."""
+    feeds = {"input_ids": input_ids.astype(np.int64)}
+    if "attention_mask" in input_names:
+        feeds["attention_mask"] = np.ones_like(feeds["input_ids"])
+    return feeds
+
+
+def whole_logits_match(session, data, suffix: str) -> bool:
+    """Whether a whole model's session gives torch's logits (within TOLERANCE) on the reference input
+    `input_ids<suffix>`; False where the run fails (a traced loop on routing it was not traced for)."""
+    feeds = whole_feeds([value.name for value in session.get_inputs()], data[f"input_ids{suffix}"])
+    try:
+        logits = session.run(None, feeds)[0]
+    except Exception:  # noqa: BLE001 - onnxruntime's error types vary; a failed run does not match
+        return False
+    expected = data[f"expected{suffix}"]
+    return logits.shape == expected.shape and bool(np.allclose(logits, expected, rtol=TOLERANCE, atol=TOLERANCE))

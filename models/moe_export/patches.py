@@ -7,6 +7,8 @@ transformers 4.5x, optimum-intel for transformers 5 MoE models going to OpenVINO
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 TILED_EXPERTS_IMPLEMENTATION = "tiled_bmm"
@@ -62,3 +64,47 @@ def register_tiled_experts() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(TILED_EXPERTS_IMPLEMENTATION, tiled_experts_forward)
+
+
+def sdpa_mask_by_broadcasting(
+    batch_size, cache_position, kv_length, kv_offset=0, mask_function=None, attention_mask=None, **_
+):
+    """transformers 4.57 `sdpa_mask` computed by broadcasting index tensors instead of torch.vmap.
+
+    The mask functions are elementwise in (batch, head, q, kv) index tensors, so calling them once on
+    broadcastable aranges gives the [B, 1, Q, KV] boolean mask that vmap builds point by point.
+    """
+    from transformers import masking_utils
+
+    mask_function = mask_function or masking_utils.causal_mask_function
+    padding_mask = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    device = cache_position.device
+    batch = torch.arange(batch_size, device=device)[:, None, None, None]
+    head = torch.zeros(1, dtype=torch.long, device=device)[None, :, None, None]
+    query = cache_position[None, None, :, None]
+    key = (torch.arange(kv_length, device=device) + kv_offset)[None, None, None, :]
+    mask = mask_function(batch, head, query, key).expand(batch_size, 1, cache_position.shape[0], kv_length)
+    if padding_mask is not None:
+        mask = mask & padding_mask[:, None, None, :].bool()
+    return mask
+
+
+@contextlib.contextmanager
+def masks_without_vmap():
+    """transformers 4.57 attention masks built without torch.vmap, which the TorchScript exporter cannot trace.
+
+    Under tracing, 4.57 builds causal masks with torch.vmap (both its `sdpa_mask` versions); the traced
+    graph then has the trace's sequence length baked in. Exporters for TorchScript (optimum) swap in a
+    vmap-free mask the same way. transformers 5 builds masks without vmap already: nothing to patch.
+    """
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "sdpa_mask_older_torch"):
+        yield
+        return
+    original = masking_utils.sdpa_mask
+    masking_utils.sdpa_mask = sdpa_mask_by_broadcasting
+    try:
+        yield
+    finally:
+        masking_utils.sdpa_mask = original

@@ -230,3 +230,16 @@ def fixture_specs(transformers_major: int) -> list[BlockSpec]:
         for family in style.families
         for size in (("tiny",) if style_name == "loop_missing" else ("tiny", "small"))
     ]
+
+# Whole-model exports committed as fixtures (models/fixtures/whole): one per export form the block
+# fixtures do not cover, the smallest of each (see models/README.md, "Whole models").
+WHOLE_FIXTURES = (
+    "gpt_oss__tf457__torchscript",  # GPT-OSS CPU branch: per-expert loop over the hit experts
+    "deepseek_v3__tf457__torchscript",  # sigmoid + bias + group-limited top-k router, loop, shared expert
+    "olmoe__tf457__dynamo",  # loop over range(E) through torch.export
+    "granitemoe__tf457__torchscript",  # ParallelExperts
+    "phimoe__tf5__dynamo",  # sparsemixer routing
+    "aria_text__tf5__dynamo",  # batched_mm with transposed expert weights
+    "nemotron_h__tf5__dynamo",  # non-gated relu2 experts (hybrid pattern "E*": a MoE and an attention layer)
+    "mixtral__tf5__torchscript",  # transformers 5 batched_mm through the TorchScript exporter
+)

@@ -46,6 +46,13 @@ class OptimizeReport:
     def total_fused(self) -> int:
         return sum(self.fused.values())
 
+    @property
+    def fused_blocks(self) -> int:
+        """The MoE blocks of the optimized model: its MOE nodes (target "moe") or MoeFinalizeRouting
+        nodes (target "grouped"); total_fused counts rule applications (grouped applies two per block)."""
+        op_type = "MOE" if self.target == "moe" else "MoeFinalizeRouting"
+        return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0)
+
     def summary(self) -> str:
         lines = [f"target: {self.target}"]
         for rule, count in self.fused.items():
