@@ -88,11 +88,19 @@ def test_an_unknown_form_names_what_it_resembles():
     assert "no fusion rule recognises the experts that TopK" in miss["reason"]
 
 
-def _router_graph(selection: str, experts_read_the_tokens: bool = True) -> onnx.ModelProto:
+def _router_graph(selection: str, experts_read_the_tokens: bool = True,
+                  router_norm: bool = False) -> onnx.ModelProto:
     """tokens [T, 8] -> MatMul(router [8, 4]) -> Softmax -> ``selection`` -> Gather of a [4, 8] table;
-    the tokens also go to an output (as they go to the experts) when ``experts_read_the_tokens``."""
-    nodes = [helper.make_node("MatMul", ["tokens", "router"], ["logits"]),
-             helper.make_node("Softmax", ["logits"], ["scores"], axis=-1)]
+    the tokens also go to an output (as they go to the experts) when ``experts_read_the_tokens``; with
+    ``router_norm`` the router reads them through its own scaling (two Muls, as Gemma 4's router norm)."""
+    router_input = "tokens"
+    nodes = []
+    if router_norm:
+        nodes += [helper.make_node("Mul", ["tokens", "tokens"], ["squared"]),
+                  helper.make_node("Mul", ["squared", "k_float"], ["router_tokens"])]
+        router_input = "router_tokens"
+    nodes += [helper.make_node("MatMul", [router_input, "router"], ["logits"]),
+              helper.make_node("Softmax", ["logits"], ["scores"], axis=-1)]
     outputs = [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, None)]
     if experts_read_the_tokens:
         nodes.append(helper.make_node("Relu", ["tokens"], ["expert_input"]))
@@ -106,6 +114,8 @@ def _router_graph(selection: str, experts_read_the_tokens: bool = True) -> onnx.
     inits = [onnx.numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "router"),
              onnx.numpy_helper.from_array(rng.standard_normal((4, 8)).astype(np.float32), "table"),
              onnx.numpy_helper.from_array(np.array([2], np.int64), "k")]
+    if router_norm:
+        inits.append(onnx.numpy_helper.from_array(np.array(0.5, np.float32), "k_float"))
     graph = helper.make_graph(nodes, "router", [helper.make_tensor_value_info("tokens", onnx.TensorProto.FLOAT,
                                                                               ["T", 8])], outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -116,6 +126,13 @@ def test_a_bare_router_is_reported(selection):
     _, report = optimize_form(_router_graph(selection))
     (miss,) = detected(report)
     assert miss["node"] == "" and f"({selection} '')" in miss["reason"]
+    assert "no fusion rule recognises" in miss["reason"]
+
+
+def test_a_router_with_its_own_normalization_is_reported():
+    """Gemma 4: the router reads the tokens through single-use ops of its own; still a MoE block."""
+    _, report = optimize_form(_router_graph("TopK", router_norm=True))
+    (miss,) = detected(report)
     assert "no fusion rule recognises" in miss["reason"]
 
 

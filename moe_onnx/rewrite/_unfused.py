@@ -106,17 +106,28 @@ def _router_linear(scores: ir.Value, experts: int) -> ir.Node | None:
             if (standard(node, "MatMul") or standard(node, "Gemm")) and len(node.inputs) > 1:
                 w = weight(node.inputs[1])
                 if w is not None and len(w.shape) == 2 and experts in w.shape:
-                    return node if _shared_input(node.inputs[0]) else None
+                    width = w.shape[1] if w.shape[0] == experts else w.shape[0]
+                    return node if _shared_input(node.inputs[0], narrow=experts < width) else None
             producers.append(node)
         frontier = [value for node in producers for value in node.inputs]
     return None
 
 
-def _shared_input(tokens: ir.Value) -> bool:
-    """Whether ``tokens``, or what they are reshaped from, feed more than one node."""
+def _shared_input(tokens: ir.Value, narrow: bool) -> bool:
+    """Whether ``tokens``, or what they are reshaped from, feed more than one node; for a ``narrow``
+    router (E below the token width: never an LM head) also what they are computed from by a chain
+    of single-use ops (a router with its own normalization: Gemma 4)."""
     while len(tokens.consumers()) == 1 and (node := tokens.producer()) is not None \
             and node.op_type in ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast"):
         tokens = node.inputs[0]
+    for _ in range(_ROUTER_DEPTH if narrow else 0):
+        node = tokens.producer()
+        if len(tokens.consumers()) > 1 or node is None or node.domain not in ("", "ai.onnx"):
+            break
+        computed = [value for value in node.inputs if value is not None and value.const_value is None]
+        if not computed:
+            break
+        tokens = computed[0]
     return len(tokens.consumers()) > 1
 
 
