@@ -110,6 +110,19 @@ def static_shape(value: ir.Value) -> tuple[int | None, ...] | None:
     return tuple(d if isinstance(d, int) else None for d in value.shape)
 
 
+def static_last_dim(value: ir.Value) -> int | None:
+    """The last dim of ``value`` when it is a known int (None when unknown or a scalar)."""
+    shape = static_shape(value)
+    return shape[-1] if shape else None
+
+
+def skip_reshapes(value: ir.Value) -> ir.Value:
+    """``value`` before the Reshape, Squeeze and Unsqueeze nodes that made it (the same elements in order)."""
+    while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
+        value = value.producer().inputs[0]
+    return value
+
+
 def unsqueezed_last(value: ir.Value, rank: int, what: str) -> ir.Value:
     """x of ``value = Unsqueeze(x, -1)`` with a result of ``rank``."""
     unsqueeze = producer(value, "Unsqueeze", what)

@@ -31,7 +31,7 @@ from onnxscript.rewriter import pattern
 
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import clamped_swiglu, pointwise, read_clamped_swiglu, read_pointwise, read_swiglu, swiglu
-from ._match import MoeFusion, constant_ints, emit_moe, require, shape_dims
+from ._match import MoeFusion, constant_ints, emit_moe, require, shape_dims, static_last_dim
 from ._router import Route, route
 from ._weights import Weight, weight, weight_value
 
@@ -40,13 +40,6 @@ def _ints(value: ir.Value, what: str) -> list[int]:
     ints = constant_ints(value)
     require(ints is not None, f"{what} is not an integer constant")
     return ints
-
-
-def _last_dim(value: ir.Value) -> int | None:
-    shape = value.shape
-    if shape is None or shape.rank() == 0 or not isinstance(shape[-1], int):
-        return None
-    return shape[-1]
 
 
 def _weight(value: ir.Value, dtype: ir.DataType, what: str, shape: tuple[int | str, ...], layout: str) -> Weight:
@@ -164,7 +157,7 @@ def _check_slots(b: dict, torchscript: bool) -> _Slots:
     tokens, routing = b["tokens_TH"], b["routing_TK"]
     found = route(b["topk_indices_TK"], routing)
     k = found.k
-    hidden = _last_dim(tokens)
+    hidden = static_last_dim(tokens)
     require(tokens.shape is not None and tokens.shape.rank() == 2 and hidden is not None,
             "the tokens are not [T, H] with a static H")
 

@@ -56,7 +56,7 @@ from onnxscript.rewriter.pattern import SimplePatternMatcher
 from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import (
     MatchFailure, axes, constant_ints, constant_scalar, failing_in, ints_input_or_attr, is_zeros, nonzero_of, producer,
-    require, shape_dims, standard, static_shape,
+    require, shape_dims, skip_reshapes, standard, static_shape,
 )
 from ._router import one_hot_dense_route, one_hot_route, route as _route
 from ._unrolled import GatheredExpert, LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row
@@ -242,10 +242,7 @@ def _routing(w_N1: ir.Value, token_N: ir.Value, slot_N: ir.Value | None,
     (the top-k weights [T, K]) or, dense, ``dense_TE[token_N, expert]`` (a [T, E] matrix)."""
     shape = static_shape(w_N1)
     require(shape is not None and len(shape) == 2 and shape[1] == 1, "the routing weight is not [N, 1]")
-    value = w_N1
-    while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
-        value = value.producer().inputs[0]  # keep the element order; the [N, 1] result is checked above
-    gather = producer(value, "Gather", "the routing weight")
+    gather = producer(skip_reshapes(w_N1), "Gather", "the routing weight")  # the [N, 1] result is checked above
     if gather.inputs[1] is token_N:
         return _dense_column(gather, expert_index), True
     return _top_k_weights(gather, token_N, slot_N), False

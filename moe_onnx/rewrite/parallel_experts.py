@@ -39,19 +39,11 @@ from ..ops.moe import GEMM3_SWIGLU
 from ._activation import read_swiglu
 from ._match import (
     MoeFusion, axes, constant_ints, constant_scalar, emit_moe, failing_in, fill_value, is_zeros, producer, require,
-    standard, static_shape, unsqueezed_last,
+    skip_reshapes, standard, static_shape, unsqueezed_last,
 )
 from ._router import Route, route
 from ._weights import Weight, lazy_initializer, read_linear
 from .loop_dynamo import AccumulatingScatterMatcher
-
-
-def _skip_reshapes(value: ir.Value) -> ir.Value:
-    """Follows Reshape, Squeeze and Unsqueeze back to their data input."""
-    while (node := value.producer()) is not None and node.op_type in ("Reshape", "Squeeze", "Unsqueeze") \
-            and node.domain in ("", "ai.onnx"):
-        value = node.inputs[0]
-    return value
 
 
 def _floor_div(value: ir.Value, what: str) -> tuple[ir.Value, float]:
@@ -88,11 +80,11 @@ def _chunk_sizes(sizes_E: ir.Value, topk_indices_TK: ir.Value, experts: int) -> 
             f"the tokens are split into {len(concat.inputs)} chunks for {experts} experts")
     counts = set()
     for e, size in enumerate(concat.inputs):
-        value = _skip_reshapes(size)
+        value = skip_reshapes(size)
         pick = value.producer()
         if standard(pick, "Gather"):  # [n][0]
             require(constant_ints(pick.inputs[1]) == [0], "a chunk size is not one element of the expert counts")
-            value = _skip_reshapes(pick.inputs[0])
+            value = skip_reshapes(pick.inputs[0])
         piece = producer(value, "Slice", "a chunk size")
         starts, ends = constant_ints(piece.inputs[1]), constant_ints(piece.inputs[2])
         slice_axes = constant_ints(piece.inputs[3]) if len(piece.inputs) > 3 and piece.inputs[3] is not None else [0]

@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from ..ops import DOMAIN
 from ._activation import read_swiglu
-from ._match import MatchFailure, require, standard
+from ._match import MatchFailure, require, standard, static_last_dim
 from ._weights import Linear, initializer_expert, read_linear, streamed_initializer
 
 RULE_NAME = "SharedExpertFold"
@@ -117,17 +117,12 @@ def _read_fold(moe: ir.Node) -> _Fold | None:
             f"the shared expert's hidden size {shared.gate.in_features} is not the MOE's {hidden_size}")
     require(shared.gate.out_features % width == 0,
             f"the shared expert's width {shared.gate.out_features} is not a multiple of the experts' {width}")
-    k = _static_last_dim(moe.inputs[1])
-    require(k is not None and k == _static_last_dim(moe.inputs[2]), "the MOE's k is not static")
+    k = static_last_dim(moe.inputs[1])
+    require(k is not None and k == static_last_dim(moe.inputs[2]), "the MOE's k is not static")
     dtypes = {moe.inputs[3].dtype, moe.inputs[1].dtype, shared.gate.weight.dtype, shared.up.weight.dtype,
               shared.down.weight.dtype} | ({shared.scale.dtype} if shared.scale is not None else set())
     require(len(dtypes) == 1, "the shared expert's weights or scale have another type than the MOE's")
     return _Fold(moe, add, routed, shared, shared.gate.out_features // width)
-
-
-def _static_last_dim(value: ir.Value) -> int | None:
-    shape = value.shape
-    return None if shape is None or len(shape) == 0 or not isinstance(shape[-1], int) else shape[-1]
 
 
 def _constant(array: np.ndarray) -> ir.Node:
@@ -154,7 +149,7 @@ def _fold(fold: _Fold) -> None:
                5: _stacked(graph, moe.inputs[5], [up[c] for c in columns]),
                7: _stacked(graph, moe.inputs[7], [np.ascontiguousarray(down[:, c]) for c in columns])}
 
-    k = _static_last_dim(moe.inputs[1])
+    k = static_last_dim(moe.inputs[1])
     rows_by_k = _constant(np.array([-1, k], np.int64))
     weights_2d = ir.node("Reshape", [moe.inputs[1], rows_by_k.outputs[0]])
     indices_2d = ir.node("Reshape", [moe.inputs[2], rows_by_k.outputs[0]])
