@@ -83,42 +83,40 @@ constexpr std::pair<const char*, PointwiseActivation::Form> kPointwiseForms[] = 
     {"silu", PointwiseActivation::Form::kSilu},          {"identity", PointwiseActivation::Form::kIdentity},
 };
 
-using PointwiseFn = void (*)(const PointwiseActivation&, const float*, int64_t, const float*, int64_t, int64_t,
-                             float*, int64_t);
-
-PointwiseFn chosen_pointwise() {
-#if defined(MOE_ONNX_HAVE_AVX512)
-  if (isa_at_least(IsaLevel::kAvx512)) return detail::pointwise_activation_avx512;
-#endif
-#if defined(MOE_ONNX_HAVE_AVX2)
-  if (isa_at_least(IsaLevel::kAvx2)) return detail::pointwise_activation_avx2;
-#endif
-  return detail::pointwise_activation_portable;
+// The implementation of the kernels' ISA level (isa.h); null where this build has none for a level.
+template <class Kernel>
+Kernel* chosen(Kernel* portable, Kernel* avx2, Kernel* avx512) {
+  if (avx512 && isa_at_least(IsaLevel::kAvx512)) return avx512;
+  if (avx2 && isa_at_least(IsaLevel::kAvx2)) return avx2;
+  return portable;
 }
 
-using ActivationFn = void (*)(const GatedActivation&, const float*, int64_t, const float*, int64_t, int64_t, float*,
-                              int64_t);
-
-ActivationFn chosen() {
-#if defined(MOE_ONNX_HAVE_AVX512)
-  if (isa_at_least(IsaLevel::kAvx512)) return detail::gated_activation_avx512;
-#endif
 #if defined(MOE_ONNX_HAVE_AVX2)
-  if (isa_at_least(IsaLevel::kAvx2)) return detail::gated_activation_avx2;
+constexpr detail::PointwiseKernel* kPointwiseAvx2 = detail::pointwise_activation_avx2;
+constexpr detail::GatedKernel* kGatedAvx2 = detail::gated_activation_avx2;
+#else
+constexpr detail::PointwiseKernel* kPointwiseAvx2 = nullptr;
+constexpr detail::GatedKernel* kGatedAvx2 = nullptr;
 #endif
-  return detail::gated_activation_portable;
-}
+#if defined(MOE_ONNX_HAVE_AVX512)
+constexpr detail::PointwiseKernel* kPointwiseAvx512 = detail::pointwise_activation_avx512;
+constexpr detail::GatedKernel* kGatedAvx512 = detail::gated_activation_avx512;
+#else
+constexpr detail::PointwiseKernel* kPointwiseAvx512 = nullptr;
+constexpr detail::GatedKernel* kGatedAvx512 = nullptr;
+#endif
 }  // namespace
 
 void GatedActivation::apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
                             int64_t ldd) const {
-  static const ActivationFn fn = chosen();
+  static detail::GatedKernel* const fn = chosen(detail::gated_activation_portable, kGatedAvx2, kGatedAvx512);
   if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
 }
 
 void PointwiseActivation::apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels,
                                 float* dst, int64_t ldd) const {
-  static const PointwiseFn fn = chosen_pointwise();
+  static detail::PointwiseKernel* const fn =
+      chosen(detail::pointwise_activation_portable, kPointwiseAvx2, kPointwiseAvx512);
   if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 namespace moe_onnx {
 
@@ -52,16 +53,32 @@ bool pointwise_form(const std::string& name, PointwiseActivation::Form* form);
 const char* pointwise_names();
 
 namespace detail {
-void pointwise_activation_portable(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
-                                   int64_t rows, int64_t panels, float* dst, int64_t ldd);
+// One implementation of PointwiseActivation::apply / GatedActivation::apply per ISA level.
+using PointwiseKernel = void(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
+                             int64_t rows, int64_t panels, float* dst, int64_t ldd);
+using GatedKernel = void(const GatedActivation& act, const float* C, int64_t ldc, const float* bias, int64_t rows,
+                         int64_t panels, float* dst, int64_t ldd);
+
+PointwiseKernel pointwise_activation_portable;
 #if defined(MOE_ONNX_HAVE_AVX2)
-void pointwise_activation_avx2(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
-                               int64_t rows, int64_t panels, float* dst, int64_t ldd);
+PointwiseKernel pointwise_activation_avx2;
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
-void pointwise_activation_avx512(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
-                                 int64_t rows, int64_t panels, float* dst, int64_t ldd);
+PointwiseKernel pointwise_activation_avx512;
 #endif
+// Calls body(std::integral_constant<Form, form>{}): the SIMD files instantiate their row loop per form.
+template <class Body>
+void with_pointwise_form(PointwiseActivation::Form form, Body&& body) {
+  using Form = PointwiseActivation::Form;
+  switch (form) {
+    case Form::kRelu: return body(std::integral_constant<Form, Form::kRelu>{});
+    case Form::kRelu2: return body(std::integral_constant<Form, Form::kRelu2>{});
+    case Form::kGelu: return body(std::integral_constant<Form, Form::kGelu>{});
+    case Form::kGeluTanh: return body(std::integral_constant<Form, Form::kGeluTanh>{});
+    case Form::kSilu: return body(std::integral_constant<Form, Form::kSilu>{});
+    case Form::kIdentity: return body(std::integral_constant<Form, Form::kIdentity>{});
+  }
+}
 // The constants of the pointwise forms, shared by the three implementations.
 constexpr float kGeluTanhC1 = 1.5957691216057308f;            // 2 * sqrt(2 / pi)
 constexpr float kGeluTanhC3 = 1.5957691216057308f * 0.044715f;  // 2 * sqrt(2 / pi) * 0.044715
@@ -69,15 +86,12 @@ constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kErfP = 0.3275911f;  // Abramowitz-Stegun 7.1.26: erf(x) = 1 - t * poly(t) * exp(-x^2), t = 1/(1 + p x)
 constexpr float kErfA[5] = {0.254829592f, -0.284496736f, 1.421413741f, -1.453152027f, 1.061405429f};
 
-void gated_activation_portable(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
-                               int64_t rows, int64_t panels, float* dst, int64_t ldd);
+GatedKernel gated_activation_portable;
 #if defined(MOE_ONNX_HAVE_AVX2)
-void gated_activation_avx2(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
-                           int64_t rows, int64_t panels, float* dst, int64_t ldd);
+GatedKernel gated_activation_avx2;
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
-void gated_activation_avx512(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,
-                             int64_t rows, int64_t panels, float* dst, int64_t ldd);
+GatedKernel gated_activation_avx512;
 #endif
 }  // namespace detail
 

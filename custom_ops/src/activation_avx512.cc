@@ -85,15 +85,9 @@ void pointwise_rows(const float* C, int64_t ldc, const float* bias, int64_t rows
 
 void pointwise_activation_avx512(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
                                int64_t rows, int64_t panels, float* dst, int64_t ldd) {
-  using Form = PointwiseActivation::Form;
-  switch (act.form) {
-    case Form::kRelu: return pointwise_rows<Form::kRelu>(C, ldc, bias, rows, panels, dst, ldd);
-    case Form::kRelu2: return pointwise_rows<Form::kRelu2>(C, ldc, bias, rows, panels, dst, ldd);
-    case Form::kGelu: return pointwise_rows<Form::kGelu>(C, ldc, bias, rows, panels, dst, ldd);
-    case Form::kGeluTanh: return pointwise_rows<Form::kGeluTanh>(C, ldc, bias, rows, panels, dst, ldd);
-    case Form::kSilu: return pointwise_rows<Form::kSilu>(C, ldc, bias, rows, panels, dst, ldd);
-    case Form::kIdentity: return pointwise_rows<Form::kIdentity>(C, ldc, bias, rows, panels, dst, ldd);
-  }
+  with_pointwise_form(act.form, [&](auto form) {
+    pointwise_rows<decltype(form)::value>(C, ldc, bias, rows, panels, dst, ldd);
+  });
 }
 
 void gated_activation_avx512(const GatedActivation& act, const float* C, int64_t ldc, const float* bias,

@@ -68,6 +68,11 @@ void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n) 
   }
 }
 
+void widen_row_rest(PanelType type, const void* src, int64_t done, float* dst, int64_t n) {
+  widen_row_portable(type, static_cast<const char*>(src) + done * static_cast<int64_t>(panel_elem_size(type)), dst + done,
+                     n - done);
+}
+
 }  // namespace detail
 
 namespace {

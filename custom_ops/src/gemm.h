@@ -49,6 +49,8 @@ using GemmFn = void (*)(PanelType, const float*, int64_t, int64_t, int64_t, cons
                         int64_t);
 using WidenFn = void (*)(PanelType, const void*, float*, int64_t);
 void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n);
+// widen_row_portable on elements [done, n) of the row: the tail the SIMD widen_row_* leave.
+void widen_row_rest(PanelType type, const void* src, int64_t done, float* dst, int64_t n);
 void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                           int64_t p0, int64_t p1, float* C, int64_t ldc);
 #if defined(MOE_ONNX_HAVE_AVX2)

@@ -246,9 +246,7 @@ void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n) {
       _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
                                     _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i))), 16)));
   }
-  widen_row_portable(type, type == PanelType::kF32 ? static_cast<const void*>(static_cast<const float*>(src) + i)
-                                                   : static_cast<const void*>(s16 + i),
-                     dst + i, n - i);
+  widen_row_rest(type, src, i, dst, n);
 }
 
 }  // namespace detail

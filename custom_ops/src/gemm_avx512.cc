@@ -177,9 +177,7 @@ void widen_row_avx512(PanelType type, const void* src, float* dst, int64_t n) {
       _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + i))), 16)));
   }
-  widen_row_portable(type, type == PanelType::kF32 ? static_cast<const void*>(static_cast<const float*>(src) + i)
-                                                   : static_cast<const void*>(s16 + i),
-                     dst + i, n - i);
+  widen_row_rest(type, src, i, dst, n);
 }
 
 }  // namespace detail
