@@ -215,6 +215,14 @@ def expert_weight_shapes(model: onnx.ModelProto, node: onnx.NodeProto) -> list[l
     return [shapes[node.input[i]] for i in (3, 5, 7)]
 
 
+def fused_op_counts(name: str, target: str, rule: str) -> tuple[onnx.ModelProto, Counter, Counter]:
+    """Fixture ``name`` optimized for ``target``, asserted fused once by ``rule`` without near-misses; returned
+    with the op counts before and after, for the form's own checks."""
+    model, report = optimized(name, target)
+    assert report.fused[rule] == 1 and report.near_misses == []
+    return model, op_counts(original(name)), op_counts(model)
+
+
 def assert_swiglu_block_on(target: str, after: Counter) -> None:
     """The op counts ``after`` hold one GEMM3_SWIGLU block on ``target``: one MOE, or the routed chain
     (MoeInitRouting, three MoeRowParallelLinear, MoeFinalizeRouting) and no MOE."""

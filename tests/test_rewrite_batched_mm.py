@@ -101,13 +101,20 @@ def test_moe_node(name):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
+    assert_numbers_on(name, target, ("python",))
+
+
+def assert_numbers_on(name: str, target: str, backends: tuple[str, ...]) -> None:
+    """Fixture ``name`` optimized for ``target`` computes the original's outputs at every (batch, seq) of SHAPES
+    on the onnx reference and on ``backends``' kernels, and torch's outputs on the reference."""
     model, _ = optimized(name, target)
-    python = moe_onnx.session(model, backend="python")
+    sessions = [moe_onnx.session(model, backend=backend) for backend in backends]
     for batch, seq in SHAPES:
         inputs = random_feeds(name, batch, seq)
         expected = ort_output(original(name), inputs)
         np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
-        np.testing.assert_allclose(python.run(["output"], inputs)[0], expected, **TOL)
+        for session in sessions:
+            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
     data = reference_data(name)
     for suffix in ("", "_alt"):
         got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
@@ -492,18 +499,7 @@ def test_transposed_moe_node(name):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TRANSPOSED)
 def test_transposed_numbers(name, target):
-    model, _ = optimized(name, target)
-    sessions = [moe_onnx.session(model, backend=backend) for backend in ("cpp", "python")]
-    for batch, seq in SHAPES:
-        inputs = random_feeds(name, batch, seq)
-        expected = ort_output(original(name), inputs)
-        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
-        for session in sessions:
-            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
-    data = reference_data(name)
-    for suffix in ("", "_alt"):
-        got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
-        np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
+    assert_numbers_on(name, target, ("cpp", "python"))
 
 
 def test_transposed_swapped_halves_pick_the_other_columns():
@@ -623,18 +619,7 @@ def test_torchscript_moe_node_has_the_exported_weights(name):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TORCHSCRIPT)
 def test_torchscript_numbers(name, target):
-    model, _ = optimized(name, target)
-    sessions = [moe_onnx.session(model, backend=backend) for backend in ("cpp", "python")]
-    for batch, seq in SHAPES:
-        inputs = random_feeds(name, batch, seq)
-        expected = ort_output(original(name), inputs)
-        np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
-        for session in sessions:
-            np.testing.assert_allclose(session.run(["output"], inputs)[0], expected, **TOL)
-    data = reference_data(name)
-    for suffix in ("", "_alt"):
-        got = reference_output(model, {"hidden_states": data["hidden_states" + suffix]})
-        np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
+    assert_numbers_on(name, target, ("cpp", "python"))
 
 
 def test_torchscript_chunk_end_past_the_width_still_fuses():

@@ -175,6 +175,11 @@ def assert_torch_and_pinned_numbers(name: str, model: onnx.ModelProto) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_the_python_kernels(name):
     model, _ = optimized(name, "moe")
+    assert_python_kernels_match_pinned(name, model)
+
+
+def assert_python_kernels_match_pinned(name: str, model: onnx.ModelProto) -> None:
+    """The optimized ``model`` of fixture ``name`` computes, on the python kernels, what the pinned original does."""
     session = moe_onnx.session(model, backend="python")
     for batch, seq in SHAPES:
         inputs = scaled_random_feeds(name, batch, seq)
@@ -408,11 +413,7 @@ def test_deepseek_moe_node(name):
 def test_new_forms_numbers(name, target):
     model, _ = optimized(name, target)
     assert_torch_and_pinned_numbers(name, model)
-    session = moe_onnx.session(model, backend="python")
-    for batch, seq in SHAPES:
-        inputs = scaled_random_feeds(name, batch, seq)
-        np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(pinned_original(name), inputs),
-                                   **TOL)
+    assert_python_kernels_match_pinned(name, model)
 
 
 def _first(model: ir.Model, op_type: str, where: Callable[[ir.Node], bool]) -> ir.Node:
