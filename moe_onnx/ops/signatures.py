@@ -99,6 +99,57 @@ MOE = Signature(
 )
 
 
+# The SwiGLU / activation attributes QMOE shares with MOE, with the same meaning.
+_EXPERT_ATTRS = MOE.attributes
+
+QMOE = Signature(
+    name="QMOE",
+    doc=("MOE with quantized expert weights (int8, int4 or MXFP4) in onnxruntime's QMoE layout: every weight is "
+         "[E, N, K] (N outputs, K inputs) with K packed into bytes, dequantized by per-column or block-wise "
+         "scales and optional zero points. y is MOE's on the dequantized weights. See docs/ops/QMOE.md."),
+    inputs=(
+        Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
+        Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
+        Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
+        Param("weight_0", "tensor(uint8)", "GEMM2: gate_up [E, 2I, H*bits/8] (rows interleaved by gate_parity). "
+              "GEMM3: gate [E, I, H*bits/8]. GEMM2_ACT: up [E, I, H*bits/8]."),
+        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM2_ACT: up bias [E, I]. GEMM3: must be absent.",
+              optional=True),
+        Param("weight_1", "tensor(uint8)", "GEMM2 and GEMM2_ACT: down [E, H, I*bits/8]. GEMM3: up [E, I, H*bits/8]."),
+        Param("bias_1", "T", "GEMM2 and GEMM2_ACT: down bias [E, H]. GEMM3: must be absent.", optional=True),
+        Param("weight_2", "tensor(uint8)", "GEMM3: down [E, H, I*bits/8]. GEMM2 and GEMM2_ACT: must be absent.",
+              optional=True),
+        Param("scales_0", "T_scale", "weight_0's scales: [E, N] per column (block_size 0) or [E, N, K/block_size]."),
+        Param("scales_1", "T_scale", "weight_1's scales, as scales_0."),
+        Param("scales_2", "T_scale", "weight_2's scales, as scales_0; required with weight_2.", optional=True),
+        Param("zero_points_0", "tensor(uint8)", "weight_0's zero points, packed as the weights: [E, ceil(N*bits/8)] "
+              "per column or [E, N, ceil(K/block_size*bits/8)]. Absent: 2^(bits-1). quant_type int only.",
+              optional=True),
+        Param("zero_points_1", "tensor(uint8)", "weight_1's zero points, as zero_points_0.", optional=True),
+        Param("zero_points_2", "tensor(uint8)", "weight_2's zero points, as zero_points_0.", optional=True),
+    ),
+    outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "Floating-point activations and biases."),
+        ("T_ind", INDEX_TYPES, "Expert indices."),
+        ("T_scale", (*FLOAT_TYPES, "tensor(uint8)"), "Scales: floating point for quant_type int, uint8 "
+         "(E8M0 exponents, 2^(s - 127)) for mxfp4."),
+    ),
+    attributes=(
+        *_EXPERT_ATTRS,
+        Attr("bits", "int", "Bits per weight: 4 (two per byte, the even K index in the low nibble) or 8.",
+             required=True),
+        Attr("block_size", "int", "0: one scale (and zero point) per output column; else a power of two in "
+             "[16, 256] dividing K: one per block of block_size inputs. mxfp4: 32.", default=0),
+        Attr("quant_type", "string", "int: w = (q - zero_point) * scale; mxfp4: q is an E2M1 code (bits 4, "
+             "block_size 32, uint8 E8M0 scales, no zero points), w = e2m1(q) * 2^(s - 127).", default="int"),
+        Attr("accuracy_level", "int", "0: activations stay in floating point (the dequantized weights' exact "
+             "result); 4: activations are quantized to int8 per row and block for int8 dot products "
+             "(quant_type int only). As QMoE's attribute of that name.", default=0),
+    ),
+)
+
+
 MOE_INIT_ROUTING = Signature(
     name="MoeInitRouting",
     doc=("Sorts the (token, k) slots by expert and gathers their rows, dropless [rows, H] or drop/pad "
