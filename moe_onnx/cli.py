@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("-o", "--output", metavar="OUT", required=True, help="where to write the optimized model")
     opt.add_argument("--target", choices=TARGETS, default="moe",
                      help="moe: one MOE node per block (default); grouped: MoeInitRouting -> MoeRowParallelLinear "
-                          "-> activation -> MoeRowParallelLinear -> MoeFinalizeRouting")
+                          "-> activation -> MoeRowParallelLinear -> MoeFinalizeRouting; ort: onnxruntime's "
+                          "com.microsoft::MoE, runs without our library (exit 1 when a block it cannot express "
+                          "stays our op)")
     opt.add_argument("--keep-routers", action="store_true",
                      help="keep each block's router chain as exported (default: one MoeGatingTopK node where "
                           "the chain is a known one)")

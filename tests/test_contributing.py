@@ -47,7 +47,7 @@ def test_every_op_has_each_piece(name):
 def test_every_export_form_has_each_piece():
     forms = [family.__name__.rsplit(".", 1)[1] for family in _driver.FAMILIES]
     modules = {p.stem for p in (ROOT / "moe_onnx" / "rewrite").glob("*.py") if not p.stem.startswith("_")}
-    passes_over_fused_graph = {"gating", "grouped", "shared_expert"}
+    passes_over_fused_graph = {"gating", "grouped", "ort_export", "shared_expert"}
     assert modules - passes_over_fused_graph == set(forms), "every export-form module runs in the driver"
     for form in forms:
         assert (ROOT / "tests" / f"test_rewrite_{form}.py").is_file(), f"no tests/test_rewrite_{form}.py"

@@ -289,3 +289,23 @@ def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value,
     while inputs[-1] is None:
         inputs.pop()
     return op.MOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, expert_type=expert_type, **attributes)
+
+
+def attribute_value(node: ir.Node, name: str, default: Any) -> Any:
+    """The value of ``node``'s attribute ``name``, or ``default`` when the node does not set it."""
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def replace_node(node: ir.Node, nodes: Sequence[ir.Node], initializers: Sequence[ir.Value], output: ir.Value) -> None:
+    """Put ``nodes`` (and their new ``initializers``) where ``node`` was; ``output`` takes over its only
+    output: its readers, name, type and shape."""
+    graph = node.graph
+    for value in initializers:
+        graph.register_initializer(value)
+    graph.insert_before(node, nodes)
+    old = node.outputs[0]
+    name, old.name = old.name, None
+    ir.convenience.replace_all_uses_with(old, output, replace_graph_outputs=True)
+    output.name, output.type, output.shape = name, old.type, old.shape
+    graph.remove(node, safe=True)

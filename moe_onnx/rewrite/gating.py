@@ -75,7 +75,7 @@ def _widened(value: ir.Value) -> ir.Value:
     return value
 
 
-def _uncast(value: ir.Value) -> ir.Value:
+def uncast(value: ir.Value) -> ir.Value:
     """``value`` before Casts between float types (the routing weights' last steps: MoeGatingTopK
     gives its weights in the logits' type, and a Cast to the MOE's type follows where they differ)."""
     while (cast := _producer_if(value, "Cast")) is not None and value.dtype in _FLOATS \
@@ -321,7 +321,7 @@ def read_router(weights: ir.Value, indices: ir.Value) -> Router:
     topk, k = _top_k(indices, 1, "the expert indices")
     experts = _experts(topk.inputs[0])
     require(1 <= k <= experts, f"TopK k = {k} over E = {experts} experts")
-    w, scale = _scaled(_uncast(weights))
+    w, scale = _scaled(uncast(weights))
     w, renormalize, eps = _renormalized(w)
     w = _widened(w)
     softmax = _producer_if(w, "Softmax")

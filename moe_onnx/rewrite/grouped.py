@@ -17,16 +17,11 @@ import numpy as np
 import onnx_ir as ir
 from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
-from ._match import int64s
+from ._match import attribute_value, int64s, replace_node
 from ._onnxscript import TapeBuilder
 from ._weights import Weight, weight, weight_value
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
-
-
-def _attr(node: ir.Node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _scalar(op, value: float, dtype: ir.DataType) -> ir.Value:
@@ -73,8 +68,8 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
     weights = [weight(w) for w in (w0, w1, w2)]
     if weights[0] is None or weights[1] is None or (w2 is not None and weights[2] is None):
         return None  # weights computed at run time: keep the MOE node
-    expert_type = _attr(node, "expert_type", "")
-    alpha = float(_attr(node, "expert_alpha", 1.0))
+    expert_type = attribute_value(node, "expert_type", "")
+    alpha = float(attribute_value(node, "expert_alpha", 1.0))
     dtype = hidden.dtype
     experts = weights[0].shape[0]
 
@@ -90,8 +85,8 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
     offsets = op.Concat(int64s(op, [0]), cumsum, axis=0)
 
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-        beta = float(_attr(node, "expert_beta", 0.0))
-        parity = int(_attr(node, "gate_parity", 0))
+        beta = float(attribute_value(node, "expert_beta", 0.0))
+        parity = int(attribute_value(node, "gate_parity", 0))
         gate_up = _grouped_linear(op, rows, offsets, weights[0], "moe_gate_up_enk", True, b0)
         two_i = weights[0].shape[2]
 
@@ -106,7 +101,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
         down = _grouped_linear(op, act, offsets, weights[1], "moe_down_enk", True, b1)
     elif expert_type == GEMM2_ACT:
         up = _grouped_linear(op, rows, offsets, weights[0], "moe_up", False, b0)
-        act = _pointwise(op, up, _attr(node, "activation", ""), dtype)
+        act = _pointwise(op, up, attribute_value(node, "activation", ""), dtype)
         down = _grouped_linear(op, act, offsets, weights[1], "moe_down", False, b1)
     else:
         gate = _grouped_linear(op, rows, offsets, weights[0], "moe_gate", False)
@@ -128,14 +123,6 @@ def expand_moe_nodes(model: ir.Model) -> dict[str, int]:
         expansion = _expand(node)
         if expansion is None:
             continue
-        nodes, initializers, y = expansion
-        for value in initializers:
-            graph.register_initializer(value)
-        graph.insert_before(node, nodes)
-        old = node.outputs[0]
-        name, old.name = old.name, None
-        ir.convenience.replace_all_uses_with(old, y, replace_graph_outputs=True)
-        y.name, y.type, y.shape = name, old.type, old.shape
-        graph.remove(node, safe=True)
+        replace_node(node, *expansion)
         count += 1
     return {"MoeToGrouped": count} if count else {}
