@@ -31,7 +31,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..ops import DOMAIN
-from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, W0, W1, W2
+from ..ops.qmoe import QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
 from ..ops.signatures import MOE_GATING_TOPK
 from ._match import MatchFailure, attribute_value, constant, int64s, replace_node, require
 from ._onnxscript import TapeBuilder
@@ -98,15 +99,21 @@ def read_routing(moe: ir.Node) -> OrtRouting:
 # ----------------------------------------------------------------------------- the experts
 
 @dataclasses.dataclass(frozen=True)
+class OrtLinear:
+    """One projection of the contrib op: fc weights [E, N, K] (packed for QMoE), bias, scales, zero points."""
+
+    weight: ir.Value
+    bias: ir.Value | None = None
+    scales: ir.Value | None = None
+    zero_points: ir.Value | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class OrtExperts:
     """The contrib op's expert inputs (lazy initializers) and activation attributes."""
 
-    num_experts: int
-    hidden_size: int
-    fc1: ir.Value
-    fc1_bias: ir.Value | None
-    fc2: ir.Value
-    fc2_bias: ir.Value | None
+    fc1: OrtLinear
+    fc2: OrtLinear
     activation_type: str
     alpha: float
     beta: float
@@ -114,11 +121,14 @@ class OrtExperts:
     swiglu_fusion: int
 
 
-def _constant_weight(value: ir.Value | None, what: str) -> Weight | None:
+def _constant_weight(node: ir.Node, index: int | None) -> Weight | None:
+    """The constant at input ``index`` of ``node`` (None when absent), or MatchFailure when computed."""
+    value = node.inputs[index] if index is not None and index < len(node.inputs) else None
     if value is None:
         return None
     w = weight(value)
-    require(w is not None, f"{what} is computed at run time; the export needs constant weights")
+    require(w is not None, f"input {index} of the {node.op_type} is computed at run time; the export needs "
+            "constant weights")
     return w
 
 
@@ -129,14 +139,6 @@ def _lazy(op, name: str, sources: list[Weight], per_expert: Callable[..., np.nda
                             sources[0].dtype, shape, sources=[w.source for w in sources])
 
 
-def _as_is(op, w: Weight | None, name: str) -> ir.Value | None:
-    if w is None:
-        return None
-    if not w.steps:
-        return w.source
-    return _lazy(op, name, [w], lambda a: a, w.shape)
-
-
 def _even_gate_rows(rows: np.ndarray, gate_parity: int) -> np.ndarray:
     """``rows`` [2I, ...] interleaved gate/up with the gate at ``gate_parity``, as gate-even."""
     if gate_parity == 0:
@@ -145,62 +147,108 @@ def _even_gate_rows(rows: np.ndarray, gate_parity: int) -> np.ndarray:
     return pairs[:, ::-1].reshape(rows.shape)
 
 
-def _swiglu_clamp_experts(op, moe: ir.Node) -> OrtExperts:
-    w0, b0, w1, b1 = (_constant_weight(moe.inputs[i], f"input {i} of the MOE") if i < len(moe.inputs) else None
-                      for i in (3, 4, 5, 6))
-    parity = int(attribute_value(moe, "gate_parity", 0))
-    experts, hidden, two_i = w0.shape
-    fc1 = _lazy(op, "ort_fc1", [w0], lambda a: _even_gate_rows(a.T, parity), (experts, two_i, hidden))
-    fc1_bias = None if b0 is None else _lazy(op, "ort_fc1_bias", [b0], lambda a: _even_gate_rows(a, parity), b0.shape)
-    fc2 = _lazy(op, "ort_fc2", [w1], lambda a: a.T, (experts, hidden, two_i // 2))
-    return OrtExperts(experts, hidden, fc1, fc1_bias, fc2, _as_is(op, b1, "ort_fc2_bias"), "swiglu",
-                      float(attribute_value(moe, "expert_alpha", 1.0)), 1.0, float(attribute_value(moe, "expert_beta", 0.0)), 1)
-
-
 def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """Rows gate[0], up[0], gate[1], up[1], ... of two [I, ...] arrays."""
     return np.stack([gate, up], axis=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
-def _swiglu_experts(op, moe: ir.Node) -> OrtExperts:
-    gate, up, down = (_constant_weight(moe.inputs[i], f"input {i} of the MOE") for i in (3, 5, 7))
-    experts, inter, hidden = gate.shape
-    fc1 = _lazy(op, "ort_fc1", [gate, up], _interleave, (experts, 2 * inter, hidden))
-    return OrtExperts(experts, hidden, fc1, None, _as_is(op, down, "ort_fc2"), None, "swiglu",
-                      float(attribute_value(moe, "expert_alpha", 1.0)), 0.0, math.inf, 1)
+def _fc_tensor(op, name: str, weights: list[Weight | None], arrange: Callable[..., np.ndarray] | None, *,
+               transposed: bool = False, packed_bits: int = 0, codes: int = 0) -> ir.Value | None:
+    """One contrib input made of the experts of ``weights`` (each [E, rows, ...], or [E, ..., rows] when
+    ``transposed``), combined row-wise by ``arrange`` (None: the one weight as it is). ``packed_bits``:
+    the tensors are per-column zero points, ``codes`` of that many bits each packed along the rows."""
+    present = [w for w in weights if w is not None]
+    if not present:
+        return None
+    require(len(present) == len(weights), f"{name}: given for some of the projections it joins, not all")
+    if arrange is None and not transposed and not present[0].steps:
+        return present[0].source
+    arrange = arrange or (lambda a: a)
+
+    def expert_slice(*experts: np.ndarray) -> np.ndarray:
+        if transposed:
+            experts = tuple(a.T for a in experts)
+        if packed_bits:
+            return pack_codes(arrange(*(unpack_codes(a, packed_bits, codes) for a in experts)), packed_bits)
+        return arrange(*experts)
+
+    if packed_bits:
+        shape = (present[0].shape[0], math.ceil(codes * len(present) * packed_bits / 8))
+    else:
+        rest = [w.shape[:0:-1] if transposed else w.shape[1:] for w in present]
+        shape = (present[0].shape[0], sum(r[0] for r in rest), *rest[0][1:])
+    return _lazy(op, name, present, expert_slice, shape)
 
 
-def _activation_experts(op, moe: ir.Node) -> OrtExperts:
-    activation = attribute_value(moe, "activation", "")
+_BIAS = {W0: B0, W1: B1, W2: None}
+
+
+def _linear(op, node: ir.Node, name: str, positions: list[int], arrange=None, transposed: bool = False) -> OrtLinear:
+    """The contrib op's projection ``name`` from the weights at ``positions`` (with their bias, scales and
+    zero points), rows combined by ``arrange``."""
+    def tensor(suffix: str, indices: list[int | None], **packing) -> ir.Value | None:
+        return _fc_tensor(op, f"ort_{name}_{suffix}", [_constant_weight(node, i) for i in indices], arrange,
+                          **packing)
+
+    linear = OrtLinear(tensor("weights", positions, transposed=transposed),
+                       tensor("bias", [_BIAS[p] for p in positions]))
+    if node.op_type != QMOE.name:
+        return linear
+    bits, block_size = attribute_value(node, "bits", 0), attribute_value(node, "block_size", 0)
+    rows = node.inputs[positions[0]].shape[1]
+    zero_points = tensor("zero_points", [ZERO_POINTS[p] for p in positions],
+                         **({} if block_size else {"packed_bits": bits, "codes": rows}))
+    return dataclasses.replace(linear, scales=tensor("scales", [SCALES[p] for p in positions]),
+                               zero_points=zero_points)
+
+
+def _experts(op, node: ir.Node) -> OrtExperts:
+    """The contrib op's experts for a MOE or QMOE ``node`` (MatchFailure for an activation it lacks)."""
+    expert_type = attribute_value(node, "expert_type", "")
+    alpha = float(attribute_value(node, "expert_alpha", 1.0))
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+        parity = int(attribute_value(node, "gate_parity", 0))
+        transposed = node.op_type != QMOE.name  # MOE keeps GPT-OSS's [E, H, 2I] and [E, I, H]
+        fc1 = _linear(op, node, "fc1", [W0], lambda rows: _even_gate_rows(rows, parity), transposed)
+        return OrtExperts(fc1, _linear(op, node, "fc2", [W1], transposed=transposed), "swiglu", alpha, 1.0,
+                          float(attribute_value(node, "expert_beta", 0.0)), 1)
+    if expert_type == GEMM3_SWIGLU:
+        return OrtExperts(_linear(op, node, "fc1", [W0, W1], _interleave), _linear(op, node, "fc2", [W2]), "swiglu",
+                          alpha, 0.0, math.inf, 1)
+    activation = attribute_value(node, "activation", "")
     require(activation in _ORT_ACTIVATIONS, f"the experts' activation is {activation}; the contrib op has "
             f"{', '.join(sorted(_ORT_ACTIVATIONS))} (its gelu is the tanh approximation)")
-    w0, b0, w1, b1 = (_constant_weight(moe.inputs[i], f"input {i} of the MOE") if i < len(moe.inputs) else None
-                      for i in (3, 4, 5, 6))
-    return OrtExperts(w0.shape[0], w0.shape[2], _as_is(op, w0, "ort_fc1"), _as_is(op, b0, "ort_fc1_bias"), _as_is(op, w1, "ort_fc2"),
-                      _as_is(op, b1, "ort_fc2_bias"), _ORT_ACTIVATIONS[activation], 1.0, 0.0, math.inf, 0)
+    return OrtExperts(_linear(op, node, "fc1", [W0]), _linear(op, node, "fc2", [W1]), _ORT_ACTIVATIONS[activation],
+                      1.0, 0.0, math.inf, 0)
 
 
-_EXPERTS = {GEMM2_BIAS_SWIGLU_CLAMP: _swiglu_clamp_experts, GEMM3_SWIGLU: _swiglu_experts,
-            GEMM2_ACT: _activation_experts}
-
-
-def ort_attributes(experts: OrtExperts, routing: OrtRouting) -> dict:
-    """Every attribute of com.microsoft::MoE, written out."""
-    return {"k": routing.k, "normalize_routing_weights": int(routing.renormalize), "use_sparse_mixer": 0,
-            "activation_type": experts.activation_type, "activation_alpha": experts.alpha,
-            "activation_beta": experts.beta, "swiglu_fusion": experts.swiglu_fusion,
-            "swiglu_limit": experts.limit}
+def ort_attributes(node: ir.Node, experts: OrtExperts, routing: OrtRouting) -> dict:
+    """Every attribute of com.microsoft::MoE (QMoE: and its quantization's), written out."""
+    attributes = {"k": routing.k, "normalize_routing_weights": int(routing.renormalize), "use_sparse_mixer": 0,
+                  "activation_type": experts.activation_type, "activation_alpha": experts.alpha,
+                  "activation_beta": experts.beta, "swiglu_fusion": experts.swiglu_fusion,
+                  "swiglu_limit": experts.limit}
+    if node.op_type == QMOE.name:
+        attributes.update(expert_weight_bits=attribute_value(node, "bits", 0),
+                          block_size=attribute_value(node, "block_size", 0), quant_type=QUANT_INT,
+                          accuracy_level=attribute_value(node, "accuracy_level", 0), weights_prepacked=0)
+    return attributes
 
 
 # ----------------------------------------------------------------------------- the node
 
-def _check_types(moe: ir.Node) -> None:
-    dtype = moe.inputs[0].dtype
+def _check_types(node: ir.Node) -> None:
+    dtype = node.inputs[0].dtype
     require(dtype in _ORT_TYPES, f"hidden_states are {dtype}; onnxruntime's CPU MoE takes float32 and float16")
-    for i in (3, 4, 5, 6, 7):
-        if i < len(moe.inputs) and moe.inputs[i] is not None:
-            require(moe.inputs[i].dtype == dtype, f"input {i} of the MOE is {moe.inputs[i].dtype}, not "
-                    f"{dtype} like hidden_states; the contrib op takes one type")
+    floats = (B0, B1) if node.op_type == QMOE.name else (W0, B0, W1, B1, W2)
+    for i in floats + tuple(SCALES.values() if node.op_type == QMOE.name else ()):
+        if i < len(node.inputs) and node.inputs[i] is not None:
+            require(node.inputs[i].dtype == dtype, f"input {i} of the {node.op_type} is {node.inputs[i].dtype}, "
+                    f"not {dtype} like hidden_states; the contrib op takes one type")
+    if node.op_type == QMOE.name:
+        quant_type = attribute_value(node, "quant_type", QUANT_INT)
+        require(quant_type == QUANT_INT, f"quant_type is {quant_type}; the export writes QMoE's integer "
+                "quantization only (its fp4 takes float8e8m0 scales and global scales, not checked here)")
 
 
 def _rows(op, value: ir.Value, width: int) -> ir.Value:
@@ -210,23 +258,36 @@ def _rows(op, value: ir.Value, width: int) -> ir.Value:
     return op.Reshape(value, int64s(op, [-1, width]))
 
 
-def _convert(moe: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
-    """The nodes replacing ``moe``, new initializers and the output; MatchFailure when it stays."""
-    _check_types(moe)
-    routing = read_routing(moe)
-    expert_type = attribute_value(moe, "expert_type", "")
+def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
+    """The nodes replacing a MOE or QMOE ``node``, new initializers and the output; MatchFailure when it stays."""
+    _check_types(node)
+    routing = read_routing(node)
+    quantized = node.op_type == QMOE.name
+    require(quantized or routing.renormalize or node.inputs[0].dtype != ir.DataType.FLOAT16,
+            "float16 with softmax -> top-k weights not renormalized: onnxruntime 1.31.1's CPU MoE computes "
+            "zeros or wrong sums for float16 with normalize_routing_weights=0 (measured)")
     op = TapeBuilder()
-    experts = _EXPERTS[expert_type](op, moe)
-    hidden, logits = moe.inputs[0], routing.logits
-    num_experts, hidden_size = experts.num_experts, experts.hidden_size
+    experts = _experts(op, node)
+    hidden, logits = node.inputs[0], routing.logits
+    num_experts, hidden_size = node.inputs[W0].shape[0], hidden.shape[-1]
     require(logits.shape is not None and logits.shape[-1] == num_experts,
-            f"the router logits have shape {logits.shape}; expected [..., {num_experts}] (the MOE's experts)")
+            f"the router logits have shape {logits.shape}; expected [..., {num_experts}] (the {node.op_type}'s experts)")
     if logits.dtype != hidden.dtype:
         logits = op.Cast(logits, to=hidden.dtype)
-    inputs = [_rows(op, hidden, hidden_size), _rows(op, logits, num_experts), experts.fc1, experts.fc1_bias,
-              experts.fc2, experts.fc2_bias]
-    y = op.MoE(*inputs, _domain=ORT_DOMAIN, _version=ORT_OPSET_VERSION, **ort_attributes(experts, routing))
-    if inputs[0] is not hidden:
+    rows, logits = _rows(op, hidden, hidden_size), _rows(op, logits, num_experts)
+    fc1, fc2 = experts.fc1, experts.fc2
+    attributes = ort_attributes(node, experts, routing)
+    if not quantized:
+        y = op.MoE(rows, logits, fc1.weight, fc1.bias, fc2.weight, fc2.bias, _domain=ORT_DOMAIN,
+                   _version=ORT_OPSET_VERSION, **attributes)
+    else:
+        # QMoE renormalizes the softmax of the chosen logits whatever normalize_routing_weights says
+        # (measured); its router_weights, gathered as they are, give the weights without renormalization
+        router_weights = None if routing.renormalize else op.Softmax(logits, axis=-1)
+        y = op.QMoE(rows, logits, fc1.weight, fc1.scales, fc1.bias, fc2.weight, fc2.scales, fc2.bias, None, None,
+                    None, fc1.zero_points, fc2.zero_points, None, router_weights, _domain=ORT_DOMAIN,
+                    _version=ORT_OPSET_VERSION, **attributes)
+    if rows is not hidden:
         y = op.Reshape(y, op.Shape(hidden))
     return op.nodes, op.initializers, y
 
@@ -236,13 +297,13 @@ def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, st
     near-miss (rule, node, reason) for each MOE node that stays."""
     count, refused = 0, []
     for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type != "MOE":
+        if node.domain != DOMAIN or node.op_type not in ("MOE", QMOE.name):
             continue
         try:
             replace_node(node, *_convert(node))
         except MatchFailure as failure:
             refused.append({"rule": RULE, "node": node.name or "",
-                            "reason": f"stays a {DOMAIN} MOE (needs our library): {failure}"})
+                            "reason": f"stays a {DOMAIN} {node.op_type} (needs our library): {failure}"})
             continue
         count += 1
     if count:
