@@ -89,9 +89,9 @@ def read_routing(moe: ir.Node) -> OrtRouting:
             "(group-limited top-k); the contrib op takes a plain top-k")
     require(router.bias is None, _BIASED)
     scale = a.get("routed_scaling_factor", 1.0)
-    require(scale == 1.0, f"the routing weights are scaled by {scale}; the contrib op does not scale them")
+    require(scale == 1.0, f"the routing weights are scaled by {np.float32(scale)}; the contrib op does not scale them")
     eps = a.get("eps", 0.0)
-    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = {eps} in the "
+    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = {np.float32(eps)} in the "
             "denominator; the contrib op divides by their sum alone")
     return OrtRouting(router.logits, int(a["k"]), bool(a["renormalize"]))
 
@@ -287,8 +287,8 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
         y = op.QMoE(rows, logits, fc1.weight, fc1.scales, fc1.bias, fc2.weight, fc2.scales, fc2.bias, None, None,
                     None, fc1.zero_points, fc2.zero_points, None, router_weights, _domain=ORT_DOMAIN,
                     _version=ORT_OPSET_VERSION, **attributes)
-    if rows is not hidden:
-        y = op.Reshape(y, op.Shape(hidden))
+    if rows is not hidden:  # allowzero: a 0 in the shape (no tokens) is a 0, not "copy that dim"
+        y = op.Reshape(y, op.Shape(hidden), allowzero=1)
     return op.nodes, op.initializers, y
 
 
