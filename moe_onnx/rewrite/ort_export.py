@@ -89,9 +89,9 @@ def read_routing(moe: ir.Node) -> OrtRouting:
             "(group-limited top-k); the contrib op takes a plain top-k")
     require(router.bias is None, _BIASED)
     scale = a.get("routed_scaling_factor", 1.0)
-    require(scale == 1.0, f"the routing weights are scaled by {np.float32(scale)}; the contrib op does not scale them")
+    require(scale == 1.0, f"the routing weights are scaled by {str(np.float32(scale))}; the contrib op does not scale them")
     eps = a.get("eps", 0.0)
-    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = {np.float32(eps)} in the "
+    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = {str(np.float32(eps))} in the "
             "denominator; the contrib op divides by their sum alone")
     return OrtRouting(router.logits, int(a["k"]), bool(a["renormalize"]))
 
