@@ -36,7 +36,7 @@ FP16_NOT_RENORMALIZED = {"olmoe", "qwen2_moe"}  # float16 MoE with normalize_rou
 # QMoE's per-projection bit overrides exist only in recent onnxruntime and inherit expert_weight_bits
 # when omitted (no provider default involved): the export leaves them off
 QMOE_OVERRIDES = {"fc1_expert_weight_bits", "fc2_expert_weight_bits", "fc3_expert_weight_bits"}
-H, I, E, K = 32, 16, 8, 2
+H, I, E, K = 32, 32, 8, 2
 
 
 def ort_schema_attributes(op_type: str) -> set[str]:
@@ -322,3 +322,65 @@ def test_cli_target_ort(tmp_path, capsys):
     assert main(["optimize", str(refused), "-o", str(out), "--target", "ort"]) == 1
     printed = capsys.readouterr().out
     assert "near-miss MoeToOrtMoE" in printed and "still needs our library" in printed
+
+
+# ----------------------------------------------------------------------------- QMOE -> QMoE
+
+EXPERT_ATTRIBUTES = {"GEMM3_SWIGLU": {"expert_alpha": 1.5},
+                     "GEMM2_BIAS_SWIGLU_CLAMP": {"expert_alpha": 1.702, "expert_beta": 7.0, "gate_parity": 1},
+                     "GEMM2_ACT": {"activation": "silu"}}
+# (bits, block_size, accuracy_level) QMoE's CPU kernel computes as QMOE does
+QUANTIZATIONS = [(4, 0, 0), (8, 0, 0), (4, 16, 0), (4, 32, 0), (4, 16, 4), (4, 32, 4), (8, 16, 4), (8, 32, 4)]
+
+
+def quantized_block(expert_type: str, bits: int, block_size: int, accuracy_level: int, *, symmetric: bool = True,
+                    renormalize: int = 1, **options) -> onnx.ModelProto:
+    inputs = qmoe_weights(expert_type, np.random.default_rng(1), bits=bits, block_size=block_size, symmetric=symmetric)
+    return built_block("QMOE", expert_type, inputs=inputs, router={"renormalize": renormalize}, bits=bits,
+                       block_size=block_size, accuracy_level=accuracy_level, **EXPERT_ATTRIBUTES[expert_type],
+                       **options)
+
+
+@pytest.mark.parametrize("renormalize", [0, 1])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_points"])
+@pytest.mark.parametrize("bits, block_size, accuracy_level", QUANTIZATIONS)
+@pytest.mark.parametrize("expert_type", sorted(EXPERT_ATTRIBUTES))
+def test_quantized_block(expert_type, bits, block_size, accuracy_level, symmetric, renormalize):
+    """QMOE -> QMoE == our QMOE reference; with int8 activations onnxruntime's rounding of an activation code
+    may differ by one step in a rare element (measured: up to 1e-3 of the output's scale)."""
+    block = quantized_block(expert_type, bits, block_size, accuracy_level, symmetric=symmetric,
+                            renormalize=renormalize)
+    tolerance = {"rtol": 1e-5, "atol": 2e-5} if accuracy_level == 0 else {"rtol": 0, "atol": 2e-2}
+    node = assert_block_exports(block, backend="python", shapes=[(9, H), (1, H), (0, H)], **tolerance)
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert node.op_type == "QMoE" and set(attributes) == ort_schema_attributes("QMoE") - QMOE_OVERRIDES
+    assert (attributes["expert_weight_bits"], attributes["block_size"], attributes["accuracy_level"]) == \
+        (bits, block_size, accuracy_level)
+    assert attributes["weights_prepacked"] == 0 and attributes["quant_type"] == b"int"
+    # QMoE renormalizes unless router_weights are given: the softmax over all experts, gathered as they are
+    assert attributes["normalize_routing_weights"] == renormalize
+    assert (node.input[14:] != [] and node.input[14] != "") == (not renormalize)
+
+
+QUANTIZED_REFUSALS = {
+    "per-column int8 activations": ((4, 0, 4), "accuracy_level 4 with per-column scales"),
+    "block-wise 8 bits, float activations": ((8, 32, 0), "bits 8 with block_size 32 at accuracy_level 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QUANTIZED_REFUSALS))
+def test_quantized_refusals(case):
+    (bits, block_size, accuracy_level), reason = QUANTIZED_REFUSALS[case]
+    assert_refused(quantized_block("GEMM3_SWIGLU", bits, block_size, accuracy_level), reason)
+
+
+def test_quantized_float16_block():
+    block = quantized_block("GEMM3_SWIGLU", 4, 32, 0, renormalize=0)
+    half = onnx.ModelProto()
+    half.CopyFrom(block)
+    for tensor in half.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    for value in [*half.graph.input, *half.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    assert assert_block_exports(half, backend="python", rtol=2e-2, atol=3e-2).op_type == "QMoE"

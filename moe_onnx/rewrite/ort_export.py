@@ -32,7 +32,7 @@ import onnx_ir as ir
 
 from ..ops import DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, W0, W1, W2
-from ..ops.qmoe import QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
+from ..ops.qmoe import INT8_ACTIVATIONS, QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
 from ..ops.signatures import MOE_GATING_TOPK
 from ._match import MatchFailure, attribute_value, constant, int64s, replace_node, require
 from ._onnxscript import TapeBuilder
@@ -246,9 +246,21 @@ def _check_types(node: ir.Node) -> None:
             require(node.inputs[i].dtype == dtype, f"input {i} of the {node.op_type} is {node.inputs[i].dtype}, "
                     f"not {dtype} like hidden_states; the contrib op takes one type")
     if node.op_type == QMOE.name:
-        quant_type = attribute_value(node, "quant_type", QUANT_INT)
-        require(quant_type == QUANT_INT, f"quant_type is {quant_type}; the export writes QMoE's integer "
-                "quantization only (its fp4 takes float8e8m0 scales and global scales, not checked here)")
+        _check_quantization(node)
+
+
+def _check_quantization(node: ir.Node) -> None:
+    """The QMOE configurations whose numbers onnxruntime's CPU QMoE gives (measured, 1.31.1)."""
+    quant_type = attribute_value(node, "quant_type", QUANT_INT)
+    require(quant_type == QUANT_INT, f"quant_type is {quant_type}; the export writes QMoE's integer "
+            "quantization only (its fp4 takes float8e8m0 scales and global scales, not checked here)")
+    bits, block_size = attribute_value(node, "bits", 0), attribute_value(node, "block_size", 0)
+    int8_activations = attribute_value(node, "accuracy_level", 0) == INT8_ACTIVATIONS
+    require(block_size or not int8_activations, "accuracy_level 4 with per-column scales: onnxruntime's CPU QMoE "
+            "keeps float activations there, so its numbers would be accuracy_level 0's")
+    require(not (bits == 8 and block_size) or int8_activations, f"bits 8 with block_size {block_size} at "
+            "accuracy_level 0: onnxruntime's CPU QMoE has no float-activation kernel for block-wise 8-bit "
+            "weights and quantizes the activations to int8 at every accuracy_level")
 
 
 def _rows(op, value: ir.Value, width: int) -> ir.Value:
