@@ -182,7 +182,8 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True) -> t
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
     (a path gives a ModelProto) and comes with an :class:`OptimizeReport`. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
-    MoeRowParallelLinear -> MoeFinalizeRouting. ``fuse_routers`` (default) makes each block's
+    MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
+    express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
     router one MoeGatingTopK where its chain is a known one (the report notes the others). Raises ValueError for
     an unknown target.
     """

@@ -1,24 +1,36 @@
-"""target="ort": each MOE node becomes onnxruntime's contrib op ``com.microsoft::MoE``, so the model
-runs on onnxruntime's CPU, CUDA and WebGPU providers without our library.
+"""target="ort": each MOE node becomes onnxruntime's contrib op ``com.microsoft::MoE`` and each QMOE
+node its ``com.microsoft::QMoE``, so the model runs on onnxruntime's CPU, CUDA and WebGPU providers
+without our library.
 
-The contrib op routes by itself: it takes the router's logits (``router_probs``), takes their softmax
-over the experts, picks the top k and, with ``normalize_routing_weights=1``, renormalizes the k
-weights. So a block converts when its router is exactly that (a MoeGatingTopK with softmax, one
-group, no bias, no scaling, renormalize without eps, or the same chain unfused, read by
-``gating.read_router``); the experts map as
+The contrib ops route by themselves: they take the router's logits (``router_probs``), their softmax
+over the experts, the top k and, with ``normalize_routing_weights=1``, renormalize the k weights. So
+a block converts when its router is exactly that (a MoeGatingTopK with softmax, one group, no bias,
+no scaling, renormalize without eps, or the same chain unfused, read by ``gating.read_router``). The
+experts map as
 
 - GEMM2_BIAS_SWIGLU_CLAMP -> swiglu, alpha = expert_alpha, beta = 1, swiglu_limit = expert_beta,
-  fc1 = weight_0 as [E, 2I, H] with the gate rows even (the order the contrib op takes);
+  fc1 [E, 2I, H] with the gate rows even (the order the contrib ops take; gate_parity 1 is swapped);
 - GEMM3_SWIGLU -> swiglu, alpha = expert_alpha, beta = 0, no limit, fc1 = gate and up rows interleaved;
-- GEMM2_ACT -> relu, silu, identity as they are; gelu_tanh -> gelu (the contrib op's gelu is the tanh
-  approximation: its CPU kernel, measured).
+- GEMM2_ACT -> relu, silu, identity as they are; gelu_tanh -> gelu (the contrib ops' gelu is the tanh
+  approximation: their CPU kernel, measured); relu2 and erf gelu stay ours.
 
-Every attribute is written (provider defaults have differed, onnxruntime #28738) and SwiGLU is always
-interleaved (``swiglu_fusion=1``, the only form the CPU kernel takes). What onnxruntime 1.31.1's CPU
-kernel does, measured: ``normalize_routing_weights=0`` weights by the softmax over all experts (the
-probabilities themselves), ``1`` renormalizes them over the k chosen; ``silu`` ignores
-``activation_alpha``. A block the contrib op cannot express keeps its MOE node, and the report says
-why (a near-miss of ``RULE``).
+QMOE's weights, scales and zero points are QMoE's layout already ([E, N, K], raw: weights_prepacked=0);
+only the fused rows are rearranged as above (per-column zero points unpacked and packed again).
+
+Every attribute is written (provider defaults have differed, onnxruntime #28738; QMoE's per-projection
+bit overrides, absent from older releases, inherit expert_weight_bits and are left off) and SwiGLU is
+always interleaved (``swiglu_fusion=1``, the only form the CPU kernel takes). What onnxruntime
+1.31.1's CPU kernels do, measured:
+
+- MoE, ``normalize_routing_weights=0``: the softmax over all experts, gathered (no renormalization);
+  in float16 it returns zeros or wrong sums, so float16 blocks without renormalization stay ours;
+- QMoE renormalizes whatever ``normalize_routing_weights`` says; with ``router_weights`` it gathers
+  them as they are (0) or renormalized (1): blocks without renormalization pass the softmax there;
+- QMoE with per-column scales keeps float activations at accuracy_level 4, and block-wise 8-bit
+  weights take int8 activations at accuracy_level 0: both stay ours (QMOE means the other);
+- silu ignores ``activation_alpha``.
+
+A block the contrib ops cannot express keeps its node, and the report says why (a near-miss of ``RULE``).
 """
 
 from __future__ import annotations
@@ -89,10 +101,11 @@ def read_routing(moe: ir.Node) -> OrtRouting:
             "(group-limited top-k); the contrib op takes a plain top-k")
     require(router.bias is None, _BIASED)
     scale = a.get("routed_scaling_factor", 1.0)
-    require(scale == 1.0, f"the routing weights are scaled by {str(np.float32(scale))}; the contrib op does not scale them")
+    require(scale == 1.0,
+            f"the routing weights are scaled by {str(np.float32(scale))}; the contrib op does not scale them")
     eps = a.get("eps", 0.0)
-    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = {str(np.float32(eps))} in the "
-            "denominator; the contrib op divides by their sum alone")
+    require(not a["renormalize"] or eps == 0.0, f"the routing weights are renormalized with eps = "
+            f"{str(np.float32(eps))} in the denominator; the contrib op divides by their sum alone")
     return OrtRouting(router.logits, int(a["k"]), bool(a["renormalize"]))
 
 
@@ -283,7 +296,8 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
     hidden, logits = node.inputs[0], routing.logits
     num_experts, hidden_size = node.inputs[W0].shape[0], hidden.shape[-1]
     require(logits.shape is not None and logits.shape[-1] == num_experts,
-            f"the router logits have shape {logits.shape}; expected [..., {num_experts}] (the {node.op_type}'s experts)")
+            f"the router logits have shape {logits.shape}; expected [..., {num_experts}] (the {node.op_type}'s "
+            "experts)")
     if logits.dtype != hidden.dtype:
         logits = op.Cast(logits, to=hidden.dtype)
     rows, logits = _rows(op, hidden, hidden_size), _rows(op, logits, num_experts)
