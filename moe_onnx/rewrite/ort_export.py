@@ -313,6 +313,11 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
         y = op.QMoE(rows, logits, fc1.weight, fc1.scales, fc1.bias, fc2.weight, fc2.scales, fc2.bias, None, None,
                     None, fc1.zero_points, fc2.zero_points, None, router_weights, _domain=ORT_DOMAIN,
                     _version=ORT_OPSET_VERSION, **attributes)
+    # onnxruntime 1.31.1's CPU MoE and QMoE may compute in place (MayInplace(0, 0)) but read their input
+    # after writing the output (measured: wrong numbers when the input is a value nothing reads after
+    # them); a node after them that reads the input keeps its buffer theirs alone. Where(false, rows, y)
+    # is y exactly.
+    y = op.Where(op.Constant(value=ir.tensor(np.array(False))), rows, y)
     if rows is not hidden:  # allowzero: a 0 in the shape (no tokens) is a 0, not "copy that dim"
         y = op.Reshape(y, op.Shape(hidden), allowzero=1)
     return op.nodes, op.initializers, y
