@@ -336,8 +336,10 @@ def test_cli_target_ort(tmp_path, capsys):
     fixtures = original("qwen3_moe_batched_mm_tiny")
     source = tmp_path / "in.onnx"
     onnx.save(fixtures, source)
-    assert main(["optimize", str(source), "-o", str(out), "--target", "ort"]) == 0
-    assert "MoeToOrtMoE: 1 block fused" in capsys.readouterr().out
+    assert main(["optimize", str(source), "-o", str(out), "--target", "ort", "--verify", "--backend", "python",
+                 "--sizes", "1x1,2x3"]) == 0
+    printed = capsys.readouterr().out
+    assert "MoeToOrtMoE: 1 block fused" in printed and "com.microsoft::MoE" in printed and "OK" in printed
     assert [n.op_type for n in contrib_nodes(onnx.load(out))] == ["MoE"]
     refused = tmp_path / "refused.onnx"
     onnx.save(original("phimoe_sparsemixer_batched_mm_tiny"), refused)

@@ -251,6 +251,7 @@ def ort_attributes(node: ir.Node, experts: OrtExperts, routing: OrtRouting) -> d
 # ----------------------------------------------------------------------------- the node
 
 def _check_types(node: ir.Node) -> None:
+    """The types the contrib ops take (one float type T); QMOE: the quantizations they compute as QMOE."""
     dtype = node.inputs[0].dtype
     require(dtype in _ORT_TYPES, f"hidden_states are {dtype}; onnxruntime's CPU MoE takes float32 and float16")
     floats = (B0, B1) if node.op_type == QMOE.name else (W0, B0, W1, B1, W2)
@@ -294,7 +295,9 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
     op = TapeBuilder()
     experts = _experts(op, node)
     hidden, logits = node.inputs[0], routing.logits
-    num_experts, hidden_size = node.inputs[W0].shape[0], hidden.shape[-1]
+    num_experts = node.inputs[W0].shape[0]
+    hidden_size = hidden.shape[-1] if hidden.shape is not None else None
+    require(isinstance(hidden_size, int), f"hidden_states have shape {hidden.shape}; expected a static last dim")
     require(logits.shape is not None and logits.shape[-1] == num_experts,
             f"the router logits have shape {logits.shape}; expected [..., {num_experts}] (the {node.op_type}'s "
             "experts)")
@@ -324,8 +327,8 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
 
 
 def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """Replace every MOE node the contrib op expresses by com.microsoft::MoE; returns the count and a
-    near-miss (rule, node, reason) for each MOE node that stays."""
+    """Replace every MOE (QMOE) node the contrib ops express by com.microsoft::MoE (QMoE); returns the count
+    and a near-miss (rule, node, reason) for each node that stays."""
     count, refused = 0, []
     for node in list(model.graph):
         if node.domain != DOMAIN or node.op_type not in ("MOE", QMOE.name):
