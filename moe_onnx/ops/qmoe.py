@@ -52,8 +52,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         if v.has(i):
             v.expect_elem(i)
     linears = LINEARS[expert_type]
-    check_expert_inputs(v, expert_type, required=tuple(SCALES[w] for w, *_ in linears),
-                        optional=tuple(ZERO_POINTS[w] for w, *_ in linears))
+    check_expert_inputs(v, expert_type, required_with=SCALES, optional_with=ZERO_POINTS)
     for weight, bias, n, _ in linears:
         dims.shape(weight, ("E", n), v.expect_rank(weight, rank=3))
         if bias is not None and v.has(bias):
