@@ -42,8 +42,9 @@ LINEARS = {
     GEMM3_SWIGLU: ((W0, None, "I", "H"), (W1, None, "I", "H"), (W2, None, "H", "I")),
     GEMM2_ACT: ((W0, B0, "I", "H"), (W1, B1, "H", "I")),
 }
-# The inputs an expert type may leave out or must leave out: every one it does not use.
+# The expert inputs some expert type does not use (each must be absent where its type does not use it).
 _OPTIONAL_EXPERT_INPUTS = (B0, W1, B1, W2)
+
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
@@ -80,7 +81,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
     expert_type = validate_expert_attrs(v)
     dims = DimBinder(v)
     elem, hidden = validate_tokens(v, dims, float_inputs=(ROUTING, W0, B0, W1, B1, W2))
-    check_expert_inputs(v, expert_type, required=(), optional=())
+    check_expert_inputs(v, expert_type)
     for weight, bias, n, k in LINEARS[expert_type]:
         if v.has(weight):
             symbols = ("E", k, n) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else ("E", n, k)
@@ -124,18 +125,20 @@ def validate_tokens(v: NodeView, dims: DimBinder, float_inputs: tuple[int, ...])
     return elem, hidden
 
 
-def check_expert_inputs(v: NodeView, expert_type: str, required: tuple[int, ...], optional: tuple[int, ...]) -> None:
+def check_expert_inputs(v: NodeView, expert_type: str, required_with: dict[int, int] | None = None,
+                        optional_with: dict[int, int] | None = None) -> None:
     """The weights and biases of ``expert_type`` (LINEARS) are given where required, the others absent.
-    ``required`` and ``optional`` add an op's own inputs that go with the weights: ``required[j]`` and
-    ``optional[j]`` belong to the j-th linear's weight (QMOE's scales and zero points)."""
+    ``required_with`` and ``optional_with`` map each weight input to an input of the op's own that goes with
+    it (QMOE's scales, zero points): required or allowed with a weight the type uses, absent otherwise."""
+    required_with, optional_with = required_with or {}, optional_with or {}
     linears = LINEARS[expert_type]
     used = {i for weight, bias, _, _ in linears for i in (weight, bias) if i is not None}
-    for j, (weight, _, _, _) in enumerate(linears):
+    for weight, _, _, _ in linears:
         v.require(weight)
-        if j < len(required):
-            v.require(required[j])
-    used |= set(required[:len(linears)]) | set(optional[:len(linears)])
-    for i in (*_OPTIONAL_EXPERT_INPUTS, *required, *optional):
+        if weight in required_with:
+            v.require(required_with[weight])
+        used |= {companions[weight] for companions in (required_with, optional_with) if weight in companions}
+    for i in (*_OPTIONAL_EXPERT_INPUTS, *required_with.values(), *optional_with.values()):
         if v.has(i) and i not in used:
             v.fail(v.input_name(i), f"is given, but {expert_type} does not use it; leave it empty")
 
@@ -161,7 +164,7 @@ def _check_activation(v: NodeView, expert_type: str) -> None:
             v.fail(f"attribute '{name}'", f"is {value!r}; {GEMM2_ACT} does not use it: leave the default {default!r}")
 
 
-def check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
+def _check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
     """Every expert index is in [0, num_experts) (MoeOpError naming the first one outside)."""
     bad = (idx < 0) | (idx >= num_experts)
     if bad.any():
@@ -212,7 +215,7 @@ def mix_experts(view: NodeView, hidden_states, routing_weights, indices, num_exp
     tokens, k = x.shape[0], indices.shape[-1]
     idx = indices.reshape(tokens, k).astype(np.int64)
     weights = routing_weights.reshape(tokens, k).astype(acc)
-    check_indices(view, indices, num_experts)
+    _check_indices(view, indices, num_experts)
 
     biases = {W0: bias_0, W1: bias_1}
 
