@@ -1,0 +1,447 @@
+"""Quantizing a fused model's experts: each MOE node becomes a QMOE, and the error is measured.
+
+Each MOE weight becomes QMOE's ``[E, N, K]`` layout (GEMM2_BIAS_SWIGLU_CLAMP's two weights are
+transposed from MOE's ``[E, K, N]``) and is quantized by :func:`moe_onnx.ops.qmoe.quantize` (int8 or
+int4, per column or block-wise, symmetric or with zero points). An MOE whose weights are exactly
+MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as GPT-OSS's
+checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
+requantization, no error. The quantized initializers are computed while the model is written, one
+expert at a time, like the rewriter's (``rewrite/_weights.py``). :func:`measure_error` runs the fp32
+and the quantized model on the same random inputs and reports the error of every output and of
+every quantized layer's output.
+
+The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onnx/ops/qmoe.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from .ops import DOMAIN
+from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
+from .ops.qmoe import (
+    ACCURACY_LEVELS,
+    E2M1_VALUES,
+    E8M0_BIAS,
+    MXFP4_BLOCK,
+    QUANT_INT,
+    QUANT_MXFP4,
+    SCALES,
+    ZERO_POINTS,
+    pack_nibbles,
+    quantize as quantize_weight,
+)
+from .rewrite._weights import initializer_expert, release_external, streamed_initializer
+from .runtime import session
+from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
+
+__all__ = ["QuantizeError", "QuantizeReport", "QuantizeSettings", "ErrorReport", "measure_error", "mxfp4_exact",
+           "quantize_ir"]
+
+BITS = (4, 8)
+_WEIGHT_NAMES = {3: "weight_0", 5: "weight_1", 7: "weight_2"}
+
+
+class QuantizeError(ValueError):
+    """Arguments or a model that cannot be quantized; the message names the setting or the node."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings:
+    """How to quantize: ``bits`` 4 or 8; ``block_size`` 0 (one scale per output column) or a power of
+    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level``;
+    ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the
+    bits asked for."""
+
+    bits: int = 8
+    block_size: int = 0
+    zero_points: bool = False
+    accuracy_level: int = 0
+    repack_mxfp4: bool = True
+
+    def check(self) -> None:
+        """QuantizeError naming the first setting out of range."""
+        if self.bits not in BITS:
+            raise QuantizeError(f"quantize: bits is {self.bits}; expected 4 or 8")
+        block = self.block_size
+        if block != 0 and not (16 <= block <= 256 and block & (block - 1) == 0):
+            raise QuantizeError(f"quantize: block_size is {block}; expected 0 (one scale per output column) "
+                                "or a power of two in [16, 256]")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise QuantizeError(f"quantize: accuracy_level is {self.accuracy_level}; expected one of "
+                                f"{', '.join(map(str, ACCURACY_LEVELS))}")
+
+    def describe(self) -> str:
+        block = "per column" if self.block_size == 0 else f"block {self.block_size}"
+        zero = "with zero points" if self.zero_points else "symmetric"
+        return f"int{self.bits}, {block}, {zero}, accuracy_level {self.accuracy_level}"
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+def mxfp4_exact(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``matrix`` [N, K] as MXFP4, when every block of 32 along K is exactly E2M1 values times one power of
+    two: ``(packed codes [N, K/2] uint8, E8M0 scales [N, K/32] uint8)``; None otherwise.
+
+    A block's scale is 2^(floor(log2(max |w|)) - 2), which maps its largest value to 4 or 6: the
+    smallest power of two that holds the largest value, so every other value of an exact block is an
+    E2M1 value at that scale too.
+    """
+    rows, k = matrix.shape
+    if k % MXFP4_BLOCK:
+        return None
+    blocks = matrix.astype(np.float32).reshape(rows, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    if not np.isfinite(blocks).all():
+        return None
+    peak = np.abs(blocks).max(axis=-1)
+    _, peak_exponent = np.frexp(peak)  # peak = m * 2^e, m in [0.5, 1): floor(log2(peak)) = e - 1
+    exponent = np.where(peak > 0, peak_exponent - 3, 0)
+    if (exponent + E8M0_BIAS < 0).any() or (exponent + E8M0_BIAS > 254).any():
+        return None
+    scaled = np.ldexp(blocks, -exponent[..., None])
+    magnitudes = E2M1_VALUES[:8]
+    index = np.minimum(np.searchsorted(magnitudes, np.abs(scaled)), 7)
+    if not np.array_equal(magnitudes[index], np.abs(scaled)):
+        return None
+    codes = (index | (np.signbit(scaled) << 3)).astype(np.uint8).reshape(rows, k)
+    return pack_nibbles(codes), (exponent + E8M0_BIAS).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- one MOE node
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertWeight:
+    """One MOE weight as QMOE takes it, [E, N, K]; ``transposed``: MOE stores it [E, K, N]."""
+
+    index: int  # the input position, the same in MOE and QMOE
+    value: ir.Value
+    transposed: bool
+
+    @property
+    def name(self) -> str:
+        return _WEIGHT_NAMES[self.index]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, a, b = (int(d) for d in self.value.const_value.shape)
+        return (experts, b, a) if self.transposed else (experts, a, b)
+
+    def expert(self, e: int) -> np.ndarray:
+        """Expert ``e``'s [N, K] float32 matrix (a lazy initializer computes that expert alone)."""
+        matrix = np.asarray(initializer_expert(self.value, e), dtype=np.float32)
+        return matrix.T if self.transposed else matrix
+
+
+class _QuantizedParts:
+    """The QMOE inputs made from one weight (packed weight, scales[, zero points]), one expert at a
+    time: ``encode`` quantizes an expert's matrix into its parts, and each part's slice is kept until
+    that part's initializer takes it, so an expert is quantized once while the model is written."""
+
+    def __init__(self, weight: _ExpertWeight, encode: Callable[[np.ndarray], Sequence[np.ndarray | None]]):
+        self._weight, self._encode = weight, encode
+        first = self._encode_expert(0)  # the parts' shapes; kept for the writer
+        self.shapes = [None if part is None else (weight.shape[0], *part.shape) for part in first]
+        self._pending: list[dict[int, np.ndarray]] = [{0: part} for part in first]
+
+    def _encode_expert(self, e: int) -> list[np.ndarray | None]:
+        return list(self._encode(self._weight.expert(e)))
+
+    def slice(self, part: int, e: int) -> np.ndarray:
+        if e not in self._pending[part]:
+            for pending, array in zip(self._pending, self._encode_expert(e)):
+                if array is not None:
+                    pending[e] = array
+        return self._pending[part].pop(e)
+
+
+@dataclasses.dataclass
+class LayerReport:
+    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+
+    node: str
+    output: str
+    expert_type: str
+    quant_type: str
+    bits: int
+    block_size: int
+    zero_points: bool
+    accuracy_level: int
+    weight_bytes_before: int
+    weight_bytes_after: int
+
+    def describe(self) -> str:
+        if self.quant_type == QUANT_MXFP4:
+            how = "mxfp4 (the weights are exactly MXFP4: repacked, not requantized)"
+        else:
+            block = "per column" if self.block_size == 0 else f"block {self.block_size}"
+            how = f"int{self.bits} {block}{', zero points' if self.zero_points else ''}"
+        return (f"{self.node} ({self.expert_type}): {how}, weights {self.weight_bytes_before:,} -> "
+                f"{self.weight_bytes_after:,} bytes")
+
+
+def _expert_weights(node: ir.Node, graph: ir.Graph) -> list[_ExpertWeight]:
+    """The node's weights in QMOE's order; QuantizeError for one that is not an initializer of ``graph``."""
+    expert_type = node.attributes["expert_type"].as_string()
+    weights = []
+    for index, *_ in LINEARS[expert_type]:
+        value = node.inputs[index]
+        if value is None or value.const_value is None or graph.initializers.get(value.name) is not value:
+            raise QuantizeError(f"MOE node '{node.name}': input '{_WEIGHT_NAMES[index]}' is not an initializer; "
+                                "quantize needs constant expert weights")
+        weights.append(_ExpertWeight(index, value, transposed=expert_type == GEMM2_BIAS_SWIGLU_CLAMP))
+    return weights
+
+
+def _check_divides(node: ir.Node, weights: Sequence[_ExpertWeight], settings: QuantizeSettings) -> None:
+    for w in weights:
+        k = w.shape[2]
+        if settings.block_size and k % settings.block_size:
+            raise QuantizeError(f"MOE node '{node.name}': block_size {settings.block_size} does not divide K = {k}, "
+                                f"the inputs of {w.name} ([E, N, K] = {list(w.shape)}); choose a block size that "
+                                "divides every K of the model, or 0 (per column)")
+        if settings.bits == 4 and k % 2:
+            raise QuantizeError(f"MOE node '{node.name}': int4 packs two K values per byte, but K of {w.name} is "
+                                f"{k} (odd); use bits 8")
+
+
+def _is_mxfp4(weights: Sequence[_ExpertWeight]) -> bool:
+    """Every expert of every weight is exactly MXFP4 (reads one expert at a time; stops at the first miss)."""
+    try:
+        return all(mxfp4_exact(w.expert(e)) is not None for w in weights for e in range(w.shape[0]))
+    finally:
+        release_external(w.value for w in weights)
+
+
+def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], bool]:
+    """The node's weights and whether they are repacked as MXFP4; QuantizeError when the settings cannot
+    quantize them."""
+    weights = _expert_weights(node, graph)
+    mxfp4 = settings.repack_mxfp4 and _is_mxfp4(weights)
+    if not mxfp4:
+        _check_divides(node, weights, settings)
+    return weights, mxfp4
+
+
+def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], mxfp4: bool,
+                   settings: QuantizeSettings) -> LayerReport:
+    """Replace MOE ``node`` by a QMOE with lazily quantized ``weights``; returns what was done."""
+    if mxfp4:
+        quant = dict(quant_type=QUANT_MXFP4, bits=4, block_size=MXFP4_BLOCK, accuracy_level=0)
+        encode = mxfp4_exact
+    else:
+        quant = dict(quant_type=QUANT_INT, bits=settings.bits, block_size=settings.block_size,
+                     accuracy_level=settings.accuracy_level)
+
+        def encode(matrix: np.ndarray) -> list[np.ndarray | None]:
+            packed = quantize_weight(matrix[None], bits=settings.bits, block_size=settings.block_size,
+                                     symmetric=not settings.zero_points)
+            return [None if part is None else part[0] for part in packed]
+
+    inputs = list(node.inputs) + [None] * (14 - len(node.inputs))
+    base = node.name or node.outputs[0].name
+    bytes_before = bytes_after = 0
+    for w in weights:
+        parts = _QuantizedParts(w, encode)
+        positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
+        suffixes = ("quantized", "scales", "zero_points")
+        for part, (position, suffix, shape) in enumerate(zip(positions, suffixes, parts.shapes)):
+            if shape is None:
+                continue
+            dtype = ir.DataType.FLOAT if suffix == "scales" and not mxfp4 else ir.DataType.UINT8
+            inputs[position] = streamed_initializer(
+                graph, f"{base}.{w.name}.{suffix}", lambda e, p=parts, i=part: p.slice(i, e), dtype, shape,
+                sources=[w.value])
+            bytes_after += int(np.prod(shape)) * dtype.itemsize
+        bytes_before += w.value.const_value.nbytes
+    while inputs[-1] is None:
+        inputs.pop()
+
+    attributes = list(node.attributes.values())
+    attributes += [ir.AttrInt64("bits", quant["bits"]), ir.AttrInt64("block_size", quant["block_size"]),
+                   ir.AttrString("quant_type", quant["quant_type"]),
+                   ir.AttrInt64("accuracy_level", quant["accuracy_level"])]
+    qmoe = ir.Node(DOMAIN, "QMOE", inputs, attributes, name=node.name)
+    output = node.outputs[0]
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], [output], qmoe.outputs)
+    return LayerReport(node.name, qmoe.outputs[0].name, node.attributes["expert_type"].as_string(),
+                       quant["quant_type"], quant["bits"], quant["block_size"],
+                       not mxfp4 and settings.zero_points, quant["accuracy_level"], bytes_before, bytes_after)
+
+
+# ----------------------------------------------------------------------------- the model
+
+@dataclasses.dataclass
+class ErrorStat:
+    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|."""
+
+    name: str
+    max_abs: float
+    relative: float
+    reference_max: float
+
+
+@dataclasses.dataclass
+class ErrorReport:
+    """:func:`measure_error`'s result: every output's error, and every quantized layer's output's."""
+
+    backend: str
+    sizes: list[list[int]]
+    seed: int
+    outputs: list[ErrorStat]
+    layers: list[ErrorStat]
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What quantization did: the settings, each MOE node made a QMOE, notes, and (when measured) the error."""
+
+    settings: QuantizeSettings
+    layers: list[LayerReport]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: ErrorReport | None = None
+
+    @property
+    def weight_bytes_before(self) -> int:
+        return sum(layer.weight_bytes_before for layer in self.layers)
+
+    @property
+    def weight_bytes_after(self) -> int:
+        return sum(layer.weight_bytes_after for layer in self.layers)
+
+    def summary(self) -> str:
+        lines = [f"quantize: {len(self.layers)} MOE node{'s' if len(self.layers) != 1 else ''} -> QMOE "
+                 f"({self.settings.describe()})"]
+        lines += [f"  {layer.describe()}" for layer in self.layers]
+        lines += [f"  note: {note}" for note in self.notes]
+        before, after = self.weight_bytes_before, self.weight_bytes_after
+        lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
+        if self.error is not None:
+            e = self.error
+            lines.append(f"error vs fp32 ({e.backend} backend, sizes {format_sizes(e.sizes)}, seed {e.seed}; "
+                         "relative = max abs error / max |fp32 value|):")
+            lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
+            lines += [f"  layer '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.layers]
+        return "\n".join(lines)
+
+    def document(self) -> dict:
+        """The report as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def moe_nodes(model: ir.Model) -> list[ir.Node]:
+    """The MOE nodes of the main graph."""
+    return [node for node in model.graph if node.domain == DOMAIN and node.op_type == "MOE"]
+
+
+def quantize_ir(model: ir.Model, settings: QuantizeSettings,
+                progress: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Replace every MOE node of ``model``'s main graph by a QMOE, in place; the quantized weights are
+    computed when the model is written (or read). Raises QuantizeError for bad settings, a model
+    without MOE nodes, or a node whose weights the settings cannot quantize (nothing is changed then)."""
+    say = progress or (lambda message: None)
+    settings.check()
+    nodes = moe_nodes(model)
+    if not nodes:
+        raise QuantizeError("quantize: the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
+                            "model fused by `moe-onnx optimize` (target moe): run that first")
+    say("reading the expert weights")
+    plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
+    report = QuantizeReport(settings, [])
+    for node, weights, mxfp4 in plans:
+        say(f"quantizing MOE node '{node.name}'")
+        report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    repacked = [layer.node for layer in report.layers if layer.quant_type == QUANT_MXFP4]
+    if repacked and settings.accuracy_level:
+        report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
+                            f"({', '.join(repacked)}): they keep 0")
+    common_passes.RemoveUnusedNodesPass()(model)  # drops the fp32 weights
+    return report
+
+
+# ----------------------------------------------------------------------------- the error
+
+def measure_error(original, quantized, layer_outputs: Sequence[str] = (), *, backend: str = "cpp",
+                  sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
+    """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
+    (values of the symbolic input dims, in order; integer inputs that index an embedding table are drawn
+    from its rows) on ``backend``; the error of every floating-point output and of ``layer_outputs``
+    (values both models compute), over all sizes."""
+    with _with_outputs(original, layer_outputs) as original_model, \
+            _with_outputs(quantized, layer_outputs) as quantized_model:
+        reference_sess = session(original_model, backend=backend)
+        quantized_sess = session(quantized_model, backend=backend)
+        int_ranges = integer_input_ranges(_proto_without_data(original))
+        dims = symbolic_dims(reference_sess)
+        names = [o.name for o in reference_sess.get_outputs()]
+        peaks = {name: [0.0, 0.0] for name in names}  # name -> [max abs error, max |reference|]
+        for index, size in enumerate(sizes):
+            feeds = random_feeds(reference_sess, dict(zip(dims, size)), seed=seed + index, int_ranges=int_ranges)
+            expected = reference_sess.run(names, feeds)
+            got = quantized_sess.run(names, feeds)
+            for name, e, g in zip(names, expected, got):
+                if not np.issubdtype(e.dtype, np.floating) or e.size == 0:
+                    continue
+                e64, g64 = e.astype(np.float64), g.astype(np.float64)
+                peaks[name][0] = max(peaks[name][0], float(np.abs(g64 - e64).max()))
+                peaks[name][1] = max(peaks[name][1], float(np.abs(e64).max()))
+    stats = {name: ErrorStat(name, err, err / peak if peak else float(err > 0), peak)
+             for name, (err, peak) in peaks.items()}
+    layers = set(layer_outputs)
+    return ErrorReport(backend, [list(s) for s in sizes], seed,
+                       [s for name, s in stats.items() if name not in layers],
+                       [stats[name] for name in layer_outputs])
+
+
+class _with_outputs:
+    """A context giving ``model`` (path or ModelProto) with ``names`` added as graph outputs: a ModelProto,
+    or for a path a temporary copy beside it (so its external data is found), removed on exit."""
+
+    def __init__(self, model, names: Sequence[str]):
+        self._model, self._names, self._temporary = model, names, None
+
+    def __enter__(self):
+        proto = _proto_without_data(self._model)
+        if not self._names:
+            return self._model
+        if proto is self._model:  # the caller's ModelProto: add the outputs to a copy
+            proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        declared = {o.name for o in proto.graph.output}
+        elem_types = _elem_types(proto)
+        for name in self._names:
+            if name not in declared:
+                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_types[name], None))
+        if not isinstance(self._model, (str, os.PathLike)):
+            return proto
+        handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(self._model).parent)
+        os.close(handle)
+        self._temporary = path
+        onnx.save(proto, path)
+        return path
+
+    def __exit__(self, *exc) -> None:
+        if self._temporary is not None:
+            os.unlink(self._temporary)
+
+
+def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """The element type of each value of the main graph (the MOE/QMOE outputs: that of their hidden states)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.value_info,
+                                                            *proto.graph.output)}
+    types.update({t.name: t.data_type for t in proto.graph.initializer})
+    for node in proto.graph.node:  # MOE and QMOE: y has the type of hidden_states
+        if node.domain == DOMAIN and node.input and node.input[0] in types:
+            types.setdefault(node.output[0], types[node.input[0]])
+    return types
+
+
+def _proto_without_data(model) -> onnx.ModelProto:
+    return model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
