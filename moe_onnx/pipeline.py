@@ -133,6 +133,7 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model without MOE nodes
     (nothing is written then).
     """
+    settings.check()
     say = progress or (lambda message: None)
     model = _load_input(source, destination, say)
     report = quantize_ir(model, settings, progress=progress)

@@ -37,7 +37,7 @@ from .ops.qmoe import (
     QUANT_MXFP4,
     SCALES,
     ZERO_POINTS,
-    pack_nibbles,
+    pack_codes,
     quantize as quantize_weight,
 )
 from .rewrite._weights import initializer_expert, release_external, streamed_initializer
@@ -71,13 +71,13 @@ class QuantizeSettings:
     def check(self) -> None:
         """QuantizeError naming the first setting out of range."""
         if self.bits not in BITS:
-            raise QuantizeError(f"quantize: bits is {self.bits}; expected 4 or 8")
+            raise QuantizeError(f"bits is {self.bits}; expected 4 or 8")
         block = self.block_size
         if block != 0 and not (16 <= block <= 256 and block & (block - 1) == 0):
-            raise QuantizeError(f"quantize: block_size is {block}; expected 0 (one scale per output column) "
+            raise QuantizeError(f"block_size is {block}; expected 0 (one scale per output column) "
                                 "or a power of two in [16, 256]")
         if self.accuracy_level not in ACCURACY_LEVELS:
-            raise QuantizeError(f"quantize: accuracy_level is {self.accuracy_level}; expected one of "
+            raise QuantizeError(f"accuracy_level is {self.accuracy_level}; expected one of "
                                 f"{', '.join(map(str, ACCURACY_LEVELS))}")
 
     def describe(self) -> str:
@@ -113,7 +113,7 @@ def mxfp4_exact(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if not np.array_equal(magnitudes[index], np.abs(scaled)):
         return None
     codes = (index | (np.signbit(scaled) << 3)).astype(np.uint8).reshape(rows, k)
-    return pack_nibbles(codes), (exponent + E8M0_BIAS).astype(np.uint8)
+    return pack_codes(codes, 4), (exponent + E8M0_BIAS).astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------- one MOE node
@@ -241,10 +241,9 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
         quant = dict(quant_type=QUANT_INT, bits=settings.bits, block_size=settings.block_size,
                      accuracy_level=settings.accuracy_level)
 
-        def encode(matrix: np.ndarray) -> list[np.ndarray | None]:
-            packed = quantize_weight(matrix[None], bits=settings.bits, block_size=settings.block_size,
-                                     symmetric=not settings.zero_points)
-            return [None if part is None else part[0] for part in packed]
+        def encode(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+            return quantize_weight(matrix, bits=settings.bits, block_size=settings.block_size,
+                                   symmetric=not settings.zero_points)
 
     inputs = list(node.inputs) + [None] * (14 - len(node.inputs))
     base = node.name or node.outputs[0].name
@@ -260,7 +259,7 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
             inputs[position] = streamed_initializer(
                 graph, f"{base}.{w.name}.{suffix}", lambda e, p=parts, i=part: p.slice(i, e), dtype, shape,
                 sources=[w.value])
-            bytes_after += int(np.prod(shape)) * dtype.itemsize
+            bytes_after += int(np.prod(shape)) * int(dtype.itemsize)
         bytes_before += w.value.const_value.nbytes
     while inputs[-1] is None:
         inputs.pop()
@@ -329,7 +328,8 @@ class QuantizeReport:
             lines.append(f"error vs fp32 ({e.backend} backend, sizes {format_sizes(e.sizes)}, seed {e.seed}; "
                          "relative = max abs error / max |fp32 value|):")
             lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
-            lines += [f"  layer '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.layers]
+            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative {s.relative:.3g}"
+                      for layer, s in zip(self.layers, e.layers)]
         return "\n".join(lines)
 
     def document(self) -> dict:
@@ -351,7 +351,7 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     settings.check()
     nodes = moe_nodes(model)
     if not nodes:
-        raise QuantizeError("quantize: the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
+        raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
                             "model fused by `moe-onnx optimize` (target moe): run that first")
     say("reading the expert weights")
     plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
