@@ -75,8 +75,8 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
         ir_model = model
     elif isinstance(model, onnx.ModelProto):
         ir_model = ir.serde.deserialize_model(model)
-    else:
-        ir_model = ir.load(model)
+    else:  # loaded whole (external data included), so that both models run from memory
+        ir_model = ir.serde.deserialize_model(onnx.load(model))
     original = ir.serde.serialize_model(ir_model) if measure else None
     report = quantize_ir(ir_model, settings)
     quantized = ir.serde.serialize_model(ir_model)

@@ -150,7 +150,7 @@ class _QuantizedParts:
         self._weight, self._encode = weight, encode
         first = self._encode_expert(0)  # the parts' shapes; kept for the writer
         self.shapes = [None if part is None else (weight.shape[0], *part.shape) for part in first]
-        self._pending: list[dict[int, np.ndarray]] = [{0: part} for part in first]
+        self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
 
     def _encode_expert(self, e: int) -> list[np.ndarray | None]:
         return list(self._encode(self._weight.expert(e)))
@@ -214,11 +214,15 @@ def _check_divides(node: ir.Node, weights: Sequence[_ExpertWeight], settings: Qu
 
 
 def _is_mxfp4(weights: Sequence[_ExpertWeight]) -> bool:
-    """Every expert of every weight is exactly MXFP4 (reads one expert at a time; stops at the first miss)."""
-    try:
-        return all(mxfp4_exact(w.expert(e)) is not None for w in weights for e in range(w.shape[0]))
-    finally:
-        release_external(w.value for w in weights)
+    """Every expert of every weight is exactly MXFP4. Reads one expert at a time, unmapping external data
+    after each, and stops at the first miss."""
+    for w in weights:
+        for e in range(w.shape[0]):
+            exact = mxfp4_exact(w.expert(e)) is not None
+            release_external([w.value])
+            if not exact:
+                return False
+    return True
 
 
 def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], bool]:
