@@ -24,7 +24,8 @@ from moe_onnx.pipeline import quantize_file
 from moe_onnx.quantization import QuantizeError, QuantizeSettings, mxfp4_exact
 from moe_onnx.runtime import session
 
-BACKEND = "python"  # the kernels that run QMOE in this branch
+BACKEND = "cpp"  # the family tests' kernels; the exactness tests run on both backends
+BACKENDS = ("cpp", "python")
 SIZES = ((1, 1), (2, 5), (3, 17))
 
 # One block fixture per family: its first small export (every K, H and I, a multiple of 32).
@@ -192,9 +193,10 @@ def test_mxfp4_exact_finds_the_codes_of_random_mxfp4_weights():
     assert mxfp4_exact(seven) is None
 
 
-def test_mxfp4_weights_are_repacked_exactly():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mxfp4_weights_are_repacked_exactly(backend):
     model, weights = with_expert_weights(fused(FAMILY_FIXTURES["gpt_oss"]), random_mxfp4)
-    result, report = moe_onnx.quantize(model, bits=8, accuracy_level=4, backend=BACKEND, sizes=SIZES)
+    result, report = moe_onnx.quantize(model, bits=8, accuracy_level=4, backend=backend, sizes=SIZES)
     (layer,) = report.layers
     assert (layer.quant_type, layer.bits, layer.block_size, layer.accuracy_level) == ("mxfp4", 4, 32, 0)
     assert "repacked, not requantized" in report.summary() and "accuracy_level 4 does not apply" in report.summary()
@@ -220,13 +222,14 @@ def test_fixture_weights_are_not_mxfp4():
     assert [layer.quant_type for layer in report.layers] == ["int"]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("expert_type", EXPERT_TYPE_FIXTURES)
-def test_qmoe_of_exactly_representable_weights_equals_moe(expert_type):
+def test_qmoe_of_exactly_representable_weights_equals_moe(expert_type, backend):
     """int8 per column holds these weights exactly, so only the layout can make QMOE differ from MOE:
     GEMM2's transposition (gpt_oss small's down weight is square, 64 x 64: a wrong transposition keeps
     the shapes valid)."""
     model, weights = with_expert_weights(fused(EXPERT_TYPE_FIXTURES[expert_type]), random_int8_exact)
-    result, report = moe_onnx.quantize(model, bits=8, backend=BACKEND, sizes=SIZES)
+    result, report = moe_onnx.quantize(model, bits=8, backend=backend, sizes=SIZES)
     (node,) = moe_nodes(result, "QMOE")
     values = initializers(result)
     for index, expected in weights.items():
