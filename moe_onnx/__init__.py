@@ -81,6 +81,6 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     report = quantize_ir(ir_model, settings)
     quantized = ir.serde.serialize_model(ir_model)
     if measure:
-        report.error = measure_error(original, quantized, [layer.output for layer in report.layers],
-                                     backend=backend, sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
+        report.error = measure_error(original, quantized, report.layers, backend=backend,
+                                     sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
     return (ir_model if isinstance(model, ir.Model) else quantized), report

@@ -142,8 +142,7 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     result = QuantizeResult(report, check_model(destination))
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
-        report.error = measure_error(source, destination, [layer.output for layer in report.layers],
-                                     backend=backend, sizes=sizes, seed=seed)
+        report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
     return result
 
 

@@ -169,6 +169,8 @@ class LayerReport:
 
     node: str
     output: str
+    routing_weights: str  # the node's routing_weights
+    indices: str  # the node's router_topk_output_indices
     expert_type: str
     quant_type: str
     bits: int
@@ -275,7 +277,7 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
     qmoe = ir.Node(DOMAIN, "QMOE", inputs, attributes, name=node.name)
     output = node.outputs[0]
     ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], [output], qmoe.outputs)
-    return LayerReport(node.name, qmoe.outputs[0].name, node.attributes["expert_type"].as_string(),
+    return LayerReport(node.name, qmoe.outputs[0].name, qmoe.inputs[1].name, qmoe.inputs[2].name, node.attributes["expert_type"].as_string(),
                        quant["quant_type"], quant["bits"], quant["block_size"],
                        not mxfp4 and settings.zero_points, quant["accuracy_level"], bytes_before, bytes_after)
 
@@ -284,12 +286,18 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
 
 @dataclasses.dataclass
 class ErrorStat:
-    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|."""
+    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|.
+    For a layer, also the tokens routed, those ``rerouted`` (whose set of selected experts differs from the
+    fp32 model's: quantization moved a near tie of the router's scores) and the largest change of the
+    routing weight of an expert that both select for a token (``routing_weight_change``)."""
 
     name: str
     max_abs: float
     relative: float
     reference_max: float
+    tokens: int | None = None
+    rerouted: int | None = None
+    routing_weight_change: float | None = None
 
 
 @dataclasses.dataclass
@@ -332,8 +340,13 @@ class QuantizeReport:
             lines.append(f"error vs fp32 ({e.backend} backend, sizes {format_sizes(e.sizes)}, seed {e.seed}; "
                          "relative = max abs error / max |fp32 value|):")
             lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
-            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative {s.relative:.3g}"
+            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative {s.relative:.3g}, "
+                      f"tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to {s.routing_weight_change:.3g}"
                       for layer, s in zip(self.layers, e.layers)]
+            if any(s.rerouted or s.routing_weight_change for s in e.layers):
+                lines.append("  (the router is not quantized, but its input is an earlier layer's output: a rerouted "
+                             "token, or a routing weight that moves, changes a layer's output by more than its "
+                             "own weights' quantization error)")
         return "\n".join(lines)
 
     def document(self) -> dict:
@@ -373,56 +386,93 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
 
 # ----------------------------------------------------------------------------- the error
 
-def measure_error(original, quantized, layer_outputs: Sequence[str] = (), *, backend: str = "cpp",
+def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, backend: str = "cpp",
                   sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
     """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
     (values of the symbolic input dims, in order; integer inputs that index an embedding table are drawn
-    from its rows) on ``backend``; the error of every floating-point output and of ``layer_outputs``
-    (values both models compute), over all sizes."""
-    with _with_outputs(original, layer_outputs) as original_model, \
-            _with_outputs(quantized, layer_outputs) as quantized_model:
+    from its rows) on ``backend``: the error of every floating-point graph output and of each of
+    ``layers``' outputs, and the tokens each layer routes to other experts than the original, over all sizes."""
+    proto = _proto_without_data(original)
+    graph_outputs = [o.name for o in proto.graph.output]
+    extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
+    with _with_outputs(original, extra) as original_model, _with_outputs(quantized, extra) as quantized_model:
         reference_sess = session(original_model, backend=backend)
         quantized_sess = session(quantized_model, backend=backend)
-        int_ranges = integer_input_ranges(_proto_without_data(original))
+        int_ranges = integer_input_ranges(proto)
         dims = symbolic_dims(reference_sess)
-        names = [o.name for o in reference_sess.get_outputs()]
-        peaks = {name: [0.0, 0.0] for name in names}  # name -> [max abs error, max |reference|]
+        names = list(dict.fromkeys(graph_outputs + extra))
+        errors = {name: _Error() for name in names}
         for index, size in enumerate(sizes):
             feeds = random_feeds(reference_sess, dict(zip(dims, size)), seed=seed + index, int_ranges=int_ranges)
-            expected = reference_sess.run(names, feeds)
-            got = quantized_sess.run(names, feeds)
-            for name, e, g in zip(names, expected, got):
-                if not np.issubdtype(e.dtype, np.floating) or e.size == 0:
-                    continue
-                e64, g64 = e.astype(np.float64), g.astype(np.float64)
-                peaks[name][0] = max(peaks[name][0], float(np.abs(g64 - e64).max()))
-                peaks[name][1] = max(peaks[name][1], float(np.abs(e64).max()))
-    stats = {name: ErrorStat(name, err, err / peak if peak else float(err > 0), peak)
-             for name, (err, peak) in peaks.items()}
-    layers = set(layer_outputs)
-    return ErrorReport(backend, [list(s) for s in sizes], seed,
-                       [s for name, s in stats.items() if name not in layers],
-                       [stats[name] for name in layer_outputs])
+            expected = dict(zip(names, reference_sess.run(names, feeds)))
+            got = dict(zip(names, quantized_sess.run(names, feeds)))
+            for name in names:
+                errors[name].add(expected[name], got[name])
+            for layer in layers:
+                errors[layer.output].add_routing(expected[layer.indices], got[layer.indices],
+                                                 expected[layer.routing_weights], got[layer.routing_weights])
+    float_outputs = [name for name in graph_outputs if errors[name].floating]
+    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat(name) for name in float_outputs],
+                       [errors[layer.output].stat(layer.output) for layer in layers])
+
+
+class _Error:
+    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes."""
+
+    def __init__(self):
+        self.max_abs = self.reference_max = 0.0
+        self.floating = False
+        self.tokens = self.rerouted = self.routing_weight_change = None
+
+    def add(self, expected: np.ndarray, got: np.ndarray) -> None:
+        if not np.issubdtype(expected.dtype, np.floating):
+            return
+        self.floating = True
+        if expected.size:
+            reference = expected.astype(np.float64)
+            self.max_abs = max(self.max_abs, float(np.abs(got.astype(np.float64) - reference).max()))
+            self.reference_max = max(self.reference_max, float(np.abs(reference).max()))
+
+    def add_routing(self, indices: np.ndarray, indices_now: np.ndarray, weights: np.ndarray,
+                    weights_now: np.ndarray) -> None:
+        """Count the tokens (rows of the [..., k] expert indices) whose set of experts differs; for the others,
+        the largest change of an expert's routing weight."""
+        k = indices.shape[-1]
+        order, order_now = np.argsort(indices.reshape(-1, k), axis=1), np.argsort(indices_now.reshape(-1, k), axis=1)
+        chosen = np.take_along_axis(indices.reshape(-1, k), order, axis=1)
+        chosen_now = np.take_along_axis(indices_now.reshape(-1, k), order_now, axis=1)
+        same = (chosen == chosen_now).all(axis=1)
+        self.tokens = (self.tokens or 0) + chosen.shape[0]
+        self.rerouted = (self.rerouted or 0) + int((~same).sum())
+        change = np.abs(np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1).astype(np.float64)
+                        - np.take_along_axis(weights.reshape(-1, k), order, axis=1))[same]
+        self.routing_weight_change = max(self.routing_weight_change or 0.0, float(change.max(initial=0.0)))
+
+    def stat(self, name: str) -> ErrorStat:
+        relative = self.max_abs / self.reference_max if self.reference_max else float(self.max_abs > 0)
+        return ErrorStat(name, self.max_abs, relative, self.reference_max, self.tokens, self.rerouted,
+                         self.routing_weight_change)
 
 
 class _with_outputs:
-    """A context giving ``model`` (path or ModelProto) with ``names`` added as graph outputs: a ModelProto,
-    or for a path a temporary copy beside it (so its external data is found), removed on exit."""
+    """A context giving ``model`` (path or ModelProto) with the values ``names`` added as graph outputs
+    (typed where the graph's value_info says): a ModelProto, or for a path a temporary copy beside it
+    (so that its external data is found), removed on exit."""
 
     def __init__(self, model, names: Sequence[str]):
         self._model, self._names, self._temporary = model, names, None
 
     def __enter__(self):
-        proto = _proto_without_data(self._model)
         if not self._names:
             return self._model
-        if proto is self._model:  # the caller's ModelProto: add the outputs to a copy
-            proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        proto = onnx.ModelProto()
+        proto.CopyFrom(_proto_without_data(self._model))
+        known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
         declared = {o.name for o in proto.graph.output}
-        elem_types = _elem_types(proto)
-        for name in self._names:
+        for name in dict.fromkeys(self._names):
             if name not in declared:
-                proto.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_types[name], None))
+                proto.graph.output.append(known[name] if name in known else
+                                          onnx.helper.make_empty_tensor_value_info(name))
         if not isinstance(self._model, (str, os.PathLike)):
             return proto
         handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(self._model).parent)
@@ -434,17 +484,6 @@ class _with_outputs:
     def __exit__(self, *exc) -> None:
         if self._temporary is not None:
             os.unlink(self._temporary)
-
-
-def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
-    """The element type of each value of the main graph (the MOE/QMOE outputs: that of their hidden states)."""
-    types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.value_info,
-                                                            *proto.graph.output)}
-    types.update({t.name: t.data_type for t in proto.graph.initializer})
-    for node in proto.graph.node:  # MOE and QMOE: y has the type of hidden_states
-        if node.domain == DOMAIN and node.input and node.input[0] in types:
-            types.setdefault(node.output[0], types[node.input[0]])
-    return types
 
 
 def _proto_without_data(model) -> onnx.ModelProto:

@@ -111,17 +111,35 @@ def test_int4_error_is_larger_than_int8():
         assert int4 > 3 * int8, name
 
 
+@functools.cache
+def quantized_whole(name: str, **settings):
+    model, _ = moe_onnx.optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]))
+    return moe_onnx.quantize(model, **settings, backend=BACKEND, sizes=SIZES)
+
+
 def test_layer_errors_reported_for_each_moe_of_a_whole_model():
     name = "gpt_oss__tf457__torchscript"
-    model, _ = moe_onnx.optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]))
-    result, report = moe_onnx.quantize(model, bits=8, backend=BACKEND, sizes=((1, 4), (2, 3)))
+    result, report = quantized_whole(name, bits=8)
     assert len(report.layers) == len(report.error.layers) == WHOLE_MANIFEST[name]["moe_layers"] == 2
-    (logits,) = report.error.outputs
+    (logits,) = report.error.outputs  # random input_ids: the embedding's rows
     assert logits.name == "logits" and 0 < logits.relative < 0.02
-    assert all(0 < layer.relative < 0.02 for layer in report.error.layers)
+    assert all(0 < layer.relative < 0.02 and layer.tokens == 1 + 2 * 5 + 3 * 17 for layer in report.error.layers)
     # the layers are the QMOE outputs, not the model's output
     assert {s.name for s in report.error.layers} == {n.output[0] for n in moe_nodes(result, "QMOE")}
     assert "layer 'node_MOE_1'" in report.summary()
+    first, second = report.error.layers
+    assert (first.rerouted, first.routing_weight_change) == (0, 0.0)  # its router reads no quantized layer
+    assert second.rerouted == 0 and 0 < second.routing_weight_change < 0.01
+
+
+def test_routing_change_is_reported_where_it_explains_a_layer_error():
+    """PhiMoE's sparsemixer masks scores by a threshold: a small change of its input moves a routing
+    weight by a lot; the report shows it beside the layer's error."""
+    _, report = quantized_whole("phimoe__tf5__dynamo", bits=8)
+    first, second = report.error.layers
+    assert first.relative < 0.02 and first.routing_weight_change == 0.0
+    assert second.routing_weight_change > 0.1 and second.relative > 5 * first.relative
+    assert "routing weights moved by up to" in report.summary() and "a routing weight that moves" in report.summary()
 
 
 def test_accuracy_level_4_is_set_and_close_to_level_0():
