@@ -15,7 +15,9 @@ The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onn
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -26,7 +28,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from .ops import DOMAIN
+from .ops import DOMAIN, signatures
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
     ACCURACY_LEVELS,
@@ -48,7 +50,6 @@ __all__ = ["QuantizeError", "QuantizeReport", "QuantizeSettings", "ErrorReport",
            "quantize_ir"]
 
 BITS = (4, 8)
-_WEIGHT_NAMES = {3: "weight_0", 5: "weight_1", 7: "weight_2"}
 
 
 class QuantizeError(ValueError):
@@ -128,7 +129,7 @@ class _ExpertWeight:
 
     @property
     def name(self) -> str:
-        return _WEIGHT_NAMES[self.index]
+        return signatures.MOE.inputs[self.index].name
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -197,7 +198,8 @@ def _expert_weights(node: ir.Node, graph: ir.Graph) -> list[_ExpertWeight]:
     for index, *_ in LINEARS[expert_type]:
         value = node.inputs[index]
         if value is None or value.const_value is None or graph.initializers.get(value.name) is not value:
-            raise QuantizeError(f"MOE node '{node.name}': input '{_WEIGHT_NAMES[index]}' is not an initializer; "
+            raise QuantizeError(f"MOE node '{node.name}': input '{signatures.MOE.inputs[index].name}' is not an "
+                                "initializer; "
                                 "quantize needs constant expert weights")
         weights.append(_ExpertWeight(index, value, transposed=expert_type == GEMM2_BIAS_SWIGLU_CLAMP))
     return weights
@@ -240,46 +242,41 @@ def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[l
 def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], mxfp4: bool,
                    settings: QuantizeSettings) -> LayerReport:
     """Replace MOE ``node`` by a QMOE with lazily quantized ``weights``; returns what was done."""
-    if mxfp4:
-        quant = dict(quant_type=QUANT_MXFP4, bits=4, block_size=MXFP4_BLOCK, accuracy_level=0)
-        encode = mxfp4_exact
-    else:
-        quant = dict(quant_type=QUANT_INT, bits=settings.bits, block_size=settings.block_size,
-                     accuracy_level=settings.accuracy_level)
+    layer = LayerReport(
+        node=node.name or node.outputs[0].name, output=node.outputs[0].name, routing_weights=node.inputs[1].name,
+        indices=node.inputs[2].name, expert_type=node.attributes["expert_type"].as_string(),
+        quant_type=QUANT_MXFP4 if mxfp4 else QUANT_INT, bits=4 if mxfp4 else settings.bits,
+        block_size=MXFP4_BLOCK if mxfp4 else settings.block_size, zero_points=not mxfp4 and settings.zero_points,
+        accuracy_level=0 if mxfp4 else settings.accuracy_level, weight_bytes_before=0, weight_bytes_after=0)
 
-        def encode(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-            return quantize_weight(matrix, bits=settings.bits, block_size=settings.block_size,
-                                   symmetric=not settings.zero_points)
+    def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
+        if mxfp4:
+            return mxfp4_exact(matrix)
+        return quantize_weight(matrix, bits=layer.bits, block_size=layer.block_size, symmetric=not layer.zero_points)
 
-    inputs = list(node.inputs) + [None] * (14 - len(node.inputs))
-    base = node.name or node.outputs[0].name
-    bytes_before = bytes_after = 0
+    inputs = list(node.inputs) + [None] * (len(signatures.QMOE.inputs) - len(node.inputs))
     for w in weights:
         parts = _QuantizedParts(w, encode)
         positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
-        suffixes = ("quantized", "scales", "zero_points")
-        for part, (position, suffix, shape) in enumerate(zip(positions, suffixes, parts.shapes)):
+        for part, (position, shape) in enumerate(zip(positions, parts.shapes)):
             if shape is None:
                 continue
-            dtype = ir.DataType.FLOAT if suffix == "scales" and not mxfp4 else ir.DataType.UINT8
-            inputs[position] = streamed_initializer(
-                graph, f"{base}.{w.name}.{suffix}", lambda e, p=parts, i=part: p.slice(i, e), dtype, shape,
-                sources=[w.value])
-            bytes_after += int(np.prod(shape)) * int(dtype.itemsize)
-        bytes_before += w.value.const_value.nbytes
+            name = signatures.QMOE.inputs[position].name
+            dtype = ir.DataType.FLOAT if name.startswith("scales") and not mxfp4 else ir.DataType.UINT8
+            inputs[position] = streamed_initializer(graph, f"{layer.node}.{name}",
+                                                    lambda e, p=parts, i=part: p.slice(i, e), dtype, shape,
+                                                    sources=[w.value])
+            layer.weight_bytes_after += math.prod(shape) * int(dtype.itemsize)
+        layer.weight_bytes_before += w.value.const_value.nbytes
     while inputs[-1] is None:
         inputs.pop()
 
-    attributes = list(node.attributes.values())
-    attributes += [ir.AttrInt64("bits", quant["bits"]), ir.AttrInt64("block_size", quant["block_size"]),
-                   ir.AttrString("quant_type", quant["quant_type"]),
-                   ir.AttrInt64("accuracy_level", quant["accuracy_level"])]
+    attributes = [*node.attributes.values(), ir.AttrInt64("bits", layer.bits),
+                  ir.AttrInt64("block_size", layer.block_size), ir.AttrString("quant_type", layer.quant_type),
+                  ir.AttrInt64("accuracy_level", layer.accuracy_level)]
     qmoe = ir.Node(DOMAIN, "QMOE", inputs, attributes, name=node.name)
-    output = node.outputs[0]
-    ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], [output], qmoe.outputs)
-    return LayerReport(node.name, qmoe.outputs[0].name, qmoe.inputs[1].name, qmoe.inputs[2].name, node.attributes["expert_type"].as_string(),
-                       quant["quant_type"], quant["bits"], quant["block_size"],
-                       not mxfp4 and settings.zero_points, quant["accuracy_level"], bytes_before, bytes_after)
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], node.outputs, qmoe.outputs)
+    return layer
 
 
 # ----------------------------------------------------------------------------- the model
@@ -340,9 +337,9 @@ class QuantizeReport:
             lines.append(f"error vs fp32 ({e.backend} backend, sizes {format_sizes(e.sizes)}, seed {e.seed}; "
                          "relative = max abs error / max |fp32 value|):")
             lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
-            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative {s.relative:.3g}, "
-                      f"tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to {s.routing_weight_change:.3g}"
-                      for layer, s in zip(self.layers, e.layers)]
+            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative "
+                      f"{s.relative:.3g}, tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to "
+                      f"{s.routing_weight_change:.3g}" for layer, s in zip(self.layers, e.layers)]
             if any(s.rerouted or s.routing_weight_change for s in e.layers):
                 lines.append("  (the router is not quantized, but its input is an earlier layer's output: a rerouted "
                              "token, or a routing weight that moves, changes a layer's output by more than its "
@@ -454,36 +451,31 @@ class _Error:
                          self.routing_weight_change)
 
 
-class _with_outputs:
-    """A context giving ``model`` (path or ModelProto) with the values ``names`` added as graph outputs
-    (typed where the graph's value_info says): a ModelProto, or for a path a temporary copy beside it
-    (so that its external data is found), removed on exit."""
-
-    def __init__(self, model, names: Sequence[str]):
-        self._model, self._names, self._temporary = model, names, None
-
-    def __enter__(self):
-        if not self._names:
-            return self._model
-        proto = onnx.ModelProto()
-        proto.CopyFrom(_proto_without_data(self._model))
-        known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
-        declared = {o.name for o in proto.graph.output}
-        for name in dict.fromkeys(self._names):
-            if name not in declared:
-                proto.graph.output.append(known[name] if name in known else
-                                          onnx.helper.make_empty_tensor_value_info(name))
-        if not isinstance(self._model, (str, os.PathLike)):
-            return proto
-        handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(self._model).parent)
-        os.close(handle)
-        self._temporary = path
+@contextlib.contextmanager
+def _with_outputs(model, names: Sequence[str]):
+    """``model`` (path or ModelProto) with the values ``names`` added as graph outputs (typed where the
+    graph's value_info says): a ModelProto, or for a path a temporary copy beside it (so that its external
+    data is found), removed afterwards."""
+    if not names:
+        yield model
+        return
+    proto = onnx.ModelProto()
+    proto.CopyFrom(_proto_without_data(model))
+    known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
+    declared = {o.name for o in proto.graph.output}
+    for name in dict.fromkeys(names):
+        if name not in declared:
+            proto.graph.output.append(known[name] if name in known else onnx.helper.make_empty_tensor_value_info(name))
+    if not isinstance(model, (str, os.PathLike)):
+        yield proto
+        return
+    handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(model).parent)
+    os.close(handle)
+    try:
         onnx.save(proto, path)
-        return path
-
-    def __exit__(self, *exc) -> None:
-        if self._temporary is not None:
-            os.unlink(self._temporary)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _proto_without_data(model) -> onnx.ModelProto:

@@ -19,7 +19,7 @@ from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN
 from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
-from moe_onnx.ops.qmoe import E2M1_VALUES, E8M0_BIAS, SCALES, ZERO_POINTS, dequantize, quantize
+from moe_onnx.ops.qmoe import E2M1_VALUES, SCALES, ZERO_POINTS, dequantize, quantize
 from moe_onnx.pipeline import quantize_file
 from moe_onnx.quantization import QuantizeError, QuantizeSettings, mxfp4_exact
 from moe_onnx.runtime import session
