@@ -89,11 +89,17 @@ class QuantizeSettings:
 
 # ----------------------------------------------------------------------------- MXFP4
 
+# the code of each E2M1 magnitude, indexed by twice the magnitude (0, 1, 2, 3, 4, 6, 8, 12); the other
+# slots hold 0, whose value (0) then differs from the magnitude looked up, as for any value between codes
+_CODE_OF_DOUBLED = np.zeros(16, np.uint8)
+_CODE_OF_DOUBLED[(2 * E2M1_VALUES[:8]).astype(np.int64)] = np.arange(8)
+
+
 def mxfp4_exact(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``matrix`` [N, K] as MXFP4, when every block of 32 along K is exactly E2M1 values times one power of
     two: ``(packed codes [N, K/2] uint8, E8M0 scales [N, K/32] uint8)``; None otherwise.
 
-    A block's scale is 2^(floor(log2(max |w|)) - 2), which maps its largest value to 4 or 6: the
+    A block's scale is 2^(floor(log2(max |w|)) - 2), which maps its largest value into [4, 8): the
     smallest power of two that holds the largest value, so every other value of an exact block is an
     E2M1 value at that scale too.
     """
@@ -103,17 +109,17 @@ def mxfp4_exact(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     blocks = matrix.astype(np.float32).reshape(rows, k // MXFP4_BLOCK, MXFP4_BLOCK)
     if not np.isfinite(blocks).all():
         return None
-    peak = np.abs(blocks).max(axis=-1)
+    magnitude = np.abs(blocks)
+    peak = magnitude.max(axis=-1)
     _, peak_exponent = np.frexp(peak)  # peak = m * 2^e, m in [0.5, 1): floor(log2(peak)) = e - 1
     exponent = np.where(peak > 0, peak_exponent - 3, 0)
     if (exponent + E8M0_BIAS < 0).any() or (exponent + E8M0_BIAS > 254).any():
         return None
-    scaled = np.ldexp(blocks, -exponent[..., None])
-    magnitudes = E2M1_VALUES[:8]
-    index = np.minimum(np.searchsorted(magnitudes, np.abs(scaled)), 7)
-    if not np.array_equal(magnitudes[index], np.abs(scaled)):
+    magnitude *= np.exp2(-exponent).astype(np.float32)[..., None]  # exact: a power of two; now < 8
+    index = _CODE_OF_DOUBLED[(magnitude * 2).astype(np.uint8)]
+    if not np.array_equal(E2M1_VALUES[index], magnitude):
         return None
-    codes = (index | (np.signbit(scaled) << 3)).astype(np.uint8).reshape(rows, k)
+    codes = (index | (np.signbit(blocks).view(np.uint8) << 3)).reshape(rows, k)
     return pack_codes(codes, 4), (exponent + E8M0_BIAS).astype(np.uint8)
 
 
