@@ -340,8 +340,8 @@ class QuantizeReport:
         lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
         if self.error is not None:
             e = self.error
-            lines.append(f"error vs fp32 ({e.backend} backend, sizes {format_sizes(e.sizes)}, seed {e.seed}; "
-                         "relative = max abs error / max |fp32 value|):")
+            lines.append(f"error vs the unquantized model ({e.backend} backend, sizes {format_sizes(e.sizes)}, "
+                         f"seed {e.seed}; relative = max abs error / max |unquantized value|):")
             lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
             lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative "
                       f"{s.relative:.3g}, tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to "
@@ -383,7 +383,7 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     if repacked and settings.accuracy_level:
         report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
                             f"({', '.join(repacked)}): they keep 0")
-    common_passes.RemoveUnusedNodesPass()(model)  # drops the fp32 weights
+    common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
     return report
 
 
