@@ -279,5 +279,5 @@ MOE_GATING_TOPK = Signature(
 )
 
 
-SIGNATURES: tuple[Signature, ...] = (MOE, QMOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
-                                        MOE_GATING_TOPK)
+SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
+                                        MOE_GATING_TOPK, QMOE)
