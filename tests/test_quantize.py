@@ -225,8 +225,8 @@ def test_mxfp4_weights_are_repacked_exactly(backend):
     for index, expected in weights.items():
         restored = dequantize(values[node.input[index]], values[node.input[SCALES[index]]], bits=4, block_size=32,
                               quant_type="mxfp4", k_dim=expected.shape[-1])
-        np.testing.assert_array_equal(restored, expected)  # exact: the only error left is float rounding
-    assert all(s.relative < 1e-6 for s in report.error.outputs + report.error.layers), report.summary()
+        np.testing.assert_array_equal(restored, expected)  # exact: what is left is the float32 sums' order
+    assert all(s.relative < 1e-5 for s in report.error.outputs + report.error.layers), report.summary()
 
 
 def test_mxfp4_repack_can_be_turned_off():
@@ -255,7 +255,7 @@ def test_qmoe_of_exactly_representable_weights_equals_moe(expert_type, backend):
                               k_dim=expected.shape[-1])
         np.testing.assert_array_equal(restored, expected)
     (output,) = [s for s in report.error.outputs if s.name == "output"]
-    assert output.relative < 1e-6, report.summary()
+    assert output.relative < 1e-5, report.summary()  # float32 sums in another order; a wrong layout: ~1
 
 
 # ----------------------------------------------------------------------------- writing
