@@ -46,8 +46,8 @@ from .rewrite._weights import initializer_expert, release_external, streamed_ini
 from .runtime import session
 from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
 
-__all__ = ["QuantizeError", "QuantizeReport", "QuantizeSettings", "ErrorReport", "measure_error", "mxfp4_exact",
-           "quantize_ir"]
+__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
+           "measure_error", "mxfp4_exact", "quantize_ir"]
 
 BITS = (4, 8)
 
@@ -357,19 +357,21 @@ class QuantizeReport:
         return dataclasses.asdict(self)
 
 
-def moe_nodes(model: ir.Model) -> list[ir.Node]:
-    """The MOE nodes of the main graph."""
-    return [node for node in model.graph if node.domain == DOMAIN and node.op_type == "MOE"]
+def _is_moe(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and node.op_type == "MOE"
 
 
 def quantize_ir(model: ir.Model, settings: QuantizeSettings,
                 progress: Callable[[str], None] | None = None) -> QuantizeReport:
-    """Replace every MOE node of ``model``'s main graph by a QMOE, in place; the quantized weights are
-    computed when the model is written (or read). Raises QuantizeError for bad settings, a model
+    """Replace every MOE node of ``model``'s main graph by a QMOE, in place (MOE nodes inside subgraphs
+    are left as they are, with a note); the quantized weights are computed when the model is written
+    (or read). Raises QuantizeError for bad settings, a model
     without MOE nodes, or a node whose weights the settings cannot quantize (nothing is changed then)."""
     say = progress or (lambda message: None)
     settings.check()
-    nodes = moe_nodes(model)
+    nodes = [node for node in model.graph if _is_moe(node)]
+    nested = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_moe(node)
+              and node.graph is not model.graph]
     if not nodes:
         raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
                             "model fused by `moe-onnx optimize` (target moe): run that first")
@@ -379,6 +381,9 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     for node, weights, mxfp4 in plans:
         say(f"quantizing MOE node '{node.name}'")
         report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    if nested:
+        report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
+                            + ", ".join(f"'{node.name}'" for node in nested))
     repacked = [layer.node for layer in report.layers if layer.quant_type == QUANT_MXFP4]
     if repacked and settings.accuracy_level:
         report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "

@@ -347,3 +347,38 @@ def test_cli_unfused_model_exit_2(tmp_path, capsys):
     out = tmp_path / "q.onnx"
     assert main(["quantize", str(FIXTURES / "mixtral_batched_mm_small.onnx"), "-o", str(out), "--bits", "8"]) == 2
     assert "the model has no MOE node" in capsys.readouterr().err and not out.exists()
+
+
+def test_moe_inside_a_subgraph_is_left_with_a_note():
+    rng = np.random.default_rng(0)
+    experts, hidden, inter = 4, 32, 16
+    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+               for name, shape in (("gate", (experts, inter, hidden)), ("up", (experts, inter, hidden)),
+                                   ("down", (experts, hidden, inter)))]
+
+    def moe(output: str, name: str) -> onnx.NodeProto:
+        return onnx.helper.make_node("MOE", ["x", "rw", "idx", "gate", "", "up", "", "down"], [output], name=name,
+                                     domain=DOMAIN, expert_type="GEMM3_SWIGLU")
+
+    def branch(node: onnx.NodeProto, output: str) -> onnx.GraphProto:
+        return onnx.helper.make_graph([node], f"branch_{output}", [],
+                                      [onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)])
+
+    when = onnx.helper.make_node("If", ["cond"], ["z"], then_branch=branch(moe("z_then", "nested"), "z_then"),
+                                 else_branch=branch(onnx.helper.make_node("Identity", ["x"], ["z_else"]), "z_else"))
+    graph = onnx.helper.make_graph(
+        [moe("y", "top"), when], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["t", hidden]),
+         onnx.helper.make_tensor_value_info("rw", onnx.TensorProto.FLOAT, ["t", 2]),
+         onnx.helper.make_tensor_value_info("idx", onnx.TensorProto.INT64, ["t", 2]),
+         onnx.helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["t", hidden]) for name in ("y", "z")],
+        initializer=weights)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                         onnx.helper.make_opsetid(DOMAIN, 1)])
+    result, report = moe_onnx.quantize(model, bits=8, measure=False)
+    assert [layer.node for layer in report.layers] == ["top"]
+    assert report.notes == ["1 MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: 'nested'"]
+    (when,) = [n for n in result.graph.node if n.op_type == "If"]
+    (then_branch,) = [a.g for a in when.attribute if a.name == "then_branch"]
+    assert [n.op_type for n in then_branch.node] == ["MOE"] and len(moe_nodes(result, "QMOE")) == 1
