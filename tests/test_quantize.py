@@ -382,3 +382,11 @@ def test_moe_inside_a_subgraph_is_left_with_a_note():
     (when,) = [n for n in result.graph.node if n.op_type == "If"]
     (then_branch,) = [a.g for a in when.attribute if a.name == "then_branch"]
     assert [n.op_type for n in then_branch.node] == ["MOE"] and len(moe_nodes(result, "QMOE")) == 1
+
+
+def test_cli_refuses_to_overwrite_its_input(tmp_path, capsys):
+    source = tmp_path / "fused.onnx"
+    onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
+    before = source.read_bytes()
+    assert main(["quantize", str(source), "-o", str(source), "--bits", "8"]) == 2
+    assert "is the same file as the input" in capsys.readouterr().err and source.read_bytes() == before
