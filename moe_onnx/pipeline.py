@@ -96,8 +96,8 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
 
 @dataclasses.dataclass
 class QuantizeResult:
-    """What :func:`quantize_file` did: the report (with the measured error) and the problems
-    ``moe-onnx check`` finds in the written model."""
+    """What :func:`quantize_file` did: the report (with the measured error) and the problems: those
+    ``moe-onnx check`` finds in the written model, or why the error could not be measured."""
 
     report: QuantizeReport
     problems: list[str]
@@ -109,7 +109,7 @@ class QuantizeResult:
     def summary(self) -> str:
         lines = [self.report.summary()]
         if self.problems:
-            lines.append("the quantized model does not pass `moe-onnx check`:")
+            lines.append("problems with the quantized model:")
             lines += [f"  {problem}" for problem in self.problems]
         return "\n".join(lines)
 
@@ -142,7 +142,12 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     result = QuantizeResult(report, check_model(destination))
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
-        report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
+        try:
+            report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
+        except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+            text = str(error).strip()
+            result.problems.append(f"the error could not be measured on the {backend} backend: "
+                                   f"{text.splitlines()[0] if text else type(error).__name__}")
     return result
 
 

@@ -390,3 +390,17 @@ def test_cli_refuses_to_overwrite_its_input(tmp_path, capsys):
     before = source.read_bytes()
     assert main(["quantize", str(source), "-o", str(source), "--bits", "8"]) == 2
     assert "is the same file as the input" in capsys.readouterr().err and source.read_bytes() == before
+
+
+def test_a_failed_measurement_is_a_problem_not_a_traceback(tmp_path, capsys, monkeypatch):
+    source, out = tmp_path / "fused.onnx", tmp_path / "q.onnx"
+    onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
+
+    def failing_session(model, backend):
+        raise RuntimeError(f"no kernel for QMOE on {backend}\nmore lines")
+
+    monkeypatch.setattr(quantization, "session", failing_session)
+    assert main(["quantize", str(source), "-o", str(out), "--bits", "8"]) == 1
+    printed = capsys.readouterr().out
+    assert "the error could not be measured on the cpp backend: no kernel for QMOE on cpp" in printed
+    assert "more lines" not in printed and check_model(out) == []
