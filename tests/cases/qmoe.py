@@ -88,7 +88,10 @@ def _int8_dot(a, weight, scales, zero_points, k_dim, bits, block_size):
     for b in range(k_dim // size if size else 0):
         part = np.float32(a[b * size:(b + 1) * size].astype(np.float32))
         sa = np.float32(np.max(np.abs(part))) / np.float32(127)
-        qa = np.zeros(size, np.int64) if sa == 0 else np.clip(np.rint(part / sa), -127, 127).astype(np.int64)
+        if np.isfinite(sa) and sa > 0:
+            qa = np.clip(np.rint(part / sa), -127, 127).astype(np.int64)
+        else:  # a zero block quantizes to 0; a NaN or Inf one to NaN outputs (sa * 0)
+            qa = np.zeros(size, np.int64)
         block = np.full_like(kk[:, :size], b)
         zp = _zero_point(zero_points, n[:, :size], block, bits, block_size)
         dot = ((code[:, b * size:(b + 1) * size] - zp) * qa).sum(axis=1)
@@ -252,6 +255,9 @@ CASES = [
     _case("more_tokens", G3, tokens=65, hidden=64, inter=32, experts=8, k=2, block_size=32, zero_points=True),
     _base2.mutated("nan_propagates", None,
                    hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _x).astype(np.float32)),
+    _base2.mutated("inf_int8_activations_nan", None, accuracy_level=4,
+                   hidden_states=np.where((np.arange(7)[:, None] == 3) & (np.arange(32) == 5), np.inf, _x)
+                   .astype(np.float32)),
 ]
 
 _w0, _s0 = _input(_base2, "weight_0"), _input(_base2, "scales_0")
