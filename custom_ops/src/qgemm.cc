@@ -62,9 +62,11 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
         const int8_t* a = qa + m * ldq + b * padded;
         int32_t* out = dots + ((m * (p1 - p0) + (p - p0)) * blocks + b) * kPanel;
         for (int64_t c = 0; c < kPanel; ++c) {
-          int32_t sum = 0;  // |sum| <= K * 255 * 127: no overflow for any K a tensor can have here
-          for (int64_t kk = 0; kk < layout.block; ++kk) sum += a[kk] * code_at(layout, codes, kk, c);
-          out[c] = sum - zero_point_at(layout, block, c) * qa_sums[m * blocks + b];
+          uint32_t sum = 0;  // unsigned: wraps modulo 2^32 as vpdpbusd does (only past K of ~66000)
+          for (int64_t kk = 0; kk < layout.block; ++kk)
+            sum += static_cast<uint32_t>(a[kk] * code_at(layout, codes, kk, c));
+          sum -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
+          out[c] = static_cast<int32_t>(sum);
         }
       }
 }
@@ -111,8 +113,10 @@ const Dispatch& dispatch() {
   return d;
 }
 
-// Per-thread buffers of this file (scratch<T> of parallel.h is the callers' C).
-template <class T, int Which>
+// The per-thread buffers of this file (parallel.h's scratch<T> holds the callers' C).
+enum class Buffer { kDecoded, kDots, kActivationCodes, kActivationScales, kActivationSums, kIntDots };
+
+template <class T, Buffer Which>
 T* local_buffer(size_t n) {
   thread_local std::vector<T> buffer;
   if (buffer.size() < n) buffer.resize(n);
@@ -127,8 +131,8 @@ constexpr int64_t kDecodedPanels = 2;
 void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
   const int64_t ld_dots = kDecodedPanels * kPanel;
-  float* decoded = local_buffer<float, 0>(static_cast<size_t>(kDecodedPanels * layout.block * kPanel));
-  float* dots = local_buffer<float, 5>(static_cast<size_t>(M * ld_dots));
+  float* decoded = local_buffer<float, Buffer::kDecoded>(static_cast<size_t>(kDecodedPanels * layout.block * kPanel));
+  float* dots = local_buffer<float, Buffer::kDots>(static_cast<size_t>(M * ld_dots));
   for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
   for (int64_t p = p0; p < p1; p += kDecodedPanels) {
     const int64_t n = std::min(kDecodedPanels, p1 - p);
@@ -148,16 +152,17 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
   const int64_t ldq = blocks * padded, panels = p1 - p0;
-  int8_t* qa = local_buffer<int8_t, 1>(static_cast<size_t>(M * ldq));
-  float* sa = local_buffer<float, 2>(static_cast<size_t>(M * blocks));
-  int32_t* sums = local_buffer<int32_t, 3>(static_cast<size_t>(M * blocks));
-  int32_t* dots = local_buffer<int32_t, 4>(static_cast<size_t>(M * panels * blocks * kPanel));
+  int8_t* qa = local_buffer<int8_t, Buffer::kActivationCodes>(static_cast<size_t>(M * ldq));
+  float* sa = local_buffer<float, Buffer::kActivationScales>(static_cast<size_t>(M * blocks));
+  int32_t* sums = local_buffer<int32_t, Buffer::kActivationSums>(static_cast<size_t>(M * blocks));
+  int32_t* dots = local_buffer<int32_t, Buffer::kIntDots>(static_cast<size_t>(M * panels * blocks * kPanel));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* a = A + m * lda + b * layout.block;
-      float amax = 0.0f;
-      for (int64_t kk = 0; kk < layout.block; ++kk) amax = std::max(amax, std::fabs(a[kk]));
-      const float s = amax / 127.0f;
+      float amax = 0.0f;  // NaN when the block has one (numpy's max)
+      for (int64_t kk = 0; kk < layout.block && !std::isnan(amax); ++kk)
+        amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
+      const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
       int8_t* q = qa + m * ldq + b * padded;
       int32_t sum = 0;
       for (int64_t kk = 0; kk < padded; ++kk) {
