@@ -14,17 +14,16 @@
 // the lane's 4 bytes are the 4 consecutive k that vpdpbusd sums (accuracy level 4).
 //
 // accuracy level 0: C = A @ W with W[k, c] = (q - zp) * scale (int) or e2m1(q) * scale (mxfp4),
-// computed per block as the weight-only int4 kernels do: the block's dot with the raw code values,
-// dot_b = sum over k in the block of A[m, k] * v(q) (v(q) = q, or e2m1(q): exact floats), one fp32
-// FMA chain in increasing k (multiply then add in the portable kernel), then
-//   C = fma(scale_b, dot_b - zp_b * asum_b, C)        (int; asum_b: the row's sum over the block)
-//   C = fma(scale_b, dot_b, C)                         (mxfp4)
-// over the blocks in order (each step one rounding: fused multiply-adds, std::fma in portable code).
-// Per weight that is a shift (and a mask, or one vpermps over the 16 code values) and one FMA: decode
-// streams the quantized bytes. Up to kFusedRows rows the micro-kernels decode each panel row once into
-// a register for all the rows; more rows decode a block of panels into an L1 scratch once per call and
-// run the fp32 GEMM (gemm.h, the same chain) on it, so a row's result does not depend on how many rows
-// share its call, nor on the thread count.
+// computed per block as weight-only int4 kernels do: the block's dot with the centred code values,
+// dot_b = sum over k in the block of A[m, k] * v(q) (v(q) = q - zp, or e2m1(q): exact floats), one
+// fp32 FMA chain in increasing k (multiply then add in the portable kernel), then
+// C = fma(scale_b, dot_b, C) over the blocks in order (std::fma in portable code). Per weight that is a
+// shift and one vpermps over the 16 values of the 4-bit codes (minus the default zero point 8), or a
+// shift pair and a conversion of the 8-bit code flipped by 0x80 (q - 128), a subtraction more with
+// explicit zero points, and one FMA: decode streams the quantized bytes. Up to kFusedRows rows the
+// micro-kernels decode each panel row once into a register for all the rows; more rows decode a block
+// of panels into an L1 scratch once per call and run the fp32 GEMM (gemm.h, the same chain) on it, so
+// a row's result depends neither on how many rows share its call nor on the thread count.
 //
 // accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
 // qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
@@ -64,8 +63,9 @@ constexpr int64_t kQuantGroupBytes = 64;
 // Rows up to which the micro-kernels decode in registers (more: decode a panel once, fp32 GEMM).
 constexpr int64_t kFusedRows = 4;
 
-// The values v(q) of the 16 4-bit codes: int (the code itself) and E2M1 (FP4).
+// The values of the 16 4-bit codes: int (q itself, and q - 8 for the default zero point) and E2M1 (FP4).
 constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr float kInt4CentredValues[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -79,43 +79,39 @@ void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, i
 const char* quant_gemm_isa(bool int8_activations);
 
 namespace detail {
-// Row sums of A per block (asum above), [M][blocks]: float additions in increasing k.
-void block_row_sums(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, float* sums);
-
-// The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1), given the
-// rows' block sums (row m's at sums[m * blocks + b]). No portable one: the portable level always
-// decodes blocks.
-using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, const float* sums,
-                              const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc);
+// The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1). No
+// portable one: the portable level always decodes blocks.
+using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, const uint8_t* B,
+                              int64_t p0, int64_t p1, float* C, int64_t ldc);
 // One block of one panel as fp32 code values v(q), [block][16] (the fp32 GEMM's panel of block rows).
 using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* out);
-// C[m, 16 j + c] = fma(scale, dots[m, 16 j + c] - zp * sums[m * blocks], C[m, 16 j + c]) for j < panels,
-// the scales and zero points of block `block` (panel j's at block + j * panel_bytes).
+// C[m, 16 j + c] = fma(scale, dots[m, 16 j + c], C[m, 16 j + c]) for m < M, j < panels, with the scales
+// of block `block` (panel j's at block + j * panel_bytes).
 using QuantCombineFn = void (*)(const QuantPanels&, const uint8_t* block, int64_t panels, const float* dots,
-                                int64_t ld_dots, const float* sums, int64_t M, float* C, int64_t ldc);
+                                int64_t ld_dots, int64_t M, float* C, int64_t ldc);
 // Level 4: int32 dots of prepared rows (quantized per block, zero padded to whole groups) with panels
 // [p0, p1): dots[((m * panels + j) * blocks + b) * 16 + c] for block b, column c of panel p0 + j.
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
                             const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots);
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_portable(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t,
-                            float*, int64_t);
+void quant_combine_portable(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                            int64_t);
 void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
                          int64_t, int32_t*);
 #if defined(MOE_ONNX_HAVE_AVX2)
-void quant_fused_avx2(const QuantPanels&, const float*, int64_t, int64_t, const float*, const uint8_t*, int64_t,
-                      int64_t, float*, int64_t);
+void quant_fused_avx2(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                      int64_t);
 void quant_decode_avx2(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_avx2(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t,
-                        float*, int64_t);
+void quant_combine_avx2(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                        int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
-void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const float*, const uint8_t*, int64_t,
-                        int64_t, float*, int64_t);
+void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                        int64_t);
 void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_avx512(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, const float*, int64_t,
-                          float*, int64_t);
+void quant_combine_avx512(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                          int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
 void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
