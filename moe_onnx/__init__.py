@@ -7,12 +7,15 @@ Public API:
 * :func:`custom_ops_library`: path of the C++ library, for plain onnxruntime.
 * :func:`optimize`: fuse the MoE blocks of an exported model into these ops; :data:`TARGETS` lists
   the forms it can make.
+* :func:`quantize`: turn a fused model's MOE nodes into QMOE nodes (int8/int4 weights, MXFP4
+  repacked) and measure the error against the fp32 model.
 """
 
 from .ops import DOMAIN, OPSET_VERSION, MoeOpError
 from .runtime import custom_ops_library, session
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError", "custom_ops_library", "optimize", "session"]
+__all__ = ["DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError", "custom_ops_library", "optimize",
+           "quantize", "session"]
 __version__ = "0.1.0"
 
 #: the ``target`` values of :func:`optimize` (defined here, not in ``rewrite``, so that reading them,
@@ -41,3 +44,47 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True):
     from .rewrite import optimize as _optimize  # onnxscript is imported only when needed
 
     return _optimize(model, target, fuse_routers=fuse_routers)
+
+
+def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False, accuracy_level: int = 0,
+             repack_mxfp4: bool = True, measure: bool = True, backend: str = "cpp", sizes=None, seed: int = 0):
+    """Quantize the expert weights of a fused model; returns ``(quantized_model, report)``.
+
+    ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
+    (target "moe"; run it first: a model without MOE nodes is refused); the result has the same kind
+    (a path gives a ModelProto). Every MOE node becomes a QMOE node whose weights are ``bits`` 4 or 8
+    integers with one scale per output column (``block_size`` 0) or per block of ``block_size`` inputs
+    (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
+    ``accuracy_level`` (0, or 4: int8 activations). An MOE whose weights are exactly MXFP4 (GPT-OSS's
+    format) is repacked as quant_type mxfp4 without requantizing unless ``repack_mxfp4`` is False.
+    With ``measure`` (default), both models run on ``backend`` on random inputs (seeded by ``seed``)
+    at ``sizes`` (default :data:`moe_onnx.verify.DEFAULT_SIZES`) and ``report.error`` holds the error
+    of every output and every quantized layer's output.
+
+    The report is a :class:`moe_onnx.quantization.QuantizeReport` (``summary()``, ``document()``).
+    Raises :class:`moe_onnx.quantization.QuantizeError` (a ValueError) for bad settings, a model
+    without MOE nodes, or weights the settings cannot quantize (a block size that does not divide K).
+    For models over 2 GB use ``moe-onnx quantize`` (:func:`moe_onnx.pipeline.quantize_file`), which
+    streams the weights to disk.
+    """
+    import onnx
+    import onnx_ir as ir
+
+    from .quantization import QuantizeSettings, measure_error, quantize_ir
+    from .verify import DEFAULT_SIZES
+
+    settings = QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4)
+    settings.check()
+    if isinstance(model, ir.Model):
+        ir_model = model
+    elif isinstance(model, onnx.ModelProto):
+        ir_model = ir.serde.deserialize_model(model)
+    else:  # loaded whole (external data included), so that both models run from memory
+        ir_model = ir.serde.deserialize_model(onnx.load(model))
+    original = ir.serde.serialize_model(ir_model) if measure else None
+    report = quantize_ir(ir_model, settings)
+    quantized = ir.serde.serialize_model(ir_model)
+    if measure:
+        report.error = measure_error(original, quantized, report.layers, backend=backend,
+                                     sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
+    return (ir_model if isinstance(model, ir.Model) else quantized), report

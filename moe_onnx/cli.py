@@ -1,11 +1,13 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
-(``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`)."""
+(``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
+``quantize``: :func:`moe_onnx.pipeline.quantize_file`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 from . import TARGETS
 from .check import check_file
@@ -23,30 +25,56 @@ def _check(args: argparse.Namespace) -> int:
     return status
 
 
-def _optimize(args: argparse.Namespace) -> int:
-    from .pipeline import SameFileError, optimize_file  # onnxscript is imported only when needed
-
+def _stage_printer() -> Callable[[str], None]:
+    """Prints stage messages to stderr with the seconds since the command started."""
     start = time.perf_counter()
 
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {message}", file=sys.stderr, flush=True)
 
+    return progress
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from .pipeline import optimize_file  # onnxscript is imported only when needed
+
+    return _run_pipeline("optimize", args, lambda: optimize_file(
+        args.input, args.output, args.target, progress=_stage_printer(),
+        verify_backend=args.backend if args.verify else None, sizes=args.sizes, threads=args.threads,
+        fuse_routers=not args.keep_routers))
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .pipeline import quantize_file
+    from .quantization import QuantizeSettings
+
+    settings = QuantizeSettings(args.bits, args.block_size, args.zero_points, args.accuracy_level,
+                                repack_mxfp4=not args.no_mxfp4)
+    return _run_pipeline("quantize", args, lambda: quantize_file(
+        args.input, args.output, settings, measure=not args.no_measure, backend=args.backend, sizes=args.sizes,
+        seed=args.seed, progress=_stage_printer()))
+
+
+def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
+    """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
+    that would overwrite the input or bad settings, 1 for a file error or a result that is not ok."""
+    from .pipeline import SameFileError
+    from .quantization import QuantizeError
+
     try:
-        result = optimize_file(args.input, args.output, args.target, progress=progress,
-                               verify_backend=args.backend if args.verify else None, sizes=args.sizes,
-                               threads=args.threads, fuse_routers=not args.keep_routers)
-    except SameFileError as error:
-        print(f"moe-onnx optimize: {error}", file=sys.stderr)
+        result = run()
+    except (SameFileError, QuantizeError) as error:
+        print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 2
     except ModelFileError as error:
-        print(f"moe-onnx optimize: {error}", file=sys.stderr)
+        print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 1
     print(result.summary())
     if args.report:
         try:
             result.write_json(args.report)
         except OSError as error:
-            print(f"moe-onnx optimize: {args.report}: cannot write the report: {error.strerror or error}",
+            print(f"moe-onnx {command}: {args.report}: cannot write the report: {error.strerror or error}",
                   file=sys.stderr)
             return 1
     return 0 if result.ok else 1
@@ -103,6 +131,34 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--threads", type=_positive_int, default=None, help="intra-op threads for --verify")
     opt.add_argument("--report", metavar="FILE.json", help="write the report (and verify results) as JSON")
     opt.set_defaults(run=_optimize)
+
+    quant = commands.add_parser(
+        "quantize", help="quantize the expert weights of a fused model (MOE -> QMOE) and report the error",
+        description="Turn every MOE node of MODEL (a model fused by `moe-onnx optimize`) into a QMOE node with "
+                    "int8 or int4 expert weights, write OUT (weights quantized one expert at a time; external "
+                    "data when large), then run both models on random inputs and print the error of every output "
+                    "and every layer. MOE weights that are exactly MXFP4 (GPT-OSS) are repacked as mxfp4, "
+                    "without error.")
+    quant.add_argument("input", metavar="MODEL", help="a model fused by `moe-onnx optimize` (target moe)")
+    quant.add_argument("-o", "--output", metavar="OUT", required=True, help="where to write the quantized model")
+    quant.add_argument("--bits", type=int, required=True, help="4 or 8")
+    quant.add_argument("--block-size", type=int, default=0,
+                       help="0: one scale per output column (default); else a power of two in [16, 256] dividing "
+                            "every K: one scale per block of that many inputs")
+    quant.add_argument("--zero-points", action="store_true", help="asymmetric: a zero point per scale "
+                       "(default: symmetric, zero point 2^(bits-1))")
+    quant.add_argument("--accuracy-level", type=int, default=0,
+                       help="QMOE's accuracy_level: 0 (default, float activations) or 4 (int8 activations)")
+    quant.add_argument("--no-mxfp4", action="store_true",
+                       help="requantize MXFP4 weights too (default: repack them exactly as quant_type mxfp4)")
+    quant.add_argument("--no-measure", action="store_true", help="skip running both models for the error")
+    quant.add_argument("--backend", choices=BACKENDS, default="cpp", help="kernels used for the error")
+    quant.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                       help="values of the symbolic input dims (batch x sequence ...) for the error "
+                            f"(default {format_sizes(DEFAULT_SIZES)})")
+    quant.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    quant.add_argument("--report", metavar="FILE.json", help="write the report (with the error) as JSON")
+    quant.set_defaults(run=_quantize)
     return parser
 
 

@@ -1,5 +1,6 @@
-"""``moe-onnx optimize`` as a function: read a model file, fuse its MoE blocks, write the result,
-check it and, on request, verify it against the original."""
+"""``moe-onnx optimize`` and ``moe-onnx quantize`` as functions: read a model file, fuse its MoE
+blocks (or quantize its MOE nodes), write the result, check it and verify it against the original
+(optimize: on request; quantize: the error against the fp32 model)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from pathlib import Path
 from shutil import SameFileError
 
 import onnx
+import onnx_ir as ir
 
 from . import io
 from .check import check_loaded, check_model
+from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
 from .verify import DEFAULT_SIZES, VerifyResult, format_sizes, verify
 
-__all__ = ["OptimizeResult", "SameFileError", "optimize_file"]
+__all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file"]
 
 
 @dataclasses.dataclass
@@ -59,8 +62,12 @@ class OptimizeResult:
         return document
 
     def write_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as handle:
-            json.dump(self.document(), handle, indent=2)
+        _write_json(self.document(), path)
+
+
+def _write_json(document: dict, path: str | os.PathLike) -> None:
+    with open(path, "w") as handle:
+        json.dump(document, handle, indent=2)
 
 
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
@@ -80,12 +87,7 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     ``destination`` cannot be written (nothing is left there); ValueError for an unknown target.
     """
     say = progress or (lambda message: None)
-    say(f"loading {source}")
-    proto = io.read_proto(source)
-    _refuse_overwriting_input(source, destination, proto)
-    say(f"checking {source}")
-    _require_valid_input(source, proto)
-    model = io.load(source, proto)
+    model = _load_input(source, destination, say)
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers)
     say(f"saving {destination}")
     io.save(model, destination, progress=progress)
@@ -94,6 +96,74 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
         result.verified = verify(source, destination, backend=verify_backend, sizes=sizes, threads=threads)
     return result
+
+
+@dataclasses.dataclass
+class QuantizeResult:
+    """What :func:`quantize_file` did: the report (with the measured error) and the problems: those
+    ``moe-onnx check`` finds in the written model, or why the error could not be measured."""
+
+    report: QuantizeReport
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        lines = [self.report.summary()]
+        if self.problems:
+            lines.append("problems with the quantized model:")
+            lines += [f"  {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+    def document(self) -> dict:
+        return {**self.report.document(), "problems": self.problems}
+
+    def write_json(self, path: str | os.PathLike) -> None:
+        _write_json(self.document(), path)
+
+
+def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, settings: QuantizeSettings, *,
+                  measure: bool = True, backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
+                  seed: int = 0, progress: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (``settings``, see
+    :func:`moe_onnx.quantization.quantize_ir`) and write it to ``destination`` (the quantized weights
+    are computed one expert at a time while writing; external data when large); then check it and,
+    with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at
+    ``sizes`` and put the error of every output and every quantized layer in the report.
+
+    Raises what :func:`optimize_file` raises for the files, and
+    :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model without MOE nodes
+    (nothing is written then).
+    """
+    settings.check()
+    say = progress or (lambda message: None)
+    model = _load_input(source, destination, say)
+    report = quantize_ir(model, settings, progress=progress)
+    say(f"saving {destination}")
+    io.save(model, destination, progress=progress)
+    result = QuantizeResult(report, check_model(destination))
+    if measure and not result.problems:
+        say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
+        try:
+            report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
+        except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+            text = str(error).strip()
+            result.problems.append(f"the error could not be measured on the {backend} backend: "
+                                   f"{text.splitlines()[0] if text else type(error).__name__}")
+    return result
+
+
+def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: Callable[[str], None]) -> ir.Model:
+    """The valid model at ``source``, its weights left on disk, once it is sure writing ``destination``
+    does not overwrite a file it reads."""
+    say(f"loading {source}")
+    proto = io.read_proto(source)
+    _refuse_overwriting_input(source, destination, proto)
+    say(f"checking {source}")
+    _require_valid_input(source, proto)
+    return io.load(source, proto)
 
 
 def _refuse_overwriting_input(source: str | os.PathLike, destination: str | os.PathLike,

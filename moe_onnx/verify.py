@@ -90,7 +90,7 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def _symbolic_dims(sess: ort.InferenceSession) -> list[str]:
+def symbolic_dims(sess: ort.InferenceSession) -> list[str]:
     """Names of the symbolic input dims, in order of first appearance."""
     names: list[str] = []
     for info in sess.get_inputs():
@@ -181,7 +181,7 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
     if unsupported:
         return VerifyResult(backend, [], error=f"verify: input '{unsupported[0].name}' has type "
                                                f"{unsupported[0].type}, which verify cannot generate")
-    names = _symbolic_dims(original_sess)
+    names = symbolic_dims(original_sess)
     results, ran = [], []
     for index, size in enumerate(sizes):
         dims = dict(zip(names, size))

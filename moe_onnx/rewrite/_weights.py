@@ -11,7 +11,7 @@ keeps the expert axis), so a step is applied to one expert's data, not to the wh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -227,9 +227,7 @@ class _StreamedTensor(ir.LazyTensor):
         return part
 
     def _release_sources(self) -> None:
-        for value in self._sources:
-            if isinstance(value.const_value, ir.ExternalTensor):
-                value.const_value.release()
+        release_external(self._sources)
 
     def _whole(self) -> np.ndarray:
         whole = np.stack([self._slice(i) for i in range(self.shape[0])]) if self.shape[0] else \
@@ -241,6 +239,13 @@ class _StreamedTensor(ir.LazyTensor):
         for index in range(self.shape[0]):
             file.write(self._slice(index).tobytes())
             self._release_sources()
+
+
+def release_external(values: Iterable[ir.Value]) -> None:
+    """Unmap the data of the initializers among ``values`` that are external (memory-mapped when read)."""
+    for value in values:
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value.release()
 
 
 def initializer_expert(value: ir.Value, e: int) -> np.ndarray:

@@ -1,0 +1,230 @@
+// AVX-512 kernels of quant_gemm_panels (qgemm.h) at accuracy level 0; this file alone is compiled
+// with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma and is only called after a run-time check.
+//
+// A 64-byte group of codes is one zmm: its 32-bit lane c holds column c's codes of G rows. Row i of a
+// 4-bit group is one shift and one vpermps (which reads only the low 4 bits of each lane's index)
+// over the 16 code values; row i of an 8-bit group two shifts and a conversion (Decoder). One FMA
+// per row of A adds it into the block's dots; at the block's end the scale applies once.
+#include <immintrin.h>
+
+#include <array>
+#include <type_traits>
+#include <utility>
+
+#include "qgemm.h"
+
+namespace moe_onnx {
+namespace detail {
+namespace {
+
+constexpr int group_rows(QuantCode Q) { return Q == QuantCode::kInt8 ? 4 : 8; }
+
+// How a block's rows become fp32 values v(q): the 4-bit codes' table (q, q - 8 or E2M1) and the zero
+// points subtracted after it (ZP: explicit zero points), or for 8-bit codes without them the flip
+// of each byte (q ^ 0x80 read as a signed byte is q - 128).
+template <QuantCode Q, bool ZP>
+struct Decoder {
+  __m512 values;      // 4-bit codes
+  __m512 zero_point;  // ZP
+
+  explicit Decoder(const uint8_t* block) {
+    values = _mm512_loadu_ps(Q == QuantCode::kE2M1 ? kE2M1Values : ZP ? kInt4Values : kInt4CentredValues);
+    if (ZP)
+      zero_point = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64))));
+  }
+  // A group as loaded, ready for row(): 8-bit codes without zero points flipped.
+  static inline __m512i prepare(__m512i group) {
+    return Q == QuantCode::kInt8 && !ZP ? _mm512_xor_si512(group, _mm512_set1_epi32(static_cast<int>(0x80808080u)))
+                                        : group;
+  }
+  template <int I>
+  inline __m512 row(__m512i group) const {
+    __m512 v;
+    if (Q == QuantCode::kInt8 && !ZP) {  // the signed byte I of each lane
+      const __m512i high = I == 3 ? group : _mm512_slli_epi32(group, 24 - 8 * I);
+      v = _mm512_cvtepi32_ps(_mm512_srai_epi32(high, 24));
+    } else if (Q == QuantCode::kInt8) {
+      const __m512i shifted = I == 0 ? group : _mm512_srli_epi32(group, 8 * I);
+      v = _mm512_cvtepi32_ps(I == 3 ? shifted : _mm512_and_si512(shifted, _mm512_set1_epi32(0xff)));
+    } else {  // vpermps reads the low 4 bits of each lane's index
+      constexpr int shift = I < 4 ? 8 * I : 8 * (I - 4) + 4;
+      v = _mm512_permutexvar_ps(shift == 0 ? group : _mm512_srli_epi32(group, shift), values);
+    }
+    return ZP ? _mm512_sub_ps(v, zero_point) : v;
+  }
+  // Row i of a group, i known at run time (a per-column block's partial last group, the decode path).
+  inline __m512 row(__m512i group, int i) const {
+    switch (i) {
+      case 0: return row<0>(group);
+      case 1: return row<1>(group);
+      case 2: return row<2>(group);
+      case 3: return row<3>(group);
+      case 4: return row<4>(group);
+      case 5: return row<5>(group);
+      case 6: return row<6>(group);
+      default: return row<7>(group);
+    }
+  }
+};
+
+// The decoders of NP panels' blocks (panel j's block at block + j * panel_bytes).
+template <QuantCode Q, bool ZP, int NP>
+using Decoders = std::array<Decoder<Q, ZP>, NP>;
+template <QuantCode Q, bool ZP, size_t... J>
+inline Decoders<Q, ZP, sizeof...(J)> decoders(const uint8_t* block, int64_t panel_bytes, std::index_sequence<J...>) {
+  return {Decoder<Q, ZP>(block + static_cast<int64_t>(J) * panel_bytes)...};
+}
+
+// MR rows x NP panels: the block's dots and the result, both in registers.
+template <QuantCode Q, bool ZP, int MR, int NP>
+struct Tile {
+  __m512 acc[MR][NP], dot[MR][NP];
+  const float* A;
+  int64_t lda;
+
+  inline void step(const __m512 (&w)[NP], int64_t k) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * lda + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) dot[r][j] = _mm512_fmadd_ps(a, w[j], dot[r][j]);
+    }
+  }
+  template <int I>
+  inline void row(const Decoders<Q, ZP, NP>& d, const __m512i (&g)[NP], int64_t k0) {
+    __m512 w[NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) w[j] = d[j].template row<I>(g[j]);
+    step(w, k0 + I);
+  }
+  template <int... I>
+  inline void group(const Decoders<Q, ZP, NP>& d, const __m512i (&g)[NP], int64_t k0,
+                    std::integer_sequence<int, I...>) {
+    (row<I>(d, g, k0), ...);
+  }
+};
+
+template <QuantCode Q, bool ZP, int MR, int NP>
+void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc) {
+  constexpr int G = group_rows(Q);
+  Tile<Q, ZP, MR, NP> t;
+  t.A = A;
+  t.lda = lda;
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) t.acc[r][j] = _mm512_setzero_ps();
+  const int64_t panel_bytes = layout.panel_bytes();
+  const int64_t full = layout.block / G, rest = layout.block % G;
+  for (int64_t b = 0; b < layout.blocks(); ++b) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) t.dot[r][j] = _mm512_setzero_ps();
+    const uint8_t* block = B + b * layout.block_bytes();
+    const uint8_t* codes = block + layout.header_bytes();
+    const Decoders<Q, ZP, NP> d = decoders<Q, ZP>(block, panel_bytes, std::make_index_sequence<NP>{});
+    const int64_t k0 = b * layout.block;
+    for (int64_t g = 0; g < full; ++g) {
+      __m512i group[NP];
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j)
+        group[j] = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + j * panel_bytes + g * kQuantGroupBytes));
+      t.group(d, group, k0 + g * G, std::make_integer_sequence<int, G>{});
+    }
+    if (rest) {
+      __m512i group[NP];
+      for (int j = 0; j < NP; ++j)
+        group[j] = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + j * panel_bytes + full * kQuantGroupBytes));
+      for (int i = 0; i < rest; ++i) {
+        __m512 w[NP];
+        for (int j = 0; j < NP; ++j) w[j] = d[j].row(group[j], i);
+        t.step(w, k0 + full * G + i);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * panel_bytes));
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) t.acc[r][j] = _mm512_fmadd_ps(scale, t.dot[r][j], t.acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(C + r * ldc + j * kPanel, t.acc[r][j]);
+}
+
+// Panels [p0, p1) for MR rows: four panels at a time for one row, two for two to four (the
+// accumulators and dots fit the 32 registers), then one.
+template <QuantCode Q, bool ZP, int MR>
+void fused_rows(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* B, int64_t p0, int64_t p1,
+                float* C, int64_t ldc) {
+  const int64_t panel_bytes = layout.panel_bytes();
+  int64_t p = p0;
+  if (MR == 1)
+    for (; p + 4 <= p1; p += 4) fused_tile<Q, ZP, MR, 4>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+  for (; p + 2 <= p1; p += 2) fused_tile<Q, ZP, MR, 2>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+  if (p < p1) fused_tile<Q, ZP, MR, 1>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+}
+
+template <QuantCode Q, bool ZP>
+void fused(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0, int64_t p1,
+           float* C, int64_t ldc) {
+  switch (M) {
+    case 1: return fused_rows<Q, ZP, 1>(layout, A, lda, B, p0, p1, C, ldc);
+    case 2: return fused_rows<Q, ZP, 2>(layout, A, lda, B, p0, p1, C, ldc);
+    case 3: return fused_rows<Q, ZP, 3>(layout, A, lda, B, p0, p1, C, ldc);
+    default: return fused_rows<Q, ZP, 4>(layout, A, lda, B, p0, p1, C, ldc);
+  }
+}
+
+template <QuantCode Q, bool ZP>
+void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
+  constexpr int G = group_rows(Q);
+  const Decoder<Q, ZP> d(block);
+  const uint8_t* codes = block + layout.header_bytes();
+  for (int64_t kk = 0; kk < layout.block; ++kk) {
+    const __m512i group = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + (kk / G) * kQuantGroupBytes));
+    _mm512_storeu_ps(out + kk * kPanel, d.row(group, static_cast<int>(kk % G)));
+  }
+}
+
+// Calls body(Q, ZP) as template arguments for the layout's code and zero points.
+template <class Body>
+void with_decoder(const QuantPanels& layout, Body&& body) {
+  using Int4 = std::integral_constant<QuantCode, QuantCode::kInt4>;
+  using Int8 = std::integral_constant<QuantCode, QuantCode::kInt8>;
+  using E2M1 = std::integral_constant<QuantCode, QuantCode::kE2M1>;
+  const bool zp = layout.zero_points;
+  switch (layout.code) {
+    case QuantCode::kInt4: return zp ? body(Int4{}, std::true_type{}) : body(Int4{}, std::false_type{});
+    case QuantCode::kInt8: return zp ? body(Int8{}, std::true_type{}) : body(Int8{}, std::false_type{});
+    case QuantCode::kE2M1: return body(E2M1{}, std::false_type{});
+  }
+}
+
+}  // namespace
+
+void quant_fused_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
+                        int64_t p1, float* C, int64_t ldc) {
+  with_decoder(layout, [&](auto q, auto zp) { fused<q(), zp()>(layout, A, lda, M, B, p0, p1, C, ldc); });
+}
+
+void quant_decode_avx512(const QuantPanels& layout, const uint8_t* block, float* out) {
+  with_decoder(layout, [&](auto q, auto zp) { decode<q(), zp()>(layout, block, out); });
+}
+
+void quant_combine_avx512(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
+                          int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < panels; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * layout.panel_bytes()));
+    for (int64_t m = 0; m < M; ++m) {
+      float* out = C + m * ldc + j * kPanel;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, _mm512_loadu_ps(dots + m * ld_dots + j * kPanel), _mm512_loadu_ps(out)));
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace moe_onnx

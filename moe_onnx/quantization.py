@@ -1,0 +1,493 @@
+"""Quantizing a fused model's experts: each MOE node becomes a QMOE, and the error is measured.
+
+Each MOE weight becomes QMOE's ``[E, N, K]`` layout (GEMM2_BIAS_SWIGLU_CLAMP's two weights are
+transposed from MOE's ``[E, K, N]``) and is quantized by :func:`moe_onnx.ops.qmoe.quantize` (int8 or
+int4, per column or block-wise, symmetric or with zero points). An MOE whose weights are exactly
+MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as GPT-OSS's
+checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
+requantization, no error. The quantized initializers are computed while the model is written, one
+expert at a time, like the rewriter's (``rewrite/_weights.py``). :func:`measure_error` runs the fp32
+and the quantized model on the same random inputs and reports the error of every output and of
+every quantized layer's output.
+
+The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onnx/ops/qmoe.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from .ops import DOMAIN, signatures
+from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
+from .ops.qmoe import (
+    ACCURACY_LEVELS,
+    E2M1_VALUES,
+    E8M0_BIAS,
+    MXFP4_BLOCK,
+    QUANT_INT,
+    QUANT_MXFP4,
+    SCALES,
+    ZERO_POINTS,
+    pack_codes,
+    quantize as quantize_weight,
+)
+from .rewrite._weights import initializer_expert, release_external, streamed_initializer
+from .runtime import session
+from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
+
+__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
+           "measure_error", "mxfp4_exact", "quantize_ir"]
+
+BITS = (4, 8)
+
+
+class QuantizeError(ValueError):
+    """Arguments or a model that cannot be quantized; the message names the setting or the node."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings:
+    """How to quantize: ``bits`` 4 or 8; ``block_size`` 0 (one scale per output column) or a power of
+    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level``;
+    ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the
+    bits asked for."""
+
+    bits: int = 8
+    block_size: int = 0
+    zero_points: bool = False
+    accuracy_level: int = 0
+    repack_mxfp4: bool = True
+
+    def check(self) -> None:
+        """QuantizeError naming the first setting out of range."""
+        if self.bits not in BITS:
+            raise QuantizeError(f"bits is {self.bits}; expected 4 or 8")
+        block = self.block_size
+        if block != 0 and not (16 <= block <= 256 and block & (block - 1) == 0):
+            raise QuantizeError(f"block_size is {block}; expected 0 (one scale per output column) "
+                                "or a power of two in [16, 256]")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise QuantizeError(f"accuracy_level is {self.accuracy_level}; expected one of "
+                                f"{', '.join(map(str, ACCURACY_LEVELS))}")
+
+    def describe(self) -> str:
+        block = "per column" if self.block_size == 0 else f"block {self.block_size}"
+        zero = "with zero points" if self.zero_points else "symmetric"
+        return f"int{self.bits}, {block}, {zero}, accuracy_level {self.accuracy_level}"
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+# the code of each E2M1 magnitude, indexed by twice the magnitude (0, 1, 2, 3, 4, 6, 8, 12); the other
+# slots hold 0, whose value (0) then differs from the magnitude looked up, as for any value between codes
+_CODE_OF_DOUBLED = np.zeros(16, np.uint8)
+_CODE_OF_DOUBLED[(2 * E2M1_VALUES[:8]).astype(np.int64)] = np.arange(8)
+
+
+def mxfp4_exact(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``matrix`` [N, K] as MXFP4, when every block of 32 along K is exactly E2M1 values times one power of
+    two: ``(packed codes [N, K/2] uint8, E8M0 scales [N, K/32] uint8)``; None otherwise.
+
+    A block's scale is 2^(floor(log2(max |w|)) - 2), which maps its largest value into [4, 8): the
+    smallest power of two that holds the largest value, so every other value of an exact block is an
+    E2M1 value at that scale too.
+    """
+    rows, k = matrix.shape
+    if k % MXFP4_BLOCK:
+        return None
+    blocks = matrix.astype(np.float32).reshape(rows, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    if not np.isfinite(blocks).all():
+        return None
+    magnitude = np.abs(blocks)
+    peak = magnitude.max(axis=-1)
+    _, peak_exponent = np.frexp(peak)  # peak = m * 2^e, m in [0.5, 1): floor(log2(peak)) = e - 1
+    exponent = np.where(peak > 0, peak_exponent - 3, 0)
+    if (exponent + E8M0_BIAS < 0).any() or (exponent + E8M0_BIAS > 254).any():
+        return None
+    magnitude *= np.exp2(-exponent).astype(np.float32)[..., None]  # exact: a power of two; now < 8
+    index = _CODE_OF_DOUBLED[(magnitude * 2).astype(np.uint8)]
+    if not np.array_equal(E2M1_VALUES[index], magnitude):
+        return None
+    codes = (index | (np.signbit(blocks).view(np.uint8) << 3)).reshape(rows, k)
+    return pack_codes(codes, 4), (exponent + E8M0_BIAS).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- one MOE node
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertWeight:
+    """One MOE weight as QMOE takes it, [E, N, K]; ``transposed``: MOE stores it [E, K, N]."""
+
+    index: int  # the input position, the same in MOE and QMOE
+    value: ir.Value
+    transposed: bool
+
+    @property
+    def name(self) -> str:
+        return signatures.MOE.inputs[self.index].name
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, a, b = (int(d) for d in self.value.const_value.shape)
+        return (experts, b, a) if self.transposed else (experts, a, b)
+
+    def expert(self, e: int) -> np.ndarray:
+        """Expert ``e``'s [N, K] float32 matrix (a lazy initializer computes that expert alone)."""
+        matrix = np.asarray(initializer_expert(self.value, e), dtype=np.float32)
+        return matrix.T if self.transposed else matrix
+
+
+class _QuantizedParts:
+    """The QMOE inputs made from one weight (packed weight, scales[, zero points]), one expert at a
+    time: ``encode`` quantizes an expert's matrix into its parts, and each part's slice is kept until
+    that part's initializer takes it, so an expert is quantized once while the model is written."""
+
+    def __init__(self, weight: _ExpertWeight, encode: Callable[[np.ndarray], Sequence[np.ndarray | None]]):
+        self._weight, self._encode = weight, encode
+        first = self._encode_expert(0)  # the parts' shapes; kept for the writer
+        self.shapes = [None if part is None else (weight.shape[0], *part.shape) for part in first]
+        self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
+
+    def _encode_expert(self, e: int) -> list[np.ndarray | None]:
+        return list(self._encode(self._weight.expert(e)))
+
+    def slice(self, part: int, e: int) -> np.ndarray:
+        if e not in self._pending[part]:
+            for pending, array in zip(self._pending, self._encode_expert(e)):
+                if array is not None:
+                    pending[e] = array
+        return self._pending[part].pop(e)
+
+
+@dataclasses.dataclass
+class LayerReport:
+    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+
+    node: str
+    output: str
+    routing_weights: str  # the node's routing_weights
+    indices: str  # the node's router_topk_output_indices
+    expert_type: str
+    quant_type: str
+    bits: int
+    block_size: int
+    zero_points: bool
+    accuracy_level: int
+    weight_bytes_before: int
+    weight_bytes_after: int
+
+    def describe(self) -> str:
+        if self.quant_type == QUANT_MXFP4:
+            how = "mxfp4 (the weights are exactly MXFP4: repacked, not requantized)"
+        else:
+            block = "per column" if self.block_size == 0 else f"block {self.block_size}"
+            how = f"int{self.bits} {block}{', zero points' if self.zero_points else ''}"
+        return (f"{self.node} ({self.expert_type}): {how}, weights {self.weight_bytes_before:,} -> "
+                f"{self.weight_bytes_after:,} bytes")
+
+
+def _expert_weights(node: ir.Node, graph: ir.Graph) -> list[_ExpertWeight]:
+    """The node's weights in QMOE's order; QuantizeError for one that is not an initializer of ``graph``."""
+    expert_type = node.attributes["expert_type"].as_string()
+    weights = []
+    for index, *_ in LINEARS[expert_type]:
+        value = node.inputs[index]
+        if value is None or value.const_value is None or graph.initializers.get(value.name) is not value:
+            raise QuantizeError(f"MOE node '{node.name}': input '{signatures.MOE.inputs[index].name}' is not an "
+                                "initializer; "
+                                "quantize needs constant expert weights")
+        weights.append(_ExpertWeight(index, value, transposed=expert_type == GEMM2_BIAS_SWIGLU_CLAMP))
+    return weights
+
+
+def _check_divides(node: ir.Node, weights: Sequence[_ExpertWeight], settings: QuantizeSettings) -> None:
+    for w in weights:
+        k = w.shape[2]
+        if settings.block_size and k % settings.block_size:
+            raise QuantizeError(f"MOE node '{node.name}': block_size {settings.block_size} does not divide K = {k}, "
+                                f"the inputs of {w.name} ([E, N, K] = {list(w.shape)}); choose a block size that "
+                                "divides every K of the model, or 0 (per column)")
+        if settings.bits == 4 and k % 2:
+            raise QuantizeError(f"MOE node '{node.name}': int4 packs two K values per byte, but K of {w.name} is "
+                                f"{k} (odd); use bits 8")
+
+
+def _is_mxfp4(weights: Sequence[_ExpertWeight]) -> bool:
+    """Every expert of every weight is exactly MXFP4. Reads one expert at a time, unmapping external data
+    after each, and stops at the first miss."""
+    for w in weights:
+        for e in range(w.shape[0]):
+            exact = mxfp4_exact(w.expert(e)) is not None
+            release_external([w.value])
+            if not exact:
+                return False
+    return True
+
+
+def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], bool]:
+    """The node's weights and whether they are repacked as MXFP4; QuantizeError when the settings cannot
+    quantize them."""
+    weights = _expert_weights(node, graph)
+    mxfp4 = settings.repack_mxfp4 and _is_mxfp4(weights)
+    if not mxfp4:
+        _check_divides(node, weights, settings)
+    return weights, mxfp4
+
+
+def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], mxfp4: bool,
+                   settings: QuantizeSettings) -> LayerReport:
+    """Replace MOE ``node`` by a QMOE with lazily quantized ``weights``; returns what was done."""
+    layer = LayerReport(
+        node=node.name or node.outputs[0].name, output=node.outputs[0].name, routing_weights=node.inputs[1].name,
+        indices=node.inputs[2].name, expert_type=node.attributes["expert_type"].as_string(),
+        quant_type=QUANT_MXFP4 if mxfp4 else QUANT_INT, bits=4 if mxfp4 else settings.bits,
+        block_size=MXFP4_BLOCK if mxfp4 else settings.block_size, zero_points=not mxfp4 and settings.zero_points,
+        accuracy_level=0 if mxfp4 else settings.accuracy_level, weight_bytes_before=0, weight_bytes_after=0)
+
+    def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
+        if mxfp4:
+            return mxfp4_exact(matrix)
+        return quantize_weight(matrix, bits=layer.bits, block_size=layer.block_size, symmetric=not layer.zero_points)
+
+    inputs = list(node.inputs) + [None] * (len(signatures.QMOE.inputs) - len(node.inputs))
+    for w in weights:
+        parts = _QuantizedParts(w, encode)
+        positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
+        for part, (position, shape) in enumerate(zip(positions, parts.shapes)):
+            if shape is None:
+                continue
+            name = signatures.QMOE.inputs[position].name
+            dtype = ir.DataType.FLOAT if name.startswith("scales") and not mxfp4 else ir.DataType.UINT8
+            inputs[position] = streamed_initializer(graph, f"{layer.node}.{name}",
+                                                    lambda e, p=parts, i=part: p.slice(i, e), dtype, shape,
+                                                    sources=[w.value])
+            layer.weight_bytes_after += math.prod(shape) * int(dtype.itemsize)
+        layer.weight_bytes_before += w.value.const_value.nbytes
+    while inputs[-1] is None:
+        inputs.pop()
+
+    attributes = [*node.attributes.values(), ir.AttrInt64("bits", layer.bits),
+                  ir.AttrInt64("block_size", layer.block_size), ir.AttrString("quant_type", layer.quant_type),
+                  ir.AttrInt64("accuracy_level", layer.accuracy_level)]
+    qmoe = ir.Node(DOMAIN, "QMOE", inputs, attributes, name=node.name)
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], node.outputs, qmoe.outputs)
+    return layer
+
+
+# ----------------------------------------------------------------------------- the model
+
+@dataclasses.dataclass
+class ErrorStat:
+    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|.
+    For a layer, also the tokens routed, those ``rerouted`` (whose set of selected experts differs from the
+    fp32 model's: quantization moved a near tie of the router's scores) and the largest change of the
+    routing weight of an expert that both select for a token (``routing_weight_change``)."""
+
+    name: str
+    max_abs: float
+    relative: float
+    reference_max: float
+    tokens: int | None = None
+    rerouted: int | None = None
+    routing_weight_change: float | None = None
+
+
+@dataclasses.dataclass
+class ErrorReport:
+    """:func:`measure_error`'s result: every output's error, and every quantized layer's output's."""
+
+    backend: str
+    sizes: list[list[int]]
+    seed: int
+    outputs: list[ErrorStat]
+    layers: list[ErrorStat]
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What quantization did: the settings, each MOE node made a QMOE, notes, and (when measured) the error."""
+
+    settings: QuantizeSettings
+    layers: list[LayerReport]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: ErrorReport | None = None
+
+    @property
+    def weight_bytes_before(self) -> int:
+        return sum(layer.weight_bytes_before for layer in self.layers)
+
+    @property
+    def weight_bytes_after(self) -> int:
+        return sum(layer.weight_bytes_after for layer in self.layers)
+
+    def summary(self) -> str:
+        lines = [f"quantize: {len(self.layers)} MOE node{'s' if len(self.layers) != 1 else ''} -> QMOE "
+                 f"({self.settings.describe()})"]
+        lines += [f"  {layer.describe()}" for layer in self.layers]
+        lines += [f"  note: {note}" for note in self.notes]
+        before, after = self.weight_bytes_before, self.weight_bytes_after
+        lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
+        if self.error is not None:
+            e = self.error
+            lines.append(f"error vs the unquantized model ({e.backend} backend, sizes {format_sizes(e.sizes)}, "
+                         f"seed {e.seed}; relative = max abs error / max |unquantized value|):")
+            lines += [f"  output '{s.name}': max abs {s.max_abs:.3g}, relative {s.relative:.3g}" for s in e.outputs]
+            lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative "
+                      f"{s.relative:.3g}, tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to "
+                      f"{s.routing_weight_change:.3g}" for layer, s in zip(self.layers, e.layers)]
+            if any(s.rerouted or s.routing_weight_change for s in e.layers):
+                lines.append("  (the router is not quantized, but its input is an earlier layer's output: a rerouted "
+                             "token, or a routing weight that moves, changes a layer's output by more than its "
+                             "own weights' quantization error)")
+        return "\n".join(lines)
+
+    def document(self) -> dict:
+        """The report as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def _is_moe(node: ir.Node) -> bool:
+    return node.domain == DOMAIN and node.op_type == "MOE"
+
+
+def quantize_ir(model: ir.Model, settings: QuantizeSettings,
+                progress: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Replace every MOE node of ``model``'s main graph by a QMOE, in place (MOE nodes inside subgraphs
+    are left as they are, with a note); the quantized weights are computed when the model is written
+    (or read). Raises QuantizeError for bad settings, a model
+    without MOE nodes, or a node whose weights the settings cannot quantize (nothing is changed then)."""
+    say = progress or (lambda message: None)
+    settings.check()
+    nodes = [node for node in model.graph if _is_moe(node)]
+    nested = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_moe(node)
+              and node.graph is not model.graph]
+    if not nodes:
+        raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
+                            "model fused by `moe-onnx optimize` (target moe): run that first")
+    say("reading the expert weights")
+    plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
+    report = QuantizeReport(settings, [])
+    for node, weights, mxfp4 in plans:
+        say(f"quantizing MOE node '{node.name}'")
+        report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    if nested:
+        report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
+                            + ", ".join(f"'{node.name}'" for node in nested))
+    repacked = [layer.node for layer in report.layers if layer.quant_type == QUANT_MXFP4]
+    if repacked and settings.accuracy_level:
+        report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
+                            f"({', '.join(repacked)}): they keep 0")
+    common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
+    return report
+
+
+# ----------------------------------------------------------------------------- the error
+
+def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, backend: str = "cpp",
+                  sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
+    """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
+    (values of the symbolic input dims, in order; integer inputs that index an embedding table are drawn
+    from its rows) on ``backend``: the error of every floating-point graph output and of each of
+    ``layers``' outputs, and the tokens each layer routes to other experts than the original, over all sizes."""
+    proto = _proto_without_data(original)
+    graph_outputs = [o.name for o in proto.graph.output]
+    extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
+    with _with_outputs(original, extra) as original_model, _with_outputs(quantized, extra) as quantized_model:
+        reference_sess = session(original_model, backend=backend)
+        quantized_sess = session(quantized_model, backend=backend)
+        int_ranges = integer_input_ranges(proto)
+        dims = symbolic_dims(reference_sess)
+        names = list(dict.fromkeys(graph_outputs + extra))
+        errors = {name: _Error() for name in names}
+        for index, size in enumerate(sizes):
+            feeds = random_feeds(reference_sess, dict(zip(dims, size)), seed=seed + index, int_ranges=int_ranges)
+            expected = dict(zip(names, reference_sess.run(names, feeds)))
+            got = dict(zip(names, quantized_sess.run(names, feeds)))
+            for name in names:
+                errors[name].add(expected[name], got[name])
+            for layer in layers:
+                errors[layer.output].add_routing(expected[layer.indices], got[layer.indices],
+                                                 expected[layer.routing_weights], got[layer.routing_weights])
+    float_outputs = [name for name in graph_outputs if errors[name].floating]
+    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat(name) for name in float_outputs],
+                       [errors[layer.output].stat(layer.output) for layer in layers])
+
+
+class _Error:
+    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes."""
+
+    def __init__(self):
+        self.max_abs = self.reference_max = 0.0
+        self.floating = False
+        self.tokens = self.rerouted = self.routing_weight_change = None
+
+    def add(self, expected: np.ndarray, got: np.ndarray) -> None:
+        if not np.issubdtype(expected.dtype, np.floating):
+            return
+        self.floating = True
+        if expected.size:
+            reference = expected.astype(np.float64)
+            self.max_abs = max(self.max_abs, float(np.abs(got.astype(np.float64) - reference).max()))
+            self.reference_max = max(self.reference_max, float(np.abs(reference).max()))
+
+    def add_routing(self, indices: np.ndarray, indices_now: np.ndarray, weights: np.ndarray,
+                    weights_now: np.ndarray) -> None:
+        """Count the tokens (rows of the [..., k] expert indices) whose set of experts differs; for the others,
+        the largest change of an expert's routing weight."""
+        k = indices.shape[-1]
+        order, order_now = np.argsort(indices.reshape(-1, k), axis=1), np.argsort(indices_now.reshape(-1, k), axis=1)
+        chosen = np.take_along_axis(indices.reshape(-1, k), order, axis=1)
+        chosen_now = np.take_along_axis(indices_now.reshape(-1, k), order_now, axis=1)
+        same = (chosen == chosen_now).all(axis=1)
+        self.tokens = (self.tokens or 0) + chosen.shape[0]
+        self.rerouted = (self.rerouted or 0) + int((~same).sum())
+        change = np.abs(np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1).astype(np.float64)
+                        - np.take_along_axis(weights.reshape(-1, k), order, axis=1))[same]
+        self.routing_weight_change = max(self.routing_weight_change or 0.0, float(change.max(initial=0.0)))
+
+    def stat(self, name: str) -> ErrorStat:
+        relative = self.max_abs / self.reference_max if self.reference_max else float(self.max_abs > 0)
+        return ErrorStat(name, self.max_abs, relative, self.reference_max, self.tokens, self.rerouted,
+                         self.routing_weight_change)
+
+
+@contextlib.contextmanager
+def _with_outputs(model, names: Sequence[str]):
+    """``model`` (path or ModelProto) with the values ``names`` added as graph outputs (typed where the
+    graph's value_info says): a ModelProto, or for a path a temporary copy beside it (so that its external
+    data is found), removed afterwards."""
+    if not names:
+        yield model
+        return
+    proto = onnx.ModelProto()
+    proto.CopyFrom(_proto_without_data(model))
+    known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
+    declared = {o.name for o in proto.graph.output}
+    for name in dict.fromkeys(names):
+        if name not in declared:
+            proto.graph.output.append(known[name] if name in known else onnx.helper.make_empty_tensor_value_info(name))
+    if not isinstance(model, (str, os.PathLike)):
+        yield proto
+        return
+    handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(model).parent)
+    os.close(handle)
+    try:
+        onnx.save(proto, path)
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def _proto_without_data(model) -> onnx.ModelProto:
+    return model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
