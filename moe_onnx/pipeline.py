@@ -62,8 +62,8 @@ class OptimizeResult:
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
                   verify_backend: str | None = None, sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   threads: int | None = None, progress: Callable[[str], None] | None = None,
-                  fuse_routers: bool = True) -> OptimizeResult:
-    """Fuse the MoE blocks of the model at ``source`` (``target`` and ``fuse_routers`` as in
+                  fuse_routers: bool = True, portable: bool = False) -> OptimizeResult:
+    """Fuse the MoE blocks of the model at ``source`` (``target``, ``fuse_routers`` and ``portable`` as in
     :func:`moe_onnx.optimize`)
     and write it to ``destination`` (with external data when large, see :func:`moe_onnx.io.save`);
     then check the written model and, when ``verify_backend`` is given, compare both models on
@@ -82,7 +82,7 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     say(f"checking {source}")
     _require_valid_input(source, proto)
     model = io.load(source, proto)
-    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers)
+    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable)
     say(f"saving {destination}")
     io.save(model, destination, progress=progress)
     result = OptimizeResult(report, check_model(destination))

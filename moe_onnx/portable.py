@@ -36,7 +36,8 @@ from onnx import TensorProto, helper
 from .ops import DOMAIN, OPS
 from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 
-__all__ = ["BUILDERS", "MIN_OPSET", "add_function_bodies", "configurations", "function_for", "portable_model"]
+__all__ = ["BUILDERS", "MIN_OPSET", "add_function_bodies", "configurations", "function_for", "portable_model",
+           "require_opset"]
 
 MIN_OPSET = 18  # ReduceMax/ReduceProd with axes inputs, Pad with constant_value input
 _INT64_MAX = np.iinfo(np.int64).max
@@ -465,10 +466,7 @@ def add_function_bodies(model: ir.Model) -> ir.Model:
     """Give every moe_onnx node of ``model`` (in place) its portable function: a model-local function
     per distinct configuration, named by the node's ``overload``. Raises ValueError when the model's
     default opset is below :data:`MIN_OPSET` or an int8-capable input's type is unknown."""
-    opset = model.opset_imports.get("", 0)
-    if opset < MIN_OPSET:
-        raise ValueError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
-                         f"imports {opset or 'none'}")
+    opset = require_opset(model)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain != DOMAIN or node.op_type not in BUILDERS:
             continue
@@ -480,6 +478,15 @@ def add_function_bodies(model: ir.Model) -> ir.Model:
     if model.ir_version < 10:  # function overloads are IR 10
         model.ir_version = 10
     return model
+
+
+def require_opset(model: ir.Model) -> int:
+    """The model's default-domain opset; ValueError when the bodies cannot be written in it."""
+    opset = model.opset_imports.get("", 0)
+    if opset < MIN_OPSET:
+        raise ValueError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
+                         f"imports {opset or 'none'}")
+    return opset
 
 
 def _int8_input(node: ir.Node) -> bool:

@@ -1,0 +1,176 @@
+"""Portable function bodies (moe_onnx/portable.py): every op's body on plain onnxruntime and on onnx's
+ReferenceEvaluator equals the numpy reference, and every fixture optimized with ``portable=True`` runs
+without our library with the numbers of our kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from cases import ALL_CASES
+from fixture_models import MANIFEST, SHAPES, TARGETS, TOL, original, random_feeds
+from onnx.reference import ReferenceEvaluator
+from test_op_cases import VALID, as_float64
+
+import moe_onnx
+from moe_onnx.check import check_model
+from moe_onnx.cli import main
+from moe_onnx.ops import DOMAIN, OPS
+from moe_onnx.portable import BUILDERS, add_function_bodies, configurations, portable_model
+from moe_onnx.runtime import run
+
+
+def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
+    """onnxruntime on the CPU without our library."""
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def assert_outputs_match(got, expected, rtol: float, atol: float) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_allclose(as_float64(g), as_float64(e), rtol=rtol, atol=atol)
+
+
+def test_every_op_has_a_body():
+    assert set(BUILDERS) == set(OPS)
+
+
+@functools.cache
+def _portable_case_model(case_id: str) -> onnx.ModelProto:
+    case = next(c for c in ALL_CASES if c.id == case_id)
+    return portable_model(case.model())
+
+
+@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+def test_body_on_plain_onnxruntime_matches_reference(case):
+    model = _portable_case_model(case.id)
+    (function,) = model.functions
+    assert all(node.domain == "" for node in function.node), "standard ops only"
+    got = run(plain_session(model), case.feeds())
+    assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
+
+
+@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+def test_body_on_reference_evaluator_matches_reference_and_checks(case):
+    model = _portable_case_model(case.id)
+    onnx.checker.check_model(model, full_check=True)
+    assert check_model(model) == []
+    with np.errstate(all="ignore"):  # onnx's Sigmoid and Div warn on the cases' inf and NaN
+        got = ReferenceEvaluator(model).run(None, case.feeds())
+    assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
+
+
+def test_configurations_share_one_function_and_differ_by_overload():
+    """Nodes with the same configuration share a function; another configuration is another overload
+    of the same op, and onnxruntime runs each node's own."""
+    base = next(c for c in ALL_CASES if c.id == "MoeGatingTopK-softmax_top2")
+    nodes = [onnx.helper.make_node("MoeGatingTopK", ["logits"], [f"w{i}", f"i{i}"], domain=DOMAIN, k=k)
+             for i, k in enumerate((2, 2, 3))]
+    outputs = [onnx.helper.make_tensor_value_info(name, elem, None)
+               for i in range(3) for name, elem in ((f"w{i}", onnx.TensorProto.FLOAT), (f"i{i}", onnx.TensorProto.INT64))]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("logits", 1, [6, 8])], outputs)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21),
+                                                         onnx.helper.make_opsetid(DOMAIN, 1)], ir_version=10)
+    portable = portable_model(model)
+    assert len(portable.functions) == 2 and {f.name for f in portable.functions} == {"MoeGatingTopK"}
+    assert portable.graph.node[0].overload == portable.graph.node[1].overload != portable.graph.node[2].overload
+    logits = base.inputs[0]
+    got = plain_session(portable).run(None, {"logits": logits})
+    for i, k in enumerate((2, 2, 3)):
+        expected = OPS["MoeGatingTopK"].reference(logits, k=k)
+        np.testing.assert_allclose(got[2 * i], expected[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[2 * i + 1], expected[1])
+
+
+def test_low_opset_is_refused():
+    case = next(c for c in ALL_CASES if c.id == "MOE-gemm3_fp32")
+    model = case.model()
+    model.opset_import[0].version = 17
+    with pytest.raises(ValueError, match="need the default ONNX opset >= 18; the model imports 17"):
+        portable_model(model)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@functools.cache
+def optimized(name: str, target: str, portable: bool) -> onnx.ModelProto:
+    model, report = moe_onnx.optimize(original(name), target=target, portable=portable)
+    assert report.total_fused >= 1
+    return model
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_portable_fixture_on_plain_onnxruntime_matches_our_kernels(name, target):
+    portable = optimized(name, target, True)
+    assert check_model(portable) == []
+    ours = {n.op_type for n in portable.graph.node if n.domain == DOMAIN}
+    assert ours and ours == {f.name for f in portable.functions}, "every op of the fused model has its body"
+    assert all(n.overload for n in portable.graph.node if n.domain == DOMAIN)
+    fused = moe_onnx.session(optimized(name, target, False))
+    plain = plain_session(portable)
+    for batch, seq in SHAPES:
+        feeds = random_feeds(name, batch, seq)
+        for got, expected in zip(plain.run(None, feeds), fused.run(None, feeds)):
+            np.testing.assert_allclose(got, expected, **TOL, err_msg=f"{name} {target} {batch}x{seq}")
+
+
+def test_portable_model_still_runs_our_kernels_where_registered():
+    """A kernel wins over a function in onnxruntime: with the library registered the portable model
+    runs our kernels (a body made to give wrong numbers shows which ran)."""
+    name = "qwen3_moe_batched_mm_tiny"
+    portable = onnx.ModelProto()
+    portable.CopyFrom(optimized(name, "moe", True))
+    for function in portable.functions:
+        if function.name == "MOE":
+            del function.node[:]
+            function.node.append(onnx.helper.make_node("Neg", ["hidden_states"], ["y"]))
+    feeds = random_feeds(name, 2, 3)
+    expected = moe_onnx.session(optimized(name, "moe", False)).run(None, feeds)[0]
+    np.testing.assert_allclose(moe_onnx.session(portable).run(None, feeds)[0], expected, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(plain_session(portable).run(None, feeds)[0], expected)
+
+
+REFERENCE_EVALUATOR_FIXTURES = ["gpt_oss_tiled_tiny", "deepseek_v3_loop_grouped_tiny", "qwen3_moe_batched_mm_tiny"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", REFERENCE_EVALUATOR_FIXTURES)
+def test_portable_fixture_on_reference_evaluator(name, target):
+    portable = optimized(name, target, True)
+    assert all(count == 1 for count in configurations(_ir(portable)).values())
+    feeds = random_feeds(name, 2, 3)
+    expected = moe_onnx.session(optimized(name, target, False)).run(None, feeds)
+    got = ReferenceEvaluator(portable).run(None, feeds)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def _ir(model: onnx.ModelProto):
+    import onnx_ir as ir
+
+    return ir.serde.deserialize_model(model)
+
+
+def test_cli_optimize_portable(tmp_path):
+    name = "gpt_oss_tiled_tiny"
+    source, destination = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(original(name), source)
+    assert main(["optimize", str(source), "-o", str(destination), "--portable"]) == 0
+    written = onnx.load(destination)
+    assert {f.name for f in written.functions} == {"MOE", "MoeGatingTopK"}
+    assert main(["check", str(destination)]) == 0
+    feeds = random_feeds(name, 1, 4)
+    expected = moe_onnx.session(optimized(name, "moe", False)).run(None, feeds)
+    for got, e in zip(plain_session(written).run(None, feeds), expected):
+        np.testing.assert_allclose(got, e, **TOL)
+
+
+def test_add_function_bodies_on_ir_model_in_place():
+    model = _ir(next(c for c in ALL_CASES if c.id == "MoeFinalizeRouting-dropless_gather").model())
+    assert add_function_bodies(model) is model
+    assert configurations(model) == {"MoeFinalizeRouting": 1}
