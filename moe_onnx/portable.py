@@ -166,9 +166,9 @@ ACTIVATIONS: dict[str, Callable[[Body, str], str]] = {
 }
 
 
-def _transposed(b: Body, weight: str) -> str:
-    """[E, N, K] -> [E, K, N] float32: the nn.Linear layout as the right operand of MatMul."""
-    return b.Transpose(b.float32(weight), perm=[0, 2, 1])
+Linear = Callable[[str, str], str]
+"""``linear(weight_input, a)``: ``a`` ([1, T, K] for every expert, or [E, T, K]; float32) times every
+expert's weight of that input, ``a @ W[e]^T`` for W [E, N, K]: [E, T, N], without bias."""
 
 
 def _plus_expert_bias(b: Body, c: Config, y: str, bias: str) -> str:
@@ -180,12 +180,11 @@ def _swish(b: Body, gate: str, alpha: float) -> str:
     return b.Mul(gate, b.Sigmoid(b.Mul(gate, b.scalar(alpha))))
 
 
-def expert_outputs(b: Body, c: Config, x: str, weights: dict[str, str]) -> str:
-    """Every expert on every row of ``x`` [T, H] (float32): [E, T, H]. ``weights`` maps weight_0,
-    weight_1, weight_2 to float32 tensors in MOE's layouts."""
+def expert_outputs(b: Body, c: Config, x: str, linear: Linear) -> str:
+    """Every expert on every row of ``x`` [1, T, H] (float32): [E, T, H] (moe.mix_experts's expert types)."""
     expert_type, alpha = c.attr("expert_type"), float(c.attr("expert_alpha"))
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-        gate_up = _plus_expert_bias(b, c, b.MatMul(x, weights["weight_0"]), "bias_0")  # [E, T, 2I]
+        gate_up = _plus_expert_bias(b, c, linear("weight_0", x), "bias_0")  # [E, T, 2I]
         parity, beta = int(c.attr("gate_parity")), b.scalar(float(c.attr("expert_beta")))
 
         def half(start: int) -> str:
@@ -196,23 +195,21 @@ def expert_outputs(b: Body, c: Config, x: str, weights: dict[str, str]) -> str:
         low = b.Neg(beta)
         up = b.Where(b.Greater(up, beta), beta, b.Where(b.Less(up, low), low, up))
         act = b.Mul(b.Add(up, b.scalar(1.0)), _swish(b, gate, alpha))
-        return _plus_expert_bias(b, c, b.MatMul(act, weights["weight_1"]), "bias_1")
+        return _plus_expert_bias(b, c, linear("weight_1", act), "bias_1")
     if expert_type == GEMM2_ACT:
-        up = _plus_expert_bias(b, c, b.MatMul(x, b.Transpose(weights["weight_0"], perm=[0, 2, 1])), "bias_0")
-        act = ACTIVATIONS[c.attr("activation")](b, up)
-        return _plus_expert_bias(b, c, b.MatMul(act, b.Transpose(weights["weight_1"], perm=[0, 2, 1])), "bias_1")
-    gate = b.MatMul(x, b.Transpose(weights["weight_0"], perm=[0, 2, 1]))
-    up = b.MatMul(x, b.Transpose(weights["weight_1"], perm=[0, 2, 1]))
-    return b.MatMul(b.Mul(_swish(b, gate, alpha), up), b.Transpose(weights["weight_2"], perm=[0, 2, 1]))
+        up = _plus_expert_bias(b, c, linear("weight_0", x), "bias_0")
+        return _plus_expert_bias(b, c, linear("weight_1", ACTIVATIONS[c.attr("activation")](b, up)), "bias_1")
+    gate, up = linear("weight_0", x), linear("weight_1", x)
+    return linear("weight_2", b.Mul(_swish(b, gate, alpha), up))
 
 
-def mix_experts(b: Body, c: Config, weights: dict[str, str]) -> dict[str, str]:
-    """MOE's y from float32 expert weights: each token's k chosen expert outputs, weighted and summed."""
+def mix_experts(b: Body, c: Config, linear: Linear) -> dict[str, str]:
+    """MOE's and QMOE's y: each token's k chosen expert outputs, weighted and summed."""
     x = b.rows(b.float32("hidden_states"))
     tokens_k = b.Concat(b.Shape(x, end=1), b.Shape("router_topk_output_indices", start=-1), axis=0)
     idx = b.Reshape(b.Cast("router_topk_output_indices", to=TensorProto.INT64), tokens_k, allowzero=1)
     routing = b.Reshape(b.float32("routing_weights"), tokens_k, allowzero=1)
-    per_token = b.Transpose(expert_outputs(b, c, x, weights), perm=[1, 0, 2])  # [T, E, H]
+    per_token = b.Transpose(expert_outputs(b, c, b.Unsqueeze(x, b.ints(0)), linear), perm=[1, 0, 2])  # [T, E, H]
     chosen = b.take_rows(per_token, idx)  # [T, k, H]
     mixed = b.ReduceSum(b.Mul(chosen, b.Unsqueeze(routing, b.ints(-1))), b.ints(1), keepdims=0)
     y = b.Reshape(mixed, b.Shape("hidden_states"), allowzero=1)
@@ -220,8 +217,13 @@ def mix_experts(b: Body, c: Config, weights: dict[str, str]) -> dict[str, str]:
 
 
 def _moe(b: Body, c: Config) -> dict[str, str]:
-    names = ("weight_0", "weight_1", "weight_2")
-    return mix_experts(b, c, {name: b.float32(name) for name in names if c.has(name)})
+    stored_k_n = c.attr("expert_type") == GEMM2_BIAS_SWIGLU_CLAMP  # GEMM2 stores [E, K, N], the others [E, N, K]
+
+    def linear(weight: str, a: str) -> str:
+        w = b.float32(weight)
+        return b.MatMul(a, w if stored_k_n else b.Transpose(w, perm=[0, 2, 1]))
+
+    return mix_experts(b, c, linear)
 
 
 # ----------------------------------------------------------------------------- MoeGatingTopK
@@ -409,6 +411,93 @@ def _row_parallel_linear(b: Body, c: Config) -> dict[str, str]:
     return {"Y": y if c.int8 else b.CastLike(y, "X")}
 
 
+# ----------------------------------------------------------------------------- QMOE
+
+# E2M1 codes and E8M0 exponents (qmoe.dequantize's mxfp4) as lookup tables
+_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+_E8M0 = np.append(np.ldexp(1.0, np.arange(255) - 127), np.nan).astype(np.float32)  # 255: NaN
+
+
+def _unpack(b: Body, packed: str, bits: int, count: str | None = None) -> str:
+    """The codes (int32) along the last dim of uint8 ``packed``: one per byte, or two (the even index in the
+    low nibble); the first ``count`` of them when given (qmoe.unpack_codes)."""
+    codes = b.Cast(packed, to=TensorProto.INT32)
+    if bits == 4:
+        low, high = b.Mod(codes, b.scalar(16, np.int32)), b.Div(codes, b.scalar(16, np.int32))
+        pairs = b.Concat(b.Unsqueeze(low, b.ints(-1)), b.Unsqueeze(high, b.ints(-1)), axis=-1)
+        codes = b.reshape(pairs, b.Shape(packed, end=-1), b.Mul(b.Shape(packed, start=-1), b.ints(2)))
+    return codes if count is None else b.Slice(codes, b.ints(0), count, b.ints(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """One quantized weight input by blocks: codes [E, N, blocks, block] (int32), scale [E, N, blocks]
+    (float32; mxfp4: the factor 2^(s - 127)), zero point [E, N, blocks, 1] or a scalar (int32, to subtract
+    from the codes; None for mxfp4)."""
+
+    codes: str
+    scale: str
+    zero_point: str | None
+
+
+def _blocks(b: Body, c: Config, weight: str) -> _Blocks:
+    bits, block_size = int(c.attr("bits")), int(c.attr("block_size"))
+    suffix = weight[-1]
+    scales, zero_points = f"scales_{suffix}", f"zero_points_{suffix}"
+    codes = _unpack(b, weight, bits)
+    if block_size:
+        blocks, block = b.Div(b.Shape(codes, start=2), b.ints(block_size)), b.ints(block_size)
+    else:
+        blocks, block = b.ints(1), b.Shape(codes, start=2)
+    codes = b.reshape(codes, b.Shape(codes, end=2), blocks, block)
+    if c.attr("quant_type") == "mxfp4":
+        factor = b.Gather(b.const(_E8M0, np.float32), b.Cast(scales, to=TensorProto.INT64), axis=0)
+        return _Blocks(codes, factor, None)
+    scale = b.float32(scales)
+    if not block_size:
+        scale = b.Unsqueeze(scale, b.ints(2))
+    if not c.has(zero_points):
+        zero_point = b.scalar(1 << (bits - 1), np.int32)
+    elif block_size:
+        zero_point = b.Unsqueeze(_unpack(b, zero_points, bits, blocks), b.ints(-1))
+    else:
+        zero_point = b.Unsqueeze(_unpack(b, zero_points, bits, b.Shape(weight, start=1, end=2)), b.ints(2, 3))
+    return _Blocks(codes, scale, zero_point)
+
+
+def _dequantized(b: Body, c: Config, weight: str) -> str:
+    """float32 W [E, N, K] of a quantized weight input (qmoe.dequantize)."""
+    q = _blocks(b, c, weight)
+    if q.zero_point is None:
+        values = b.Gather(b.const(_E2M1, np.float32), b.Cast(q.codes, to=TensorProto.INT64), axis=0)
+    else:
+        values = b.Cast(b.Sub(q.codes, q.zero_point), to=_FLOAT)
+    w = b.Mul(values, b.Unsqueeze(q.scale, b.ints(-1)))
+    return b.reshape(w, b.Shape(weight, end=2), b.Mul(b.Shape(q.codes, start=2, end=3), b.Shape(q.codes, start=3)))
+
+
+def _int8_linear(b: Body, c: Config, weight: str, a: str) -> str:
+    """accuracy_level 4 (qmoe.int8_linear): ``a`` [1 or E, T, K] in int8 per row and block, exact int32
+    dots with q - zero point, then the blocks' (sa * scale) * dot summed: [E, T, N]."""
+    q = _blocks(b, c, weight)
+    a4 = b.reshape(a, b.Shape(a, end=-1), b.Shape(q.codes, start=2, end=3), b.Shape(q.codes, start=3))
+    # axis 3, not -1: onnxruntime 1.31 reduces nothing over an empty input along a negative axis
+    largest = b.Max(b.ReduceMax(b.Abs(a4), b.ints(3), keepdims=1), b.scalar(0.0))  # [., T, blocks, 1]
+    sa = b.Div(largest, b.scalar(127.0))
+    steps = b.Clip(b.Round(b.Div(a4, sa)), b.scalar(-127.0), b.scalar(127.0))
+    qa = b.Cast(b.Where(b.Greater(sa, b.scalar(0.0)), steps, b.scalar(0.0)), to=TensorProto.INT32)
+    qw = b.Sub(q.codes, q.zero_point)  # [E, N, blocks, block]
+    dots = b.MatMul(b.Transpose(qa, perm=[0, 2, 1, 3]), b.Transpose(qw, perm=[0, 2, 3, 1]))  # [E, blocks, T, N]
+    factor = b.Mul(b.Transpose(sa, perm=[0, 2, 1, 3]), b.Unsqueeze(b.Transpose(q.scale, perm=[0, 2, 1]), b.ints(2)))
+    return b.ReduceSum(b.Mul(factor, b.Cast(dots, to=_FLOAT)), b.ints(1), keepdims=0)
+
+
+def _qmoe(b: Body, c: Config) -> dict[str, str]:
+    if int(c.attr("accuracy_level")) == 4:
+        return mix_experts(b, c, lambda weight, a: _int8_linear(b, c, weight, a))
+    return mix_experts(b, c, lambda weight, a: b.MatMul(a, b.Transpose(_dequantized(b, c, weight), perm=[0, 2, 1])))
+
+
 # ----------------------------------------------------------------------------- the functions
 
 BUILDERS: dict[str, Callable[[Body, Config], dict[str, str]]] = {
@@ -417,6 +506,7 @@ BUILDERS: dict[str, Callable[[Body, Config], dict[str, str]]] = {
     "MoeRowParallelLinear": _row_parallel_linear,
     "MoeFinalizeRouting": _finalize_routing,
     "MoeGatingTopK": _gating_topk,
+    "QMOE": _qmoe,
 }
 """Each op's body builder: (body, configuration) -> the value of each formal output."""
 
