@@ -34,7 +34,7 @@ import onnx_ir as ir
 from onnx import TensorProto, helper
 
 from .ops import DOMAIN, OPS
-from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
 __all__ = ["BUILDERS", "MIN_OPSET", "add_function_bodies", "configurations", "function_for", "portable_model",
            "require_opset"]

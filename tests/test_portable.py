@@ -8,10 +8,12 @@ import functools
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from cases import ALL_CASES
 from fixture_models import MANIFEST, SHAPES, TARGETS, TOL, original, random_feeds
+from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 from test_op_cases import VALID, as_float64
 
@@ -63,23 +65,25 @@ def test_body_on_reference_evaluator_matches_reference_and_checks(case):
 def test_configurations_share_one_function_and_differ_by_overload():
     """Nodes with the same configuration share a function; another configuration is another overload
     of the same op, and onnxruntime runs each node's own."""
-    base = next(c for c in ALL_CASES if c.id == "MoeGatingTopK-softmax_top2")
-    nodes = [onnx.helper.make_node("MoeGatingTopK", ["logits"], [f"w{i}", f"i{i}"], domain=DOMAIN, k=k)
-             for i, k in enumerate((2, 2, 3))]
-    outputs = [onnx.helper.make_tensor_value_info(name, elem, None)
-               for i in range(3) for name, elem in ((f"w{i}", onnx.TensorProto.FLOAT), (f"i{i}", onnx.TensorProto.INT64))]
-    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("logits", 1, [6, 8])], outputs)
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21),
-                                                         onnx.helper.make_opsetid(DOMAIN, 1)], ir_version=10)
+    ks = (2, 2, 3)
+    nodes = [helper.make_node("MoeGatingTopK", ["logits"], [f"w{i}", f"i{i}"], domain=DOMAIN, k=k)
+             for i, k in enumerate(ks)]
+    outputs = [helper.make_tensor_value_info(f"{kind}{i}", elem, None)
+               for i in range(len(ks)) for kind, elem in (("w", TensorProto.FLOAT), ("i", TensorProto.INT64))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [6, 8])],
+                              outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
+                              ir_version=10)
     portable = portable_model(model)
-    assert len(portable.functions) == 2 and {f.name for f in portable.functions} == {"MoeGatingTopK"}
-    assert portable.graph.node[0].overload == portable.graph.node[1].overload != portable.graph.node[2].overload
-    logits = base.inputs[0]
+    assert [f.name for f in portable.functions] == ["MoeGatingTopK"] * 2
+    first, second, third = (node.overload for node in portable.graph.node)
+    assert first == second != third
+    logits = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
     got = plain_session(portable).run(None, {"logits": logits})
-    for i, k in enumerate((2, 2, 3)):
-        expected = OPS["MoeGatingTopK"].reference(logits, k=k)
-        np.testing.assert_allclose(got[2 * i], expected[0], rtol=1e-6, atol=1e-6)
-        np.testing.assert_array_equal(got[2 * i + 1], expected[1])
+    for i, k in enumerate(ks):
+        weights, indices, _ = OPS["MoeGatingTopK"].reference(logits, k=k)
+        np.testing.assert_allclose(got[2 * i], weights, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[2 * i + 1], indices)
 
 
 def test_low_opset_is_refused():
@@ -117,7 +121,7 @@ def test_portable_fixture_on_plain_onnxruntime_matches_our_kernels(name, target)
 
 def test_portable_model_still_runs_our_kernels_where_registered():
     """A kernel wins over a function in onnxruntime: with the library registered the portable model
-    runs our kernels (a body made to give wrong numbers shows which ran)."""
+    runs our kernels, C++ and Python (a body made to give wrong numbers shows which ran)."""
     name = "qwen3_moe_batched_mm_tiny"
     portable = onnx.ModelProto()
     portable.CopyFrom(optimized(name, "moe", True))
@@ -127,7 +131,9 @@ def test_portable_model_still_runs_our_kernels_where_registered():
             function.node.append(onnx.helper.make_node("Neg", ["hidden_states"], ["y"]))
     feeds = random_feeds(name, 2, 3)
     expected = moe_onnx.session(optimized(name, "moe", False)).run(None, feeds)[0]
-    np.testing.assert_allclose(moe_onnx.session(portable).run(None, feeds)[0], expected, rtol=1e-6, atol=1e-6)
+    for backend in moe_onnx.runtime.BACKENDS:
+        got = moe_onnx.session(portable, backend=backend).run(None, feeds)[0]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=backend)
     assert not np.allclose(plain_session(portable).run(None, feeds)[0], expected)
 
 
@@ -138,18 +144,12 @@ REFERENCE_EVALUATOR_FIXTURES = ["gpt_oss_tiled_tiny", "deepseek_v3_loop_grouped_
 @pytest.mark.parametrize("name", REFERENCE_EVALUATOR_FIXTURES)
 def test_portable_fixture_on_reference_evaluator(name, target):
     portable = optimized(name, target, True)
-    assert all(count == 1 for count in configurations(_ir(portable)).values())
+    assert all(count == 1 for count in configurations(ir.serde.deserialize_model(portable)).values())
     feeds = random_feeds(name, 2, 3)
     expected = moe_onnx.session(optimized(name, target, False)).run(None, feeds)
     got = ReferenceEvaluator(portable).run(None, feeds)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, **TOL)
-
-
-def _ir(model: onnx.ModelProto):
-    import onnx_ir as ir
-
-    return ir.serde.deserialize_model(model)
 
 
 def test_cli_optimize_portable(tmp_path):
@@ -167,6 +167,7 @@ def test_cli_optimize_portable(tmp_path):
 
 
 def test_add_function_bodies_on_ir_model_in_place():
-    model = _ir(next(c for c in ALL_CASES if c.id == "MoeFinalizeRouting-dropless_gather").model())
+    case = next(c for c in ALL_CASES if c.id == "MoeFinalizeRouting-dropless_gather")
+    model = ir.serde.deserialize_model(case.model())
     assert add_function_bodies(model) is model
     assert configurations(model) == {"MoeFinalizeRouting": 1}
