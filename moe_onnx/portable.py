@@ -511,12 +511,20 @@ BUILDERS: dict[str, Callable[[Body, Config], dict[str, str]]] = {
 """Each op's body builder: (body, configuration) -> the value of each formal output."""
 
 
+# Attributes that only state sizes or a layout the inputs already have (checked, never computed with):
+# nodes that differ only there share a function.
+_CHECK_ONLY_ATTRIBUTES = {"MoeRowParallelLinear": {"num_experts", "in_features", "out_features", "bias_term",
+                                                   "input_is_parallel"}}
+
+
 def config_of(node: onnx.NodeProto, int8_input: bool = False) -> Config:
     """The configuration of a moe_onnx node (``int8_input``: its input 0 is int8)."""
     op = OPS[node.op_type]
     given = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     attrs = []
     for spec in op.attributes:
+        if spec.name in _CHECK_ONLY_ATTRIBUTES.get(op.name, ()):
+            continue
         value = given.get(spec.name, spec.default)
         if isinstance(value, bytes):
             value = value.decode(errors="replace")

@@ -86,6 +86,15 @@ def test_configurations_share_one_function_and_differ_by_overload():
         np.testing.assert_array_equal(got[2 * i + 1], indices)
 
 
+def test_size_attributes_do_not_make_another_function():
+    """MoeRowParallelLinear's size attributes are checks: nodes differing only there share a body."""
+    case = next(c for c in ALL_CASES if c.id == "MoeRowParallelLinear-sizes_given")
+    plain = case.mutated("sizes_absent", None, num_experts=None, in_features=None, out_features=None,
+                         bias_term=None)
+    overloads = {portable_model(c.model()).graph.node[0].overload for c in (case, plain)}
+    assert len(overloads) == 1
+
+
 def test_low_opset_is_refused():
     case = next(c for c in ALL_CASES if c.id == "MOE-gemm3_fp32")
     model = case.model()
