@@ -106,7 +106,7 @@ def test_low_opset_is_refused():
 # ----------------------------------------------------------------------------- fixtures
 
 @functools.cache
-def optimized(name: str, target: str, portable: bool) -> onnx.ModelProto:
+def optimized(name: str, target: str, portable: bool = True) -> onnx.ModelProto:
     model, report = moe_onnx.optimize(original(name), target=target, portable=portable)
     assert report.total_fused >= 1
     return model
@@ -115,16 +115,17 @@ def optimized(name: str, target: str, portable: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_portable_fixture_on_plain_onnxruntime_matches_our_kernels(name, target):
-    portable = optimized(name, target, True)
+    """The same portable model without and with our library (where registered, our kernels run it:
+    test_portable_model_still_runs_our_kernels_where_registered)."""
+    portable = optimized(name, target)
     assert check_model(portable) == []
     ours = {n.op_type for n in portable.graph.node if n.domain == DOMAIN}
     assert ours and ours == {f.name for f in portable.functions}, "every op of the fused model has its body"
     assert all(n.overload for n in portable.graph.node if n.domain == DOMAIN)
-    fused = moe_onnx.session(optimized(name, target, False))
-    plain = plain_session(portable)
+    plain, kernels = plain_session(portable), moe_onnx.session(portable)
     for batch, seq in SHAPES:
         feeds = random_feeds(name, batch, seq)
-        for got, expected in zip(plain.run(None, feeds), fused.run(None, feeds)):
+        for got, expected in zip(plain.run(None, feeds), kernels.run(None, feeds)):
             np.testing.assert_allclose(got, expected, **TOL, err_msg=f"{name} {target} {batch}x{seq}")
 
 
@@ -133,7 +134,7 @@ def test_portable_model_still_runs_our_kernels_where_registered():
     runs our kernels, C++ and Python (a body made to give wrong numbers shows which ran)."""
     name = "qwen3_moe_batched_mm_tiny"
     portable = onnx.ModelProto()
-    portable.CopyFrom(optimized(name, "moe", True))
+    portable.CopyFrom(optimized(name, "moe"))
     for function in portable.functions:
         if function.name == "MOE":
             del function.node[:]
@@ -152,10 +153,10 @@ REFERENCE_EVALUATOR_FIXTURES = ["gpt_oss_tiled_tiny", "deepseek_v3_loop_grouped_
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", REFERENCE_EVALUATOR_FIXTURES)
 def test_portable_fixture_on_reference_evaluator(name, target):
-    portable = optimized(name, target, True)
+    portable = optimized(name, target)
     assert all(count == 1 for count in configurations(ir.serde.deserialize_model(portable)).values())
     feeds = random_feeds(name, 2, 3)
-    expected = moe_onnx.session(optimized(name, target, False)).run(None, feeds)
+    expected = moe_onnx.session(portable).run(None, feeds)
     got = ReferenceEvaluator(portable).run(None, feeds)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, **TOL)
@@ -170,7 +171,7 @@ def test_cli_optimize_portable(tmp_path):
     assert {f.name for f in written.functions} == {"MOE", "MoeGatingTopK"}
     assert main(["check", str(destination)]) == 0
     feeds = random_feeds(name, 1, 4)
-    expected = moe_onnx.session(optimized(name, "moe", False)).run(None, feeds)
+    expected = moe_onnx.session(written).run(None, feeds)
     for got, e in zip(plain_session(written).run(None, feeds), expected):
         np.testing.assert_allclose(got, e, **TOL)
 
