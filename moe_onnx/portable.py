@@ -37,7 +37,7 @@ from .ops import DOMAIN, OPS
 from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
 __all__ = ["BUILDERS", "MIN_OPSET", "add_function_bodies", "configurations", "function_for", "portable_model",
-           "require_opset"]
+           "require_opset", "summary"]
 
 MIN_OPSET = 18  # ReduceMax/ReduceProd with axes inputs, Pad with constant_value input
 _INT64_MAX = np.iinfo(np.int64).max
@@ -558,6 +558,17 @@ def configurations(model: ir.Model) -> dict[str, int]:
         if domain == DOMAIN:
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def summary(model: ir.Model) -> str:
+    """One line for the optimize report: the bodies written, and whether ReferenceEvaluator can run them."""
+    counts = configurations(model)
+    line = "portable: function bodies " + (", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none")
+    mixed = sorted(op for op, n in counts.items() if n > 1)
+    if mixed:
+        line += (f"; {', '.join(mixed)} with several configurations (overloads): onnxruntime runs this model, "
+                 "onnx.reference.ReferenceEvaluator (it ignores overload) cannot")
+    return line
 
 
 def add_function_bodies(model: ir.Model) -> ir.Model:

@@ -21,7 +21,7 @@ import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN, OPS
-from moe_onnx.portable import add_function_bodies, configurations, portable_model
+from moe_onnx.portable import add_function_bodies, configurations, portable_model, summary
 from moe_onnx.runtime import run
 
 
@@ -78,6 +78,9 @@ def test_configurations_share_one_function_and_differ_by_overload():
     assert [f.name for f in portable.functions] == ["MoeGatingTopK"] * 2
     first, second, third = (node.overload for node in portable.graph.node)
     assert first == second != third
+    assert summary(ir.serde.deserialize_model(portable)) == (
+        "portable: function bodies MoeGatingTopK x2; MoeGatingTopK with several configurations (overloads): "
+        "onnxruntime runs this model, onnx.reference.ReferenceEvaluator (it ignores overload) cannot")
     logits = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
     got = plain_session(portable).run(None, {"logits": logits})
     for i, k in enumerate(ks):
@@ -162,11 +165,12 @@ def test_portable_fixture_on_reference_evaluator(name, target):
         np.testing.assert_allclose(g, e, **TOL)
 
 
-def test_cli_optimize_portable(tmp_path):
+def test_cli_optimize_portable(tmp_path, capsys):
     name = "gpt_oss_tiled_tiny"
     source, destination = tmp_path / "in.onnx", tmp_path / "out.onnx"
     onnx.save(original(name), source)
     assert main(["optimize", str(source), "-o", str(destination), "--portable"]) == 0
+    assert "portable: function bodies MOE x1, MoeGatingTopK x1\n" in capsys.readouterr().out
     written = onnx.load(destination)
     assert {f.name for f in written.functions} == {"MOE", "MoeGatingTopK"}
     assert main(["check", str(destination)]) == 0

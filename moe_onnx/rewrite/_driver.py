@@ -15,7 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from ..portable import add_function_bodies, require_opset
+from ..portable import add_function_bodies, require_opset, summary
 from . import batched_mm, gating, grouped, loop, loop_dynamo, parallel_experts, shared_expert, tiled
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
@@ -147,6 +147,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         say("portable function bodies")
         _infer_shapes(model)  # the element types some bodies depend on
         add_function_bodies(model)
+        notes.append(summary(model))
     return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
                           parameters_before, _parameters(model))
 
