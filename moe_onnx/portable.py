@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +32,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
+from ._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from .ops import DOMAIN, OPS
 from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
@@ -140,32 +140,6 @@ class Body:
 
 # ----------------------------------------------------------------------------- MOE
 
-def _relu(b: Body, z: str) -> str:
-    return b.Where(b.LessOrEqual(z, b.scalar(0.0)), b.scalar(0.0), z)  # NaN stays NaN
-
-
-def _gelu(b: Body, z: str) -> str:
-    erf = b.Erf(b.Div(z, b.scalar(math.sqrt(2.0))))
-    return b.Mul(b.Mul(z, b.scalar(0.5)), b.Add(erf, b.scalar(1.0)))
-
-
-def _gelu_tanh(b: Body, z: str) -> str:
-    cube = b.Mul(b.Mul(b.Mul(z, z), z), b.scalar(0.044715))
-    inner = b.Mul(b.Add(z, cube), b.scalar(math.sqrt(2.0 / math.pi)))
-    return b.Mul(b.Mul(z, b.scalar(0.5)), b.Add(b.Tanh(inner), b.scalar(1.0)))
-
-
-# GEMM2_ACT's activations (moe.ACTIVATIONS), as body builders.
-ACTIVATIONS: dict[str, Callable[[Body, str], str]] = {
-    "relu": _relu,
-    "relu2": lambda b, z: b.Mul(_relu(b, z), _relu(b, z)),
-    "gelu": _gelu,
-    "gelu_tanh": _gelu_tanh,
-    "silu": lambda b, z: b.Mul(z, b.Sigmoid(z)),
-    "identity": lambda b, z: z,
-}
-
-
 Linear = Callable[[str, str], str]
 """``linear(weight_input, a)``: ``a`` ([1, T, K] for every expert, or [E, T, K]; float32) times every
 expert's weight of that input, ``a @ W[e]^T`` for W [E, N, K]: [E, T, N], without bias."""
@@ -176,31 +150,24 @@ def _plus_expert_bias(b: Body, c: Config, y: str, bias: str) -> str:
     return b.Add(y, b.Unsqueeze(b.float32(bias), b.ints(1))) if c.has(bias) else y
 
 
-def _swish(b: Body, gate: str, alpha: float) -> str:
-    return b.Mul(gate, b.Sigmoid(b.Mul(gate, b.scalar(alpha))))
-
-
 def expert_outputs(b: Body, c: Config, x: str, linear: Linear) -> str:
     """Every expert on every row of ``x`` [1, T, H] (float32): [E, T, H] (moe.mix_experts's expert types)."""
     expert_type, alpha = c.attr("expert_type"), float(c.attr("expert_alpha"))
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
         gate_up = _plus_expert_bias(b, c, linear("weight_0", x), "bias_0")  # [E, T, 2I]
-        parity, beta = int(c.attr("gate_parity")), b.scalar(float(c.attr("expert_beta")))
+        parity = int(c.attr("gate_parity"))
 
         def half(start: int) -> str:
             return b.Slice(gate_up, b.ints(start), b.ints(_INT64_MAX), b.ints(2), b.ints(2))
 
-        gate, up = half(parity), half(1 - parity)
-        gate = b.Where(b.Greater(gate, beta), beta, gate)  # Where keeps NaN, as numpy's min and clip do
-        low = b.Neg(beta)
-        up = b.Where(b.Greater(up, beta), beta, b.Where(b.Less(up, low), low, up))
-        act = b.Mul(b.Add(up, b.scalar(1.0)), _swish(b, gate, alpha))
+        act = clamped_swiglu(b, half(parity), half(1 - parity), alpha, float(c.attr("expert_beta")), b.scalar)
         return _plus_expert_bias(b, c, linear("weight_1", act), "bias_1")
     if expert_type == GEMM2_ACT:
         up = _plus_expert_bias(b, c, linear("weight_0", x), "bias_0")
-        return _plus_expert_bias(b, c, linear("weight_1", ACTIVATIONS[c.attr("activation")](b, up)), "bias_1")
+        act = ACTIVATIONS[c.attr("activation")](b, up, b.scalar)
+        return _plus_expert_bias(b, c, linear("weight_1", act), "bias_1")
     gate, up = linear("weight_0", x), linear("weight_1", x)
-    return linear("weight_2", b.Mul(_swish(b, gate, alpha), up))
+    return linear("weight_2", b.Mul(swish(b, gate, alpha, b.scalar), up))
 
 
 def mix_experts(b: Body, c: Config, linear: Linear) -> dict[str, str]:
