@@ -95,6 +95,13 @@ class Body:
     def scalar(self, value: float, dtype=np.float32) -> str:
         return self.const(value, dtype)
 
+    def int64(self, value: int) -> str:
+        """A scalar int64 constant."""
+        return self.const(value, np.int64)
+
+    def arange(self, start: int, stop: int) -> str:
+        return self.Range(self.int64(start), self.int64(stop), self.int64(1))
+
     def float32(self, name: str) -> str:
         return self.Cast(name, to=_FLOAT)
 
@@ -108,7 +115,7 @@ class Body:
 
     def positions(self, length: str) -> str:
         """0, 1, ..., length - 1 (``length`` a 1-D int64 of one element)."""
-        return self.Range(self.scalar(0, np.int64), self.Squeeze(length), self.scalar(1, np.int64))
+        return self.Range(self.int64(0), self.Squeeze(length), self.int64(1))
 
     def take_rows(self, data: str, idx: str) -> str:
         """``data`` [R, E, ...] at ``idx`` [R, k] (int64) per row: [R, k, ...], ``data[r, idx[r, j]]``.
@@ -244,14 +251,14 @@ def _init_routing(b: Body, c: Config) -> dict[str, str]:
     k = b.Shape(ids, start=1)
     flat = b.Reshape(ids, b.ints(-1))
     slots = b.Shape(flat)
-    active = b.And(b.GreaterOrEqual(flat, b.scalar(start, np.int64)), b.Less(flat, b.scalar(end, np.int64)))
+    active = b.And(b.GreaterOrEqual(flat, b.int64(start)), b.Less(flat, b.int64(end)))
     # stable sort by expert, inactive slots (key `end`) last: TopK keeps the lower index first on ties
-    sorted_key, order = b.TopK(b.Where(active, flat, b.scalar(end, np.int64)), slots, axis=0, largest=0, _outputs=2)
+    sorted_key, order = b.TopK(b.Where(active, flat, b.int64(end)), slots, axis=0, largest=0, _outputs=2)
     n_valid = b.ReduceSum(b.Cast(active, to=TensorProto.INT64), keepdims=1)
     position = b.positions(slots)
-    relative = b.Sub(sorted_key, b.scalar(start, np.int64))  # active_experts for the inactive slots
-    experts = b.Unsqueeze(b.Range(b.scalar(start, np.int64), b.scalar(end, np.int64), b.scalar(1, np.int64)), b.ints(1))
-    routed_to = b.Equal(b.Unsqueeze(sorted_key, b.ints(0)), experts)  # [A, slots]
+    relative = b.Sub(sorted_key, b.int64(start))  # active_experts for the inactive slots
+    experts = b.arange(start, end)
+    routed_to = b.Equal(b.Unsqueeze(sorted_key, b.ints(0)), b.Unsqueeze(experts, b.ints(1)))  # [A, slots]
 
     def count(where: str | None) -> str:
         hits = routed_to if where is None else b.And(routed_to, b.Unsqueeze(where, b.ints(0)))
@@ -261,10 +268,10 @@ def _init_routing(b: Body, c: Config) -> dict[str, str]:
     if c.attr("drop_pad_mode"):  # rank inside the expert's run, kept below the capacity
         capacity = int(c.attr("expert_capacity"))
         counts = count(None)  # before the drop
-        first = b.CumSum(counts, b.scalar(0, np.int64), exclusive=1)
-        rank = b.Sub(position, b.Gather(first, b.Min(relative, b.scalar(active_experts - 1, np.int64))))
-        kept = b.And(b.Less(position, n_valid), b.Less(rank, b.scalar(capacity, np.int64)))
-        dest = b.Add(b.Mul(relative, b.scalar(capacity, np.int64)), rank)
+        first = b.CumSum(counts, b.int64(0), exclusive=1)
+        rank = b.Sub(position, b.Gather(first, b.Min(relative, b.int64(active_experts - 1))))
+        kept = b.And(b.Less(position, n_valid), b.Less(rank, b.int64(capacity)))
+        dest = b.Add(b.Mul(relative, b.int64(capacity)), rank)
         out_rows = b.ints(expert_num * capacity)
         rows_shape = b.ints(expert_num, capacity)
     else:  # the first rows of the sorted order, up to expanded_x's row count
@@ -276,10 +283,10 @@ def _init_routing(b: Body, c: Config) -> dict[str, str]:
         rows_shape = out_rows
 
     if c.attr("row_idx_type") == 1:  # scatter form (dropless only): row -> slot
-        row_idx = b.Where(kept, order, b.scalar(-1, np.int64))
+        row_idx = b.Where(kept, order, b.int64(-1))
     else:  # gather form: slot -> row
         row_idx = b.ScatterElements(b.CastLike(b.ConstantOfShape(slots), order), order,
-                                    b.Where(kept, dest, b.scalar(-1, np.int64)), axis=0)
+                                    b.Where(kept, dest, b.int64(-1)), axis=0)
 
     tokens = b.Compress(b.Div(order, k), kept)
     targets = b.Unsqueeze(b.Compress(dest, kept), b.ints(1))
@@ -290,7 +297,7 @@ def _init_routing(b: Body, c: Config) -> dict[str, str]:
         expanded_scale = b.ScatterND(expanded_scale, targets, row_scale)
     return {"expanded_x": b.reshape(expanded_x, rows_shape, hidden),
             "expanded_row_idx": b.Cast(row_idx, to=TensorProto.INT32),
-            "expert_tokens_count_or_cumsum": _token_counts(b, c, counts, start, active_experts),
+            "expert_tokens_count_or_cumsum": _token_counts(b, c, counts, experts),
             "expanded_scale": b.Reshape(expanded_scale, rows_shape, allowzero=1)}
 
 
@@ -313,18 +320,18 @@ def _expand_rows(b: Body, c: Config, rows: str, tokens: str, relative: str) -> t
     return b.to_int8(b.Div(values, b.Unsqueeze(row_scale, b.ints(1)))), row_scale
 
 
-def _token_counts(b: Body, c: Config, counts: str, start: int, active_experts: int) -> str:
+def _token_counts(b: Body, c: Config, counts: str, experts: str) -> str:
+    """The count output from the per-expert ``counts`` of the active ``experts`` (init_routing._token_counts)."""
     count_type = int(c.attr("expert_tokens_num_type"))
     if count_type == 0:
-        return b.CumSum(counts, b.scalar(0, np.int64))
+        return b.CumSum(counts, b.int64(0))
     if count_type == 1:
         return counts
-    used = b.Greater(counts, b.scalar(0, np.int64))
-    experts = b.Compress(b.Range(b.scalar(start, np.int64), b.scalar(start + active_experts, np.int64),
-                                 b.scalar(1, np.int64)), used)
-    padding = b.Concat(b.ints(0), b.Sub(b.ints(active_experts), b.Shape(experts)), axis=0)
-    keys = b.Pad(experts, padding, b.scalar(-1, np.int64))
-    values = b.Pad(b.Compress(counts, used), padding, b.scalar(0, np.int64))
+    used = b.Greater(counts, b.int64(0))
+    used_experts = b.Compress(experts, used)
+    padding = b.Concat(b.ints(0), b.Sub(b.Shape(experts), b.Shape(used_experts)), axis=0)
+    keys = b.Pad(used_experts, padding, b.int64(-1))
+    values = b.Pad(b.Compress(counts, used), padding, b.int64(0))
     return b.Concat(b.Unsqueeze(keys, b.ints(1)), b.Unsqueeze(values, b.ints(1)), axis=1)
 
 
@@ -335,7 +342,7 @@ def _finalize_routing(b: Body, c: Config) -> dict[str, str]:
     hidden = b.Shape(rows, start=1)
     row_idx = b.Cast("expanded_row_idx", to=TensorProto.INT64)
     slots = b.Shape(row_idx)
-    listed = b.GreaterOrEqual(row_idx, b.scalar(0, np.int64))
+    listed = b.GreaterOrEqual(row_idx, b.int64(0))
     listed_at, listed_value = b.Compress(b.positions(slots), listed), b.Compress(row_idx, listed)
     slot, row = (listed_value, listed_at) if c.attr("row_idx_type") == 1 else (listed_at, listed_value)
     routed = b.Gather(rows, row, axis=0)
