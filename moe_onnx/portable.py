@@ -80,7 +80,7 @@ class Body:
 
         def add(*inputs: str, _outputs: int = 1, **attrs) -> str | list[str]:
             outputs = [f"v{len(self.nodes)}_{i}" for i in range(_outputs)]
-            self.nodes.append(helper.make_node(op_type, list(inputs), outputs, **attrs))
+            self.nodes.append(helper.make_node(op_type, list(inputs), outputs, name=outputs[0], **attrs))
             return outputs[0] if _outputs == 1 else outputs
 
         return add
@@ -125,6 +125,12 @@ class Body:
         flat = self.reshape(data, self.Mul(rows, width), self.Shape(data, start=2))
         row_start = self.Unsqueeze(self.Mul(self.positions(rows), self.Squeeze(width)), self.ints(1))
         return self.Gather(flat, self.Add(idx, row_start), axis=0)
+
+    def abs_max(self, values: str, axis: int) -> str:
+        """max |values| along ``axis`` (kept, as size 1), 0 over an empty axis (numpy's ``initial=0``):
+        a 0 is appended along the axis, so onnxruntime never reduces an empty one (it mis-sizes that)."""
+        padded = self.Pad(self.Abs(values), self.ints(0, 1), self.scalar(0.0), self.ints(axis))
+        return self.ReduceMax(padded, self.ints(axis), keepdims=1)
 
     def zeros(self, shape: str, like: str) -> str:
         return self.CastLike(self.ConstantOfShape(shape), like)
@@ -314,7 +320,7 @@ def _expand_rows(b: Body, c: Config, rows: str, tokens: str, relative: str) -> t
     if c.has("scale"):  # one smooth row per active expert, or one for all: index min(relative, rows - 1)
         last = b.Sub(b.Shape("scale", end=1), b.ints(1))
         values = b.Mul(values, b.Gather("scale", b.Min(relative, last), axis=0))
-    largest = b.Max(b.ReduceMax(b.Abs(values), b.ints(1), keepdims=0), b.scalar(0.0))  # 0 for H = 0
+    largest = b.Squeeze(b.abs_max(values, 1), b.ints(1))
     has_nan = b.Greater(b.ReduceMax(b.Cast(b.IsNaN(values), to=_FLOAT), b.ints(1), keepdims=0), b.scalar(0.0))
     row_scale = b.Div(b.Where(has_nan, b.scalar(float("nan")), largest), b.scalar(127.0))
     return b.to_int8(b.Div(values, b.Unsqueeze(row_scale, b.ints(1)))), row_scale
@@ -456,12 +462,15 @@ def _int8_linear(b: Body, c: Config, weight: str, a: str) -> str:
     q = _blocks(b, c, weight)
     a4 = b.reshape(a, b.Shape(a, end=-1), b.Shape(q.codes, start=2, end=3), b.Shape(q.codes, start=3))
     # axis 3, not -1: onnxruntime 1.31 reduces nothing over an empty input along a negative axis
-    largest = b.Max(b.ReduceMax(b.Abs(a4), b.ints(3), keepdims=1), b.scalar(0.0))  # [., T, blocks, 1]
-    sa = b.Div(largest, b.scalar(127.0))
+    sa = b.Div(b.abs_max(a4, 3), b.scalar(127.0))  # [., T, blocks, 1]
     steps = b.Clip(b.Round(b.Div(a4, sa)), b.scalar(-127.0), b.scalar(127.0))
     qa = b.Cast(b.Where(b.Greater(sa, b.scalar(0.0)), steps, b.scalar(0.0)), to=TensorProto.INT32)
     qw = b.Sub(q.codes, q.zero_point)  # [E, N, blocks, block]
-    dots = b.MatMul(b.Transpose(qa, perm=[0, 2, 1, 3]), b.Transpose(qw, perm=[0, 2, 3, 1]))  # [E, blocks, T, N]
+    qw_t = b.Transpose(qw, perm=[0, 2, 3, 1])  # [E, blocks, block, N]
+    qa_t = b.Transpose(qa, perm=[0, 2, 1, 3])  # [1 or E, blocks, T, block]
+    # expanded to E first: onnxruntime's int32 MatMul gives a wrong shape broadcasting over an empty K
+    qa_t = b.Expand(qa_t, b.Concat(b.Shape(qw_t, end=1), b.Shape(qa_t, start=1), axis=0))
+    dots = b.MatMul(qa_t, qw_t)  # [E, blocks, T, N]
     factor = b.Mul(b.Transpose(sa, perm=[0, 2, 1, 3]), b.Unsqueeze(b.Transpose(q.scale, perm=[0, 2, 1]), b.ints(2)))
     return b.ReduceSum(b.Mul(factor, b.Cast(dots, to=_FLOAT)), b.ints(1), keepdims=0)
 
