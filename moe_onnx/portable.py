@@ -127,10 +127,9 @@ class Body:
         return self.Gather(flat, self.Add(idx, row_start), axis=0)
 
     def abs_max(self, values: str, axis: int) -> str:
-        """max |values| along ``axis`` (kept, as size 1), 0 over an empty axis (numpy's ``initial=0``):
-        a 0 is appended along the axis, so onnxruntime never reduces an empty one (it mis-sizes that)."""
-        padded = self.Pad(self.Abs(values), self.ints(0, 1), self.scalar(0.0), self.ints(axis))
-        return self.ReduceMax(padded, self.ints(axis), keepdims=1)
+        """max |values| along ``axis`` (kept, as size 1), 0 over an empty axis (numpy's ``initial=0``).
+        ``axis`` >= 0: onnxruntime 1.31 reduces nothing along a negative axis of an empty tensor."""
+        return self.Max(self.ReduceMax(self.Abs(values), self.ints(axis), keepdims=1), self.scalar(0.0))
 
     def zeros(self, shape: str, like: str) -> str:
         return self.CastLike(self.ConstantOfShape(shape), like)
@@ -461,7 +460,6 @@ def _int8_linear(b: Body, c: Config, weight: str, a: str) -> str:
     dots with q - zero point, then the blocks' (sa * scale) * dot summed: [E, T, N]."""
     q = _blocks(b, c, weight)
     a4 = b.reshape(a, b.Shape(a, end=-1), b.Shape(q.codes, start=2, end=3), b.Shape(q.codes, start=3))
-    # axis 3, not -1: onnxruntime 1.31 reduces nothing over an empty input along a negative axis
     sa = b.Div(b.abs_max(a4, 3), b.scalar(127.0))  # [., T, blocks, 1]
     steps = b.Clip(b.Round(b.Div(a4, sa)), b.scalar(-127.0), b.scalar(127.0))
     qa = b.Cast(b.Where(b.Greater(sa, b.scalar(0.0)), steps, b.scalar(0.0)), to=TensorProto.INT32)
