@@ -25,7 +25,7 @@ TARGETS = ("moe", "grouped", "ort")
 OUR_OPS_TARGETS = ("moe", "grouped")
 
 
-def optimize(model, target: str = "moe", *, fuse_routers: bool = True):
+def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False):
     """Fuse the MoE blocks of an exported model; returns ``(optimized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` (a path or ModelProto gives a
@@ -36,14 +36,17 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True):
     ``fuse_routers`` (default) also makes each fused block's router one MoeGatingTopK node where its
     chain is a known one (softmax -> top-k, top-k -> softmax, DeepSeek-V3's group-limited sigmoid
     router); the report notes the routers left as exported, with the reason. ``fuse_routers=False``
-    keeps every router as exported. The report
+    keeps every router as exported. ``portable=True`` also writes each moe_onnx node's function body
+    (standard ONNX ops, :mod:`moe_onnx.portable`) into the model as a model-local function, so it runs
+    on plain onnxruntime and onnx.reference.ReferenceEvaluator too (slower, the same numbers); where our
+    library is registered onnxruntime still runs our kernels. The report
     (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses with the check
     that failed, notes, and nodes and parameters before and after. Raises ValueError for an unknown
     target.
     """
     from .rewrite import optimize as _optimize  # onnxscript is imported only when needed
 
-    return _optimize(model, target, fuse_routers=fuse_routers)
+    return _optimize(model, target, fuse_routers=fuse_routers, portable=portable)
 
 
 def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False, accuracy_level: int = 0,

@@ -41,7 +41,7 @@ def _optimize(args: argparse.Namespace) -> int:
     return _run_pipeline("optimize", args, lambda: optimize_file(
         args.input, args.output, args.target, progress=_stage_printer(),
         verify_backend=args.backend if args.verify else None, sizes=args.sizes, threads=args.threads,
-        fuse_routers=not args.keep_routers))
+        fuse_routers=not args.keep_routers, portable=args.portable))
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--keep-routers", action="store_true",
                      help="keep each block's router chain as exported (default: one MoeGatingTopK node where "
                           "the chain is a known one)")
+    opt.add_argument("--portable", action="store_true",
+                     help="also write each moe_onnx op's function body (standard ONNX ops) into the model, so it "
+                          "runs on plain onnxruntime and onnx.reference without our library (slower, the same "
+                          "numbers; with the library registered onnxruntime still runs our kernels)")
     opt.add_argument("--verify", action="store_true",
                      help="run both models on random inputs and compare (exit 1 on a mismatch), and time them")
     opt.add_argument("--backend", choices=BACKENDS, default="cpp", help="kernels used by --verify")

@@ -73,8 +73,8 @@ def _write_json(document: dict, path: str | os.PathLike) -> None:
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
                   verify_backend: str | None = None, sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   threads: int | None = None, progress: Callable[[str], None] | None = None,
-                  fuse_routers: bool = True) -> OptimizeResult:
-    """Fuse the MoE blocks of the model at ``source`` (``target`` and ``fuse_routers`` as in
+                  fuse_routers: bool = True, portable: bool = False) -> OptimizeResult:
+    """Fuse the MoE blocks of the model at ``source`` (``target``, ``fuse_routers`` and ``portable`` as in
     :func:`moe_onnx.optimize`)
     and write it to ``destination`` (with external data when large, see :func:`moe_onnx.io.save`);
     then check the written model and, when ``verify_backend`` is given, compare both models on
@@ -88,7 +88,7 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     """
     say = progress or (lambda message: None)
     model = _load_input(source, destination, say)
-    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers)
+    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable)
     say(f"saving {destination}")
     io.save(model, destination, progress=progress)
     result = OptimizeResult(report, check_model(destination))

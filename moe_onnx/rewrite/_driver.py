@@ -15,6 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
+from ..portable import add_function_bodies, require_opset, summary
 from . import batched_mm, gating, grouped, loop, loop_dynamo, ort_export, parallel_experts, shared_expert, tiled
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
@@ -92,12 +93,15 @@ def _parameters(model: ir.Model) -> int:
 
 
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
-                fuse_routers: bool = True) -> OptimizeReport:
+                fuse_routers: bool = True, portable: bool = False) -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
-    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py)."""
+    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
+    adds each moe_onnx node's function body (:func:`moe_onnx.portable.add_function_bodies`)."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     say = progress or (lambda message: None)
+    if portable:
+        require_opset(model)  # before the work, not after it
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
@@ -153,6 +157,11 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     common_passes.RemoveUnusedOpsetsPass()(model)
     if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
         model.opset_imports[DOMAIN] = OPSET_VERSION
+    if portable:
+        say("portable function bodies")
+        _infer_shapes(model)  # the element types some bodies depend on
+        add_function_bodies(model)
+        notes.append(summary(model))
     return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
                           parameters_before, _parameters(model))
 
@@ -176,7 +185,8 @@ def _infer_shapes(model: ir.Model) -> None:
                 value.shape = shape
 
 
-def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True) -> tuple[Any, OptimizeReport]:
+def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True,
+             portable: bool = False) -> tuple[Any, OptimizeReport]:
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
@@ -184,14 +194,15 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True) -> t
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
     MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
     express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
-    router one MoeGatingTopK where its chain is a known one (the report notes the others). Raises ValueError for
-    an unknown target.
+    router one MoeGatingTopK where its chain is a known one (the report notes the others). ``portable`` also
+    writes each moe_onnx node's function body into the model (moe_onnx/portable.py). Raises ValueError for an
+    unknown target, or for ``portable`` on a model whose default opset is below 18.
     """
     if isinstance(model, ir.Model):
-        return model, optimize_ir(model, target, fuse_routers=fuse_routers)
+        return model, optimize_ir(model, target, fuse_routers=fuse_routers, portable=portable)
     if isinstance(model, (str, os.PathLike)):
         ir_model = ir.load(model)
     else:
         ir_model = ir.serde.deserialize_model(model)
-    report = optimize_ir(ir_model, target, fuse_routers=fuse_routers)
+    report = optimize_ir(ir_model, target, fuse_routers=fuse_routers, portable=portable)
     return ir.serde.serialize_model(ir_model), report

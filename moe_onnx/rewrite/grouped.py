@@ -11,10 +11,10 @@ _weights.lazy_initializer).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import onnx_ir as ir
+
+from .._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 from ._match import attribute_value, int64s, replace_node
@@ -40,28 +40,6 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
     return op.MoeRowParallelLinear(*inputs, **_IN_OUR_DOMAIN)
 
 
-def _swish(op, gate: ir.Value, alpha: float, dtype: ir.DataType) -> ir.Value:
-    scaled = gate if alpha == 1.0 else op.Mul(gate, _scalar(op, alpha, dtype))
-    return op.Mul(gate, op.Sigmoid(scaled))
-
-
-def _pointwise(op, z: ir.Value, activation: str, dtype: ir.DataType) -> ir.Value:
-    """GEMM2_ACT's activation (moe.py's ACTIVATIONS) in standard ops."""
-    if activation in ("relu", "relu2"):
-        r = op.Relu(z)
-        return r if activation == "relu" else op.Mul(r, r)
-    if activation == "silu":
-        return _swish(op, z, 1.0, dtype)
-    if activation == "identity":
-        return z
-    if activation == "gelu":
-        cdf = op.Add(_scalar(op, 1.0, dtype), op.Erf(op.Mul(z, _scalar(op, 1.0 / math.sqrt(2.0), dtype))))
-    else:  # gelu_tanh
-        cubic = op.Add(z, op.Mul(_scalar(op, 0.044715, dtype), op.Mul(z, op.Mul(z, z))))
-        cdf = op.Add(_scalar(op, 1.0, dtype), op.Tanh(op.Mul(_scalar(op, math.sqrt(2.0 / math.pi), dtype), cubic)))
-    return op.Mul(op.Mul(z, _scalar(op, 0.5, dtype)), cdf)
-
-
 def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | None:
     """The grouped chain for one MOE node: its nodes, new initializers and output (None: keep the node)."""
     hidden, routing, indices, w0, b0, w1, b1, w2 = (list(node.inputs) + [None] * 8)[:8]
@@ -74,6 +52,10 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
     experts = weights[0].shape[0]
 
     op = TapeBuilder()
+
+    def const(value: float) -> ir.Value:
+        return _scalar(op, value, dtype)
+
     hidden_size = weights[1].shape[2] if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else weights[0].shape[2]
     rows_in = op.Reshape(hidden, int64s(op, [-1, hidden_size]))
     minus_one = int64s(op, [-1])
@@ -93,20 +75,16 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
         def half(start: int) -> ir.Value:
             return op.Slice(gate_up, *(int64s(op, [v]) for v in (start, two_i, -1, 2)))
 
-        gate, up = half(parity), half(1 - parity)
-        if math.isfinite(beta):
-            gate = op.Min(gate, _scalar(op, beta, dtype))
-            up = op.Clip(up, _scalar(op, -beta, dtype), _scalar(op, beta, dtype))
-        act = op.Mul(op.Add(up, _scalar(op, 1.0, dtype)), _swish(op, gate, alpha, dtype))
+        act = clamped_swiglu(op, half(parity), half(1 - parity), alpha, beta, const)
         down = _grouped_linear(op, act, offsets, weights[1], "moe_down_enk", True, b1)
     elif expert_type == GEMM2_ACT:
         up = _grouped_linear(op, rows, offsets, weights[0], "moe_up", False, b0)
-        act = _pointwise(op, up, attribute_value(node, "activation", ""), dtype)
+        act = ACTIVATIONS[attribute_value(node, "activation", "")](op, up, const)
         down = _grouped_linear(op, act, offsets, weights[1], "moe_down", False, b1)
     else:
         gate = _grouped_linear(op, rows, offsets, weights[0], "moe_gate", False)
         up = _grouped_linear(op, rows, offsets, weights[1], "moe_up", False)
-        down = _grouped_linear(op, op.Mul(_swish(op, gate, alpha, dtype), up), offsets, weights[2], "moe_down", False)
+        down = _grouped_linear(op, op.Mul(swish(op, gate, alpha, const), up), offsets, weights[2], "moe_down", False)
 
     out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
     y = op.Reshape(out, op.Shape(hidden))
