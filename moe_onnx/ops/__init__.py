@@ -15,10 +15,11 @@ from .finalize_routing import MOE_FINALIZE_ROUTING
 from .gating_topk import MOE_GATING_TOPK
 from .init_routing import MOE_INIT_ROUTING
 from .moe import MOE
+from .qmoe import QMOE
 from .row_parallel_linear import ROW_PARALLEL_LINEAR
 
 OPS: dict[str, OpDef] = {op.name: op for op in (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
-                                                MOE_GATING_TOPK)}
+                                                MOE_GATING_TOPK, QMOE)}
 
 
 def _register_schemas() -> None:

@@ -7,6 +7,7 @@ computing only the selected experts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,14 +34,16 @@ EXPERT_TYPES = (GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, GEMM2_ACT)
 # input positions
 HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2 = range(8)
 
-# Expected weight shapes per expert type: input -> symbols of its dims.
-_WEIGHT_SHAPES = {
-    GEMM2_BIAS_SWIGLU_CLAMP: {W0: ("E", "H", "2I"), B0: ("E", "2I"), W1: ("E", "I", "H"), B1: ("E", "H")},
-    GEMM3_SWIGLU: {W0: ("E", "I", "H"), W1: ("E", "I", "H"), W2: ("E", "H", "I")},
-    GEMM2_ACT: {W0: ("E", "I", "H"), B0: ("E", "I"), W1: ("E", "H", "I"), B1: ("E", "H")},
+# The linears of each expert type, in the order they run: (weight input, bias input or None, N, K), N the
+# symbol of the output width and K of the input width. MOE stores GEMM2's weights as GPT-OSS does,
+# [E, K, N] (x @ W); the other types in nn.Linear's [E, N, K] (x @ W^T). QMOE stores every weight as [E, N, K].
+LINEARS = {
+    GEMM2_BIAS_SWIGLU_CLAMP: ((W0, B0, "2I", "H"), (W1, B1, "H", "I")),
+    GEMM3_SWIGLU: ((W0, None, "I", "H"), (W1, None, "I", "H"), (W2, None, "H", "I")),
+    GEMM2_ACT: ((W0, B0, "I", "H"), (W1, B1, "H", "I")),
 }
-_REQUIRED = {GEMM2_BIAS_SWIGLU_CLAMP: (W0, W1), GEMM3_SWIGLU: (W0, W1, W2), GEMM2_ACT: (W0, W1)}
-
+# The inputs an expert type may leave out or must leave out: every one it does not use.
+_OPTIONAL_EXPERT_INPUTS = (B0, W1, B1, W2)
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
@@ -74,21 +77,40 @@ _SWIGLU_ONLY = ("expert_alpha", "expert_beta", "gate_parity")
 
 
 def _validate(v: NodeView) -> list[TensorInfo | None]:
+    expert_type = validate_expert_attrs(v)
+    dims = DimBinder(v)
+    elem, hidden = validate_tokens(v, dims, float_inputs=(ROUTING, W0, B0, W1, B1, W2))
+    check_expert_inputs(v, expert_type, required=(), optional=())
+    for weight, bias, n, k in LINEARS[expert_type]:
+        if v.has(weight):
+            symbols = ("E", k, n) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else ("E", n, k)
+            dims.shape(weight, symbols, v.expect_rank(weight, rank=3))
+        if bias is not None and v.has(bias):
+            dims.shape(bias, ("E", n), v.expect_rank(bias, rank=2))
+    return [TensorInfo(elem, hidden)]
+
+
+def validate_expert_attrs(v: NodeView) -> str:
+    """The attributes MOE and QMOE share (expert type, SwiGLU, activation); returns the expert type."""
     expert_type = check_choice(v, "expert_type", EXPERT_TYPES)
     check_float_attr(v, "expert_alpha")
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
         check_float_attr(v, "expert_beta", positive=True, allow_inf=True)
     check_choice(v, "gate_parity", (0, 1))
     _check_activation(v, expert_type)
+    return expert_type
 
+
+def validate_tokens(v: NodeView, dims: DimBinder, float_inputs: tuple[int, ...]) -> tuple[int, tuple | None]:
+    """Types of the tokens, the routing and ``float_inputs`` (those given must have hidden_states' type),
+    and the token dims H, T and k; returns hidden_states' element type and shape."""
     elem = v.expect_elem(HIDDEN)
-    for i in (ROUTING, W0, B0, W1, B1, W2):
+    for i in float_inputs:
         if v.has(i):
             v.expect_elem(i)
             v.expect_same_elem(i, HIDDEN)
     v.expect_elem(INDICES)
 
-    dims = DimBinder(v)
     hidden = v.expect_rank(HIDDEN, min_rank=2)
     if hidden is not None:
         dims.bind("H", hidden[-1], "input 'hidden_states' dim -1")
@@ -99,18 +121,23 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
             name = v.op.inputs[i].name
             dims.bind("k", shape[-1], f"input '{name}' dim -1")
             dims.bind("T", dim_product(shape[:-1]), f"input '{name}' leading dims (product)")
+    return elem, hidden
 
-    layout = _WEIGHT_SHAPES[expert_type]
-    for i in _REQUIRED[expert_type]:
-        v.require(i)
-    for i in (B0, W1, B1, W2):
-        if v.has(i) and i not in layout:
+
+def check_expert_inputs(v: NodeView, expert_type: str, required: tuple[int, ...], optional: tuple[int, ...]) -> None:
+    """The weights and biases of ``expert_type`` (LINEARS) are given where required, the others absent.
+    ``required`` and ``optional`` add an op's own inputs that go with the weights: ``required[j]`` and
+    ``optional[j]`` belong to the j-th linear's weight (QMOE's scales and zero points)."""
+    linears = LINEARS[expert_type]
+    used = {i for weight, bias, _, _ in linears for i in (weight, bias) if i is not None}
+    for j, (weight, _, _, _) in enumerate(linears):
+        v.require(weight)
+        if j < len(required):
+            v.require(required[j])
+    used |= set(required[:len(linears)]) | set(optional[:len(linears)])
+    for i in (*_OPTIONAL_EXPERT_INPUTS, *required, *optional):
+        if v.has(i) and i not in used:
             v.fail(v.input_name(i), f"is given, but {expert_type} does not use it; leave it empty")
-    for i, symbols in layout.items():
-        if v.has(i):
-            dims.shape(i, symbols, v.expect_rank(i, rank=len(symbols)))
-
-    return [TensorInfo(elem, hidden)]
 
 
 def _check_activation(v: NodeView, expert_type: str) -> None:
@@ -134,11 +161,12 @@ def _check_activation(v: NodeView, expert_type: str) -> None:
             v.fail(f"attribute '{name}'", f"is {value!r}; {GEMM2_ACT} does not use it: leave the default {default!r}")
 
 
-def _check_indices(idx: np.ndarray, num_experts: int, where: str) -> None:
+def check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
+    """Every expert index is in [0, num_experts) (MoeOpError naming the first one outside)."""
     bad = (idx < 0) | (idx >= num_experts)
     if bad.any():
         pos = tuple(int(p) for p in np.argwhere(bad)[0])
-        raise MoeOpError(f"{where}: router_topk_output_indices{list(pos)} = {int(idx[pos])} is outside "
+        raise MoeOpError(f"{view.where()}: router_topk_output_indices{list(pos)} = {int(idx[pos])} is outside "
                          f"[0, {num_experts}) (num_experts from weight_0)")
 
 
@@ -154,6 +182,26 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
     view = ArrayView(MOE, arrays, attrs, node_name=_node_name, named_outputs=_named_outputs)
     MOE.validate(view)
+    weights = {W0: weight_0, W1: weight_1, W2: weight_2}
+    acc = compute_dtype(hidden_states.dtype)
+    if view.attr("expert_type") == GEMM2_BIAS_SWIGLU_CLAMP:  # stored [E, K, N]
+        def linear(i, e, a):
+            return a @ weights[i][e].astype(acc)
+    else:
+        def linear(i, e, a):
+            return a @ weights[i][e].astype(acc).T
+    return (mix_experts(view, hidden_states, routing_weights, router_topk_output_indices, weight_0.shape[0],
+                        linear, bias_0, bias_1),)
+
+
+def mix_experts(view: NodeView, hidden_states, routing_weights, indices, num_experts: int,
+                linear: Callable[[int, int, np.ndarray], np.ndarray], bias_0: np.ndarray | None,
+                bias_1: np.ndarray | None) -> np.ndarray:
+    """y of MOE and QMOE after validation: each token's selected experts, weighted and summed.
+
+    ``linear(i, e, a)`` is ``a @ W^T`` for expert ``e`` of weight input ``i`` (W [N, K]), in the compute
+    type; ``bias_0`` and ``bias_1`` go with weight_0 and weight_1 (None: absent). Raises MoeOpError for an index
+    outside [0, num_experts)."""
     expert_type, alpha = view.attr("expert_type"), float(view.attr("expert_alpha"))
     beta, parity = float(view.attr("expert_beta")), int(view.attr("gate_parity"))
 
@@ -161,45 +209,40 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     acc = compute_dtype(dtype)
     hidden = hidden_states.shape[-1]
     x = as_rows(hidden_states).astype(acc)
-    tokens, k = x.shape[0], router_topk_output_indices.shape[-1]
-    idx = router_topk_output_indices.reshape(tokens, k).astype(np.int64)
+    tokens, k = x.shape[0], indices.shape[-1]
+    idx = indices.reshape(tokens, k).astype(np.int64)
     weights = routing_weights.reshape(tokens, k).astype(acc)
-    _check_indices(router_topk_output_indices, weight_0.shape[0], view.where())
+    check_indices(view, indices, num_experts)
+
+    biases = {W0: bias_0, W1: bias_1}
+
+    def biased(i, e, a):
+        y = linear(i, e, a)
+        return y if biases[i] is None else y + biases[i][e].astype(acc)
 
     out = np.zeros((tokens, hidden), dtype=acc)
     slots = idx.reshape(-1)
     order = np.argsort(slots, kind="stable")
-    bounds = np.searchsorted(slots[order], np.arange(weight_0.shape[0] + 1))
-    for e in range(weight_0.shape[0]):
+    bounds = np.searchsorted(slots[order], np.arange(num_experts + 1))
+    for e in range(num_experts):
         chosen = order[bounds[e]:bounds[e + 1]]
         if chosen.size == 0:
             continue
         rows = chosen // k
         xe = x[rows]
         if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-            gu = xe @ weight_0[e].astype(acc)
-            if bias_0 is not None:
-                gu = gu + bias_0[e].astype(acc)
+            gu = biased(W0, e, xe)
             gate, up = gu[:, parity::2], gu[:, 1 - parity::2]
             gate = np.minimum(gate, beta)
             up = np.clip(up, -beta, beta)
-            act = (up + 1.0) * gate * sigmoid(alpha * gate)
-            ye = act @ weight_1[e].astype(acc)
-            if bias_1 is not None:
-                ye = ye + bias_1[e].astype(acc)
+            ye = biased(W1, e, (up + 1.0) * gate * sigmoid(alpha * gate))
         elif expert_type == GEMM2_ACT:
-            up = xe @ weight_0[e].astype(acc).T
-            if bias_0 is not None:
-                up = up + bias_0[e].astype(acc)
-            ye = ACTIVATIONS[view.attr("activation")](up) @ weight_1[e].astype(acc).T
-            if bias_1 is not None:
-                ye = ye + bias_1[e].astype(acc)
+            ye = biased(W1, e, ACTIVATIONS[view.attr("activation")](biased(W0, e, xe)))
         else:
-            gate = xe @ weight_0[e].astype(acc).T
-            up = xe @ weight_1[e].astype(acc).T
-            ye = (gate * sigmoid(alpha * gate) * up) @ weight_2[e].astype(acc).T
+            gate = linear(W0, e, xe)
+            ye = linear(W2, e, gate * sigmoid(alpha * gate) * linear(W1, e, xe))
         np.add.at(out, rows, ye * weights.reshape(-1)[chosen][:, None])
-    return (out.astype(dtype).reshape(hidden_states.shape),)
+    return out.astype(dtype).reshape(hidden_states.shape)
 
 
 MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe)

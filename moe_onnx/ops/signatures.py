@@ -280,4 +280,4 @@ MOE_GATING_TOPK = Signature(
 
 
 SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
-                                        MOE_GATING_TOPK)
+                                        MOE_GATING_TOPK, QMOE)
