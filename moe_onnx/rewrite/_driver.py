@@ -15,7 +15,7 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
-from . import batched_mm, gating, grouped, loop, loop_dynamo, parallel_experts, shared_expert, tiled
+from . import batched_mm, gating, grouped, loop, loop_dynamo, ort_import, parallel_experts, shared_expert, tiled
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
 
@@ -91,11 +91,14 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     say = progress or (lambda message: None)
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
+    fused, notes = {}, []
+    missed: list[tuple[ir.Node | None, dict[str, str]]] = []  # (root node, near-miss)
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
+    say("onnxruntime MoE/QMoE nodes")  # first: the passes below see the imported ops
+    fused[ort_import.RULE], refused = ort_import.import_ort_nodes(model)
+    missed += [(None, miss) for miss in refused]
 
-    fused, notes = {}, []
-    missed: list[tuple[ir.Node, dict[str, str]]] = []  # (root node, near-miss)
     partial: list[PartialMatch] = []
     for fusion in fusions():
         say(f"rule {fusion.name}")
@@ -130,7 +133,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     fused = {name: count for name, count in fused.items() if count}
     common_passes.RemoveUnusedNodesPass()(model)
     say("looking for MoE blocks left unfused")
-    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed], partial)
+    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed if root is not None], partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))

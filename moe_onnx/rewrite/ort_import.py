@@ -1,0 +1,516 @@
+"""onnxruntime's com.microsoft::MoE and QMoE nodes into moe_onnx ops: the first pass of ``optimize``.
+
+onnxruntime-genai's model builder writes a MoE layer as one contrib node that takes the router
+logits (``router_probs``) and does the routing itself. Each node becomes:
+
+- the routing in standard ops, which the router pass (gating.py) then makes one MoeGatingTopK:
+  ``TopK(Softmax(router_probs), k)``, its values divided by their sum when
+  ``normalize_routing_weights``; with QMoE's ``router_weights``, the TopK chooses and the weights are
+  ``router_weights`` gathered at the chosen experts (normalized likewise); ``use_sparse_mixer`` (k = 2):
+  PhiMoE's sparsemixer (:func:`_sparse_mixer`), which stays in standard ops;
+- MOE (float weights) or QMOE (quantized; the same [E, N, K] layout as QMoE's), by the experts:
+
+  ========================================  =======================================================
+  contrib experts                           ours
+  ========================================  =======================================================
+  swiglu (or silu with fc3: gated), no      GEMM3_SWIGLU (gate, up, down), expert_alpha = alpha
+  limit, beta 0, no biases
+  swiglu, beta 1 (any limit) or no limit    GEMM2_BIAS_SWIGLU_CLAMP, gate_parity 0 (gate and up rows
+  (any beta, biases)                        interleaved), expert_beta = limit (inf: none); beta != 1
+                                            goes into the up bias (up + beta = (up + beta - 1) + 1)
+  relu, gelu, silu, identity without fc3    GEMM2_ACT: relu, gelu_tanh (the CPU kernel's gelu),
+                                            silu, identity (activation_alpha/beta unused, as there)
+  ========================================  =======================================================
+
+  swiglu_fusion 1 takes fc1's rows as gate (even) and up (odd), 2 as gate (first half) and up
+  (second half), 0 as gate (fc1) and up (fc3). QMoE: quant_type int (bits 4/8, per column or
+  block_size 16..256, zero points) stays as stored; fp4 becomes mxfp4 (the float8e8m0 scales as
+  their uint8 bits; a per-expert global scale that is a power of two moves into the exponents);
+  accuracy_level 4, and block-wise 8 bits (which onnxruntime computes with int8 activations at
+  every level), become accuracy_level 4.
+
+What our ops cannot express exactly stays as it is and the report names the node with the reason:
+a finite swiglu_limit with activation_beta other than 1, gated relu/gelu/identity (fc3 with those),
+QMoE widths that differ between projections, 2-bit weights, block sizes outside 16..256, nvfp4 / fp8
+/ wfp4afp8, prepacked weights, a global fp4 scale that is not a power of two, inputs that are not
+initializers. Weights that change layout are written one expert at a time, when the model is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from ..ops import DOMAIN, OPSET_VERSION
+from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from ..ops.qmoe import INT8_ACTIVATIONS, QUANT_INT, QUANT_MXFP4, pack_codes, unpack_codes
+from ._match import MatchFailure, constant, require
+from ._weights import fresh_name, initializer_expert, streamed_initializer
+
+RULE = "OrtMoeImport"
+ORT_DOMAIN = "com.microsoft"
+JITTER_EPS = 0.01  # onnxruntime's sparse mixer (PhiMoE's router_jitter_noise)
+
+# the contrib inputs, by name, in each op's order
+_MOE_INPUTS = ("input", "router_probs", "fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights",
+               "fc2_experts_bias", "fc3_experts_weights", "fc3_experts_bias")
+_QMOE_INPUTS = ("input", "router_probs", "fc1_experts_weights", "fc1_scales", "fc1_experts_bias",
+                "fc2_experts_weights", "fc2_scales", "fc2_experts_bias", "fc3_experts_weights", "fc3_scales",
+                "fc3_experts_bias", "fc1_zero_points", "fc2_zero_points", "fc3_zero_points", "router_weights",
+                "fc1_global_scale", "fc2_global_scale", "fc1_act_scale", "fc2_act_scale", "fc1_act_block_scale",
+                "fc2_act_block_scale")
+_POINTWISE = {"relu": "relu", "gelu": "gelu_tanh", "silu": "silu", "identity": "identity"}
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+# ----------------------------------------------------------------------------- reading the node
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Rows of one [E, N, ...] input: ``rows`` of its N (None: all). ``codes``: the bits of zero points
+    packed along N (per column; ``columns`` is their N); ``shift``: float8e8m0 scales, read as their
+    uint8 exponents plus a shift per expert (a global scale 2^shift[e])."""
+
+    value: ir.Value
+    rows: np.ndarray | None = None
+    codes: int = 0
+    columns: int = 0
+    shift: np.ndarray | None = None
+
+    @property
+    def n(self) -> int:
+        return self.columns if self.codes else self.value.shape[1]
+
+    def expert(self, e: int) -> np.ndarray:
+        a = initializer_expert(self.value, e)
+        if self.codes:
+            a = unpack_codes(a, self.codes, self.n)
+        if self.shift is not None:
+            a = _shifted_exponents(np.asarray(a).view(np.uint8), int(self.shift[e % self.shift.size]), self.value.name)
+        return a if self.rows is None else a[self.rows]
+
+    @property
+    def dtype(self) -> ir.DataType:
+        return ir.DataType.UINT8 if self.shift is not None else self.value.dtype
+
+
+def _shifted_exponents(exponents: np.ndarray, shift: int, name: str) -> np.ndarray:
+    """E8M0 exponents plus ``shift`` (255, NaN, stays); ValueError when one leaves [0, 254]."""
+    moved = exponents.astype(np.int32) + shift
+    nan = exponents == 255
+    if np.any(((moved < 0) | (moved > 254)) & ~nan):
+        raise ValueError(f"moe_onnx import: {name}: the global scale 2^{shift} moves an exponent out of E8M0's range")
+    return np.where(nan, 255, moved).astype(np.uint8)
+
+
+@dataclasses.dataclass
+class _Projection:
+    """One linear of the experts as the contrib node stores it: the weight rows and what goes with them."""
+
+    weight: _Part
+    bias: np.ndarray | None = None
+    scales: _Part | None = None
+    zero_points: _Part | None = None
+
+
+@dataclasses.dataclass
+class _Node:
+    """A contrib MoE/QMoE node, read: inputs by name, attributes with their defaults."""
+
+    node: ir.Node
+    inputs: dict[str, ir.Value]
+    quantized: bool
+
+    def attr(self, name: str, default):
+        attribute = self.node.attributes.get(name)
+        return default if attribute is None else attribute.value
+
+    def has(self, name: str) -> bool:
+        return name in self.inputs
+
+
+def _read_node(node: ir.Node) -> _Node:
+    quantized = node.op_type == "QMoE"
+    names = _QMOE_INPUTS if quantized else _MOE_INPUTS
+    inputs = {name: value for name, value in zip(names, node.inputs) if value is not None}
+    return _Node(node, inputs, quantized)
+
+
+def _initializer(n: _Node, name: str) -> ir.Value:
+    value = n.inputs[name]
+    require(value.const_value is not None and value.shape is not None and value.shape.is_static(),
+            f"input '{name}' is not an initializer (the import reads the weights)")
+    return value
+
+
+def _small_constant(n: _Node, name: str) -> np.ndarray | None:
+    """A bias or global scale, loaded (None when absent)."""
+    if not n.has(name):
+        return None
+    array = constant(n.inputs[name])
+    require(array is not None, f"input '{name}' is not a constant")
+    return array
+
+
+# ----------------------------------------------------------------------------- the expert mapping
+
+@dataclasses.dataclass
+class _Gated:
+    """The gated experts: gate, up and down projections and SwiGLU's constants."""
+
+    gate: _Projection
+    up: _Projection
+    down: _Projection
+    alpha: float
+    beta: float
+    limit: float
+
+
+def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], bits: int) -> list[_Projection]:
+    """The projections of ``fc`` (fc1, fc2, fc3) each made of some of its rows."""
+    weight = _initializer(n, f"{fc}_experts_weights")
+    bias = _small_constant(n, f"{fc}_experts_bias")
+    scales = zero_points = None
+    if n.quantized:
+        require(n.has(f"{fc}_scales"), f"input '{fc}_scales' is missing")
+        scales = _initializer(n, f"{fc}_scales")
+        if n.has(f"{fc}_zero_points"):
+            zero_points = _initializer(n, f"{fc}_zero_points")
+    per_column = scales is not None and len(scales.shape) == 2
+    parts = []
+    for r in rows:
+        zp = None
+        if zero_points is not None:
+            zp = _Part(zero_points, r, bits, weight.shape[1]) if per_column else _Part(zero_points, r)
+        parts.append(_Projection(_Part(weight, r), None if bias is None else (bias if r is None else bias[:, r]),
+                                 None if scales is None else _Part(scales, r), zp))
+    return parts
+
+
+def _experts(n: _Node, bits: int) -> tuple[str, dict, list[_Projection], _Gated | None]:
+    """(expert_type, attributes, [the projections of a GEMM2_ACT], the gated experts) of the node."""
+    activation = n.attr("activation_type", "relu")
+    fusion = n.attr("swiglu_fusion", 0)
+    has_fc3 = n.has("fc3_experts_weights")
+    require(activation in (*_POINTWISE, "swiglu"),
+            f"activation_type is {activation!r}; expected relu, gelu, silu, swiglu or identity")
+    (down,) = _split(n, "fc2", [None], bits)
+    if activation != "swiglu" and not has_fc3:
+        (up,) = _split(n, "fc1", [None], bits)
+        return GEMM2_ACT, {"activation": _POINTWISE[activation]}, [up, down], None
+    require(activation in ("swiglu", "silu"),
+            f"activation_type {activation!r} with fc3 (gated {activation}): MOE's gated experts are SwiGLU only")
+    if activation == "silu":  # fc3 given: silu(fc1) * fc3
+        alpha, beta, limit = 1.0, 0.0, math.inf
+    else:
+        alpha = float(n.attr("activation_alpha", 1.0))
+        beta = float(n.attr("activation_beta", 0.0))
+        limit = float(n.attr("swiglu_limit", math.inf))
+        require(fusion in (0, 1, 2), f"swiglu_fusion is {fusion}; expected 0, 1 or 2")
+    if activation == "silu" or fusion == 0:
+        require(has_fc3, "swiglu_fusion is 0 (gate in fc1, up in fc3) but fc3_experts_weights is missing")
+        (gate,), (up,) = _split(n, "fc1", [None], bits), _split(n, "fc3", [None], bits)
+    else:
+        require(not has_fc3, f"swiglu_fusion is {fusion} (gate and up fused in fc1) but fc3_experts_weights is given")
+        rows = _initializer(n, "fc1_experts_weights").shape[1]
+        require(rows % 2 == 0, f"fc1_experts_weights has {rows} rows; fused SwiGLU needs an even count")
+        half = rows // 2
+        pick = (np.arange(0, rows, 2), np.arange(1, rows, 2)) if fusion == 1 else \
+            (np.arange(half), np.arange(half, rows))
+        gate, up = _split(n, "fc1", pick, bits)
+    gated = _Gated(gate, up, down, alpha, beta, limit)
+    if limit == math.inf and beta == 0 and gate.bias is None and up.bias is None and down.bias is None:
+        return GEMM3_SWIGLU, {"expert_alpha": alpha}, [], gated
+    require(beta == 1 or limit == math.inf,
+            f"swiglu_limit {limit} with activation_beta {beta}: MOE's clamped SwiGLU adds 1 to the clamped up "
+            "projection (GEMM2_BIAS_SWIGLU_CLAMP) and GEMM3_SWIGLU has no clamp; only beta 1, or no limit, fits")
+    return GEMM2_BIAS_SWIGLU_CLAMP, {"expert_alpha": alpha, "expert_beta": limit, "gate_parity": 0}, [], gated
+
+
+# ----------------------------------------------------------------------------- quantization
+
+@dataclasses.dataclass(frozen=True)
+class _Quant:
+    bits: int
+    block_size: int
+    quant_type: str
+    accuracy_level: int
+    exponent_shift: dict[str, np.ndarray]  # fp4: per fc, the power of two of its global scale per expert
+
+
+def _quant(n: _Node) -> _Quant:
+    """QMoE's quantization attributes as QMOE's, or MatchFailure."""
+    quant_type = n.attr("quant_type", "int")
+    require(quant_type in ("int", "fp4"), f"quant_type is {quant_type!r}; QMOE takes int and fp4 (as mxfp4)")
+    require(n.attr("weights_prepacked", -1) != 1, "weights_prepacked is 1: the weights are in a provider's "
+            "prepacked layout, not QMoE's [E, N, K] one")
+    default_bits = n.attr("expert_weight_bits", 4)
+    widths = {fc: n.attr(f"{fc}_expert_weight_bits", default_bits) for fc in ("fc1", "fc2", "fc3")
+              if fc != "fc3" or n.has("fc3_experts_weights")}
+    require(len(set(widths.values())) == 1, f"the projections have different widths ({widths}); QMOE takes one "
+            "bits for all")
+    bits = next(iter(widths.values()))
+    require(bits in (4, 8), f"expert_weight_bits is {bits}; QMOE takes 4 or 8")
+    for name in ("fc1_act_scale", "fc2_act_scale", "fc1_act_block_scale", "fc2_act_block_scale"):
+        require(not n.has(name), f"input '{name}' is given (FP8 activations); QMOE has none")
+    level = n.attr("accuracy_level", 0)
+    block_size = n.attr("block_size", 0)
+    if quant_type == "fp4":
+        require(bits == 4, f"quant_type fp4 with expert_weight_bits {bits}; expected 4")
+        for fc in ("fc1", "fc2", "fc3"):
+            scales = n.inputs.get(f"{fc}_scales")
+            require(scales is None or scales.dtype == ir.DataType.FLOAT8E8M0,
+                    f"quant_type fp4: input '{fc}_scales' has type {scales.dtype if scales else None}; "
+                    "expected float8e8m0")
+        return _Quant(4, 32, QUANT_MXFP4, 0, _global_exponents(n))
+    require(block_size == 0 or (block_size & (block_size - 1) == 0 and 16 <= block_size <= 256),
+            f"block_size is {block_size}; QMOE takes a power of two in [16, 256] (or none: per column)")
+    int8_activations = level == INT8_ACTIVATIONS or (bits == 8 and block_size > 0)
+    return _Quant(bits, block_size, QUANT_INT, INT8_ACTIVATIONS if int8_activations else 0, {})
+
+
+def _global_exponents(n: _Node) -> dict[str, np.ndarray]:
+    """fp4: the power of two p[e] of each fc's global scale 2^p[e] (fc3 shares fc1's), or MatchFailure."""
+    shifts = {}
+    for fc, source in (("fc1", "fc1"), ("fc2", "fc2"), ("fc3", "fc1")):
+        scale = _small_constant(n, f"{source}_global_scale")
+        if scale is None:
+            shifts[fc] = np.zeros(1, np.int32)
+            continue
+        mantissa, exponent = np.frexp(scale.astype(np.float32).reshape(-1))
+        require(bool(np.all(mantissa == 0.5)), f"input '{source}_global_scale' holds a value that is not a power "
+                "of two: MXFP4's scales cannot absorb it")
+        shifts[fc] = (exponent - 1).astype(np.int32)
+    return shifts
+
+
+# ----------------------------------------------------------------------------- writing the weights
+
+def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: bool = False) -> ir.Value:
+    """One [E, N, ...] initializer: the rows of ``parts``, interleaved when two (the first at the even
+    rows), transposed to [E, ..., N] if asked; the source itself when that is all it is."""
+    if len(parts) == 2 and parts[0].value is parts[1].value and parts[0].rows is not None \
+            and parts[1].rows is not None and parts[0].shift is parts[1].shift:
+        rows = np.empty(2 * len(parts[0].rows), np.int64)
+        rows[0::2], rows[1::2] = parts[0].rows, parts[1].rows
+        whole = np.array_equal(rows, np.arange(parts[0].n))
+        parts = [dataclasses.replace(parts[0], rows=None if whole else rows)]
+    first = parts[0]
+    if len(parts) == 1 and first.rows is None and first.shift is None and not transpose:
+        return first.value
+
+    def expert(e: int) -> np.ndarray:
+        arrays = [part.expert(e) for part in parts]
+        if len(arrays) == 1:
+            rows = arrays[0]
+        else:
+            rows = np.empty((2 * arrays[0].shape[0], *arrays[0].shape[1:]), arrays[0].dtype)
+            rows[0::2], rows[1::2] = arrays
+        if first.codes:
+            rows = pack_codes(rows, first.codes)
+        return np.ascontiguousarray(rows.T if transpose else rows)
+
+    experts = first.value.shape[0]
+    n = sum(part.n if part.rows is None else len(part.rows) for part in parts)
+    if first.codes:
+        shape = (experts, -(-n * first.codes // 8))
+    else:
+        rest = tuple(first.value.shape[2:])
+        shape = (experts, *rest, n) if transpose else (experts, n, *rest)
+    return streamed_initializer(graph, name, expert, first.dtype, shape, [part.value for part in parts])
+
+
+def _bias(graph: ir.Graph, name: str, arrays: Sequence[np.ndarray | None], rows: Sequence[int], dtype: ir.DataType,
+          experts: int, up_shift: float = 0.0) -> ir.Value | None:
+    """The bias of a projection made of ``arrays`` (each [E, rows] or None for zeros), interleaved when two;
+    ``up_shift`` added to the second. None when every part has none and there is no shift."""
+    if all(a is None for a in arrays) and up_shift == 0:
+        return None
+    parts = [np.zeros((experts, r), np.float32) if a is None else a.astype(np.float32) for a, r in zip(arrays, rows)]
+    if len(parts) == 2:
+        parts[1] = parts[1] + np.float32(up_shift)
+        merged = np.empty((experts, 2 * rows[0]), np.float32)
+        merged[:, 0::2], merged[:, 1::2] = parts
+    else:
+        merged = parts[0]
+    tensor = ir.tensor(merged.astype(dtype.numpy()))
+    value = ir.Value(name=fresh_name(graph, name), shape=ir.Shape(merged.shape), type=ir.TensorType(dtype),
+                     const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+# ----------------------------------------------------------------------------- routing
+
+class _Builder:
+    """Nodes to insert before the contrib node, in order. The routing values get their [T, E] or [T, k]
+    shape and type (``shape``, ``dtype``): the router pass reads them (shape inference ran before)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[ir.Node] = []
+
+    def __call__(self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None,
+                 outputs: int = 1, domain: str = "", shape: Sequence | None = None,
+                 dtype: Sequence[ir.DataType] = (ir.DataType.FLOAT,)) -> ir.Value | tuple[ir.Value, ...]:
+        node = ir.node(op_type, list(inputs), attributes or {}, num_outputs=outputs, domain=domain,
+                       version=OPSET_VERSION if domain == DOMAIN else None)
+        self.nodes.append(node)
+        if shape is not None:
+            for value, value_type in zip(node.outputs, dtype * outputs):
+                value.shape, value.dtype = ir.Shape(list(shape)), value_type
+        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+    def const(self, array: np.ndarray) -> ir.Value:
+        return self("Constant", [], {"value": ir.tensor(array)})
+
+
+def _float32(b: _Builder, value: ir.Value, shape: Sequence) -> ir.Value:
+    return value if value.dtype == ir.DataType.FLOAT else b("Cast", [value], {"to": ir.DataType.FLOAT}, shape=shape)
+
+
+def _routing(b: _Builder, n: _Node, k: int, experts: int) -> tuple[ir.Value, ir.Value]:
+    """(weights float32 [T, k], indices int64 [T, k]) of the node's own routing."""
+    router = n.inputs["router_probs"]
+    rows = router.shape[0] if router.shape is not None and len(router.shape) == 2 else None
+    scores, chosen = (rows, experts), (rows, k)
+    logits = _float32(b, router, scores)
+    if n.attr("use_sparse_mixer", 0):
+        require(k == 2, f"use_sparse_mixer with k = {k}; the sparse mixer picks 2 experts")
+        return _sparse_mixer(b, logits)
+    probs = b("Softmax", [logits], {"axis": -1}, shape=scores)
+    values, indices = b("TopK", [probs, b.const(np.array([k], np.int64))], {"axis": -1, "largest": 1, "sorted": 1},
+                        outputs=2, shape=chosen, dtype=(ir.DataType.FLOAT, ir.DataType.INT64))
+    if n.has("router_weights"):
+        values = b("GatherElements", [_float32(b, n.inputs["router_weights"], scores), indices], {"axis": 1},
+                   shape=chosen)
+    if n.attr("normalize_routing_weights", 0):
+        total = b("ReduceSum", [values, b.const(np.array([-1], np.int64))], {"keepdims": 1}, shape=(rows, 1))
+        values = b("Div", [values, total], shape=chosen)
+    return values, indices
+
+
+def _sparse_mixer(b: _Builder, logits: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """PhiMoE's sparsemixer: pick j is the maximum of the logits left (the earlier picks set to -inf);
+    its weight the softmax, at the pick, of the logits left with those farther than 2 * jitter_eps
+    (relative: (top - s) / max(|s|, top)) from it set to -inf."""
+    minus_inf = b.const(np.array(-np.inf, np.float32))
+    threshold = b.const(np.array(2 * JITTER_EPS, np.float32))
+    magnitude = b("Abs", [logits])
+    left, weights, picks = logits, [], []
+    for j in range(2):
+        if j:
+            left = b("ScatterElements", [left, picks[-1], b("Expand", [minus_inf, b("Shape", [picks[-1]])])],
+                     {"axis": 1})
+        pick = b("ArgMax", [left], {"axis": -1, "keepdims": 1})
+        top = b("GatherElements", [left, pick], {"axis": 1})
+        far = b("Greater", [b("Div", [b("Sub", [top, logits]), b("Max", [magnitude, top])]), threshold])
+        gates = b("Softmax", [b("Where", [far, minus_inf, left])], {"axis": -1})
+        weights.append(b("GatherElements", [gates, pick], {"axis": 1}))
+        picks.append(pick)
+    return b("Concat", weights, {"axis": -1}), b("Concat", picks, {"axis": -1})
+
+
+# ----------------------------------------------------------------------------- the node
+
+def _import(node: ir.Node) -> None:
+    """Replace ``node`` (MoE or QMoE) by the routing and one MOE/QMOE node, or raise MatchFailure."""
+    n = _read_node(node)
+    graph = node.graph
+    hidden = n.inputs["input"]
+    dtype = hidden.dtype
+    require(dtype in _FLOATS, f"input 'input' has type {dtype}; expected a float type")
+    quant = _quant(n) if n.quantized else None
+    bits = quant.bits if quant and quant.quant_type == QUANT_INT else 0
+    expert_type, attributes, plain, gated = _experts(n, bits)
+    experts = _initializer(n, "fc1_experts_weights").shape[0]
+    k = n.attr("k", 1)
+    require(1 <= k <= experts, f"k is {k}; expected 1..{experts} (the experts)")
+
+    b = _Builder()
+    weights, indices = _routing(b, n, k, experts)
+    if dtype != ir.DataType.FLOAT:
+        weights = b("Cast", [weights], {"to": dtype}, shape=weights.shape, dtype=(dtype,))
+    name = node.name or "MoE"
+    if gated is None:
+        up, down = plain
+        linears = [(up, None), (down, None)]
+        biases = [_bias(graph, f"{name}_bias_0", [up.bias], [0], dtype, experts),
+                  _bias(graph, f"{name}_bias_1", [down.bias], [0], dtype, experts)]
+    elif expert_type == GEMM3_SWIGLU:
+        linears = [(gated.gate, None), (gated.up, None), (gated.down, None)]
+        biases = [None, None]
+    else:
+        gate, up = gated.gate, gated.up
+        rows = len(gate.weight.rows) if gate.weight.rows is not None else gate.weight.n
+        linears = [(gate, up), (gated.down, None)]
+        biases = [_bias(graph, f"{name}_bias_0", [gate.bias, up.bias], [rows, rows], dtype, experts,
+                        up_shift=gated.beta - 1.0),
+                  _bias(graph, f"{name}_bias_1", [gated.down.bias], [0], dtype, experts)]
+
+    transpose = not n.quantized and expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 takes [E, K, N]
+    if quant is not None:
+        require(not any(second is not None and (first.zero_points is None) != (second.zero_points is None)
+                        for first, second in linears),
+                "one of gate and up has zero points and the other not; QMOE interleaves them into one weight")
+    weight_values, scale_values, zp_values = [], [], []
+    for i, (first, second) in enumerate(linears):
+        pair = [first] if second is None else [first, second]
+        weight_values.append(_combined(graph, f"{name}_weight_{i}", [p.weight for p in pair], transpose=transpose))
+        if quant is None:
+            continue
+        scales = [p.scales for p in pair]
+        if quant.quant_type == QUANT_MXFP4:
+            scales = [dataclasses.replace(part, shift=quant.exponent_shift[_fc_of(n, p.weight.value)])
+                      for part, p in zip(scales, pair)]
+        scale_values.append(_combined(graph, f"{name}_scales_{i}", scales))
+        zp_values.append(None if first.zero_points is None else
+                         _combined(graph, f"{name}_zero_points_{i}", [p.zero_points for p in pair]))
+
+    w0, w1, *w2 = weight_values
+    moe_inputs = [hidden, weights, indices, w0, biases[0], w1, biases[1], w2[0] if w2 else None]
+    if quant is None:
+        op_type = "MOE"
+    else:
+        op_type = "QMOE"
+        scales = scale_values + [None] * (3 - len(scale_values))
+        zps = zp_values + [None] * (3 - len(zp_values))
+        moe_inputs += scales + zps
+        attributes |= {"bits": quant.bits, "block_size": quant.block_size, "quant_type": quant.quant_type,
+                       "accuracy_level": quant.accuracy_level}
+    while moe_inputs[-1] is None:
+        moe_inputs.pop()
+    y = b(op_type, moe_inputs, {"expert_type": expert_type, **attributes}, domain=DOMAIN)
+    y.producer().name = f"{name}/{op_type}"
+    graph.insert_before(node, b.nodes)
+    old = node.outputs[0]
+    output_name = old.name
+    old.name = None
+    ir.convenience.replace_all_uses_with(old, y, replace_graph_outputs=True)
+    y.name, y.type, y.shape = output_name, old.type, old.shape
+    graph.remove(node, safe=True)
+
+
+def _fc_of(n: _Node, weight: ir.Value) -> str:
+    return next(fc for fc in ("fc1", "fc2", "fc3") if n.inputs.get(f"{fc}_experts_weights") is weight)
+
+
+def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
+    """Replace every com.microsoft::MoE/QMoE node that our ops express exactly; returns the count and a
+    near-miss (rule, node, reason) for each node left as it is."""
+    count, misses = 0, []
+    nodes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+             if node.domain == ORT_DOMAIN and node.op_type in ("MoE", "QMoE")]
+    for node in nodes:
+        try:
+            _import(node)
+        except MatchFailure as failure:
+            misses.append({"rule": RULE, "node": node.name or "", "reason": f"{node.op_type}: {failure}"})
+            continue
+        count += 1
+    if count:
+        model.opset_imports[DOMAIN] = OPSET_VERSION
+    return count, misses
