@@ -7,6 +7,7 @@ import onnx
 import pytest
 from cases import finalize_routing as finalize_cases
 from cases import row_parallel_linear as linear_cases
+from cases import qmoe as qmoe_cases
 from cases.moe import CASES
 
 from moe_onnx import check
@@ -248,3 +249,30 @@ def test_wrong_attribute_type_is_a_problem(name, tmp_path, capsys):
     assert main(["check", path]) == 1
     out = capsys.readouterr().out
     assert f"  MOE node 'MOE_node': {message}\n" in out, out
+
+
+QMOE_BASE = next(c for c in qmoe_cases.CASES if c.name == "gemm3_int8_block32_zero_points")
+
+
+def test_qmoe_model_passes_and_infers_its_output(tmp_path, capsys):
+    model = QMOE_BASE.model(symbolic=True)
+    assert main(["check", _save(model, tmp_path / "q.onnx")]) == 0
+    assert "OK (1 nodes; moe_onnx ops: QMOE x1)" in capsys.readouterr().out
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph.output[0].type.tensor_type
+    assert inferred.elem_type == onnx.TensorProto.FLOAT
+    assert [d.dim_param for d in inferred.shape.dim] == ["hidden_states_d0", "hidden_states_d1"]
+
+
+@pytest.mark.parametrize("name, corrupt, message", [
+    ("packed_dim", lambda m: _replace_initializer(m, "weight_1", np.zeros((4, 32, 16), np.uint8)),
+     "QMOE node 'QMOE_node': input 'weight_1' dim 2 is 16; expected H * bits / 8 = 32 (H = 32, bits = 8)"),
+    ("block_size", lambda m: _set_attr(m, "block_size", v=64),
+     "QMOE node 'QMOE_node': attribute 'block_size' is 64; expected a divisor of H = 32"),
+    ("zero_points", lambda m: _replace_initializer(m, "zero_points_2", np.zeros((4, 32, 2), np.uint8)),
+     "QMOE node 'QMOE_node': input 'zero_points_2' dim 2 is 2; expected ceil(I / block_size * bits / 8) = 1"),
+])
+def test_corrupted_qmoe_model_fails(name, corrupt, message, tmp_path, capsys):
+    path = _save(corrupt(QMOE_BASE.model()), tmp_path / f"{name}.onnx")
+    assert main(["check", path]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and message in out, out

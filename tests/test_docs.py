@@ -12,7 +12,7 @@ from moe_onnx.ops import DOMAIN, OPS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "ops"
 TYPE_NAMES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-              "tensor(int8)": "int8", "tensor(int32)": "int32", "tensor(int64)": "int64"}
+              "tensor(int8)": "int8", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(uint8)": "uint8"}
 SECTIONS = ("Short description", "Detailed description", "Pseudocode", "Inputs", "Outputs", "Attributes",
             "Types", "Errors", "Departures from the seed")
 

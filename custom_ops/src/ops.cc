@@ -12,6 +12,7 @@
 #include "int8_gemm.h"
 #include "isa.h"
 #include "moe.h"
+#include "qmoe.h"
 #include "row_parallel_linear.h"
 #include "ort_api.h"
 
@@ -32,6 +33,7 @@ const std::vector<const OrtCustomOp*>& kernels() {
   static const std::vector<const OrtCustomOp*> all = [] {
     std::vector<const OrtCustomOp*> ops;
     add_per_type<moe_onnx::MoeOp>(ops);
+    add_per_type<moe_onnx::QMoeOp>(ops);
     for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, false));
     add_per_type<moe_onnx::RowParallelLinearOp>(ops);
     add_per_type<moe_onnx::FinalizeRoutingOp>(ops);

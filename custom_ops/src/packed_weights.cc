@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -61,6 +64,12 @@ int64_t row_offset(int64_t k) {
   return F == WeightFormat::kInt8 ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
 }
 
+// An E8M0 scale: 2^(s - 127), NaN for 255 (2^-127 is a subnormal float, exact).
+float e8m0_to_float(uint8_t s) {
+  if (s == 255) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, static_cast<int>(s) - 127);
+}
+
 // Writes each quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
 // GEMM's int32 sums.
 void store_quad_corrections(int8_t* panels, int64_t count, int64_t K) {
@@ -114,7 +123,16 @@ PanelType gemm_panel_type(WeightFormat format) {
 }
 
 PackedWeights::PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias)
-    : format_(format), N_(N), K_(K), slot_bytes_(slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format))) {
+    : PackedWeights(format, QuantPanels{}, N, K, slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format)),
+                    slots, with_bias) {}
+
+PackedWeights::PackedWeights(const QuantPanels& layout, int64_t N, int64_t slots, bool with_bias)
+    : PackedWeights(WeightFormat::kQuantized, layout, N, layout.K, panel_count(N) * layout.panel_bytes(), slots,
+                    with_bias) {}
+
+PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes,
+                             int64_t slots, bool with_bias)
+    : format_(format), quant_(layout), N_(N), K_(K), slot_bytes_(slot_bytes) {
   const auto bytes = static_cast<unsigned __int128>(slots) * static_cast<uint64_t>(slot_bytes_);
   try {
     if (bytes > SIZE_MAX) throw std::bad_alloc();
@@ -135,7 +153,44 @@ void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
     case WeightFormat::kInt8Quads:
       place<WeightFormat::kInt8Quads, int8_t>(src, K_, reinterpret_cast<int8_t*>(dst));
       return store_quad_corrections(reinterpret_cast<int8_t*>(dst), panels(), K_);
+    case WeightFormat::kQuantized: throw std::logic_error("internal: quantized panels are packed by pack_quantized");
   }
+}
+
+void PackedWeights::pack_quantized(int64_t slot, const QuantizedColumns& src) {
+  uint8_t* dst = reinterpret_cast<uint8_t*>(panels_.get() + slot * slot_bytes_);
+  const QuantPanels& q = quant_;
+  const int bits = q.bits();
+  // Element i of a tensor of `bits`-bit elements (4: the low nibble of a byte first).
+  const auto element = [bits](const uint8_t* data, int64_t i) -> int {
+    return bits == 8 ? data[i] : (data[i / 2] >> (4 * (i % 2))) & 15;
+  };
+  for (int64_t c = 0; c < src.columns; ++c) {
+    const int64_t panel = c / src.width, lane = src.lane0 + c % src.width;
+    for (int64_t b = 0; b < q.blocks(); ++b) {
+      uint8_t* block = dst + panel * q.panel_bytes() + b * q.block_bytes();
+      const int64_t s = src.scales_first + c * src.scales_stride + b;
+      const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
+                                                     : load_float(src.scale_type, src.scales, s);
+      std::memcpy(block + 4 * lane, &scale, 4);
+      if (q.zero_points)
+        block[64 + lane] = static_cast<uint8_t>(element(
+            src.zero_points, src.zero_points_first + c * src.zero_points_stride + b * src.zero_points_block_stride));
+      uint8_t* codes = block + q.header_bytes();
+      for (int64_t kk = 0; kk < q.block; ++kk) {
+        const int code = element(src.codes, src.codes_first + c * src.codes_stride + b * q.block + kk);
+        const int64_t i = kk % q.group_rows();
+        uint8_t& byte = codes[(kk / q.group_rows()) * kQuantGroupBytes + lane * 4 + (bits == 8 ? i : i % 4)];
+        byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
+      }
+    }
+  }
+}
+
+void PackedWeights::multiply(int64_t slot, const float* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
+                             int64_t ldc) const {
+  if (format_ == WeightFormat::kQuantized) return quant_gemm_panels(quant_, A, lda, M, at(slot), p0, p1, C, ldc);
+  gemm_panels(gemm_panel_type(format_), A, lda, M, K_, at(slot), p0, p1, C, ldc);
 }
 
 void PackedWeights::pack_bias(int64_t slot, ElemType type, const ColumnSource& src) {

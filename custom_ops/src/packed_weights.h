@@ -16,6 +16,7 @@
 #include "common.h"
 #include "gemm.h"
 #include "parallel.h"
+#include "qgemm.h"
 
 namespace moe_onnx {
 
@@ -28,7 +29,9 @@ namespace moe_onnx {
 //   kInt8Quads         the int8 GEMM's quad panels (int8_gemm.h, AVX512-VNNI): 16 int32
 //                      corrections -128 * (column sum), then [quads][16][4] int8, K padded to a
 //                      multiple of 4 with zeros.
-enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads };
+//   kQuantized         QMOE's int4/int8/E2M1 codes with per-block scales (and zero points), blocks
+//                      of 64-byte code groups (qgemm.h: QuantPanels), decoded in the GEMM.
+enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized };
 
 // The format that holds weights of this element type (float32, float16, bfloat16 or int8; int8:
 // the layout of the int8 GEMM in use, int8_layout()).
@@ -70,11 +73,32 @@ inline ColumnSource plain_columns(const void* data, int64_t e, int64_t K, int64_
   return {data, e * K * N, N, 1, N};
 }
 
+// Where one expert's quantized columns come from (QMOE: [E, N, K] codes, [E, N, blocks] scales,
+// zero points packed along their last dim), and where they go (lane0 + c % width of panel c / width).
+// Column c has code k at element codes_first + c * codes_stride + k of `codes` (an element is a
+// nibble for 4-bit codes: the low one of a byte first), the scale of block b at element
+// scales_first + c * scales_stride + b of `scales` (float32/float16/bfloat16, or uint8 E8M0 for
+// E2M1 codes), and, when zero_points is not null, the zero point of block b at element
+// zero_points_first + c * zero_points_stride + b * zero_points_block_stride (same bits as the codes).
+struct QuantizedColumns {
+  const uint8_t* codes;
+  int64_t codes_first, codes_stride;
+  const void* scales;
+  ElemType scale_type;
+  int64_t scales_first, scales_stride;
+  const uint8_t* zero_points;
+  int64_t zero_points_first, zero_points_stride, zero_points_block_stride;
+  int64_t columns;
+  int64_t width = kPanel, lane0 = 0;
+};
+
 // One weight matrix B [K, N] per packed expert (a slot), in one format, in a zeroed huge-page
 // buffer; optionally an fp32 bias per slot in the panels' column order (natural lanes).
 class PackedWeights {
  public:
   PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias);
+  // Quantized panels of this layout (format kQuantized; K is the layout's).
+  PackedWeights(const QuantPanels& layout, int64_t N, int64_t slots, bool with_bias);
 
   WeightFormat format() const { return format_; }
   int64_t N() const { return N_; }
@@ -90,12 +114,22 @@ class PackedWeights {
   // Writes a bias (`type` float32/float16/bfloat16; k_stride unused) into the slot's bias, as fp32
   // (a matrix made with_bias).
   void pack_bias(int64_t slot, ElemType type, const ColumnSource& src);
+  // Writes quantized columns into the slot's panels (format kQuantized).
+  void pack_quantized(int64_t slot, const QuantizedColumns& src);
+
+  // C[m, 16 * (p - p0) + c] = (A @ B)[m, 16 p + c] for m < M, p in [p0, p1): the float GEMM
+  // (gemm.h) or, for quantized panels, quant_gemm_panels (qgemm.h). A: fp32 rows of stride lda.
+  void multiply(int64_t slot, const float* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
+                int64_t ldc) const;
 
  private:
+  PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes, int64_t slots,
+                bool with_bias);
   struct Free {
     void operator()(char* p) const { std::free(p); }
   };
   WeightFormat format_;
+  QuantPanels quant_;  // kQuantized only
   int64_t N_, K_;
   int64_t slot_bytes_;
   std::unique_ptr<char, Free> panels_;

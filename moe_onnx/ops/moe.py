@@ -80,7 +80,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
     expert_type = validate_expert_attrs(v)
     dims = DimBinder(v)
     elem, hidden = validate_tokens(v, dims, float_inputs=(ROUTING, W0, B0, W1, B1, W2))
-    check_expert_inputs(v, expert_type, required=(), optional=())
+    check_expert_inputs(v, expert_type)
     for weight, bias, n, k in LINEARS[expert_type]:
         if v.has(weight):
             symbols = ("E", k, n) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else ("E", n, k)
@@ -124,18 +124,20 @@ def validate_tokens(v: NodeView, dims: DimBinder, float_inputs: tuple[int, ...])
     return elem, hidden
 
 
-def check_expert_inputs(v: NodeView, expert_type: str, required: tuple[int, ...], optional: tuple[int, ...]) -> None:
+def check_expert_inputs(v: NodeView, expert_type: str, required_with: dict[int, int] | None = None,
+                        optional_with: dict[int, int] | None = None) -> None:
     """The weights and biases of ``expert_type`` (LINEARS) are given where required, the others absent.
-    ``required`` and ``optional`` add an op's own inputs that go with the weights: ``required[j]`` and
-    ``optional[j]`` belong to the j-th linear's weight (QMOE's scales and zero points)."""
+    ``required_with`` and ``optional_with`` map each weight input to an input of the op's own that goes with
+    it (QMOE's scales, zero points): required or allowed with a weight the type uses, absent otherwise."""
+    required_with, optional_with = required_with or {}, optional_with or {}
     linears = LINEARS[expert_type]
     used = {i for weight, bias, _, _ in linears for i in (weight, bias) if i is not None}
-    for j, (weight, _, _, _) in enumerate(linears):
+    for weight, _, _, _ in linears:
         v.require(weight)
-        if j < len(required):
-            v.require(required[j])
-    used |= set(required[:len(linears)]) | set(optional[:len(linears)])
-    for i in (*_OPTIONAL_EXPERT_INPUTS, *required, *optional):
+        if weight in required_with:
+            v.require(required_with[weight])
+        used |= {companions[weight] for companions in (required_with, optional_with) if weight in companions}
+    for i in (*_OPTIONAL_EXPERT_INPUTS, *required_with.values(), *optional_with.values()):
         if v.has(i) and i not in used:
             v.fail(v.input_name(i), f"is given, but {expert_type} does not use it; leave it empty")
 

@@ -52,8 +52,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         if v.has(i):
             v.expect_elem(i)
     linears = LINEARS[expert_type]
-    check_expert_inputs(v, expert_type, required=tuple(SCALES[w] for w, *_ in linears),
-                        optional=tuple(ZERO_POINTS[w] for w, *_ in linears))
+    check_expert_inputs(v, expert_type, required_with=SCALES, optional_with=ZERO_POINTS)
     for weight, bias, n, _ in linears:
         dims.shape(weight, ("E", n), v.expect_rank(weight, rank=3))
         if bias is not None and v.has(bias):
@@ -200,7 +199,7 @@ def dequantize(weight: np.ndarray, scales: np.ndarray, zero_points: np.ndarray |
     blocks = k_dim // block_size if block_size else 1
     block = block_size or k_dim
     if quant_type == QUANT_MXFP4:
-        exponent = scales.astype(np.int32) - E8M0_BIAS
+        exponent = np.minimum(scales.astype(np.int32), E8M0_NAN - 1) - E8M0_BIAS  # 255 (NaN) set apart below
         factor = np.where(scales == E8M0_NAN, np.float32(np.nan), np.ldexp(np.float32(1), exponent)).astype(np.float32)
         values = E2M1_VALUES[codes].reshape(*codes.shape[:-1], blocks, block)
         return (values * factor[..., None]).reshape(codes.shape)

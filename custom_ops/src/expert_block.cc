@@ -1,0 +1,231 @@
+#include "expert_block.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernel_util.h"
+#include "parallel.h"
+
+namespace moe_onnx {
+namespace {
+
+const char* kGemm2 = "GEMM2_BIAS_SWIGLU_CLAMP";
+const char* kGemm3 = "GEMM3_SWIGLU";
+const char* kGemm2Act = "GEMM2_ACT";
+
+// Tasks of up to 96 rows (A block per K block: 192 KB, in L2), an expert's rows in equal blocks,
+// and 8 panels.
+constexpr TaskShape kTaskShape{/*max_rows=*/96, /*equal_rows=*/true, /*max_panels=*/8, /*min_tasks=*/0};
+
+// moe.py's _check_activation: GEMM2_ACT names its activation and leaves the SwiGLU attributes at
+// their defaults; the SwiGLU types name none.
+void read_activation(const Attributes& attrs, ExpertConfig& config, float alpha, float beta) {
+  const std::string name = attrs.get_string("activation");
+  if (config.type != ExpertType::kGemm2Act) {
+    if (!name.empty())
+      attrs.fail("activation", "is " + py_str(name) + "; " + expert_type_name(config.type) +
+                                   " does not use it (its activation is SwiGLU): leave it empty");
+    return;
+  }
+  if (name.empty()) attrs.fail("activation", std::string("is required for ") + kGemm2Act);
+  if (!pointwise_form(name, &config.pointwise.form))
+    attrs.fail("activation", "is " + py_str(name) + "; expected one of " + pointwise_names());
+  const auto unused = [&](const char* attr, const std::string& value, const char* default_text) {
+    attrs.fail(attr, "is " + value + "; " + kGemm2Act + " does not use it: leave the default " + default_text);
+  };
+  if (alpha != 1.0f) unused("expert_alpha", py_float(alpha), "1.0");
+  if (!(beta == 0.0f)) unused("expert_beta", py_float(beta), "0.0");
+  if (config.parity != 0) unused("gate_parity", std::to_string(config.parity), "0");
+}
+
+// Nothing reaches any token (no slots, or I == 0 without a down bias; with I == 0, GEMM2 still adds
+// its down bias: the general path): out = 0.
+void write_zeros(ElemType type, const MoeDims& d, char* out) {
+  const std::vector<float> zeros(static_cast<size_t>(d.H), 0.0f);
+  for (int64_t t = 0; t < d.T; ++t) from_float(type, zeros.data(), out + t * d.H * elem_size(type), d.H);
+}
+
+// The kernel's run buffers for one Compute: taken from the pool (new ones while another run holds
+// them) and given back at the end unless another run already has.
+class WorkspaceLease {
+ public:
+  explicit WorkspaceLease(WorkspacePool& pool) : pool_(pool) {
+    std::lock_guard<std::mutex> lock(pool_.mutex);
+    ws_ = std::move(pool_.idle);
+    if (!ws_) ws_ = std::make_unique<MoeWorkspace>();
+  }
+  ~WorkspaceLease() {
+    std::lock_guard<std::mutex> lock(pool_.mutex);
+    if (!pool_.idle) pool_.idle = std::move(ws_);
+  }
+  MoeWorkspace& get() { return *ws_; }
+
+ private:
+  WorkspacePool& pool_;
+  std::unique_ptr<MoeWorkspace> ws_;
+};
+
+// Steps 2-5 of one Compute on checked inputs, each a parallel pass over the run buffers.
+struct MoeRun {
+  Ort::KernelContext& ctx;
+  const MoeDims& d;
+  const SlotsByExpert& sorted;  // the T*k slots by expert: rows of xs, act in this order
+  const PackedExperts& weights;
+  MoeWorkspace& ws;
+  int64_t ldx = 0, ldact = 0;  // row strides of xs and act
+  float *xs = nullptr, *act = nullptr, *y = nullptr;
+
+  int64_t slots() const { return d.T * d.k; }
+  std::vector<Task> tasks(const PackedWeights& w) const {
+    return make_tasks(sorted.start.data(), d.E, w.panels(), kTaskShape);
+  }
+
+  // xs[position] = the hidden_states row of the slot at that sorted position, as fp32.
+  void gather_rows(const Input& x) {
+    ldx = gemm_row_stride(d.H);
+    xs = ws.get(ws.xs, static_cast<size_t>(slots() * ldx));
+    const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(x.type);
+    const PanelType x_panel = panel_type(x.type);
+    size_t chunk = 1;
+    const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
+    parallel_for(ctx, n_chunks, [&](size_t c) {
+      const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
+      for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
+        widen_row(x_panel, static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes, xs + pos * ldx,
+                  d.H);
+    });
+  }
+
+  // act = activation(xs @ W0 (+ b0)), I columns (rounded up to the half panel, GEMM2_ACT: the panel)
+  // per row.
+  void gate_up(const ExpertConfig& config) {
+    const PackedWeights& w = weights.matrices[GATE_UP];
+    const int64_t act_columns = config.gated() ? kHalfPanel : kPanel;  // per panel of W0
+    ldact = gemm_row_stride(w.panels() * act_columns);
+    act = ws.get(ws.act, static_cast<size_t>(slots() * ldact));
+    const std::vector<Task> plan = tasks(w);
+    parallel_for(ctx, plan.size(), [&](size_t ti) {
+      const Task& t = plan[ti];
+      const int64_t slot = weights.slots.slot_of_expert[t.expert];
+      const int64_t ldc = (t.p1 - t.p0) * kPanel;
+      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
+      w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
+      const float* bias = w.bias_at(slot);
+      if (bias) bias += t.p0 * kPanel;
+      float* dst = act + t.row0 * ldact + t.p0 * act_columns;
+      if (config.gated())
+        config.activation.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
+      else
+        config.pointwise.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
+    });
+  }
+
+  // y[slot] = (act @ W1 + b1) * the slot's routing weight, per slot (tokens-major: y[t*k + j]).
+  void down(const Input& routing) {
+    const PackedWeights& w = weights.matrices[DOWN];
+    const int64_t H = d.H;
+    y = ws.get(ws.y, static_cast<size_t>(slots() * H));
+    const std::vector<Task> plan = tasks(w);
+    parallel_for(ctx, plan.size(), [&](size_t ti) {
+      const Task& t = plan[ti];
+      const int64_t slot = weights.slots.slot_of_expert[t.expert];
+      const int64_t ldc = (t.p1 - t.p0) * kPanel;
+      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
+      w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
+      const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
+      const float* b = w.bias_at(slot) + h0;
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const int64_t f = sorted.order[t.row0 + r];
+        const float weight = load_float(routing.type, routing.data, f);
+        const float* src = C + r * ldc;
+        float* dst = y + f * H + h0;
+        for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = (src[h] + b[h]) * weight;
+      }
+    });
+  }
+
+  // out[t] = sum over j of y[t*k + j], j in order, converted to the output's type.
+  void sum_slots(ElemType type, char* out) {
+    const int64_t H = d.H, k = d.k;
+    const size_t row_bytes = static_cast<size_t>(H) * elem_size(type);
+    size_t chunk = 1;
+    const size_t n_chunks = chunk_count(static_cast<size_t>(d.T), 4, 64, &chunk);
+    parallel_for(ctx, n_chunks, [&](size_t c) {
+      float* row = scratch<float>(static_cast<size_t>(H));
+      const int64_t end = std::min<int64_t>(d.T, static_cast<int64_t>((c + 1) * chunk));
+      for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
+        std::fill(row, row + H, 0.0f);
+        for (int64_t j = 0; j < k; ++j) {
+          const float* src = y + (t * k + j) * H;
+          for (int64_t h = 0; h < H; ++h) row[h] += src[h];
+        }
+        from_float(type, row, out + t * row_bytes, H);
+      }
+    });
+  }
+};
+
+}  // namespace
+
+const char* expert_type_name(ExpertType type) {
+  switch (type) {
+    case ExpertType::kGemm2BiasSwigluClamp: return kGemm2;
+    case ExpertType::kGemm3Swiglu: return kGemm3;
+    case ExpertType::kGemm2Act: return kGemm2Act;
+  }
+  return kGemm2;
+}
+
+ExpertConfig ExpertConfig::read(const Attributes& attrs) {
+  ExpertConfig config;
+  const std::string expert_type = attrs.get_string("expert_type");
+  if (expert_type == kGemm2)
+    config.type = ExpertType::kGemm2BiasSwigluClamp;
+  else if (expert_type == kGemm3)
+    config.type = ExpertType::kGemm3Swiglu;
+  else if (expert_type == kGemm2Act)
+    config.type = ExpertType::kGemm2Act;
+  else
+    attrs.fail("expert_type", "is " + py_str(expert_type) + "; expected one of '" + kGemm2 + "', '" + kGemm3 + "', '" +
+                                  kGemm2Act + "'");
+  const float alpha = attrs.get_float("expert_alpha");
+  if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
+  const float beta = attrs.get_float("expert_beta");
+  const bool gemm2 = config.type == ExpertType::kGemm2BiasSwigluClamp;
+  if (gemm2) {
+    if (std::isnan(beta) || beta == -INFINITY)
+      attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a finite number or inf");
+    if (!(beta > 0)) attrs.fail("expert_beta", "is " + py_float(beta) + "; expected a value > 0");
+  }
+  config.parity = attrs.choice("gate_parity", {0, 1});
+  read_activation(attrs, config, alpha, beta);
+  config.activation = {gemm2 ? GatedActivation::Form::kClampedSwiglu : GatedActivation::Form::kSwiglu, alpha, beta};
+  return config;
+}
+
+void check_indices(const Input& in, int64_t E, const std::string& where) {
+  for (int64_t f = 0; f < in.count; ++f) {
+    const int64_t value = load_index(in, f);
+    if (value < 0 || value >= E)
+      throw_invalid(where + ": router_topk_output_indices" + fmt_position(in.shape, f) + " = " +
+                    std::to_string(value) + " is outside [0, " + std::to_string(E) + ") (num_experts from weight_0)");
+  }
+}
+
+void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
+                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
+                 const ExpertsForRun& experts, char* out) {
+  if (d.T == 0 || d.H == 0) return;
+  if (d.k == 0 || (d.I == 0 && !down_bias)) return write_zeros(hidden.type, d, out);
+  const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);
+  PackedExperts local;
+  const PackedExperts& weights = experts(sorted, local);
+  WorkspaceLease workspace(pool);
+  MoeRun run{ctx, d, sorted, weights, workspace.get()};
+  run.gather_rows(hidden);
+  run.gate_up(config);
+  run.down(routing);
+  run.sum_slots(hidden.type, out);
+}
+
+}  // namespace moe_onnx

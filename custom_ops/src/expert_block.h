@@ -1,0 +1,76 @@
+// The expert block MOE and QMOE share: the expert type and activation from their common
+// attributes, the indices' range check, and steps 2-5 of a Compute (route, gate/up with the
+// activation, down, sum over the slots: moe.cc's header describes them) on packed experts whose
+// matrices are float or quantized panels (PackedWeights::multiply).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "activation.h"
+#include "common.h"
+#include "packed_weights.h"
+#include "task_plan.h"
+
+namespace moe_onnx {
+
+class Attributes;
+
+enum class ExpertType { kGemm2BiasSwigluClamp, kGemm3Swiglu, kGemm2Act };
+const char* expert_type_name(ExpertType type);
+
+// The expert type and its activation (MOE's expert_type, expert_alpha, expert_beta, gate_parity,
+// activation attributes; QMOE has the same ones).
+struct ExpertConfig {
+  ExpertType type = ExpertType::kGemm2BiasSwigluClamp;
+  GatedActivation activation;     // of the SwiGLU types, with expert_alpha (and expert_beta: the clamp limit)
+  PointwiseActivation pointwise;  // of GEMM2_ACT
+  int64_t parity = 0;
+
+  // The attributes after moe.py's checks, in its order and words.
+  static ExpertConfig read(const Attributes& attrs);
+  // Whether the first GEMM's panels are gate/up panels (8 gate, 8 up columns), not plain ones.
+  bool gated() const { return type != ExpertType::kGemm2Act; }
+};
+
+constexpr int64_t kHalfPanel = kPanel / 2;  // gate (or up) columns per gate/up panel
+enum { GATE_UP, DOWN };                      // the packed matrices of an expert
+
+struct MoeDims {
+  int64_t T, k, E, H, I;
+};
+
+// Every index in [0, E), else moe.py's message.
+void check_indices(const Input& indices, int64_t E, const std::string& where);
+
+// Per-run buffers, O(T*k*max(H, 2I)): gathered rows, activations, weighted expert outputs. Kept by
+// the kernel between runs (a run takes them, and gives them back when no other run has), so a run
+// neither allocates nor page-faults them again.
+struct MoeWorkspace {
+  std::vector<float> xs, act, y;
+  float* get(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+// A kernel's idle run buffers.
+struct WorkspacePool {
+  std::mutex mutex;
+  std::unique_ptr<MoeWorkspace> idle;  // null while a run holds them
+};
+
+// The packed experts of one run: `local` to fill when the kernel's constant pack does not serve
+// (experts_for_run), given the slots sorted by expert.
+using ExpertsForRun = std::function<const PackedExperts&(const SlotsByExpert& sorted, PackedExperts& local)>;
+
+// Steps 2-5 of a Compute on checked inputs: writes y (hidden_states' shape and type) to `out`.
+// `down_bias`: whether the down linear has a bias (with I == 0 it alone reaches the output).
+void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
+                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
+                 const ExpertsForRun& experts, char* out);
+
+}  // namespace moe_onnx

@@ -1,0 +1,191 @@
+#include "qgemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+namespace moe_onnx {
+namespace detail {
+namespace {
+
+// Row kk (< block) of column c of a block's codes.
+int32_t code_at(const QuantPanels& layout, const uint8_t* codes, int64_t kk, int64_t c) {
+  const int64_t G = layout.group_rows(), i = kk % G;
+  const uint8_t* lane = codes + (kk / G) * kQuantGroupBytes + c * 4;
+  if (layout.code == QuantCode::kInt8) return lane[i];
+  return i < 4 ? lane[i] & 15 : lane[i - 4] >> 4;
+}
+
+float scale_at(const uint8_t* block, int64_t c) {
+  float s;
+  std::memcpy(&s, block + 4 * c, 4);
+  return s;
+}
+
+int32_t zero_point_at(const QuantPanels& layout, const uint8_t* block, int64_t c) {
+  return layout.zero_points ? block[64 + c] : layout.default_zero_point();
+}
+
+}  // namespace
+
+void quant_decode_portable(const QuantPanels& layout, const uint8_t* panel, float* out) {
+  for (int64_t b = 0; b < layout.blocks(); ++b) {
+    const uint8_t* block = panel + b * layout.block_bytes();
+    const uint8_t* codes = block + layout.header_bytes();
+    for (int64_t kk = 0; kk < layout.block; ++kk) {
+      float* row = out + (b * layout.block + kk) * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int32_t q = code_at(layout, codes, kk, c);
+        const float s = scale_at(block, c);
+        row[c] = layout.code == QuantCode::kE2M1 ? kE2M1Values[q] * s
+                                                 : static_cast<float>(q - zero_point_at(layout, block, c)) * s;
+      }
+    }
+  }
+}
+
+void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
+                         const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots) {
+  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = B + p * layout.panel_bytes() + b * layout.block_bytes();
+        const uint8_t* codes = block + layout.header_bytes();
+        const int8_t* a = qa + m * ldq + b * padded;
+        int32_t* out = dots + ((m * (p1 - p0) + (p - p0)) * blocks + b) * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          int32_t sum = 0;  // |sum| <= K * 255 * 127: no overflow for any K a tensor can have here
+          for (int64_t kk = 0; kk < layout.block; ++kk) sum += a[kk] * code_at(layout, codes, kk, c);
+          out[c] = sum - zero_point_at(layout, block, c) * qa_sums[m * blocks + b];
+        }
+      }
+}
+
+}  // namespace detail
+
+namespace {
+
+struct Dispatch {
+  detail::QuantFusedFn fused = nullptr;
+  detail::QuantDecodeFn decode = detail::quant_decode_portable;
+  detail::QuantDotFn dots = detail::quant_dots_portable;
+  IsaLevel level = IsaLevel::kPortable;
+  const char* dots_name = "portable";
+  Dispatch() {
+#if defined(MOE_ONNX_HAVE_AVX2)
+    if (isa_at_least(IsaLevel::kAvx2)) {
+      fused = detail::quant_fused_avx2;
+      decode = detail::quant_decode_avx2;
+      level = IsaLevel::kAvx2;
+    }
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+    if (isa_at_least(IsaLevel::kAvx512)) {
+      fused = detail::quant_fused_avx512;
+      decode = detail::quant_decode_avx512;
+      level = IsaLevel::kAvx512;
+    }
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
+    if (use_avx512_vnni()) {
+      dots = detail::quant_dots_vnni;
+      dots_name = "avx512-vnni";
+    }
+#endif
+  }
+};
+
+const Dispatch& dispatch() {
+  static const Dispatch d;
+  return d;
+}
+
+// Per-thread buffers of this file (scratch<T> of parallel.h is the callers' C).
+template <class T, int Which>
+T* local_buffer(size_t n) {
+  thread_local std::vector<T> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// Panels decoded per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
+constexpr int64_t kDecodedPanels = 2;
+
+void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
+                      int64_t p1, float* C, int64_t ldc) {
+  const int64_t panel_floats = layout.K * kPanel;
+  float* decoded = local_buffer<float, 0>(static_cast<size_t>(kDecodedPanels * panel_floats));
+  for (int64_t p = p0; p < p1; p += kDecodedPanels) {
+    const int64_t n = std::min(kDecodedPanels, p1 - p);
+    for (int64_t j = 0; j < n; ++j) dispatch().decode(layout, B + (p + j) * layout.panel_bytes(), decoded + j * panel_floats);
+    gemm_panels(PanelType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
+  }
+}
+
+// Level 4: the rows quantized per block (qa, zero padded to whole groups), their scales sa and the
+// sums of their qa; then the int32 dots; then C = sum over blocks in order of (sa * scale) * dot.
+void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B,
+                          int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  const int64_t ldq = blocks * padded, panels = p1 - p0;
+  int8_t* qa = local_buffer<int8_t, 1>(static_cast<size_t>(M * ldq));
+  float* sa = local_buffer<float, 2>(static_cast<size_t>(M * blocks));
+  int32_t* sums = local_buffer<int32_t, 3>(static_cast<size_t>(M * blocks));
+  int32_t* dots = local_buffer<int32_t, 4>(static_cast<size_t>(M * panels * blocks * kPanel));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* a = A + m * lda + b * layout.block;
+      float amax = 0.0f;
+      for (int64_t kk = 0; kk < layout.block; ++kk) amax = std::max(amax, std::fabs(a[kk]));
+      const float s = amax / 127.0f;
+      int8_t* q = qa + m * ldq + b * padded;
+      int32_t sum = 0;
+      for (int64_t kk = 0; kk < padded; ++kk) {
+        const float v = kk < layout.block && s != 0.0f ? std::nearbyint(a[kk] / s) : 0.0f;
+        q[kk] = static_cast<int8_t>(v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0);
+        sum += q[kk];
+      }
+      sa[m * blocks + b] = s;
+      sums[m * blocks + b] = sum;
+    }
+  dispatch().dots(layout, qa, ldq, sums, M, B, p0, p1, dots);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < panels; ++j) {
+      float* out = C + m * ldc + j * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) out[c] = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = B + (p0 + j) * layout.panel_bytes() + b * layout.block_bytes();
+        const int32_t* dot = dots + ((m * panels + j) * blocks + b) * kPanel;
+        for (int64_t c = 0; c < kPanel; ++c) {
+          float scale;
+          std::memcpy(&scale, block + 4 * c, 4);
+          out[c] += (sa[m * blocks + b] * scale) * static_cast<float>(dot[c]);
+        }
+      }
+    }
+}
+
+}  // namespace
+
+void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const void* B_packed,
+                       int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  if (M <= 0 || p1 <= p0) return;
+  const auto* B = static_cast<const uint8_t*>(B_packed);
+  if (layout.K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
+    return;
+  }
+  if (layout.int8_activations) return int8_activation_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
+  if (M <= kFusedRows && dispatch().fused) return dispatch().fused(layout, A, lda, M, B, p0, p1, C, ldc);
+  decode_then_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
+}
+
+const char* quant_gemm_isa(bool int8_activations) {
+  return int8_activations ? dispatch().dots_name : isa_name(dispatch().level);
+}
+
+}  // namespace moe_onnx

@@ -1,0 +1,106 @@
+// GEMM on quantized B panels (QMOE's weights: int4/int8 codes with per-block fp32 scales and zero
+// points, or MXFP4's E2M1 codes with power-of-two scales), the weights decoded in registers.
+//
+// Packed B ([K, N] logically, N outputs, K inputs): ceil(N / 16) panels of 16 columns; each panel is
+// its K blocks (block_size rows; one block of K rows for per-column scales) one after the other, and
+// each block is
+//   header  16 fp32 scales (one per column; MXFP4: 2^(s - 127)), then 16 uint8 zero points when the
+//           weights have them (int only; else every column's zero point is 2^(bits - 1))
+//   codes   groups of G rows (G = 8 for 4-bit codes, 4 for 8-bit), 64 bytes each: 16 columns x 4 bytes
+//           (the column's 32-bit lane). 8-bit: byte i of a lane is row i of the group; 4-bit: byte i
+//           holds row i in its low nibble and row 4 + i in its high nibble. A block's last group is
+//           zero padded (only per-column blocks of K % G != 0 have one).
+// So one 64-byte load gives G rows of 16 columns: a row is a shift and a mask per 32-bit lane, and
+// the lane's 4 bytes are the 4 consecutive k that vpdpbusd sums (accuracy level 4).
+//
+// accuracy level 0: C = A @ W with W[k, c] = float(q - zp) * scale (int) or e2m1(q) * scale (mxfp4),
+// exactly the dequantized weight, and each result one fp32 chain over k in increasing order (FMA in
+// the AVX2/AVX-512 kernels, multiply then add in the portable one) as gemm_panels computes it: the
+// result has the bits of gemm_panels on the dequantized fp32 weights at the same ISA level, for any
+// split of rows and panels. Up to kFusedRows rows the micro-kernels decode each panel row once into a
+// register and use it for every row (decode streams the quantized bytes once); more rows decode a
+// panel into an L1/L2 scratch once per call and run the fp32 GEMM on it (the decode then costs 1/M).
+//
+// accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
+// qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
+// as sum q * qa - zp * sum qa), C = sum over blocks in order of (sa * scale) * dot. AVX512-VNNI
+// (vpdpbusd, unsigned codes x signed activations) where the CPU has it; the portable loops give the
+// same integers and the same sums.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm.h"
+
+namespace moe_onnx {
+
+enum class QuantCode { kInt4, kInt8, kE2M1 };
+
+// The layout of one expert's quantized panels.
+struct QuantPanels {
+  QuantCode code = QuantCode::kInt8;
+  int64_t K = 0;
+  int64_t block = 0;          // rows per block (K for per-column scales)
+  bool zero_points = false;   // whether the headers carry zero points
+  bool int8_activations = false;  // accuracy level 4
+
+  int bits() const { return code == QuantCode::kInt8 ? 8 : 4; }
+  int64_t group_rows() const { return code == QuantCode::kInt8 ? 4 : 8; }
+  int64_t blocks() const { return block > 0 ? K / block : 0; }
+  int64_t groups_per_block() const { return (block + group_rows() - 1) / group_rows(); }
+  int64_t header_bytes() const { return 64 + (zero_points ? 16 : 0); }
+  int64_t block_bytes() const { return header_bytes() + groups_per_block() * 64; }
+  int64_t panel_bytes() const { return blocks() * block_bytes(); }
+  // The default zero point of int codes.
+  int32_t default_zero_point() const { return code == QuantCode::kInt8 ? 128 : 8; }
+};
+
+constexpr int64_t kQuantGroupBytes = 64;
+// Rows up to which the micro-kernels decode in registers (more: decode a panel once, fp32 GEMM).
+constexpr int64_t kFusedRows = 4;
+
+// The E2M1 (FP4) values of the 16 codes.
+constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// C[m, 16 * (p - p0) + c] = sum_k A[m, k] * W_p[k, c] for m < M, p in [p0, p1), c < 16 (the layout's
+// accuracy level decides how). A: fp32 rows of stride lda (K valid elements); C row stride ldc.
+void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const void* B_packed,
+                       int64_t p0, int64_t p1, float* C, int64_t ldc);
+
+// Which level's kernels quant_gemm_panels uses at accuracy level 0 and 4 ("avx512", "avx2",
+// "portable"; level 4: "avx512-vnni" or "portable").
+const char* quant_gemm_isa(bool int8_activations);
+
+namespace detail {
+// The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) (no
+// portable one: the portable level always decodes to fp32 panels).
+using QuantFusedFn = void (*)(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                              float*, int64_t);
+// One panel decoded to fp32 [K][16] (the fp32 GEMM's panel).
+using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* panel, float* out);
+// Level 4: int32 dots of prepared rows (quantize_rows) with panels [p0, p1): dots[(m * panels + j) *
+// blocks * 16 + b * 16 + c] for block b, column c of panel p0 + j.
+using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
+                            const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots);
+
+void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
+void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
+                         int64_t, int32_t*);
+#if defined(MOE_ONNX_HAVE_AVX2)
+void quant_fused_avx2(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                      int64_t);
+void quant_decode_avx2(const QuantPanels&, const uint8_t*, float*);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                        int64_t);
+void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
+void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
+                     int64_t, int32_t*);
+#endif
+}  // namespace detail
+
+}  // namespace moe_onnx

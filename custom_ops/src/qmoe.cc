@@ -1,0 +1,352 @@
+// QMOE kernel: MOE's steps (expert_block.h) on quantized panels. Per Compute:
+// 1. check_inputs: validate every input as moe_onnx/ops/qmoe.py does, with the same messages, and the
+//    indices' range, before anything is indexed.
+// 2. The packed experts: from kernel creation when every weight, scale and zero point is an
+//    initializer (one pack for the life of the session), else packed per run for the experts in use.
+//    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
+//    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
+// 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels.
+#include "qmoe.h"
+
+#include <algorithm>
+
+#include "kernel_util.h"
+
+namespace moe_onnx {
+namespace {
+
+enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, S0, S1, S2, Z0, Z1, Z2, N_INPUTS };
+
+// One quantized linear of an expert: its weight, scales and zero points inputs, and the symbols of
+// its N (outputs) and K (inputs).
+struct Linear {
+  int weight, scales, zero_points;
+  const char* n;
+  const char* k;
+};
+
+std::vector<Linear> linears(ExpertType type) {
+  switch (type) {
+    case ExpertType::kGemm2BiasSwigluClamp: return {{W0, S0, Z0, "2I", "H"}, {W1, S1, Z1, "H", "I"}};
+    case ExpertType::kGemm3Swiglu: return {{W0, S0, Z0, "I", "H"}, {W1, S1, Z1, "I", "H"}, {W2, S2, Z2, "H", "I"}};
+    case ExpertType::kGemm2Act: return {{W0, S0, Z0, "I", "H"}, {W1, S1, Z1, "H", "I"}};
+  }
+  return {};
+}
+
+// Elements of `bits` bits packed in `bytes` bytes... and the bytes that hold n of them.
+int64_t packed_bytes(int64_t n, int64_t bits) { return (n * bits + 7) / 8; }
+
+// The checks of qmoe.py's validate, in its order and words. Returns the sizes.
+MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
+  const ExpertType type = kernel.config.type;
+  const Quantization& q = kernel.quant;
+  v.expect_elem(HIDDEN);
+  for (int i : {ROUTING, B0, B1})
+    if (v.has(i)) {
+      v.expect_elem(i);
+      v.expect_same_elem(i, HIDDEN);
+    }
+  v.expect_elem(INDICES);
+  const std::vector<Linear> used = linears(type);
+  for (const Linear& l : used) {
+    v.require(l.weight);
+    v.require(l.scales);
+  }
+  const auto is_used = [&](int i) {
+    return std::any_of(used.begin(), used.end(), [i](const Linear& l) {
+      return l.weight == i || l.scales == i || l.zero_points == i;
+    });
+  };
+  for (int i : {B0, B1})
+    if (v.has(i) && type == ExpertType::kGemm3Swiglu)
+      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
+  for (int i : {W2, S2, Z2})
+    if (v.has(i) && !is_used(i))
+      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
+  for (const Linear& l : used) {
+    v.expect_elem(l.weight);
+    const ElemType scale_type = v.expect_elem(l.scales);
+    const bool e8m0 = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    if (q.mxfp4 && !e8m0)
+      v.fail(v.input_name(l.scales), std::string("has type ") + elem_name(scale_type) +
+                                         "; expected uint8 (E8M0 exponents) for quant_type 'mxfp4'");
+    if (!q.mxfp4 && e8m0)
+      v.fail(v.input_name(l.scales), "has type uint8; expected a floating-point type for quant_type 'int'");
+    if (v.has(l.zero_points)) {
+      if (q.mxfp4) v.fail(v.input_name(l.zero_points), "is given, but quant_type 'mxfp4' has no zero points; leave it empty");
+      v.expect_elem(l.zero_points);
+    }
+  }
+
+  DimBinder dims(v);
+  const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
+  dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
+  dims.bind("T", product(hidden, 0, hidden.size() - 1), "input 'hidden_states' leading dims (product)");
+  for (int i : {ROUTING, INDICES}) {
+    const auto& shape = v.expect_rank(i, -1, 1);
+    const std::string name = v.name(i);
+    dims.bind("k", shape.back(), "input '" + name + "' dim -1");
+    dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
+  }
+  for (const Linear& l : used) {
+    v.expect_rank(l.weight, 3);
+    dims.shape(l.weight, {"E", l.n, ""});
+  }
+  const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
+  if (v.has(B0)) {
+    v.expect_rank(B0, 2);
+    dims.shape(B0, {"E", gemm2 ? "2I" : "I"});
+  }
+  if (v.has(B1)) {
+    v.expect_rank(B1, 2);
+    dims.shape(B1, {"E", "H"});
+  }
+  const int64_t E = dims.get("E");
+  for (const Linear& l : used) {
+    const std::string k_symbol = l.k;
+    const int64_t K = dims.get(k_symbol);
+    const int64_t N = std::string(l.n) == "2I" ? 2 * dims.get("I") : dims.get(l.n);
+    const auto& w = v.require(l.weight).shape;
+    if (q.bits == 4 && K % 2)
+      v.fail(v.input_name(l.weight), "has K = " + k_symbol + " = " + std::to_string(K) + "; expected an even K for bits 4");
+    if (w[2] != K * q.bits / 8)
+      v.fail(v.input_name(l.weight), "dim 2 is " + std::to_string(w[2]) + "; expected " + k_symbol + " * bits / 8 = " +
+                                         std::to_string(K * q.bits / 8));
+    if (q.block_size > 0 && K % q.block_size)
+      v.fail("attribute 'block_size'", "is " + std::to_string(q.block_size) + "; expected a divisor of " + k_symbol +
+                                           " = " + std::to_string(K) + " (the K of " + v.input_name(l.weight) + ")");
+    const int64_t blocks = q.block_size > 0 ? K / q.block_size : 1;
+    const std::vector<int64_t> scales =
+        q.block_size > 0 ? std::vector<int64_t>{E, N, blocks} : std::vector<int64_t>{E, N};
+    if (v.require(l.scales).shape != scales)
+      v.fail(v.input_name(l.scales), "has shape " + fmt_shape(v.require(l.scales).shape) + "; expected " + fmt_shape(scales));
+    if (v.has(l.zero_points)) {
+      const std::vector<int64_t> zero_points =
+          q.block_size > 0 ? std::vector<int64_t>{E, N, packed_bytes(blocks, q.bits)}
+                           : std::vector<int64_t>{E, packed_bytes(N, q.bits)};
+      if (v.require(l.zero_points).shape != zero_points)
+        v.fail(v.input_name(l.zero_points),
+               "has shape " + fmt_shape(v.require(l.zero_points).shape) + "; expected " + fmt_shape(zero_points));
+    }
+  }
+  return MoeDims{dims.get("T"), dims.get("k"), E, dims.get("H"), dims.get("I")};
+}
+
+// Validation, then the indices' range: the sizes.
+MoeDims check_inputs(const QMoeKernel& kernel, const std::vector<Input>& inputs) {
+  const Checker v(kernel.where, signatures::QMOE, inputs);
+  const MoeDims d = validate(kernel, v);
+  check_indices(inputs[INDICES], d.E, kernel.where);
+  return d;
+}
+
+// The weight inputs a pack is made from.
+WeightSignature qmoe_signature(const std::vector<Input>& inputs) {
+  std::vector<const Input*> weights;
+  for (int i = W0; i < N_INPUTS; ++i) weights.push_back(&inputs[i]);
+  return weight_signature(weights);
+}
+
+// The panel layout of one linear with K inputs.
+QuantPanels layout_of(const Quantization& q, int64_t K, bool zero_points) {
+  QuantPanels p;
+  p.code = q.mxfp4 ? QuantCode::kE2M1 : q.bits == 8 ? QuantCode::kInt8 : QuantCode::kInt4;
+  p.K = K;
+  p.block = q.block_size > 0 ? q.block_size : K;
+  p.zero_points = zero_points;
+  p.int8_activations = q.int8_activations;
+  return p;
+}
+
+// Room for the experts in `slots`: gate/up in gate/up panels (GEMM2_ACT: up in plain panels) with the
+// bias for the types that have one, and down with its bias (zeros when there is none).
+PackedExperts empty_pack(const ExpertConfig& config, const Quantization& q, const std::vector<Input>& inputs, int64_t H,
+                         int64_t I, ExpertSlots slots) {
+  const std::vector<Linear> used = linears(config.type);
+  PackedExperts p;
+  p.matrices.emplace_back(layout_of(q, H, inputs[used.front().zero_points].present), config.gated() ? 2 * I : I,
+                          slots.count(), config.type != ExpertType::kGemm3Swiglu);
+  p.matrices.emplace_back(layout_of(q, I, inputs[used.back().zero_points].present), H, slots.count(), true);
+  p.slots = std::move(slots);
+  p.signature = qmoe_signature(inputs);
+  return p;
+}
+
+// Rows row0, row0 + step, ... (`columns` of them) of expert e of a linear with N outputs, K inputs.
+QuantizedColumns columns_of(const Quantization& q, const std::vector<Input>& in, const Linear& l, int64_t e, int64_t N,
+                            int64_t K, int64_t row0, int64_t step, int64_t columns) {
+  const int64_t blocks = q.block_size > 0 ? K / q.block_size : 1;
+  const int64_t first = e * N + row0;
+  QuantizedColumns c{};
+  c.codes = in[l.weight].as<uint8_t>();
+  c.codes_first = first * K;
+  c.codes_stride = step * K;
+  c.scales = in[l.scales].data;
+  c.scale_type = in[l.scales].type;
+  c.scales_first = first * blocks;
+  c.scales_stride = step * blocks;
+  if (in[l.zero_points].present) {
+    c.zero_points = in[l.zero_points].as<uint8_t>();
+    const int64_t per_byte = 8 / q.bits;
+    if (q.block_size > 0) {  // [E, N, ceil(blocks * bits / 8)]
+      const int64_t row = packed_bytes(blocks, q.bits) * per_byte;
+      c.zero_points_first = first * row;
+      c.zero_points_stride = step * row;
+      c.zero_points_block_stride = 1;
+    } else {  // [E, ceil(N * bits / 8)]
+      c.zero_points_first = e * packed_bytes(N, q.bits) * per_byte + row0;
+      c.zero_points_stride = step;
+      c.zero_points_block_stride = 0;
+    }
+  }
+  c.columns = columns;
+  return c;
+}
+
+// Packs the weights of the expert of `slot`.
+void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vector<Input>& in, PackedExperts& p,
+               int64_t slot) {
+  const int64_t e = p.slots.expert_of_slot[slot];
+  PackedWeights& gate_up = p.matrices[GATE_UP];
+  PackedWeights& down = p.matrices[DOWN];
+  const int64_t H = down.N(), I = down.K();
+  const std::vector<Linear> used = linears(config.type);
+  const Linear& down_linear = used.back();
+  if (config.type == ExpertType::kGemm2BiasSwigluClamp) {
+    // weight_0 [E, 2I, H]: gate column c is row 2c + parity, up column c is row 2c + 1 - parity.
+    for (const int64_t lane0 : {int64_t{0}, kHalfPanel}) {
+      const int64_t row0 = lane0 == 0 ? config.parity : 1 - config.parity;
+      QuantizedColumns c = columns_of(q, in, used[0], e, 2 * I, H, row0, 2, I);
+      c.width = kHalfPanel;
+      c.lane0 = lane0;
+      gate_up.pack_quantized(slot, c);
+      if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * 2 * I + row0, 0, 2, I, kHalfPanel, lane0});
+    }
+  } else if (config.type == ExpertType::kGemm2Act) {
+    gate_up.pack_quantized(slot, columns_of(q, in, used[0], e, I, H, 0, 1, I));
+    if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * I, 0, 1, I});
+  } else {
+    // gate = weight_0 [E, I, H] in lanes 0-7, up = weight_1 [E, I, H] in lanes 8-15.
+    for (int half = 0; half < 2; ++half) {
+      QuantizedColumns c = columns_of(q, in, used[half], e, I, H, 0, 1, I);
+      c.width = kHalfPanel;
+      c.lane0 = half * kHalfPanel;
+      gate_up.pack_quantized(slot, c);
+    }
+  }
+  down.pack_quantized(slot, columns_of(q, in, down_linear, e, H, I, 0, 1, H));
+  if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
+}
+
+// All experts packed at kernel creation when every input of the weights is an initializer and their
+// shapes agree with each other and with the attributes (H, I > 0); else null (Compute packs per run
+// and reports any error).
+std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const ExpertConfig& config,
+                                                     const Quantization& q) {
+  std::vector<Input> inputs(N_INPUTS);
+  for (int i = W0; i < N_INPUTS; ++i) {
+    if (!node_has_input(kinfo, i)) continue;
+    inputs[i] = constant_input(kinfo, i);
+    if (!inputs[i].present) return nullptr;  // a runtime weight: pack per Compute
+  }
+  const std::vector<Linear> used = linears(config.type);
+  const Input& w0 = inputs[W0];
+  const Input& down = inputs[used.back().weight];
+  if (!w0.present || !down.present || w0.shape.size() != 3 || down.shape.size() != 3) return nullptr;
+  const int64_t E = w0.shape[0], H = down.shape[1];
+  const int64_t I = config.type == ExpertType::kGemm2BiasSwigluClamp ? w0.shape[1] / 2 : w0.shape[1];
+  if (H <= 0 || I <= 0 || (config.type == ExpertType::kGemm2BiasSwigluClamp && w0.shape[1] % 2)) return nullptr;
+  if ((q.bits == 4 && (H % 2 || I % 2)) || (q.block_size > 0 && (H % q.block_size || I % q.block_size))) return nullptr;
+  const ElemType bias_type = inputs[B0].present ? inputs[B0].type : inputs[B1].type;
+  for (const Linear& l : used) {
+    const int64_t K = std::string(l.k) == "H" ? H : I;
+    const int64_t N = std::string(l.n) == "H" ? H : std::string(l.n) == "2I" ? 2 * I : I;
+    const int64_t blocks = q.block_size > 0 ? K / q.block_size : 1;
+    const Input &w = inputs[l.weight], &s = inputs[l.scales], &z = inputs[l.zero_points];
+    if (!w.present || w.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || w.shape != std::vector<int64_t>{E, N, K * q.bits / 8})
+      return nullptr;
+    const bool e8m0 = s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    if (!s.present || !signatures::QMOE.inputs[l.scales].allows(s.type) || e8m0 != q.mxfp4 ||
+        s.shape != (q.block_size > 0 ? std::vector<int64_t>{E, N, blocks} : std::vector<int64_t>{E, N}))
+      return nullptr;
+    if (z.present && (q.mxfp4 || z.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
+                      z.shape != (q.block_size > 0 ? std::vector<int64_t>{E, N, packed_bytes(blocks, q.bits)}
+                                                   : std::vector<int64_t>{E, packed_bytes(N, q.bits)})))
+      return nullptr;
+  }
+  for (int i : {W0, W1, W2, S0, S1, S2, Z0, Z1, Z2})
+    if (inputs[i].present && std::none_of(used.begin(), used.end(), [i](const Linear& l) {
+          return l.weight == i || l.scales == i || l.zero_points == i;
+        }))
+      return nullptr;
+  const bool gemm3 = config.type == ExpertType::kGemm3Swiglu;
+  if (inputs[B0].present && (gemm3 || !signatures::QMOE.inputs[B0].allows(inputs[B0].type) ||
+                             inputs[B0].shape != std::vector<int64_t>{E, config.gated() ? 2 * I : I}))
+    return nullptr;
+  if (inputs[B1].present && (gemm3 || inputs[B1].type != bias_type || !signatures::QMOE.inputs[B1].allows(bias_type) ||
+                             inputs[B1].shape != std::vector<int64_t>{E, H}))
+    return nullptr;
+  auto packed = std::make_unique<PackedExperts>(empty_pack(config, q, inputs, H, I, ExpertSlots::all(E)));
+  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(config, q, inputs, *packed, slot); });
+  return packed;
+}
+
+// The quantization attributes after qmoe.py's checks.
+Quantization read_quantization(const Attributes& attrs) {
+  Quantization q;
+  q.bits = attrs.choice("bits", {4, 8});
+  q.block_size = attrs.get_int("block_size");
+  const bool power_of_two = q.block_size > 0 && (q.block_size & (q.block_size - 1)) == 0;
+  if (q.block_size != 0 && !(power_of_two && q.block_size >= 16 && q.block_size <= 256))
+    attrs.fail("block_size", "is " + std::to_string(q.block_size) + "; expected 0 or a power of two in [16, 256]");
+  const std::string quant_type = attrs.get_string("quant_type");
+  if (quant_type != "int" && quant_type != "mxfp4")
+    attrs.fail("quant_type", "is " + py_str(quant_type) + "; expected one of 'int', 'mxfp4'");
+  q.mxfp4 = quant_type == "mxfp4";
+  const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 4});
+  if (q.mxfp4) {
+    if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + "; quant_type 'mxfp4' requires 4");
+    if (q.block_size != 32)
+      attrs.fail("block_size", "is " + std::to_string(q.block_size) + "; quant_type 'mxfp4' requires 32");
+    if (accuracy_level == 4) attrs.fail("accuracy_level", "is 4; quant_type 'mxfp4' requires 0");
+  }
+  q.int8_activations = accuracy_level == 4;
+  return q;
+}
+
+}  // namespace
+
+OrtStatusPtr QMoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+  return create_kernel_status(api, signatures::QMOE.name, info, kernel, [&] { return new QMoeKernel(api, info); });
+}
+
+QMoeKernel::QMoeKernel(const OrtApi&, const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo kinfo(info);
+  where = node_where(signatures::QMOE.name, kinfo);
+  const Attributes attrs(info, signatures::QMOE, where);
+  config = ExpertConfig::read(attrs);
+  quant = read_quantization(attrs);
+  constant = pack_constant_weights(kinfo, config, quant);
+}
+
+OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {
+  return compute_status(where, [&] { Compute(context); });
+}
+
+void QMoeKernel::Compute(OrtKernelContext* context) {
+  Ort::KernelContext ctx(context);
+  const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
+  const MoeDims d = check_inputs(*this, inputs);
+  Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
+  run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
+              [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
+                return experts_for_run(
+                    ctx, constant.get(), qmoe_signature(inputs), sorted.start.data(), d.E, local,
+                    [&](ExpertSlots slots) { return empty_pack(config, quant, inputs, d.H, d.I, std::move(slots)); },
+                    [&](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); });
+              },
+              static_cast<char*>(out_value.GetTensorMutableRawData()));
+}
+
+}  // namespace moe_onnx

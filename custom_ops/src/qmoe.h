@@ -1,0 +1,53 @@
+// QMOE: MOE with quantized expert weights (moe_onnx/ops/qmoe.py is its meaning; docs/ops/QMOE.md its
+// doc). The routing, task plan, activations and run buffers are MOE's (expert_block.h); the weights
+// are packed as quantized panels (packed_weights.h, qgemm.h) and decoded inside the GEMM.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common.h"
+#include "expert_block.h"
+#include "op_signatures.h"
+#include "packed_weights.h"
+
+namespace moe_onnx {
+
+// The quantization attributes (bits, block_size, quant_type, accuracy_level) after their checks.
+struct Quantization {
+  int64_t bits = 4;
+  int64_t block_size = 0;  // 0: per column
+  bool mxfp4 = false;
+  bool int8_activations = false;  // accuracy_level 4
+};
+
+struct QMoeKernel {
+  QMoeKernel(const OrtApi& api, const OrtKernelInfo* info);
+  void Compute(OrtKernelContext* context);
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+  std::string where;
+  ExpertConfig config;
+  Quantization quant;
+  std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
+  WorkspacePool workspaces;
+};
+
+// One registration per element type of hidden_states, as MoeOp.
+struct QMoeOp : Ort::CustomOpBase<QMoeOp, QMoeKernel, true> {
+  explicit QMoeOp(ONNXTensorElementDataType hidden_type) : hidden_type_(hidden_type) {}
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return signatures::QMOE.name; }
+  size_t GetInputTypeCount() const { return signatures::QMOE.inputs.size(); }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 ? hidden_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
+  size_t GetOutputTypeCount() const { return signatures::QMOE.outputs.size(); }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return hidden_type_; }
+
+ private:
+  ONNXTensorElementDataType hidden_type_;
+};
+
+}  // namespace moe_onnx
