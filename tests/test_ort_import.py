@@ -23,6 +23,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
 import ort_contrib_reference as contrib
+from moe_onnx.check import check_model
+from moe_onnx.cli import main
 from fixture_models import MANIFEST, moe_node, optimized, reference_data
 from moe_onnx.ops.qmoe import quantize
 from moe_onnx.rewrite import ort_import
@@ -562,6 +564,12 @@ NEAR_MISSES = {
         lambda: _replace_initializer(build(CONFIGS["qmoe_fp4_gpt_oss"]).model, "fc1_global_scale",
                                      np.full(4, 0.3, np.float32)),
         "fc1_global_scale' holds a value that is not a power of two"),
+    "fp4_zero_points": (
+        lambda: _with_input(build(CONFIGS["qmoe_fp4_gpt_oss"]).model, "fc2_zero_points", np.zeros((4, 32), np.uint8)),
+        "quant_type fp4 with input 'fc2_zero_points'"),
+    "sparse_mixer_router_weights": (
+        lambda: build(dataclasses.replace(PHI, quant=(4, 0, False), router_weights=True)).model,
+        "use_sparse_mixer with router_weights"),
     "zero_points_on_gate_only": (
         lambda: _drop_input(build(CONFIGS["qmoe_int4_fc3_per_column_zp_gemm2"]).model, "fc3_zero_points"),
         "one of gate and up has zero points and the other not"),
@@ -571,6 +579,16 @@ NEAR_MISSES = {
 def _replace_initializer(model: onnx.ModelProto, name: str, array: np.ndarray) -> onnx.ModelProto:
     init = next(i for i in model.graph.initializer if i.name == name)
     init.CopyFrom(numpy_helper.from_array(array, name))
+    return model
+
+
+def _with_input(model: onnx.ModelProto, name: str, array: np.ndarray) -> onnx.ModelProto:
+    """The contrib node with initializer ``array`` as its input ``name``."""
+    node = model.graph.node[-1]
+    position = ort_import._QMOE_INPUTS.index(name)
+    node.input.extend([""] * (position + 1 - len(node.input)))
+    node.input[position] = name
+    model.graph.initializer.append(numpy_helper.from_array(array, name))
     return model
 
 
@@ -675,3 +693,25 @@ def family_errors(family: str, backend: str = "cpp") -> dict[str, float]:
 def test_fixture_families(family, backend):
     for label, error in family_errors(family, backend).items():
         assert error < (1e-2 if "int4" in label else 1e-4), (label, error)
+
+
+# ----------------------------------------------------------------------------- the report and the CLI
+
+def test_report_counts_qmoe_blocks_and_grouped_keeps_them():
+    built = build(CONFIGS["qmoe_int4_block16"])
+    _, report = moe_onnx.optimize(built.model)
+    assert report.fused_blocks == 1
+    model, report = moe_onnx.optimize(built.model, "grouped")
+    assert report.fused_blocks == 1 and [n.op_type for n in model.graph.node if n.op_type == "QMOE"] == ["QMOE"]
+    assert any("QMOE node 'layer0/moe/QMOE' stays QMOE" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "qmoe_int4_block16_zp"])
+def test_cli_optimize_verify(name, tmp_path, capsys):
+    """``moe-onnx optimize --verify`` on a genai model: the original runs on onnxruntime's CPU kernel."""
+    source, out = tmp_path / "genai.onnx", tmp_path / "ours.onnx"
+    onnx.save(build(CONFIGS[name]).model, source)
+    status = main(["optimize", str(source), "-o", str(out), "--verify", "--backend", "python", "--sizes", "1,7"])
+    printed = capsys.readouterr().out
+    assert status == 0 and f"{ort_import.RULE}: 1 block fused" in printed and "OK" in printed, printed
+    assert check_model(out) == []

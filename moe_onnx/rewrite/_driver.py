@@ -49,9 +49,10 @@ class OptimizeReport:
     @property
     def fused_blocks(self) -> int:
         """The MoE blocks of the optimized model: its MOE nodes (target "moe") or MoeFinalizeRouting
-        nodes (target "grouped"); total_fused counts rule applications (grouped applies two per block)."""
+        nodes (target "grouped"), and its QMOE nodes (either target); total_fused counts rule
+        applications (grouped applies two per block)."""
         op_type = "MOE" if self.target == "moe" else "MoeFinalizeRouting"
-        return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0)
+        return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0) + self.nodes_after.get(f"{DOMAIN}::QMOE", 0)
 
     def summary(self) -> str:
         lines = [f"target: {self.target}"]
@@ -137,6 +138,8 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))
+        notes += [f"QMOE node '{node.name}' stays QMOE: the grouped chain has no quantized linear"
+                  for node in model.graph if node.domain == DOMAIN and node.op_type == "QMOE"]
     common_passes.RemoveUnusedNodesPass()(model)
     common_passes.RemoveUnusedFunctionsPass()(model)
     common_passes.RemoveUnusedOpsetsPass()(model)

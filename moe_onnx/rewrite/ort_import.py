@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -73,7 +73,7 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 class _Part:
     """Rows of one [E, N, ...] input: ``rows`` of its N (None: all). ``codes``: the bits of zero points
     packed along N (per column; ``columns`` is their N); ``shift``: float8e8m0 scales, read as their
-    uint8 exponents plus a shift per expert (a global scale 2^shift[e])."""
+    uint8 exponents plus a shift per expert (a global scale 2^shift[e]; 255, NaN, stays)."""
 
     value: ir.Value
     rows: np.ndarray | None = None
@@ -82,29 +82,28 @@ class _Part:
     shift: np.ndarray | None = None
 
     @property
-    def n(self) -> int:
+    def source_n(self) -> int:
+        """The N of the input."""
         return self.columns if self.codes else self.value.shape[1]
 
-    def expert(self, e: int) -> np.ndarray:
-        a = initializer_expert(self.value, e)
-        if self.codes:
-            a = unpack_codes(a, self.codes, self.n)
-        if self.shift is not None:
-            a = _shifted_exponents(np.asarray(a).view(np.uint8), int(self.shift[e % self.shift.size]), self.value.name)
-        return a if self.rows is None else a[self.rows]
+    @property
+    def n(self) -> int:
+        """The N of the rows taken."""
+        return self.source_n if self.rows is None else len(self.rows)
 
     @property
     def dtype(self) -> ir.DataType:
         return ir.DataType.UINT8 if self.shift is not None else self.value.dtype
 
-
-def _shifted_exponents(exponents: np.ndarray, shift: int, name: str) -> np.ndarray:
-    """E8M0 exponents plus ``shift`` (255, NaN, stays); ValueError when one leaves [0, 254]."""
-    moved = exponents.astype(np.int32) + shift
-    nan = exponents == 255
-    if np.any(((moved < 0) | (moved > 254)) & ~nan):
-        raise ValueError(f"moe_onnx import: {name}: the global scale 2^{shift} moves an exponent out of E8M0's range")
-    return np.where(nan, 255, moved).astype(np.uint8)
+    def expert(self, e: int) -> np.ndarray:
+        a = initializer_expert(self.value, e)
+        if self.codes:
+            a = unpack_codes(a, self.codes, self.columns)
+        if self.shift is not None:
+            exponents = np.asarray(a).view(np.uint8)
+            moved = exponents.astype(np.int32) + int(self.shift[e % self.shift.size])
+            a = np.where(exponents == 255, 255, moved).astype(np.uint8)
+        return a if self.rows is None else a[self.rows]
 
 
 @dataclasses.dataclass
@@ -148,7 +147,7 @@ def _initializer(n: _Node, name: str) -> ir.Value:
 
 
 def _small_constant(n: _Node, name: str) -> np.ndarray | None:
-    """A bias or global scale, loaded (None when absent)."""
+    """A bias, global scale or fp4 scales, loaded (None when absent)."""
     if not n.has(name):
         return None
     array = constant(n.inputs[name])
@@ -158,16 +157,27 @@ def _small_constant(n: _Node, name: str) -> np.ndarray | None:
 
 # ----------------------------------------------------------------------------- the expert mapping
 
-@dataclasses.dataclass
-class _Gated:
-    """The gated experts: gate, up and down projections and SwiGLU's constants."""
+@dataclasses.dataclass(frozen=True)
+class _Bias:
+    """A bias input of MOE: the contrib biases it is made of ([E, N] each, None: zeros), interleaved when
+    two (gate, up), with ``up_shift`` added to the second."""
 
-    gate: _Projection
-    up: _Projection
-    down: _Projection
-    alpha: float
-    beta: float
-    limit: float
+    parts: tuple[np.ndarray | None, ...]
+    shape: tuple[int, int]  # [E, N] of each part
+    up_shift: float = 0.0
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What one contrib node becomes: MOE's (or QMOE's) expert type, attributes, its linears in weight order
+    (a (gate, up) pair is interleaved into one weight) and bias_0 / bias_1."""
+
+    expert_type: str
+    attributes: dict
+    linears: list[tuple[_Projection, _Projection | None]]
+    biases: tuple[_Bias | None, _Bias | None]
+    k: int
+    quant: _Quant | None
 
 
 def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], bits: int) -> list[_Projection]:
@@ -191,17 +201,30 @@ def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], bits: int) -> l
     return parts
 
 
-def _experts(n: _Node, bits: int) -> tuple[str, dict, list[_Projection], _Gated | None]:
-    """(expert_type, attributes, [the projections of a GEMM2_ACT], the gated experts) of the node."""
+def _bias_of(*projections: _Projection, up_shift: float = 0.0) -> _Bias | None:
+    if all(p.bias is None for p in projections) and up_shift == 0:
+        return None
+    weight = projections[0].weight
+    return _Bias(tuple(p.bias for p in projections), (weight.value.shape[0], weight.n), up_shift)
+
+
+def _plan(n: _Node) -> _Plan:
+    """The plan for node ``n``, or MatchFailure with the reason it cannot be expressed exactly."""
+    quant = _quant(n) if n.quantized else None
+    bits = quant.bits if quant is not None and quant.quant_type == QUANT_INT else 0
     activation = n.attr("activation_type", "relu")
     fusion = n.attr("swiglu_fusion", 0)
     has_fc3 = n.has("fc3_experts_weights")
     require(activation in (*_POINTWISE, "swiglu"),
             f"activation_type is {activation!r}; expected relu, gelu, silu, swiglu or identity")
+    experts = _initializer(n, "fc1_experts_weights").shape[0]
+    k = n.attr("k", 1)
+    require(1 <= k <= experts, f"k is {k}; expected 1..{experts} (the experts)")
     (down,) = _split(n, "fc2", [None], bits)
     if activation != "swiglu" and not has_fc3:
         (up,) = _split(n, "fc1", [None], bits)
-        return GEMM2_ACT, {"activation": _POINTWISE[activation]}, [up, down], None
+        return _Plan(GEMM2_ACT, {"activation": _POINTWISE[activation]}, [(up, None), (down, None)],
+                     (_bias_of(up), _bias_of(down)), k, quant)
     require(activation in ("swiglu", "silu"),
             f"activation_type {activation!r} with fc3 (gated {activation}): MOE's gated experts are SwiGLU only")
     if activation == "silu":  # fc3 given: silu(fc1) * fc3
@@ -222,13 +245,17 @@ def _experts(n: _Node, bits: int) -> tuple[str, dict, list[_Projection], _Gated 
         pick = (np.arange(0, rows, 2), np.arange(1, rows, 2)) if fusion == 1 else \
             (np.arange(half), np.arange(half, rows))
         gate, up = _split(n, "fc1", pick, bits)
-    gated = _Gated(gate, up, down, alpha, beta, limit)
     if limit == math.inf and beta == 0 and gate.bias is None and up.bias is None and down.bias is None:
-        return GEMM3_SWIGLU, {"expert_alpha": alpha}, [], gated
+        return _Plan(GEMM3_SWIGLU, {"expert_alpha": alpha}, [(gate, None), (up, None), (down, None)], (None, None),
+                     k, quant)
     require(beta == 1 or limit == math.inf,
             f"swiglu_limit {limit} with activation_beta {beta}: MOE's clamped SwiGLU adds 1 to the clamped up "
             "projection (GEMM2_BIAS_SWIGLU_CLAMP) and GEMM3_SWIGLU has no clamp; only beta 1, or no limit, fits")
-    return GEMM2_BIAS_SWIGLU_CLAMP, {"expert_alpha": alpha, "expert_beta": limit, "gate_parity": 0}, [], gated
+    require(quant is None or (gate.zero_points is None) == (up.zero_points is None),
+            "one of gate and up has zero points and the other not; QMOE interleaves them into one weight")
+    attributes = {"expert_alpha": alpha, "expert_beta": limit, "gate_parity": 0}
+    return _Plan(GEMM2_BIAS_SWIGLU_CLAMP, attributes, [(gate, up), (down, None)],
+                 (_bias_of(gate, up, up_shift=beta - 1.0), _bias_of(down)), k, quant)
 
 
 # ----------------------------------------------------------------------------- quantization
@@ -262,6 +289,8 @@ def _quant(n: _Node) -> _Quant:
     if quant_type == "fp4":
         require(bits == 4, f"quant_type fp4 with expert_weight_bits {bits}; expected 4")
         for fc in ("fc1", "fc2", "fc3"):
+            require(not n.has(f"{fc}_zero_points"), f"quant_type fp4 with input '{fc}_zero_points'; MXFP4 has none")
+        for fc in ("fc1", "fc2", "fc3"):
             scales = n.inputs.get(f"{fc}_scales")
             require(scales is None or scales.dtype == ir.DataType.FLOAT8E8M0,
                     f"quant_type fp4: input '{fc}_scales' has type {scales.dtype if scales else None}; "
@@ -274,17 +303,25 @@ def _quant(n: _Node) -> _Quant:
 
 
 def _global_exponents(n: _Node) -> dict[str, np.ndarray]:
-    """fp4: the power of two p[e] of each fc's global scale 2^p[e] (fc3 shares fc1's), or MatchFailure."""
+    """fp4: the power of two p[e] of each fc's global scale 2^p[e] (fc3 shares fc1's), or MatchFailure
+    (also when moving the scales' exponents by it leaves E8M0's [0, 254])."""
     shifts = {}
     for fc, source in (("fc1", "fc1"), ("fc2", "fc2"), ("fc3", "fc1")):
         scale = _small_constant(n, f"{source}_global_scale")
-        if scale is None:
-            shifts[fc] = np.zeros(1, np.int32)
-            continue
-        mantissa, exponent = np.frexp(scale.astype(np.float32).reshape(-1))
-        require(bool(np.all(mantissa == 0.5)), f"input '{source}_global_scale' holds a value that is not a power "
-                "of two: MXFP4's scales cannot absorb it")
-        shifts[fc] = (exponent - 1).astype(np.int32)
+        shift = np.zeros(1, np.int32)
+        if scale is not None:
+            mantissa, exponent = np.frexp(scale.astype(np.float32).reshape(-1))
+            require(bool(np.all(mantissa == 0.5)), f"input '{source}_global_scale' holds a value that is not a "
+                    "power of two: MXFP4's scales cannot absorb it")
+            shift = (exponent - 1).astype(np.int32)
+        exponents = _small_constant(n, f"{fc}_scales")
+        if exponents is not None and shift.any():
+            exponents = exponents.view(np.uint8).reshape(exponents.shape[0], -1).astype(np.int32)
+            finite = exponents != 255
+            moved = exponents + shift.reshape(-1, 1)
+            require(not np.any(finite & ((moved < 0) | (moved > 254))),
+                    f"input '{source}_global_scale' moves an exponent of '{fc}_scales' out of E8M0's range")
+        shifts[fc] = shift
     return shifts
 
 
@@ -297,7 +334,7 @@ def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: 
             and parts[1].rows is not None and parts[0].shift is parts[1].shift:
         rows = np.empty(2 * len(parts[0].rows), np.int64)
         rows[0::2], rows[1::2] = parts[0].rows, parts[1].rows
-        whole = np.array_equal(rows, np.arange(parts[0].n))
+        whole = np.array_equal(rows, np.arange(parts[0].source_n))
         parts = [dataclasses.replace(parts[0], rows=None if whole else rows)]
     first = parts[0]
     if len(parts) == 1 and first.rows is None and first.shift is None and not transpose:
@@ -315,7 +352,7 @@ def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: 
         return np.ascontiguousarray(rows.T if transpose else rows)
 
     experts = first.value.shape[0]
-    n = sum(part.n if part.rows is None else len(part.rows) for part in parts)
+    n = sum(part.n for part in parts)
     if first.codes:
         shape = (experts, -(-n * first.codes // 8))
     else:
@@ -324,22 +361,18 @@ def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: 
     return streamed_initializer(graph, name, expert, first.dtype, shape, [part.value for part in parts])
 
 
-def _bias(graph: ir.Graph, name: str, arrays: Sequence[np.ndarray | None], rows: Sequence[int], dtype: ir.DataType,
-          experts: int, up_shift: float = 0.0) -> ir.Value | None:
-    """The bias of a projection made of ``arrays`` (each [E, rows] or None for zeros), interleaved when two;
-    ``up_shift`` added to the second. None when every part has none and there is no shift."""
-    if all(a is None for a in arrays) and up_shift == 0:
+def _bias_value(graph: ir.Graph, name: str, bias: _Bias | None, dtype: ir.DataType) -> ir.Value | None:
+    if bias is None:
         return None
-    parts = [np.zeros((experts, r), np.float32) if a is None else a.astype(np.float32) for a, r in zip(arrays, rows)]
+    parts = [np.zeros(bias.shape, np.float32) if a is None else a.astype(np.float32) for a in bias.parts]
     if len(parts) == 2:
-        parts[1] = parts[1] + np.float32(up_shift)
-        merged = np.empty((experts, 2 * rows[0]), np.float32)
+        parts[1] = parts[1] + np.float32(bias.up_shift)
+        merged = np.empty((bias.shape[0], 2 * bias.shape[1]), np.float32)
         merged[:, 0::2], merged[:, 1::2] = parts
     else:
         merged = parts[0]
-    tensor = ir.tensor(merged.astype(dtype.numpy()))
     value = ir.Value(name=fresh_name(graph, name), shape=ir.Shape(merged.shape), type=ir.TensorType(dtype),
-                     const_value=tensor)
+                     const_value=ir.tensor(merged.astype(dtype.numpy())))
     graph.register_initializer(value)
     return value
 
@@ -372,6 +405,13 @@ def _float32(b: _Builder, value: ir.Value, shape: Sequence) -> ir.Value:
     return value if value.dtype == ir.DataType.FLOAT else b("Cast", [value], {"to": ir.DataType.FLOAT}, shape=shape)
 
 
+def _check_routing(n: _Node, k: int) -> None:
+    if n.attr("use_sparse_mixer", 0):
+        require(k == 2, f"use_sparse_mixer with k = {k}; the sparse mixer picks 2 experts")
+        require(not n.has("router_weights"), "use_sparse_mixer with router_weights: the sparse mixer weighs its "
+                "picks by the router_probs it masks")
+
+
 def _routing(b: _Builder, n: _Node, k: int, experts: int) -> tuple[ir.Value, ir.Value]:
     """(weights float32 [T, k], indices int64 [T, k]) of the node's own routing."""
     router = n.inputs["router_probs"]
@@ -379,7 +419,6 @@ def _routing(b: _Builder, n: _Node, k: int, experts: int) -> tuple[ir.Value, ir.
     scores, chosen = (rows, experts), (rows, k)
     logits = _float32(b, router, scores)
     if n.attr("use_sparse_mixer", 0):
-        require(k == 2, f"use_sparse_mixer with k = {k}; the sparse mixer picks 2 experts")
         return _sparse_mixer(b, logits)
     probs = b("Softmax", [logits], {"axis": -1}, shape=scores)
     values, indices = b("TopK", [probs, b.const(np.array([k], np.int64))], {"axis": -1, "largest": 1, "sorted": 1},
@@ -416,79 +455,49 @@ def _sparse_mixer(b: _Builder, logits: ir.Value) -> tuple[ir.Value, ir.Value]:
 
 # ----------------------------------------------------------------------------- the node
 
-def _import(node: ir.Node) -> None:
-    """Replace ``node`` (MoE or QMoE) by the routing and one MOE/QMOE node, or raise MatchFailure."""
-    n = _read_node(node)
-    graph = node.graph
+def _write(n: _Node, plan: _Plan) -> None:
+    """Replace the contrib node by the routing and one MOE/QMOE node as ``plan`` says."""
+    node, graph = n.node, n.node.graph
     hidden = n.inputs["input"]
     dtype = hidden.dtype
-    require(dtype in _FLOATS, f"input 'input' has type {dtype}; expected a float type")
-    quant = _quant(n) if n.quantized else None
-    bits = quant.bits if quant and quant.quant_type == QUANT_INT else 0
-    expert_type, attributes, plain, gated = _experts(n, bits)
-    experts = _initializer(n, "fc1_experts_weights").shape[0]
-    k = n.attr("k", 1)
-    require(1 <= k <= experts, f"k is {k}; expected 1..{experts} (the experts)")
-
+    name = node.name or n.node.op_type
     b = _Builder()
-    weights, indices = _routing(b, n, k, experts)
+    weights, indices = _routing(b, n, plan.k, plan.linears[0][0].weight.value.shape[0])
     if dtype != ir.DataType.FLOAT:
         weights = b("Cast", [weights], {"to": dtype}, shape=weights.shape, dtype=(dtype,))
-    name = node.name or "MoE"
-    if gated is None:
-        up, down = plain
-        linears = [(up, None), (down, None)]
-        biases = [_bias(graph, f"{name}_bias_0", [up.bias], [0], dtype, experts),
-                  _bias(graph, f"{name}_bias_1", [down.bias], [0], dtype, experts)]
-    elif expert_type == GEMM3_SWIGLU:
-        linears = [(gated.gate, None), (gated.up, None), (gated.down, None)]
-        biases = [None, None]
-    else:
-        gate, up = gated.gate, gated.up
-        rows = len(gate.weight.rows) if gate.weight.rows is not None else gate.weight.n
-        linears = [(gate, up), (gated.down, None)]
-        biases = [_bias(graph, f"{name}_bias_0", [gate.bias, up.bias], [rows, rows], dtype, experts,
-                        up_shift=gated.beta - 1.0),
-                  _bias(graph, f"{name}_bias_1", [gated.down.bias], [0], dtype, experts)]
-
-    transpose = not n.quantized and expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 takes [E, K, N]
-    if quant is not None:
-        require(not any(second is not None and (first.zero_points is None) != (second.zero_points is None)
-                        for first, second in linears),
-                "one of gate and up has zero points and the other not; QMOE interleaves them into one weight")
-    weight_values, scale_values, zp_values = [], [], []
-    for i, (first, second) in enumerate(linears):
+    quant = plan.quant
+    transpose = quant is None and plan.expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 takes [E, K, N]
+    weight_values, scales, zero_points = [], [], []
+    for i, (first, second) in enumerate(plan.linears):
         pair = [first] if second is None else [first, second]
         weight_values.append(_combined(graph, f"{name}_weight_{i}", [p.weight for p in pair], transpose=transpose))
         if quant is None:
             continue
-        scales = [p.scales for p in pair]
+        scale_parts = [p.scales for p in pair]
         if quant.quant_type == QUANT_MXFP4:
-            scales = [dataclasses.replace(part, shift=quant.exponent_shift[_fc_of(n, p.weight.value)])
-                      for part, p in zip(scales, pair)]
-        scale_values.append(_combined(graph, f"{name}_scales_{i}", scales))
-        zp_values.append(None if first.zero_points is None else
-                         _combined(graph, f"{name}_zero_points_{i}", [p.zero_points for p in pair]))
-
+            scale_parts = [dataclasses.replace(part, shift=quant.exponent_shift[_fc_of(n, p.weight.value)])
+                           for part, p in zip(scale_parts, pair)]
+        scales.append(_combined(graph, f"{name}_scales_{i}", scale_parts))
+        zero_points.append(None if first.zero_points is None else
+                           _combined(graph, f"{name}_zero_points_{i}", [p.zero_points for p in pair]))
+    bias_0, bias_1 = (_bias_value(graph, f"{name}_bias_{i}", bias, dtype) for i, bias in enumerate(plan.biases))
     w0, w1, *w2 = weight_values
-    moe_inputs = [hidden, weights, indices, w0, biases[0], w1, biases[1], w2[0] if w2 else None]
-    if quant is None:
-        op_type = "MOE"
-    else:
+    inputs = [hidden, weights, indices, w0, bias_0, w1, bias_1, w2[0] if w2 else None]
+    attributes = {"expert_type": plan.expert_type, **plan.attributes}
+    op_type = "MOE"
+    if quant is not None:
         op_type = "QMOE"
-        scales = scale_values + [None] * (3 - len(scale_values))
-        zps = zp_values + [None] * (3 - len(zp_values))
-        moe_inputs += scales + zps
+        pad = [None] * (3 - len(scales))
+        inputs += scales + pad + zero_points + pad
         attributes |= {"bits": quant.bits, "block_size": quant.block_size, "quant_type": quant.quant_type,
                        "accuracy_level": quant.accuracy_level}
-    while moe_inputs[-1] is None:
-        moe_inputs.pop()
-    y = b(op_type, moe_inputs, {"expert_type": expert_type, **attributes}, domain=DOMAIN)
+    while inputs[-1] is None:
+        inputs.pop()
+    y = b(op_type, inputs, attributes, domain=DOMAIN)
     y.producer().name = f"{name}/{op_type}"
     graph.insert_before(node, b.nodes)
     old = node.outputs[0]
-    output_name = old.name
-    old.name = None
+    output_name, old.name = old.name, None
     ir.convenience.replace_all_uses_with(old, y, replace_graph_outputs=True)
     y.name, y.type, y.shape = output_name, old.type, old.shape
     graph.remove(node, safe=True)
@@ -505,11 +514,16 @@ def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
     nodes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
              if node.domain == ORT_DOMAIN and node.op_type in ("MoE", "QMoE")]
     for node in nodes:
+        n = _read_node(node)
         try:
-            _import(node)
+            require(n.inputs["input"].dtype in _FLOATS,
+                    f"input 'input' has type {n.inputs['input'].dtype}; expected a float type")
+            plan = _plan(n)
+            _check_routing(n, plan.k)
         except MatchFailure as failure:
             misses.append({"rule": RULE, "node": node.name or "", "reason": f"{node.op_type}: {failure}"})
             continue
+        _write(n, plan)
         count += 1
     if count:
         model.opset_imports[DOMAIN] = OPSET_VERSION
