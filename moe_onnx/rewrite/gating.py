@@ -1,7 +1,7 @@
 """Routers into MoeGatingTopK: a pass over the fused graph (``optimize(..., fuse_routers=True)``, the default).
 
 Every export form leaves the router in the graph and hands MOE the router's result (see _router.py).
-This pass reads each MOE node's routing weights and indices back to the router logits and, when
+This pass reads each MOE (and QMOE) node's routing weights and indices back to the router logits and, when
 the chain is one MoeGatingTopK computes, replaces it by one node (the old chain goes when nothing
 else reads it). Recognized chains, T tokens, E experts:
 

@@ -29,6 +29,9 @@ logits (``router_probs``) and does the routing itself. Each node becomes:
   accuracy_level 4, and block-wise 8 bits (which onnxruntime computes with int8 activations at
   every level), become accuracy_level 4.
 
+Exact ties among the routing scores: TopK (and MoeGatingTopK) choose the lower expert index, onnxruntime's
+CPU kernel the higher (a partial sort of (score, index) pairs); other providers have their own order.
+
 What our ops cannot express exactly stays as it is and the report names the node with the reason:
 a finite swiglu_limit with activation_beta other than 1, gated relu/gelu/identity (fc3 with those),
 QMoE widths that differ between projections, 2-bit weights, block sizes outside 16..256, nvfp4 / fp8
