@@ -361,6 +361,11 @@ CONFIGS = {
     "qmoe_int4_fc3": dataclasses.replace(MIXTRAL, fusion=0, quant=(4, 16, True)),
     "qmoe_int4_concatenated_per_column_zp": dataclasses.replace(GPT_OSS, fusion=2, quant=(4, 0, True)),
     "qmoe_int4_fc3_per_column_zp_gemm2": dataclasses.replace(GPT_OSS, fusion=0, quant=(4, 0, True)),
+    "qmoe_mixed_widths": dataclasses.replace(MIXTRAL, quant=(4, 16, False), bits_override={"fc2": 8}),
+    "qmoe_mixed_widths_fc3_zp": dataclasses.replace(GPT_OSS, fusion=0, quant=(4, 0, True), bits_override={"fc3": 8}),
+    "qmoe_mixed_widths_fc3_no_zp": dataclasses.replace(GPT_OSS, fusion=0, quant=(4, 16, False),
+                                                       bits_override={"fc1": 8}),
+    "qmoe_mixed_widths_gemm3": dataclasses.replace(MIXTRAL, fusion=0, quant=(8, 16, False), bits_override={"fc3": 4}),
     "qmoe_relu": Config(activation="relu", bias=True, quant=(4, 16, False)),
     "qmoe_sparse_mixer": dataclasses.replace(PHI, quant=(8, 0, False)),
     "qmoe_fp4_gpt_oss": dataclasses.replace(GPT_OSS, quant="fp4", hidden=64, inter=32),
@@ -376,10 +381,18 @@ def truth(built: Built, x: np.ndarray) -> tuple[np.ndarray, str]:
     return built.reference(x), "reference"
 
 
+# the C++ QMOE kernel (custom_ops/src/qmoe.cc, i13-qmoe-cpp) decodes GEMM3's gate and up with one panel
+# layout, taken from weight_0: zero points on only one of them come out wrong (python and the reference agree)
+CPP_QMOE_ONE_SIDED_ZERO_POINTS = {"qmoe_mixed_widths_gemm3"}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_import_numbers(name, backend):
+def test_import_numbers(name, backend, request):
     config = CONFIGS[name]
+    if backend == "cpp" and name in CPP_QMOE_ONE_SIDED_ZERO_POINTS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="QMOE C++ kernel: zero points on one of "
+                                              "GEMM3's gate/up (custom_ops/src/qmoe.cc, gate and up layout)"))
     built = build(config)
     model, _ = imported(built)
     for tokens in (0, 1, 7):
@@ -487,6 +500,18 @@ def test_sparse_mixer_stays_in_standard_ops():
     assert _ops(model).count("ArgMax") == 2 and "MoeGatingTopK" not in _ops(model)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_points_on_gate_only_give_up_its_default(backend):
+    """fc1 (gate) with zero points, fc3 (up) without, interleaved into one QMOE weight: up gets 8 (4 bits)."""
+    built = build(CONFIGS["qmoe_int4_fc3_per_column_zp_gemm2"])
+    node = built.model.graph.node[-1]
+    node.input[list(node.input).index("fc3_zero_points")] = ""
+    built.reference_args["fc3_zero_points"] = None
+    model, _ = imported(built)
+    x = hidden(built.config, 7)
+    np.testing.assert_allclose(run_ours(model, x, backend), built.reference(x), **FP32_TOL)
+
+
 def test_fp4_power_of_two_global_scale_moves_into_the_exponents():
     config = CONFIGS["qmoe_fp4_gpt_oss"]
     built = build(config)
@@ -549,8 +574,6 @@ NEAR_MISSES = {
     "sparse_mixer_k3": (lambda: _set_attribute(build(PHI).model, k=3), "use_sparse_mixer with k = 3"),
     "weights_not_initializers": (lambda: _as_input(build(MIXTRAL).model, "fc1_experts_weights"),
                                  "input 'fc1_experts_weights' is not an initializer"),
-    "mixed_widths": (lambda: build(dataclasses.replace(MIXTRAL, quant=(4, 16, False), bits_override={"fc2": 8})).model,
-                     "the projections have different widths"),
     "two_bits": (lambda: _set_attribute(build(dataclasses.replace(MIXTRAL, quant=(4, 16, False))).model,
                                         expert_weight_bits=2), "expert_weight_bits is 2; QMOE takes 4 or 8"),
     "block_512": (lambda: _set_attribute(build(dataclasses.replace(MIXTRAL, quant=(4, 16, False))).model,
@@ -569,9 +592,6 @@ NEAR_MISSES = {
     "sparse_mixer_router_weights": (
         lambda: build(dataclasses.replace(PHI, quant=(4, 0, False), router_weights=True)).model,
         "use_sparse_mixer with router_weights"),
-    "zero_points_on_gate_only": (
-        lambda: _drop_input(build(CONFIGS["qmoe_int4_fc3_per_column_zp_gemm2"]).model, "fc3_zero_points"),
-        "one of gate and up has zero points and the other not"),
 }
 
 
@@ -588,12 +608,6 @@ def _with_input(model: onnx.ModelProto, name: str, array: np.ndarray) -> onnx.Mo
     node.input.extend([""] * (position + 1 - len(node.input)))
     node.input[position] = name
     model.graph.initializer.append(numpy_helper.from_array(array, name))
-    return model
-
-
-def _drop_input(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
-    node = model.graph.node[-1]
-    node.input[list(node.input).index(name)] = ""
     return model
 
 

@@ -23,20 +23,23 @@ logits (``router_probs``) and does the routing itself. Each node becomes:
   ========================================  =======================================================
 
   swiglu_fusion 1 takes fc1's rows as gate (even) and up (odd), 2 as gate (first half) and up
-  (second half), 0 as gate (fc1) and up (fc3). QMoE: quant_type int (bits 4/8, per column or
-  block_size 16..256, zero points) stays as stored; fp4 becomes mxfp4 (the float8e8m0 scales as
-  their uint8 bits; a per-expert global scale that is a power of two moves into the exponents);
-  accuracy_level 4, and block-wise 8 bits (which onnxruntime computes with int8 activations at
-  every level), become accuracy_level 4.
+  (second half), 0 as gate (fc1) and up (fc3).
+
+- QMoE's quant_type int (bits 4/8, per column or block_size 16..256, zero points) stays as stored;
+  with per-projection widths the 4-bit ones are widened to 8 bits (the same codes, one per byte;
+  their zero points given or the 4-bit default 8: exact), and where one of an interleaved gate/up
+  pair has zero points the other gets its default. fp4 becomes mxfp4 (the float8e8m0 scales as their
+  uint8 bits; a per-expert global scale that is a power of two moves into the exponents).
+  accuracy_level 4, and block-wise 8 bits (which onnxruntime computes with int8 activations at every
+  level; here: every projection 8 bits), become accuracy_level 4.
 
 Exact ties among the routing scores: TopK (and MoeGatingTopK) choose the lower expert index, onnxruntime's
 CPU kernel the higher (a partial sort of (score, index) pairs); other providers have their own order.
 
 What our ops cannot express exactly stays as it is and the report names the node with the reason:
 a finite swiglu_limit with activation_beta other than 1, gated relu/gelu/identity (fc3 with those),
-QMoE widths that differ between projections, 2-bit weights, block sizes outside 16..256, nvfp4 / fp8
-/ wfp4afp8, prepacked weights, a global fp4 scale that is not a power of two, inputs that are not
-initializers. Weights that change layout are written one expert at a time, when the model is saved.
+2-bit weights, block sizes outside 16..256, nvfp4 / fp8 / wfp4afp8, prepacked weights, a global fp4
+scale that is not a power of two, inputs that are not initializers. Weights that change layout are written one expert at a time, when the model is saved.
 """
 
 from __future__ import annotations
@@ -74,20 +77,21 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """Rows of one [E, N, ...] input: ``rows`` of its N (None: all). ``codes``: the bits of zero points
-    packed along N (per column; ``columns`` is their N); ``shift``: float8e8m0 scales, read as their
-    uint8 exponents plus a shift per expert (a global scale 2^shift[e]; 255, NaN, stays)."""
+    """Rows of one [E, N, ...] input: ``rows`` of its N (None: all). ``unpack``: the input holds codes of
+    that many bits packed along its last axis, read as one code per byte (``count`` of them); zero points
+    are always read so, weights when widened from 4 to 8 bits. ``shift``: float8e8m0 scales, read as
+    their uint8 exponents plus a shift per expert (a global scale 2^shift[e]; 255, NaN, stays)."""
 
     value: ir.Value
     rows: np.ndarray | None = None
-    codes: int = 0
-    columns: int = 0
+    unpack: int = 0
+    count: int = 0
     shift: np.ndarray | None = None
 
     @property
     def source_n(self) -> int:
-        """The N of the input."""
-        return self.columns if self.codes else self.value.shape[1]
+        """The N of the input (of a per-column zero-point input [E, N packed]: the count of its codes)."""
+        return self.count if self.unpack and len(self.value.shape) == 2 else self.value.shape[1]
 
     @property
     def n(self) -> int:
@@ -100,8 +104,8 @@ class _Part:
 
     def expert(self, e: int) -> np.ndarray:
         a = initializer_expert(self.value, e)
-        if self.codes:
-            a = unpack_codes(a, self.codes, self.columns)
+        if self.unpack:
+            a = unpack_codes(a, self.unpack, self.count)
         if self.shift is not None:
             exponents = np.asarray(a).view(np.uint8)
             moved = exponents.astype(np.int32) + int(self.shift[e % self.shift.size])
@@ -117,6 +121,7 @@ class _Projection:
     bias: np.ndarray | None = None
     scales: _Part | None = None
     zero_points: _Part | None = None
+    width: int = 0  # quantized: the bits the contrib node stores it with
 
 
 @dataclasses.dataclass
@@ -183,25 +188,52 @@ class _Plan:
     quant: _Quant | None
 
 
-def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], bits: int) -> list[_Projection]:
-    """The projections of ``fc`` (fc1, fc2, fc3) each made of some of its rows."""
+def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], quant: _Quant | None) -> list[_Projection]:
+    """The projections of ``fc`` (fc1, fc2, fc3) each made of some of its rows; quantized ones read at
+    QMOE's width (a 4-bit fc of an 8-bit QMOE widened: its codes one per byte, its zero points given or
+    the 4-bit default 8)."""
     weight = _initializer(n, f"{fc}_experts_weights")
     bias = _small_constant(n, f"{fc}_experts_bias")
-    scales = zero_points = None
+    scales = None
+    width = quant.widths.get(fc, 0) if quant is not None else 0
+    widen = 4 if quant is not None and width < quant.bits else 0
     if n.quantized:
         require(n.has(f"{fc}_scales"), f"input '{fc}_scales' is missing")
         scales = _initializer(n, f"{fc}_scales")
-        if n.has(f"{fc}_zero_points"):
-            zero_points = _initializer(n, f"{fc}_zero_points")
-    per_column = scales is not None and len(scales.shape) == 2
     parts = []
     for r in rows:
         zp = None
-        if zero_points is not None:
-            zp = _Part(zero_points, r, bits, weight.shape[1]) if per_column else _Part(zero_points, r)
-        parts.append(_Projection(_Part(weight, r), None if bias is None else (bias if r is None else bias[:, r]),
-                                 None if scales is None else _Part(scales, r), zp))
+        if n.has(f"{fc}_zero_points"):
+            zp = _Part(_initializer(n, f"{fc}_zero_points"), r, width, _zero_point_count(scales))
+        projection = _Projection(_Part(weight, r, widen, weight.shape[2] * 2 if widen else 0),
+                                 None if bias is None else (bias if r is None else bias[:, r]),
+                                 None if scales is None else _Part(scales, r), zp, width)
+        if widen and zp is None:
+            _default_zero_points(projection)
+        parts.append(projection)
     return parts
+
+
+def _zero_point_count(scales: ir.Value) -> int:
+    """The zero-point codes along the last axis: N per column ([E, N] scales), else the blocks."""
+    return scales.shape[1] if len(scales.shape) == 2 else scales.shape[2]
+
+
+def _default_zero_points(p: _Projection) -> None:
+    """Give ``p`` its default zero points 2^(width-1), one code per byte, shaped as its scales (an
+    unregistered value: only the QMOE input made of it is written)."""
+    shape = tuple(p.scales.value.shape)
+    codes = np.full(shape, 1 << (p.width - 1), np.uint8)
+    value = ir.Value(shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.UINT8), const_value=ir.tensor(codes))
+    p.zero_points = _Part(value, p.scales.rows, 0, _zero_point_count(p.scales.value))
+
+
+def _with_zero_points(pair: Sequence[_Projection], quant: _Quant | None) -> None:
+    """Gate and up interleave into one QMOE weight: where one has zero points, the other gets its default."""
+    if quant is not None and quant.quant_type == QUANT_INT and any(p.zero_points is not None for p in pair):
+        for p in pair:
+            if p.zero_points is None:
+                _default_zero_points(p)
 
 
 def _bias_of(*projections: _Projection, up_shift: float = 0.0) -> _Bias | None:
@@ -214,7 +246,6 @@ def _bias_of(*projections: _Projection, up_shift: float = 0.0) -> _Bias | None:
 def _plan(n: _Node) -> _Plan:
     """The plan for node ``n``, or MatchFailure with the reason it cannot be expressed exactly."""
     quant = _quant(n) if n.quantized else None
-    bits = quant.bits if quant is not None and quant.quant_type == QUANT_INT else 0
     activation = n.attr("activation_type", "relu")
     fusion = n.attr("swiglu_fusion", 0)
     has_fc3 = n.has("fc3_experts_weights")
@@ -223,9 +254,9 @@ def _plan(n: _Node) -> _Plan:
     experts = _initializer(n, "fc1_experts_weights").shape[0]
     k = n.attr("k", 1)
     require(1 <= k <= experts, f"k is {k}; expected 1..{experts} (the experts)")
-    (down,) = _split(n, "fc2", [None], bits)
+    (down,) = _split(n, "fc2", [None], quant)
     if activation != "swiglu" and not has_fc3:
-        (up,) = _split(n, "fc1", [None], bits)
+        (up,) = _split(n, "fc1", [None], quant)
         return _Plan(GEMM2_ACT, {"activation": _POINTWISE[activation]}, [(up, None), (down, None)],
                      (_bias_of(up), _bias_of(down)), k, quant)
     require(activation in ("swiglu", "silu"),
@@ -239,7 +270,7 @@ def _plan(n: _Node) -> _Plan:
         require(fusion in (0, 1, 2), f"swiglu_fusion is {fusion}; expected 0, 1 or 2")
     if activation == "silu" or fusion == 0:
         require(has_fc3, "swiglu_fusion is 0 (gate in fc1, up in fc3) but fc3_experts_weights is missing")
-        (gate,), (up,) = _split(n, "fc1", [None], bits), _split(n, "fc3", [None], bits)
+        (gate,), (up,) = _split(n, "fc1", [None], quant), _split(n, "fc3", [None], quant)
     else:
         require(not has_fc3, f"swiglu_fusion is {fusion} (gate and up fused in fc1) but fc3_experts_weights is given")
         rows = _initializer(n, "fc1_experts_weights").shape[1]
@@ -247,15 +278,14 @@ def _plan(n: _Node) -> _Plan:
         half = rows // 2
         pick = (np.arange(0, rows, 2), np.arange(1, rows, 2)) if fusion == 1 else \
             (np.arange(half), np.arange(half, rows))
-        gate, up = _split(n, "fc1", pick, bits)
+        gate, up = _split(n, "fc1", pick, quant)
     if limit == math.inf and beta == 0 and gate.bias is None and up.bias is None and down.bias is None:
         return _Plan(GEMM3_SWIGLU, {"expert_alpha": alpha}, [(gate, None), (up, None), (down, None)], (None, None),
                      k, quant)
     require(beta == 1 or limit == math.inf,
             f"swiglu_limit {limit} with activation_beta {beta}: MOE's clamped SwiGLU adds 1 to the clamped up "
             "projection (GEMM2_BIAS_SWIGLU_CLAMP) and GEMM3_SWIGLU has no clamp; only beta 1, or no limit, fits")
-    require(quant is None or (gate.zero_points is None) == (up.zero_points is None),
-            "one of gate and up has zero points and the other not; QMOE interleaves them into one weight")
+    _with_zero_points((gate, up), quant)
     attributes = {"expert_alpha": alpha, "expert_beta": limit, "gate_parity": 0}
     return _Plan(GEMM2_BIAS_SWIGLU_CLAMP, attributes, [(gate, up), (down, None)],
                  (_bias_of(gate, up, up_shift=beta - 1.0), _bias_of(down)), k, quant)
@@ -265,7 +295,8 @@ def _plan(n: _Node) -> _Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Quant:
-    bits: int
+    bits: int  # QMOE's: the widest projection's (a 4-bit one of an 8-bit node is widened, exactly)
+    widths: dict[str, int]  # per fc, as the contrib node stores it
     block_size: int
     quant_type: str
     accuracy_level: int
@@ -279,30 +310,33 @@ def _quant(n: _Node) -> _Quant:
     require(n.attr("weights_prepacked", -1) != 1, "weights_prepacked is 1: the weights are in a provider's "
             "prepacked layout, not QMoE's [E, N, K] one")
     default_bits = n.attr("expert_weight_bits", 4)
-    widths = {fc: n.attr(f"{fc}_expert_weight_bits", default_bits) for fc in ("fc1", "fc2", "fc3")
-              if fc != "fc3" or n.has("fc3_experts_weights")}
-    require(len(set(widths.values())) == 1, f"the projections have different widths ({widths}); QMOE takes one "
-            "bits for all")
-    bits = next(iter(widths.values()))
-    require(bits in (4, 8), f"expert_weight_bits is {bits}; QMOE takes 4 or 8")
+    widths = {}
+    for fc in ("fc1", "fc2", "fc3"):
+        if fc == "fc3" and not n.has("fc3_experts_weights"):
+            continue
+        attribute = f"{fc}_expert_weight_bits" if n.node.attributes.get(f"{fc}_expert_weight_bits") else \
+            "expert_weight_bits"
+        widths[fc] = n.attr(attribute, default_bits)
+        require(widths[fc] in (4, 8), f"{attribute} is {widths[fc]}; QMOE takes 4 or 8")
+    bits = max(widths.values())
     for name in ("fc1_act_scale", "fc2_act_scale", "fc1_act_block_scale", "fc2_act_block_scale"):
         require(not n.has(name), f"input '{name}' is given (FP8 activations); QMOE has none")
     level = n.attr("accuracy_level", 0)
     block_size = n.attr("block_size", 0)
     if quant_type == "fp4":
-        require(bits == 4, f"quant_type fp4 with expert_weight_bits {bits}; expected 4")
+        require(set(widths.values()) == {4}, f"quant_type fp4 with widths {widths}; expected 4 bits")
         for fc in ("fc1", "fc2", "fc3"):
             require(not n.has(f"{fc}_zero_points"), f"quant_type fp4 with input '{fc}_zero_points'; MXFP4 has none")
-        for fc in ("fc1", "fc2", "fc3"):
             scales = n.inputs.get(f"{fc}_scales")
             require(scales is None or scales.dtype == ir.DataType.FLOAT8E8M0,
                     f"quant_type fp4: input '{fc}_scales' has type {scales.dtype if scales else None}; "
                     "expected float8e8m0")
-        return _Quant(4, 32, QUANT_MXFP4, 0, _global_exponents(n))
+        return _Quant(4, widths, 32, QUANT_MXFP4, 0, _global_exponents(n))
     require(block_size == 0 or (block_size & (block_size - 1) == 0 and 16 <= block_size <= 256),
             f"block_size is {block_size}; QMOE takes a power of two in [16, 256] (or none: per column)")
-    int8_activations = level == INT8_ACTIVATIONS or (bits == 8 and block_size > 0)
-    return _Quant(bits, block_size, QUANT_INT, INT8_ACTIVATIONS if int8_activations else 0, {})
+    # onnxruntime: int8 activations at accuracy_level 4, and always for block-wise 8-bit experts
+    int8_activations = level == INT8_ACTIVATIONS or (set(widths.values()) == {8} and block_size > 0)
+    return _Quant(bits, widths, block_size, QUANT_INT, INT8_ACTIVATIONS if int8_activations else 0, {})
 
 
 def _global_exponents(n: _Node) -> dict[str, np.ndarray]:
@@ -330,9 +364,11 @@ def _global_exponents(n: _Node) -> dict[str, np.ndarray]:
 
 # ----------------------------------------------------------------------------- writing the weights
 
-def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: bool = False) -> ir.Value:
+def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: bool = False,
+              pack: int = 0) -> ir.Value:
     """One [E, N, ...] initializer: the rows of ``parts``, interleaved when two (the first at the even
-    rows), transposed to [E, ..., N] if asked; the source itself when that is all it is."""
+    rows), codes packed ``pack`` bits along the last axis (0: as read), transposed to [E, ..., N] if
+    asked; the input itself when that is all it is."""
     if len(parts) == 2 and parts[0].value is parts[1].value and parts[0].rows is not None \
             and parts[1].rows is not None and parts[0].shift is parts[1].shift:
         rows = np.empty(2 * len(parts[0].rows), np.int64)
@@ -340,7 +376,8 @@ def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: 
         whole = np.array_equal(rows, np.arange(parts[0].source_n))
         parts = [dataclasses.replace(parts[0], rows=None if whole else rows)]
     first = parts[0]
-    if len(parts) == 1 and first.rows is None and first.shift is None and not transpose:
+    if len(parts) == 1 and first.rows is None and first.shift is None and not transpose \
+            and first.unpack == pack and first.value.name in graph.initializers:
         return first.value
 
     def expert(e: int) -> np.ndarray:
@@ -350,18 +387,13 @@ def _combined(graph: ir.Graph, name: str, parts: Sequence[_Part], *, transpose: 
         else:
             rows = np.empty((2 * arrays[0].shape[0], *arrays[0].shape[1:]), arrays[0].dtype)
             rows[0::2], rows[1::2] = arrays
-        if first.codes:
-            rows = pack_codes(rows, first.codes)
+        if pack:
+            rows = pack_codes(rows, pack)
         return np.ascontiguousarray(rows.T if transpose else rows)
 
-    experts = first.value.shape[0]
-    n = sum(part.n for part in parts)
-    if first.codes:
-        shape = (experts, -(-n * first.codes // 8))
-    else:
-        rest = tuple(first.value.shape[2:])
-        shape = (experts, *rest, n) if transpose else (experts, n, *rest)
-    return streamed_initializer(graph, name, expert, first.dtype, shape, [part.value for part in parts])
+    shape = (first.value.shape[0], *expert(0).shape)
+    return streamed_initializer(graph, name, expert, first.dtype, shape,
+                                [part.value for part in parts if part.value.name in graph.initializers])
 
 
 def _bias_value(graph: ir.Graph, name: str, bias: _Bias | None, dtype: ir.DataType) -> ir.Value | None:
@@ -473,7 +505,9 @@ def _write(n: _Node, plan: _Plan) -> None:
     weight_values, scales, zero_points = [], [], []
     for i, (first, second) in enumerate(plan.linears):
         pair = [first] if second is None else [first, second]
-        weight_values.append(_combined(graph, f"{name}_weight_{i}", [p.weight for p in pair], transpose=transpose))
+        widened = quant is not None and any(p.weight.unpack for p in pair)
+        weight_values.append(_combined(graph, f"{name}_weight_{i}", [p.weight for p in pair], transpose=transpose,
+                                       pack=quant.bits if widened else 0))
         if quant is None:
             continue
         scale_parts = [p.scales for p in pair]
@@ -482,7 +516,8 @@ def _write(n: _Node, plan: _Plan) -> None:
                            for part, p in zip(scale_parts, pair)]
         scales.append(_combined(graph, f"{name}_scales_{i}", scale_parts))
         zero_points.append(None if first.zero_points is None else
-                           _combined(graph, f"{name}_zero_points_{i}", [p.zero_points for p in pair]))
+                           _combined(graph, f"{name}_zero_points_{i}", [p.zero_points for p in pair],
+                                     pack=quant.bits))
     bias_0, bias_1 = (_bias_value(graph, f"{name}_bias_{i}", bias, dtype) for i, bias in enumerate(plan.biases))
     w0, w1, *w2 = weight_values
     inputs = [hidden, weights, indices, w0, bias_0, w1, bias_1, w2[0] if w2 else None]
