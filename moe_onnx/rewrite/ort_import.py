@@ -30,8 +30,9 @@ logits (``router_probs``) and does the routing itself. Each node becomes:
   their zero points given or the 4-bit default 8: exact), and where one of an interleaved gate/up
   pair has zero points the other gets its default. fp4 becomes mxfp4 (the float8e8m0 scales as their
   uint8 bits; a per-expert global scale that is a power of two moves into the exponents).
-  accuracy_level 4, and block-wise 8 bits (which onnxruntime computes with int8 activations at every
-  level; here: every projection 8 bits), become accuracy_level 4.
+  Block-wise experts at accuracy_level 4, and block-wise 8 bits at any level (here: every projection
+  8 bits), which onnxruntime computes with int8 activations, become accuracy_level 4; per-column
+  experts keep float activations at every level, as there.
 
 Exact ties among the routing scores: TopK (and MoeGatingTopK) choose the lower expert index, onnxruntime's
 CPU kernel the higher (a partial sort of (score, index) pairs); other providers have their own order.
@@ -334,8 +335,8 @@ def _quant(n: _Node) -> _Quant:
         return _Quant(4, widths, 32, QUANT_MXFP4, 0, _global_exponents(n))
     require(block_size == 0 or (block_size & (block_size - 1) == 0 and 16 <= block_size <= 256),
             f"block_size is {block_size}; QMOE takes a power of two in [16, 256] (or none: per column)")
-    # onnxruntime: int8 activations at accuracy_level 4, and always for block-wise 8-bit experts
-    int8_activations = level == INT8_ACTIVATIONS or (set(widths.values()) == {8} and block_size > 0)
+    # onnxruntime: int8 activations for block-wise experts only: 4 bits at accuracy_level 4, 8 bits always
+    int8_activations = block_size > 0 and (level == INT8_ACTIVATIONS or set(widths.values()) == {8})
     return _Quant(bits, widths, block_size, QUANT_INT, INT8_ACTIVATIONS if int8_activations else 0, {})
 
 
@@ -428,7 +429,7 @@ class _Builder:
                        version=OPSET_VERSION if domain == DOMAIN else None)
         self.nodes.append(node)
         if shape is not None:
-            for value, value_type in zip(node.outputs, dtype * outputs):
+            for value, value_type in zip(node.outputs, dtype if len(dtype) == outputs else dtype * outputs):
                 value.shape, value.dtype = ir.Shape(list(shape)), value_type
         return node.outputs[0] if outputs == 1 else tuple(node.outputs)
 
