@@ -564,6 +564,7 @@ def _as_input(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 NEAR_MISSES = {
     "limit_with_beta0": (lambda: build(dataclasses.replace(MIXTRAL, limit=7.0)).model,
                          "swiglu_limit 7.0 with activation_beta 0.0"),
+    "limit_zero": (lambda: build(dataclasses.replace(GPT_OSS, limit=0.0)).model, "swiglu_limit is 0.0"),
     "gated_relu": (lambda: _set_attribute(build(CONFIGS["swiglu_fc3"]).model, activation_type="relu"),
                    "activation_type 'relu' with fc3"),
     "unknown_activation": (lambda: _set_attribute(build(MIXTRAL).model, activation_type="geglu"),

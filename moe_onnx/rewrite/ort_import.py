@@ -283,6 +283,7 @@ def _plan(n: _Node) -> _Plan:
     if limit == math.inf and beta == 0 and gate.bias is None and up.bias is None and down.bias is None:
         return _Plan(GEMM3_SWIGLU, {"expert_alpha": alpha}, [(gate, None), (up, None), (down, None)], (None, None),
                      k, quant)
+    require(limit > 0, f"swiglu_limit is {limit}; MOE's clamp bound must be > 0")
     require(beta == 1 or limit == math.inf,
             f"swiglu_limit {limit} with activation_beta {beta}: MOE's clamped SwiGLU adds 1 to the clamped up "
             "projection (GEMM2_BIAS_SWIGLU_CLAMP) and GEMM3_SWIGLU has no clamp; only beta 1, or no limit, fits")
