@@ -38,6 +38,17 @@ def _initializer(array: np.ndarray, name: str):
     return numpy_helper.from_array(array, name)
 
 
+def qmoe_model(names: list[str], initializers: list, attrs: dict, elem: int, tokens: int) -> bytes:
+    """A single-node com.microsoft::QMoE model over inputs ``x`` and ``router_probs``."""
+    node = helper.make_node("QMoE", names, ["y"], domain="com.microsoft", **attrs)
+    inputs = [helper.make_tensor_value_info("x", elem, [tokens, HIDDEN]),
+              helper.make_tensor_value_info("router_probs", elem, [tokens, EXPERTS])]
+    graph = helper.make_graph([node], "qmoe", inputs, [helper.make_tensor_value_info("y", elem, [tokens, HIDDEN])],
+                              initializers)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
 class Block:
     """A random expert block, quantized: the QMoE node's inputs and QMOE's."""
 
@@ -86,15 +97,7 @@ class Block:
             attrs = {**GPT_OSS, **attrs}
         if self.block_size:
             attrs["block_size"] = self.block_size
-        node = helper.make_node("QMoE", names, ["y"], domain="com.microsoft", **attrs)
-        elem = ELEM[self.dtype]
-        graph = helper.make_graph([node], "qmoe", [helper.make_tensor_value_info("x", elem, [TOKENS, HIDDEN]),
-                                                   helper.make_tensor_value_info("router_probs", elem,
-                                                                                 [TOKENS, EXPERTS])],
-                                  [helper.make_tensor_value_info("y", elem, [TOKENS, HIDDEN])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                        helper.make_opsetid("com.microsoft", 1)], ir_version=10)
-        return model.SerializeToString()
+        return qmoe_model(names, inits, attrs, ELEM[self.dtype], TOKENS)
 
     def run_ort(self, **attrs) -> np.ndarray:
         sess = ort.InferenceSession(self.ort_model(**attrs), providers=["CPUExecutionProvider"])
@@ -217,13 +220,8 @@ def test_onnxruntime_cpu_has_no_fp4_kernel():
              numpy_helper.from_array(np.ones(EXPERTS, np.float32), "g1"),
              numpy_helper.from_array(np.ones(EXPERTS, np.float32), "g2")]
     names = ["x", "router_probs", "w1", "s1", "", "w2", "s2", "", "", "", "", "", "", "", "", "g1", "g2"]
-    node = helper.make_node("QMoE", names, ["y"], domain="com.microsoft", k=K, activation_type="swiglu",
-                            expert_weight_bits=4, swiglu_fusion=1, quant_type="fp4", block_size=32, **GPT_OSS)
-    graph = helper.make_graph([node], "fp4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, HIDDEN]),
-                                              helper.make_tensor_value_info("router_probs", TensorProto.FLOAT,
-                                                                            [1, EXPERTS])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, HIDDEN])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=10)
+    attrs = dict(k=K, activation_type="swiglu", expert_weight_bits=4, swiglu_fusion=1, quant_type="fp4", block_size=32,
+                 **GPT_OSS)
+    model = qmoe_model(names, inits, attrs, TensorProto.FLOAT, 1)
     with pytest.raises(Exception, match="Could not find an implementation for QMoE"):
-        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ort.InferenceSession(model, providers=["CPUExecutionProvider"])

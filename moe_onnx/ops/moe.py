@@ -42,8 +42,9 @@ LINEARS = {
     GEMM3_SWIGLU: ((W0, None, "I", "H"), (W1, None, "I", "H"), (W2, None, "H", "I")),
     GEMM2_ACT: ((W0, B0, "I", "H"), (W1, B1, "H", "I")),
 }
-# The inputs an expert type may leave out or must leave out: every one it does not use.
+# The expert inputs some expert type does not use (each must be absent where its type does not use it).
 _OPTIONAL_EXPERT_INPUTS = (B0, W1, B1, W2)
+
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
@@ -163,7 +164,7 @@ def _check_activation(v: NodeView, expert_type: str) -> None:
             v.fail(f"attribute '{name}'", f"is {value!r}; {GEMM2_ACT} does not use it: leave the default {default!r}")
 
 
-def check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
+def _check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
     """Every expert index is in [0, num_experts) (MoeOpError naming the first one outside)."""
     bad = (idx < 0) | (idx >= num_experts)
     if bad.any():
@@ -214,7 +215,7 @@ def mix_experts(view: NodeView, hidden_states, routing_weights, indices, num_exp
     tokens, k = x.shape[0], indices.shape[-1]
     idx = indices.reshape(tokens, k).astype(np.int64)
     weights = routing_weights.reshape(tokens, k).astype(acc)
-    check_indices(view, indices, num_experts)
+    _check_indices(view, indices, num_experts)
 
     biases = {W0: bias_0, W1: bias_1}
 

@@ -260,19 +260,23 @@ def int8_linear(a: np.ndarray, codes: np.ndarray, scale: np.ndarray, zp: np.ndar
     """``accuracy_level`` 4: ``a @ W^T`` with int8 activations. ``a`` [R, K] float32; ``codes`` [N, K];
     ``scale`` float32 and ``zp`` int [N, blocks]. Each row's block b: sa = max|a| / 127,
     qa = clip(round_half_even(a / sa), -127, 127) (0 where sa = 0); exact integer dots with q - zp;
-    y = sum over b in order of (sa * scale) * dot, in float32. Returns float32 [R, N]."""
+    y = sum over b in order of (sa * scale) * dot, in float32. A block holding NaN or Inf (sa NaN or Inf)
+    quantizes to 0 and makes the row's y NaN. Returns float32 [R, N]."""
     rows, k_dim = a.shape
     n, blocks = scale.shape
     block = block_size or k_dim
     a_blocks = a.astype(np.float32).reshape(rows, blocks, block)
     sa = (np.abs(a_blocks).max(axis=-1, initial=np.float32(0)) / np.float32(127)).astype(np.float32)
+    quantizable = (sa > 0) & np.isfinite(sa)  # else qa = 0, and sa (NaN or Inf) makes the row's y NaN
     with np.errstate(divide="ignore", invalid="ignore"):
-        qa = np.where(sa[..., None] > 0, np.clip(np.rint(a_blocks / sa[..., None]), -127, 127), 0).astype(np.int64)
+        steps = np.clip(np.rint(a_blocks / sa[..., None]), -127, 127)
+    qa = np.where(quantizable[..., None], steps, 0).astype(np.int64)
     qw = codes.reshape(n, blocks, block).astype(np.int64) - zp[..., None].astype(np.int64)
     dots = np.einsum("rbk,nbk->rnb", qa, qw).astype(np.float32)
     y = np.zeros((rows, n), np.float32)
-    for b in range(blocks):
-        y += (sa[:, b, None] * scale[None, :, b]) * dots[:, :, b]
+    with np.errstate(invalid="ignore"):  # Inf * 0: NaN on purpose
+        for b in range(blocks):
+            y += (sa[:, b, None] * scale[None, :, b]) * dots[:, :, b]
     return y
 
 

@@ -132,7 +132,7 @@ QMOE = Signature(
     type_constraints=(
         ("T", FLOAT_TYPES, "Floating-point activations and biases."),
         ("T_ind", INDEX_TYPES, "Expert indices."),
-        ("T_scale", (*FLOAT_TYPES, "tensor(uint8)"), "Scales: floating point for quant_type int, uint8 "
+        ("T_scale", (*FLOAT_TYPES, "tensor(uint8)"), "Scales: T or float32 for quant_type int, uint8 "
          "(E8M0 exponents, 2^(s - 127)) for mxfp4."),
     ),
     attributes=(

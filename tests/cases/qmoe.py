@@ -88,7 +88,10 @@ def _int8_dot(a, weight, scales, zero_points, k_dim, bits, block_size):
     for b in range(k_dim // size if size else 0):
         part = np.float32(a[b * size:(b + 1) * size].astype(np.float32))
         sa = np.float32(np.max(np.abs(part))) / np.float32(127)
-        qa = np.zeros(size, np.int64) if sa == 0 else np.clip(np.rint(part / sa), -127, 127).astype(np.int64)
+        if np.isfinite(sa) and sa > 0:
+            qa = np.clip(np.rint(part / sa), -127, 127).astype(np.int64)
+        else:  # a zero block quantizes to 0; a NaN or Inf one to NaN outputs (sa * 0)
+            qa = np.zeros(size, np.int64)
         block = np.full_like(kk[:, :size], b)
         zp = _zero_point(zero_points, n[:, :size], block, bits, block_size)
         dot = ((code[:, b * size:(b + 1) * size] - zp) * qa).sum(axis=1)
@@ -222,7 +225,7 @@ CASES = [
     _case("gemm2_mxfp4_bf16", G2, quant_type="mxfp4", block_size=32, dtype=BF16),
     # accuracy_level 4: int8 activations
     _case("gemm2_int4_block32_int8_activations", G2, block_size=32, accuracy_level=4),
-    _case("gemm2_int8_int8_activations", G2, bits=8, zero_points=True, accuracy_level=4),
+    _case("gemm2_int8_int8_activations", G2, bits=8, zero_points=True, accuracy_level=4, seed=4),
     _case("gemm3_int4_zero_points_int8_activations", G3, zero_points=True, accuracy_level=4),
     _case("gemm3_int8_block16_int8_activations", G3, bits=8, block_size=16, accuracy_level=4),
     _case("act_relu_int4_block16_int8_activations", _act("relu"), block_size=16, zero_points=True, accuracy_level=4),
@@ -241,6 +244,9 @@ CASES = [
     _case("empty", G2, tokens=0),
     _case("gemm3_empty_rank3", G3, tokens=0, lead=(0, 5), block_size=16),
     _case("empty_int8_activations", G2, tokens=0, accuracy_level=4),
+    _case("hidden_size_zero", G3, hidden=0),
+    _case("hidden_size_zero_int8_activations", G3, hidden=0, bits=8, accuracy_level=4),
+    _case("act_inter_zero", _act("relu2"), inter=0, zero_points=True),  # y = down bias only
     _case("all_on_one_expert", G2, k=1, indices=np.full(7, 2), bits=8),
     _case("experts_without_tokens", G3, experts=8, k=2, indices=np.tile([1, 3], (7, 1)), zero_points=True),
     _case("k_equals_e", G2, experts=4, k=4, block_size=16),
@@ -249,6 +255,9 @@ CASES = [
     _case("more_tokens", G3, tokens=65, hidden=64, inter=32, experts=8, k=2, block_size=32, zero_points=True),
     _base2.mutated("nan_propagates", None,
                    hidden_states=np.where(np.arange(7)[:, None] == 3, np.nan, _x).astype(np.float32)),
+    _base2.mutated("inf_int8_activations_nan", None, accuracy_level=4,
+                   hidden_states=np.where((np.arange(7)[:, None] == 3) & (np.arange(32) == 5), np.inf, _x)
+                   .astype(np.float32)),
 ]
 
 _w0, _s0 = _input(_base2, "weight_0"), _input(_base2, "scales_0")
@@ -353,7 +362,8 @@ CASES += [
     _base2.mutated("zero_points_2_for_gemm2", r"input 'zero_points_2' is given, but GEMM2_BIAS_SWIGLU_CLAMP does "
                    r"not use it", zero_points_2=np.zeros((4, 16), np.uint8)),
     # errors: MOE's rules, as QMOE words them
-    _base2.mutated("unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of", expert_type="SWIGLU"),
+    _base2.mutated("unknown_expert_type", r"attribute 'expert_type' is 'SWIGLU'; expected one of",
+                   expert_type="SWIGLU"),
     _base2.mutated("clamp_bound_absent", r"attribute 'expert_beta' is 0.0; expected a value > 0", expert_beta=None),
     _base_act.mutated("act_missing_activation", r"attribute 'activation' is required for GEMM2_ACT$", activation=None),
     _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
