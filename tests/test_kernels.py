@@ -36,7 +36,7 @@ from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
 
-CPP_OPS = {"MOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK"}  # ops with a C++ kernel
+CPP_OPS = {"MOE", "QMOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK"}  # ops with a C++ kernel
 CPP_CASES = [c for c in ALL_CASES if c.op in CPP_OPS]
 
 
@@ -138,9 +138,55 @@ G3_ATTRS = {"expert_type": GEMM3}
 TILE_PATH_CASES = _tile_path_cases()
 
 
-@pytest.mark.parametrize("case", TILE_PATH_CASES, ids=lambda c: c.id)
+def _qmoe_tile_path_cases() -> list[Case]:
+    """QMOE cases whose quantized GEMMs take every path of every ISA level: experts with 1 to 4 rows
+    (the fused kernels: 4, 2 and 1 panels at once) and 5, 12 and 27 rows (blocks decoded for the fp32
+    GEMM); int4, int8 and mxfp4; per column with K % 8 != 0 (a partial code group) and block-wise with
+    zero points; int8 activations (accuracy_level 4) on the same shapes."""
+    from cases import qmoe as qmoe_cases
+
+    # token 0 on experts 0 and 6, ...: 1, 2, 3, 4, 5, 12 and 27 rows
+    rows = [1, 2, 3, 4, 5, 12]
+    indices = [[e, 6] for e, n in enumerate(rows) for _ in range(n)]
+    indices += [[6, 5]] * (27 - len(indices))
+    common = dict(tokens=len(indices), experts=7, k=2, indices=np.array(indices), scale=0.3)
+    g2 = {"expert_type": GEMM2, "expert_alpha": 1.702, "expert_beta": 7.0}
+    cases = [
+        qmoe_cases._case("tile_paths_int4_columns", G3_ATTRS, hidden=100, inter=84, **common),  # 100 % 8 = 4
+        qmoe_cases._case("tile_paths_int8_columns_zero_points", G3_ATTRS, bits=8, hidden=102, inter=90,
+                         zero_points=True, **common),  # 102 % 4 = 2
+        qmoe_cases._case("tile_paths_int4_block32_zero_points", g2, block_size=32, hidden=160, inter=96,
+                         zero_points=True, **common),
+        qmoe_cases._case("tile_paths_int8_block16", g2, bits=8, block_size=16, hidden=96, inter=80, **common),
+        qmoe_cases._case("tile_paths_mxfp4", g2, quant_type="mxfp4", block_size=32, hidden=160, inter=96, **common),
+    ]
+    cases += [qmoe_cases._case(c.name + "_int8_activations", G3_ATTRS, bits=c.attrs["bits"],
+                               block_size=c.attrs.get("block_size", 0), accuracy_level=4, hidden=96, inter=64,
+                               zero_points=True, **common)
+              for c in cases[:2]]
+    return [dataclasses.replace(c, rtol=max(c.rtol, 1e-4), atol=max(c.atol, 1e-4)) for c in cases]
+
+
+QMOE_TILE_PATH_CASES = _qmoe_tile_path_cases()
+
+
+@pytest.mark.parametrize("case", TILE_PATH_CASES + QMOE_TILE_PATH_CASES, ids=lambda c: c.id)
 def test_cpp_tile_paths(case):
     check(case, "cpp")
+
+
+@pytest.mark.parametrize("case", QMOE_TILE_PATH_CASES, ids=lambda c: c.id)
+def test_qmoe_rows_do_not_depend_on_the_batch(case):
+    """A token's QMOE output has the same bits alone and in a batch that gives its experts 1 to 27 rows
+    (the fused kernels and the decoded blocks compute the same chains), and with weights packed once at
+    kernel creation or per run."""
+    batch = run_case(case, "cpp", threads=2)[0]
+    per_run = run_case(dataclasses.replace(case, constant=()), "cpp", threads=2)[0]
+    np.testing.assert_array_equal(batch.view(np.uint8), per_run.view(np.uint8))
+    for t in (0, 5, 20, len(batch) - 1):
+        single = [a[t:t + 1] if i < 3 else a for i, a in enumerate(case.inputs)]
+        alone = run_case(dataclasses.replace(case, inputs=single), "cpp", threads=1)[0]
+        np.testing.assert_array_equal(alone.view(np.uint8), batch[t:t + 1].view(np.uint8))
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python", "reference_evaluator"])
@@ -166,7 +212,8 @@ def test_init_routing_unnamed_count_output_between_named_ones(backend):
         np.testing.assert_array_equal(g, e)
 
 
-@pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None] + LARGER_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None] + LARGER_CASES + QMOE_TILE_PATH_CASES,
+                         ids=lambda c: c.id)
 def test_cpp_threads_identical(case):
     one, two = run_case(case, "cpp", threads=1), run_case(case, "cpp", threads=2)
     for a, b in zip(one, two):
@@ -377,7 +424,7 @@ print("gemm:", lib.MoeOnnxGemmIsa().decode())
 @pytest.mark.parametrize("level", ISA_LEVELS)
 def test_isa_level(level):
     """Every ISA level this machine supports (MOE_ONNX_GEMM=level, in a fresh process) runs the C++
-    MOE and MoeRowParallelLinear cases (the tables, the larger and the tile-path ones; float and int8;
+    MOE, QMOE and MoeRowParallelLinear cases (the tables, the larger and the tile-path ones; float and int8;
     errors included) to the reference's results; a level the CPU or the build lacks is skipped."""
     import subprocess
     import sys
@@ -392,7 +439,7 @@ def test_isa_level(level):
     assert probe.stdout.split() == ["gemm:", GEMM_KERNELS[level]]
     tests = [f"{__file__}::{name}" for name in ("test_cpp", "test_cpp_larger", "test_cpp_tile_paths")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                          "[MOE- or [MoeRowParallelLinear-", *tests], env=env, capture_output=True, text=True,
+                          "[MOE- or [QMOE- or [MoeRowParallelLinear-", *tests], env=env, capture_output=True, text=True,
                          timeout=300, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     passed = re.search(r"(\d+) passed", out.stdout)

@@ -23,6 +23,8 @@
 // 16-bit and are widened in the micro-kernel): once at kernel creation when they are initializers
 // (KernelInfo::GetTensorConstantInput, API 15+; a few threads), else per Compute for the experts in
 // use.
+//
+// Steps 2-5 (and the attributes, the indices' check) are shared with QMOE: expert_block.h.
 #include "moe.h"
 
 #include <algorithm>

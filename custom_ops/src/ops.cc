@@ -12,6 +12,7 @@
 #include "int8_gemm.h"
 #include "isa.h"
 #include "moe.h"
+#include "qgemm.h"
 #include "qmoe.h"
 #include "row_parallel_linear.h"
 #include "ort_api.h"
@@ -93,6 +94,12 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
 
 // The GEMM kernels' level in use ("avx512", "avx2" or "portable"), for diagnostics (ctypes).
 __attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
+
+// The quantized GEMM's kernels in use (QMOE) at accuracy level 0 ("avx512", "avx2", "portable") or,
+// with int8_activations, level 4 ("avx512-vnni", "portable"), for diagnostics (ctypes).
+__attribute__((visibility("default"))) const char* MoeOnnxQuantGemmIsa(int int8_activations) {
+  return moe_onnx::quant_gemm_isa(int8_activations != 0);
+}
 
 // The int8 GEMM implementation in use ("avx512-vnni", "avx2" or "portable"), for diagnostics (ctypes).
 __attribute__((visibility("default"))) const char* MoeOnnxInt8GemmIsa() { return moe_onnx::int8_gemm_isa(); }

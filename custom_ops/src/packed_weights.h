@@ -1,9 +1,10 @@
 // The GEMM operands of the expert ops (MOE, MoeRowParallelLinear) in one place: the weight formats
 // and where each weight element lands in their panels, the packed expert weights (huge-page
 // buffers, one slot per packed expert), which experts are packed, and the row stride of the
-// activation rows the GEMMs read. A new weight format (say int4 with per-block scales) or a new
-// panel layout for another ISA is a new WeightFormat here: its element, its slot size and its
-// placement (packed_weights.cc); the ops only name the columns of their weight tensors.
+// activation rows the GEMMs read. A new weight format or a new panel layout for another ISA is a
+// new WeightFormat here: its element, its slot size and its placement (packed_weights.cc), and its
+// GEMM in PackedWeights::multiply; the ops only name the columns of their weight tensors (QMOE's
+// quantized ones: QuantizedColumns).
 #pragma once
 
 #include <cstdint>

@@ -31,20 +31,24 @@ int32_t zero_point_at(const QuantPanels& layout, const uint8_t* block, int64_t c
 
 }  // namespace
 
-void quant_decode_portable(const QuantPanels& layout, const uint8_t* panel, float* out) {
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
-    for (int64_t kk = 0; kk < layout.block; ++kk) {
-      float* row = out + (b * layout.block + kk) * kPanel;
-      for (int64_t c = 0; c < kPanel; ++c) {
-        const int32_t q = code_at(layout, codes, kk, c);
-        const float s = scale_at(block, c);
-        row[c] = layout.code == QuantCode::kE2M1 ? kE2M1Values[q] * s
-                                                 : static_cast<float>(q - zero_point_at(layout, block, c)) * s;
-      }
+void quant_decode_portable(const QuantPanels& layout, const uint8_t* block, float* out) {
+  const uint8_t* codes = block + layout.header_bytes();
+  for (int64_t kk = 0; kk < layout.block; ++kk)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const int32_t q = code_at(layout, codes, kk, c);
+      out[kk * kPanel + c] = layout.code == QuantCode::kE2M1 ? kE2M1Values[q]
+                                                             : static_cast<float>(q - zero_point_at(layout, block, c));
     }
-  }
+}
+
+void quant_combine_portable(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
+                            int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < panels; ++j)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        float& out = C[m * ldc + j * kPanel + c];
+        out = std::fma(scale_at(block + j * layout.panel_bytes(), c), dots[m * ld_dots + j * kPanel + c], out);
+      }
 }
 
 void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
@@ -58,9 +62,11 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
         const int8_t* a = qa + m * ldq + b * padded;
         int32_t* out = dots + ((m * (p1 - p0) + (p - p0)) * blocks + b) * kPanel;
         for (int64_t c = 0; c < kPanel; ++c) {
-          int32_t sum = 0;  // |sum| <= K * 255 * 127: no overflow for any K a tensor can have here
-          for (int64_t kk = 0; kk < layout.block; ++kk) sum += a[kk] * code_at(layout, codes, kk, c);
-          out[c] = sum - zero_point_at(layout, block, c) * qa_sums[m * blocks + b];
+          uint32_t sum = 0;  // unsigned: wraps modulo 2^32 as vpdpbusd does (only past K of ~66000)
+          for (int64_t kk = 0; kk < layout.block; ++kk)
+            sum += static_cast<uint32_t>(a[kk] * code_at(layout, codes, kk, c));
+          sum -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
+          out[c] = static_cast<int32_t>(sum);
         }
       }
 }
@@ -72,6 +78,7 @@ namespace {
 struct Dispatch {
   detail::QuantFusedFn fused = nullptr;
   detail::QuantDecodeFn decode = detail::quant_decode_portable;
+  detail::QuantCombineFn combine = detail::quant_combine_portable;
   detail::QuantDotFn dots = detail::quant_dots_portable;
   IsaLevel level = IsaLevel::kPortable;
   const char* dots_name = "portable";
@@ -80,6 +87,7 @@ struct Dispatch {
     if (isa_at_least(IsaLevel::kAvx2)) {
       fused = detail::quant_fused_avx2;
       decode = detail::quant_decode_avx2;
+      combine = detail::quant_combine_avx2;
       level = IsaLevel::kAvx2;
     }
 #endif
@@ -87,6 +95,7 @@ struct Dispatch {
     if (isa_at_least(IsaLevel::kAvx512)) {
       fused = detail::quant_fused_avx512;
       decode = detail::quant_decode_avx512;
+      combine = detail::quant_combine_avx512;
       level = IsaLevel::kAvx512;
     }
 #endif
@@ -104,8 +113,10 @@ const Dispatch& dispatch() {
   return d;
 }
 
-// Per-thread buffers of this file (scratch<T> of parallel.h is the callers' C).
-template <class T, int Which>
+// The per-thread buffers of this file (parallel.h's scratch<T> holds the callers' C).
+enum class Buffer { kDecoded, kDots, kActivationCodes, kActivationScales, kActivationSums, kIntDots };
+
+template <class T, Buffer Which>
 T* local_buffer(size_t n) {
   thread_local std::vector<T> buffer;
   if (buffer.size() < n) buffer.resize(n);
@@ -115,14 +126,23 @@ T* local_buffer(size_t n) {
 // Panels decoded per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
 constexpr int64_t kDecodedPanels = 2;
 
+// Per block and pair of panels: the block's code values decoded into [block][16] panels, the fp32
+// GEMM's dots of the rows with them, then the scales applied into C.
 void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
-  const int64_t panel_floats = layout.K * kPanel;
-  float* decoded = local_buffer<float, 0>(static_cast<size_t>(kDecodedPanels * panel_floats));
+  const int64_t ld_dots = kDecodedPanels * kPanel;
+  float* decoded = local_buffer<float, Buffer::kDecoded>(static_cast<size_t>(kDecodedPanels * layout.block * kPanel));
+  float* dots = local_buffer<float, Buffer::kDots>(static_cast<size_t>(M * ld_dots));
+  for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
   for (int64_t p = p0; p < p1; p += kDecodedPanels) {
     const int64_t n = std::min(kDecodedPanels, p1 - p);
-    for (int64_t j = 0; j < n; ++j) dispatch().decode(layout, B + (p + j) * layout.panel_bytes(), decoded + j * panel_floats);
-    gemm_panels(PanelType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
+    for (int64_t b = 0; b < layout.blocks(); ++b) {
+      const uint8_t* block = B + p * layout.panel_bytes() + b * layout.block_bytes();
+      for (int64_t j = 0; j < n; ++j)
+        dispatch().decode(layout, block + j * layout.panel_bytes(), decoded + j * layout.block * kPanel);
+      gemm_panels(PanelType::kF32, A + b * layout.block, lda, M, layout.block, decoded, 0, n, dots, ld_dots);
+      dispatch().combine(layout, block, n, dots, ld_dots, M, C + (p - p0) * kPanel, ldc);
+    }
   }
 }
 
@@ -132,16 +152,17 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
   const int64_t ldq = blocks * padded, panels = p1 - p0;
-  int8_t* qa = local_buffer<int8_t, 1>(static_cast<size_t>(M * ldq));
-  float* sa = local_buffer<float, 2>(static_cast<size_t>(M * blocks));
-  int32_t* sums = local_buffer<int32_t, 3>(static_cast<size_t>(M * blocks));
-  int32_t* dots = local_buffer<int32_t, 4>(static_cast<size_t>(M * panels * blocks * kPanel));
+  int8_t* qa = local_buffer<int8_t, Buffer::kActivationCodes>(static_cast<size_t>(M * ldq));
+  float* sa = local_buffer<float, Buffer::kActivationScales>(static_cast<size_t>(M * blocks));
+  int32_t* sums = local_buffer<int32_t, Buffer::kActivationSums>(static_cast<size_t>(M * blocks));
+  int32_t* dots = local_buffer<int32_t, Buffer::kIntDots>(static_cast<size_t>(M * panels * blocks * kPanel));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* a = A + m * lda + b * layout.block;
-      float amax = 0.0f;
-      for (int64_t kk = 0; kk < layout.block; ++kk) amax = std::max(amax, std::fabs(a[kk]));
-      const float s = amax / 127.0f;
+      float amax = 0.0f;  // NaN when the block has one (numpy's max)
+      for (int64_t kk = 0; kk < layout.block && !std::isnan(amax); ++kk)
+        amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
+      const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
       int8_t* q = qa + m * ldq + b * padded;
       int32_t sum = 0;
       for (int64_t kk = 0; kk < padded; ++kk) {

@@ -13,13 +13,17 @@
 // So one 64-byte load gives G rows of 16 columns: a row is a shift and a mask per 32-bit lane, and
 // the lane's 4 bytes are the 4 consecutive k that vpdpbusd sums (accuracy level 4).
 //
-// accuracy level 0: C = A @ W with W[k, c] = float(q - zp) * scale (int) or e2m1(q) * scale (mxfp4),
-// exactly the dequantized weight, and each result one fp32 chain over k in increasing order (FMA in
-// the AVX2/AVX-512 kernels, multiply then add in the portable one) as gemm_panels computes it: the
-// result has the bits of gemm_panels on the dequantized fp32 weights at the same ISA level, for any
-// split of rows and panels. Up to kFusedRows rows the micro-kernels decode each panel row once into a
-// register and use it for every row (decode streams the quantized bytes once); more rows decode a
-// panel into an L1/L2 scratch once per call and run the fp32 GEMM on it (the decode then costs 1/M).
+// accuracy level 0: C = A @ W with W[k, c] = (q - zp) * scale (int) or e2m1(q) * scale (mxfp4),
+// computed per block as weight-only int4 kernels do: the block's dot with the centred code values,
+// dot_b = sum over k in the block of A[m, k] * v(q) (v(q) = q - zp, or e2m1(q): exact floats), one
+// fp32 FMA chain in increasing k (multiply then add in the portable kernel), then
+// C = fma(scale_b, dot_b, C) over the blocks in order (std::fma in portable code). Per weight that is a
+// shift and one vpermps over the 16 values of the 4-bit codes (minus the default zero point 8), or a
+// shift pair and a conversion of the 8-bit code flipped by 0x80 (q - 128), a subtraction more with
+// explicit zero points, and one FMA: decode streams the quantized bytes. Up to kFusedRows rows the
+// micro-kernels decode each panel row once into a register for all the rows; more rows decode a block
+// of panels into an L1 scratch once per call and run the fp32 GEMM (gemm.h, the same chain) on it, so
+// a row's result depends neither on how many rows share its call nor on the thread count.
 //
 // accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
 // qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
@@ -59,7 +63,9 @@ constexpr int64_t kQuantGroupBytes = 64;
 // Rows up to which the micro-kernels decode in registers (more: decode a panel once, fp32 GEMM).
 constexpr int64_t kFusedRows = 4;
 
-// The E2M1 (FP4) values of the 16 codes.
+// The values of the 16 4-bit codes: int (q itself, and q - 8 for the default zero point) and E2M1 (FP4).
+constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+constexpr float kInt4CentredValues[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -73,29 +79,39 @@ void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, i
 const char* quant_gemm_isa(bool int8_activations);
 
 namespace detail {
-// The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) (no
-// portable one: the portable level always decodes to fp32 panels).
-using QuantFusedFn = void (*)(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
-                              float*, int64_t);
-// One panel decoded to fp32 [K][16] (the fp32 GEMM's panel).
-using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* panel, float* out);
-// Level 4: int32 dots of prepared rows (quantize_rows) with panels [p0, p1): dots[(m * panels + j) *
-// blocks * 16 + b * 16 + c] for block b, column c of panel p0 + j.
+// The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1). No
+// portable one: the portable level always decodes blocks.
+using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, const uint8_t* B,
+                              int64_t p0, int64_t p1, float* C, int64_t ldc);
+// One block of one panel as fp32 code values v(q), [block][16] (the fp32 GEMM's panel of block rows).
+using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* out);
+// C[m, 16 j + c] = fma(scale, dots[m, 16 j + c], C[m, 16 j + c]) for m < M, j < panels, with the scales
+// of block `block` (panel j's at block + j * panel_bytes).
+using QuantCombineFn = void (*)(const QuantPanels&, const uint8_t* block, int64_t panels, const float* dots,
+                                int64_t ld_dots, int64_t M, float* C, int64_t ldc);
+// Level 4: int32 dots of prepared rows (quantized per block, zero padded to whole groups) with panels
+// [p0, p1): dots[((m * panels + j) * blocks + b) * 16 + c] for block b, column c of panel p0 + j.
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
                             const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots);
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
+void quant_combine_portable(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                            int64_t);
 void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
                          int64_t, int32_t*);
 #if defined(MOE_ONNX_HAVE_AVX2)
 void quant_fused_avx2(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                       int64_t);
 void quant_decode_avx2(const QuantPanels&, const uint8_t*, float*);
+void quant_combine_avx2(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                        int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
 void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                         int64_t);
 void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
+void quant_combine_avx512(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
+                          int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
 void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,

@@ -1,10 +1,12 @@
 // AVX2 + FMA kernels of quant_gemm_panels (qgemm.h) at accuracy level 0; this file alone is compiled
 // with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
 //
-// A 64-byte group of codes is two ymm (columns 0-7, 8-15); row i of the group is a shift and a mask
-// per 32-bit lane, dequantized exactly as the AVX-512 kernel does (E2M1: vpermps over the 8
-// magnitudes, the sign bit moved in from the code's bit 3). One panel at a time: 2 x MR accumulators.
+// A 64-byte group of codes is two ymm (columns 0-7, 8-15); row i of the group is two shifts and a
+// conversion per 32-bit lane (Decoder), the same code values as the AVX-512 kernel. One panel at a
+// time: MR x 2 dots and MR x 2 results in registers; the block's scale applies at its end.
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "qgemm.h"
 
@@ -12,68 +14,73 @@ namespace moe_onnx {
 namespace detail {
 namespace {
 
-template <QuantCode Q>
-inline __m256i row_codes(__m256i group, int i) {
-  if (Q == QuantCode::kInt8) return _mm256_and_si256(_mm256_srli_epi32(group, 8 * i), _mm256_set1_epi32(0xff));
-  const int shift = i < 4 ? 8 * i : 8 * (i - 4) + 4;
-  return _mm256_and_si256(_mm256_srli_epi32(group, shift), _mm256_set1_epi32(0xf));
-}
+// How a block's rows (8 columns: half h of the panel) become fp32 values v(q). Without zero points
+// the codes are flipped (q ^ 8 per nibble, q ^ 0x80 per byte) and read as signed: q - 8, q - 128;
+// with them, the unsigned code minus the column's zero point; E2M1: vpermps over the 8 magnitudes,
+// the sign moved in from the code's bit 3.
+template <QuantCode Q, bool ZP>
+struct Decoder {
+  __m256 zero_point;  // ZP
 
-struct BlockScale {
-  __m256 scale[2];
-  __m256i zero_point[2];
+  Decoder(const uint8_t* block, int half) {
+    if (ZP)
+      zero_point = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 64 + 8 * half))));
+  }
+  static inline __m256i prepare(__m256i group) {
+    if (ZP || Q == QuantCode::kE2M1) return group;
+    return _mm256_xor_si256(group, _mm256_set1_epi32(static_cast<int>(Q == QuantCode::kInt8 ? 0x80808080u : 0x88888888u)));
+  }
+  inline __m256 row(__m256i group, int i) const {
+    const int low_bit = Q == QuantCode::kInt8 ? 8 * i : i < 4 ? 8 * i : 8 * (i - 4) + 4;
+    const int bits = Q == QuantCode::kInt8 ? 8 : 4;
+    if (Q == QuantCode::kE2M1) {
+      const __m256i codes = _mm256_srli_epi32(group, low_bit);
+      const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1Values), codes);  // reads codes & 7
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+      return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+    }
+    if (!ZP)  // the signed field at low_bit
+      return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(group, 32 - bits - low_bit), 32 - bits));
+    const __m256i codes = _mm256_and_si256(_mm256_srli_epi32(group, low_bit), _mm256_set1_epi32((1 << bits) - 1));
+    return _mm256_sub_ps(_mm256_cvtepi32_ps(codes), zero_point);
+  }
 };
 
-template <QuantCode Q>
-inline BlockScale block_scale(const QuantPanels& layout, const uint8_t* block) {
-  BlockScale s;
-  for (int h = 0; h < 2; ++h) {
-    s.scale[h] = _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h);
-    if (Q != QuantCode::kE2M1 && layout.zero_points)
-      s.zero_point[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 64 + 8 * h)));
-    else
-      s.zero_point[h] = _mm256_set1_epi32(Q == QuantCode::kE2M1 ? 0 : layout.default_zero_point());
-  }
-  return s;
-}
-
-template <QuantCode Q>
-inline __m256 dequantize(__m256i codes, __m256 scale, __m256i zero_point) {
-  if (Q == QuantCode::kE2M1) {
-    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kE2M1Values), codes);  // uses codes & 7
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
-    return _mm256_mul_ps(_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign)), scale);
-  }
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes, zero_point)), scale);
-}
-
-// MR rows x one panel; the k loop in groups, each row dequantized once for the MR rows.
-template <QuantCode Q, int MR>
+// MR rows x one panel; each row of the panel decoded once for the MR rows.
+template <QuantCode Q, bool ZP, int MR>
 void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* panel, float* C, int64_t ldc) {
   constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
-  __m256 acc[MR][2];
+  __m256 acc[MR][2], dot[MR][2];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < layout.blocks(); ++b) {
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
     const uint8_t* block = panel + b * layout.block_bytes();
-    const BlockScale s = block_scale<Q>(layout, block);
     const uint8_t* codes = block + layout.header_bytes();
+    const Decoder<Q, ZP> d0(block, 0), d1(block, 1);
     for (int64_t g = 0; g < layout.groups_per_block(); ++g) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * kQuantGroupBytes));
-      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g * kQuantGroupBytes + 32));
+      const __m256i* group = reinterpret_cast<const __m256i*>(codes + g * kQuantGroupBytes);
+      const __m256i lo = Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group));
+      const __m256i hi = Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + 1));
       const int64_t k0 = b * layout.block + g * G;
       const int rows = layout.block - g * G < G ? static_cast<int>(layout.block - g * G) : G;
 #pragma GCC unroll 8
       for (int i = 0; i < rows; ++i) {
-        const __m256 w0 = dequantize<Q>(row_codes<Q>(lo, i), s.scale[0], s.zero_point[0]);
-        const __m256 w1 = dequantize<Q>(row_codes<Q>(hi, i), s.scale[1], s.zero_point[1]);
+        const __m256 w0 = d0.row(lo, i), w1 = d1.row(hi, i);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           const __m256 a = _mm256_broadcast_ss(A + r * lda + k0 + i);
-          acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+          dot[r][0] = _mm256_fmadd_ps(a, w0, dot[r][0]);
+          dot[r][1] = _mm256_fmadd_ps(a, w1, dot[r][1]);
         }
       }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_fmadd_ps(scale, dot[r][h], acc[r][h]);
     }
   }
 #pragma GCC unroll 4
@@ -83,37 +90,45 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
   }
 }
 
-template <QuantCode Q>
+template <QuantCode Q, bool ZP>
 void fused(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0, int64_t p1,
            float* C, int64_t ldc) {
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* panel = B + p * layout.panel_bytes();
     float* Cp = C + (p - p0) * kPanel;
     switch (M) {
-      case 1: fused_panel<Q, 1>(layout, A, lda, panel, Cp, ldc); break;
-      case 2: fused_panel<Q, 2>(layout, A, lda, panel, Cp, ldc); break;
-      case 3: fused_panel<Q, 3>(layout, A, lda, panel, Cp, ldc); break;
-      default: fused_panel<Q, 4>(layout, A, lda, panel, Cp, ldc); break;
+      case 1: fused_panel<Q, ZP, 1>(layout, A, lda, panel, Cp, ldc); break;
+      case 2: fused_panel<Q, ZP, 2>(layout, A, lda, panel, Cp, ldc); break;
+      case 3: fused_panel<Q, ZP, 3>(layout, A, lda, panel, Cp, ldc); break;
+      default: fused_panel<Q, ZP, 4>(layout, A, lda, panel, Cp, ldc); break;
     }
   }
 }
 
-template <QuantCode Q>
-void decode(const QuantPanels& layout, const uint8_t* panel, float* out) {
+template <QuantCode Q, bool ZP>
+void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const BlockScale s = block_scale<Q>(layout, block);
-    const uint8_t* codes = block + layout.header_bytes();
-    float* rows = out + b * layout.block * kPanel;
-    for (int64_t kk = 0; kk < layout.block; ++kk) {
-      const uint8_t* group = codes + (kk / G) * kQuantGroupBytes;
-      for (int h = 0; h < 2; ++h) {
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * h));
-        _mm256_storeu_ps(rows + kk * kPanel + 8 * h,
-                         dequantize<Q>(row_codes<Q>(lanes, static_cast<int>(kk % G)), s.scale[h], s.zero_point[h]));
-      }
-    }
+  const Decoder<Q, ZP> d[2] = {Decoder<Q, ZP>(block, 0), Decoder<Q, ZP>(block, 1)};
+  const uint8_t* codes = block + layout.header_bytes();
+  for (int64_t kk = 0; kk < layout.block; ++kk) {
+    const __m256i* group = reinterpret_cast<const __m256i*>(codes + (kk / G) * kQuantGroupBytes);
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(out + kk * kPanel + 8 * h,
+                       d[h].row(Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + h)), static_cast<int>(kk % G)));
+  }
+}
+
+// Calls body(Q, ZP) as template arguments for the layout's code and zero points.
+template <class Body>
+void with_decoder(const QuantPanels& layout, Body&& body) {
+  using Int4 = std::integral_constant<QuantCode, QuantCode::kInt4>;
+  using Int8 = std::integral_constant<QuantCode, QuantCode::kInt8>;
+  using E2M1 = std::integral_constant<QuantCode, QuantCode::kE2M1>;
+  const bool zp = layout.zero_points;
+  switch (layout.code) {
+    case QuantCode::kInt4: return zp ? body(Int4{}, std::true_type{}) : body(Int4{}, std::false_type{});
+    case QuantCode::kInt8: return zp ? body(Int8{}, std::true_type{}) : body(Int8{}, std::false_type{});
+    case QuantCode::kE2M1: return body(E2M1{}, std::false_type{});
   }
 }
 
@@ -121,19 +136,24 @@ void decode(const QuantPanels& layout, const uint8_t* panel, float* out) {
 
 void quant_fused_avx2(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
-  switch (layout.code) {
-    case QuantCode::kInt4: return fused<QuantCode::kInt4>(layout, A, lda, M, B, p0, p1, C, ldc);
-    case QuantCode::kInt8: return fused<QuantCode::kInt8>(layout, A, lda, M, B, p0, p1, C, ldc);
-    case QuantCode::kE2M1: return fused<QuantCode::kE2M1>(layout, A, lda, M, B, p0, p1, C, ldc);
-  }
+  with_decoder(layout, [&](auto q, auto zp) { fused<q(), zp()>(layout, A, lda, M, B, p0, p1, C, ldc); });
 }
 
-void quant_decode_avx2(const QuantPanels& layout, const uint8_t* panel, float* out) {
-  switch (layout.code) {
-    case QuantCode::kInt4: return decode<QuantCode::kInt4>(layout, panel, out);
-    case QuantCode::kInt8: return decode<QuantCode::kInt8>(layout, panel, out);
-    case QuantCode::kE2M1: return decode<QuantCode::kE2M1>(layout, panel, out);
-  }
+void quant_decode_avx2(const QuantPanels& layout, const uint8_t* block, float* out) {
+  with_decoder(layout, [&](auto q, auto zp) { decode<q(), zp()>(layout, block, out); });
+}
+
+void quant_combine_avx2(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
+                        int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < panels; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(block + j * layout.panel_bytes()) + 8 * h);
+      for (int64_t m = 0; m < M; ++m) {
+        float* out = C + m * ldc + j * kPanel + 8 * h;
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, _mm256_loadu_ps(dots + m * ld_dots + j * kPanel + 8 * h),
+                                              _mm256_loadu_ps(out)));
+      }
+    }
 }
 
 }  // namespace detail

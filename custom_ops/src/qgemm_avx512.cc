@@ -1,11 +1,14 @@
 // AVX-512 kernels of quant_gemm_panels (qgemm.h) at accuracy level 0; this file alone is compiled
 // with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma and is only called after a run-time check.
 //
-// A 64-byte group of codes is one zmm: its 32-bit lane c holds column c's codes of G rows, so row i
-// is (lane >> shift_i) & mask, then float(code - zp) * scale (int) or e2m1[code] * scale (one
-// vpermps over the 16 values) gives the dequantized row exactly, and one FMA per row of A uses it.
+// A 64-byte group of codes is one zmm: its 32-bit lane c holds column c's codes of G rows. Row i of a
+// 4-bit group is one shift and one vpermps (which reads only the low 4 bits of each lane's index)
+// over the 16 code values; row i of an 8-bit group two shifts and a conversion (Decoder). One FMA
+// per row of A adds it into the block's dots; at the block's end the scale applies once.
 #include <immintrin.h>
 
+#include <array>
+#include <type_traits>
 #include <utility>
 
 #include "qgemm.h"
@@ -14,109 +17,136 @@ namespace moe_onnx {
 namespace detail {
 namespace {
 
-// Row I of a group, as 16 int32 codes.
-template <QuantCode Q, int I>
-inline __m512i row_codes(__m512i group) {
-  if (Q == QuantCode::kInt8) return _mm512_and_si512(_mm512_srli_epi32(group, 8 * I), _mm512_set1_epi32(0xff));
-  constexpr int shift = I < 4 ? 8 * I : 8 * (I - 4) + 4;
-  return _mm512_and_si512(_mm512_srli_epi32(group, shift), _mm512_set1_epi32(0xf));
-}
+constexpr int group_rows(QuantCode Q) { return Q == QuantCode::kInt8 ? 4 : 8; }
 
-// The row of a partial group (a per-column block's last), its index at run time.
-template <QuantCode Q>
-inline __m512i row_codes(__m512i group, int i) {
-  if (Q == QuantCode::kInt8) return _mm512_and_si512(_mm512_srlv_epi32(group, _mm512_set1_epi32(8 * i)), _mm512_set1_epi32(0xff));
-  const int shift = i < 4 ? 8 * i : 8 * (i - 4) + 4;
-  return _mm512_and_si512(_mm512_srlv_epi32(group, _mm512_set1_epi32(shift)), _mm512_set1_epi32(0xf));
-}
+// How a block's rows become fp32 values v(q): the 4-bit codes' table (q, q - 8 or E2M1) and the zero
+// points subtracted after it (ZP: explicit zero points), or for 8-bit codes without them the flip
+// of each byte (q ^ 0x80 read as a signed byte is q - 128).
+template <QuantCode Q, bool ZP>
+struct Decoder {
+  __m512 values;      // 4-bit codes
+  __m512 zero_point;  // ZP
 
-// A block's dequantization: the column scales and zero points (or the E2M1 table).
-struct BlockScale {
-  __m512 scale;
-  __m512i zero_point;
+  explicit Decoder(const uint8_t* block) {
+    values = _mm512_loadu_ps(Q == QuantCode::kE2M1 ? kE2M1Values : ZP ? kInt4Values : kInt4CentredValues);
+    if (ZP)
+      zero_point = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64))));
+  }
+  // A group as loaded, ready for row(): 8-bit codes without zero points flipped.
+  static inline __m512i prepare(__m512i group) {
+    return Q == QuantCode::kInt8 && !ZP ? _mm512_xor_si512(group, _mm512_set1_epi32(static_cast<int>(0x80808080u)))
+                                        : group;
+  }
+  template <int I>
+  inline __m512 row(__m512i group) const {
+    __m512 v;
+    if (Q == QuantCode::kInt8 && !ZP) {  // the signed byte I of each lane
+      const __m512i high = I == 3 ? group : _mm512_slli_epi32(group, 24 - 8 * I);
+      v = _mm512_cvtepi32_ps(_mm512_srai_epi32(high, 24));
+    } else if (Q == QuantCode::kInt8) {
+      const __m512i shifted = I == 0 ? group : _mm512_srli_epi32(group, 8 * I);
+      v = _mm512_cvtepi32_ps(I == 3 ? shifted : _mm512_and_si512(shifted, _mm512_set1_epi32(0xff)));
+    } else {  // vpermps reads the low 4 bits of each lane's index
+      constexpr int shift = I < 4 ? 8 * I : 8 * (I - 4) + 4;
+      v = _mm512_permutexvar_ps(shift == 0 ? group : _mm512_srli_epi32(group, shift), values);
+    }
+    return ZP ? _mm512_sub_ps(v, zero_point) : v;
+  }
+  // Row i of a group, i known at run time (a per-column block's partial last group, the decode path).
+  inline __m512 row(__m512i group, int i) const {
+    switch (i) {
+      case 0: return row<0>(group);
+      case 1: return row<1>(group);
+      case 2: return row<2>(group);
+      case 3: return row<3>(group);
+      case 4: return row<4>(group);
+      case 5: return row<5>(group);
+      case 6: return row<6>(group);
+      default: return row<7>(group);
+    }
+  }
 };
 
-template <QuantCode Q>
-inline BlockScale block_scale(const QuantPanels& layout, const uint8_t* block) {
-  BlockScale s;
-  s.scale = _mm512_loadu_ps(block);
-  if (Q == QuantCode::kE2M1)
-    s.zero_point = _mm512_setzero_si512();
-  else if (layout.zero_points)
-    s.zero_point = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64)));
-  else
-    s.zero_point = _mm512_set1_epi32(layout.default_zero_point());
-  return s;
+// The decoders of NP panels' blocks (panel j's block at block + j * panel_bytes).
+template <QuantCode Q, bool ZP, int NP>
+using Decoders = std::array<Decoder<Q, ZP>, NP>;
+template <QuantCode Q, bool ZP, size_t... J>
+inline Decoders<Q, ZP, sizeof...(J)> decoders(const uint8_t* block, int64_t panel_bytes, std::index_sequence<J...>) {
+  return {Decoder<Q, ZP>(block + static_cast<int64_t>(J) * panel_bytes)...};
 }
 
-template <QuantCode Q>
-inline __m512 dequantize(__m512i codes, const BlockScale& s) {
-  if (Q == QuantCode::kE2M1) return _mm512_mul_ps(_mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1Values)), s.scale);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(codes, s.zero_point)), s.scale);
-}
-
-// MR rows x NP panels, accumulators in registers (indexed by constants only after unrolling).
-template <QuantCode Q, int MR, int NP>
+// MR rows x NP panels: the block's dots and the result, both in registers.
+template <QuantCode Q, bool ZP, int MR, int NP>
 struct Tile {
-  __m512 acc[MR][NP];
+  __m512 acc[MR][NP], dot[MR][NP];
   const float* A;
   int64_t lda;
 
-  // One row k of the panels (w[j]) times A[., k] into the accumulators.
   inline void step(const __m512 (&w)[NP], int64_t k) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(A[r * lda + k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(a, w[j], acc[r][j]);
+      for (int j = 0; j < NP; ++j) dot[r][j] = _mm512_fmadd_ps(a, w[j], dot[r][j]);
     }
   }
-  template <int... I>
-  inline void full_group(const __m512i (&g)[NP], const BlockScale (&s)[NP], int64_t k0, std::integer_sequence<int, I...>) {
-    (row<I>(g, s, k0), ...);
-  }
   template <int I>
-  inline void row(const __m512i (&g)[NP], const BlockScale (&s)[NP], int64_t k0) {
+  inline void row(const Decoders<Q, ZP, NP>& d, const __m512i (&g)[NP], int64_t k0) {
     __m512 w[NP];
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) w[j] = dequantize<Q>(row_codes<Q, I>(g[j]), s[j]);
+    for (int j = 0; j < NP; ++j) w[j] = d[j].template row<I>(g[j]);
     step(w, k0 + I);
+  }
+  template <int... I>
+  inline void group(const Decoders<Q, ZP, NP>& d, const __m512i (&g)[NP], int64_t k0,
+                    std::integer_sequence<int, I...>) {
+    (row<I>(d, g, k0), ...);
   }
 };
 
-template <QuantCode Q, int MR, int NP>
+template <QuantCode Q, bool ZP, int MR, int NP>
 void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc) {
-  constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
-  Tile<Q, MR, NP> t;
+  constexpr int G = group_rows(Q);
+  Tile<Q, ZP, MR, NP> t;
   t.A = A;
   t.lda = lda;
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) t.acc[r][j] = _mm512_setzero_ps();
-  const int64_t panel_bytes = layout.panel_bytes(), block_bytes = layout.block_bytes();
-  const int64_t groups = layout.groups_per_block();
+  const int64_t panel_bytes = layout.panel_bytes();
+  const int64_t full = layout.block / G, rest = layout.block % G;
   for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = B + b * block_bytes;
-    BlockScale s[NP];
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) s[j] = block_scale<Q>(layout, block + j * panel_bytes);
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) t.dot[r][j] = _mm512_setzero_ps();
+    const uint8_t* block = B + b * layout.block_bytes();
     const uint8_t* codes = block + layout.header_bytes();
-    const int64_t full = layout.block / G;
+    const Decoders<Q, ZP, NP> d = decoders<Q, ZP>(block, panel_bytes, std::make_index_sequence<NP>{});
+    const int64_t k0 = b * layout.block;
     for (int64_t g = 0; g < full; ++g) {
       __m512i group[NP];
 #pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j) group[j] = _mm512_loadu_si512(codes + j * panel_bytes + g * kQuantGroupBytes);
-      t.full_group(group, s, b * layout.block + g * G, std::make_integer_sequence<int, G>{});
+      for (int j = 0; j < NP; ++j)
+        group[j] = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + j * panel_bytes + g * kQuantGroupBytes));
+      t.group(d, group, k0 + g * G, std::make_integer_sequence<int, G>{});
     }
-    if (full < groups) {  // the partial last group of a per-column block
+    if (rest) {
       __m512i group[NP];
-      for (int j = 0; j < NP; ++j) group[j] = _mm512_loadu_si512(codes + j * panel_bytes + full * kQuantGroupBytes);
-      for (int i = 0; i < layout.block - full * G; ++i) {
+      for (int j = 0; j < NP; ++j)
+        group[j] = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + j * panel_bytes + full * kQuantGroupBytes));
+      for (int i = 0; i < rest; ++i) {
         __m512 w[NP];
-        for (int j = 0; j < NP; ++j) w[j] = dequantize<Q>(row_codes<Q>(group[j], i), s[j]);
-        t.step(w, b * layout.block + full * G + i);
+        for (int j = 0; j < NP; ++j) w[j] = d[j].row(group[j], i);
+        t.step(w, k0 + full * G + i);
       }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * panel_bytes));
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) t.acc[r][j] = _mm512_fmadd_ps(scale, t.dot[r][j], t.acc[r][j]);
     }
   }
 #pragma GCC unroll 8
@@ -125,42 +155,52 @@ void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const ui
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(C + r * ldc + j * kPanel, t.acc[r][j]);
 }
 
-// Panels [p0, p1) for MR rows: four panels at a time for one or two rows (four weight streams),
-// two for three or four (the accumulators fit the 32 registers), then one.
-template <QuantCode Q, int MR>
+// Panels [p0, p1) for MR rows: four panels at a time for one row, two for two to four (the
+// accumulators and dots fit the 32 registers), then one.
+template <QuantCode Q, bool ZP, int MR>
 void fused_rows(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* B, int64_t p0, int64_t p1,
                 float* C, int64_t ldc) {
   const int64_t panel_bytes = layout.panel_bytes();
   int64_t p = p0;
-  if (MR <= 2)
-    for (; p + 4 <= p1; p += 4) fused_tile<Q, MR, 4>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
-  for (; p + 2 <= p1; p += 2) fused_tile<Q, MR, 2>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
-  if (p < p1) fused_tile<Q, MR, 1>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+  if (MR == 1)
+    for (; p + 4 <= p1; p += 4) fused_tile<Q, ZP, MR, 4>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+  for (; p + 2 <= p1; p += 2) fused_tile<Q, ZP, MR, 2>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
+  if (p < p1) fused_tile<Q, ZP, MR, 1>(layout, A, lda, B + p * panel_bytes, C + (p - p0) * kPanel, ldc);
 }
 
-template <QuantCode Q>
+template <QuantCode Q, bool ZP>
 void fused(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0, int64_t p1,
            float* C, int64_t ldc) {
   switch (M) {
-    case 1: return fused_rows<Q, 1>(layout, A, lda, B, p0, p1, C, ldc);
-    case 2: return fused_rows<Q, 2>(layout, A, lda, B, p0, p1, C, ldc);
-    case 3: return fused_rows<Q, 3>(layout, A, lda, B, p0, p1, C, ldc);
-    default: return fused_rows<Q, 4>(layout, A, lda, B, p0, p1, C, ldc);
+    case 1: return fused_rows<Q, ZP, 1>(layout, A, lda, B, p0, p1, C, ldc);
+    case 2: return fused_rows<Q, ZP, 2>(layout, A, lda, B, p0, p1, C, ldc);
+    case 3: return fused_rows<Q, ZP, 3>(layout, A, lda, B, p0, p1, C, ldc);
+    default: return fused_rows<Q, ZP, 4>(layout, A, lda, B, p0, p1, C, ldc);
   }
 }
 
-template <QuantCode Q>
-void decode(const QuantPanels& layout, const uint8_t* panel, float* out) {
-  constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const BlockScale s = block_scale<Q>(layout, block);
-    const uint8_t* codes = block + layout.header_bytes();
-    float* rows = out + b * layout.block * kPanel;
-    for (int64_t kk = 0; kk < layout.block; ++kk) {
-      const __m512i group = _mm512_loadu_si512(codes + (kk / G) * kQuantGroupBytes);
-      _mm512_storeu_ps(rows + kk * kPanel, dequantize<Q>(row_codes<Q>(group, static_cast<int>(kk % G)), s));
-    }
+template <QuantCode Q, bool ZP>
+void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
+  constexpr int G = group_rows(Q);
+  const Decoder<Q, ZP> d(block);
+  const uint8_t* codes = block + layout.header_bytes();
+  for (int64_t kk = 0; kk < layout.block; ++kk) {
+    const __m512i group = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + (kk / G) * kQuantGroupBytes));
+    _mm512_storeu_ps(out + kk * kPanel, d.row(group, static_cast<int>(kk % G)));
+  }
+}
+
+// Calls body(Q, ZP) as template arguments for the layout's code and zero points.
+template <class Body>
+void with_decoder(const QuantPanels& layout, Body&& body) {
+  using Int4 = std::integral_constant<QuantCode, QuantCode::kInt4>;
+  using Int8 = std::integral_constant<QuantCode, QuantCode::kInt8>;
+  using E2M1 = std::integral_constant<QuantCode, QuantCode::kE2M1>;
+  const bool zp = layout.zero_points;
+  switch (layout.code) {
+    case QuantCode::kInt4: return zp ? body(Int4{}, std::true_type{}) : body(Int4{}, std::false_type{});
+    case QuantCode::kInt8: return zp ? body(Int8{}, std::true_type{}) : body(Int8{}, std::false_type{});
+    case QuantCode::kE2M1: return body(E2M1{}, std::false_type{});
   }
 }
 
@@ -168,18 +208,21 @@ void decode(const QuantPanels& layout, const uint8_t* panel, float* out) {
 
 void quant_fused_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                         int64_t p1, float* C, int64_t ldc) {
-  switch (layout.code) {
-    case QuantCode::kInt4: return fused<QuantCode::kInt4>(layout, A, lda, M, B, p0, p1, C, ldc);
-    case QuantCode::kInt8: return fused<QuantCode::kInt8>(layout, A, lda, M, B, p0, p1, C, ldc);
-    case QuantCode::kE2M1: return fused<QuantCode::kE2M1>(layout, A, lda, M, B, p0, p1, C, ldc);
-  }
+  with_decoder(layout, [&](auto q, auto zp) { fused<q(), zp()>(layout, A, lda, M, B, p0, p1, C, ldc); });
 }
 
-void quant_decode_avx512(const QuantPanels& layout, const uint8_t* panel, float* out) {
-  switch (layout.code) {
-    case QuantCode::kInt4: return decode<QuantCode::kInt4>(layout, panel, out);
-    case QuantCode::kInt8: return decode<QuantCode::kInt8>(layout, panel, out);
-    case QuantCode::kE2M1: return decode<QuantCode::kE2M1>(layout, panel, out);
+void quant_decode_avx512(const QuantPanels& layout, const uint8_t* block, float* out) {
+  with_decoder(layout, [&](auto q, auto zp) { decode<q(), zp()>(layout, block, out); });
+}
+
+void quant_combine_avx512(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
+                          int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < panels; ++j) {
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * layout.panel_bytes()));
+    for (int64_t m = 0; m < M; ++m) {
+      float* out = C + m * ldc + j * kPanel;
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, _mm512_loadu_ps(dots + m * ld_dots + j * kPanel), _mm512_loadu_ps(out)));
+    }
   }
 }
 

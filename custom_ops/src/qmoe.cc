@@ -34,51 +34,87 @@ std::vector<Linear> linears(ExpertType type) {
   return {};
 }
 
-// Elements of `bits` bits packed in `bytes` bytes... and the bytes that hold n of them.
+// The bytes that hold n elements of `bits` bits.
 int64_t packed_bytes(int64_t n, int64_t bits) { return (n * bits + 7) / 8; }
 
-// The checks of qmoe.py's validate, in its order and words. Returns the sizes.
+// The value of a shape symbol, "2I" being twice I.
+int64_t symbol_value(const DimBinder& dims, const std::string& symbol) {
+  return symbol[0] == '2' ? 2 * dims.get(symbol.substr(1)) : dims.get(symbol);
+}
+
+// The inputs an expert type may or must leave out (MOE's), then QMOE's own companions of the weights.
+constexpr int kOptionalInputs[] = {B0, W1, B1, W2, S0, S1, S2, Z0, Z1, Z2};
+
+// One weight's packed dim (K * bits / 8), the block size against its K, its scales and zero points
+// (qmoe.py's _validate_quantized).
+void validate_quantized(const Quantization& q, const Checker& v, DimBinder& dims, const Linear& l, ElemType elem) {
+  const std::string k = l.k, n = l.n;
+  const int64_t K = dims.get(k);
+  const int64_t packed = v.require(l.weight).shape[2];
+  if (K * q.bits % 8)
+    v.fail(v.input_name(l.weight), "packs " + k + " = " + std::to_string(K) + " weights of " + std::to_string(q.bits) +
+                                       " bits per row; expected an even " + k + " (two weights per byte)");
+  if (packed != K * q.bits / 8)
+    v.fail(v.input_name(l.weight), "dim 2 is " + std::to_string(packed) + "; expected " + k + " * bits / 8 = " +
+                                       std::to_string(K * q.bits / 8) + " (" + k + " = " + std::to_string(K) +
+                                       ", bits = " + std::to_string(q.bits) + ")");
+  if (q.block_size && K % q.block_size)
+    v.fail("attribute 'block_size'", "is " + std::to_string(q.block_size) + "; expected a divisor of " + k + " = " +
+                                         std::to_string(K) + " (the K of " + v.input_name(l.weight) + ")");
+  const int64_t blocks = q.block_size ? K / q.block_size : 1;
+  const auto expect_dim = [&](int i, int axis, int64_t expected, const std::string& what) {
+    const int64_t dim = v.require(i).shape[axis];
+    if (dim != expected)
+      v.fail(v.input_name(i), "dim " + std::to_string(axis) + " is " + std::to_string(dim) + "; expected " + what +
+                                  " = " + std::to_string(expected));
+  };
+
+  const ElemType scale_elem = v.expect_elem(l.scales);
+  std::vector<ElemType> allowed{ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8};
+  if (!q.mxfp4) {
+    allowed = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT};
+    if (elem != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) allowed.push_back(elem);
+  }
+  if (std::find(allowed.begin(), allowed.end(), scale_elem) == allowed.end()) {
+    std::string names;
+    for (size_t a = 0; a < allowed.size(); ++a) names += (a ? " or " : "") + std::string(elem_name(allowed[a]));
+    v.fail(v.input_name(l.scales), std::string("has type ") + elem_name(scale_elem) + "; quant_type '" +
+                                       (q.mxfp4 ? "mxfp4" : "int") + "' expects " + names);
+  }
+  if (q.block_size) {
+    v.expect_rank(l.scales, 3);
+    dims.shape(l.scales, {"E", n});
+    expect_dim(l.scales, 2, blocks, k + " / block_size");
+  } else {
+    v.expect_rank(l.scales, 2);
+    dims.shape(l.scales, {"E", n});
+  }
+
+  if (!v.has(l.zero_points)) return;
+  if (q.mxfp4) v.fail(v.input_name(l.zero_points), "is given; quant_type 'mxfp4' has no zero points: leave it empty");
+  if (q.block_size) {
+    v.expect_rank(l.zero_points, 3);
+    dims.shape(l.zero_points, {"E", n});
+    expect_dim(l.zero_points, 2, packed_bytes(blocks, q.bits), "ceil(" + k + " / block_size * bits / 8)");
+  } else {
+    v.expect_rank(l.zero_points, 2);
+    dims.shape(l.zero_points, {"E"});
+    expect_dim(l.zero_points, 1, packed_bytes(symbol_value(dims, n), q.bits), "ceil(" + n + " * bits / 8)");
+  }
+}
+
+// The checks of qmoe.py's _validate, in its order and words (the attributes' were made at kernel
+// creation). Returns the sizes.
 MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
   const ExpertType type = kernel.config.type;
-  const Quantization& q = kernel.quant;
-  v.expect_elem(HIDDEN);
+  // validate_tokens
+  const ElemType elem = v.expect_elem(HIDDEN);
   for (int i : {ROUTING, B0, B1})
     if (v.has(i)) {
       v.expect_elem(i);
       v.expect_same_elem(i, HIDDEN);
     }
   v.expect_elem(INDICES);
-  const std::vector<Linear> used = linears(type);
-  for (const Linear& l : used) {
-    v.require(l.weight);
-    v.require(l.scales);
-  }
-  const auto is_used = [&](int i) {
-    return std::any_of(used.begin(), used.end(), [i](const Linear& l) {
-      return l.weight == i || l.scales == i || l.zero_points == i;
-    });
-  };
-  for (int i : {B0, B1})
-    if (v.has(i) && type == ExpertType::kGemm3Swiglu)
-      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
-  for (int i : {W2, S2, Z2})
-    if (v.has(i) && !is_used(i))
-      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
-  for (const Linear& l : used) {
-    v.expect_elem(l.weight);
-    const ElemType scale_type = v.expect_elem(l.scales);
-    const bool e8m0 = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-    if (q.mxfp4 && !e8m0)
-      v.fail(v.input_name(l.scales), std::string("has type ") + elem_name(scale_type) +
-                                         "; expected uint8 (E8M0 exponents) for quant_type 'mxfp4'");
-    if (!q.mxfp4 && e8m0)
-      v.fail(v.input_name(l.scales), "has type uint8; expected a floating-point type for quant_type 'int'");
-    if (v.has(l.zero_points)) {
-      if (q.mxfp4) v.fail(v.input_name(l.zero_points), "is given, but quant_type 'mxfp4' has no zero points; leave it empty");
-      v.expect_elem(l.zero_points);
-    }
-  }
-
   DimBinder dims(v);
   const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
   dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
@@ -89,48 +125,33 @@ MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
     dims.bind("k", shape.back(), "input '" + name + "' dim -1");
     dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
   }
+  for (int i : {W0, W1, W2, Z0, Z1, Z2})
+    if (v.has(i)) v.expect_elem(i);
+  // check_expert_inputs
+  const std::vector<Linear> used = linears(type);
+  const bool biased = type != ExpertType::kGemm3Swiglu;
+  for (const Linear& l : used) {
+    v.require(l.weight);
+    v.require(l.scales);
+  }
+  for (int i : kOptionalInputs) {
+    const bool uses = ((i == B0 || i == B1) && biased) || std::any_of(used.begin(), used.end(), [i](const Linear& l) {
+                        return l.weight == i || l.scales == i || l.zero_points == i;
+                      });
+    if (v.has(i) && !uses)
+      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
+  }
   for (const Linear& l : used) {
     v.expect_rank(l.weight, 3);
-    dims.shape(l.weight, {"E", l.n, ""});
-  }
-  const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
-  if (v.has(B0)) {
-    v.expect_rank(B0, 2);
-    dims.shape(B0, {"E", gemm2 ? "2I" : "I"});
-  }
-  if (v.has(B1)) {
-    v.expect_rank(B1, 2);
-    dims.shape(B1, {"E", "H"});
-  }
-  const int64_t E = dims.get("E");
-  for (const Linear& l : used) {
-    const std::string k_symbol = l.k;
-    const int64_t K = dims.get(k_symbol);
-    const int64_t N = std::string(l.n) == "2I" ? 2 * dims.get("I") : dims.get(l.n);
-    const auto& w = v.require(l.weight).shape;
-    if (q.bits == 4 && K % 2)
-      v.fail(v.input_name(l.weight), "has K = " + k_symbol + " = " + std::to_string(K) + "; expected an even K for bits 4");
-    if (w[2] != K * q.bits / 8)
-      v.fail(v.input_name(l.weight), "dim 2 is " + std::to_string(w[2]) + "; expected " + k_symbol + " * bits / 8 = " +
-                                         std::to_string(K * q.bits / 8));
-    if (q.block_size > 0 && K % q.block_size)
-      v.fail("attribute 'block_size'", "is " + std::to_string(q.block_size) + "; expected a divisor of " + k_symbol +
-                                           " = " + std::to_string(K) + " (the K of " + v.input_name(l.weight) + ")");
-    const int64_t blocks = q.block_size > 0 ? K / q.block_size : 1;
-    const std::vector<int64_t> scales =
-        q.block_size > 0 ? std::vector<int64_t>{E, N, blocks} : std::vector<int64_t>{E, N};
-    if (v.require(l.scales).shape != scales)
-      v.fail(v.input_name(l.scales), "has shape " + fmt_shape(v.require(l.scales).shape) + "; expected " + fmt_shape(scales));
-    if (v.has(l.zero_points)) {
-      const std::vector<int64_t> zero_points =
-          q.block_size > 0 ? std::vector<int64_t>{E, N, packed_bytes(blocks, q.bits)}
-                           : std::vector<int64_t>{E, packed_bytes(N, q.bits)};
-      if (v.require(l.zero_points).shape != zero_points)
-        v.fail(v.input_name(l.zero_points),
-               "has shape " + fmt_shape(v.require(l.zero_points).shape) + "; expected " + fmt_shape(zero_points));
+    dims.shape(l.weight, {"E", l.n});
+    const int bias = l.weight == W0 ? B0 : B1;
+    if (biased && l.weight != W2 && v.has(bias)) {
+      v.expect_rank(bias, 2);
+      dims.shape(bias, {"E", l.n});
     }
   }
-  return MoeDims{dims.get("T"), dims.get("k"), E, dims.get("H"), dims.get("I")};
+  for (const Linear& l : used) validate_quantized(kernel.quant, v, dims, l, elem);
+  return MoeDims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
 }
 
 // Validation, then the indices' range: the sizes.
@@ -292,24 +313,26 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   return packed;
 }
 
-// The quantization attributes after qmoe.py's checks.
+// The quantization attributes after qmoe.py's checks (_validate_quant_attrs).
 Quantization read_quantization(const Attributes& attrs) {
   Quantization q;
-  q.bits = attrs.choice("bits", {4, 8});
-  q.block_size = attrs.get_int("block_size");
-  const bool power_of_two = q.block_size > 0 && (q.block_size & (q.block_size - 1)) == 0;
-  if (q.block_size != 0 && !(power_of_two && q.block_size >= 16 && q.block_size <= 256))
-    attrs.fail("block_size", "is " + std::to_string(q.block_size) + "; expected 0 or a power of two in [16, 256]");
   const std::string quant_type = attrs.get_string("quant_type");
   if (quant_type != "int" && quant_type != "mxfp4")
     attrs.fail("quant_type", "is " + py_str(quant_type) + "; expected one of 'int', 'mxfp4'");
   q.mxfp4 = quant_type == "mxfp4";
+  q.bits = attrs.choice("bits", {4, 8});
+  q.block_size = attrs.get_int("block_size");
   const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 4});
+  const std::string block_size = std::to_string(q.block_size);
   if (q.mxfp4) {
-    if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + "; quant_type 'mxfp4' requires 4");
-    if (q.block_size != 32)
-      attrs.fail("block_size", "is " + std::to_string(q.block_size) + "; quant_type 'mxfp4' requires 32");
-    if (accuracy_level == 4) attrs.fail("accuracy_level", "is 4; quant_type 'mxfp4' requires 0");
+    if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + "; quant_type 'mxfp4' expects 4");
+    if (q.block_size != 32) attrs.fail("block_size", "is " + block_size + "; quant_type 'mxfp4' expects 32");
+    if (accuracy_level != 0)
+      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) +
+                                       "; quant_type 'mxfp4' expects 0 (int8 activations are for quant_type 'int')");
+  } else if (q.block_size != 0 &&
+             !(q.block_size >= 16 && q.block_size <= 256 && (q.block_size & (q.block_size - 1)) == 0)) {
+    attrs.fail("block_size", "is " + block_size + "; expected 0 or a power of two in [16, 256]");
   }
   q.int8_activations = accuracy_level == 4;
   return q;
