@@ -18,6 +18,7 @@ issue's target is int4 (block 32) <= 0.3x fp32 at T = 1.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -256,6 +257,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxQuantGemmIsa.restype = ctypes.c_char_p
+    print(f"quantized GEMM kernels: {lib.MoeOnnxQuantGemmIsa(0).decode()} (accuracy_level 4: "
+          f"{lib.MoeOnnxQuantGemmIsa(1).decode()}); {args.threads} threads", flush=True)
     tables, targets = [], []
     for name in args.shapes:
         shape = SHAPES[name]

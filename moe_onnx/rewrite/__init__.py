@@ -1,10 +1,11 @@
 """Fusing the MoE blocks of exported models into moe_onnx ops.
 
-One module per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``,
-``parallel_experts``), each a list of ``FUSIONS`` (onnxscript rewrite rules); passes over the fused
-graph: ``gating`` turns the routers into MoeGatingTopK, ``shared_expert`` folds shared experts into
-their MOE, ``grouped`` turns MOE nodes into the routed chain, ``ort_export`` MOE/QMOE nodes into
-onnxruntime's com.microsoft::MoE/QMoE; ``_driver`` runs
+``ort_import`` first turns onnxruntime's com.microsoft::MoE/QMoE nodes into MOE/QMOE. One module
+per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``, ``parallel_experts``), each a
+list of ``FUSIONS`` (onnxscript rewrite rules); passes over the fused graph: ``gating`` turns the
+routers into MoeGatingTopK, ``shared_expert`` folds shared experts into their MOE, ``grouped`` turns
+MOE nodes into the routed chain, ``ort_export`` MOE/QMOE nodes into onnxruntime's
+com.microsoft::MoE/QMoE; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing

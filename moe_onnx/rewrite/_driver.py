@@ -16,7 +16,8 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
 from ..portable import add_function_bodies, require_opset, summary
-from . import batched_mm, gating, grouped, loop, loop_dynamo, ort_export, parallel_experts, shared_expert, tiled
+from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
+               tiled)
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
 
@@ -50,12 +51,14 @@ class OptimizeReport:
     @property
     def fused_blocks(self) -> int:
         """The MoE blocks of the optimized model: its MOE nodes (target "moe"), MoeFinalizeRouting
-        nodes (target "grouped") or contrib MoE nodes and the MOE nodes left (target "ort");
-        total_fused counts rule applications (grouped applies two per block)."""
+        nodes (target "grouped") or contrib MoE/QMoE nodes and the MOE nodes left (target "ort"), and its
+        QMOE nodes; total_fused counts rule applications (grouped applies two per block)."""
+        ours = self.nodes_after.get(f"{DOMAIN}::QMOE", 0)
         if self.target == "ort":
-            return self.nodes_after.get(f"{ort_export.ORT_DOMAIN}::MoE", 0) + self.nodes_after.get(f"{DOMAIN}::MOE", 0)
+            contrib = sum(self.nodes_after.get(f"{ort_export.ORT_DOMAIN}::{op}", 0) for op in ("MoE", "QMoE"))
+            return contrib + ours + self.nodes_after.get(f"{DOMAIN}::MOE", 0)
         op_type = "MOE" if self.target == "moe" else "MoeFinalizeRouting"
-        return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0)
+        return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0) + ours
 
     @property
     def needs_our_library(self) -> bool:
@@ -103,11 +106,14 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     if portable:
         require_opset(model)  # before the work, not after it
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
+    fused, notes = {}, []
+    missed: list[tuple[ir.Node | None, dict[str, str]]] = []  # (root node, near-miss)
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
+    say("onnxruntime MoE/QMoE nodes")  # first: the passes below see the imported ops
+    fused[ort_import.RULE], refused = ort_import.import_ort_nodes(model)
+    missed += [(None, miss) for miss in refused]
 
-    fused, notes = {}, []
-    missed: list[tuple[ir.Node, dict[str, str]]] = []  # (root node, near-miss)
     partial: list[PartialMatch] = []
     for fusion in fusions():
         say(f"rule {fusion.name}")
@@ -143,10 +149,12 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     fused = {name: count for name, count in fused.items() if count}
     common_passes.RemoveUnusedNodesPass()(model)
     say("looking for MoE blocks left unfused")
-    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed], partial)
+    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed if root is not None], partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))
+        notes += [f"QMOE node '{node.name}' stays QMOE: the grouped chain has no quantized linear"
+                  for node in model.graph if node.domain == DOMAIN and node.op_type == "QMOE"]
     elif target == "ort":
         say("writing onnxruntime's com.microsoft::MoE")
         exported, refused = ort_export.export_moe_nodes(model)

@@ -1,7 +1,7 @@
 """Routers into MoeGatingTopK: a pass over the fused graph (``optimize(..., fuse_routers=True)``, the default).
 
 Every export form leaves the router in the graph and hands MOE the router's result (see _router.py).
-This pass reads each MOE node's routing weights and indices back to the router logits and, when
+This pass reads each MOE (and QMOE) node's routing weights and indices back to the router logits and, when
 the chain is one MoeGatingTopK computes, replaces it by one node (the old chain goes when nothing
 else reads it). Recognized chains, T tokens, E experts:
 
@@ -380,12 +380,12 @@ def fuse_routers(model: ir.Model) -> tuple[int, list[str]]:
     naming the MOE nodes whose router stays, with the reason."""
     count, notes = 0, []
     for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type != "MOE":
+        if node.domain != DOMAIN or node.op_type not in ("MOE", "QMOE"):
             continue
         try:
             router = read_router(node.inputs[1], node.inputs[2])
         except MatchFailure as failure:
-            notes.append(f"MOE node '{node.name or ''}': the router stays as exported ({failure})")
+            notes.append(f"{node.op_type} node '{node.name or ''}': the router stays as exported ({failure})")
             continue
         _emit(model.graph, node, router)
         count += 1
