@@ -149,7 +149,8 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     fused = {name: count for name, count in fused.items() if count}
     common_passes.RemoveUnusedNodesPass()(model)
     say("looking for MoE blocks left unfused")
-    near_misses = [miss for _, miss in missed] + unfused_blocks(model, [root for root, _ in missed if root is not None], partial)
+    roots = [root for root, _ in missed if root is not None]
+    near_misses = [miss for _, miss in missed] + unfused_blocks(model, roots, partial)
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))

@@ -40,7 +40,8 @@ CPU kernel the higher (a partial sort of (score, index) pairs); other providers 
 What our ops cannot express exactly stays as it is and the report names the node with the reason:
 a finite swiglu_limit with activation_beta other than 1, gated relu/gelu/identity (fc3 with those),
 2-bit weights, block sizes outside 16..256, nvfp4 / fp8 / wfp4afp8, prepacked weights, a global fp4
-scale that is not a power of two, inputs that are not initializers. Weights that change layout are written one expert at a time, when the model is saved.
+scale that is not a power of two, inputs that are not initializers. Weights that change layout are
+written one expert at a time, when the model is saved.
 """
 
 from __future__ import annotations
