@@ -331,6 +331,17 @@ def test_refused_blocks_keep_our_op(case):
     assert_refused(built_block(**arguments), reason)
 
 
+@pytest.mark.parametrize("name", ["qwen2_moe_batched_mm_tiny", "aria_text_batched_mm_transposed_tiny"])
+def test_folded_shared_expert_refused(name):
+    """A fused model whose shared expert is folded into the MOE: the contrib op has no always-selected
+    experts, so the MOE stays ours, with the reason (the model as exported exports, test above)."""
+    fused, _ = optimized(name, "moe")
+    model, report = moe_onnx.optimize(fused, target="ort")
+    misses = [m for m in report.near_misses if m["rule"] == RULE]
+    assert len(misses) == 1 and "a shared expert is folded into the MOE" in misses[0]["reason"], report.summary()
+    assert report.needs_our_library and our_nodes(model) == ["MOE"] and not contrib_nodes(model)
+
+
 def test_cli_target_ort(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     fixtures = original("qwen3_moe_batched_mm_tiny")

@@ -83,6 +83,19 @@ def _gating_router(gating: ir.Node, indices: ir.Value) -> Router:
     return Router(gating.inputs[0], bias, attributes)
 
 
+_FOLDED = ("a shared expert is folded into the MOE (SharedExpertFold: every token also selects it); the contrib "
+           "op has routed experts only: `--target ort` on the model as exported keeps the shared expert beside it")
+
+
+def _folded_shared_expert(indices: ir.Value) -> bool:
+    """Whether ``indices`` are shared_expert.py's fold: the router's indices, then constant ids for every row."""
+    concat = indices.producer()
+    if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2:
+        return False
+    extra = concat.inputs[1].producer()
+    return extra is not None and extra.op_type == "Expand" and constant(extra.inputs[0]) is not None
+
+
 def read_routing(moe: ir.Node) -> OrtRouting:
     """The routing of ``moe`` as the contrib op computes it, or MatchFailure naming what it cannot."""
     weights, indices = moe.inputs[1], moe.inputs[2]
@@ -90,6 +103,7 @@ def read_routing(moe: ir.Node) -> OrtRouting:
     if gating is not None and gating.domain == DOMAIN and gating.op_type == MOE_GATING_TOPK.name:
         router = _gating_router(gating, indices)
     else:
+        require(not _folded_shared_expert(indices), _FOLDED)
         try:
             router = read_router(weights, indices)
         except MatchFailure as failure:
