@@ -6,7 +6,8 @@ on the machine and its load.
   PYTHONPATH=$PWD python benchmarks/bench_quantized.py [--shapes gpt_oss qwen3] [--tokens 1 16 128 512]
                                                        [--threads 2] [--rounds 5]
 
-Variants: int4 and int8 with block 32 and per column, mxfp4 (block 32, E8M0 scales); the codes and
+Variants: int4 and int8 with block 32 and per column, mxfp4 (block 32, E8M0 scales), and int4/int8
+block 32 with int8 activations (accuracy_level 4, `_a8`); the codes and
 scales are random (the time does not depend on their values), and fp32 MOE runs on the int4 block-32
 weights dequantized. QMoE gets the same codes and scales (gate/up rows interleaved: swiglu_fusion 1)
 and router logits that select the same experts with the same weights, so its output is checked
@@ -51,9 +52,10 @@ SHAPES = {
     "gpt_oss_1k": QShape(32, 4, 1024, 1024, True),
     "qwen3": QShape(128, 8, 2048, 768, False),
 }
-# name: (bits, block_size, quant_type)
-VARIANTS = {"int4": (4, 32, "int"), "int4_col": (4, 0, "int"), "int8": (8, 32, "int"), "int8_col": (8, 0, "int"),
-            "mxfp4": (4, 32, "mxfp4")}
+# name: (bits, block_size, quant_type, accuracy_level)
+VARIANTS = {"int4": (4, 32, "int", 0), "int4_col": (4, 0, "int", 0), "int8": (8, 32, "int", 0),
+            "int8_col": (8, 0, "int", 0), "mxfp4": (4, 32, "mxfp4", 0), "int4_a8": (4, 32, "int", 4),
+            "int8_a8": (8, 32, "int", 4)}
 REFERENCE = "int4"  # fp32 MOE runs on these weights, dequantized
 GPT_OSS_SWIGLU = dict(expert_alpha=1.702, expert_beta=7.0)
 
@@ -101,7 +103,7 @@ def _model(node: onnx.NodeProto, inputs: list[tuple[str, int]], inits: dict[str,
 
 
 def qmoe_model(shape: QShape, linears: list[Linear], biases: list[np.ndarray], bits: int, block: int,
-               quant_type: str) -> onnx.ModelProto:
+               quant_type: str, accuracy_level: int) -> onnx.ModelProto:
     w = [f"w{i}" for i in range(len(linears))]
     s = [f"s{i}" for i in range(len(linears))]
     if shape.gemm2:
@@ -114,7 +116,7 @@ def qmoe_model(shape: QShape, linears: list[Linear], biases: list[np.ndarray], b
     if shape.gemm2:
         inits.update(b0=biases[0], b1=biases[1])
     node = helper.make_node("QMOE", ins, ["y"], domain=moe_onnx.DOMAIN, bits=bits, block_size=block,
-                            quant_type=quant_type, **attrs)
+                            quant_type=quant_type, accuracy_level=accuracy_level, **attrs)
     return _model(node, [("x", TensorProto.FLOAT), ("rw", TensorProto.FLOAT), ("idx", TensorProto.INT64)], inits,
                   moe_onnx.DOMAIN)
 
@@ -135,7 +137,7 @@ def moe_model(shape: QShape, weights: list[np.ndarray], biases: list[np.ndarray]
 
 
 def ort_qmoe_model(shape: QShape, linears: list[Linear], biases: list[np.ndarray], bits: int, block: int,
-                   quant_type: str) -> onnx.ModelProto:
+                   quant_type: str, accuracy_level: int) -> onnx.ModelProto:
     """com.microsoft::QMoE on the same codes: gate/up interleaved in FC1 (swiglu_fusion 1)."""
     if shape.gemm2:
         fc1, fc1_scales, fc2 = linears[0].codes, linears[0].scales, linears[1]
@@ -155,6 +157,7 @@ def ort_qmoe_model(shape: QShape, linears: list[Linear], biases: list[np.ndarray
     extra = {} if block == 0 else {"block_size": block}
     node = helper.make_node("QMoE", ins, ["y"], domain="com.microsoft", k=shape.k, activation_type="swiglu",
                             swiglu_fusion=1, normalize_routing_weights=1, expert_weight_bits=bits,
+                            accuracy_level=accuracy_level,
                             quant_type="fp4" if quant_type == "mxfp4" else "int", **extra, **activation)
     model = _model(node, [("x", TensorProto.FLOAT), ("logits", TensorProto.FLOAT)], inits, "com.microsoft")
     if quant_type == "mxfp4":  # float8e8m0 scales: the same bytes
@@ -188,12 +191,12 @@ def bench_shape(name: str, shape: QShape, tokens: list[int], threads: int, round
     biases = [(rng.standard_normal((shape.E, n), dtype=np.float32) * 0.1) for n in (2 * shape.I, shape.H)]
     sessions: dict[str, ort.InferenceSession] = {}
     notes: dict[str, str] = {}
-    for variant, (bits, block, quant_type) in VARIANTS.items():
+    for variant, (bits, block, quant_type, level) in VARIANTS.items():
         linears = quantized_linears(shape, bits, block, quant_type, rng)
-        sessions[variant] = session(_save(qmoe_model(shape, linears, biases, bits, block, quant_type), folder, variant),
-                                    threads, ours=True)
+        model = qmoe_model(shape, linears, biases, bits, block, quant_type, level)
+        sessions[variant] = session(_save(model, folder, variant), threads, ours=True)
         try:
-            ort_model = ort_qmoe_model(shape, linears, biases, bits, block, quant_type)
+            ort_model = ort_qmoe_model(shape, linears, biases, bits, block, quant_type, level)
             sessions[f"ort_{variant}"] = session(_save(ort_model, folder, f"ort_{variant}"), threads, ours=False)
         except Exception as e:  # noqa: BLE001 - onnxruntime's refusal is the finding
             notes[f"ort_{variant}"] = str(e).splitlines()[0][:200]

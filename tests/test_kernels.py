@@ -175,18 +175,40 @@ def test_cpp_tile_paths(case):
     check(case, "cpp")
 
 
-@pytest.mark.parametrize("case", QMOE_TILE_PATH_CASES, ids=lambda c: c.id)
-def test_qmoe_rows_do_not_depend_on_the_batch(case):
-    """A token's QMOE output has the same bits alone and in a batch that gives its experts 1 to 27 rows
-    (the fused kernels and the decoded blocks compute the same chains), and with weights packed once at
-    kernel creation or per run."""
-    batch = run_case(case, "cpp", threads=2)[0]
+def _dequantized_moe_case(case: Case) -> Case:
+    """The MOE case on ``case``'s (QMOE) weights dequantized: GEMM2 takes them as [E, K, N]."""
+    from moe_onnx.ops.qmoe import dequantize
+
+    x, weights, indices, w0, b0, w1, b1, w2, *scales_and_zero_points = case.inputs
+    attrs = case.attrs
+    hidden, inter = x.shape[-1], w0.shape[1] // (2 if attrs["expert_type"] == GEMM2 else 1)
+    k_dims = {GEMM2: (hidden, inter), GEMM3: (hidden, hidden, inter), GEMM2_ACT: (hidden, inter)}[attrs["expert_type"]]
+    quant = dict(bits=attrs["bits"], block_size=attrs.get("block_size", 0), quant_type=attrs.get("quant_type", "int"))
+    dense = [dequantize(w, scales_and_zero_points[j], scales_and_zero_points[3 + j], k_dim=k, **quant)
+             for j, (w, k) in enumerate(zip((w0, w1, w2), k_dims))]
+    if attrs["expert_type"] == GEMM2:
+        dense = [d.transpose(0, 2, 1) for d in dense]
+    dense += [None] * (3 - len(dense))
+    moe_attrs = {key: value for key, value in attrs.items() if key not in ("bits", "block_size", "quant_type")}
+    return Case("MOE", case.name, [x, weights, indices, dense[0], b0, dense[1], b1, dense[2]], moe_attrs,
+                constant=(3, 4, 5, 6, 7))
+
+
+@pytest.mark.parametrize("case", [c for c in QMOE_TILE_PATH_CASES if c.attrs.get("accuracy_level", 0) == 0],
+                         ids=lambda c: c.id)
+def test_qmoe_prefill_rows_are_moe_on_the_dequantized_weights(case):
+    """Experts with more than 4 rows dequantize their weights exactly for the fp32 GEMM: a token whose
+    experts all have more has the bits of the C++ MOE on the dequantized weights. QMOE's weights give
+    the same bits packed once at kernel creation or per run."""
+    got = run_case(case, "cpp", threads=2)[0]
     per_run = run_case(dataclasses.replace(case, constant=()), "cpp", threads=2)[0]
-    np.testing.assert_array_equal(batch.view(np.uint8), per_run.view(np.uint8))
-    for t in (0, 5, 20, len(batch) - 1):
-        single = [a[t:t + 1] if i < 3 else a for i, a in enumerate(case.inputs)]
-        alone = run_case(dataclasses.replace(case, inputs=single), "cpp", threads=1)[0]
-        np.testing.assert_array_equal(alone.view(np.uint8), batch[t:t + 1].view(np.uint8))
+    np.testing.assert_array_equal(got.view(np.uint8), per_run.view(np.uint8))
+    moe = run_case(_dequantized_moe_case(case), "cpp", threads=2)[0]
+    indices = case.inputs[2]
+    rows = np.bincount(indices.ravel(), minlength=7)
+    prefill = np.all(rows[indices] > 4, axis=1)
+    assert prefill.sum() >= 10
+    np.testing.assert_array_equal(got[prefill].view(np.uint8), moe[prefill].view(np.uint8))
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python", "reference_evaluator"])

@@ -36,39 +36,32 @@ void quant_decode_portable(const QuantPanels& layout, const uint8_t* block, floa
   for (int64_t kk = 0; kk < layout.block; ++kk)
     for (int64_t c = 0; c < kPanel; ++c) {
       const int32_t q = code_at(layout, codes, kk, c);
-      out[kk * kPanel + c] = layout.code == QuantCode::kE2M1 ? kE2M1Values[q]
-                                                             : static_cast<float>(q - zero_point_at(layout, block, c));
+      const float value = layout.code == QuantCode::kE2M1 ? kE2M1Values[q]
+                                                          : static_cast<float>(q - zero_point_at(layout, block, c));
+      out[kk * kPanel + c] = value * scale_at(block, c);
     }
 }
 
-void quant_combine_portable(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
-                            int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
-  for (int64_t j = 0; j < panels; ++j)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < kPanel; ++c) {
-        float& out = C[m * ldc + j * kPanel + c];
-        out = std::fma(scale_at(block + j * layout.panel_bytes(), c), dots[m * ld_dots + j * kPanel + c], out);
-      }
-}
-
-void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
-                         const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots) {
+void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums,
+                         const float* sa, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = p0; p < p1; ++p)
+    for (int64_t p = p0; p < p1; ++p) {
+      float* out = C + m * ldc + (p - p0) * kPanel;
+      for (int64_t c = 0; c < kPanel; ++c) out[c] = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = B + p * layout.panel_bytes() + b * layout.block_bytes();
         const uint8_t* codes = block + layout.header_bytes();
         const int8_t* a = qa + m * ldq + b * padded;
-        int32_t* out = dots + ((m * (p1 - p0) + (p - p0)) * blocks + b) * kPanel;
         for (int64_t c = 0; c < kPanel; ++c) {
-          uint32_t sum = 0;  // unsigned: wraps modulo 2^32 as vpdpbusd does (only past K of ~66000)
+          uint32_t dot = 0;  // unsigned: wraps modulo 2^32 as vpdpbusd does (only past K of ~66000)
           for (int64_t kk = 0; kk < layout.block; ++kk)
-            sum += static_cast<uint32_t>(a[kk] * code_at(layout, codes, kk, c));
-          sum -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
-          out[c] = static_cast<int32_t>(sum);
+            dot += static_cast<uint32_t>(a[kk] * code_at(layout, codes, kk, c));
+          dot -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
+          out[c] += (sa[m * blocks + b] * scale_at(block, c)) * static_cast<float>(static_cast<int32_t>(dot));
         }
       }
+    }
 }
 
 }  // namespace detail
@@ -78,7 +71,6 @@ namespace {
 struct Dispatch {
   detail::QuantFusedFn fused = nullptr;
   detail::QuantDecodeFn decode = detail::quant_decode_portable;
-  detail::QuantCombineFn combine = detail::quant_combine_portable;
   detail::QuantDotFn dots = detail::quant_dots_portable;
   IsaLevel level = IsaLevel::kPortable;
   const char* dots_name = "portable";
@@ -87,7 +79,6 @@ struct Dispatch {
     if (isa_at_least(IsaLevel::kAvx2)) {
       fused = detail::quant_fused_avx2;
       decode = detail::quant_decode_avx2;
-      combine = detail::quant_combine_avx2;
       level = IsaLevel::kAvx2;
     }
 #endif
@@ -95,7 +86,6 @@ struct Dispatch {
     if (isa_at_least(IsaLevel::kAvx512)) {
       fused = detail::quant_fused_avx512;
       decode = detail::quant_decode_avx512;
-      combine = detail::quant_combine_avx512;
       level = IsaLevel::kAvx512;
     }
 #endif
@@ -114,7 +104,7 @@ const Dispatch& dispatch() {
 }
 
 // The per-thread buffers of this file (parallel.h's scratch<T> holds the callers' C).
-enum class Buffer { kDecoded, kDots, kActivationCodes, kActivationScales, kActivationSums, kIntDots };
+enum class Buffer { kDecoded, kActivationCodes, kActivationScales, kActivationSums };
 
 template <class T, Buffer Which>
 T* local_buffer(size_t n) {
@@ -123,39 +113,33 @@ T* local_buffer(size_t n) {
   return buffer.data();
 }
 
-// Panels decoded per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
+// Panels dequantized per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
 constexpr int64_t kDecodedPanels = 2;
 
-// Per block and pair of panels: the block's code values decoded into [block][16] panels, the fp32
-// GEMM's dots of the rows with them, then the scales applied into C.
+// Per pair of panels: their weights dequantized into fp32 panels, then the fp32 GEMM.
 void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
-  const int64_t ld_dots = kDecodedPanels * kPanel;
-  float* decoded = local_buffer<float, Buffer::kDecoded>(static_cast<size_t>(kDecodedPanels * layout.block * kPanel));
-  float* dots = local_buffer<float, Buffer::kDots>(static_cast<size_t>(M * ld_dots));
-  for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
+  const int64_t panel_floats = layout.K * kPanel;
+  float* decoded = local_buffer<float, Buffer::kDecoded>(static_cast<size_t>(kDecodedPanels * panel_floats));
   for (int64_t p = p0; p < p1; p += kDecodedPanels) {
     const int64_t n = std::min(kDecodedPanels, p1 - p);
-    for (int64_t b = 0; b < layout.blocks(); ++b) {
-      const uint8_t* block = B + p * layout.panel_bytes() + b * layout.block_bytes();
-      for (int64_t j = 0; j < n; ++j)
-        dispatch().decode(layout, block + j * layout.panel_bytes(), decoded + j * layout.block * kPanel);
-      gemm_panels(PanelType::kF32, A + b * layout.block, lda, M, layout.block, decoded, 0, n, dots, ld_dots);
-      dispatch().combine(layout, block, n, dots, ld_dots, M, C + (p - p0) * kPanel, ldc);
-    }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t b = 0; b < layout.blocks(); ++b)
+        dispatch().decode(layout, B + (p + j) * layout.panel_bytes() + b * layout.block_bytes(),
+                          decoded + j * panel_floats + b * layout.block * kPanel);
+    gemm_panels(PanelType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
   }
 }
 
 // Level 4: the rows quantized per block (qa, zero padded to whole groups), their scales sa and the
-// sums of their qa; then the int32 dots; then C = sum over blocks in order of (sa * scale) * dot.
+// sums of their qa; then the kernel's dots and sums over the blocks.
 void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B,
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
-  const int64_t ldq = blocks * padded, panels = p1 - p0;
+  const int64_t ldq = blocks * padded;
   int8_t* qa = local_buffer<int8_t, Buffer::kActivationCodes>(static_cast<size_t>(M * ldq));
   float* sa = local_buffer<float, Buffer::kActivationScales>(static_cast<size_t>(M * blocks));
   int32_t* sums = local_buffer<int32_t, Buffer::kActivationSums>(static_cast<size_t>(M * blocks));
-  int32_t* dots = local_buffer<int32_t, Buffer::kIntDots>(static_cast<size_t>(M * panels * blocks * kPanel));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* a = A + m * lda + b * layout.block;
@@ -173,21 +157,7 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
       sa[m * blocks + b] = s;
       sums[m * blocks + b] = sum;
     }
-  dispatch().dots(layout, qa, ldq, sums, M, B, p0, p1, dots);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < panels; ++j) {
-      float* out = C + m * ldc + j * kPanel;
-      for (int64_t c = 0; c < kPanel; ++c) out[c] = 0.0f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = B + (p0 + j) * layout.panel_bytes() + b * layout.block_bytes();
-        const int32_t* dot = dots + ((m * panels + j) * blocks + b) * kPanel;
-        for (int64_t c = 0; c < kPanel; ++c) {
-          float scale;
-          std::memcpy(&scale, block + 4 * c, 4);
-          out[c] += (sa[m * blocks + b] * scale) * static_cast<float>(dot[c]);
-        }
-      }
-    }
+  dispatch().dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
 }
 
 }  // namespace

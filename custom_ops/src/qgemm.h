@@ -13,17 +13,18 @@
 // So one 64-byte load gives G rows of 16 columns: a row is a shift and a mask per 32-bit lane, and
 // the lane's 4 bytes are the 4 consecutive k that vpdpbusd sums (accuracy level 4).
 //
-// accuracy level 0: C = A @ W with W[k, c] = (q - zp) * scale (int) or e2m1(q) * scale (mxfp4),
-// computed per block as weight-only int4 kernels do: the block's dot with the centred code values,
-// dot_b = sum over k in the block of A[m, k] * v(q) (v(q) = q - zp, or e2m1(q): exact floats), one
-// fp32 FMA chain in increasing k (multiply then add in the portable kernel), then
-// C = fma(scale_b, dot_b, C) over the blocks in order (std::fma in portable code). Per weight that is a
-// shift and one vpermps over the 16 values of the 4-bit codes (minus the default zero point 8), or a
-// shift pair and a conversion of the 8-bit code flipped by 0x80 (q - 128), a subtraction more with
-// explicit zero points, and one FMA: decode streams the quantized bytes. Up to kFusedRows rows the
-// micro-kernels decode each panel row once into a register for all the rows; more rows decode a block
-// of panels into an L1 scratch once per call and run the fp32 GEMM (gemm.h, the same chain) on it, so
-// a row's result depends neither on how many rows share its call nor on the thread count.
+// accuracy level 0: C = A @ W with W[k, c] = (q - zp) * scale (int) or e2m1(q) * scale (mxfp4).
+// Up to kFusedRows rows (decode) the micro-kernels compute it per block as weight-only int4 kernels
+// do, decoding each panel row once into a register for all the rows: the block's dot with the centred
+// code values, dot_b = sum over k in the block of A[m, k] * v(q) (v(q) = q - zp, or e2m1(q): exact
+// floats) in one fp32 FMA chain in increasing k, then C = fma(scale_b, dot_b, C) over the blocks in
+// order. Per weight that is a shift and one vpermps over the 16 values of the 4-bit codes (minus the
+// default zero point 8), or a shift pair and a conversion of the 8-bit code flipped by 0x80 (q - 128),
+// a subtraction more with explicit zero points, and one FMA: decode streams the quantized bytes.
+// More rows (prefill) dequantize a pair of panels into an L2 scratch once per call, exactly
+// (v(q) * scale, one rounding: the reference's weights), and run the fp32 GEMM on them (gemm.h): those
+// rows get the bits of MOE on the dequantized weights. Either way a row's result depends only on the
+// number of rows its expert has in the call (the task plan's, not the thread count).
 //
 // accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
 // qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
@@ -83,39 +84,31 @@ namespace detail {
 // portable one: the portable level always decodes blocks.
 using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, const uint8_t* B,
                               int64_t p0, int64_t p1, float* C, int64_t ldc);
-// One block of one panel as fp32 code values v(q), [block][16] (the fp32 GEMM's panel of block rows).
+// One block of one panel dequantized, v(q) * scale, as [block][16] fp32 (rows of the fp32 GEMM's panel).
 using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* out);
-// C[m, 16 j + c] = fma(scale, dots[m, 16 j + c], C[m, 16 j + c]) for m < M, j < panels, with the scales
-// of block `block` (panel j's at block + j * panel_bytes).
-using QuantCombineFn = void (*)(const QuantPanels&, const uint8_t* block, int64_t panels, const float* dots,
-                                int64_t ld_dots, int64_t M, float* C, int64_t ldc);
-// Level 4: int32 dots of prepared rows (quantized per block, zero padded to whole groups) with panels
-// [p0, p1): dots[((m * panels + j) * blocks + b) * 16 + c] for block b, column c of panel p0 + j.
-using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
-                            const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots);
+// Level 4: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) from the rows quantized per block (qa, zero
+// padded to whole groups, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
+// exact int32 dot, then C += (sa * scale) * float(dot) over the blocks in order (products and sums
+// each rounded once, no FMA: the portable and VNNI kernels give the same bits).
+using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
+                            int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc);
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_portable(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
-                            int64_t);
-void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
-                         int64_t, int32_t*);
+void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t,
+                         const uint8_t*, int64_t, int64_t, float*, int64_t);
 #if defined(MOE_ONNX_HAVE_AVX2)
 void quant_fused_avx2(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                       int64_t);
 void quant_decode_avx2(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_avx2(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
-                        int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
 void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                         int64_t);
 void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
-void quant_combine_avx512(const QuantPanels&, const uint8_t*, int64_t, const float*, int64_t, int64_t, float*,
-                          int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
-void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, int64_t, const uint8_t*, int64_t,
-                     int64_t, int32_t*);
+void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t, const uint8_t*,
+                     int64_t, int64_t, float*, int64_t);
 #endif
 }  // namespace detail
 

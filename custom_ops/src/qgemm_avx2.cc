@@ -112,9 +112,11 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   const uint8_t* codes = block + layout.header_bytes();
   for (int64_t kk = 0; kk < layout.block; ++kk) {
     const __m256i* group = reinterpret_cast<const __m256i*>(codes + (kk / G) * kQuantGroupBytes);
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 value = d[h].row(Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + h)), static_cast<int>(kk % G));
       _mm256_storeu_ps(out + kk * kPanel + 8 * h,
-                       d[h].row(Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + h)), static_cast<int>(kk % G)));
+                       _mm256_mul_ps(value, _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h)));
+    }
   }
 }
 
@@ -141,19 +143,6 @@ void quant_fused_avx2(const QuantPanels& layout, const float* A, int64_t lda, in
 
 void quant_decode_avx2(const QuantPanels& layout, const uint8_t* block, float* out) {
   with_decoder(layout, [&](auto q, auto zp) { decode<q(), zp()>(layout, block, out); });
-}
-
-void quant_combine_avx2(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
-                        int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
-  for (int64_t j = 0; j < panels; ++j)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(block + j * layout.panel_bytes()) + 8 * h);
-      for (int64_t m = 0; m < M; ++m) {
-        float* out = C + m * ldc + j * kPanel + 8 * h;
-        _mm256_storeu_ps(out, _mm256_fmadd_ps(scale, _mm256_loadu_ps(dots + m * ld_dots + j * kPanel + 8 * h),
-                                              _mm256_loadu_ps(out)));
-      }
-    }
 }
 
 }  // namespace detail

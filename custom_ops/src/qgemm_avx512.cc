@@ -183,10 +183,11 @@ template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   constexpr int G = group_rows(Q);
   const Decoder<Q, ZP> d(block);
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block));
   const uint8_t* codes = block + layout.header_bytes();
   for (int64_t kk = 0; kk < layout.block; ++kk) {
     const __m512i group = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + (kk / G) * kQuantGroupBytes));
-    _mm512_storeu_ps(out + kk * kPanel, d.row(group, static_cast<int>(kk % G)));
+    _mm512_storeu_ps(out + kk * kPanel, _mm512_mul_ps(d.row(group, static_cast<int>(kk % G)), scale));
   }
 }
 
@@ -213,17 +214,6 @@ void quant_fused_avx512(const QuantPanels& layout, const float* A, int64_t lda, 
 
 void quant_decode_avx512(const QuantPanels& layout, const uint8_t* block, float* out) {
   with_decoder(layout, [&](auto q, auto zp) { decode<q(), zp()>(layout, block, out); });
-}
-
-void quant_combine_avx512(const QuantPanels& layout, const uint8_t* block, int64_t panels, const float* dots,
-                          int64_t ld_dots, int64_t M, float* C, int64_t ldc) {
-  for (int64_t j = 0; j < panels; ++j) {
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * layout.panel_bytes()));
-    for (int64_t m = 0; m < M; ++m) {
-      float* out = C + m * ldc + j * kPanel;
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(scale, _mm512_loadu_ps(dots + m * ld_dots + j * kPanel), _mm512_loadu_ps(out)));
-    }
-  }
 }
 
 }  // namespace detail

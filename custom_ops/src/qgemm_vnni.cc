@@ -22,57 +22,68 @@ inline __m512i broadcast_quad(const int8_t* a) {
   return _mm512_set1_epi32(quad);
 }
 
-// MR rows x one block of one panel: the int32 dots into dots[r * row_stride].
+// MR rows x one panel over all blocks: each block's int32 dots (exact), then
+// out += (sa * scale) * float(dot), into C.
 template <int MR>
-void block_dots(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* sums, int64_t sums_stride,
-                const uint8_t* block, int32_t* dots, int64_t row_stride) {
-  __m512i acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
-  const uint8_t* codes = block + layout.header_bytes();
+void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* sums, const float* sa,
+                const uint8_t* panel, float* C, int64_t ldc) {
+  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  for (int64_t g = 0; g < layout.groups_per_block(); ++g) {
-    const __m512i group = _mm512_loadu_si512(codes + g * kQuantGroupBytes);
-    if (layout.code == QuantCode::kInt8) {
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], group, broadcast_quad(qa + r * ldq + 4 * g));
-    } else {
-      const __m512i low = _mm512_and_si512(group, nibble);                         // rows 0-3
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(group, 4), nibble);  // rows 4-7
-      for (int r = 0; r < MR; ++r) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], low, broadcast_quad(qa + r * ldq + 8 * g));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], high, broadcast_quad(qa + r * ldq + 8 * g + 4));
+  __m512 out[MR];
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * layout.block_bytes();
+    const uint8_t* codes = block + layout.header_bytes();
+    const int8_t* a = qa + b * padded;
+    __m512i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < layout.groups_per_block(); ++g) {
+      const __m512i group = _mm512_loadu_si512(codes + g * kQuantGroupBytes);
+      if (layout.code == QuantCode::kInt8) {
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], group, broadcast_quad(a + r * ldq + 4 * g));
+      } else {
+        const __m512i low = _mm512_and_si512(group, nibble);                         // rows 0-3
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(group, 4), nibble);  // rows 4-7
+        for (int r = 0; r < MR; ++r) {
+          acc[r] = _mm512_dpbusd_epi32(acc[r], low, broadcast_quad(a + r * ldq + 8 * g));
+          acc[r] = _mm512_dpbusd_epi32(acc[r], high, broadcast_quad(a + r * ldq + 8 * g + 4));
+        }
       }
     }
+    const __m512i zero_point =
+        layout.zero_points ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64)))
+                           : _mm512_set1_epi32(layout.default_zero_point());
+    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block));
+    for (int r = 0; r < MR; ++r) {
+      const __m512i dot = _mm512_sub_epi32(acc[r], _mm512_mullo_epi32(zero_point, _mm512_set1_epi32(sums[r * blocks + b])));
+      const __m512 factor = _mm512_mul_ps(_mm512_set1_ps(sa[r * blocks + b]), scale);
+      out[r] = _mm512_add_ps(out[r], _mm512_mul_ps(factor, _mm512_cvtepi32_ps(dot)));
+    }
   }
-  const __m512i zero_point =
-      layout.zero_points ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64)))
-                         : _mm512_set1_epi32(layout.default_zero_point());
-  for (int r = 0; r < MR; ++r)
-    _mm512_storeu_si512(dots + r * row_stride,
-                        _mm512_sub_epi32(acc[r], _mm512_mullo_epi32(zero_point, _mm512_set1_epi32(sums[r * sums_stride]))));
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(C + r * ldc, out[r]);
 }
 
 }  // namespace
 
-void quant_dots_vnni(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, int64_t M,
-                     const uint8_t* B, int64_t p0, int64_t p1, int32_t* dots) {
-  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
-  const int64_t panels = p1 - p0, row_stride = panels * blocks * kPanel;
+void quant_dots_vnni(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
+                     int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  const int64_t blocks = layout.blocks();
   constexpr int kRows = 4;
   for (int64_t m = 0; m < M; m += kRows) {
     const int rows = M - m < kRows ? static_cast<int>(M - m) : kRows;
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* block = B + p * layout.panel_bytes() + b * layout.block_bytes();
-        const int8_t* a = qa + m * ldq + b * padded;
-        const int32_t* sums = qa_sums + m * blocks + b;
-        int32_t* out = dots + m * row_stride + ((p - p0) * blocks + b) * kPanel;
-        switch (rows) {
-          case 4: block_dots<4>(layout, a, ldq, sums, blocks, block, out, row_stride); break;
-          case 3: block_dots<3>(layout, a, ldq, sums, blocks, block, out, row_stride); break;
-          case 2: block_dots<2>(layout, a, ldq, sums, blocks, block, out, row_stride); break;
-          default: block_dots<1>(layout, a, ldq, sums, blocks, block, out, row_stride); break;
-        }
+    const int8_t* a = qa + m * ldq;
+    const int32_t* sums = qa_sums + m * blocks;
+    const float* scales = sa + m * blocks;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = B + p * layout.panel_bytes();
+      float* out = C + m * ldc + (p - p0) * kPanel;
+      switch (rows) {
+        case 4: panel_rows<4>(layout, a, ldq, sums, scales, panel, out, ldc); break;
+        case 3: panel_rows<3>(layout, a, ldq, sums, scales, panel, out, ldc); break;
+        case 2: panel_rows<2>(layout, a, ldq, sums, scales, panel, out, ldc); break;
+        default: panel_rows<1>(layout, a, ldq, sums, scales, panel, out, ldc); break;
       }
+    }
   }
 }
 
