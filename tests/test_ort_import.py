@@ -383,18 +383,10 @@ def truth(built: Built, x: np.ndarray) -> tuple[np.ndarray, str]:
     return built.reference(x), "reference"
 
 
-# the C++ QMOE kernel (custom_ops/src/qmoe.cc, i13-qmoe-cpp) decodes GEMM3's gate and up with one panel
-# layout, taken from weight_0: zero points on only one of them come out wrong (python and the reference agree)
-CPP_QMOE_ONE_SIDED_ZERO_POINTS = {"qmoe_mixed_widths_gemm3"}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_import_numbers(name, backend, request):
+def test_import_numbers(name, backend):
     config = CONFIGS[name]
-    if backend == "cpp" and name in CPP_QMOE_ONE_SIDED_ZERO_POINTS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="QMOE C++ kernel: zero points on one of "
-                                              "GEMM3's gate/up (custom_ops/src/qmoe.cc, gate and up layout)"))
     built = build(config)
     model, _ = imported(built)
     for tokens in (0, 1, 7):

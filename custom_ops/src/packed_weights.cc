@@ -173,9 +173,11 @@ void PackedWeights::pack_quantized(int64_t slot, const QuantizedColumns& src) {
       const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
                                                      : load_float(src.scale_type, src.scales, s);
       std::memcpy(block + 4 * lane, &scale, 4);
-      if (q.zero_points)
-        block[64 + lane] = static_cast<uint8_t>(element(
-            src.zero_points, src.zero_points_first + c * src.zero_points_stride + b * src.zero_points_block_stride));
+      if (q.zero_points)  // a linear without zero points sharing the panels with one that has them: 2^(bits-1)
+        block[64 + lane] = static_cast<uint8_t>(
+            src.zero_points ? element(src.zero_points,
+                                      src.zero_points_first + c * src.zero_points_stride + b * src.zero_points_block_stride)
+                            : 1 << (bits - 1));
       uint8_t* codes = block + q.header_bytes();
       for (int64_t kk = 0; kk < q.block; ++kk) {
         const int code = element(src.codes, src.codes_first + c * src.codes_stride + b * q.block + kk);

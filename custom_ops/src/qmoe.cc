@@ -186,7 +186,11 @@ PackedExperts empty_pack(const ExpertConfig& config, const Quantization& q, cons
                          int64_t I, ExpertSlots slots) {
   const std::vector<Linear> used = linears(config.type);
   PackedExperts p;
-  p.matrices.emplace_back(layout_of(q, H, inputs[used.front().zero_points].present), config.gated() ? 2 * I : I,
+  // GEMM3's gate and up share the gate/up panels: they carry zero points when either linear has them
+  const bool gate_up_zero_points = std::any_of(used.begin(), used.end() - 1, [&](const Linear& l) {
+    return inputs[l.zero_points].present;
+  });
+  p.matrices.emplace_back(layout_of(q, H, gate_up_zero_points), config.gated() ? 2 * I : I,
                           slots.count(), config.type != ExpertType::kGemm3Swiglu);
   p.matrices.emplace_back(layout_of(q, I, inputs[used.back().zero_points].present), H, slots.count(), true);
   p.slots = std::move(slots);
