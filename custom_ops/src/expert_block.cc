@@ -203,6 +203,27 @@ ExpertConfig ExpertConfig::read(const Attributes& attrs) {
   return config;
 }
 
+ElemType validate_tokens(const Checker& v, std::initializer_list<int> same_type, DimBinder& dims) {
+  enum { HIDDEN, ROUTING, INDICES };
+  const ElemType elem = v.expect_elem(HIDDEN);
+  for (int i : same_type)
+    if (v.has(i)) {
+      v.expect_elem(i);
+      v.expect_same_elem(i, HIDDEN);
+    }
+  v.expect_elem(INDICES);
+  const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
+  dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
+  dims.bind("T", product(hidden, 0, hidden.size() - 1), "input 'hidden_states' leading dims (product)");
+  for (int i : {ROUTING, INDICES}) {
+    const auto& shape = v.expect_rank(i, -1, 1);
+    const std::string name = v.name(i);
+    dims.bind("k", shape.back(), "input '" + name + "' dim -1");
+    dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
+  }
+  return elem;
+}
+
 void check_indices(const Input& in, int64_t E, const std::string& where) {
   for (int64_t f = 0; f < in.count; ++f) {
     const int64_t value = load_index(in, f);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -43,6 +44,12 @@ enum { GATE_UP, DOWN };                      // the packed matrices of an expert
 struct MoeDims {
   int64_t T, k, E, H, I;
 };
+
+// The token inputs' checks of moe.py's validate_tokens, in its order and words: the type of
+// hidden_states (input 0), `same_type` (inputs given must have it), indices (input 2); then the shapes of
+// hidden_states [*, H], routing_weights (input 1) and indices [*, k] with T rows, bound in `dims`.
+// Returns hidden_states' type.
+ElemType validate_tokens(const Checker& v, std::initializer_list<int> same_type, DimBinder& dims);
 
 // Every index in [0, E), else moe.py's message.
 void check_indices(const Input& indices, int64_t E, const std::string& where);

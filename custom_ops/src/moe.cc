@@ -39,24 +39,8 @@ enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, N_INPUTS };
 
 // The checks of moe.py's _validate, in its order and words. Returns the sizes.
 MoeDims validate(const MoeKernel& kernel, const Checker& v) {
-  v.expect_elem(HIDDEN);
-  for (int i : {ROUTING, W0, B0, W1, B1, W2})
-    if (v.has(i)) {
-      v.expect_elem(i);
-      v.expect_same_elem(i, HIDDEN);
-    }
-  v.expect_elem(INDICES);
-
   DimBinder dims(v);
-  const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
-  dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
-  dims.bind("T", product(hidden, 0, hidden.size() - 1), "input 'hidden_states' leading dims (product)");
-  for (int i : {ROUTING, INDICES}) {
-    const auto& shape = v.expect_rank(i, -1, 1);
-    const std::string name = v.name(i);
-    dims.bind("k", shape.back(), "input '" + name + "' dim -1");
-    dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
-  }
+  validate_tokens(v, {ROUTING, W0, B0, W1, B1, W2}, dims);
   std::vector<std::pair<int, std::vector<std::string>>> layout;
   switch (kernel.config.type) {
     case ExpertType::kGemm2BiasSwigluClamp:

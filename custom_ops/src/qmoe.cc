@@ -107,24 +107,8 @@ void validate_quantized(const Quantization& q, const Checker& v, DimBinder& dims
 // creation). Returns the sizes.
 MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
   const ExpertType type = kernel.config.type;
-  // validate_tokens
-  const ElemType elem = v.expect_elem(HIDDEN);
-  for (int i : {ROUTING, B0, B1})
-    if (v.has(i)) {
-      v.expect_elem(i);
-      v.expect_same_elem(i, HIDDEN);
-    }
-  v.expect_elem(INDICES);
   DimBinder dims(v);
-  const auto& hidden = v.expect_rank(HIDDEN, -1, 2);
-  dims.bind("H", hidden.back(), "input 'hidden_states' dim -1");
-  dims.bind("T", product(hidden, 0, hidden.size() - 1), "input 'hidden_states' leading dims (product)");
-  for (int i : {ROUTING, INDICES}) {
-    const auto& shape = v.expect_rank(i, -1, 1);
-    const std::string name = v.name(i);
-    dims.bind("k", shape.back(), "input '" + name + "' dim -1");
-    dims.bind("T", product(shape, 0, shape.size() - 1), "input '" + name + "' leading dims (product)");
-  }
+  const ElemType elem = validate_tokens(v, {ROUTING, B0, B1}, dims);
   for (int i : {W0, W1, W2, Z0, Z1, Z2})
     if (v.has(i)) v.expect_elem(i);
   // check_expert_inputs
