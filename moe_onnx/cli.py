@@ -59,11 +59,12 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
     that would overwrite the input or bad settings, 1 for a file error or a result that is not ok."""
     from .pipeline import SameFileError
+    from .portable import PortableError
     from .quantization import QuantizeError
 
     try:
         result = run()
-    except (SameFileError, QuantizeError) as error:
+    except (SameFileError, QuantizeError, PortableError) as error:
         print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 2
     except ModelFileError as error:

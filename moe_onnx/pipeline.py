@@ -41,8 +41,8 @@ class OptimizeResult:
     def summary(self) -> str:
         lines = [self.report.summary()]
         if self.report.needs_our_library:
-            lines.append("target ort: some blocks stay moe_onnx ops (the near-misses say why); the model still "
-                         "needs our library")
+            lines.append(f"target ort: moe_onnx ops stay ({', '.join(self.report.our_ops_left())}; the near-misses "
+                         "say why for refused blocks); the model still needs our library")
         if self.problems:
             lines.append("the optimized model does not pass `moe-onnx check`:")
             lines += [f"  {problem}" for problem in self.problems]

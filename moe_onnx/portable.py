@@ -555,7 +555,7 @@ def summary(model: ir.Model) -> str:
 def add_function_bodies(model: ir.Model) -> ir.Model:
     """Give every moe_onnx node of ``model`` (in place) its portable function: a model-local function
     per distinct configuration, named by the node's ``overload``. Raises ValueError when the model's
-    default opset is below :data:`MIN_OPSET` or an int8-capable input's type is unknown."""
+    default opset is below :data:`MIN_OPSET` or an int8-capable input's type is unknown (PortableError)."""
     opset = require_opset(model)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain != DOMAIN or node.op_type not in BUILDERS:
@@ -570,12 +570,16 @@ def add_function_bodies(model: ir.Model) -> ir.Model:
     return model
 
 
+class PortableError(ValueError):
+    """A model the function bodies cannot be written into (``moe-onnx optimize --portable``: exit 2)."""
+
+
 def require_opset(model: ir.Model) -> int:
-    """The model's default-domain opset; ValueError when the bodies cannot be written in it."""
+    """The model's default-domain opset; PortableError when the bodies cannot be written in it."""
     opset = model.opset_imports.get("", 0)
     if opset < MIN_OPSET:
-        raise ValueError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
-                         f"imports {opset or 'none'}")
+        raise PortableError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
+                            f"imports {opset or 'none'}")
     return opset
 
 
@@ -584,8 +588,8 @@ def _int8_input(node: ir.Node) -> bool:
         return False
     value = node.inputs[0]
     if value is None or value.dtype is None:
-        raise ValueError(f"{node.op_type} node '{node.name}': the element type of input 'X' is unknown; the "
-                         "portable body needs it (float or int8): run shape inference first")
+        raise PortableError(f"{node.op_type} node '{node.name}': the element type of input 'X' is unknown; the "
+                            "portable body needs it (float or int8): run shape inference first")
     return value.dtype == ir.DataType.INT8
 
 

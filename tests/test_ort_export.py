@@ -19,7 +19,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
-from moe_onnx.ops.qmoe import quantize
+from moe_onnx.ops.qmoe import SCALES, quantize
 from moe_onnx.rewrite.ort_export import ORT_DOMAIN, RULE
 
 # the fixture families the contrib op cannot express: the reason the report gives
@@ -359,6 +359,17 @@ def test_cli_target_ort(tmp_path, capsys):
     assert "near-miss MoeToOrtMoE" in printed and "still needs our library" in printed
 
 
+def test_cli_target_ort_on_grouped_model(tmp_path, capsys):
+    """Our ops without a contrib form (the grouped chain) stay: the model needs our library, exit 1."""
+    grouped, _ = optimized("mixtral_batched_mm_tiny", "grouped")
+    source, out = tmp_path / "grouped.onnx", tmp_path / "out.onnx"
+    onnx.save(grouped, source)
+    assert main(["optimize", str(source), "-o", str(out), "--target", "ort"]) == 1
+    printed = capsys.readouterr().out
+    assert "moe_onnx ops stay (MoeFinalizeRouting, MoeInitRouting, MoeRowParallelLinear;" in printed
+    assert "still needs our library" in printed
+
+
 # ----------------------------------------------------------------------------- QMOE -> QMoE
 
 EXPERT_ATTRIBUTES = {"GEMM3_SWIGLU": {"expert_alpha": 1.5},
@@ -409,12 +420,15 @@ def test_quantized_refusals(case):
     assert_refused(quantized_block("GEMM3_SWIGLU", bits, block_size, accuracy_level), reason)
 
 
-def test_quantized_float16_block():
+@pytest.mark.parametrize("float32_scales", [False, True], ids=["float16_scales", "float32_scales"])
+def test_quantized_float16_block(float32_scales):
+    """float16 tokens; scales of their type or float32 (what `moe-onnx quantize` writes)."""
     block = quantized_block("GEMM3_SWIGLU", 4, 32, 0, renormalize=0)
+    scales = {block.graph.node[-1].input[i] for i in SCALES.values() if i < len(block.graph.node[-1].input)}
     half = onnx.ModelProto()
     half.CopyFrom(block)
     for tensor in half.graph.initializer:
-        if tensor.data_type == TensorProto.FLOAT:
+        if tensor.data_type == TensorProto.FLOAT and not (float32_scales and tensor.name in scales):
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
     for value in [*half.graph.input, *half.graph.output]:
         value.type.tensor_type.elem_type = TensorProto.FLOAT16

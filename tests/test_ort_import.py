@@ -584,10 +584,29 @@ NEAR_MISSES = {
     "fp4_zero_points": (
         lambda: _with_input(build(CONFIGS["qmoe_fp4_gpt_oss"]).model, "fc2_zero_points", np.zeros((4, 32), np.uint8)),
         "quant_type fp4 with input 'fc2_zero_points'"),
+    "router_probs_missing": (lambda: _without_input(build(MIXTRAL).model, 1),
+                             "input 'router_probs' is missing; the contrib op requires it"),
+    "experts_disagree": (lambda: _replace_initializer(build(MIXTRAL).model, "fc2_experts_weights",
+                                                      _initializer_array(build(MIXTRAL).model,
+                                                                         "fc2_experts_weights")[:3]),
+                         "the experts' weights disagree on E"),
+    "block_not_dividing_hidden": (
+        lambda: _set_attribute(build(dataclasses.replace(MIXTRAL, quant=(4, 16, False))).model, block_size=64),
+        "block_size is 64; it does not divide hidden_size = 32"),
     "sparse_mixer_router_weights": (
         lambda: build(dataclasses.replace(PHI, quant=(4, 0, False), router_weights=True)).model,
         "use_sparse_mixer with router_weights"),
 }
+
+
+def _without_input(model: onnx.ModelProto, position: int) -> onnx.ModelProto:
+    """The contrib node with its input at ``position`` left empty."""
+    model.graph.node[-1].input[position] = ""
+    return model
+
+
+def _initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == name))
 
 
 def _replace_initializer(model: onnx.ModelProto, name: str, array: np.ndarray) -> onnx.ModelProto:

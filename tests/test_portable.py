@@ -180,6 +180,17 @@ def test_cli_optimize_portable(tmp_path, capsys):
         np.testing.assert_allclose(got, e, **TOL)
 
 
+def test_cli_optimize_portable_low_opset(tmp_path, capsys):
+    """A model below opset 18: one line and exit 2, nothing written."""
+    model = original("gpt_oss_tiled_tiny")
+    next(o for o in model.opset_import if o.domain in ("", "ai.onnx")).version = 17
+    source, destination = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, source)
+    assert main(["optimize", str(source), "-o", str(destination), "--portable"]) == 2
+    assert "need the default ONNX opset >= 18; the model imports 17" in capsys.readouterr().err
+    assert not destination.exists()
+
+
 def test_add_function_bodies_on_ir_model_in_place():
     case = next(c for c in ALL_CASES if c.id == "MoeFinalizeRouting-dropless_gather")
     model = ir.serde.deserialize_model(case.model())

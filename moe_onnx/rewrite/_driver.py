@@ -62,8 +62,13 @@ class OptimizeReport:
 
     @property
     def needs_our_library(self) -> bool:
-        """Target "ort" only: some block stays one of our ops (a near-miss of the export says why)."""
-        return self.target == "ort" and any(miss["rule"] == ort_export.RULE for miss in self.near_misses)
+        """Target "ort" only: some moe_onnx op stays in the model (a block the export refused: its near-miss
+        says why; or ops of ours the input had that have no contrib form, e.g. the grouped chain)."""
+        return self.target == "ort" and any(key.startswith(f"{DOMAIN}::") for key in self.nodes_after)
+
+    def our_ops_left(self) -> list[str]:
+        """The moe_onnx op types in the optimized model."""
+        return [key.split("::", 1)[1] for key in self.nodes_after if key.startswith(f"{DOMAIN}::")]
 
     def summary(self) -> str:
         lines = [f"target: {self.target}"]

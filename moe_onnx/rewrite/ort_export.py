@@ -268,12 +268,16 @@ def _check_types(node: ir.Node) -> None:
     """The types the contrib ops take (one float type T); QMOE: the quantizations they compute as QMOE."""
     dtype = node.inputs[0].dtype
     require(dtype in _ORT_TYPES, f"hidden_states are {dtype}; onnxruntime's CPU MoE takes float32 and float16")
-    floats = (B0, B1) if node.op_type == QMOE.name else (W0, B0, W1, B1, W2)
-    for i in floats + tuple(SCALES.values() if node.op_type == QMOE.name else ()):
+    quantized = node.op_type == QMOE.name
+    for i in (B0, B1) if quantized else (W0, B0, W1, B1, W2):
         if i < len(node.inputs) and node.inputs[i] is not None:
             require(node.inputs[i].dtype == dtype, f"input {i} of the {node.op_type} is {node.inputs[i].dtype}, "
                     f"not {dtype} like hidden_states; the contrib op takes one type")
-    if node.op_type == QMOE.name:
+    if quantized:  # QMoE's scales are its T2: float32 beside float16 tokens runs on the CPU kernel (measured)
+        for i in SCALES.values():
+            if i < len(node.inputs) and node.inputs[i] is not None:
+                require(node.inputs[i].dtype in (dtype, ir.DataType.FLOAT), f"input {i} of the QMOE is "
+                        f"{node.inputs[i].dtype}; the export writes scales of hidden_states' type or float32")
         _check_quantization(node)
 
 

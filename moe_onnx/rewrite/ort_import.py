@@ -548,6 +548,28 @@ def _fc_of(n: _Node, weight: ir.Value) -> str:
     return next(fc for fc in ("fc1", "fc2", "fc3") if n.inputs.get(f"{fc}_experts_weights") is weight)
 
 
+def _check_shapes(n: _Node) -> None:
+    """The inputs the contrib op requires, as the import reads them: MatchFailure naming the first that is
+    missing or has another rank or expert count (onnxruntime would reject the node too)."""
+    for name in ("input", "router_probs", "fc1_experts_weights", "fc2_experts_weights"):
+        require(n.has(name), f"input '{name}' is missing; the contrib op requires it")
+    weights = [name for name in ("fc1_experts_weights", "fc2_experts_weights", "fc3_experts_weights") if n.has(name)]
+    for name in weights:
+        require(n.inputs[name].shape is not None and len(n.inputs[name].shape) == 3,
+                f"input '{name}' has shape {n.inputs[name].shape}; expected [E, N, K] (rank 3)")
+    experts = {n.inputs[name].shape[0] for name in weights}
+    require(len(experts) == 1, f"the experts' weights disagree on E: {sorted(map(str, experts))}")
+    block_size = n.attr("block_size", 0) if n.quantized and n.attr("quant_type", "int") == "int" else 0
+    if block_size > 0:  # K of fc1 (and fc3) is hidden_size, of fc2 inter_size (fc2 is [E, hidden, inter/pack])
+        rows = n.inputs["fc1_experts_weights"].shape[1]
+        fused = n.attr("activation_type", "relu") == "swiglu" and n.attr("swiglu_fusion", 0) in (1, 2)
+        hidden = n.inputs["fc2_experts_weights"].shape[1]
+        inter = rows // 2 if fused and isinstance(rows, int) else rows
+        for name, size in (("hidden_size", hidden), ("inter_size", inter)):
+            require(not isinstance(size, int) or size % block_size == 0,
+                    f"block_size is {block_size}; it does not divide {name} = {size}")
+
+
 def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
     """Replace every com.microsoft::MoE/QMoE node that our ops express exactly; returns the count and a
     near-miss (rule, node, reason) for each node left as it is."""
@@ -557,6 +579,7 @@ def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
     for node in nodes:
         n = _read_node(node)
         try:
+            _check_shapes(n)
             require(n.inputs["input"].dtype in _FLOATS,
                     f"input 'input' has type {n.inputs['input'].dtype}; expected a float type")
             plan = _plan(n)
