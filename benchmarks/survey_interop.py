@@ -30,6 +30,7 @@ import onnx
 import onnxruntime as ort
 
 import moe_onnx
+from moe_onnx.rewrite.ort_export import RULE as EXPORT_RULE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 
@@ -51,7 +52,7 @@ def refusal(report) -> str | None:
     """Why `--target ort` kept one of our ops, or None when every block became a contrib node."""
     if not report.needs_our_library:
         return None
-    return "; ".join(miss["reason"] for miss in report.near_misses if miss["rule"] == "MoeToOrtMoE")
+    return "; ".join(miss["reason"] for miss in report.near_misses if miss["rule"] == EXPORT_RULE)
 
 
 def survey(name: str, entry: dict) -> dict:

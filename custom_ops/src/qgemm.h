@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gemm.h"
 
@@ -92,6 +93,20 @@ using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* 
 // each rounded once, no FMA: the portable and VNNI kernels give the same bits).
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
                             int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc);
+
+// The SIMD kernels' dispatch: calls body(Q, ZP) as template arguments for the layout's code and zero points.
+template <class Body>
+void with_decoder(const QuantPanels& layout, Body&& body) {
+  using Int4 = std::integral_constant<QuantCode, QuantCode::kInt4>;
+  using Int8 = std::integral_constant<QuantCode, QuantCode::kInt8>;
+  using E2M1 = std::integral_constant<QuantCode, QuantCode::kE2M1>;
+  const bool zp = layout.zero_points;
+  switch (layout.code) {
+    case QuantCode::kInt4: return zp ? body(Int4{}, std::true_type{}) : body(Int4{}, std::false_type{});
+    case QuantCode::kInt8: return zp ? body(Int8{}, std::true_type{}) : body(Int8{}, std::false_type{});
+    case QuantCode::kE2M1: return body(E2M1{}, std::false_type{});
+  }
+}
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
 void quant_dots_portable(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t,

@@ -191,20 +191,6 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   }
 }
 
-// Calls body(Q, ZP) as template arguments for the layout's code and zero points.
-template <class Body>
-void with_decoder(const QuantPanels& layout, Body&& body) {
-  using Int4 = std::integral_constant<QuantCode, QuantCode::kInt4>;
-  using Int8 = std::integral_constant<QuantCode, QuantCode::kInt8>;
-  using E2M1 = std::integral_constant<QuantCode, QuantCode::kE2M1>;
-  const bool zp = layout.zero_points;
-  switch (layout.code) {
-    case QuantCode::kInt4: return zp ? body(Int4{}, std::true_type{}) : body(Int4{}, std::false_type{});
-    case QuantCode::kInt8: return zp ? body(Int8{}, std::true_type{}) : body(Int8{}, std::false_type{});
-    case QuantCode::kE2M1: return body(E2M1{}, std::false_type{});
-  }
-}
-
 }  // namespace
 
 void quant_fused_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,

@@ -108,13 +108,10 @@ QMOE = Signature(
          "[E, N, K] (N outputs, K inputs) with K packed into bytes, dequantized by per-column or block-wise "
          "scales and optional zero points. y is MOE's on the dequantized weights. See docs/ops/QMOE.md."),
     inputs=(
-        Param("hidden_states", "T", "[*, H]: the tokens, rank >= 2; T = product of the leading dims."),
-        Param("routing_weights", "T", "[T, k] (or [*, k] with T rows): weight of each selected expert."),
-        Param("router_topk_output_indices", "T_ind", "[T, k] (or [*, k]): the selected experts, in [0, E)."),
+        *MOE.inputs[:3],  # the tokens and their routing, as MOE
         Param("weight_0", "tensor(uint8)", "GEMM2: gate_up [E, 2I, H*bits/8] (rows interleaved by gate_parity). "
               "GEMM3: gate [E, I, H*bits/8]. GEMM2_ACT: up [E, I, H*bits/8]."),
-        Param("bias_0", "T", "GEMM2: gate_up bias [E, 2I]. GEMM2_ACT: up bias [E, I]. GEMM3: must be absent.",
-              optional=True),
+        MOE.inputs[4],  # bias_0
         Param("weight_1", "tensor(uint8)", "GEMM2 and GEMM2_ACT: down [E, H, I*bits/8]. GEMM3: up [E, I, H*bits/8]."),
         Param("bias_1", "T", "GEMM2 and GEMM2_ACT: down bias [E, H]. GEMM3: must be absent.", optional=True),
         Param("weight_2", "tensor(uint8)", "GEMM3: down [E, H, I*bits/8]. GEMM2 and GEMM2_ACT: must be absent.",
@@ -128,7 +125,7 @@ QMOE = Signature(
         Param("zero_points_1", "tensor(uint8)", "weight_1's zero points, as zero_points_0.", optional=True),
         Param("zero_points_2", "tensor(uint8)", "weight_2's zero points, as zero_points_0.", optional=True),
     ),
-    outputs=(Param("y", "T", "Same shape and type as hidden_states."),),
+    outputs=MOE.outputs,
     type_constraints=(
         ("T", FLOAT_TYPES, "Floating-point activations and biases."),
         ("T_ind", INDEX_TYPES, "Expert indices."),
