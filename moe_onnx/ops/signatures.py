@@ -102,6 +102,22 @@ MOE = Signature(
 # The SwiGLU / activation attributes QMOE shares with MOE, with the same meaning.
 _EXPERT_ATTRS = MOE.attributes
 
+
+def _tp_attrs(what: str) -> tuple[Attr, ...]:
+    """The tensor-parallel group of a node (docs/distributed.md): its size and this rank's place in it."""
+    return (
+        Attr("tp_world_size", "int", f"Ranks in the tensor-parallel group (>= 1); 1: one process, no "
+             f"communication. > 1: {what}", default=1),
+        Attr("tp_rank_id", "int", "This rank's index in its tensor-parallel group, in [0, tp_world_size).",
+             default=0),
+    )
+
+
+MOE = dataclasses.replace(MOE, attributes=(*MOE.attributes, *_tp_attrs(
+    "the weights hold this rank's slice of the intermediate size I (docs/distributed.md); the partial y "
+    "of every rank is summed over the group in float32 (the all-reduce) and rounded once to T. The down "
+    "bias (bias_1) counts once: only tp_rank_id 0 adds it.")))
+
 QMOE = Signature(
     name="QMOE",
     doc=("MOE with quantized expert weights (int8, int4 or MXFP4) in onnxruntime's QMoE layout: every weight is "
@@ -214,6 +230,8 @@ ROW_PARALLEL_LINEAR = Signature(
         Attr("bias_term", "int", "1: B is required; 0: B must be absent. Optional; absent means 'whether B is given'."),
         Attr("input_is_parallel", "int", "0: every rank gets the full X and takes its K-slice; 1: each rank gets "
                                          "its own X_d. No effect on one process.", default=0),
+        *_tp_attrs("W holds this rank's K-slice W_d; the partials are summed over the group (float32 for "
+                   "floating-point X, int32 for int8) and B is added once, after."),
     ),
 )
 
@@ -276,5 +294,76 @@ MOE_GATING_TOPK = Signature(
 )
 
 
+def _group_attrs() -> tuple[Attr, ...]:
+    """The expert- and tensor-parallel layout of a dispatch/combine node (docs/distributed.md)."""
+    return (
+        Attr("ep_world_size", "int", "Ranks in the expert-parallel group (>= 1); each owns num_experts / "
+             "ep_world_size consecutive experts.", default=1),
+        Attr("ep_rank_id", "int", "This rank's index in its expert-parallel group, in [0, ep_world_size).",
+             default=0),
+        Attr("tp_world_size", "int", "Ranks in the tensor-parallel group (>= 1). World = ep_world_size * "
+             "tp_world_size; global rank = ep_rank_id * tp_world_size + tp_rank_id.", default=1),
+        Attr("tp_rank_id", "int", "This rank's index in its tensor-parallel group, in [0, tp_world_size).",
+             default=0),
+    )
+
+
+MOE_DISTRIBUTE_DISPATCH = Signature(
+    name="MoeDistributeDispatch",
+    doc=("Expert parallelism, first half: sends every (token, k) slot of this rank to the ranks that own its "
+         "expert (all-to-all-v in the EP group, then all-gather-v in the TP group) and returns the rows of this "
+         "rank's experts, sorted by (local expert, global token), dropless or padded to a capacity with drops. "
+         "See docs/ops/MoeDistributeDispatch.md."),
+    inputs=(
+        Param("x", "T", "[Bs, H]: this rank's tokens (Bs may differ between ranks and may be 0)."),
+        Param("expert_ids", "T_ind", "[Bs, K]: each token's experts, distinct within a row, in [0, num_experts)."),
+    ),
+    outputs=(
+        Param("expand_x", "T", "Dropless [A, H]: A = the world's slots routed to this rank's experts. Drop/pad "
+              "[E_local * C, H]: local expert l's rows at [l * C, l * C + kept_l), the rest 0."),
+        Param("expert_offset", "tensor(int64)", "[E_local + 1]: local expert l owns rows [expert_offset[l], "
+              "expert_offset[l+1]) of expand_x (drop/pad: l * C), MoeRowParallelLinear's expert_offset."),
+        Param("assist_info", "tensor(int64)", "1-D: what MoeDistributeCombine needs to send the rows back "
+              "(layout in docs/ops/MoeDistributeDispatch.md)."),
+    ),
+    type_constraints=(
+        ("T", FLOAT_TYPES, "The tokens."),
+        ("T_ind", INDEX_TYPES, "Expert ids."),
+    ),
+    attributes=(
+        Attr("num_experts", "int", "E, the experts over all ranks (>= 1, divisible by ep_world_size).",
+             required=True),
+        Attr("expert_capacity", "int", "0: dropless. C >= 1: each expert keeps its first C slots in global "
+             "token order (over all ranks) and drops the rest.", default=0),
+        *_group_attrs(),
+    ),
+)
+
+
+MOE_DISTRIBUTE_COMBINE = Signature(
+    name="MoeDistributeCombine",
+    doc=("Expert parallelism, second half: the inverse path of MoeDistributeDispatch (reduce-scatter-v of the "
+         "TP partials, all-to-all-v back in the EP group), then out[t] = x1[t] + x2[t] + "
+         "sum_j scales[t, j] * y(t, j) over the kept slots. See docs/ops/MoeDistributeCombine.md."),
+    inputs=(
+        Param("expand_y", "T", "The expert outputs on dispatch's expand_x rows: [A, H] or [E_local * C, H] "
+              "(with tp_world_size > 1, this rank's partial sums)."),
+        Param("assist_info", "tensor(int64)", "The matching MoeDistributeDispatch's assist_info."),
+        Param("scales", "T", "[Bs, K]: each slot's routing weight."),
+        Param("x1", "T", "[Bs, H]: residual, added as is.", optional=True),
+        Param("x2", "T", "[Bs, H]: shared-expert output, added as is.", optional=True),
+    ),
+    outputs=(Param("out", "T", "[Bs, H]: this rank's tokens, or, with gather_tokens = 1, [sum of Bs over the "
+                   "world, H]: every rank's tokens in global rank order."),),
+    type_constraints=(("T", FLOAT_TYPES, "Activations and weights."),),
+    attributes=(
+        Attr("num_experts", "int", "E, as the matching dispatch.", required=True),
+        Attr("gather_tokens", "int", "1: out is every rank's result in global rank order (an all-gather-v over "
+             "the world), for models whose ranks all hold the full sequence; 0: this rank's tokens.", default=0),
+        *_group_attrs(),
+    ),
+)
+
+
 SIGNATURES: tuple[Signature, ...] = (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
-                                        MOE_GATING_TOPK, QMOE)
+                                        MOE_GATING_TOPK, QMOE, MOE_DISTRIBUTE_DISPATCH, MOE_DISTRIBUTE_COMBINE)

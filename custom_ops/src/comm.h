@@ -1,0 +1,66 @@
+// The communication the distributed kernels need (docs/distributed.md), over MPI.
+//
+// libmoe_onnx_ops never links MPI: the MPI calls live in libmoe_onnx_mpi (comm_mpi.cc, built only
+// where CMake finds MPI), which this layer loads from the directory of libmoe_onnx_ops the first time
+// a node needs more than one rank. A single-process model (every group of size 1) never loads it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moe_onnx {
+namespace comm {
+
+// Where a node sits: its attributes ep_world_size, ep_rank_id, tp_world_size, tp_rank_id.
+struct Layout {
+  int64_t ep_size = 1;
+  int64_t ep_rank = 0;
+  int64_t tp_size = 1;
+  int64_t tp_rank = 0;
+
+  int64_t world_size() const { return ep_size * tp_size; }
+  int64_t global_rank() const { return ep_rank * tp_size + tp_rank; }
+};
+
+// The ranks of one group (the world, a TP group or an EP group), in group-rank order. Every call is a
+// collective of the whole group, waits at most the timeout (MOE_ONNX_COMM_TIMEOUT_S, default 300 s)
+// and throws an invalid-argument error naming `op`, the collective, `what` and the group's world
+// ranks when it does not complete. Counts and displacements are in elements of the buffer's type.
+class Group {
+ public:
+  virtual ~Group() = default;
+  virtual int64_t size() const = 0;
+  virtual int64_t rank() const = 0;
+
+  virtual void all_reduce_sum(float* data, int64_t count, const char* op, const char* what) const = 0;
+  virtual void all_reduce_sum(int32_t* data, int64_t count, const char* op, const char* what) const = 0;
+  // recv[r * count .. (r + 1) * count) = rank r's send[0 .. count).
+  virtual void all_gather(const int64_t* send, int64_t count, int64_t* recv, const char* op,
+                          const char* what) const = 0;
+  // Bytes: send_counts[r] bytes go to rank r (consecutive in send), recv_counts[r] come from rank r.
+  virtual void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                            const char* op, const char* what) const = 0;
+  // Bytes: recv is every rank's send concatenated in rank order; recv_counts[r] bytes from rank r.
+  virtual void all_gather_v(const void* send, int64_t send_count, void* recv, const int64_t* recv_counts,
+                            const char* op, const char* what) const = 0;
+  // send is [sum of counts] floats in rank blocks; rank r receives the element-wise sum over the group
+  // of block r (counts[r] floats).
+  virtual void reduce_scatter_v_sum(const float* send, float* recv, const int64_t* counts, const char* op,
+                                    const char* what) const = 0;
+};
+
+// The groups of one layout.
+struct Groups {
+  std::shared_ptr<const Group> world, tp, ep;
+};
+
+// The groups of `layout`, made once per layout and process. Throws an invalid-argument error naming
+// `op` when the layout is invalid, when this build has no MPI (libmoe_onnx_mpi missing), or when the
+// process's MPI world does not match (size != world_size, rank != global_rank). A one-rank layout
+// needs no MPI: its groups are trivial.
+Groups groups(const Layout& layout, const std::string& op);
+
+}  // namespace comm
+}  // namespace moe_onnx
