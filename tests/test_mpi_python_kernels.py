@@ -45,7 +45,8 @@ def test_python_kernels_under_mpirun_match_the_all_ranks_references(ranks):
     done = subprocess.run([mpirun, "--oversubscribe", "-n", str(ranks), sys.executable, str(DRIVER)],
                           capture_output=True, text=True, env=mpi_env(), timeout=540)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and len(lines) == 1, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0 and len(lines) == 1, \
+        f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     report = json.loads(lines[0][len("RESULT "):])
     assert report["ranks"] == ranks
     names = [r["config"] for r in report["results"]]
@@ -54,11 +55,6 @@ def test_python_kernels_under_mpirun_match_the_all_ranks_references(ranks):
         assert any(name.startswith(family) for name in names), f"no configuration {family}"
     failed = {r["config"]: r["problems"] for r in report["results"] if not r["ok"]}
     assert not failed, json.dumps(failed, indent=1)[:6000]
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 ONE_RANK_SESSION = """
