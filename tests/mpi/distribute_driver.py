@@ -7,7 +7,7 @@ output is a partial sum), then the Combine node, all on the C++ kernels; and com
 the all-ranks reference (``dispatch_all_ranks`` / ``combine_all_ranks``, which every rank computes for
 the whole world from the same seeded inputs): expand_x, expert_offset and assist_info element for
 element, out within 1e-6. It writes ``OUT_DIR/rank<g>.json``: ``{"rank", "world", "results": [{"name",
-"problems"}]}`` (no problems: the configuration matched). Never imports mpi4py: the kernels' own
+"problems", "rows", "dropped"}]}`` (no problems: the configuration matched). Never imports mpi4py: the kernels' own
 communication layer runs MPI.
 """
 
@@ -147,8 +147,9 @@ def compare(name: str, got: np.ndarray, expected: np.ndarray, tolerance: float |
     return []
 
 
-def check(config: dict, rank: int) -> list[str]:
-    """This rank's problems with one configuration (empty: every output matched the reference)."""
+def check(config: dict, rank: int) -> dict:
+    """This rank's result of one configuration: its problems (none: every output matched the reference),
+    the rows it received and the slots it dropped (what the configuration exercised)."""
     ep, tp = config["ep"], config["tp"]
     ep_rank, tp_rank = divmod(rank, tp)
     layout = dict(ep_world_size=ep, ep_rank_id=ep_rank, tp_world_size=tp, tp_rank_id=tp_rank,
@@ -173,7 +174,9 @@ def check(config: dict, rank: int) -> list[str]:
                        ("x1", inputs["x1"][rank]), ("x2", inputs["x2"][rank])],
                       ["out"], {**layout, "gather_tokens": config["gather_tokens"]})
     problems += compare("out", out, combined[rank], OUT_TOLERANCE)
-    return problems
+    k = config["k"]
+    slot_to_send = got[2][8 + ep * tp + tp + 2 * ep:][: len(inputs["x"][rank]) * k]
+    return {"problems": problems, "rows": int(got[0].shape[0]), "dropped": int((slot_to_send < 0).sum())}
 
 
 def main() -> None:
@@ -183,10 +186,10 @@ def main() -> None:
     results = []
     for config in configurations(world):
         try:
-            problems = check(config, rank)
-        except Exception:  # reported, and the next configuration still runs (every rank fails alike)
-            problems = [traceback.format_exc(limit=3)]
-        results.append({"name": config["name"], "problems": problems})
+            result = check(config, rank)
+        except Exception:  # reported; the next configuration still runs (a rank left waiting times out)
+            result = {"problems": [traceback.format_exc(limit=3)], "rows": 0, "dropped": 0}
+        results.append({"name": config["name"], **result})
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "results": results}))
 
 
