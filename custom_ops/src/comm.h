@@ -56,11 +56,21 @@ struct Groups {
   std::shared_ptr<const Group> world, tp, ep;
 };
 
+// The first problem of `layout` in the words of the ops' validation ("attribute 'tp_rank_id' is 2;
+// expected 0 <= tp_rank_id < tp_world_size = 2"), "" when it is valid.
+std::string layout_problem(const Layout& layout);
+
 // The groups of `layout`, made once per layout and process. Throws an invalid-argument error naming
 // `op` when the layout is invalid, when this build has no MPI (libmoe_onnx_mpi missing), or when the
 // process's MPI world does not match (size != world_size, rank != global_rank). A one-rank layout
 // needs no MPI: its groups are trivial.
 Groups groups(const Layout& layout, const std::string& op);
+
+// The groups of a node that names only its TP group (MOE, MoeRowParallelLinear: tp_world_size,
+// tp_rank_id): the world is any multiple of tp_size ranks, its EP side taken from the process's rank
+// (ep_world_size = world size / tp_size, ep_rank_id = rank / tp_size); the process's rank must be
+// TP rank tp_rank of its group. Errors as groups(); tp_size 1 needs no MPI (every group trivial).
+Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op);
 
 }  // namespace comm
 }  // namespace moe_onnx
