@@ -80,6 +80,8 @@ def test_one_rank_never_imports_mpi4py():
 
 TWO_RANK_NODE_ALONE = """
 import sys
+if sys.argv[1:] == ["no-mpi4py"]:
+    sys.modules["mpi4py"] = None  # as if it were not installed
 sys.path.insert(0, "tests")
 import numpy as np
 from cases import Case
@@ -99,3 +101,11 @@ def test_a_two_rank_node_in_one_process_says_how_to_run_it():
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': runs with 1 MPI rank; the node needs 2 " \
            "(ep_world_size 2 x tp_world_size 1; start it under mpirun -n 2)" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_two_rank_node_without_mpi4py_says_what_is_missing():
+    done = subprocess.run([sys.executable, "-c", TWO_RANK_NODE_ALONE, "no-mpi4py"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': needs 2 MPI ranks (ep_world_size 2 x " \
+           "tp_world_size 1), but mpi4py does not import (" in done.stdout, done.stdout + done.stderr
+    assert "install mpi4py and an MPI library (docs/distributed.md)" in done.stdout
