@@ -36,4 +36,30 @@ class Layout:
         return dataclasses.replace(self, ep_rank=global_rank // self.tp_size, tp_rank=global_rank % self.tp_size)
 
 
-__all__ = ["Layout"]
+def ranks_word(n: int) -> str:
+    return f"{n} MPI rank" if n == 1 else f"{n} MPI ranks"
+
+
+def layout_words(layout: Layout) -> str:
+    return f"ep_world_size {layout.ep_size} x tp_world_size {layout.tp_size}"
+
+
+def world_size_problem(op: str, world_size: int, layout: Layout) -> str | None:
+    """What is wrong with running a node of ``layout`` in an MPI world of ``world_size`` ranks (None: nothing).
+    One wording for the comm layers and the one-process references (a world of one rank)."""
+    if world_size != layout.world_size:
+        return (f"{op}: runs with {ranks_word(world_size)}; the node needs {layout.world_size} "
+                f"({layout_words(layout)}; start it under mpirun -n {layout.world_size})")
+    return None
+
+
+def tp_world_size_problem(op: str, world_size: int, tp_size: int) -> str | None:
+    """As :func:`world_size_problem` for a node that names only its TP group (MOE, MoeRowParallelLinear):
+    the world must be a multiple of ``tp_size``."""
+    if world_size % tp_size:
+        return (f"{op}: runs with {ranks_word(world_size)}; the node needs a multiple of tp_world_size {tp_size} "
+                f"(start it under mpirun -n {tp_size})")
+    return None
+
+
+__all__ = ["Layout", "layout_words", "ranks_word", "tp_world_size_problem", "world_size_problem"]

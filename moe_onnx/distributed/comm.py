@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..ops._common import MoeOpError
-from . import Layout
+from . import Layout, layout_words, ranks_word, tp_world_size_problem, world_size_problem
 
 TIMEOUT_VARIABLE = "MOE_ONNX_COMM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
@@ -226,17 +226,9 @@ _made: dict[Layout, Groups] = {}
 _lock = threading.Lock()
 
 
-def _layout_words(layout: Layout) -> str:
-    return f"ep_world_size {layout.ep_size} x tp_world_size {layout.tp_size}"
-
-
-def _ranks_word(n: int) -> str:
-    return f"{n} MPI rank" if n == 1 else f"{n} MPI ranks"
-
-
 def _mpi(op: str, layout: Layout):
     """mpi4py's MPI module (importing it starts MPI), or CommError saying what is missing."""
-    needs = f"{op}: needs {_ranks_word(layout.world_size)} ({_layout_words(layout)}), but "
+    needs = f"{op}: needs {ranks_word(layout.world_size)} ({layout_words(layout)}), but "
     try:
         from mpi4py import MPI
     except ImportError as error:
@@ -284,9 +276,9 @@ def tp_groups(tp_size: int, tp_rank: int, op: str) -> Groups:
     if tp_size == 1:
         return _SOLO
     size, rank = _world(_mpi(op, tp_only))
-    if size % tp_size:
-        raise CommError(f"{op}: runs with {_ranks_word(size)}; the node needs a multiple of tp_world_size {tp_size} "
-                        f"(start it under mpirun -n {tp_size})")
+    problem = tp_world_size_problem(op, size, tp_size)
+    if problem:
+        raise CommError(problem)
     if rank % tp_size != tp_rank:
         raise CommError(f"{op}: runs as MPI rank {rank}, TP rank {rank % tp_size} of its group, but the node has "
                         f"tp_rank_id {tp_rank}; expected rank {rank}'s model")
@@ -297,9 +289,9 @@ def _mpi_groups(layout: Layout, op: str) -> Groups:
     mpi = _mpi(op, layout)
     size, rank = _world(mpi)
     world_size, g = layout.world_size, layout.global_rank
-    if size != world_size:
-        raise CommError(f"{op}: runs with {_ranks_word(size)}; the node needs {world_size} ({_layout_words(layout)}; "
-                        f"start it under mpirun -n {world_size})")
+    problem = world_size_problem(op, size, layout)
+    if problem:
+        raise CommError(problem)
     if rank != g:
         raise CommError(f"{op}: runs as MPI rank {rank}, but the node is global rank {g} (ep_rank_id "
                         f"{layout.ep_rank} * tp_world_size {layout.tp_size} + tp_rank_id {layout.tp_rank}); "

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, defs, helper
 
+from ..distributed import Layout, tp_world_size_problem, world_size_problem
 from .signatures import Signature
 
 DOMAIN = "moe_onnx"
@@ -509,14 +510,16 @@ def check_group_attrs(view: NodeView, size_name: str, rank_name: str) -> tuple[i
     return size, rank
 
 
-def refuse_without_group(view: NodeView, size_attrs: Sequence[str], world_size: int) -> None:
-    """The numpy reference runs one process: a node of a larger group needs its group's ranks (MoeOpError)."""
-    if world_size > 1:
-        names = " and ".join(f"'{name}'" for name in size_attrs)
-        values = " and ".join(str(view.attr(name)) for name in size_attrs)
-        subject, verb = (f"attribute {names}", "is") if len(size_attrs) == 1 else (f"attributes {names}", "are")
-        view.fail(subject, f"{verb} {values}: this node is one of {world_size} ranks and runs only with its "
-                  "group (under MPI, docs/distributed.md), not on one process")
+def refuse_without_group(view: NodeView, layout: Layout, tp_only: bool = False) -> None:
+    """The numpy reference runs in one process, a world of one rank: a node of a larger group is refused
+    in the words the backends use on one process (MoeOpError). ``tp_only``: the node names only its TP
+    group (MOE, MoeRowParallelLinear)."""
+    if tp_only:
+        problem = tp_world_size_problem(view.where(), 1, layout.tp_size)
+    else:
+        problem = world_size_problem(view.where(), 1, layout)
+    if problem:
+        raise MoeOpError(problem)
 
 
 def drop_group_attrs(op_name: str, attrs: dict, ranks: int, what: str) -> None:

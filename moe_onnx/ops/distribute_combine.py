@@ -72,7 +72,7 @@ def moe_distribute_combine(expand_y, assist_info, scales, x1=None, x2=None, *, n
     attrs = dict(num_experts=num_experts, gather_tokens=gather_tokens, ep_world_size=ep_world_size,
                  ep_rank_id=ep_rank_id, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id)
     view, plan = validated([expand_y, assist_info, scales, x1, x2], attrs, _node_name, _named_outputs)
-    refuse_without_group(view, ("ep_world_size", "tp_world_size"), plan.layout.world_size)
+    refuse_without_group(view, plan.layout)
     returned = expand_y[plan.arrival_to_row].astype(np.float32)  # one rank: the arrivals are its send buffer
     return (weighted_sum(returned, plan, scales, x1, x2),)
 

@@ -97,7 +97,7 @@ def moe_distribute_dispatch(x, expert_ids, *, num_experts=None, expert_capacity=
     attrs = dict(num_experts=num_experts, expert_capacity=expert_capacity, ep_world_size=ep_world_size,
                  ep_rank_id=ep_rank_id, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id)
     view, layout, experts, capacity = validated([x, expert_ids], attrs, _node_name, _named_outputs)
-    refuse_without_group(view, ("ep_world_size", "tp_world_size"), layout.world_size)
+    refuse_without_group(view, layout)
     plan = plan_dispatch(expert_ids, slot_counts(expert_ids, experts)[None], layout, experts, capacity)
     return arrange_arrivals(*send_buffers(x, expert_ids, plan), plan)  # one rank: it sends to itself
 

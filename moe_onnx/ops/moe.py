@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..distributed import Layout
 from . import signatures
 from ._common import (
     ArrayView,
@@ -189,7 +190,7 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
                  gate_parity=gate_parity, activation=activation, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id)
     arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
     view = validated(arrays, attrs, _node_name, _named_outputs)
-    refuse_without_group(view, ("tp_world_size",), int(view.attr("tp_world_size")))
+    refuse_without_group(view, Layout(tp_size=int(view.attr("tp_world_size"))), tp_only=True)
     return (round_like(partial_y(view, arrays), hidden_states),)
 
 

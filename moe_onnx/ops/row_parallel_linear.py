@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
+from ..distributed import Layout
 from . import signatures
 from ._common import (
     ArrayView,
@@ -170,7 +171,7 @@ def row_parallel_linear(X, expert_offset, W, B=None, *, num_experts=None, in_fea
                  bias_term=bias_term, input_is_parallel=input_is_parallel, tp_world_size=tp_world_size,
                  tp_rank_id=tp_rank_id)
     view = validated([X, expert_offset, W, B], attrs, _node_name, _named_outputs)
-    refuse_without_group(view, ("tp_world_size",), int(view.attr("tp_world_size")))
+    refuse_without_group(view, Layout(tp_size=int(view.attr("tp_world_size"))), tp_only=True)
     return (finish_reduced(partial_product(X, expert_offset, W), expert_offset, B, X),)
 
 
