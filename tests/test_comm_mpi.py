@@ -77,7 +77,7 @@ def test_missing_mpi_library_is_named(tmp_path):
     assert loaded == "[] False"
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "inf"])
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "inf", "0x10"])
 def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
     outcome, loaded = one_process(2, MOE_ONNX_COMM_TIMEOUT_S=value)
     assert outcome == (f"MOE node 'MOE_node': environment variable MOE_ONNX_COMM_TIMEOUT_S is '{value}'; expected a "
@@ -87,8 +87,8 @@ def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
 
 def test_too_few_ranks_says_how_to_start():
     outcome, _ = one_process(2)  # MPI starts as a singleton: a world of 1
-    assert outcome == ("MOE node 'MOE_node': runs with 1 MPI rank; the node needs 2 (tp_world_size 2; start it under "
-                       "mpirun -n 2)")
+    assert outcome == ("MOE node 'MOE_node': runs with 1 MPI rank; the node needs a multiple of tp_world_size 2 "
+                       "(start it under mpirun -n 2)")
 
 
 LAYOUT_ERRORS = [
