@@ -100,7 +100,7 @@ LAYOUT_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("op,attrs,error", LAYOUT_ERRORS, ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+@pytest.mark.parametrize("op,attrs,error", LAYOUT_ERRORS, ids=["moe-size", "moe-rank", "rpl-rank"])
 def test_layout_attributes_are_checked_before_mpi(op, attrs, error):
     if op == "MOE":
         case = Case(op=op, name="layout", inputs=moe_cases.make_inputs(expert_type=moe_cases.GEMM3),
