@@ -190,7 +190,9 @@ const MoeOnnxMpiTable& mpi_table(const std::string& op, const Layout& layout) {
   if (access(path.c_str(), F_OK) != 0)
     throw_invalid(needs + "this build has no MPI support (" + kMpiLibrary + " not found beside " + self +
                   "); rebuild with MPI (docs/building.md)");
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  // RTLD_GLOBAL: MPI's own plugins, which MPI dlopens, may resolve symbols of libmpi through the
+  // global namespace (Open MPI before 3.0: open-mpi/ompi issue 3705).
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NODELETE);
   if (!handle)
     throw_invalid(needs + path + " does not load (" + dlerror() +
                   "); install the MPI it was built with (docs/building.md)");
