@@ -27,7 +27,7 @@ import pytest
 from backends import KERNEL_CREATION, as_float64, kernel_error, run_case
 from cases import ALL_CASES, Case
 from cases.moe import BF16, TOL
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, given, note, reject, settings
 from hypothesis import strategies as st
 
 from moe_onnx.ops import OPS, MoeOpError
@@ -322,7 +322,10 @@ def disagreement(case: Case) -> str | None:
 def test_backends_agree(op, data):
     case = data.draw(fuzzed_cases(op))
     note(describe(case))
-    problem = disagreement(case)
+    try:
+        problem = disagreement(case)
+    except MemoryError:  # an output larger than this machine (drop/pad's [E_local * C, H] with a huge H): no
+        reject()  # contract question, onnxruntime's allocator refuses it too
     assert problem is None, problem
 
 
