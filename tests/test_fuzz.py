@@ -390,13 +390,28 @@ def _corruptions(case: Case) -> list[Case]:
     return out
 
 
-CORRUPTED = [c for base in (_combine_case("dropless", 0, [[0, 2], [1, 2], [2, 3]]),
-                            _combine_case("drop_pad", 1, [[0, 2], [0, 2], [3, 1]]))
+def _one_slot_fewer_sent(case: Case) -> Case:
+    """``case`` with its first kept slot dropped and send_counts[0] one less, slot_to_send still one-to-one:
+    a self-consistent send side that no longer matches recv_counts[0] (one EP rank: the all-to-all is a copy)."""
+    assist = case.inputs[1].copy()
+    slots = assist[12:12 + case.inputs[2].size]  # one rank: slot_to_send starts at 8 + 1 + 1 + 2
+    kept = np.flatnonzero(slots >= 0)
+    slots[kept[0]] = -1
+    slots[kept[1:]] = np.argsort(np.argsort(slots[kept[1:]]))
+    assist[11] -= 1
+    return case.mutated(f"{case.name}_one_slot_fewer_sent", None, assist_info=assist)
+
+
+_DROPLESS = _combine_case("dropless", 0, [[0, 2], [1, 2], [2, 3]])
+CORRUPTED = [c for base in (_DROPLESS, _combine_case("drop_pad", 1, [[0, 2], [0, 2], [3, 1]]))
              for c in _corruptions(base)]
+CORRUPTED.append(pytest.param(_one_slot_fewer_sent(_DROPLESS), marks=pytest.mark.xfail(
+    strict=True, reason="the reference takes send_counts[0] != recv_counts[0] on one EP rank (it skips the copy and "
+    "silently loses a row); the C++ kernel refuses it: read_assist_info should check it")))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("case", CORRUPTED, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", CORRUPTED, ids=lambda c: c.name if isinstance(c, Case) else None)
 def test_corrupted_assist_info(case):
     """A corrupted assist_info is refused in the reference's words by both backends (or, where it still
     describes a valid combine, gives the reference's numbers): never a crash, never a read out of bounds."""
