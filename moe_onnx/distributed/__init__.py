@@ -1,0 +1,1 @@
+"""Tensor and expert parallelism over MPI (docs/distributed.md)."""
