@@ -184,17 +184,25 @@ class LaunchError(RuntimeError):
     """mpirun cannot be started (not installed)."""
 
 
-def mpirun_command(ranks: int, arguments: Sequence[str], mpirun: str | None = None) -> list[str]:
-    """The mpirun command line that runs ``python -m moe_onnx.run ARGUMENTS`` on ``ranks`` processes of this
-    machine; LaunchError when mpirun is not found."""
-    program = mpirun or shutil.which("mpirun")
+def mpirun_command(ranks: int, command: Sequence[str]) -> list[str]:
+    """The mpirun command line that runs ``command`` on ``ranks`` processes of this machine
+    (--oversubscribe; --allow-run-as-root for root); LaunchError when mpirun is not found."""
+    program = shutil.which("mpirun")
     if program is None:
         raise LaunchError("mpirun was not found on PATH: install Open MPI (Debian: apt-get install openmpi-bin "
-                          "libopenmpi-dev) or run `mpirun -n P python -m moe_onnx.run ...` with your MPI")
-    command = [program, "--oversubscribe"]
+                          "libopenmpi-dev) or start `python -m moe_onnx.run` with your MPI's launcher")
+    launcher = [program, "--oversubscribe"]
     if hasattr(os, "getuid") and os.getuid() == 0:
-        command.append("--allow-run-as-root")
-    return [*command, "-n", str(ranks), sys.executable, "-m", "moe_onnx.run", *arguments]
+        launcher.append("--allow-run-as-root")
+    return [*launcher, "-n", str(ranks), *command]
+
+
+def package_environment() -> dict[str, str]:
+    """This process's environment with this package's root first on PYTHONPATH (for the ranks)."""
+    environment = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    return environment
 
 
 def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, output: str | os.PathLike, *,
@@ -205,10 +213,8 @@ def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, 
                  "--threads", str(threads)]
     if timeout is not None:
         arguments += ["--timeout", str(timeout)]
-    environment = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parents[1])
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
-    return subprocess.run(mpirun_command(ranks, arguments), env=environment).returncode
+    command = mpirun_command(ranks, [sys.executable, "-m", "moe_onnx.run", *arguments])
+    return subprocess.run(command, env=package_environment()).returncode
 
 
 def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str | os.PathLike,
