@@ -20,6 +20,7 @@ import onnx
 import pytest
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
 from fixture_models import FIXTURES, random_feeds
+from world_simulation import run_world
 
 from moe_onnx import session
 from moe_onnx.cli import main as cli_main
@@ -139,6 +140,31 @@ def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
 
 
 # ----------------------------------------------------------------------------- the graph transformation
+
+@functools.cache
+def _unsharded(model: str) -> onnx.ModelProto:
+    return MODELS[model]()
+
+
+@pytest.mark.parametrize("tp, ep", [c for world in CONFIGS for c in CONFIGS[world]], ids=lambda v: str(v))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
+    """Every rank in one process (threads, the ops' all-ranks references): the transformation, without MPI."""
+    ranks = shard(_unsharded(model), tp=tp, ep=ep)
+    sess = session(_unsharded(model))
+    for input_name, feeds in _inputs(model).items():
+        expected = run_session(sess, feeds)["y"]
+        for rank, (got,) in enumerate(run_world(ranks, feeds)):
+            assert got.shape == expected.shape
+            np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE,
+                                       err_msg=f"{input_name} rank {rank}")
+
+
+def test_grouped_chain_keeps_an_empty_batch_empty():
+    """Rank-3 hidden states with no tokens: the chain's last Reshape takes the 0 as a 0 (allowzero)."""
+    feeds = routing_feeds(0, rank3=True)
+    got = run_session(session(grouped_model(GEMM3_SWIGLU, rank3=True)), feeds)["y"]
+    assert got.shape == (1, 0, 8)
 
 def _ops(model: onnx.ModelProto) -> list[str]:
     return [node.op_type for node in model.graph.node]
