@@ -6,7 +6,11 @@
 //    it is an initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
 //    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
 //    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
-// 3. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
+// 3. With tp_world_size > 1 (docs/distributed.md), W is this rank's K-slice [E, N, K_q]: the rank
+//    reads X's columns [k_q, k_q + K_q) (k_q: the K_q of the TP ranks before it, all-gathered) unless
+//    input_is_parallel, computes its partial without B in float32 (int32 for int8), all-reduces it over
+//    the group and then adds B once and rounds.
+// 4. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
 //    thread busy; each output element is computed by one task in a fixed order: 1 and N threads
 //    agree bitwise.
 #include "row_parallel_linear.h"
@@ -38,7 +42,8 @@ constexpr TaskShape kTaskShape{/*max_rows=*/48, /*equal_rows=*/false, /*max_pane
 ElemType output_elem(ElemType x_type) { return x_type == kInt8 ? kInt32 : x_type; }
 
 struct Dims {
-  int64_t E, N, K, rows;
+  int64_t E, N, K, rows;  // K: W's dim 2 (this rank's K_q with tp_world_size > 1)
+  int64_t x_width;        // X's dim -1
   std::vector<int64_t> out_shape;
 };
 
@@ -56,6 +61,10 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
                                   " (" + (x_type == kInt8 ? "int8 X and W accumulate in int32" : "the type of input 'X'") +
                                   ")");
   }
+  // K is the full input width; with tp_world_size > 1, W holds this rank's K_q, and so does X when
+  // input_is_parallel is 1.
+  const char* w_k = kernel.tp ? "K_q" : "K";
+  const char* x_k = kernel.input_is_parallel ? w_k : "K";
   DimBinder dims(v);
   for (int i = 0; i < 3; ++i) {
     if (!kernel.has_size[i]) continue;
@@ -65,9 +74,9 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
     dims.bind(kSizeSymbols[i], kernel.size[i], std::string("attribute '") + kSizeAttrs[i] + "'");
   }
   const auto& x_shape = v.expect_rank(X, -1, 1);
-  dims.bind("K", x_shape.back(), "input 'X' dim -1");
+  dims.bind(x_k, x_shape.back(), "input 'X' dim -1");
   v.expect_rank(W, 3);
-  dims.shape(W, {"E", "N", "K"});
+  dims.shape(W, {"E", "N", w_k});
   if (v.has(B)) {
     v.expect_rank(B, 2);
     dims.shape(B, {"E", "N"});
@@ -78,7 +87,7 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
     v.fail(v.input_name(OFFSET), "dim 0 is " + std::to_string(length) + "; expected E + 1 = " + std::to_string(E + 1) +
                                      " (E from " + (kernel.has_size[0] ? "attribute 'num_experts'" : "input 'W' dim 0") +
                                      ")");
-  Dims d{E, dims.get("N"), dims.get("K"), product(x_shape, 0, x_shape.size() - 1), {}};
+  Dims d{E, dims.get("N"), dims.get(w_k), product(x_shape, 0, x_shape.size() - 1), x_shape.back(), {}};
   d.out_shape.assign(x_shape.begin(), x_shape.end() - 1);
   d.out_shape.push_back(d.N);
   return d;
@@ -119,8 +128,9 @@ void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
   p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
 }
 
-// The covered rows of X as the GEMM reads them: int8 prepared for the int8 GEMM (ld in bytes);
-// float32 in place when gemm_rows_in_place allows, else widened or copied to fp32 at gemm_row_stride.
+// The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
+// prepared for the int8 GEMM (ld in bytes); float32 in place when gemm_rows_in_place allows, else
+// widened or copied to fp32 at gemm_row_stride.
 struct GemmRows {
   std::unique_ptr<char[]> int8_rows;  // every byte written by prepare_int8_rows
   std::vector<float> f32;
@@ -128,11 +138,12 @@ struct GemmRows {
   int64_t ld = 0;
 };
 
-GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K) {
+GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K,
+                   int64_t x_width, int64_t k0) {
   GemmRows a;
-  if (x.type == kF32 && gemm_rows_in_place(K)) {
-    a.f = x.as<float>() + first * K;
-    a.ld = K;
+  if (x.type == kF32 && gemm_rows_in_place(x_width)) {
+    a.f = x.as<float>() + first * x_width + k0;
+    a.ld = x_width;
     return a;
   }
   size_t chunk = 1;
@@ -147,17 +158,19 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
     a.ld = int8_row_bytes(K);
     a.int8_rows.reset(new char[static_cast<size_t>(rows * a.ld)]);
     for_chunks([&](int64_t r0, int64_t r1) {
-      prepare_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a.int8_rows.get() + r0 * a.ld);
+      for (int64_t r = r0; r < r1; ++r)
+        prepare_int8_rows(x.as<int8_t>() + (first + r) * x_width + k0, 1, K, a.int8_rows.get() + r * a.ld);
     });
     return a;
   }
   a.ld = gemm_row_stride(K);
   a.f32.resize(static_cast<size_t>(rows * a.ld));
-  const size_t row_bytes = static_cast<size_t>(K) * elem_size(x.type);
+  const size_t x_size = elem_size(x.type);
   const PanelType x_panel = panel_type(x.type);
   for_chunks([&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      widen_row(x_panel, static_cast<const char*>(x.data) + (first + r) * row_bytes, a.f32.data() + r * a.ld, K);
+      widen_row(x_panel, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size,
+                a.f32.data() + r * a.ld, K);
   });
   a.f = a.f32.data();
   return a;
@@ -165,14 +178,15 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
 
 // Writes the tasks' tiles of Y: each task's rows x 16-column panels through the GEMM, written
 // straight into Y when the panels lie inside it and Y is int32/float32, else into a scratch tile
-// that is then copied (and converted); then the bias.
+// that is then copied (and converted); then the bias (when b is present).
 struct OutputTiles {
   const PackedExperts& packed;
   const GemmRows& a;
   const Input& b;
   int64_t N, K, first;  // first: the first covered row (row 0 of a)
   ElemType y_type;
-  char* y;
+  char* y;              // row y_first of the output (0: Y itself; first: a TP rank's partial)
+  int64_t y_first;
 
   bool direct(const Task& t) const { return t.p1 * kPanel <= N && (y_type == kInt32 || y_type == kF32); }
   const void* weights(const Task& t) const {
@@ -183,7 +197,7 @@ struct OutputTiles {
   void int8_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
-    int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
+    int32_t* out = reinterpret_cast<int32_t*>(y) + (t.row0 - y_first) * N + c0;
     int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
     int8_gemm_panels(a.int8_rows.get() + (t.row0 - first) * a.ld, a.ld, t.rows, K, weights(t), t.p0, t.p1, C, ldc);
     if (direct(t) && !b.present) return;
@@ -200,7 +214,7 @@ struct OutputTiles {
   void float_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
-    float* C = direct(t) ? reinterpret_cast<float*>(y) + t.row0 * N + c0
+    float* C = direct(t) ? reinterpret_cast<float*>(y) + (t.row0 - y_first) * N + c0
                          : scratch<float>(static_cast<size_t>(t.rows * ldc));
     gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
                 weights(t), t.p0, t.p1, C, ldc);
@@ -214,10 +228,66 @@ struct OutputTiles {
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;
       for (size_t c = 0; c < bias.size(); ++c) row[c] += bias[c];
-      if (!direct(t)) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
+      if (!direct(t)) from_float(y_type, row, y + ((t.row0 - y_first + r) * N + c0) * y_size, c1 - c0);
     }
   }
 };
+
+// TP: the first column of X this rank reads (k_q, an exclusive scan of the group's K_q; 0 with
+// input_is_parallel), after checking the group's widths add up to X's width and in_features.
+int64_t slice_start(RowParallelLinearKernel& kernel, const Checker& v, const Dims& d) {
+  if (kernel.input_is_parallel && !kernel.has_size[1]) return 0;  // nothing to check against the group's widths
+  const std::vector<int64_t> widths = kernel.group_widths(d.K);
+  int64_t start = 0, total = 0;
+  for (size_t q = 0; q < widths.size(); ++q) {
+    if (static_cast<int64_t>(q) < kernel.tp->rank()) start += widths[q];
+    total += widths[q];
+  }
+  const std::string sum = "the sum of the TP group's K_q = " + std::to_string(total) +
+                          " (input 'W' dim 2 on each TP rank: " + fmt_shape(widths) + ")";
+  if (!kernel.input_is_parallel && d.x_width != total)
+    v.fail(v.input_name(X), "dim -1 is " + std::to_string(d.x_width) + "; expected " + sum);
+  if (kernel.has_size[1] && kernel.size[1] != total)
+    v.fail("attribute 'in_features'", "is " + std::to_string(kernel.size[1]) + "; expected " + sum);
+  return kernel.input_is_parallel ? 0 : start;
+}
+
+// TP: sums this rank's partial (the covered rows [o[0], o[E]) x N, int32 or float32, without B) over
+// the group, then adds B once and writes those rows of Y (y_type; the partial may be Y's own rows).
+void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const char* where, char* partial,
+                    ElemType partial_type, const Input& b, const int64_t* o, int64_t E, int64_t N, ElemType y_type,
+                    char* y) {
+  const int64_t first = o[0], covered = o[E] - o[0];
+  if (partial_type == kInt32)
+    tp.all_reduce_sum(reinterpret_cast<int32_t*>(partial), covered * N, where, "the partial Y");
+  else
+    tp.all_reduce_sum(reinterpret_cast<float*>(partial), covered * N, where, "the partial Y");
+  const size_t y_size = elem_size(y_type);
+  size_t chunk = 1;
+  const size_t n_chunks = chunk_count(static_cast<size_t>(covered), 16, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    float* bias = scratch<float>(static_cast<size_t>(N));
+    const int64_t end = std::min<int64_t>(covered, static_cast<int64_t>((c + 1) * chunk));
+    for (int64_t i = static_cast<int64_t>(c * chunk); i < end; ++i) {
+      const int64_t row = first + i;
+      const int64_t expert = std::upper_bound(o, o + E + 1, row) - o - 1;  // o[expert] <= row < o[expert + 1]
+      if (partial_type == kInt32) {
+        if (!b.present) continue;
+        int32_t* out = reinterpret_cast<int32_t*>(partial) + i * N;
+        const int32_t* add = b.as<int32_t>() + expert * N;
+        for (int64_t n = 0; n < N; ++n)  // wraps like numpy's int32
+          out[n] = static_cast<int32_t>(static_cast<uint32_t>(out[n]) + static_cast<uint32_t>(add[n]));
+        continue;
+      }
+      float* sums = reinterpret_cast<float*>(partial) + i * N;
+      if (b.present) {
+        to_float(b.type, static_cast<const char*>(b.data) + expert * N * elem_size(b.type), bias, N);
+        for (int64_t n = 0; n < N; ++n) sums[n] += bias[n];
+      }
+      if (y_type != kF32) from_float(y_type, sums, y + row * N * y_size, N);
+    }
+  });
+}
 
 }  // namespace
 
@@ -231,7 +301,8 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
-  attrs.choice("input_is_parallel", {0, 1});  // no effect on one process
+  input_is_parallel = attrs.choice("input_is_parallel", {0, 1}) == 1;  // no effect on one process
+  const auto [tp_size, tp_rank] = read_group(attrs, "tp_world_size", "tp_rank_id");
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
     bias_term = attrs.choice("bias_term", {0, 1});
@@ -241,6 +312,7 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
       throw_invalid(where + ": input 'B' is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1");
   }
   for (int i = 0; i < 3; ++i) has_size[i] = attrs.has_int(kSizeAttrs[i], &size[i]);
+  if (tp_size > 1) tp = comm::tp_groups(tp_size, tp_rank, where).tp;
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
@@ -253,6 +325,15 @@ OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
   return compute_status(where, [&] { Compute(context); });
 }
 
+std::vector<int64_t> RowParallelLinearKernel::group_widths(int64_t K_q) {
+  std::lock_guard<std::mutex> lock(widths_mutex);
+  if (!constant_widths.empty()) return constant_widths;
+  std::vector<int64_t> widths(static_cast<size_t>(tp->size()));
+  tp->all_gather(&K_q, 1, widths.data(), where.c_str(), "the K_q of every rank (input 'W' dim 2)");
+  if (constant) constant_widths = widths;
+  return widths;
+}
+
 void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
@@ -261,6 +342,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t E = d.E, N = d.N, K = d.K;
   const int64_t* o = inputs[OFFSET].as<int64_t>();
   check_offsets(v, o, E, d.rows);
+  const int64_t k0 = tp ? slice_start(*this, v, d) : 0;
 
   const Input& x = inputs[X];
   const ElemType y_type = output_elem(x.type);
@@ -272,7 +354,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   std::memset(y, 0, static_cast<size_t>(o[0] * N) * y_size);
   std::memset(y + o[E] * N * y_size, 0, static_cast<size_t>((d.rows - o[E]) * N) * y_size);
   const int64_t first = o[0], covered = o[E] - o[0];
-  if (covered == 0) return;
+  if (covered == 0) return;  // the same on every TP rank (the same offsets)
 
   const Input& w = inputs[W];
   PackedExperts local;
@@ -280,8 +362,21 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
       ctx, constant.get(), weight_signature({&w}), o, E, local,
       [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
       [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
-  const GemmRows a = gemm_rows(ctx, x, first, covered, K);
-  const OutputTiles tiles{packed, a, inputs[B], N, K, first, y_type, y};
+  const GemmRows a = gemm_rows(ctx, x, first, covered, K, d.x_width, k0);
+  // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y).
+  std::vector<float> partial_f32;
+  const bool partial_in_y = !tp || y_type == kF32 || y_type == kInt32;
+  if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial Y");
+  const Input no_bias;
+  const OutputTiles tiles{packed,
+                          a,
+                          tp ? no_bias : inputs[B],
+                          N,
+                          K,
+                          first,
+                          partial_in_y ? y_type : kF32,
+                          partial_in_y ? y + (tp ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data()),
+                          tp ? first : 0};
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
     if (x.type == kInt8)
@@ -289,6 +384,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     else
       tiles.float_task(tasks[ti]);
   });
+  if (tp) reduce_partial(ctx, *tp, where.c_str(), tiles.y, tiles.y_type, inputs[B], o, E, N, y_type, y);
 }
 
 }  // namespace moe_onnx
