@@ -19,7 +19,8 @@ import numpy as np
 import onnx
 import pytest
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
-from fixture_models import FIXTURES, random_feeds
+from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_feeds,
+                            whole_reference_data)
 from world_simulation import run_world
 
 from moe_onnx import session
@@ -36,6 +37,7 @@ EXPERTS = 8  # 2 local experts at ep = 4
 CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 BACKENDS = ("cpp", "python")
 FIXTURE_MODELS = ("mixtral_batched_mm_tiny", "gpt_oss_batched_mm_tiny")
+WHOLE_MODELS = ("mixtral__tf5__torchscript", "gpt_oss__tf457__torchscript")  # tiny LMs: input_ids -> logits
 # routing-input models: GPT-OSS-like GEMM2 (biases, clamp) and Mixtral/Qwen-like GEMM3, as MOE nodes and grouped
 # chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
 MODELS = {
@@ -74,11 +76,15 @@ def expected_outputs(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[st
 
 
 def _cases(world: int) -> list[tuple[int, int, str, str]]:
-    return [(tp, ep, model, backend) for tp, ep in CONFIGS[world] for model in [*MODELS, *FIXTURE_MODELS]
-            for backend in BACKENDS]
+    return [(tp, ep, model, backend) for tp, ep in CONFIGS[world]
+            for model in [*MODELS, *FIXTURE_MODELS, *WHOLE_MODELS] for backend in BACKENDS]
 
 
 def _inputs(model: str) -> dict[str, dict[str, np.ndarray]]:
+    if model in WHOLE_MODELS:
+        names = [i.name for i in onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[model]["file"]).graph.input]
+        data = whole_reference_data(model)
+        return {key: whole_feeds(names, data[key]) for key in data if key.startswith("input_ids")}
     if model in FIXTURE_MODELS:
         return {"b1s1": random_feeds(model, 1, 1), "b2s3": random_feeds(model, 2, 3)}
     rank3 = model == "gemm3_moe"
@@ -97,6 +103,8 @@ def world_results(world: int, root: str) -> dict:
         onnx.save(build(), sources[name])
     for name in FIXTURE_MODELS:
         sources[name] = FIXTURES / f"{name}.onnx"
+    for name in WHOLE_MODELS:
+        sources[name] = WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]
     for tp, ep, model, backend in _cases(world):
         directory = root / f"{model}_tp{tp}_ep{ep}"
         if not directory.exists():
