@@ -48,3 +48,6 @@ def test_dispatch_combine_match_the_reference_on_every_rank(ranks, tmp_path):
         assert [r["name"] for r in report["results"]] == names, "every rank ran every configuration"
         failures += [f"rank {report['rank']} {r['name']}: {p}" for r in report["results"] for p in r["problems"]]
     assert not failures, "\n".join(failures)
+    results = [r for report in reports for r in report["results"]]
+    assert any(r["dropped"] for r in results), "some configuration drops slots"
+    assert any(r["rows"] == 0 for r in results) and any(r["rows"] > 20 for r in results)

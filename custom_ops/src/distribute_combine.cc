@@ -56,14 +56,14 @@ int64_t wrapping_sum(const std::vector<int64_t>& values) {
 AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64_t tokens, int64_t k, int64_t rows,
                             const std::string& where) {
   auto fail = [&](const std::string& what, const std::string& expected) {
-    throw_invalid(where + ": input 'assist_info' " + what + "; expected " + expected +
+    throw_invalid(where + ": input 'assist_info'" + what + "; expected " + expected +
                   " (the assist_info of the matching MoeDistributeDispatch)");
   };
   const comm::Layout& r = layout.ranks;
   const int64_t n = info.count;
   const int64_t* v = info.as<int64_t>();
   if (n < kHeaderLength)
-    fail("has " + std::to_string(n) + " entries", "at least the " + std::to_string(kHeaderLength) + " of its header");
+    fail(" has " + std::to_string(n) + " entries", "at least the " + std::to_string(kHeaderLength) + " of its header");
   const std::pair<int64_t, const char*> header[] = {
       {r.ep_size, "attribute 'ep_world_size'"}, {r.tp_size, "attribute 'tp_world_size'"},
       {layout.num_experts, "attribute 'num_experts'"}, {tokens, "dim 0 of input 'scales'"},
@@ -78,7 +78,7 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
   const __int128 expected = static_cast<__int128>(kHeaderLength) + W + r.tp_size + 2 * r.ep_size + slots +
                             std::max<int64_t>(a.arrivals, 0);
   if (a.arrivals < 0 || n != expected)
-    fail("has " + std::to_string(n) + " entries with R = " + std::to_string(a.arrivals),
+    fail(" has " + std::to_string(n) + " entries with R = " + std::to_string(a.arrivals),
          "8 + W + tp + 2 * ep + Bs * K + R = " + fmt_wide(expected));
   const int64_t* p = v + kHeaderLength;
   const std::pair<const char*, std::vector<int64_t>*> sections[] = {
@@ -90,18 +90,18 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
     p += lengths[s];
     const int64_t smallest = *std::min_element(sections[s].second->begin(), sections[s].second->end());
     if (smallest < 0)
-      fail("section " + std::string(sections[s].first) + " has a negative count " + std::to_string(smallest),
+      fail(" section " + std::string(sections[s].first) + " has a negative count " + std::to_string(smallest),
            "counts >= 0");
   }
   a.slot_to_send = p;
   a.arrival_to_row = p + slots;
   const int64_t g = r.global_rank();
   if (a.tokens_per_rank[g] != tokens)
-    fail("tokens_per_rank[" + std::to_string(g) + "] is " + std::to_string(a.tokens_per_rank[g]),
+    fail(" section tokens_per_rank has [" + std::to_string(g) + "] = " + std::to_string(a.tokens_per_rank[g]),
          "Bs = " + std::to_string(tokens) + " on this rank (dim 0 of input 'scales')");
   const int64_t received = wrapping_sum(a.recv_counts), own_block = a.tp_blocks[r.tp_rank];
   if (wrapping_sum(a.tp_blocks) != a.arrivals || own_block != received)
-    fail("section tp_blocks does not add up", "sum = R = " + std::to_string(a.arrivals) + " and tp_blocks[" +
+    fail(" section tp_blocks does not add up", "sum = R = " + std::to_string(a.arrivals) + " and tp_blocks[" +
                                                   std::to_string(r.tp_rank) + "] = the sum of recv_counts (" +
                                                   std::to_string(received) + ")");
   const int64_t sent = wrapping_sum(a.send_counts);
@@ -114,13 +114,13 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
     kept += s >= 0;
   }
   if (!one_to_one || kept != sent)
-    fail("section slot_to_send is not a one-to-one map of slots onto the send buffer",
+    fail(" section slot_to_send is not a one-to-one map of slots onto the send buffer",
          "each of the " + std::to_string(sent) + " send positions once, -1 for a dropped slot");
   std::fill(used.begin(), used.end(), 0);
   for (int64_t i = 0; i < a.arrivals; ++i) {
     const int64_t row = a.arrival_to_row[i];
     if (row < 0 || row >= rows || used[row]++)
-      fail("section arrival_to_row is not a one-to-one map into expand_y",
+      fail(" section arrival_to_row is not a one-to-one map into expand_y",
            "distinct rows in [0, " + std::to_string(rows) + ")");
   }
   // Past the reference: every count of a section within what the section's (wrapped) sum allows.
@@ -130,7 +130,7 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
   for (const auto& [counts, total] : bounded) {
     int64_t left = total;
     for (int64_t c : *counts) {
-      if (c > left) fail("has counts that sum past int64", "the counts of the matching dispatch");
+      if (c > left) fail(" has counts that sum past int64", "the counts of the matching dispatch");
       left -= c;
     }
   }

@@ -7,7 +7,7 @@ output is a partial sum), then the Combine node, all on the C++ kernels; and com
 the all-ranks reference (``dispatch_all_ranks`` / ``combine_all_ranks``, which every rank computes for
 the whole world from the same seeded inputs): expand_x, expert_offset and assist_info element for
 element, out within 1e-6. It writes ``OUT_DIR/rank<g>.json``: ``{"rank", "world", "results": [{"name",
-"problems"}]}`` (no problems: the configuration matched). Never imports mpi4py: the kernels' own
+"problems", "rows", "dropped"}]}`` (no problems: the configuration matched). Never imports mpi4py: the kernels' own
 communication layer runs MPI.
 """
 
@@ -26,8 +26,9 @@ import onnxruntime as ort
 from onnx import helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from moe_onnx import DOMAIN, custom_ops_library  # noqa: E402
+from moe_onnx import DOMAIN  # noqa: E402
 from moe_onnx.ops.distribute import combine_all_ranks, dispatch_all_ranks  # noqa: E402
+from moe_onnx.runtime import run, session  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 OUT_TOLERANCE = 1e-6
@@ -54,7 +55,7 @@ def configurations(world: int) -> list[dict]:
             dict(dtype="float16", ids="int32", x1=False),
             dict(dtype="bfloat16", capacity=3, gather_tokens=1),
             dict(k=1, experts=ep, hidden=0),                    # one expert per EP rank, H = 0
-            dict(k=3, experts=2 * ep, hidden=33, routing="skewed", tokens=[9 + 3 * g for g in range(ep * tp)]),
+            dict(k=3, experts=3 * ep, hidden=33, routing="skewed", tokens=[9 + 3 * g for g in range(ep * tp)]),
         ]
         for i, change in enumerate(variants):
             config = {**base, **change}
@@ -114,25 +115,21 @@ def expert(expand_x: np.ndarray, expert_offset: np.ndarray, matrices: np.ndarray
     return y.astype(expand_x.dtype)
 
 
-def session(node: onnx.NodeProto, inputs: list[tuple[str, np.ndarray | None]]) -> ort.InferenceSession:
-    graph_inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
-                    for name, a in inputs if a is not None]
-    graph = helper.make_graph([node], node.op_type, graph_inputs, [onnx.ValueInfoProto(name=n) for n in node.output])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
-                              ir_version=10)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(custom_ops_library())
-    return ort.InferenceSession(model.SerializeToString(), options)
-
-
 def run_node(op: str, inputs: list[tuple[str, np.ndarray | None]], outputs: list[str], attrs: dict) -> list:
+    """The outputs of one node of ``op`` on the C++ kernels (one intra-op thread)."""
     names = [name if a is not None else "" for name, a in inputs]
     while names and not names[-1]:
         names.pop()
     node = helper.make_node(op, names, outputs, domain=DOMAIN, name=f"{op}_node", **attrs)
-    sess = session(node, inputs)
-    return sess.run(None, {name: a for name, a in inputs if a is not None})
+    given = [(name, a) for name, a in inputs if a is not None]
+    graph_inputs = [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+                    for name, a in given]
+    graph = helper.make_graph([node], op, graph_inputs, [onnx.ValueInfoProto(name=n) for n in outputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)],
+                              ir_version=10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return run(session(model, backend="cpp", sess_options=options), dict(given))
 
 
 def compare(name: str, got: np.ndarray, expected: np.ndarray, tolerance: float | None) -> list[str]:
@@ -150,8 +147,9 @@ def compare(name: str, got: np.ndarray, expected: np.ndarray, tolerance: float |
     return []
 
 
-def check(config: dict, rank: int) -> list[str]:
-    """This rank's problems with one configuration (empty: every output matched the reference)."""
+def check(config: dict, rank: int) -> dict:
+    """This rank's result of one configuration: its problems (none: every output matched the reference),
+    the rows it received and the slots it dropped (what the configuration exercised)."""
     ep, tp = config["ep"], config["tp"]
     ep_rank, tp_rank = divmod(rank, tp)
     layout = dict(ep_world_size=ep, ep_rank_id=ep_rank, tp_world_size=tp, tp_rank_id=tp_rank,
@@ -176,7 +174,9 @@ def check(config: dict, rank: int) -> list[str]:
                        ("x1", inputs["x1"][rank]), ("x2", inputs["x2"][rank])],
                       ["out"], {**layout, "gather_tokens": config["gather_tokens"]})
     problems += compare("out", out, combined[rank], OUT_TOLERANCE)
-    return problems
+    k = config["k"]
+    slot_to_send = got[2][8 + ep * tp + tp + 2 * ep:][: len(inputs["x"][rank]) * k]
+    return {"problems": problems, "rows": int(got[0].shape[0]), "dropped": int((slot_to_send < 0).sum())}
 
 
 def main() -> None:
@@ -186,10 +186,10 @@ def main() -> None:
     results = []
     for config in configurations(world):
         try:
-            problems = check(config, rank)
-        except Exception:  # reported, and the next configuration still runs (every rank fails alike)
-            problems = [traceback.format_exc(limit=3)]
-        results.append({"name": config["name"], "problems": problems})
+            result = check(config, rank)
+        except Exception:  # reported; the next configuration still runs (a rank left waiting times out)
+            result = {"problems": [traceback.format_exc(limit=3)], "rows": 0, "dropped": 0}
+        results.append({"name": config["name"], **result})
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "results": results}))
 
 
