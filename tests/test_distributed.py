@@ -401,6 +401,11 @@ def test_a_hanging_rank_makes_the_others_time_out(fault_root):
     assert_failed(done, seconds, "moe_onnx.run: rank 0:", "did not complete within 3 s")
 
 
+def test_a_rank_that_hangs_before_its_session_makes_the_others_time_out(fault_root):
+    done, seconds = run_with_fault(fault_root, "hang_at_start", MOE_ONNX_COMM_TIMEOUT_S="3")
+    assert_failed(done, seconds, "moe_onnx.run: rank 0:", "session start", "did not complete within 3 s")
+
+
 def test_a_wrong_rank_count_is_refused_on_every_rank(fault_root):
     done, seconds = run_module(3, fault_root / "shard", fault_root / "in.npz", fault_root / "out3.npz")
     assert_failed(done, seconds, "the MPI world has 3 ranks", "run it with -n 2")
