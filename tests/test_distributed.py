@@ -23,11 +23,13 @@ from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_fee
                             whole_reference_data)
 from world_simulation import run_world
 
+from moe_onnx import io as moe_io
 from moe_onnx import session
+from moe_onnx.check import check_model
 from moe_onnx.cli import main as cli_main
 from moe_onnx.distributed.manifest import MANIFEST_NAME, Manifest, mismatches, rank_record
 from moe_onnx.distributed.shard import ShardError, shard, shard_file
-from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from moe_onnx.ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from moe_onnx.pipeline import optimize_file
 from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
 
@@ -39,11 +41,12 @@ CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 BACKENDS = ("cpp", "python")
 FIXTURE_MODELS = ("mixtral_batched_mm_tiny", "gpt_oss_batched_mm_tiny")
 WHOLE_MODELS = ("mixtral__tf5__torchscript", "gpt_oss__tf457__torchscript")  # tiny LMs: input_ids -> logits
-# routing-input models: GPT-OSS-like GEMM2 (biases, clamp) and Mixtral/Qwen-like GEMM3, as MOE nodes and grouped
-# chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
+# routing-input models: GPT-OSS-like GEMM2 (biases, clamp), Mixtral/Qwen-like GEMM3 and Nemotron-like GEMM2_ACT, as
+# MOE nodes and grouped chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
 MODELS = {
     "gemm2_moe": lambda: moe_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS),
     "gemm3_moe": lambda: moe_model(GEMM3_SWIGLU, experts=EXPERTS, rank3=True),
+    "gemm2_act_moe": lambda: moe_model(GEMM2_ACT, experts=EXPERTS, seed=3),
     "gemm2_grouped": lambda: grouped_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS, seed=1),
     "gemm3_grouped": lambda: grouped_model(GEMM3_SWIGLU, experts=EXPERTS, seed=2),
     "drop_pad": lambda: drop_pad_model(capacity=2, experts=EXPERTS),
@@ -433,3 +436,26 @@ def test_unreadable_inputs_are_reported(fault_root, tmp_path):
     (tmp_path / "in.npz").write_bytes(b"not an npz")
     done, seconds = run_module(2, fault_root / "shard", tmp_path / "in.npz", tmp_path / "out.npz")
     assert_failed(done, seconds, "cannot read the inputs")
+
+
+def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypatch):
+    """A source with external data, ranks over the external-data threshold (lowered to 0 here)."""
+    monkeypatch.setattr(moe_io, "EXTERNAL_DATA_THRESHOLD", 0)
+    source = tmp_path / "model.onnx"
+    onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS), source, save_as_external_data=True,
+              all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    shard_file(source, tmp_path / "shard", tp=2, ep=2)
+    ranks = [onnx.load(tmp_path / "shard" / f"rank{g}.onnx") for g in range(4)]
+    assert all((tmp_path / "shard" / f"rank{g}.onnx.data").is_file() for g in range(4))
+    assert [check_model(tmp_path / "shard" / f"rank{g}.onnx") for g in range(4)] == [[]] * 4
+    feeds = routing_feeds(11, experts=EXPERTS)
+    expected = run_session(session(str(source)), feeds)["y"]
+    for (got,) in run_world(ranks, feeds):
+        np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
+    code = ("import sys, moe_onnx.cli, moe_onnx.run, moe_onnx.distributed.shard; "
+            "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
+    done = subprocess.run([sys.executable, "-c", code], env=package_environment(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
