@@ -140,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.timeout is not None:
         os.environ[TIMEOUT_VARIABLE] = str(args.timeout)
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        print(f"moe_onnx.run: needs mpi4py and an MPI library ({error}); see docs/distributed.md", file=sys.stderr)
+        return 2
 
     comm = MPI.COMM_WORLD
 

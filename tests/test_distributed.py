@@ -359,9 +359,9 @@ def run_module(ranks: int, directory: Path, inputs: Path, output: Path, **env: s
 
 def run_with_fault(root: Path, kind: str, **env: str):
     plan = root / f"plan_{kind}.json"
-    plan.write_text(json.dumps({"runs": [{"dir": str(root / "shard"), "backend": "cpp", "inputs": [str(root / "in.npz")],
-                                          "outputs": [str(root / f"out_{kind}.npz")]}],
-                                "fault": {"kind": kind, "rank": 1}}))
+    run = {"dir": str(root / "shard"), "backend": "cpp", "inputs": [str(root / "in.npz")],
+           "outputs": [str(root / f"out_{kind}.npz")]}
+    plan.write_text(json.dumps({"runs": [run], "fault": {"kind": kind, "rank": 1}}))
     return launch(2, [sys.executable, str(DRIVER), str(plan)], timeout=FAULT_BOUND_S + 60, **env)
 
 

@@ -165,10 +165,6 @@ class _Chain:
     intermediate: int
 
 
-def _attr(node: ir.Node, name: str, default):
-    return attribute_value(node, name, default)
-
-
 def _read_chain(final: ir.Node) -> _Chain:
     """The grouped chain ending at ``final``; ShardError naming what is not the expected form."""
     where = _where(final)
@@ -176,13 +172,13 @@ def _read_chain(final: ir.Node) -> _Chain:
     if init is None or init.op_type != "MoeInitRouting" or init.domain != DOMAIN:
         raise ShardError(f"{where}: expanded_row_idx does not come from a MoeInitRouting node")
     init_where = _where(init)
-    experts = int(_attr(init, "expert_num", 0))
-    active = _attr(init, "active_expert_range", None)
-    if (_attr(init, "quant_mode", -1) != -1 or _attr(init, "active_num", -1) > 0
+    experts = int(attribute_value(init, "expert_num", 0))
+    active = attribute_value(init, "active_expert_range", None)
+    if (attribute_value(init, "quant_mode", -1) != -1 or attribute_value(init, "active_num", -1) > 0
             or (active is not None and list(active) != [0, experts])):
         raise ShardError(f"{init_where}: quant_mode, active_num or active_expert_range is set; sharding takes "
                          "the plain routing (every expert, no quantization, no row limit)")
-    capacity = int(_attr(init, "expert_capacity", 0)) if _attr(init, "drop_pad_mode", 0) == 1 else 0
+    capacity = int(attribute_value(init, "expert_capacity", 0)) if attribute_value(init, "drop_pad_mode", 0) == 1 else 0
     down = final.inputs[0].producer()
     if down is None or down.op_type != "MoeRowParallelLinear" or down.domain != DOMAIN:
         raise ShardError(f"{where}: expanded_x is not computed by a MoeRowParallelLinear (the down projection)")
@@ -210,7 +206,7 @@ def _read_chain(final: ir.Node) -> _Chain:
     if any(use.node not in firsts for use in rows.uses()):
         raise ShardError(f"{init_where}: its expanded_x is read by nodes other than the chain's linears")
     for linear in [*firsts, down]:
-        if _attr(linear, "tp_world_size", 1) != 1:
+        if attribute_value(linear, "tp_world_size", 1) != 1:
             raise ShardError(f"{_where(linear)} is already sharded (tp_world_size > 1)")
     _, _, down_shape = _per_expert(down.inputs[2], f"{_where(down)}: W")
     intermediate = down_shape[2]
@@ -320,8 +316,8 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
     """Make ``model`` (in place) rank ``rank``'s model of a ``tp`` x ``ep`` shard (see the module's doc).
 
     Raises ShardError for tp/ep < 1, a rank outside the world, a model without fused MoE blocks (run
-    ``optimize`` first; :func:`shard` and :func:`shard_file` do), QMOE nodes, an expert count not divisible by ep, an
-    intermediate size below tp, or a block not in a form this pass knows (the message names the node).
+    ``optimize`` first; :func:`shard` and :func:`shard_file` do), QMOE nodes, an expert count not divisible
+    by ep, an intermediate size below tp, or a block not in a form this pass knows (the message names the node).
     """
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
@@ -336,7 +332,7 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
             raise ShardError(f"{_where(node)}: sharding quantized experts (QMOE) is not supported; shard the float "
                              "model")
         if node.op_type in ("MoeDistributeDispatch", "MoeDistributeCombine") or \
-                any(_attr(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
+                any(attribute_value(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
             raise ShardError(f"{_where(node)}: the model is already sharded")
         if node.graph is not graph and node.op_type in ("MOE", "MoeFinalizeRouting"):
             raise ShardError(f"{_where(node)} is inside a subgraph; only the main graph's MoE blocks can be sharded")
