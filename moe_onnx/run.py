@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from . import io
 from .distributed import Layout
 from .distributed.comm import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, groups
 from .distributed.manifest import Manifest, mismatches, nodes_fingerprint, rank_record
+from .runtime import BACKENDS, run, session
 
-BACKENDS = ("cpp", "python")
 _SESSION_START = "moe_onnx.run session start"  # how comm errors of the checks name their op
 
 
@@ -73,9 +74,6 @@ def open_rank(directory: str | os.PathLike, comm, backend: str = "cpp", threads:
     all-gather of every rank's record, which detects models of other shards, layouts of other ranks and
     distributed nodes that differ. Raises RankError (the same text on every rank for a problem of any rank),
     ManifestError or ModelFileError."""
-    from .runtime import session
-    import onnxruntime as ort
-
     rank = comm.Get_rank()
     manifest, path, record, problem = check_rank(directory, rank, comm.Get_size())
     layout = Layout(ep_size=manifest.ep, tp_size=manifest.tp).of_rank(rank)
@@ -101,8 +99,6 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def run_session(sess, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every output of ``sess`` on ``inputs`` (those the model takes; RankError naming a missing one)."""
-    from .runtime import run
-
     names = [i.name for i in sess.get_inputs()]
     missing = [name for name in names if name not in inputs]
     if missing:
@@ -201,8 +197,6 @@ def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str
             backend: str = "cpp") -> dict[str, float]:
     """The max absolute difference of every output in ``output`` from the unsharded model ``reference`` run
     on one process on ``inputs``."""
-    from .runtime import session
-
     expected = run_session(session(os.fspath(reference), backend), read_inputs(inputs))
     got = read_inputs(output)
     errors = {}
