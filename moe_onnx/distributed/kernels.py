@@ -1,9 +1,10 @@
 """The Python backend's kernels of the ops that communicate, one rank each (docs/distributed.md).
 
-``moe_onnx.session(..., backend="python")`` runs these where :data:`KERNELS` has the op (the numpy
-reference elsewhere). Each validates its node as the reference does, plans with the reference's code
-(``ops/_exchange.py``, ``partial_y``, ``partial_product``) and moves the data with :mod:`.comm`; on a
-group of one rank no MPI is touched and the result is the reference's.
+``moe_onnx.session(..., backend="python")`` runs these for a node of more than one rank
+(:func:`kernel_for`; the numpy reference runs every other node). Each validates its node as the
+reference does, plans with the reference's code (``ops/_exchange.py``, ``partial_y``,
+``partial_product``) and moves the data with :mod:`.comm`; given a group of one rank they touch no MPI
+and give the reference's result.
 """
 
 from __future__ import annotations
@@ -77,3 +78,12 @@ KERNELS = {
     row_parallel_linear.ROW_PARALLEL_LINEAR.name: row_parallel_linear_rank,
 }
 """The per-rank kernel of each op that communicates, by op name."""
+
+
+def kernel_for(op_name: str, attrs: dict):
+    """The per-rank kernel of a node whose group has more than one rank (its attributes ep_world_size,
+    tp_world_size); None for every other node, which the op's numpy reference runs."""
+    sizes = [attrs.get(name, 1) for name in ("ep_world_size", "tp_world_size")]
+    if op_name not in KERNELS or not all(isinstance(size, int) for size in sizes) or sizes[0] * sizes[1] <= 1:
+        return None
+    return KERNELS[op_name]
