@@ -405,9 +405,7 @@ def _one_slot_fewer_sent(case: Case) -> Case:
 _DROPLESS = _combine_case("dropless", 0, [[0, 2], [1, 2], [2, 3]])
 CORRUPTED = [c for base in (_DROPLESS, _combine_case("drop_pad", 1, [[0, 2], [0, 2], [3, 1]]))
              for c in _corruptions(base)]
-CORRUPTED.append(pytest.param(_one_slot_fewer_sent(_DROPLESS), marks=pytest.mark.xfail(
-    strict=True, reason="the reference takes send_counts[0] != recv_counts[0] on one EP rank (it skips the copy and "
-    "silently loses a row); the C++ kernel refuses it: read_assist_info should check it")))
+CORRUPTED.append(_one_slot_fewer_sent(_DROPLESS))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -104,6 +104,10 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
     fail(" section tp_blocks does not add up", "sum = R = " + std::to_string(a.arrivals) + " and tp_blocks[" +
                                                   std::to_string(r.tp_rank) + "] = the sum of recv_counts (" +
                                                   std::to_string(received) + ")");
+  if (r.ep_size == 1 && a.send_counts[0] != a.recv_counts[0])  // the all-to-all of one EP rank is a copy
+    fail(" sections send_counts and recv_counts differ (" + std::to_string(a.send_counts[0]) + " and " +
+             std::to_string(a.recv_counts[0]) + ")",
+         "equal counts on one EP rank (it sends its rows to itself)");
   const int64_t sent = wrapping_sum(a.send_counts);
   std::vector<char> used(static_cast<size_t>(std::max<int64_t>({slots, rows, 0})), 0);
   int64_t kept = 0;

@@ -221,6 +221,9 @@ def read_assist_info(assist_info: np.ndarray, layout: Layout, num_experts: int, 
     if tp_blocks.sum() != arrivals or tp_blocks[layout.tp_rank] != recv_counts.sum():
         fail(" section tp_blocks does not add up", f"sum = R = {arrivals} and tp_blocks[{layout.tp_rank}] = the sum "
              f"of recv_counts ({int(recv_counts.sum())})")
+    if ep == 1 and send_counts[0] != recv_counts[0]:  # the all-to-all of one EP rank is a copy
+        fail(f" sections send_counts and recv_counts differ ({int(send_counts[0])} and {int(recv_counts[0])})",
+             "equal counts on one EP rank (it sends its rows to itself)")
     sent = int(send_counts.sum())
     kept = slot_to_send[slot_to_send >= 0]
     if (slot_to_send < -1).any() or (kept >= sent).any() or np.unique(kept).size != kept.size or kept.size != sent:
