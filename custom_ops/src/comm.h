@@ -56,6 +56,10 @@ struct Groups {
   std::shared_ptr<const Group> world, tp, ep;
 };
 
+// The first problem of `layout` in the words of the ops' validation ("attribute 'tp_rank_id' is 2;
+// expected 0 <= tp_rank_id < tp_world_size = 2"), "" when it is valid.
+std::string layout_problem(const Layout& layout);
+
 // The groups of `layout`, made once per layout and process. Throws an invalid-argument error naming
 // `op` when the layout is invalid, when this build has no MPI (libmoe_onnx_mpi missing), or when the
 // process's MPI world does not match (size != world_size, rank != global_rank). A one-rank layout
