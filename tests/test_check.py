@@ -237,7 +237,8 @@ WRONG_ATTRIBUTE_TYPES = {
                          "attribute 'expert_alpha' has type TENSOR; expected FLOAT"),
     "float_for_int": ("gate_parity", 1.0, "attribute 'gate_parity' has type FLOAT; expected INT"),
     "misspelled": ("expert_alhpa", 1.0, "attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
-                   "'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation'"),
+                   "'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation', 'tp_world_size', "
+                   "'tp_rank_id'"),
 }
 
 

@@ -11,6 +11,8 @@ from onnx import defs
 from onnx.reference.op_run import OpRun
 
 from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
+from .distribute_combine import MOE_DISTRIBUTE_COMBINE
+from .distribute_dispatch import MOE_DISTRIBUTE_DISPATCH
 from .finalize_routing import MOE_FINALIZE_ROUTING
 from .gating_topk import MOE_GATING_TOPK
 from .init_routing import MOE_INIT_ROUTING
@@ -19,7 +21,8 @@ from .qmoe import QMOE
 from .row_parallel_linear import ROW_PARALLEL_LINEAR
 
 OPS: dict[str, OpDef] = {op.name: op for op in (MOE, MOE_INIT_ROUTING, ROW_PARALLEL_LINEAR, MOE_FINALIZE_ROUTING,
-                                                MOE_GATING_TOPK, QMOE)}
+                                                MOE_GATING_TOPK, QMOE, MOE_DISTRIBUTE_DISPATCH,
+                                                MOE_DISTRIBUTE_COMBINE)}
 
 
 def _register_schemas() -> None:

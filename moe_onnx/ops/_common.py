@@ -497,3 +497,23 @@ def check_choice(view: NodeView, name: str, choices: Sequence[Any]) -> Any:
     if value not in choices:
         view.fail(f"attribute '{name}'", f"is {value!r}; expected one of {', '.join(map(repr, choices))}")
     return value
+
+
+def check_group_attrs(view: NodeView, size_name: str, rank_name: str) -> tuple[int, int]:
+    """A group's size attribute (>= 1) and this rank's index in it ([0, size)); returns both."""
+    size, rank = int(view.attr(size_name)), int(view.attr(rank_name))
+    if size < 1:
+        view.fail(f"attribute '{size_name}'", f"is {size}; expected >= 1")
+    if not 0 <= rank < size:
+        view.fail(f"attribute '{rank_name}'", f"is {rank}; expected 0 <= {rank_name} < {size_name} = {size}")
+    return size, rank
+
+
+def refuse_without_group(view: NodeView, size_attrs: Sequence[str], world_size: int) -> None:
+    """The numpy reference runs one process: a node of a larger group needs its group's ranks (MoeOpError)."""
+    if world_size > 1:
+        names = " and ".join(f"'{name}'" for name in size_attrs)
+        values = " and ".join(str(view.attr(name)) for name in size_attrs)
+        subject, verb = (f"attribute {names}", "is") if len(size_attrs) == 1 else (f"attributes {names}", "are")
+        view.fail(subject, f"{verb} {values}: this node is one of {world_size} ranks and runs only with its "
+                  "group (under MPI, docs/distributed.md), not on one process")

@@ -7,7 +7,7 @@ computing only the selected experts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,8 +22,10 @@ from ._common import (
     as_rows,
     check_choice,
     check_float_attr,
+    check_group_attrs,
     compute_dtype,
     dim_product,
+    refuse_without_group,
 )
 
 GEMM2_BIAS_SWIGLU_CLAMP = "GEMM2_BIAS_SWIGLU_CLAMP"
@@ -79,6 +81,7 @@ _SWIGLU_ONLY = ("expert_alpha", "expert_beta", "gate_parity")
 
 def _validate(v: NodeView) -> list[TensorInfo | None]:
     expert_type = validate_expert_attrs(v)
+    check_group_attrs(v, "tp_world_size", "tp_rank_id")
     dims = DimBinder(v)
     elem, hidden = validate_tokens(v, dims, float_inputs=(ROUTING, W0, B0, W1, B1, W2))
     check_expert_inputs(v, expert_type)
@@ -175,17 +178,33 @@ def _check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
 
 def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0=None, weight_1=None,
         bias_1=None, weight_2=None, *, expert_type=None, expert_alpha=None, expert_beta=None, gate_parity=None,
-        activation=None, _node_name="", _named_outputs=None):
-    """numpy reference of MOE; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
+        activation=None, tp_world_size=None, tp_rank_id=None, _node_name="", _named_outputs=None):
+    """numpy reference of MOE on one process; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
 
-    Raises MoeOpError for any input or attribute outside the contract.
+    Raises MoeOpError for any input or attribute outside the contract, and for a node of a tensor-parallel
+    group of more than one rank (:func:`moe_tensor_parallel` simulates every rank).
     """
     attrs = dict(expert_type=expert_type, expert_alpha=expert_alpha, expert_beta=expert_beta,
-                 gate_parity=gate_parity, activation=activation)
+                 gate_parity=gate_parity, activation=activation, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id)
     arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
-    view = ArrayView(MOE, arrays, attrs, node_name=_node_name, named_outputs=_named_outputs)
+    view = validated(arrays, attrs, _node_name, _named_outputs)
+    refuse_without_group(view, ("tp_world_size",), int(view.attr("tp_world_size")))
+    return (round_like(partial_y(view, arrays), hidden_states),)
+
+
+def validated(arrays: Sequence[np.ndarray | None], attrs: dict, node_name: str = "",
+              named_outputs: Sequence[bool] | None = None) -> ArrayView:
+    """One rank's MOE node checked on its arrays (its 8 inputs, None where absent); its view."""
+    view = ArrayView(MOE, arrays, attrs, node_name=node_name, named_outputs=named_outputs)
     MOE.validate(view)
-    weights = {W0: weight_0, W1: weight_1, W2: weight_2}
+    return view
+
+
+def partial_y(view: NodeView, arrays: Sequence[np.ndarray | None]) -> np.ndarray:
+    """This rank's y [T, H] in float32 (the compute type) over the I-slice its weights hold, before rounding:
+    y itself with tp_world_size 1. bias_1 counts once over the group: only tp_rank_id 0 adds it."""
+    hidden_states, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, _ = arrays
+    weights = {W0: weight_0, W1: weight_1, W2: arrays[W2]}
     acc = compute_dtype(hidden_states.dtype)
     if view.attr("expert_type") == GEMM2_BIAS_SWIGLU_CLAMP:  # stored [E, K, N]
         def linear(i, e, a):
@@ -193,14 +212,53 @@ def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bi
     else:
         def linear(i, e, a):
             return a @ weights[i][e].astype(acc).T
-    return (mix_experts(view, hidden_states, routing_weights, router_topk_output_indices, weight_0.shape[0],
-                        linear, bias_0, bias_1),)
+    down_bias = bias_1 if int(view.attr("tp_rank_id")) == 0 else None
+    return expert_sum(view, hidden_states, routing_weights, indices, weight_0.shape[0], linear, bias_0, down_bias)
+
+
+def round_like(y: np.ndarray, hidden_states: np.ndarray) -> np.ndarray:
+    """y [T, H] from the compute type to the type and shape of ``hidden_states``, rounded once."""
+    return y.astype(hidden_states.dtype).reshape(hidden_states.shape)
+
+
+def moe_tensor_parallel(rank_inputs: Sequence[Sequence[np.ndarray | None]], **attrs) -> tuple[np.ndarray]:
+    """The tensor-parallel meaning of MOE (docs/distributed.md): ``rank_inputs[q]`` are TP rank q's 8 inputs,
+    the same tokens and routing on every rank, the weights its I-slice, bias_1 whole. Each rank's partial y
+    (float32, bias_1 on rank 0 only) is summed over the ranks (the all-reduce) and rounded once. Returns
+    ``(y,)`` like :func:`moe`; raises MoeOpError when a rank's node is invalid or the ranks' routing differs.
+    """
+    ranks = len(rank_inputs)
+    if not ranks:
+        raise MoeOpError(f"{MOE.name}: rank_inputs is empty; expected the 8 inputs of every TP rank")
+    given = {name: attrs.pop(name) for name in ("tp_world_size", "tp_rank_id") if name in attrs}
+    if given.get("tp_world_size", ranks) != ranks or "tp_rank_id" in given:
+        raise MoeOpError(f"{MOE.name}: attributes {given} do not fit {ranks} ranks; expected tp_world_size = "
+                         f"{ranks} (or none) and no tp_rank_id: rank q of rank_inputs is TP rank q")
+    first = rank_inputs[0]
+    total = None
+    for q, arrays in enumerate(rank_inputs):
+        for i in (HIDDEN, ROUTING, INDICES):
+            if not np.array_equal(arrays[i], first[i]):
+                raise MoeOpError(f"{MOE.name}: TP rank {q}'s {MOE.inputs[i].name} differs from TP rank 0's; "
+                                 "expected the same tokens and routing on every rank")
+        view = validated(arrays, {**attrs, "tp_world_size": ranks, "tp_rank_id": q}, f"tp rank {q}")
+        partial = partial_y(view, arrays)
+        total = partial if total is None else total + partial
+    return (round_like(total, first[HIDDEN]),)
 
 
 def mix_experts(view: NodeView, hidden_states, routing_weights, indices, num_experts: int,
                 linear: Callable[[int, int, np.ndarray], np.ndarray], bias_0: np.ndarray | None,
                 bias_1: np.ndarray | None) -> np.ndarray:
-    """y of MOE and QMOE after validation: each token's selected experts, weighted and summed.
+    """y of MOE and QMOE after validation: :func:`expert_sum` rounded to the type and shape of hidden_states."""
+    return round_like(expert_sum(view, hidden_states, routing_weights, indices, num_experts, linear, bias_0, bias_1),
+                      hidden_states)
+
+
+def expert_sum(view: NodeView, hidden_states, routing_weights, indices, num_experts: int,
+               linear: Callable[[int, int, np.ndarray], np.ndarray], bias_0: np.ndarray | None,
+               bias_1: np.ndarray | None) -> np.ndarray:
+    """Each token's selected experts, weighted and summed: [T, H] in the compute type, not rounded.
 
     ``linear(i, e, a)`` is ``a @ W^T`` for expert ``e`` of weight input ``i`` (W [N, K]), in the compute
     type; ``bias_0`` and ``bias_1`` go with weight_0 and weight_1 (None: absent). Raises MoeOpError for an index
@@ -245,7 +303,7 @@ def mix_experts(view: NodeView, hidden_states, routing_weights, indices, num_exp
             gate = linear(W0, e, xe)
             ye = linear(W2, e, gate * sigmoid(alpha * gate) * linear(W1, e, xe))
         np.add.at(out, rows, ye * weights.reshape(-1)[chosen][:, None])
-    return out.astype(dtype).reshape(hidden_states.shape)
+    return out
 
 
 MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe)

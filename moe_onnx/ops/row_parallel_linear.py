@@ -25,10 +25,12 @@ from ._common import (
     TensorInfo,
     as_rows,
     check_choice,
+    check_group_attrs,
     compute_dtype,
     dim_product,
     elem_name,
     is_known,
+    refuse_without_group,
 )
 
 OP_NAME = signatures.ROW_PARALLEL_LINEAR.name
@@ -50,7 +52,12 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _validate(v: NodeView) -> list[TensorInfo | None]:
-    check_choice(v, "input_is_parallel", (0, 1))
+    parallel = check_choice(v, "input_is_parallel", (0, 1)) == 1
+    tp_size, _ = check_group_attrs(v, "tp_world_size", "tp_rank_id")
+    # K is the full input width (in_features); with tp_world_size > 1, W holds this rank's K_q, and so does X
+    # when input_is_parallel is 1
+    w_k = "K" if tp_size == 1 else "K_q"
+    x_k = w_k if parallel else "K"
     bias_term = v.attr("bias_term")
     if bias_term is not None:
         check_choice(v, "bias_term", (0, 1))
@@ -79,8 +86,8 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
             dims.bind(symbol, value, f"attribute '{name}'")
     x_shape = v.expect_rank(X, min_rank=1)
     if x_shape is not None:
-        dims.bind("K", x_shape[-1], "input 'X' dim -1")
-    dims.shape(W, ("E", "N", "K"), v.expect_rank(W, rank=3))
+        dims.bind(x_k, x_shape[-1], "input 'X' dim -1")
+    dims.shape(W, ("E", "N", w_k), v.expect_rank(W, rank=3))
     if v.has(B):
         dims.shape(B, ("E", "N"), v.expect_rank(B, rank=2))
     offset_shape = v.expect_rank(OFFSET, rank=1)
@@ -149,44 +156,76 @@ def finish_reduced(reduced: np.ndarray, expert_offset: np.ndarray, bias: np.ndar
     return reduced.astype(out_dtype).reshape(*x.shape[:-1], reduced.shape[-1])
 
 
-def _validated(inputs: Sequence[np.ndarray | None], attrs: dict, node_name: str,
-               named_outputs: Sequence[bool] | None = None) -> None:
-    view = ArrayView(ROW_PARALLEL_LINEAR, inputs, attrs, node_name=node_name, named_outputs=named_outputs)
-    ROW_PARALLEL_LINEAR.validate(view)
-
-
 def row_parallel_linear(X, expert_offset, W, B=None, *, num_experts=None, in_features=None, out_features=None,
-                        bias_term=None, input_is_parallel=None, _node_name="", _named_outputs=None):
+                        bias_term=None, input_is_parallel=None, tp_world_size=None, tp_rank_id=None, _node_name="",
+                        _named_outputs=None):
     """numpy reference of MoeRowParallelLinear on one process; returns ``(Y,)``, Y [*, N].
 
-    Y has X's type, int32 for int8 X. Raises MoeOpError for any input or attribute outside the contract.
+    Y has X's type, int32 for int8 X. Raises MoeOpError for any input or attribute outside the contract,
+    and for a node of a tensor-parallel group of more than one rank
+    (:func:`row_parallel_linear_tensor_parallel` simulates every rank).
     """
     attrs = dict(num_experts=num_experts, in_features=in_features, out_features=out_features,
-                 bias_term=bias_term, input_is_parallel=input_is_parallel)
-    _validated([X, expert_offset, W, B], attrs, _node_name, _named_outputs)
+                 bias_term=bias_term, input_is_parallel=input_is_parallel, tp_world_size=tp_world_size,
+                 tp_rank_id=tp_rank_id)
+    view = validated([X, expert_offset, W, B], attrs, _node_name, _named_outputs)
+    refuse_without_group(view, ("tp_world_size",), int(view.attr("tp_world_size")))
     return (finish_reduced(partial_product(X, expert_offset, W), expert_offset, B, X),)
+
+
+def validated(inputs: Sequence[np.ndarray | None], attrs: dict, node_name: str = "",
+              named_outputs: Sequence[bool] | None = None) -> ArrayView:
+    """One rank's node checked on its arrays; its view."""
+    view = ArrayView(ROW_PARALLEL_LINEAR, inputs, attrs, node_name=node_name, named_outputs=named_outputs)
+    ROW_PARALLEL_LINEAR.validate(view)
+    return view
+
+
+def rank_input(view: NodeView, X: np.ndarray, widths: Sequence[int]) -> np.ndarray:
+    """TP rank q's X_q from its node's X and the K_q of every rank of the group (``widths``, in TP rank order):
+    X itself with input_is_parallel 1, else ``X[..., k_q : k_q + K_q]`` with k_q the sum of the widths
+    before q. MoeOpError when the widths do not add up to the full K (X's width, or in_features)."""
+    parallel = view.attr("input_is_parallel") == 1
+    full = view.attr("in_features") if parallel else X.shape[-1]
+    if full is not None and sum(widths) != full:
+        source = "attribute 'in_features'" if parallel else "input 'X' dim -1"
+        view.fail("input 'W' dim 2", f"adds up to {sum(widths)} over the {len(widths)} TP ranks ({list(widths)}); "
+                  f"expected K = {full} (from {source})")
+    if parallel:
+        return X
+    q = int(view.attr("tp_rank_id"))
+    start = sum(widths[:q])
+    return X[..., start:start + widths[q]]
 
 
 def row_parallel_linear_tensor_parallel(X, expert_offset, W_shards, B=None, **attrs):
     """The tensor-parallel meaning: rank d holds ``W_shards[d] = W[:, :, k_d:k_d + K_d]``.
 
     ``X`` is the full [*, K] when ``input_is_parallel`` is 0 (rank d takes ``X[..., k_d:k_d + K_d]``),
-    else the list of every rank's X_d [*, K_d]. Each rank's partial is computed without bias, the
-    partials are summed (the all-reduce) and B is added once. Returns ``(Y,)`` like
-    :func:`row_parallel_linear`; raises MoeOpError when the shards do not form a valid node.
+    else the list of every rank's X_d [*, K_d]. Each rank's node (``tp_world_size`` the number of shards,
+    ``tp_rank_id`` d) is checked, its partial computed without bias, the partials summed (the all-reduce)
+    and B added once. Returns ``(Y,)`` like :func:`row_parallel_linear`; raises MoeOpError when the shards
+    do not form a valid node.
     """
     parallel = attrs.get("input_is_parallel") == 1
     if parallel and isinstance(X, np.ndarray):
         raise MoeOpError(f"{OP_NAME}: X is one array; expected the list of every rank's X_d when input_is_parallel = 1")
     x_shards = list(X) if parallel else None
     _check_shards(W_shards, x_shards)
+    ranks = len(W_shards)
+    given = {name: attrs.pop(name) for name in ("tp_world_size", "tp_rank_id") if name in attrs}
+    if given.get("tp_world_size", ranks) != ranks or "tp_rank_id" in given:
+        raise MoeOpError(f"{OP_NAME}: attributes {given} do not fit {len(W_shards)} W shards; expected "
+                         f"tp_world_size = {ranks} (or none) and no tp_rank_id: shard d is TP rank d")
     widths = [w.shape[2] for w in W_shards]
     full_x = np.concatenate(x_shards, axis=-1) if parallel else X
-    _validated([full_x, expert_offset, np.concatenate(W_shards, axis=2), B], attrs, "")
-    if not parallel:
-        starts = np.cumsum([0] + widths)
-        x_shards = [X[..., start:stop] for start, stop in zip(starts[:-1], starts[1:])]
-    partials = [partial_product(x_d, expert_offset, w_d) for x_d, w_d in zip(x_shards, W_shards)]
+    validated([full_x, expert_offset, np.concatenate(W_shards, axis=2), B], attrs)  # as one process would see it
+    partials = []
+    for d, w_d in enumerate(W_shards):
+        given_x = x_shards[d] if parallel else X
+        view = validated([given_x, expert_offset, w_d, B], {**attrs, "tp_world_size": ranks, "tp_rank_id": d},
+                         f"tp rank {d}")
+        partials.append(partial_product(rank_input(view, given_x, widths), expert_offset, w_d))
     return (finish_reduced(sum(partials[1:], partials[0]), expert_offset, B, full_x),)
 
 

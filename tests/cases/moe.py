@@ -196,7 +196,8 @@ CASES = [
     _base2.mutated("attr_parity_float", r"attribute 'gate_parity' has type FLOAT; expected INT", gate_parity=1.0),
     _base2.mutated("attr_type_ints", r"attribute 'expert_type' has type INTS; expected STRING", expert_type=[1]),
     _base2.mutated("attr_misspelled", r"attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
-            r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation'$", session=True,
+            r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation', 'tp_world_size', "
+            r"'tp_rank_id'$", session=True,
             expert_alhpa=1.0),
     # errors: shapes and types
     _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),

@@ -135,7 +135,8 @@ CASES = [
     _base.mutated("attr_num_experts_float", r"attribute 'num_experts' has type FLOAT; expected INT", num_experts=4.0),
     _base.mutated("attr_bias_term_string", r"attribute 'bias_term' has type STRING; expected INT", bias_term="1"),
     _base.mutated("attr_misspelled", r"attribute 'bias_terms' is not an attribute of MoeRowParallelLinear; "
-            r"expected one of 'num_experts', 'in_features', 'out_features', 'bias_term', 'input_is_parallel'$",
+            r"expected one of 'num_experts', 'in_features', 'out_features', 'bias_term', 'input_is_parallel', "
+            r"'tp_world_size', 'tp_rank_id'$",
             session=True, bias_terms=1),
     _base.mutated("bias_wrong_n", r"input 'B' dim 1 is 3; expected N = 5 \(from input 'W' dim 1\)", B=_b[:, :3]),
     _base.mutated("bias_wrong_e", r"input 'B' dim 0 is 3; expected E = 4 \(from input 'W' dim 0\)", B=_b[:3]),
