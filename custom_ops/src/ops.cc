@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common.h"
+#include "distribute.h"
 #include "finalize_routing.h"
 #include "gating_topk.h"
 #include "gemm.h"
@@ -39,6 +40,8 @@ const std::vector<const OrtCustomOp*>& kernels() {
     add_per_type<moe_onnx::RowParallelLinearOp>(ops);
     add_per_type<moe_onnx::FinalizeRoutingOp>(ops);
     add_per_type<moe_onnx::GatingTopKOp>(ops);
+    add_per_type<moe_onnx::DistributeDispatchOp>(ops);
+    add_per_type<moe_onnx::DistributeCombineOp>(ops);
     return ops;
   }();
   return all;
