@@ -1,6 +1,7 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
-``quantize``: :func:`moe_onnx.pipeline.quantize_file`)."""
+``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.distributed.shard.shard_file`;
+``run``: :func:`moe_onnx.run.launch`)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,49 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
                   file=sys.stderr)
             return 1
     return 0 if result.ok else 1
+
+
+def _shard(args: argparse.Namespace) -> int:
+    from .distributed.shard import ShardError, shard_file
+
+    try:
+        manifest = shard_file(args.input, args.output, args.tp, args.ep, progress=_stage_printer())
+    except ShardError as error:
+        print(f"moe-onnx shard: {error}", file=sys.stderr)
+        return 2
+    except ModelFileError as error:
+        print(f"moe-onnx shard: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {manifest.world} rank models (tp {manifest.tp} x ep {manifest.ep}) and shard.json to {args.output}")
+    print(f"run them with: moe-onnx run {args.output} -n {manifest.world} --inputs IN.npz -o OUT.npz")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .run import LaunchError, compare, launch
+
+    if args.check and not args.reference:
+        print("moe-onnx run: --check needs --reference MODEL (the unsharded model)", file=sys.stderr)
+        return 2
+    try:
+        status = launch(args.directory, args.ranks, args.inputs, args.output, backend=args.backend,
+                        threads=args.threads, timeout=args.timeout)
+    except LaunchError as error:
+        print(f"moe-onnx run: {error}", file=sys.stderr)
+        return 2
+    if status != 0:
+        print(f"moe-onnx run: mpirun exited with status {status}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}")
+    if not args.check:
+        return 0
+    errors = compare(args.reference, args.inputs, args.output, backend=args.backend)
+    worst = max(errors.values(), default=0.0)
+    for name, error in errors.items():
+        print(f"  {name}: max |sharded - unsharded| = {error:.3g}")
+    print(f"check against {args.reference}: max error {worst:.3g} ({'ok' if worst <= args.tolerance else 'MISMATCH'}"
+          f", tolerance {args.tolerance:g})")
+    return 0 if worst <= args.tolerance else 1
 
 
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
@@ -164,6 +208,38 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     quant.add_argument("--report", metavar="FILE.json", help="write the report (with the error) as JSON")
     quant.set_defaults(run=_quantize)
+
+    shard = commands.add_parser(
+        "shard", help="split a model over tp x ep ranks (tensor and expert parallelism over MPI)",
+        description="Write DIR/rank<g>.onnx for every rank g of tp * ep and DIR/shard.json (docs/distributed.md). "
+                    "ep = 1: each MOE node gets its slice of the intermediate size; ep > 1: each MoE block becomes "
+                    "MoeDistributeDispatch -> the rank's experts -> MoeDistributeCombine. A model with unfused "
+                    "blocks is optimized first; weights are streamed (external data when large). Exit 2 for a "
+                    "model or tp/ep that cannot be sharded.")
+    shard.add_argument("input", metavar="MODEL", help="the model (exported, or fused by `moe-onnx optimize`)")
+    shard.add_argument("-o", "--output", metavar="DIR", required=True, help="the directory to write")
+    shard.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per expert group (default 1)")
+    shard.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel groups (default 1)")
+    shard.set_defaults(run=_shard)
+
+    run = commands.add_parser(
+        "run", help="run a sharded model on this machine (starts mpirun -n P --oversubscribe)",
+        description="Start `mpirun -n P python -m moe_onnx.run DIR ...`: every rank runs its model on the same "
+                    "inputs, rank 0 writes the outputs. Exit 1 when a rank fails (its message is printed as "
+                    "'moe_onnx.run: rank G: ...'), 2 when mpirun is not found.")
+    run.add_argument("directory", metavar="DIR", help="a directory written by `moe-onnx shard`")
+    run.add_argument("-n", "--ranks", type=_positive_int, required=True, help="processes (the shard's tp * ep)")
+    run.add_argument("--inputs", required=True, metavar="IN.npz", help="the model's inputs by name")
+    run.add_argument("-o", "--output", required=True, metavar="OUT.npz", help="where to write the outputs")
+    run.add_argument("--backend", choices=BACKENDS, default="cpp", help="the kernels (default cpp)")
+    run.add_argument("--threads", type=_positive_int, default=1, help="intra-op threads per rank (default 1)")
+    run.add_argument("--timeout", type=float, default=None,
+                     help="seconds every collective may wait (MOE_ONNX_COMM_TIMEOUT_S, default 300)")
+    run.add_argument("--check", action="store_true",
+                     help="also run the unsharded --reference model on one process and print the max error")
+    run.add_argument("--reference", metavar="MODEL", help="the unsharded model, for --check")
+    run.add_argument("--tolerance", type=float, default=1e-5, help="--check fails above this max error (1e-5)")
+    run.set_defaults(run=_run)
     return parser
 
 

@@ -1,0 +1,432 @@
+"""``moe-onnx shard``: one model per rank for tensor (``tp``) and expert (``ep``) parallelism.
+
+Rank ``g`` of ``W = tp * ep`` is EP rank ``g // tp`` and TP rank ``g % tp`` (docs/distributed.md).
+What each MoE block becomes on rank ``g``:
+
+- ``ep == 1``: an MOE node keeps its place with its I-slice of the weights and ``tp_world_size``/``tp_rank_id``;
+  a grouped chain keeps its MoeInitRouting and MoeFinalizeRouting, its linears get their I-slices and the
+  down linear all-reduces over the TP group (``input_is_parallel = 1``);
+- ``ep > 1``: the block becomes this rank's token range ``[T*g//W, T*(g+1)//W)`` (standard ops from the run
+  time T) -> MoeDistributeDispatch -> the chain's linears on the local experts (I-sliced) and its activation
+  -> MoeDistributeCombine(gather_tokens=1), which gives back every token. An MOE node is first expanded into
+  the grouped chain (``rewrite/grouped.py``: one activation code), so both forms are sharded the same way.
+
+The rest of the graph is replicated. Weights are sliced lazily, one expert at a time, when a rank's
+model is written (as ``optimize`` streams them), so a multi-GB model is sharded without loading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from .. import io
+from ..ops import DOMAIN, OPSET_VERSION
+from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
+from ..rewrite._match import attribute_value, int64s, replace_node
+from ..rewrite._onnxscript import TapeBuilder
+from ..rewrite._weights import initializer_expert, streamed_initializer, weight
+from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file, source_fingerprint
+
+_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
+
+
+class ShardError(ValueError):
+    """A model (or a tp/ep choice) that cannot be sharded; the message names the node and the reason."""
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _per_expert(value: ir.Value, where: str) -> tuple[Callable[[int], np.ndarray], ir.Value, tuple[int, ...]]:
+    """How to read expert ``e`` of a constant weight: ``(read(e), its source initializer, shape)``."""
+    if value.const_value is not None:
+        return (lambda e: initializer_expert(value, e)), value, tuple(int(d) for d in value.const_value.shape)
+    w = weight(value)
+    if w is None:
+        raise ShardError(f"{where} is computed at run time; only constant weights can be sharded")
+    return w.expert, w.source, w.shape
+
+
+def _sliced(graph: ir.Graph, value: ir.Value, where: str, experts: range, axis: int | None = None,
+            columns: slice | None = None) -> ir.Value:
+    """A lazy initializer holding ``value``'s ``experts`` (first axis), and ``columns`` of ``axis`` (an axis of
+    one expert's slice) when given."""
+    read, source, shape = _per_expert(value, where)
+
+    def expert(local: int) -> np.ndarray:
+        part = read(experts[local])
+        return part if axis is None else part[(slice(None),) * axis + (columns,)]
+
+    new_shape = [len(experts), *shape[1:]]
+    if axis is not None:
+        new_shape[axis + 1] = len(range(shape[axis + 1])[columns])
+    dtype = value.dtype if value.dtype is not None else source.const_value.dtype
+    return streamed_initializer(graph, f"{value.name or 'weight'}_shard", expert, dtype, new_shape, [source])
+
+
+def _i_slice(intermediate: int, tp: int, tp_rank: int) -> slice:
+    """TP rank ``tp_rank``'s slice of the intermediate size (docs/distributed.md)."""
+    return slice(intermediate * tp_rank // tp, intermediate * (tp_rank + 1) // tp)
+
+
+def _pairs(columns: slice) -> slice:
+    """The interleaved gate/up rows (2i, 2i + 1) of the intermediate columns ``columns``."""
+    return slice(2 * columns.start, 2 * columns.stop)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What rank ``rank`` of a ``tp`` x ``ep`` shard holds."""
+
+    tp: int
+    ep: int
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.ep
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank // self.tp
+
+    def layout_attributes(self) -> dict[str, int]:
+        return dict(ep_world_size=self.ep, ep_rank_id=self.ep_rank, tp_world_size=self.tp, tp_rank_id=self.tp_rank)
+
+    def local_experts(self, experts: int) -> range:
+        per_rank = experts // self.ep
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def check(self, where: str, experts: int, intermediate: int) -> None:
+        if experts % self.ep:
+            raise ShardError(f"{where}: {experts} experts do not split over ep = {self.ep} ranks "
+                             "(num_experts must be divisible by ep)")
+        if intermediate < self.tp:
+            raise ShardError(f"{where}: the intermediate size I = {intermediate} is smaller than tp = {self.tp} "
+                             "(every TP rank needs at least one column)")
+
+
+def _set_attributes(node: ir.Node, values: dict[str, int]) -> None:
+    for name, value in values.items():
+        node.attributes[name] = ir.AttrInt64(name, value)
+
+
+def _where(node: ir.Node) -> str:
+    return f"{node.op_type} node '{node.name or '(unnamed)'}'"
+
+
+# ----------------------------------------------------------------------------- MOE, ep == 1
+
+def _moe_tensor_parallel(node: ir.Node, plan: Plan) -> None:
+    """Give an MOE node its I-slice of the weights and its TP attributes (docs/distributed.md's table)."""
+    graph = node.graph
+    where = _where(node)
+    expert_type = attribute_value(node, "expert_type", "")
+    w0 = node.inputs[3]
+    _, _, w0_shape = _per_expert(w0, f"{where}: weight_0")
+    experts = w0_shape[0]
+    intermediate = w0_shape[2] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else w0_shape[1]
+    plan.check(where, experts, intermediate)
+    columns = _i_slice(intermediate, plan.tp, plan.tp_rank)
+    everyone = range(experts)
+    # (input index, axis of an expert's slice, columns) per expert type; bias_1 stays whole
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+        cuts = [(3, 1, _pairs(columns)), (4, 0, _pairs(columns)), (5, 0, columns)]
+    elif expert_type == GEMM2_ACT:
+        cuts = [(3, 0, columns), (4, 0, columns), (5, 1, columns)]
+    else:
+        cuts = [(3, 0, columns), (5, 0, columns), (7, 1, columns)]
+    names = ("hidden_states", "routing_weights", "indices", "weight_0", "bias_0", "weight_1", "bias_1", "weight_2")
+    for index, axis, cut in cuts:
+        if index < len(node.inputs) and node.inputs[index] is not None:
+            node.replace_input_with(index, _sliced(graph, node.inputs[index], f"{where}: {names[index]}", everyone,
+                                                   axis, cut))
+    _set_attributes(node, dict(tp_world_size=plan.tp, tp_rank_id=plan.tp_rank))
+
+
+# ----------------------------------------------------------------------------- the grouped chain
+
+@dataclasses.dataclass
+class _Chain:
+    """MoeInitRouting -> first linears (gate/up) -> activation -> down linear -> MoeFinalizeRouting."""
+
+    init: ir.Node
+    final: ir.Node
+    firsts: list[ir.Node]
+    down: ir.Node
+    experts: int
+    capacity: int
+    intermediate: int
+
+
+def _attr(node: ir.Node, name: str, default):
+    return attribute_value(node, name, default)
+
+
+def _read_chain(final: ir.Node) -> _Chain:
+    """The grouped chain ending at ``final``; ShardError naming what is not the expected form."""
+    where = _where(final)
+    init = final.inputs[1].producer() if final.inputs[1] is not None else None
+    if init is None or init.op_type != "MoeInitRouting" or init.domain != DOMAIN:
+        raise ShardError(f"{where}: expanded_row_idx does not come from a MoeInitRouting node")
+    init_where = _where(init)
+    experts = int(_attr(init, "expert_num", 0))
+    active = _attr(init, "active_expert_range", None)
+    if (_attr(init, "quant_mode", -1) != -1 or _attr(init, "active_num", -1) > 0
+            or (active is not None and list(active) != [0, experts])):
+        raise ShardError(f"{init_where}: quant_mode, active_num or active_expert_range is set; sharding takes "
+                         "the plain routing (every expert, no quantization, no row limit)")
+    capacity = int(_attr(init, "expert_capacity", 0)) if _attr(init, "drop_pad_mode", 0) == 1 else 0
+    down = final.inputs[0].producer()
+    if down is None or down.op_type != "MoeRowParallelLinear" or down.domain != DOMAIN:
+        raise ShardError(f"{where}: expanded_x is not computed by a MoeRowParallelLinear (the down projection)")
+    offsets = down.inputs[1]
+    rows = init.outputs[0]
+    # walk back from the down linear's input to the linears that read the routed rows
+    firsts, seen, stack = [], set(), [down.inputs[0]]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.domain == DOMAIN and node.op_type == "MoeRowParallelLinear":
+            if node.inputs[0] is not rows or node.inputs[1] is not offsets:
+                raise ShardError(f"{_where(node)}: expected a linear of the routed rows of {init_where} with the "
+                                 f"expert offsets of {_where(down)}")
+            firsts.append(node)
+        elif node.domain in ("", "ai.onnx"):
+            stack += [v for v in node.inputs if v is not None and v.const_value is None]
+        else:
+            raise ShardError(f"{_where(node)} between the linears of {init_where}'s chain: only standard ops "
+                             "(the activation) may stand between them")
+    if not firsts:
+        raise ShardError(f"{where}: no MoeRowParallelLinear reads the rows of {init_where}")
+    if any(use.node not in firsts for use in rows.uses()):
+        raise ShardError(f"{init_where}: its expanded_x is read by nodes other than the chain's linears")
+    for linear in [*firsts, down]:
+        if _attr(linear, "tp_world_size", 1) != 1:
+            raise ShardError(f"{_where(linear)} is already sharded (tp_world_size > 1)")
+    _, _, down_shape = _per_expert(down.inputs[2], f"{_where(down)}: W")
+    intermediate = down_shape[2]
+    for linear in firsts:
+        _, _, shape = _per_expert(linear.inputs[2], f"{_where(linear)}: W")
+        if shape[1] not in (intermediate, 2 * intermediate):
+            raise ShardError(f"{_where(linear)}: W has {shape[1]} outputs; expected I = {intermediate} or the "
+                             f"interleaved gate/up pairs 2I = {2 * intermediate} (I: the down linear's inputs)")
+    return _Chain(init, final, firsts, down, experts, capacity, intermediate)
+
+
+def _shard_linear(linear: ir.Node, experts: range, intermediate: int, columns: slice, *, inputs_axis: bool,
+                  keep_bias: bool = True) -> None:
+    """Slice a chain linear's W ``[E, N, K]`` (and B) to ``experts`` and the intermediate ``columns``: of its
+    outputs N (gate/up; N = 2I: the interleaved pairs) or, with ``inputs_axis``, of its inputs K (down)."""
+    graph, where = linear.graph, _where(linear)
+    w = linear.inputs[2]
+    _, _, shape = _per_expert(w, f"{where}: W")
+    axis = 1 if inputs_axis else 0
+    if not inputs_axis and shape[1] == 2 * intermediate:
+        columns = _pairs(columns)
+    linear.replace_input_with(2, _sliced(graph, w, f"{where}: W", experts, axis, columns))
+    bias = linear.inputs[3] if len(linear.inputs) > 3 else None
+    if bias is not None:
+        if not keep_bias:
+            linear.replace_input_with(3, None)
+        elif not inputs_axis:
+            linear.replace_input_with(3, _sliced(graph, bias, f"{where}: B", experts, 0, columns))
+        elif len(experts) != shape[0]:
+            linear.replace_input_with(3, _sliced(graph, bias, f"{where}: B", experts))
+    sliced = linear.inputs[2].shape
+    updates = {"num_experts": len(experts), ("in_features" if inputs_axis else "out_features"): sliced[1 + axis]}
+    if bias is not None and not keep_bias:
+        updates["bias_term"] = 0
+    _set_attributes(linear, {name: value for name, value in updates.items() if name in linear.attributes})
+
+
+def _chain_tensor_parallel(chain: _Chain, plan: Plan) -> None:
+    """ep == 1: the linears get their I-slices; the down linear all-reduces its partials over the TP group."""
+    columns = _i_slice(chain.intermediate, plan.tp, plan.tp_rank)
+    everyone = range(chain.experts)
+    for linear in chain.firsts:
+        _shard_linear(linear, everyone, chain.intermediate, columns, inputs_axis=False)
+    _shard_linear(chain.down, everyone, chain.intermediate, columns, inputs_axis=True)
+    _set_attributes(chain.down, dict(tp_world_size=plan.tp, tp_rank_id=plan.tp_rank, input_is_parallel=1))
+
+
+def _chain_expert_parallel(chain: _Chain, plan: Plan, name: str) -> None:
+    """ep > 1: this rank's tokens -> MoeDistributeDispatch -> the local experts' linears (I-sliced) and the
+    activation -> MoeDistributeCombine(gather_tokens=1), in place of the routing and finalize nodes."""
+    init, final = chain.init, chain.final
+    x, expert_ids = init.inputs[0], init.inputs[1]
+    _, _, x1, x2, bias, scales = (list(final.inputs) + [None] * 6)[:6]
+    if bias is not None:
+        raise ShardError(f"{_where(final)}: a MoeFinalizeRouting bias is not supported by expert parallelism "
+                         "(MoeDistributeCombine has none); put it in the down MoeRowParallelLinear's B")
+    groups = plan.layout_attributes()
+
+    op = TapeBuilder()
+    tokens = op.Shape(x, start=0, end=1)
+    start = op.Div(op.Mul(tokens, int64s(op, [plan.rank])), int64s(op, [plan.world]))
+    end = op.Div(op.Mul(tokens, int64s(op, [plan.rank + 1])), int64s(op, [plan.world]))
+
+    def mine(value: ir.Value, tape) -> ir.Value:
+        return tape.Slice(value, start, end, int64s(tape, [0]))
+
+    local_ids = mine(expert_ids, op)
+    expand_x, offsets, assist = op.MoeDistributeDispatch(
+        mine(x, op), local_ids, num_experts=chain.experts, expert_capacity=chain.capacity, **groups,
+        _outputs=3, **_IN_OUR_DOMAIN)
+    expand_x.producer().name = f"{name}/MoeDistributeDispatch"
+    init.graph.insert_before(init, op.nodes)
+
+    experts = plan.local_experts(chain.experts)
+    columns = _i_slice(chain.intermediate, plan.tp, plan.tp_rank)
+    for linear in chain.firsts:
+        _shard_linear(linear, experts, chain.intermediate, columns, inputs_axis=False)
+        linear.replace_input_with(0, expand_x)
+        linear.replace_input_with(1, offsets)
+    # the combine's reduce-scatter sums the TP partials: the down bias counts once, on TP rank 0
+    _shard_linear(chain.down, experts, chain.intermediate, columns, inputs_axis=True, keep_bias=plan.tp_rank == 0)
+    chain.down.replace_input_with(1, offsets)
+
+    tail = TapeBuilder()
+    if scales is None:  # absent scales count as 1
+        one = tail.Constant(value=ir.tensor(np.array(1, dtype=final.inputs[0].dtype.numpy())))
+        local_scales = tail.Expand(one, tail.Shape(local_ids))
+    else:
+        local_scales = mine(scales, tail)
+    extras = [mine(v, tail) if v is not None else None for v in (x1, x2)]
+    while extras and extras[-1] is None:
+        extras.pop()
+    out = tail.MoeDistributeCombine(final.inputs[0], assist, local_scales, *extras, num_experts=chain.experts,
+                                    gather_tokens=1, **groups, **_IN_OUR_DOMAIN)
+    out.producer().name = f"{name}/MoeDistributeCombine"
+    replace_node(final, tail.nodes, tail.initializers, out)
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _prepare(model: ir.Model, progress: Callable[[str], None] | None) -> None:
+    """Fuse the MoE blocks (optimize, target moe) of a model that has neither MOE nodes nor grouped chains."""
+    if any(node.domain == DOMAIN and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting") for node in model.graph):
+        return
+    from ..rewrite import optimize_ir  # onnxscript's rewriter, only when needed
+
+    optimize_ir(model, "moe", progress=progress)
+
+
+def shard_ir(model: ir.Model, tp: int, ep: int, rank: int, progress: Callable[[str], None] | None = None) -> None:
+    """Make ``model`` (in place) rank ``rank``'s model of a ``tp`` x ``ep`` shard (see the module's doc).
+
+    A model without fused MoE blocks is optimized first (target moe). Raises ShardError for tp/ep < 1, a rank
+    outside the world, a model without MoE blocks, QMOE nodes, an expert count not divisible by ep, an
+    intermediate size below tp, or a block not in a form this pass knows (the message names the node).
+    """
+    if tp < 1 or ep < 1:
+        raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
+    plan = Plan(tp, ep, rank)
+    if not 0 <= rank < plan.world:
+        raise ShardError(f"rank {rank} is outside the world of tp * ep = {plan.world} ranks")
+    _prepare(model, progress)
+    graph = model.graph
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.domain != DOMAIN:
+            continue
+        if node.op_type == "QMOE":
+            raise ShardError(f"{_where(node)}: sharding quantized experts (QMOE) is not supported; shard the float "
+                             "model")
+        if node.op_type in ("MoeDistributeDispatch", "MoeDistributeCombine") or \
+                any(_attr(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
+            raise ShardError(f"{_where(node)}: the model is already sharded")
+        if node.graph is not graph and node.op_type in ("MOE", "MoeFinalizeRouting"):
+            raise ShardError(f"{_where(node)} is inside a subgraph; only the main graph's MoE blocks can be sharded")
+    moe_nodes = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
+    if ep > 1 and moe_nodes:
+        from ..rewrite.grouped import expand_moe_nodes  # one activation code for both forms
+
+        expand_moe_nodes(model)
+        left = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
+        if left:
+            raise ShardError(f"{_where(left[0])}: its weights are computed at run time; only constant weights "
+                             "can be sharded")
+    else:
+        for node in moe_nodes:
+            _moe_tensor_parallel(node, plan)
+    chains = [_read_chain(node) for node in graph if node.domain == DOMAIN and node.op_type == "MoeFinalizeRouting"]
+    if not moe_nodes and not chains:
+        raise ShardError("the model has no MoE block to shard (no MOE node or MoeInitRouting -> "
+                         "MoeFinalizeRouting chain after `moe-onnx optimize`)")
+    for index, chain in enumerate(chains):
+        plan.check(_where(chain.final), chain.experts, chain.intermediate)
+        if ep > 1:
+            _chain_expert_parallel(chain, plan, chain.final.name or f"moe_block_{index}")
+        else:
+            _chain_tensor_parallel(chain, plan)
+    common_passes.RemoveUnusedNodesPass()(model)
+    model.opset_imports[DOMAIN] = OPSET_VERSION
+
+
+def _mark(model: ir.Model, source_fingerprint: str, plan: Plan) -> None:
+    model.metadata_props[METADATA_KEY] = json.dumps(
+        {"source_fingerprint": source_fingerprint, "tp": plan.tp, "ep": plan.ep, "rank": plan.rank}, sort_keys=True)
+
+
+def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
+    """The ``tp * ep`` rank models of ``model`` (an ``onnx.ModelProto`` or ``onnx_ir.Model``; the result has the
+    same kind), rank g at index g. Raises what :func:`shard_ir` raises. For files, and models over 2 GB, use
+    :func:`shard_file`, which streams the weights to disk one rank at a time."""
+    proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
+    fingerprint = hashlib.sha256(proto.SerializeToString()).hexdigest()
+    ranks = []
+    for rank in range(max(tp, 1) * max(ep, 1)):
+        copy = ir.serde.deserialize_model(proto)
+        shard_ir(copy, tp, ep, rank)
+        _mark(copy, fingerprint, Plan(tp, ep, rank))
+        ranks.append(ir.serde.serialize_model(copy) if isinstance(model, onnx.ModelProto) else copy)
+    return ranks
+
+
+def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, ep: int = 1,
+               progress: Callable[[str], None] | None = None) -> Manifest:
+    """Write the ``tp * ep`` rank models of the model at ``source`` as ``out_dir/rank<g>.onnx`` (with external
+    data ``rank<g>.onnx.data`` when large, see :func:`moe_onnx.io.save`; weights sliced one expert at a time
+    while writing) and ``out_dir/shard.json`` (:class:`~moe_onnx.distributed.manifest.Manifest`); returns the
+    manifest. Raises ShardError (see :func:`shard_ir`; nothing is written then) and
+    :class:`moe_onnx.io.ModelFileError` for a file that cannot be read or written."""
+    say = progress or (lambda message: None)
+    if tp < 1 or ep < 1:
+        raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
+    say(f"loading {source}")
+    proto = io.read_proto(source)
+    fingerprint = source_fingerprint(source)
+    out_dir = Path(out_dir)
+    plan = Plan(tp, ep, 0)
+    files, fingerprints = [], []
+    for rank in range(plan.world):
+        plan = Plan(tp, ep, rank)
+        model = io.load(source, proto)
+        say(f"rank {rank}: ep rank {plan.ep_rank}, tp rank {plan.tp_rank}")
+        shard_ir(model, tp, ep, rank, progress=progress if rank == 0 else None)
+        _mark(model, fingerprint, plan)
+        path = out_dir / rank_file(rank)
+        say(f"saving {path}")
+        io.save(model, path, progress=progress)
+        files.append(path.name)
+        fingerprints.append(nodes_fingerprint(io.read_proto(path)))
+    manifest = Manifest(str(Path(source).name), fingerprint, tp, ep, files, fingerprints)
+    manifest.write(out_dir)
+    return manifest

@@ -1,0 +1,238 @@
+"""Run a sharded model (``moe-onnx shard``'s directory) with one process per rank under MPI::
+
+    mpirun -n P python -m moe_onnx.run DIR --inputs in.npz -o out.npz [--backend cpp|python] [--threads N]
+        [--timeout S]
+
+or ``moe-onnx run DIR -n P ...``, which starts that mpirun itself (:func:`launch`). Every rank runs its
+``rankG.onnx`` on the same inputs; rank 0 writes the outputs. Before running, every rank checks that the
+MPI world has the shard's size, that its model file matches shard.json's fingerprint, and, through an
+all-gather, that all ranks hold models of one shard that fit together (:func:`open_rank`). An error on any
+rank prints ``moe_onnx.run: rank G: <message>`` and aborts the whole job (MPI_Abort), so no rank waits for
+one that is gone; every collective waits at most MOE_ONNX_COMM_TIMEOUT_S seconds (``--timeout``).
+
+Only this module's ``main`` and ``open_rank`` touch MPI (mpi4py); ``launch`` and ``compare`` do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import io
+from .distributed.manifest import Manifest, ManifestError, mismatches, nodes_fingerprint, rank_record
+
+TIMEOUT_ENV = "MOE_ONNX_COMM_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("cpp", "python")
+
+
+class RankError(RuntimeError):
+    """A session-start check failed: the shard, the world or the ranks' models do not fit together."""
+
+
+def comm_timeout() -> float:
+    """MOE_ONNX_COMM_TIMEOUT_S, or the default 300 s."""
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise RankError(f"{TIMEOUT_ENV} is {text!r}; expected a number of seconds > 0 (default {DEFAULT_TIMEOUT_S:g})")
+    return value
+
+
+def _wait(request, what: str, timeout: float) -> None:
+    """Poll a non-blocking MPI request until it completes; RankError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise RankError(f"session start: {what} over the world did not complete within {timeout:g} s "
+                            f"({TIMEOUT_ENV}); a rank is missing, stuck or failed")
+        time.sleep(0.001)
+
+
+def all_gather_json(comm, document, timeout: float) -> list:
+    """Every rank's JSON ``document``, in rank order (a bounded all-gather of the sizes, then the bytes)."""
+    from mpi4py import MPI
+
+    data = np.frombuffer(json.dumps(document).encode(), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), "the all-gather of the model checks", timeout)
+    gathered = np.empty(int(sizes.sum()), np.uint8)
+    _wait(comm.Iallgatherv(data, [gathered, sizes.astype(np.int32), MPI.UNSIGNED_CHAR]),
+          "the all-gather of the model checks", timeout)
+    edges = np.concatenate([[0], np.cumsum(sizes)])
+    return [json.loads(gathered[edges[g]:edges[g + 1]].tobytes()) for g in range(len(sizes))]
+
+
+def check_rank(directory: str | os.PathLike, rank: int, world: int) -> tuple[Manifest, Path, dict, str]:
+    """This rank's own checks: the manifest, the world size, its model file and fingerprint. Returns the
+    manifest, the model path, this rank's record for the others and its problem ('' when none)."""
+    manifest = Manifest.read(directory)
+    if world != manifest.world:
+        raise RankError(f"the MPI world has {world} ranks; {directory} is a shard for {manifest.world} ranks "
+                        f"(tp {manifest.tp} x ep {manifest.ep}): run it with -n {manifest.world}")
+    path = Path(directory) / manifest.files[rank]
+    proto = io.read_proto(path)
+    fingerprint = nodes_fingerprint(proto)
+    problem = ""
+    if fingerprint != manifest.fingerprints[rank]:
+        problem = (f"{path} does not match {directory}/shard.json: the fingerprint of its distributed nodes is "
+                   f"{fingerprint[:12]}, the manifest says {manifest.fingerprints[rank][:12]} (a file of another "
+                   "shard or rank, or changed since `moe-onnx shard`)")
+    return manifest, path, rank_record(proto, rank), problem
+
+
+def open_rank(directory: str | os.PathLike, comm, backend: str = "cpp", threads: int = 1):
+    """This rank's onnxruntime session on its model of the shard in ``directory``, after the session-start
+    checks on every rank: the manifest, the world size, this rank's file against its fingerprint, then an
+    all-gather of every rank's record, which detects models of other shards, layouts of other ranks and
+    distributed nodes that differ. Raises RankError (the same text on every rank for a problem of any rank),
+    ManifestError or ModelFileError."""
+    from .runtime import session
+    import onnxruntime as ort
+
+    rank = comm.Get_rank()
+    manifest, path, record, problem = check_rank(directory, rank, comm.Get_size())
+    gathered = all_gather_json(comm, {"record": record, "problem": problem}, comm_timeout())
+    problems = [f"rank {g}: {entry['problem']}" for g, entry in enumerate(gathered) if entry["problem"]]
+    problems += mismatches([entry["record"] for entry in gathered], manifest.tp)
+    if problems:
+        raise RankError("the ranks' models do not fit together: " + "; ".join(problems))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return session(str(path), backend, sess_options=options)
+
+
+def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file by name; RankError naming the file when it cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as error:
+        raise RankError(f"{path}: cannot read the inputs ({error}); expected an .npz of the model's inputs") from None
+
+
+def run_session(sess, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of ``sess`` on ``inputs`` (those the model takes; RankError naming a missing one)."""
+    from .runtime import run
+
+    names = [i.name for i in sess.get_inputs()]
+    missing = [name for name in names if name not in inputs]
+    if missing:
+        raise RankError(f"the inputs lack {', '.join(missing)} (the model takes {', '.join(names)})")
+    outputs = [o.name for o in sess.get_outputs()]
+    return dict(zip(outputs, run(sess, {name: inputs[name] for name in names}, outputs)))
+
+
+def guarded(comm, work: Callable[[], int]) -> int:
+    """``work()`` on this rank; any exception prints ``moe_onnx.run: rank G: <message>`` and aborts the job."""
+    try:
+        return work()
+    except BaseException as error:  # noqa: BLE001 -- whatever ends this rank must end the job
+        text = str(error).strip() or type(error).__name__
+        print(f"moe_onnx.run: rank {comm.Get_rank()}: {text}", file=sys.stderr, flush=True)
+        comm.Abort(1)
+        raise  # not reached: Abort ends the process
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m moe_onnx.run",
+                                     description="Run one rank of a sharded model; start it with mpirun -n P.")
+    parser.add_argument("directory", metavar="DIR", help="a directory written by `moe-onnx shard`")
+    parser.add_argument("--inputs", required=True, metavar="IN.npz", help="the model's inputs (the same on every rank)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT.npz", help="where rank 0 writes the outputs")
+    parser.add_argument("--backend", choices=BACKENDS, default="cpp", help="the kernels (default cpp)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds every collective may wait ({TIMEOUT_ENV}, default {DEFAULT_TIMEOUT_S:g})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.timeout is not None:
+        os.environ[TIMEOUT_ENV] = str(args.timeout)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+
+    def work() -> int:
+        sess = open_rank(args.directory, comm, args.backend, args.threads)
+        outputs = run_session(sess, read_inputs(args.inputs))
+        if comm.Get_rank() == 0:
+            np.savez(args.output, **outputs)
+        return 0
+
+    return guarded(comm, work)
+
+
+# ----------------------------------------------------------------------------- moe-onnx run (no MPI here)
+
+class LaunchError(RuntimeError):
+    """mpirun cannot be started (not installed)."""
+
+
+def mpirun_command(ranks: int, command: Sequence[str]) -> list[str]:
+    """The mpirun command line that runs ``command`` on ``ranks`` processes of this machine
+    (--oversubscribe; --allow-run-as-root for root); LaunchError when mpirun is not found."""
+    program = shutil.which("mpirun")
+    if program is None:
+        raise LaunchError("mpirun was not found on PATH: install Open MPI (Debian: apt-get install openmpi-bin "
+                          "libopenmpi-dev) or start `python -m moe_onnx.run` with your MPI's launcher")
+    launcher = [program, "--oversubscribe"]
+    if hasattr(os, "getuid") and os.getuid() == 0:
+        launcher.append("--allow-run-as-root")
+    return [*launcher, "-n", str(ranks), *command]
+
+
+def package_environment() -> dict[str, str]:
+    """This process's environment with this package's root first on PYTHONPATH (for the ranks)."""
+    environment = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[1])
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+    return environment
+
+
+def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, output: str | os.PathLike, *,
+           backend: str = "cpp", threads: int = 1, timeout: float | None = None) -> int:
+    """Run the shard in ``directory`` on ``ranks`` local processes (mpirun --oversubscribe); returns mpirun's
+    exit status (0: ``output`` written). Raises LaunchError when mpirun is not found."""
+    arguments = [os.fspath(directory), "--inputs", os.fspath(inputs), "-o", os.fspath(output), "--backend", backend,
+                 "--threads", str(threads)]
+    if timeout is not None:
+        arguments += ["--timeout", str(timeout)]
+    command = mpirun_command(ranks, [sys.executable, "-m", "moe_onnx.run", *arguments])
+    return subprocess.run(command, env=package_environment()).returncode
+
+
+def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str | os.PathLike,
+            backend: str = "cpp") -> dict[str, float]:
+    """The max absolute difference of every output in ``output`` from the unsharded model ``reference`` run
+    on one process on ``inputs``."""
+    from .runtime import session
+
+    expected = run_session(session(os.fspath(reference), backend), read_inputs(inputs))
+    got = read_inputs(output)
+    errors = {}
+    for name, value in expected.items():
+        if name not in got or got[name].shape != value.shape:
+            errors[name] = float("inf")
+        else:
+            errors[name] = float(np.max(np.abs(got[name].astype(np.float64) - value), initial=0.0))
+    return errors
+
+
+if __name__ == "__main__":
+    sys.exit(main())

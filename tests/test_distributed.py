@@ -1,0 +1,267 @@
+"""moe-onnx shard and run: the sharded models' outputs equal the unsharded model's on 2 and 4 ranks, the
+session-start checks, and faults that end the whole job in bounded time.
+
+The multi-rank runs need mpirun (Open MPI) and mpi4py: without them these tests FAIL, saying so. Every
+world size runs all its configurations in ONE mpirun launch (tests/distributed_driver.py), not one per case.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
+from fixture_models import FIXTURES, random_feeds
+
+from moe_onnx import session
+from moe_onnx.cli import main as cli_main
+from moe_onnx.distributed.manifest import MANIFEST_NAME, Manifest, mismatches, rank_record
+from moe_onnx.distributed.shard import ShardError, shard, shard_file
+from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
+
+DRIVER = Path(__file__).with_name("distributed_driver.py")
+TOLERANCE = 1e-5
+EXPERTS = 8  # 2 local experts at ep = 4
+# (tp, ep) per world size
+CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
+BACKENDS = ("cpp", "python")
+FIXTURE_MODELS = ("mixtral_batched_mm_tiny", "gpt_oss_batched_mm_tiny")
+# routing-input models: GPT-OSS-like GEMM2 (biases, clamp) and Mixtral/Qwen-like GEMM3, as MOE nodes and grouped
+# chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
+MODELS = {
+    "gemm2_moe": lambda: moe_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS),
+    "gemm3_moe": lambda: moe_model(GEMM3_SWIGLU, experts=EXPERTS, rank3=True),
+    "gemm2_grouped": lambda: grouped_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS, seed=1),
+    "gemm3_grouped": lambda: grouped_model(GEMM3_SWIGLU, experts=EXPERTS, seed=2),
+    "drop_pad": lambda: drop_pad_model(capacity=2, experts=EXPERTS),
+}
+# T = 0 and 1 (fewer tokens than ranks), 13 (uneven split, random loads), every slot on the first or the last
+# EP rank's experts (the other EP ranks receive no rows)
+ROUTINGS = {"t0": dict(tokens=0), "t1": dict(tokens=1), "t13": dict(tokens=13),
+            "first_experts": dict(tokens=9, only=(0, 1)), "last_experts": dict(tokens=7, only=(6, 7))}
+
+
+def require_mpirun() -> str:
+    program = shutil.which("mpirun")
+    if program is None:
+        pytest.fail("mpirun was not found: the multi-rank tests need Open MPI (apt-get install openmpi-bin "
+                    "libopenmpi-dev) and mpi4py")
+    return program
+
+
+def launch(ranks: int, command: list[str], timeout: float = 300, **env: str) -> tuple[subprocess.CompletedProcess,
+                                                                                      float]:
+    """Run ``command`` on ``ranks`` processes; returns the finished process and the seconds it took."""
+    require_mpirun()
+    start = time.monotonic()
+    done = subprocess.run(mpirun_command(ranks, command), env={**package_environment(), "OMP_NUM_THREADS": "1", **env},
+                          capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def expected_outputs(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return run_session(session(str(model_path)), inputs)
+
+
+def _cases(world: int) -> list[tuple[int, int, str, str]]:
+    return [(tp, ep, model, backend) for tp, ep in CONFIGS[world] for model in [*MODELS, *FIXTURE_MODELS]
+            for backend in BACKENDS]
+
+
+def _inputs(model: str) -> dict[str, dict[str, np.ndarray]]:
+    if model in FIXTURE_MODELS:
+        return {"b1s1": random_feeds(model, 1, 1), "b2s3": random_feeds(model, 2, 3)}
+    rank3 = model == "gemm3_moe"
+    return {name: routing_feeds(experts=EXPERTS, rank3=rank3, seed=i, **spec)
+            for i, (name, spec) in enumerate(ROUTINGS.items())}
+
+
+@functools.cache
+def world_results(world: int, root: str) -> dict:
+    """Shard every model for every configuration of ``world``, run them all in one mpirun launch, and return
+    {(tp, ep, model, backend): [(input name, got, expected)]}; the launch's failure fails every case."""
+    root = Path(root)
+    sources, runs, table = {}, [], {}
+    for name, build in MODELS.items():
+        sources[name] = root / f"{name}.onnx"
+        onnx.save(build(), sources[name])
+    for name in FIXTURE_MODELS:
+        sources[name] = FIXTURES / f"{name}.onnx"
+    for tp, ep, model, backend in _cases(world):
+        directory = root / f"{model}_tp{tp}_ep{ep}"
+        if not directory.exists():
+            shard_file(sources[model], directory, tp, ep)
+        entries = []
+        run = {"dir": str(directory), "backend": backend, "inputs": [], "outputs": []}
+        for input_name, feeds in _inputs(model).items():
+            in_path = root / f"{model}_{input_name}.npz"
+            np.savez(in_path, **feeds)
+            out_path = directory / f"{backend}_{input_name}.out.npz"
+            run["inputs"].append(str(in_path))
+            run["outputs"].append(str(out_path))
+            entries.append((input_name, out_path, expected_outputs(sources[model], feeds)))
+        runs.append(run)
+        table[(tp, ep, model, backend)] = entries
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"runs": runs}))
+    done, seconds = launch(world, [sys.executable, str(DRIVER), str(plan)], timeout=900)
+    assert done.returncode == 0, f"the {world}-rank launch failed ({seconds:.0f} s):\n{done.stdout}\n{done.stderr}"
+    print(f"{world} ranks: {sum(len(r['inputs']) for r in runs)} runs of {len(runs)} shards in one launch, "
+          f"{seconds:.1f} s")
+    return {key: [(name, dict(np.load(path)), expected) for name, path, expected in entries]
+            for key, entries in table.items()}
+
+
+@pytest.fixture(scope="module")
+def shard_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("shards"))
+
+
+@pytest.mark.parametrize("case", [c for world in CONFIGS for c in _cases(world)],
+                         ids=lambda c: f"tp{c[0]}_ep{c[1]}_{c[2]}_{c[3]}")
+def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
+    tp, ep, model, backend = case
+    world = tp * ep
+    for input_name, got, expected in world_results(world, shard_root)[case]:
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            assert got[name].shape == value.shape, f"{input_name}: {name}"
+            np.testing.assert_allclose(got[name], value, rtol=TOLERANCE, atol=TOLERANCE, err_msg=input_name)
+
+
+# ----------------------------------------------------------------------------- the graph transformation
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [node.op_type for node in model.graph.node]
+
+
+def _weights(model: onnx.ModelProto) -> dict[str, list[int]]:
+    return {t.name: list(t.dims) for t in model.graph.initializer}
+
+
+def test_tensor_parallel_moe_holds_its_intermediate_slice():
+    ranks = shard(moe_model(GEMM2_BIAS_SWIGLU_CLAMP, inter=7), tp=2)
+    for rank, columns in zip(ranks, (3, 4)):  # I = 7: [0, 3) and [3, 7)
+        (node,) = rank.graph.node
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert (attrs["tp_world_size"], attrs["tp_rank_id"]) == (2, list(ranks).index(rank))
+        shapes = [_weights(rank)[name] for name in node.input[3:7]]
+        assert shapes == [[4, 8, 2 * columns], [4, 2 * columns], [4, columns, 8], [4, 8]]
+
+
+def test_gate_up_pairs_stay_together_on_their_tp_rank():
+    model = moe_model(GEMM2_BIAS_SWIGLU_CLAMP, inter=5)
+    w0 = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    ranks = shard(model, tp=2)
+    got = [onnx.numpy_helper.to_array(next(t for t in r.graph.initializer if list(t.dims) == [4, 8, n]))
+           for r, n in zip(ranks, (4, 6))]
+    np.testing.assert_array_equal(np.concatenate(got, axis=2), w0)  # rank 0: pairs 0-1, rank 1: pairs 2-4
+
+
+def test_expert_parallel_moe_becomes_dispatch_experts_combine():
+    ranks = shard(moe_model(GEMM3_SWIGLU, experts=8), tp=2, ep=2)
+    ops = _ops(ranks[3])
+    assert "MOE" not in ops and "MoeInitRouting" not in ops and "MoeFinalizeRouting" not in ops
+    assert ops.count("MoeDistributeDispatch") == ops.count("MoeDistributeCombine") == 1
+    assert ops.count("MoeRowParallelLinear") == 3
+    assert sorted(_weights(ranks[3]).values()) == [[4, 3, 8], [4, 3, 8], [4, 8, 3]]  # 4 local experts, I 6 / 2
+    dispatch = next(n for n in ranks[3].graph.node if n.op_type == "MoeDistributeDispatch")
+    attrs = {a.name: a.i for a in dispatch.attribute}
+    assert attrs == dict(num_experts=8, expert_capacity=0, ep_world_size=2, ep_rank_id=1, tp_world_size=2,
+                         tp_rank_id=1)
+
+
+def test_down_bias_only_on_tp_rank_zero_with_expert_parallelism():
+    ranks = shard(moe_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=8), tp=2, ep=2)
+    downs = [[n for n in r.graph.node if n.op_type == "MoeRowParallelLinear"][-1] for r in ranks]
+    assert [len([i for i in d.input if i]) for d in downs] == [4, 3, 4, 3]
+
+
+def test_drop_pad_capacity_goes_to_dispatch():
+    (rank0, _) = shard(drop_pad_model(capacity=3, experts=EXPERTS), tp=1, ep=2)
+    dispatch = next(n for n in rank0.graph.node if n.op_type == "MoeDistributeDispatch")
+    assert {a.name: a.i for a in dispatch.attribute}["expert_capacity"] == 3
+    combine = next(n for n in rank0.graph.node if n.op_type == "MoeDistributeCombine")
+    assert len(combine.input) == 4  # the residual x1 travels to combine
+
+
+def test_grouped_chain_with_tensor_parallelism_all_reduces_in_the_down_linear():
+    ranks = shard(grouped_model(GEMM3_SWIGLU), tp=2)
+    down = [n for n in ranks[1].graph.node if n.op_type == "MoeRowParallelLinear"][-1]
+    attrs = {a.name: a.i for a in down.attribute}
+    assert attrs["tp_world_size"] == 2 and attrs["tp_rank_id"] == 1 and attrs["input_is_parallel"] == 1
+    assert "MoeInitRouting" in _ops(ranks[1]) and "MoeFinalizeRouting" in _ops(ranks[1])
+
+
+@pytest.mark.parametrize("model, tp, ep, message", [
+    (lambda: moe_model(GEMM3_SWIGLU, experts=6), 1, 4, "6 experts do not split over ep = 4"),
+    (lambda: moe_model(GEMM3_SWIGLU, inter=3), 4, 1, "I = 3 is smaller than tp = 4"),
+    (lambda: drop_pad_model(2, inter=2), 4, 2, "I = 2 is smaller than tp = 4"),
+    (lambda: moe_model(GEMM3_SWIGLU), 0, 1, "both must be >= 1"),
+    (lambda: shard(moe_model(GEMM3_SWIGLU), tp=2)[0], 2, 1, "already sharded"),
+])
+def test_refusals_name_the_reason(model, tp, ep, message):
+    with pytest.raises(ShardError, match=message):
+        shard(model(), tp=tp, ep=ep)
+
+
+def test_quantized_experts_are_refused():
+    from moe_onnx import quantize
+
+    quantized, _ = quantize(moe_model(GEMM3_SWIGLU, hidden=32, inter=32), bits=8, measure=False)
+    with pytest.raises(ShardError, match="QMOE.*not supported"):
+        shard(quantized, tp=2)
+
+
+def test_a_model_without_moe_blocks_is_refused(tmp_path):
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])]), ir_version=10)
+    with pytest.raises(ShardError, match="no MoE block"):
+        shard(model, tp=2)
+
+
+def test_an_exported_model_is_optimized_then_sharded(tmp_path):
+    manifest = shard_file(FIXTURES / "qwen3_moe_batched_mm_tiny.onnx", tmp_path, tp=1, ep=2)
+    assert (manifest.world, manifest.files) == (2, ["rank0.onnx", "rank1.onnx"])
+    assert Manifest.read(tmp_path) == manifest
+    rank1 = onnx.load(tmp_path / "rank1.onnx")
+    assert "MoeDistributeDispatch" in _ops(rank1) and "MoeGatingTopK" in _ops(rank1)
+
+
+def test_shard_cli(tmp_path, capsys):
+    source = tmp_path / "m.onnx"
+    onnx.save(moe_model(GEMM3_SWIGLU, experts=6), source)
+    assert cli_main(["shard", str(source), "--tp", "2", "-o", str(tmp_path / "out")]) == 0
+    document = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    assert (document["format"], document["world"], document["tp"], document["ep"]) == (1, 2, 2, 1)
+    assert [r["file"] for r in document["ranks"]] == ["rank0.onnx", "rank1.onnx"]
+    assert cli_main(["shard", str(source), "--ep", "4", "-o", str(tmp_path / "bad")]) == 2
+    assert "6 experts do not split over ep = 4" in capsys.readouterr().err
+
+
+def test_rank_records_detect_another_shard_and_another_rank():
+    ranks_a = shard(moe_model(GEMM3_SWIGLU, experts=8), tp=1, ep=2)
+    ranks_b = shard(moe_model(GEMM3_SWIGLU, experts=8, inter=4), tp=1, ep=2)
+    assert mismatches([rank_record(m, g) for g, m in enumerate(ranks_a)], tp=1) == []
+    (problem,) = mismatches([rank_record(ranks_a[0], 0), rank_record(ranks_b[1], 1)], tp=1)
+    assert "ranks 0 and 1 hold models of different shards" in problem
+    problems = mismatches([rank_record(ranks_a[0], 0), rank_record(ranks_a[0], 1)], tp=1)
+    assert "rank 1's model holds the layout (ep_rank_id, tp_rank_id) = (0, 0); rank 1 needs (1, 0)" in problems[0]
+
+
+def test_run_without_mpirun_says_so(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(LaunchError, match="mpirun was not found"):
+        mpirun_command(2, ["python"])
+    assert cli_main(["run", "dir", "-n", "2", "--inputs", "in.npz", "-o", "out.npz"]) == 2
