@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=256, help="T, the layer's tokens (every rank holds all)")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["gpt_oss", "qwen3"])
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--backend", choices=("cpp", "python"), default="cpp", help="the kernels (default cpp)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians over all)")
     ap.add_argument("--budget-ms", type=float, default=150.0, help="time per call per round")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one mpirun launch may take")
@@ -79,10 +80,11 @@ def _shard(model, tp: int, ep: int, rank: int):
     return ir.to_proto(sharded)
 
 
-def _session(model, threads: int):
+def _session(model, args: argparse.Namespace):
     import moe_onnx
 
-    return moe_onnx.session(model.SerializeToString(), sess_options=session_options(threads))
+    return moe_onnx.session(model.SerializeToString(), backend=args.backend,
+                            sess_options=session_options(args.threads))
 
 
 def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
@@ -91,9 +93,9 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
 
     ranks, rank, shape = comm.size, comm.rank, SHAPES[name]
     model, x = layer_model(shape), tokens(shape, args.tokens)
-    expected = _session(model, args.threads).run([Y], {X: x})[0]
+    expected = _session(model, args).run([Y], {X: x})[0]
     rank_model = model if ranks == 1 else _shard(model, *((ranks, 1) if mode == "tp" else (1, ranks)), rank)
-    layer_session = _session(rank_model, args.threads)
+    layer_session = _session(rank_model, args)
     calls = {"layer": lambda: layer_session.run([Y], {X: x})}
     error = comm.allreduce(float(np.abs(calls["layer"]()[0] - expected).max()), op=MPI.MAX)
     moved_bytes = None
@@ -102,7 +104,7 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
         mine = token_range(args.tokens, ranks, rank)
         feeds = {"x": x[mine], "experts": experts[mine]}
         dispatch_model, exchange_model = exchange_models(shape, ranks, rank)
-        dispatch, exchange = _session(dispatch_model, args.threads), _session(exchange_model, args.threads)
+        dispatch, exchange = _session(dispatch_model, args), _session(exchange_model, args)
         sent, received = exchanged_rows(dispatch.run(["assist_info"], feeds)[0])
         moved_bytes = comm.allreduce(int(sent.sum())) * shape.H * 4
         calls["exchange"] = lambda: exchange.run(["out"], {**feeds, "scales": weights[mine]})
@@ -140,14 +142,15 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(ranks: int, args: argparse.Namespace, out: Path) -> list[dict]:
     """This script's worker on `ranks` ranks under mpirun, with cores / ranks threads each."""
-    command = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        command.append("--allow-run-as-root")
-    command += [sys.executable, __file__, "--worker", str(out), "--threads", str(max(1, args.cores // ranks)),
-                "--tokens", str(args.tokens), "--shapes", *args.shapes, "--modes", *args.modes,
-                "--rounds", str(args.rounds), "--budget-ms", str(args.budget_ms)]
+    from moe_onnx.run import mpirun_command, package_environment
+
+    # --bind-to none: Open MPI binds 1-2 ranks to one core each, which would leave a rank's threads one core
+    command = mpirun_command(ranks, [
+        "--bind-to", "none", sys.executable, __file__, "--worker", str(out),
+        "--threads", str(max(1, args.cores // ranks)), "--tokens", str(args.tokens), "--shapes", *args.shapes,
+        "--modes", *args.modes, "--backend", args.backend, "--rounds", str(args.rounds), "--budget-ms", str(args.budget_ms)])
     print(f"\n$ {shlex.join(command)}", flush=True)
-    subprocess.run(command, check=True, timeout=args.timeout)
+    subprocess.run(command, check=True, timeout=args.timeout, env=package_environment())
     return json.loads(out.read_text())
 
 
