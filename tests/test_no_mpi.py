@@ -1,6 +1,6 @@
 """Without MPI everything of one process installs and runs: in a process where mpi4py cannot be
 imported, moe_onnx imports, optimizes and runs sessions on both backends without trying to import
-mpi4py or loading an MPI library."""
+mpi4py or loading an MPI library, and a node of several ranks fails with an error that says what it needs."""
 
 from __future__ import annotations
 
@@ -52,12 +52,48 @@ except ModuleNotFoundError:
 
 """
 
+#: A MoeDistributeDispatch of 2 EP ranks run in one process, outside mpirun, on `backend`.
+TWO_RANK_NODE = NO_MPI4PY + """
+import numpy as np
+from onnx import TensorProto, helper
+import moe_onnx
 
-def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+node = helper.make_node("MoeDistributeDispatch", ["x", "expert_ids"], ["expand_x", "expert_offset", "assist_info"],
+                        name="dispatch", domain="moe_onnx", num_experts=2, ep_world_size=2, ep_rank_id=0)
+graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4]),
+                                        helper.make_tensor_value_info("expert_ids", TensorProto.INT64, [3, 1])],
+                          [helper.make_tensor_value_info(n, t, None) for n, t in
+                           [("expand_x", TensorProto.FLOAT), ("expert_offset", TensorProto.INT64),
+                            ("assist_info", TensorProto.INT64)]])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moe_onnx", 1)])
+feeds = {"x": np.ones((3, 4), np.float32), "expert_ids": np.array([[0], [1], [1]], np.int64)}
+try:
+    moe_onnx.session(model, backend=sys.argv[1]).run(None, feeds)
+except Exception as error:
+    print("error:", str(error).splitlines()[-1] if str(error).strip() else repr(error))
+"""
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_single_process_never_imports_mpi4py_nor_loads_mpi():
     out = _run(SINGLE_PROCESS)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "single process ok" in out.stdout.splitlines(), out.stdout
+
+
+def test_a_node_of_two_ranks_says_what_it_needs():
+    """cpp: the library says it needs 2 MPI ranks and why it has not got them (a build without MPI, or one
+    process outside mpirun); python: that the node runs only with its ranks, under MPI."""
+    out = _run(TWO_RANK_NODE, "cpp")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "MoeDistributeDispatch node 'dispatch': " in out.stdout, out.stdout
+    assert ("needs 2 MPI ranks (ep_world_size 2" in out.stdout
+            or "runs with 1 MPI rank; the node needs 2" in out.stdout and "start it under mpirun -n 2" in out.stdout), \
+        out.stdout
+    out = _run(TWO_RANK_NODE, "python")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "MoeDistributeDispatch node 'dispatch': " in out.stdout, out.stdout
+    assert "ep_world_size" in out.stdout and "MPI" in out.stdout, out.stdout
