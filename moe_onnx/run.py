@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import io
-from .distributed.manifest import Manifest, ManifestError, mismatches, nodes_fingerprint, rank_record
+from .distributed.manifest import Manifest, mismatches, nodes_fingerprint, rank_record
 
 TIMEOUT_ENV = "MOE_ONNX_COMM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0

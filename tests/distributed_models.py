@@ -13,7 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from moe_onnx import DOMAIN, OPSET_VERSION
-from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
 
 OPSETS = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
 

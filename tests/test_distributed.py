@@ -265,3 +265,26 @@ def test_run_without_mpirun_says_so(monkeypatch):
     with pytest.raises(LaunchError, match="mpirun was not found"):
         mpirun_command(2, ["python"])
     assert cli_main(["run", "dir", "-n", "2", "--inputs", "in.npz", "-o", "out.npz"]) == 2
+
+
+@pytest.mark.parametrize("expert_type", [GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU])
+def test_tensor_parallel_slices_sum_to_the_whole_moe(expert_type):
+    """The ranks' MOE nodes, given to the TP reference (all ranks in one process), give the unsharded y."""
+    from moe_onnx.ops.moe import moe, moe_tensor_parallel
+
+    model = moe_model(expert_type, inter=7)
+    feeds = routing_feeds(6)
+
+    def inputs(m: onnx.ModelProto) -> tuple[list, dict]:
+        (node,) = m.graph.node
+        values = {**feeds, **{t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}}
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        return [values[name] if name else None for name in node.input] + [None] * (8 - len(node.input)), attrs
+
+    whole, attrs = inputs(model)
+    expected = moe(*whole, **attrs)[0]
+    ranks = [inputs(m) for m in shard(model, tp=3)]
+    rank_attrs = {k: v for k, v in ranks[0][1].items() if k not in ("tp_world_size", "tp_rank_id")}
+    got = moe_tensor_parallel([arrays for arrays, _ in ranks], **rank_attrs)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

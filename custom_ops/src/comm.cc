@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "comm_mpi_abi.h"
@@ -159,6 +160,8 @@ class MpiGroup : public Group {
   int64_t rank_;
 };
 
+std::string ranks_word(int64_t n) { return std::to_string(n) + (n == 1 ? " MPI rank" : " MPI ranks"); }
+
 std::string layout_words(const Layout& layout) {
   return "ep_world_size " + std::to_string(layout.ep_size) + " x tp_world_size " + std::to_string(layout.tp_size);
 }
@@ -179,7 +182,7 @@ const MoeOnnxMpiTable& mpi_table(const std::string& op, const Layout& layout) {
   const std::string self = this_library_path();
   const size_t slash = self.rfind('/');
   const std::string path = (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/" + kMpiLibrary;
-  const std::string needs = op + ": needs " + std::to_string(layout.world_size()) + " MPI ranks (" +
+  const std::string needs = op + ": needs " + ranks_word(layout.world_size()) + " (" +
                             layout_words(layout) + "), but ";
   if (access(path.c_str(), F_OK) != 0)
     throw_invalid(needs + "this build has no MPI support (" + kMpiLibrary + " not found beside " + self +
@@ -196,17 +199,29 @@ const MoeOnnxMpiTable& mpi_table(const std::string& op, const Layout& layout) {
   return *table;
 }
 
+// The groups of a one-rank layout.
+Groups solo_groups() {
+  static const std::shared_ptr<const Group> solo = std::make_shared<SoloGroup>();
+  return Groups{solo, solo, solo};
+}
+
+// The size of MPI_COMM_WORLD and this process's rank in it, MPI started if need be.
+std::pair<int64_t, int64_t> mpi_world(const MoeOnnxMpiTable& mpi, const std::string& op) {
+  char error[MOE_ONNX_MPI_ERROR_SIZE] = {0};
+  int64_t size = 0, rank = 0;
+  if (mpi.world(&size, &rank, error) != MOE_ONNX_MPI_OK) throw_invalid(op + ": MPI does not start: " + error);
+  return {size, rank};
+}
+
 // The groups of a valid layout of more than one rank, over MPI.
 Groups mpi_groups(const Layout& layout, const std::string& op) {
   const MoeOnnxMpiTable& mpi = mpi_table(op, layout);
   const double timeout = timeout_seconds(op);
+  const auto [size, rank] = mpi_world(mpi, op);
   char error[MOE_ONNX_MPI_ERROR_SIZE] = {0};
-  int64_t size = 0, rank = 0;
-  if (mpi.world(&size, &rank, error) != MOE_ONNX_MPI_OK) throw_invalid(op + ": MPI does not start: " + error);
   const int64_t W = layout.world_size(), g = layout.global_rank();
   if (size != W)
-    throw_invalid(op + ": runs with " + std::to_string(size) + " MPI rank" + (size == 1 ? "" : "s") +
-                  "; the node needs " + std::to_string(W) + " (" + layout_words(layout) + "; start it under mpirun -n " +
+    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " + std::to_string(W) + " (" + layout_words(layout) + "; start it under mpirun -n " +
                   std::to_string(W) + ")");
   if (rank != g)
     throw_invalid(op + ": runs as MPI rank " + std::to_string(rank) + ", but the node is global rank " +
@@ -238,7 +253,7 @@ Groups mpi_groups(const Layout& layout, const std::string& op) {
 
 std::string layout_problem(const Layout& layout) {
   const auto size_problem = [](const char* name, int64_t size) {
-    return std::string("attribute '") + name + "' is " + std::to_string(size) + "; expected a size >= 1";
+    return std::string("attribute '") + name + "' is " + std::to_string(size) + "; expected >= 1";
   };
   const auto rank_problem = [](const char* name, int64_t rank, const char* size_name, int64_t size) {
     return std::string("attribute '") + name + "' is " + std::to_string(rank) + "; expected 0 <= " + name + " < " +
@@ -259,10 +274,7 @@ std::string layout_problem(const Layout& layout) {
 Groups groups(const Layout& layout, const std::string& op) {
   const std::string problem = layout_problem(layout);
   if (!problem.empty()) throw_invalid(op + ": " + problem);
-  if (layout.world_size() == 1) {
-    static const std::shared_ptr<const Group> solo = std::make_shared<SoloGroup>();
-    return Groups{solo, solo, solo};
-  }
+  if (layout.world_size() == 1) return solo_groups();
   static std::mutex mutex;
   static std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Groups> made;
   std::lock_guard<std::mutex> lock(mutex);  // every rank makes its groups in one order
@@ -270,6 +282,22 @@ Groups groups(const Layout& layout, const std::string& op) {
   auto found = made.find(key);
   if (found == made.end()) found = made.emplace(key, mpi_groups(layout, op)).first;
   return found->second;
+}
+
+Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op) {
+  const Layout tp_only{1, 0, tp_size, tp_rank};
+  const std::string problem = layout_problem(tp_only);
+  if (!problem.empty()) throw_invalid(op + ": " + problem);
+  if (tp_size == 1) return solo_groups();
+  const auto [size, rank] = mpi_world(mpi_table(op, tp_only), op);
+  if (size % tp_size != 0)
+    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs a multiple of tp_world_size " +
+                  std::to_string(tp_size) + " (start it under mpirun -n " + std::to_string(tp_size) + ")");
+  if (rank % tp_size != tp_rank)
+    throw_invalid(op + ": runs as MPI rank " + std::to_string(rank) + ", TP rank " + std::to_string(rank % tp_size) +
+                  " of its group, but the node has tp_rank_id " + std::to_string(tp_rank) + "; expected rank " +
+                  std::to_string(rank) + "'s model");
+  return groups(Layout{size / tp_size, rank / tp_size, tp_size, tp_rank}, op);
 }
 
 }  // namespace comm

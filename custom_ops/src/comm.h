@@ -66,5 +66,11 @@ std::string layout_problem(const Layout& layout);
 // needs no MPI: its groups are trivial.
 Groups groups(const Layout& layout, const std::string& op);
 
+// The groups of a node that names only its TP group (MOE, MoeRowParallelLinear: tp_world_size,
+// tp_rank_id): the world is any multiple of tp_size ranks, its EP side taken from the process's rank
+// (ep_world_size = world size / tp_size, ep_rank_id = rank / tp_size); the process's rank must be
+// TP rank tp_rank of its group. Errors as groups(); tp_size 1 needs no MPI (every group trivial).
+Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op);
+
 }  // namespace comm
 }  // namespace moe_onnx

@@ -120,8 +120,8 @@ struct MoeRun {
     });
   }
 
-  // y[slot] = (act @ W1 + b1) * the slot's routing weight, per slot (tokens-major: y[t*k + j]).
-  void down(const Input& routing) {
+  // y[slot] = (act @ W1 (+ b1)) * the slot's routing weight, per slot (tokens-major: y[t*k + j]).
+  void down(const Input& routing, bool add_bias) {
     const PackedWeights& w = weights.matrices[DOWN];
     const int64_t H = d.H;
     y = ws.get(ws.y, static_cast<size_t>(slots() * H));
@@ -133,21 +133,24 @@ struct MoeRun {
       float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
       w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
       const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
-      const float* b = w.bias_at(slot) + h0;
+      const float* b = add_bias ? w.bias_at(slot) + h0 : nullptr;
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t f = sorted.order[t.row0 + r];
         const float weight = load_float(routing.type, routing.data, f);
         const float* src = C + r * ldc;
         float* dst = y + f * H + h0;
-        for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = (src[h] + b[h]) * weight;
+        if (b)
+          for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = (src[h] + b[h]) * weight;
+        else
+          for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = src[h] * weight;
       }
     });
   }
 
-  // out[t] = sum over j of y[t*k + j], j in order, converted to the output's type.
-  void sum_slots(ElemType type, char* out) {
+  // store(t, row) for every token t, row = sum over j of y[t*k + j] (float32, j in order).
+  template <class Store>
+  void sum_slots(Store&& store) {
     const int64_t H = d.H, k = d.k;
-    const size_t row_bytes = static_cast<size_t>(H) * elem_size(type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(d.T), 4, 64, &chunk);
     parallel_for(ctx, n_chunks, [&](size_t c) {
@@ -159,11 +162,23 @@ struct MoeRun {
           const float* src = y + (t * k + j) * H;
           for (int64_t h = 0; h < H; ++h) row[h] += src[h];
         }
-        from_float(type, row, out + t * row_bytes, H);
+        store(t, row);
       }
     });
   }
 };
+
+// The [T, H] float32 rows of `partial` converted to `type` in `out`.
+void round_rows(Ort::KernelContext& ctx, const MoeDims& d, const float* partial, ElemType type, char* out) {
+  const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(type);
+  size_t chunk = 1;
+  const size_t n_chunks = chunk_count(static_cast<size_t>(d.T), 4, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    const int64_t end = std::min<int64_t>(d.T, static_cast<int64_t>((c + 1) * chunk));
+    for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t)
+      from_float(type, partial + t * d.H, out + t * row_bytes, d.H);
+  });
+}
 
 }  // namespace
 
@@ -235,18 +250,35 @@ void check_indices(const Input& in, int64_t E, const std::string& where) {
 
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
                  const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
-                 const ExpertsForRun& experts, char* out) {
-  if (d.T == 0 || d.H == 0) return;
-  if (d.k == 0 || (d.I == 0 && !down_bias)) return write_zeros(hidden.type, d, out);
-  const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);
-  PackedExperts local;
-  const PackedExperts& weights = experts(sorted, local);
+                 const ExpertsForRun& experts, char* out, const TensorParallel& tp) {
+  if (d.T == 0 || d.H == 0) return;  // the same on every TP rank (the same tokens)
+  const bool add_down_bias = down_bias && (!tp.group || tp.group->rank() == 0);
+  // Whether some expert output reaches a token (this rank's I-slice may be empty, its bias absent).
+  const bool any_output = d.k > 0 && (d.I > 0 || add_down_bias);
+  if (!tp.group && !any_output) return write_zeros(hidden.type, d, out);
   WorkspaceLease workspace(pool);
-  MoeRun run{ctx, d, sorted, weights, workspace.get()};
-  run.gather_rows(hidden);
-  run.gate_up(config);
-  run.down(routing);
-  run.sum_slots(hidden.type, out);
+  float* partial = nullptr;  // TP: this rank's y in float32, then the group's sum
+  if (tp.group) {
+    partial = workspace.get().get(workspace.get().partial, static_cast<size_t>(d.T * d.H));
+    std::fill(partial, partial + d.T * d.H, 0.0f);
+  }
+  if (any_output) {
+    const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);
+    PackedExperts local;
+    const PackedExperts& weights = experts(sorted, local);
+    MoeRun run{ctx, d, sorted, weights, workspace.get()};
+    run.gather_rows(hidden);
+    run.gate_up(config);
+    run.down(routing, add_down_bias);
+    const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(hidden.type);
+    if (partial)
+      run.sum_slots([&](int64_t t, const float* row) { std::copy(row, row + d.H, partial + t * d.H); });
+    else
+      run.sum_slots([&](int64_t t, const float* row) { from_float(hidden.type, row, out + t * row_bytes, d.H); });
+  }
+  if (!partial) return;
+  tp.group->all_reduce_sum(partial, d.T * d.H, tp.where, "the partial output");
+  round_rows(ctx, d, partial, hidden.type, out);
 }
 
 }  // namespace moe_onnx

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "comm.h"
 #include "common.h"
 #include "packed_weights.h"
 #include "task_plan.h"
@@ -58,7 +59,7 @@ void check_indices(const Input& indices, int64_t E, const std::string& where);
 // the kernel between runs (a run takes them, and gives them back when no other run has), so a run
 // neither allocates nor page-faults them again.
 struct MoeWorkspace {
-  std::vector<float> xs, act, y;
+  std::vector<float> xs, act, y, partial;  // partial: the [T, H] float32 sums of a TP rank
   float* get(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
     return v.data();
@@ -74,10 +75,18 @@ struct WorkspacePool {
 // (experts_for_run), given the slots sorted by expert.
 using ExpertsForRun = std::function<const PackedExperts&(const SlotsByExpert& sorted, PackedExperts& local)>;
 
+// A node's tensor-parallel group (docs/distributed.md), null on one process: each rank's partial y
+// (float32; the down bias only on TP rank 0) is summed over it and rounded once. `where` names the
+// node in the collective's errors.
+struct TensorParallel {
+  const comm::Group* group = nullptr;
+  const char* where = "";
+};
+
 // Steps 2-5 of a Compute on checked inputs: writes y (hidden_states' shape and type) to `out`.
 // `down_bias`: whether the down linear has a bias (with I == 0 it alone reaches the output).
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
                  const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
-                 const ExpertsForRun& experts, char* out);
+                 const ExpertsForRun& experts, char* out, const TensorParallel& tp = {});
 
 }  // namespace moe_onnx

@@ -50,6 +50,15 @@ int64_t Attributes::choice(const char* name, const std::vector<int64_t>& choices
   fail(name, "is " + std::to_string(value) + "; expected one of " + listed);
 }
 
+std::pair<int64_t, int64_t> read_group(const Attributes& attrs, const char* size_name, const char* rank_name) {
+  const int64_t size = attrs.get_int(size_name), rank = attrs.get_int(rank_name);
+  if (size < 1) attrs.fail(size_name, "is " + std::to_string(size) + "; expected >= 1");
+  if (rank < 0 || rank >= size)
+    attrs.fail(rank_name, "is " + std::to_string(rank) + "; expected 0 <= " + rank_name + " < " + size_name + " = " +
+                              std::to_string(size));
+  return {size, rank};
+}
+
 bool node_has_input(const Ort::ConstKernelInfo& info, size_t i) {
   return i < info.GetInputCount() && !info.GetInputName(i).empty();
 }

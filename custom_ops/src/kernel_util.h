@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -33,6 +34,10 @@ class Attributes {
   const OpSignature& op_;
   std::string where_;
 };
+
+// A group's size attribute (>= 1) and this rank's index in it ([0, size)), as check_group_attrs
+// (Python) checks them: {size, rank}.
+std::pair<int64_t, int64_t> read_group(const Attributes& attrs, const char* size_name, const char* rank_name);
 
 // Whether input i of the node is connected (a name, not "").
 bool node_has_input(const Ort::ConstKernelInfo& info, size_t i);

@@ -174,7 +174,10 @@ OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info,
 MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::MOE.name, kinfo);
-  config = ExpertConfig::read(Attributes(info, signatures::MOE, where));
+  const Attributes attrs(info, signatures::MOE, where);
+  config = ExpertConfig::read(attrs);
+  const auto [tp_size, tp_rank] = read_group(attrs, "tp_world_size", "tp_rank_id");
+  if (tp_size > 1) tp = comm::tp_groups(tp_size, tp_rank, where).tp;
   constant = pack_constant_weights(kinfo, config.type, config.parity);
 }
 
@@ -196,7 +199,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
                     [&](ExpertSlots slots) { return empty_pack(type, inputs, d.H, d.I, std::move(slots)); },
                     [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
               },
-              static_cast<char*>(out_value.GetTensorMutableRawData()));
+              static_cast<char*>(out_value.GetTensorMutableRawData()), TensorParallel{tp.get(), where.c_str()});
 }
 
 }  // namespace moe_onnx

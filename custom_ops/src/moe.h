@@ -18,6 +18,7 @@ struct MoeKernel {
 
   std::string where;
   ExpertConfig config;
+  std::shared_ptr<const comm::Group> tp;  // the TP group (tp_world_size > 1), else null
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
   WorkspacePool workspaces;
 };

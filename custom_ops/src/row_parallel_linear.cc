@@ -6,7 +6,11 @@
 //    it is an initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
 //    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
 //    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
-// 3. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
+// 3. With tp_world_size > 1 (docs/distributed.md), W is this rank's K-slice [E, N, K_q]: the rank
+//    reads X's columns [k_q, k_q + K_q) (k_q: the K_q of the TP ranks before it, all-gathered) unless
+//    input_is_parallel, computes its partial without B in float32 (int32 for int8), all-reduces it over
+//    the group and then adds B once and rounds.
+// 4. Tasks are (expert, block of rows, group of panels) (task_plan.h), so even a few rows keep every
 //    thread busy; each output element is computed by one task in a fixed order: 1 and N threads
 //    agree bitwise.
 #include "row_parallel_linear.h"
@@ -38,7 +42,8 @@ constexpr TaskShape kTaskShape{/*max_rows=*/48, /*equal_rows=*/false, /*max_pane
 ElemType output_elem(ElemType x_type) { return x_type == kInt8 ? kInt32 : x_type; }
 
 struct Dims {
-  int64_t E, N, K, rows;
+  int64_t E, N, K, rows;  // K: W's dim 2 (this rank's K_q with tp_world_size > 1)
+  int64_t x_width;        // X's dim -1
   std::vector<int64_t> out_shape;
 };
 
@@ -56,6 +61,10 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
                                   " (" + (x_type == kInt8 ? "int8 X and W accumulate in int32" : "the type of input 'X'") +
                                   ")");
   }
+  // K is the full input width; with tp_world_size > 1, W holds this rank's K_q, and so does X when
+  // input_is_parallel is 1.
+  const char* w_k = kernel.tp ? "K_q" : "K";
+  const char* x_k = kernel.input_is_parallel ? w_k : "K";
   DimBinder dims(v);
   for (int i = 0; i < 3; ++i) {
     if (!kernel.has_size[i]) continue;
@@ -65,9 +74,9 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
     dims.bind(kSizeSymbols[i], kernel.size[i], std::string("attribute '") + kSizeAttrs[i] + "'");
   }
   const auto& x_shape = v.expect_rank(X, -1, 1);
-  dims.bind("K", x_shape.back(), "input 'X' dim -1");
+  dims.bind(x_k, x_shape.back(), "input 'X' dim -1");
   v.expect_rank(W, 3);
-  dims.shape(W, {"E", "N", "K"});
+  dims.shape(W, {"E", "N", w_k});
   if (v.has(B)) {
     v.expect_rank(B, 2);
     dims.shape(B, {"E", "N"});
@@ -78,7 +87,7 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
     v.fail(v.input_name(OFFSET), "dim 0 is " + std::to_string(length) + "; expected E + 1 = " + std::to_string(E + 1) +
                                      " (E from " + (kernel.has_size[0] ? "attribute 'num_experts'" : "input 'W' dim 0") +
                                      ")");
-  Dims d{E, dims.get("N"), dims.get("K"), product(x_shape, 0, x_shape.size() - 1), {}};
+  Dims d{E, dims.get("N"), dims.get(w_k), product(x_shape, 0, x_shape.size() - 1), x_shape.back(), {}};
   d.out_shape.assign(x_shape.begin(), x_shape.end() - 1);
   d.out_shape.push_back(d.N);
   return d;
@@ -119,8 +128,9 @@ void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
   p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
 }
 
-// The covered rows of X as the GEMM reads them: int8 prepared for the int8 GEMM (ld in bytes);
-// float32 in place when gemm_rows_in_place allows, else widened or copied to fp32 at gemm_row_stride.
+// The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
+// prepared for the int8 GEMM (ld in bytes); float32 in place when gemm_rows_in_place allows, else
+// widened or copied to fp32 at gemm_row_stride.
 struct GemmRows {
   std::unique_ptr<char[]> int8_rows;  // every byte written by prepare_int8_rows
   std::vector<float> f32;
@@ -128,11 +138,12 @@ struct GemmRows {
   int64_t ld = 0;
 };
 
-GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K) {
+GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K,
+                   int64_t x_width, int64_t k0) {
   GemmRows a;
-  if (x.type == kF32 && gemm_rows_in_place(K)) {
-    a.f = x.as<float>() + first * K;
-    a.ld = K;
+  if (x.type == kF32 && gemm_rows_in_place(x_width)) {
+    a.f = x.as<float>() + first * x_width + k0;
+    a.ld = x_width;
     return a;
   }
   size_t chunk = 1;
@@ -147,17 +158,19 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
     a.ld = int8_row_bytes(K);
     a.int8_rows.reset(new char[static_cast<size_t>(rows * a.ld)]);
     for_chunks([&](int64_t r0, int64_t r1) {
-      prepare_int8_rows(x.as<int8_t>() + (first + r0) * K, r1 - r0, K, a.int8_rows.get() + r0 * a.ld);
+      for (int64_t r = r0; r < r1; ++r)
+        prepare_int8_rows(x.as<int8_t>() + (first + r) * x_width + k0, 1, K, a.int8_rows.get() + r * a.ld);
     });
     return a;
   }
   a.ld = gemm_row_stride(K);
   a.f32.resize(static_cast<size_t>(rows * a.ld));
-  const size_t row_bytes = static_cast<size_t>(K) * elem_size(x.type);
+  const size_t x_size = elem_size(x.type);
   const PanelType x_panel = panel_type(x.type);
   for_chunks([&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      widen_row(x_panel, static_cast<const char*>(x.data) + (first + r) * row_bytes, a.f32.data() + r * a.ld, K);
+      widen_row(x_panel, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size,
+                a.f32.data() + r * a.ld, K);
   });
   a.f = a.f32.data();
   return a;
@@ -165,14 +178,15 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
 
 // Writes the tasks' tiles of Y: each task's rows x 16-column panels through the GEMM, written
 // straight into Y when the panels lie inside it and Y is int32/float32, else into a scratch tile
-// that is then copied (and converted); then the bias.
+// that is then copied (and converted); then the bias (when b is present).
 struct OutputTiles {
   const PackedExperts& packed;
   const GemmRows& a;
   const Input& b;
   int64_t N, K, first;  // first: the first covered row (row 0 of a)
   ElemType y_type;
-  char* y;
+  char* y;              // row y_first of the output (0: Y itself; first: a TP rank's partial)
+  int64_t y_first;
 
   bool direct(const Task& t) const { return t.p1 * kPanel <= N && (y_type == kInt32 || y_type == kF32); }
   const void* weights(const Task& t) const {
@@ -183,7 +197,7 @@ struct OutputTiles {
   void int8_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
-    int32_t* out = reinterpret_cast<int32_t*>(y) + t.row0 * N + c0;
+    int32_t* out = reinterpret_cast<int32_t*>(y) + (t.row0 - y_first) * N + c0;
     int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
     int8_gemm_panels(a.int8_rows.get() + (t.row0 - first) * a.ld, a.ld, t.rows, K, weights(t), t.p0, t.p1, C, ldc);
     if (direct(t) && !b.present) return;
@@ -200,7 +214,7 @@ struct OutputTiles {
   void float_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
-    float* C = direct(t) ? reinterpret_cast<float*>(y) + t.row0 * N + c0
+    float* C = direct(t) ? reinterpret_cast<float*>(y) + (t.row0 - y_first) * N + c0
                          : scratch<float>(static_cast<size_t>(t.rows * ldc));
     gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
                 weights(t), t.p0, t.p1, C, ldc);
@@ -214,7 +228,7 @@ struct OutputTiles {
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;
       for (size_t c = 0; c < bias.size(); ++c) row[c] += bias[c];
-      if (!direct(t)) from_float(y_type, row, y + ((t.row0 + r) * N + c0) * y_size, c1 - c0);
+      if (!direct(t)) from_float(y_type, row, y + ((t.row0 - y_first + r) * N + c0) * y_size, c1 - c0);
     }
   }
 };

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "comm.h"
 #include "common.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
@@ -22,6 +24,12 @@ struct RowParallelLinearKernel {
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
   std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
+  bool input_is_parallel = false;
+  std::shared_ptr<const comm::Group> tp;  // the TP group (tp_world_size > 1), else null
+  // Every TP rank's K_q (W's dim 2), gathered over the group; kept when W is an initializer.
+  std::mutex widths_mutex;
+  std::vector<int64_t> constant_widths;
+  std::vector<int64_t> group_widths(int64_t K_q);
 };
 
 // One registration per element type of X (every numeric type, so that a wrong type reaches Compute

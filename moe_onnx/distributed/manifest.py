@@ -139,11 +139,12 @@ class Manifest:
 def rank_record(proto: onnx.ModelProto, rank: int) -> dict:
     """What a rank tells the others at session start: its shard place and the distributed nodes with the
     attributes every rank shares (the rank ids apart) and its weights' shapes."""
-    nodes = [{**node, "attributes": {k: v for k, v in node["attributes"].items() if k not in _RANK_ATTRS}}
-             for node in distributed_nodes(proto)]
-    layouts = {(n["attributes"].get("ep_rank_id", 0), n["attributes"].get("tp_rank_id", 0))
-               for n in distributed_nodes(proto) if "tp_rank_id" in n["attributes"] or "ep_rank_id" in n["attributes"]}
-    return {"rank": rank, "shard": rank_metadata(proto), "layouts": [list(layout) for layout in sorted(layouts)], "nodes": nodes}
+    nodes = distributed_nodes(proto)
+    layouts = sorted({(n["attributes"].get("ep_rank_id", 0), n["attributes"].get("tp_rank_id", 0)) for n in nodes
+                      if any(name in n["attributes"] for name in _RANK_ATTRS)})
+    shared = [{**n, "attributes": {k: v for k, v in n["attributes"].items() if k not in _RANK_ATTRS}} for n in nodes]
+    return {"rank": rank, "shard": rank_metadata(proto), "layouts": [list(layout) for layout in layouts],
+            "nodes": shared}
 
 
 def mismatches(records: list[dict], tp: int) -> list[str]:

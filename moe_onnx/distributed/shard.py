@@ -35,6 +35,7 @@ from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 from ..rewrite._match import attribute_value, int64s, replace_node
 from ..rewrite._onnxscript import TapeBuilder
 from ..rewrite._weights import initializer_expert, streamed_initializer, weight
+from . import Layout
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file, source_fingerprint
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
@@ -83,42 +84,31 @@ def _pairs(columns: slice) -> slice:
     return slice(2 * columns.start, 2 * columns.stop)
 
 
-# ----------------------------------------------------------------------------- the plan
+# ----------------------------------------------------------------------------- the layout
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What rank ``rank`` of a ``tp`` x ``ep`` shard holds."""
+def _layout(tp: int, ep: int, rank: int) -> Layout:
+    """Rank ``rank``'s place in a ``tp`` x ``ep`` world: EP rank ``rank // tp``, TP rank ``rank % tp``."""
+    return Layout(ep_size=ep, tp_size=tp).of_rank(rank)
 
-    tp: int
-    ep: int
-    rank: int
 
-    @property
-    def world(self) -> int:
-        return self.tp * self.ep
+def _layout_attributes(layout: Layout) -> dict[str, int]:
+    return dict(ep_world_size=layout.ep_size, ep_rank_id=layout.ep_rank, tp_world_size=layout.tp_size,
+                tp_rank_id=layout.tp_rank)
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
 
-    @property
-    def ep_rank(self) -> int:
-        return self.rank // self.tp
+def _local_experts(layout: Layout, experts: int) -> range:
+    """EP rank p's experts [p * E_local, (p + 1) * E_local)."""
+    per_rank = experts // layout.ep_size
+    return range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
 
-    def layout_attributes(self) -> dict[str, int]:
-        return dict(ep_world_size=self.ep, ep_rank_id=self.ep_rank, tp_world_size=self.tp, tp_rank_id=self.tp_rank)
 
-    def local_experts(self, experts: int) -> range:
-        per_rank = experts // self.ep
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
-
-    def check(self, where: str, experts: int, intermediate: int) -> None:
-        if experts % self.ep:
-            raise ShardError(f"{where}: {experts} experts do not split over ep = {self.ep} ranks "
-                             "(num_experts must be divisible by ep)")
-        if intermediate < self.tp:
-            raise ShardError(f"{where}: the intermediate size I = {intermediate} is smaller than tp = {self.tp} "
-                             "(every TP rank needs at least one column)")
+def _check_split(layout: Layout, where: str, experts: int, intermediate: int) -> None:
+    if experts % layout.ep_size:
+        raise ShardError(f"{where}: {experts} experts do not split over ep = {layout.ep_size} ranks "
+                         "(num_experts must be divisible by ep)")
+    if intermediate < layout.tp_size:
+        raise ShardError(f"{where}: the intermediate size I = {intermediate} is smaller than tp = {layout.tp_size} "
+                         "(every TP rank needs at least one column)")
 
 
 def _set_attributes(node: ir.Node, values: dict[str, int]) -> None:
@@ -132,7 +122,7 @@ def _where(node: ir.Node) -> str:
 
 # ----------------------------------------------------------------------------- MOE, ep == 1
 
-def _moe_tensor_parallel(node: ir.Node, plan: Plan) -> None:
+def _moe_tensor_parallel(node: ir.Node, layout: Layout) -> None:
     """Give an MOE node its I-slice of the weights and its TP attributes (docs/distributed.md's table)."""
     graph = node.graph
     where = _where(node)
@@ -141,8 +131,8 @@ def _moe_tensor_parallel(node: ir.Node, plan: Plan) -> None:
     _, _, w0_shape = _per_expert(w0, f"{where}: weight_0")
     experts = w0_shape[0]
     intermediate = w0_shape[2] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else w0_shape[1]
-    plan.check(where, experts, intermediate)
-    columns = _i_slice(intermediate, plan.tp, plan.tp_rank)
+    _check_split(layout, where, experts, intermediate)
+    columns = _i_slice(intermediate, layout.tp_size, layout.tp_rank)
     everyone = range(experts)
     # (input index, axis of an expert's slice, columns) per expert type; bias_1 stays whole
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
@@ -156,7 +146,7 @@ def _moe_tensor_parallel(node: ir.Node, plan: Plan) -> None:
         if index < len(node.inputs) and node.inputs[index] is not None:
             node.replace_input_with(index, _sliced(graph, node.inputs[index], f"{where}: {names[index]}", everyone,
                                                    axis, cut))
-    _set_attributes(node, dict(tp_world_size=plan.tp, tp_rank_id=plan.tp_rank))
+    _set_attributes(node, dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank))
 
 
 # ----------------------------------------------------------------------------- the grouped chain
@@ -257,17 +247,17 @@ def _shard_linear(linear: ir.Node, experts: range, intermediate: int, columns: s
     _set_attributes(linear, {name: value for name, value in updates.items() if name in linear.attributes})
 
 
-def _chain_tensor_parallel(chain: _Chain, plan: Plan) -> None:
+def _chain_tensor_parallel(chain: _Chain, layout: Layout) -> None:
     """ep == 1: the linears get their I-slices; the down linear all-reduces its partials over the TP group."""
-    columns = _i_slice(chain.intermediate, plan.tp, plan.tp_rank)
+    columns = _i_slice(chain.intermediate, layout.tp_size, layout.tp_rank)
     everyone = range(chain.experts)
     for linear in chain.firsts:
         _shard_linear(linear, everyone, chain.intermediate, columns, inputs_axis=False)
     _shard_linear(chain.down, everyone, chain.intermediate, columns, inputs_axis=True)
-    _set_attributes(chain.down, dict(tp_world_size=plan.tp, tp_rank_id=plan.tp_rank, input_is_parallel=1))
+    _set_attributes(chain.down, dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank, input_is_parallel=1))
 
 
-def _chain_expert_parallel(chain: _Chain, plan: Plan, name: str) -> None:
+def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     """ep > 1: this rank's tokens -> MoeDistributeDispatch -> the local experts' linears (I-sliced) and the
     activation -> MoeDistributeCombine(gather_tokens=1), in place of the routing and finalize nodes."""
     init, final = chain.init, chain.final
@@ -276,12 +266,12 @@ def _chain_expert_parallel(chain: _Chain, plan: Plan, name: str) -> None:
     if bias is not None:
         raise ShardError(f"{_where(final)}: a MoeFinalizeRouting bias is not supported by expert parallelism "
                          "(MoeDistributeCombine has none); put it in the down MoeRowParallelLinear's B")
-    groups = plan.layout_attributes()
+    groups = _layout_attributes(layout)
 
     op = TapeBuilder()
     tokens = op.Shape(x, start=0, end=1)
-    start = op.Div(op.Mul(tokens, int64s(op, [plan.rank])), int64s(op, [plan.world]))
-    end = op.Div(op.Mul(tokens, int64s(op, [plan.rank + 1])), int64s(op, [plan.world]))
+    start = op.Div(op.Mul(tokens, int64s(op, [layout.global_rank])), int64s(op, [layout.world_size]))
+    end = op.Div(op.Mul(tokens, int64s(op, [layout.global_rank + 1])), int64s(op, [layout.world_size]))
 
     def mine(value: ir.Value, tape) -> ir.Value:
         return tape.Slice(value, start, end, int64s(tape, [0]))
@@ -293,14 +283,14 @@ def _chain_expert_parallel(chain: _Chain, plan: Plan, name: str) -> None:
     expand_x.producer().name = f"{name}/MoeDistributeDispatch"
     init.graph.insert_before(init, op.nodes)
 
-    experts = plan.local_experts(chain.experts)
-    columns = _i_slice(chain.intermediate, plan.tp, plan.tp_rank)
+    experts = _local_experts(layout, chain.experts)
+    columns = _i_slice(chain.intermediate, layout.tp_size, layout.tp_rank)
     for linear in chain.firsts:
         _shard_linear(linear, experts, chain.intermediate, columns, inputs_axis=False)
         linear.replace_input_with(0, expand_x)
         linear.replace_input_with(1, offsets)
     # the combine's reduce-scatter sums the TP partials: the down bias counts once, on TP rank 0
-    _shard_linear(chain.down, experts, chain.intermediate, columns, inputs_axis=True, keep_bias=plan.tp_rank == 0)
+    _shard_linear(chain.down, experts, chain.intermediate, columns, inputs_axis=True, keep_bias=layout.tp_rank == 0)
     chain.down.replace_input_with(1, offsets)
 
     tail = TapeBuilder()
@@ -338,9 +328,9 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int, progress: Callable[[s
     """
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
-    plan = Plan(tp, ep, rank)
-    if not 0 <= rank < plan.world:
-        raise ShardError(f"rank {rank} is outside the world of tp * ep = {plan.world} ranks")
+    layout = _layout(tp, ep, rank)
+    if not 0 <= rank < layout.world_size:
+        raise ShardError(f"rank {rank} is outside the world of tp * ep = {layout.world_size} ranks")
     _prepare(model, progress)
     graph = model.graph
     for node in ir.traversal.RecursiveGraphIterator(graph):
@@ -365,24 +355,25 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int, progress: Callable[[s
                              "can be sharded")
     else:
         for node in moe_nodes:
-            _moe_tensor_parallel(node, plan)
+            _moe_tensor_parallel(node, layout)
     chains = [_read_chain(node) for node in graph if node.domain == DOMAIN and node.op_type == "MoeFinalizeRouting"]
     if not moe_nodes and not chains:
         raise ShardError("the model has no MoE block to shard (no MOE node or MoeInitRouting -> "
                          "MoeFinalizeRouting chain after `moe-onnx optimize`)")
     for index, chain in enumerate(chains):
-        plan.check(_where(chain.final), chain.experts, chain.intermediate)
+        _check_split(layout, _where(chain.final), chain.experts, chain.intermediate)
         if ep > 1:
-            _chain_expert_parallel(chain, plan, chain.final.name or f"moe_block_{index}")
+            _chain_expert_parallel(chain, layout, chain.final.name or f"moe_block_{index}")
         else:
-            _chain_tensor_parallel(chain, plan)
+            _chain_tensor_parallel(chain, layout)
     common_passes.RemoveUnusedNodesPass()(model)
     model.opset_imports[DOMAIN] = OPSET_VERSION
 
 
-def _mark(model: ir.Model, source_fingerprint: str, plan: Plan) -> None:
+def _mark(model: ir.Model, source_fingerprint: str, layout: Layout) -> None:
     model.metadata_props[METADATA_KEY] = json.dumps(
-        {"source_fingerprint": source_fingerprint, "tp": plan.tp, "ep": plan.ep, "rank": plan.rank}, sort_keys=True)
+        {"source_fingerprint": source_fingerprint, "tp": layout.tp_size, "ep": layout.ep_size,
+         "rank": layout.global_rank}, sort_keys=True)
 
 
 def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
@@ -395,7 +386,7 @@ def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
     for rank in range(max(tp, 1) * max(ep, 1)):
         copy = ir.serde.deserialize_model(proto)
         shard_ir(copy, tp, ep, rank)
-        _mark(copy, fingerprint, Plan(tp, ep, rank))
+        _mark(copy, fingerprint, _layout(tp, ep, rank))
         ranks.append(ir.serde.serialize_model(copy) if isinstance(model, onnx.ModelProto) else copy)
     return ranks
 
@@ -414,14 +405,13 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     proto = io.read_proto(source)
     fingerprint = source_fingerprint(source)
     out_dir = Path(out_dir)
-    plan = Plan(tp, ep, 0)
     files, fingerprints = [], []
-    for rank in range(plan.world):
-        plan = Plan(tp, ep, rank)
+    for rank in range(tp * ep):
+        layout = _layout(tp, ep, rank)
         model = io.load(source, proto)
-        say(f"rank {rank}: ep rank {plan.ep_rank}, tp rank {plan.tp_rank}")
+        say(f"rank {rank}: ep rank {layout.ep_rank}, tp rank {layout.tp_rank}")
         shard_ir(model, tp, ep, rank, progress=progress if rank == 0 else None)
-        _mark(model, fingerprint, plan)
+        _mark(model, fingerprint, layout)
         path = out_dir / rank_file(rank)
         say(f"saving {path}")
         io.save(model, path, progress=progress)
