@@ -36,7 +36,7 @@ from ._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from .ops import DOMAIN, OPS
 from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
-__all__ = ["BUILDERS", "MIN_OPSET", "add_function_bodies", "configurations", "function_for", "portable_model",
+__all__ = ["BUILDERS", "MIN_OPSET", "NO_BODY", "add_function_bodies", "configurations", "function_for", "portable_model",
            "require_opset", "summary"]
 
 MIN_OPSET = 18  # ReduceMax/ReduceProd with axes inputs, Pad with constant_value input
@@ -491,6 +491,13 @@ BUILDERS: dict[str, Callable[[Body, Config], dict[str, str]]] = {
 }
 """Each op's body builder: (body, configuration) -> the value of each formal output."""
 
+_CANNOT_COMMUNICATE = "standard ONNX ops cannot exchange data between processes (docs/distributed.md)"
+NO_BODY: dict[str, str] = {
+    "MoeDistributeDispatch": f"it sends tokens to the ranks that own their experts (MPI); {_CANNOT_COMMUNICATE}",
+    "MoeDistributeCombine": f"it sends expert outputs back to their tokens' ranks (MPI); {_CANNOT_COMMUNICATE}",
+}
+"""The ops without a body, each with the reason ``--portable`` gives when it refuses a model that has one."""
+
 
 # Attributes that only state sizes or a layout the inputs already have (checked, never computed with):
 # nodes that differ only there share a function.
@@ -555,11 +562,13 @@ def summary(model: ir.Model) -> str:
 def add_function_bodies(model: ir.Model) -> ir.Model:
     """Give every moe_onnx node of ``model`` (in place) its portable function: a model-local function
     per distinct configuration, named by the node's ``overload``. Raises ValueError when the model's
-    default opset is below :data:`MIN_OPSET` or an int8-capable input's type is unknown (PortableError)."""
+    default opset is below :data:`MIN_OPSET`, an int8-capable input's type is unknown, or a node needs other
+    processes (:data:`NO_BODY`, a tensor-parallel group of more than one rank) (PortableError)."""
     opset = require_opset(model)
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain != DOMAIN or node.op_type not in BUILDERS:
+        if node.domain != DOMAIN or node.op_type not in OPS:
             continue
+        _refuse_distributed(node)
         config = config_of(ir.serde.serialize_node(node), _int8_input(node))
         key = (DOMAIN, node.op_type, config.overload)
         if key not in model.functions:
@@ -581,6 +590,17 @@ def require_opset(model: ir.Model) -> int:
         raise PortableError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
                             f"imports {opset or 'none'}")
     return opset
+
+
+def _refuse_distributed(node: ir.Node) -> None:
+    """PortableError for a node whose meaning needs other processes: no standard op can reach them."""
+    reason = NO_BODY.get(node.op_type)
+    tp_size = node.attributes.get("tp_world_size")
+    if reason is None and tp_size is not None and tp_size.as_int() > 1:
+        reason = (f"its attribute 'tp_world_size' is {tp_size.as_int()}: it sums partial results over its "
+                  f"tensor-parallel group; {_CANNOT_COMMUNICATE}")
+    if reason is not None:
+        raise PortableError(f"{node.op_type} node '{node.name}' has no portable function body: {reason}")
 
 
 def _int8_input(node: ir.Node) -> bool:

@@ -204,8 +204,10 @@ def set_attribute(draw, case: Case) -> Case:
 
 def toggle_input(draw, case: Case) -> Case:
     """An optional input removed, or an absent one taken from another case of the op."""
-    op = OPS[case.op]
-    i = draw(st.sampled_from([i for i, p in enumerate(op.inputs) if p.optional]))
+    optional = [i for i, p in enumerate(OPS[case.op].inputs) if p.optional]
+    if not optional:  # MoeDistributeDispatch: every input is required
+        return case
+    i = draw(st.sampled_from(optional))
     if case.padded_inputs()[i] is not None:
         return _with_input(case, i, None)
     donors = [c.padded_inputs()[i] for c in ALL_CASES if c.op == case.op and c.padded_inputs()[i] is not None]

@@ -21,7 +21,7 @@ import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN, OPS
-from moe_onnx.portable import add_function_bodies, configurations, portable_model, summary
+from moe_onnx.portable import NO_BODY, PortableError, add_function_bodies, configurations, portable_model, summary
 from moe_onnx.runtime import run
 
 
@@ -37,13 +37,17 @@ def assert_outputs_match(got, expected, rtol: float, atol: float) -> None:
         np.testing.assert_allclose(as_float64(g), as_float64(e), rtol=rtol, atol=atol)
 
 
+# The valid cases of the ops that have a body; the others are refused, with their reason (below).
+WITH_BODY = [c for c in VALID if c.op not in NO_BODY]
+
+
 @functools.cache
 def _portable_case_model(case_id: str) -> onnx.ModelProto:
     case = next(c for c in ALL_CASES if c.id == case_id)
     return portable_model(case.model())
 
 
-@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", WITH_BODY, ids=lambda c: c.id)
 def test_body_on_plain_onnxruntime_matches_reference(case):
     model = _portable_case_model(case.id)
     (function,) = model.functions
@@ -52,7 +56,7 @@ def test_body_on_plain_onnxruntime_matches_reference(case):
     assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
 
 
-@pytest.mark.parametrize("case", VALID, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", WITH_BODY, ids=lambda c: c.id)
 def test_body_on_reference_evaluator_matches_reference_and_checks(case):
     model = _portable_case_model(case.id)
     onnx.checker.check_model(model, full_check=True)
@@ -60,6 +64,24 @@ def test_body_on_reference_evaluator_matches_reference_and_checks(case):
     with np.errstate(all="ignore"):  # onnx's Sigmoid and Div warn on the cases' inf and NaN
         got = ReferenceEvaluator(model).run(None, case.feeds())
     assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
+
+
+@pytest.mark.parametrize("op", sorted(NO_BODY))
+def test_distributed_ops_are_refused_with_their_reason(op):
+    """Dispatch and combine exchange data between processes: no standard op can, so no body."""
+    case = next(c for c in VALID if c.op == op)
+    with pytest.raises(PortableError, match=rf"^{op} node '{case.node_name}' has no portable function body: it "
+                       r"sends .* \(MPI\); standard ONNX ops cannot exchange data between processes"):
+        portable_model(case.model())
+
+
+@pytest.mark.parametrize("op,attrs", [("MOE", {}), ("MoeRowParallelLinear", {})])
+def test_a_node_of_a_tensor_parallel_group_is_refused(op, attrs):
+    case = next(c for c in VALID if c.op == op)
+    node_case = case.mutated("tp2", None, tp_world_size=2, tp_rank_id=1)
+    with pytest.raises(PortableError, match=rf"^{op} node '{case.node_name}' has no portable function body: its "
+                       r"attribute 'tp_world_size' is 2: it sums partial results over its tensor-parallel group"):
+        portable_model(node_case.model())
 
 
 def test_configurations_share_one_function_and_differ_by_overload():

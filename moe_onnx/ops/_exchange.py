@@ -189,11 +189,11 @@ def read_assist_info(assist_info: np.ndarray, layout: Layout, num_experts: int, 
     info = assist_info.astype(np.int64, copy=False)
 
     def fail(what: str, expected: str) -> None:
-        raise MoeOpError(f"{where}: input 'assist_info' {what}; expected {expected} (the assist_info of the "
+        raise MoeOpError(f"{where}: input 'assist_info'{what}; expected {expected} (the assist_info of the "
                          "matching MoeDistributeDispatch)")
 
     if info.size < len(HEADER):
-        fail(f"has {info.size} entries", f"at least the {len(HEADER)} of its header")
+        fail(f" has {info.size} entries", f"at least the {len(HEADER)} of its header")
     expected_header = {H_EP: (layout.ep_size, "attribute 'ep_world_size'"),
                        H_TP: (layout.tp_size, "attribute 'tp_world_size'"),
                        H_EXPERTS: (num_experts, "attribute 'num_experts'"),
@@ -207,28 +207,28 @@ def read_assist_info(assist_info: np.ndarray, layout: Layout, num_experts: int, 
     lengths = (world, tp, ep, ep, tokens * k)
     expected_size = len(HEADER) + sum(lengths) + max(arrivals, 0)
     if arrivals < 0 or info.size != expected_size:
-        fail(f"has {info.size} entries with R = {arrivals}", f"8 + W + tp + 2 * ep + Bs * K + R = {expected_size}")
+        fail(f" has {info.size} entries with R = {arrivals}", f"8 + W + tp + 2 * ep + Bs * K + R = {expected_size}")
     cuts = np.cumsum([len(HEADER), *lengths])
     tokens_per_rank, tp_blocks, recv_counts, send_counts, slot_to_send = np.split(info[: cuts[-1]], cuts[:-1])[1:]
     arrival_to_row = info[cuts[-1]:]
     for name, counts in (("tokens_per_rank", tokens_per_rank), ("tp_blocks", tp_blocks),
                          ("recv_counts", recv_counts), ("send_counts", send_counts)):
         if (counts < 0).any():
-            fail(f"section {name} has a negative count {int(counts.min())}", "counts >= 0")
+            fail(f" section {name} has a negative count {int(counts.min())}", "counts >= 0")
     if tokens_per_rank[layout.global_rank] != tokens:
-        fail(f"tokens_per_rank[{layout.global_rank}] is {int(tokens_per_rank[layout.global_rank])}",
+        fail(f" section tokens_per_rank has [{layout.global_rank}] = {int(tokens_per_rank[layout.global_rank])}",
              f"Bs = {tokens} on this rank (dim 0 of input 'scales')")
     if tp_blocks.sum() != arrivals or tp_blocks[layout.tp_rank] != recv_counts.sum():
-        fail("section tp_blocks does not add up", f"sum = R = {arrivals} and tp_blocks[{layout.tp_rank}] = the sum "
+        fail(" section tp_blocks does not add up", f"sum = R = {arrivals} and tp_blocks[{layout.tp_rank}] = the sum "
              f"of recv_counts ({int(recv_counts.sum())})")
     sent = int(send_counts.sum())
     kept = slot_to_send[slot_to_send >= 0]
     if (slot_to_send < -1).any() or (kept >= sent).any() or np.unique(kept).size != kept.size or kept.size != sent:
-        fail("section slot_to_send is not a one-to-one map of slots onto the send buffer",
+        fail(" section slot_to_send is not a one-to-one map of slots onto the send buffer",
              f"each of the {sent} send positions once, -1 for a dropped slot")
     if ((arrival_to_row < 0) | (arrival_to_row >= expand_rows)).any() \
             or np.unique(arrival_to_row).size != arrival_to_row.size:
-        fail("section arrival_to_row is not a one-to-one map into expand_y", f"distinct rows in [0, {expand_rows})")
+        fail(" section arrival_to_row is not a one-to-one map into expand_y", f"distinct rows in [0, {expand_rows})")
     return CombinePlan(layout, tokens_per_rank, tp_blocks, recv_counts, send_counts, slot_to_send, arrival_to_row)
 
 
