@@ -215,8 +215,8 @@ std::pair<int64_t, int64_t> mpi_world(const MoeOnnxMpiTable& mpi, const std::str
 
 // The groups of a valid layout of more than one rank, over MPI.
 Groups mpi_groups(const Layout& layout, const std::string& op) {
+  const double timeout = timeout_seconds(op);  // a bad value is reported before MPI is loaded
   const MoeOnnxMpiTable& mpi = mpi_table(op, layout);
-  const double timeout = timeout_seconds(op);
   const auto [size, rank] = mpi_world(mpi, op);
   char error[MOE_ONNX_MPI_ERROR_SIZE] = {0};
   const int64_t W = layout.world_size(), g = layout.global_rank();
@@ -289,10 +289,12 @@ Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op) {
   const std::string problem = layout_problem(tp_only);
   if (!problem.empty()) throw_invalid(op + ": " + problem);
   if (tp_size == 1) return solo_groups();
+  timeout_seconds(op);  // a bad MOE_ONNX_COMM_TIMEOUT_S is reported before MPI is loaded
   const auto [size, rank] = mpi_world(mpi_table(op, tp_only), op);
   if (size % tp_size != 0)
-    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs a multiple of tp_world_size " +
-                  std::to_string(tp_size) + " (start it under mpirun -n " + std::to_string(tp_size) + ")");
+    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " +
+                  (size < tp_size ? "" : "a multiple of ") + std::to_string(tp_size) + " (tp_world_size " +
+                  std::to_string(tp_size) + "; start it under mpirun -n " + std::to_string(tp_size) + ")");
   if (rank % tp_size != tp_rank)
     throw_invalid(op + ": runs as MPI rank " + std::to_string(rank) + ", TP rank " + std::to_string(rank % tp_size) +
                   " of its group, but the node has tp_rank_id " + std::to_string(tp_rank) + "; expected rank " +

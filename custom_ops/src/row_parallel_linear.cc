@@ -233,6 +233,62 @@ struct OutputTiles {
   }
 };
 
+// TP: the first column of X this rank reads (k_q, an exclusive scan of the group's K_q; 0 with
+// input_is_parallel), after checking the group's widths add up to X's width and in_features.
+int64_t slice_start(RowParallelLinearKernel& kernel, const Checker& v, const Dims& d) {
+  if (kernel.input_is_parallel && !kernel.has_size[1]) return 0;  // nothing to check against the group's widths
+  const std::vector<int64_t> widths = kernel.group_widths(d.K);
+  int64_t start = 0, total = 0;
+  for (size_t q = 0; q < widths.size(); ++q) {
+    if (static_cast<int64_t>(q) < kernel.tp->rank()) start += widths[q];
+    total += widths[q];
+  }
+  const std::string sum = "the sum of the TP group's K_q = " + std::to_string(total) +
+                          " (input 'W' dim 2 on each TP rank: " + fmt_shape(widths) + ")";
+  if (!kernel.input_is_parallel && d.x_width != total)
+    v.fail(v.input_name(X), "dim -1 is " + std::to_string(d.x_width) + "; expected " + sum);
+  if (kernel.has_size[1] && kernel.size[1] != total)
+    v.fail("attribute 'in_features'", "is " + std::to_string(kernel.size[1]) + "; expected " + sum);
+  return kernel.input_is_parallel ? 0 : start;
+}
+
+// TP: sums this rank's partial (the covered rows [o[0], o[E]) x N, int32 or float32, without B) over
+// the group, then adds B once and writes those rows of Y (y_type; the partial may be Y's own rows).
+void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const char* where, char* partial,
+                    ElemType partial_type, const Input& b, const int64_t* o, int64_t E, int64_t N, ElemType y_type,
+                    char* y) {
+  const int64_t first = o[0], covered = o[E] - o[0];
+  if (partial_type == kInt32)
+    tp.all_reduce_sum(reinterpret_cast<int32_t*>(partial), covered * N, where, "the partial Y");
+  else
+    tp.all_reduce_sum(reinterpret_cast<float*>(partial), covered * N, where, "the partial Y");
+  const size_t y_size = elem_size(y_type);
+  size_t chunk = 1;
+  const size_t n_chunks = chunk_count(static_cast<size_t>(covered), 16, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    float* bias = scratch<float>(static_cast<size_t>(N));
+    const int64_t end = std::min<int64_t>(covered, static_cast<int64_t>((c + 1) * chunk));
+    for (int64_t i = static_cast<int64_t>(c * chunk); i < end; ++i) {
+      const int64_t row = first + i;
+      const int64_t expert = std::upper_bound(o, o + E + 1, row) - o - 1;  // o[expert] <= row < o[expert + 1]
+      if (partial_type == kInt32) {
+        if (!b.present) continue;
+        int32_t* out = reinterpret_cast<int32_t*>(partial) + i * N;
+        const int32_t* add = b.as<int32_t>() + expert * N;
+        for (int64_t n = 0; n < N; ++n)  // wraps like numpy's int32
+          out[n] = static_cast<int32_t>(static_cast<uint32_t>(out[n]) + static_cast<uint32_t>(add[n]));
+        continue;
+      }
+      float* sums = reinterpret_cast<float*>(partial) + i * N;
+      if (b.present) {
+        to_float(b.type, static_cast<const char*>(b.data) + expert * N * elem_size(b.type), bias, N);
+        for (int64_t n = 0; n < N; ++n) sums[n] += bias[n];
+      }
+      if (y_type != kF32) from_float(y_type, sums, y + row * N * y_size, N);
+    }
+  });
+}
+
 }  // namespace
 
 ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(x_type_); }
@@ -245,7 +301,8 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
-  attrs.choice("input_is_parallel", {0, 1});  // no effect on one process
+  input_is_parallel = attrs.choice("input_is_parallel", {0, 1}) == 1;  // no effect on one process
+  const auto [tp_size, tp_rank] = read_group(attrs, "tp_world_size", "tp_rank_id");
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
     bias_term = attrs.choice("bias_term", {0, 1});
@@ -255,6 +312,7 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
       throw_invalid(where + ": input 'B' is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1");
   }
   for (int i = 0; i < 3; ++i) has_size[i] = attrs.has_int(kSizeAttrs[i], &size[i]);
+  if (tp_size > 1) tp = comm::tp_groups(tp_size, tp_rank, where).tp;
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
@@ -267,6 +325,15 @@ OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
   return compute_status(where, [&] { Compute(context); });
 }
 
+std::vector<int64_t> RowParallelLinearKernel::group_widths(int64_t K_q) {
+  std::lock_guard<std::mutex> lock(widths_mutex);
+  if (!constant_widths.empty()) return constant_widths;
+  std::vector<int64_t> widths(static_cast<size_t>(tp->size()));
+  tp->all_gather(&K_q, 1, widths.data(), where.c_str(), "the K_q of every rank (input 'W' dim 2)");
+  if (constant) constant_widths = widths;
+  return widths;
+}
+
 void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
@@ -275,6 +342,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t E = d.E, N = d.N, K = d.K;
   const int64_t* o = inputs[OFFSET].as<int64_t>();
   check_offsets(v, o, E, d.rows);
+  const int64_t k0 = tp ? slice_start(*this, v, d) : 0;
 
   const Input& x = inputs[X];
   const ElemType y_type = output_elem(x.type);
@@ -286,7 +354,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   std::memset(y, 0, static_cast<size_t>(o[0] * N) * y_size);
   std::memset(y + o[E] * N * y_size, 0, static_cast<size_t>((d.rows - o[E]) * N) * y_size);
   const int64_t first = o[0], covered = o[E] - o[0];
-  if (covered == 0) return;
+  if (covered == 0) return;  // the same on every TP rank (the same offsets)
 
   const Input& w = inputs[W];
   PackedExperts local;
@@ -294,8 +362,21 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
       ctx, constant.get(), weight_signature({&w}), o, E, local,
       [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
       [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
-  const GemmRows a = gemm_rows(ctx, x, first, covered, K);
-  const OutputTiles tiles{packed, a, inputs[B], N, K, first, y_type, y};
+  const GemmRows a = gemm_rows(ctx, x, first, covered, K, d.x_width, k0);
+  // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y).
+  std::vector<float> partial_f32;
+  const bool partial_in_y = !tp || y_type == kF32 || y_type == kInt32;
+  if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial Y");
+  const Input no_bias;
+  const OutputTiles tiles{packed,
+                          a,
+                          tp ? no_bias : inputs[B],
+                          N,
+                          K,
+                          first,
+                          partial_in_y ? y_type : kF32,
+                          partial_in_y ? y + (tp ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data()),
+                          tp ? first : 0};
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
     if (x.type == kInt8)
@@ -303,6 +384,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     else
       tiles.float_task(tasks[ti]);
   });
+  if (tp) reduce_partial(ctx, *tp, where.c_str(), tiles.y, tiles.y_type, inputs[B], o, E, N, y_type, y);
 }
 
 }  // namespace moe_onnx

@@ -1,0 +1,56 @@
+"""The bounded wait of a collective (tests/test_comm_mpi.py): under
+
+    MOE_ONNX_COMM_TIMEOUT_S=3 mpirun -n 2 python tests/mpi/timeout_driver.py OUT_DIR
+
+both ranks create a 2-rank tensor-parallel MOE session, then rank 1 sleeps instead of running it:
+rank 0's all-reduce never completes and its run must fail after the timeout with the op's error.
+Rank 0 writes OUT_DIR/rank0.json ({"error", "seconds"}) and aborts the job, as the runner does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the case tables
+
+import onnxruntime as ort  # noqa: E402
+from cases import Case  # noqa: E402
+from cases import moe as moe_cases  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from moe_onnx.runtime import run, session  # noqa: E402
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    inputs = moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3)
+    mine = inputs[:3] + [inputs[3][:, 2 * rank:2 * rank + 2], None, inputs[5][:, 2 * rank:2 * rank + 2], None,
+                         inputs[7][:, :, 2 * rank:2 * rank + 2]]
+    case = Case(op="MOE", name="timeout", inputs=mine, constant=(3, 5, 7),
+                attrs={"expert_type": moe_cases.GEMM3, "tp_world_size": 2, "tp_rank_id": rank})
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    sess = session(case.model(), backend="cpp", sess_options=opts)  # both ranks: the groups are made here
+    if rank == 1:
+        time.sleep(120)  # never reaches the all-reduce; mpirun ends it when rank 0 aborts
+        return
+    start = time.monotonic()
+    try:
+        run(sess, case.feeds())
+        result = {"error": None}
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        result = {"error": str(error)}
+    result["seconds"] = time.monotonic() - start
+    (out_dir / "rank0.json").write_text(json.dumps(result))
+    world.Abort(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""One rank of the C++ tensor-parallel check (tests/test_comm_mpi.py), every configuration in one launch:
+
+    mpirun -n W python tests/mpi/tp_driver.py OUT_DIR
+
+Every rank runs single-node MOE (the three expert types, float32/float16, with and without bias,
+T = 0, 1 and 7) and MoeRowParallelLinear (float32 and int8, input_is_parallel 0 and 1, uneven K slices,
+W as initializer or input) on the cpp backend with its slice of the weights, in TP groups of W ranks
+and (W = 4) of 2 ranks, and compares its output with the same op on one process over the full
+weights. Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the case tables
+
+import onnxruntime as ort  # noqa: E402
+from cases import Case  # noqa: E402
+from cases import moe as moe_cases  # noqa: E402
+from cases import row_parallel_linear as rpl_cases  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from moe_onnx.runtime import run, session  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+HIDDEN, INTER, EXPERTS, K_TOP = 8, 6, 4, 2
+RPL_K, RPL_OFFSETS = 10, (1, 3, 3, 9, 11)  # rows 0 and 11.. belong to no expert, expert 1 is empty
+EXTRA_ATTRS = {moe_cases.GEMM2: {"expert_beta": 7.0}, moe_cases.GEMM2_ACT: {"activation": "gelu"}}
+# Slices of I per TP group size: as moe-onnx shard cuts it ([I * q // tp, I * (q + 1) // tp)), and
+# one where rank 0, which adds the down bias, has none.
+I_SLICES = {2: [(3, 3), (0, 6)], 4: [(1, 2, 1, 2), (0, 3, 0, 3)]}
+# Uneven K slices per TP group size (a rank may get none).
+K_SLICES = {2: [(3, 7), (0, 10)], 4: [(1, 1, 1, 7), (4, 0, 6, 0)]}
+
+
+def options() -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return opts
+
+
+def run_node(op: str, inputs: list, attrs: dict, constant: tuple[int, ...]) -> np.ndarray:
+    case = Case(op=op, name="tp", inputs=inputs, attrs=attrs, constant=constant)
+    return run(session(case.model(), backend="cpp", sess_options=options()), case.feeds())[0]
+
+
+def rank_slice(widths: tuple[int, ...], q: int) -> slice:
+    """TP rank q's part of an axis cut into consecutive slices of these widths."""
+    start = sum(widths[:q])
+    return slice(start, start + widths[q])
+
+
+def moe_rank_inputs(inputs: list, expert_type: str, part: slice) -> list:
+    """TP rank's MOE inputs (docs/distributed.md): the weights cut to its I-slice, bias_1 whole."""
+    x, weights, idx, w0, b0, w1, b1, w2 = inputs
+    if expert_type == moe_cases.GEMM2:  # interleaved gate/up pairs: columns 2*i0 .. 2*i1
+        pairs = slice(2 * part.start, 2 * part.stop)
+        return [x, weights, idx, w0[:, :, pairs], None if b0 is None else b0[:, pairs], w1[:, part], b1, None]
+    if expert_type == moe_cases.GEMM2_ACT:
+        return [x, weights, idx, w0[:, part], None if b0 is None else b0[:, part], w1[:, :, part], b1, None]
+    return [x, weights, idx, w0[:, part], None, w1[:, part], None, w2[:, :, part]]
+
+
+def compare(name: str, got: np.ndarray, expected: np.ndarray, tol: float) -> dict:
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return {"name": name, "ok": False, "error": f"{got.dtype}{got.shape} != {expected.dtype}{expected.shape}"}
+    diff = np.abs(got.astype(np.float64) - expected.astype(np.float64))
+    error = float(diff.max()) if diff.size else 0.0
+    ok = bool(np.all(diff <= tol + tol * np.abs(expected.astype(np.float64))))
+    return {"name": name, "ok": ok, "max_error": error}
+
+
+def moe_configs(tp: int):
+    for widths in I_SLICES[tp]:
+        for expert_type in (moe_cases.GEMM2, moe_cases.GEMM3, moe_cases.GEMM2_ACT):
+            for dtype in (np.float32, np.float16):
+                for bias in ((True, False) if expert_type != moe_cases.GEMM3 else (False,)):
+                    for tokens in (0, 1, 7):
+                        yield widths, expert_type, dtype, bias, tokens
+
+
+def check_moe(tp: int, q: int) -> list[dict]:
+    results = []
+    for widths, expert_type, dtype, bias, tokens in moe_configs(tp):
+        name = (f"MOE-{expert_type}-{np.dtype(dtype).name}-{'bias' if bias else 'nobias'}-T{tokens}-"
+                f"{'x'.join(map(str, widths))}")
+        try:
+            inputs = moe_cases.make_inputs(tokens=tokens, hidden=HIDDEN, inter=INTER, experts=EXPERTS, k=K_TOP,
+                                           expert_type=expert_type, dtype=dtype, bias=bias)
+            attrs = {"expert_type": expert_type, **EXTRA_ATTRS.get(expert_type, {})}
+            weights = (3, 4, 5, 6, 7)
+            expected = run_node("MOE", inputs, attrs, weights)
+            mine = moe_rank_inputs(inputs, expert_type, rank_slice(widths, q))
+            got = run_node("MOE", mine, {**attrs, "tp_world_size": tp, "tp_rank_id": q}, weights)
+            results.append(compare(name, got, expected, 1e-5 if dtype == np.float32 else 2e-3))
+        except Exception:
+            results.append({"name": name, "ok": False, "error": traceback.format_exc(limit=2)})
+    return results
+
+
+def check_row_parallel_linear(tp: int, q: int) -> list[dict]:
+    results = []
+    for widths in K_SLICES[tp]:
+        cols = rank_slice(widths, q)
+        for dtype in (np.float32, np.int8):
+            for parallel in (0, 1):
+                for bias in (True, False):
+                    for constant in ((2, 3), ()):
+                        name = (f"RPL-{np.dtype(dtype).name}-par{parallel}-{'bias' if bias else 'nobias'}-"
+                                f"{'constW' if constant else 'inputW'}-{'x'.join(map(str, widths))}")
+                        try:
+                            x, offsets, w, b = rpl_cases.make_inputs(offsets=RPL_OFFSETS, lead=(3, 4), k=RPL_K, n=6,
+                                                                     dtype=dtype, bias=bias)
+                            expected = run_node("MoeRowParallelLinear", [x, offsets, w, b], {}, constant)
+                            attrs = {"input_is_parallel": parallel, "in_features": RPL_K, "tp_world_size": tp,
+                                     "tp_rank_id": q}
+                            mine = [x[..., cols] if parallel else x, offsets, w[..., cols], b]
+                            got = run_node("MoeRowParallelLinear", mine, attrs, constant)
+                            results.append(compare(name, got, expected, 1e-5 if dtype == np.float32 else 0))
+                        except Exception:
+                            results.append({"name": name, "ok": False, "error": traceback.format_exc(limit=2)})
+    return results
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    results = []
+    for tp in sorted({size, 2} & set(K_SLICES)):  # the whole world, and groups of 2 (EP side: the rest)
+        if size % tp == 0:
+            results += check_moe(tp, rank % tp)
+            results += check_row_parallel_linear(tp, rank % tp)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
