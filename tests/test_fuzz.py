@@ -324,3 +324,54 @@ def test_backends_agree(op, data):
     note(describe(case))
     problem = disagreement(case)
     assert problem is None, problem
+
+
+# ----------------------------------------------------------------------------- corrupted assist_info
+
+def _combine_case(name: str, capacity: int, ids: list[list[int]], experts: int = 4) -> Case:
+    """A valid one-rank MoeDistributeCombine case on the assist_info of a real dispatch."""
+    from moe_onnx.ops.distribute_dispatch import moe_distribute_dispatch
+
+    rng = np.random.default_rng(len(name))
+    expert_ids = np.array(ids, dtype=np.int64).reshape(len(ids), -1)
+    x = rng.standard_normal((len(ids), 3)).astype(np.float32)
+    expand_x, _, assist = moe_distribute_dispatch(x, expert_ids, num_experts=experts, expert_capacity=capacity)
+    inputs = [rng.standard_normal(expand_x.shape).astype(np.float32), assist,
+              rng.random(expert_ids.shape).astype(np.float32), x]
+    return Case("MoeDistributeCombine", name, inputs, {"num_experts": experts})
+
+
+def _corruptions(case: Case) -> list[Case]:
+    """``case`` with assist_info corrupted: each entry set to edge values (-2, -1, 0, its neighbours, the
+    length, int64's ends), and each section reversed, rotated or cut short."""
+    assist = case.inputs[1]
+    values = [-2, -1, 0, 1, assist.size, 2**31, 2**63 - 1, -2**63]
+    out = []
+    for i, v in enumerate(assist.tolist()):
+        for value in sorted({*values, v - 1, v + 1} - {v}):
+            if -2**63 <= value < 2**63:
+                changed = assist.copy()
+                changed[i] = value
+                out.append(case.mutated(f"{case.name}_at{i}_{value}", None, assist_info=changed))
+    header = 8 + 1 + 1 + 2  # one rank: then slot_to_send and arrival_to_row
+    for start, end in ((header, assist.size), (8, assist.size), (0, assist.size)):
+        for how, section in (("reversed", assist[start:end][::-1]), ("rotated", np.roll(assist[start:end], 1))):
+            out.append(case.mutated(f"{case.name}_{how}_{start}", None,
+                                    assist_info=np.concatenate([assist[:start], section])))
+    out += [case.mutated(f"{case.name}_cut{n}", None, assist_info=assist[:n]) for n in (0, 7, 8, assist.size - 1)]
+    out.append(case.mutated(f"{case.name}_longer", None, assist_info=np.append(assist, 0)))
+    return out
+
+
+CORRUPTED = [c for base in (_combine_case("dropless", 0, [[0, 2], [1, 2], [2, 3]]),
+                            _combine_case("drop_pad", 1, [[0, 2], [0, 2], [3, 1]]))
+             for c in _corruptions(base)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", CORRUPTED, ids=lambda c: c.name)
+def test_corrupted_assist_info(case):
+    """A corrupted assist_info is refused in the reference's words by both backends (or, where it still
+    describes a valid combine, gives the reference's numbers): never a crash, never a read out of bounds."""
+    problem = disagreement(case)
+    assert problem is None, f"{describe(case)}\n{problem}"

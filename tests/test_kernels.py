@@ -36,7 +36,8 @@ from moe_onnx.runtime import run, session
 
 ort.set_default_logger_severity(4)  # the errors are asserted, not logged
 
-CPP_OPS = {"MOE", "QMOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK"}  # ops with a C++ kernel
+CPP_OPS = {"MOE", "QMOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK",
+           "MoeDistributeDispatch", "MoeDistributeCombine"}  # ops with a C++ kernel
 CPP_CASES = [c for c in ALL_CASES if c.op in CPP_OPS]
 
 
@@ -100,7 +101,24 @@ def _larger_cases() -> list[Case]:
     gating = [gating_cases.gating_case("larger_deepseek_v3", shape=(300, 64), k=6, bias=True, dtype=BF16,
                                        **gating_cases.DEEPSEEK_V3),
               gating_cases.gating_case("larger_softmax", shape=(20, 15, 32), k=4, renormalize=1)]
-    return linear + init + finalize + gating
+    return linear + init + finalize + gating + _larger_distribute_cases(rng)
+
+
+def _larger_distribute_cases(rng) -> list[Case]:
+    """One-rank dispatches (dropless and drop/pad) of 300 tokens and the combines on their assist_info."""
+    ids = np.argsort(rng.random((300, 8)), axis=1)[:, :3].astype(np.int32)  # distinct in a row
+    x = rng.standard_normal((300, 40)).astype(np.float16)
+    cases = []
+    for capacity in (0, 50):
+        dispatch = Case("MoeDistributeDispatch", f"larger_capacity{capacity}", [x, ids],
+                        {"num_experts": 8, "expert_capacity": capacity})
+        expand_x, _, assist = dispatch.run_reference()
+        y = rng.standard_normal(expand_x.shape).astype(np.float16)
+        scales = rng.random(ids.shape).astype(np.float16)
+        combine = Case("MoeDistributeCombine", f"larger_capacity{capacity}", [y, assist, scales, x, x],
+                       {"num_experts": 8}, rtol=2e-2, atol=2e-2)
+        cases += [dispatch, combine]
+    return cases
 
 
 LARGER_CASES = _larger_cases()

@@ -5,7 +5,8 @@
 #include <vector>
 
 #include "common.h"
-#include "distribute.h"
+#include "distribute_combine.h"
+#include "distribute_dispatch.h"
 #include "finalize_routing.h"
 #include "gating_topk.h"
 #include "gemm.h"

@@ -6,6 +6,8 @@
 // index order.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <exception>
 #include <mutex>
 #include <vector>
@@ -59,6 +61,16 @@ inline size_t chunk_count(size_t n, size_t min_chunk, size_t parts, size_t* chun
   if (c < min_chunk) c = min_chunk;
   *chunk = c;
   return (n + c - 1) / c;
+}
+
+// Runs fn(begin, end) over about 64 chunks of [0, n), each at least `min_chunk` long, on the intra-op pool.
+template <class Fn>
+void parallel_chunks(const Ort::KernelContext& ctx, int64_t n, size_t min_chunk, Fn&& fn) {
+  size_t chunk = 1;
+  const size_t n_chunks = chunk_count(n > 0 ? static_cast<size_t>(n) : 0, min_chunk, 64, &chunk);
+  parallel_for(ctx, n_chunks, [&](size_t c) {
+    fn(static_cast<int64_t>(c * chunk), std::min<int64_t>(n, static_cast<int64_t>((c + 1) * chunk)));
+  });
 }
 
 }  // namespace moe_onnx

@@ -1,13 +1,13 @@
-// MoeDistributeDispatch and MoeDistributeCombine: expert parallelism over the ranks of a layout
-// (moe_onnx/ops/distribute.py is their meaning; docs/distributed.md the path of the rows and the
-// assist_info layout; docs/ops/MoeDistributeDispatch.md and MoeDistributeCombine.md their docs).
+// What MoeDistributeDispatch and MoeDistributeCombine share (moe_onnx/ops/_exchange.py is its
+// Python twin): the layout attributes, assist_info's header, the op registration, count helpers.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "comm.h"
 #include "common.h"
-#include "op_signatures.h"
+#include "kernel_util.h"
 
 namespace moe_onnx {
 
@@ -18,28 +18,29 @@ struct ExpertLayout {
   int64_t local_experts() const { return num_experts / ranks.ep_size; }
 };
 
-struct DistributeDispatchKernel {
-  DistributeDispatchKernel(const OrtKernelInfo* info);
-  void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+// The layout attributes checked as read_layout in _exchange.py (same order and words).
+ExpertLayout read_layout(const Attributes& attrs);
 
-  std::string where;
-  ExpertLayout layout;
-  int64_t capacity = 0;  // 0: dropless
-};
+// assist_info (docs/distributed.md): a header of kHeaderLength entries, then tokens_per_rank [W],
+// tp_blocks [tp], recv_counts [ep], send_counts [ep], slot_to_send [Bs * K], arrival_to_row [R].
+enum AssistHeader { H_EP, H_TP, H_EXPERTS, H_TOKENS, H_K, H_ROWS, H_ARRIVALS, H_CAPACITY, kHeaderLength };
+// The header entries' names, as messages say them.
+extern const char* const kHeaderNames[kHeaderLength];
 
-struct DistributeCombineKernel {
-  DistributeCombineKernel(const OrtKernelInfo* info);
-  void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+// counts[i] * unit: the byte or element counts of a collective.
+std::vector<int64_t> scaled(const std::vector<int64_t>& counts, int64_t unit);
+int64_t sum(const std::vector<int64_t>& values);
 
-  std::string where;
-  ExpertLayout layout;
-  bool gather_tokens = false;
-};
+// A buffer of `count` elements for `what` (an AllocationFailure when it cannot be had).
+template <class T>
+std::vector<T> buffer(int64_t count, const char* what) {
+  std::vector<T> v;
+  allocate(v, count, T{}, what);
+  return v;
+}
 
 // One registration per element type of input 0 (every numeric type, so that a wrong type reaches
-// Compute and gets the op's own message). Dispatch's expand_x and combine's out have that type.
+// Compute and gets the op's own message): output 0 has that type, the others are int64.
 template <class Kernel, const OpSignature& Sig>
 struct DistributeOp : Ort::CustomOpBase<DistributeOp<Kernel, Sig>, Kernel, true> {
   explicit DistributeOp(ElemType type) : type_(type) {}
@@ -56,8 +57,5 @@ struct DistributeOp : Ort::CustomOpBase<DistributeOp<Kernel, Sig>, Kernel, true>
  private:
   ElemType type_;
 };
-
-using DistributeDispatchOp = DistributeOp<DistributeDispatchKernel, signatures::MoeDistributeDispatch>;
-using DistributeCombineOp = DistributeOp<DistributeCombineKernel, signatures::MoeDistributeCombine>;
 
 }  // namespace moe_onnx
