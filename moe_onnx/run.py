@@ -142,7 +142,8 @@ def guarded(comm, work: Callable[[], int]) -> int:
         return work()
     except BaseException as error:  # noqa: BLE001 -- whatever ends this rank must end the job
         text = str(error).strip() or type(error).__name__
-        print(f"moe_onnx.run: rank {comm.Get_rank()}: {text}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os.write(2, f"moe_onnx.run: rank {comm.Get_rank()}: {text}\n".encode())  # one write: whole before the abort
         comm.Abort(1)
         raise  # not reached: Abort ends the process
 

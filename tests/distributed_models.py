@@ -100,7 +100,7 @@ def routing_feeds(tokens: int, experts: int = 4, hidden: int = 8, k: int = 2, se
     ``only`` (default: all), and routing weights; ``rank3`` gives [1, tokens, ...]."""
     rng = np.random.default_rng(seed)
     pool = np.array(only if only is not None else range(experts))
-    indices = np.stack([rng.choice(pool, size=k, replace=False) for _ in range(tokens)]).reshape(tokens, k)
+    indices = np.array([rng.choice(pool, size=k, replace=False) for _ in range(tokens)]).reshape(tokens, k)
     feeds = {"hidden": rng.standard_normal((tokens, hidden)).astype(np.float32),
              "routing": rng.random((tokens, k)).astype(np.float32),
              "indices": indices.astype(np.int64)}

@@ -20,6 +20,7 @@ import onnx
 import pytest
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
 from fixture_models import FIXTURES, random_feeds
+from world_simulation import run_world
 
 from moe_onnx import session
 from moe_onnx.cli import main as cli_main
@@ -139,6 +140,31 @@ def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
 
 
 # ----------------------------------------------------------------------------- the graph transformation
+
+@functools.cache
+def _unsharded(model: str) -> onnx.ModelProto:
+    return MODELS[model]()
+
+
+@pytest.mark.parametrize("tp, ep", [c for world in CONFIGS for c in CONFIGS[world]], ids=lambda v: str(v))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
+    """Every rank in one process (threads, the ops' all-ranks references): the transformation, without MPI."""
+    ranks = shard(_unsharded(model), tp=tp, ep=ep)
+    sess = session(_unsharded(model))
+    for input_name, feeds in _inputs(model).items():
+        expected = run_session(sess, feeds)["y"]
+        for rank, (got,) in enumerate(run_world(ranks, feeds)):
+            assert got.shape == expected.shape
+            np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE,
+                                       err_msg=f"{input_name} rank {rank}")
+
+
+def test_grouped_chain_keeps_an_empty_batch_empty():
+    """Rank-3 hidden states with no tokens: the chain's last Reshape takes the 0 as a 0 (allowzero)."""
+    feeds = routing_feeds(0, rank3=True)
+    got = run_session(session(grouped_model(GEMM3_SWIGLU, rank3=True)), feeds)["y"]
+    assert got.shape == (1, 0, 8)
 
 def _ops(model: onnx.ModelProto) -> list[str]:
     return [node.op_type for node in model.graph.node]
@@ -288,3 +314,99 @@ def test_tensor_parallel_slices_sum_to_the_whole_moe(expert_type):
     rank_attrs = {k: v for k, v in ranks[0][1].items() if k not in ("tp_world_size", "tp_rank_id")}
     got = moe_tensor_parallel([arrays for arrays, _ in ranks], **rank_attrs)[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the runner and its faults
+
+FAULT_BOUND_S = 60  # every failing job must end well within this (the hanging rank sleeps 60 s)
+
+
+@pytest.fixture(scope="module")
+def fault_root(tmp_path_factory) -> Path:
+    """A 2-rank expert-parallel shard (shard/), its source (model.onnx) and inputs (in.npz)."""
+    root = tmp_path_factory.mktemp("faults")
+    onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS), root / "model.onnx")
+    shard_file(root / "model.onnx", root / "shard", tp=1, ep=2)
+    np.savez(root / "in.npz", **routing_feeds(13, experts=EXPERTS))
+    return root
+
+
+def run_module(ranks: int, directory: Path, inputs: Path, output: Path, **env: str):
+    return launch(ranks, [sys.executable, "-m", "moe_onnx.run", str(directory), "--inputs", str(inputs), "-o",
+                          str(output)], timeout=FAULT_BOUND_S + 60, **env)
+
+
+def run_with_fault(root: Path, kind: str, **env: str):
+    plan = root / f"plan_{kind}.json"
+    plan.write_text(json.dumps({"runs": [{"dir": str(root / "shard"), "backend": "cpp", "inputs": [str(root / "in.npz")],
+                                          "outputs": [str(root / f"out_{kind}.npz")]}],
+                                "fault": {"kind": kind, "rank": 1}}))
+    return launch(2, [sys.executable, str(DRIVER), str(plan)], timeout=FAULT_BOUND_S + 60, **env)
+
+
+def assert_failed(done: subprocess.CompletedProcess, seconds: float, *messages: str) -> None:
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert seconds < FAULT_BOUND_S, f"the job took {seconds:.0f} s to end"
+    for message in messages:
+        assert message in output, f"{message!r} not in:\n{output}"
+
+
+def test_the_runner_writes_rank_0s_outputs(fault_root):
+    done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out.npz")
+    assert done.returncode == 0, done.stderr
+    expected = expected_outputs(fault_root / "model.onnx", dict(np.load(fault_root / "in.npz")))
+    np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
+    require_mpirun()
+    status = cli_main(["run", str(fault_root / "shard"), "-n", "2", "--inputs", str(fault_root / "in.npz"), "-o",
+                       str(fault_root / "cli_out.npz"), "--check", "--reference", str(fault_root / "model.onnx")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "max error" in out and "(ok, tolerance 1e-05)" in out
+
+
+def test_a_rank_that_raises_ends_the_job(fault_root):
+    done, seconds = run_with_fault(fault_root, "raise")
+    assert_failed(done, seconds, "moe_onnx.run: rank 1:", "hidden")
+
+
+def test_a_killed_rank_ends_the_job(fault_root):
+    done, seconds = run_with_fault(fault_root, "kill")
+    assert_failed(done, seconds, "signal 9")
+
+
+def test_a_hanging_rank_makes_the_others_time_out(fault_root):
+    done, seconds = run_with_fault(fault_root, "hang", MOE_ONNX_COMM_TIMEOUT_S="3")
+    assert_failed(done, seconds, "moe_onnx.run: rank 0:", "did not complete within 3 s")
+
+
+def test_a_wrong_rank_count_is_refused_on_every_rank(fault_root):
+    done, seconds = run_module(3, fault_root / "shard", fault_root / "in.npz", fault_root / "out3.npz")
+    assert_failed(done, seconds, "the MPI world has 3 ranks", "run it with -n 2")
+
+
+def test_a_rank_file_of_another_shard_is_detected(fault_root, tmp_path):
+    onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS, inter=4), tmp_path / "other.onnx")
+    shard_file(tmp_path / "other.onnx", tmp_path / "other", tp=1, ep=2)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fault_root / "shard", mixed)
+    shutil.copy(tmp_path / "other" / "rank1.onnx", mixed / "rank1.onnx")
+    done, seconds = run_module(2, mixed, fault_root / "in.npz", tmp_path / "out.npz")
+    assert_failed(done, seconds, "rank 1: ", "does not match", "ranks 0 and 1 hold models of different shards")
+
+
+def test_a_corrupt_rank_file_is_reported_by_its_rank(fault_root, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(fault_root / "shard", broken)
+    (broken / "rank1.onnx").write_bytes((broken / "rank1.onnx").read_bytes()[:100])
+    done, seconds = run_module(2, broken, fault_root / "in.npz", tmp_path / "out.npz")
+    assert_failed(done, seconds, "moe_onnx.run: rank 1:", "is not an ONNX model")
+
+
+def test_unreadable_inputs_are_reported(fault_root, tmp_path):
+    (tmp_path / "in.npz").write_bytes(b"not an npz")
+    done, seconds = run_module(2, fault_root / "shard", tmp_path / "in.npz", tmp_path / "out.npz")
+    assert_failed(done, seconds, "cannot read the inputs")

@@ -87,7 +87,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
         down = _grouped_linear(op, op.Mul(swish(op, gate, alpha, const), up), offsets, weights[2], "moe_down", False)
 
     out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
-    y = op.Reshape(out, op.Shape(hidden))
+    y = op.Reshape(out, op.Shape(hidden), allowzero=1)  # a 0 in the shape is a 0 (no tokens), not a copy
     return op.nodes, op.initializers, y
 
 
