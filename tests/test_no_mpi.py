@@ -65,7 +65,8 @@ graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", Tenso
                           [helper.make_tensor_value_info(n, t, None) for n, t in
                            [("expand_x", TensorProto.FLOAT), ("expert_offset", TensorProto.INT64),
                             ("assist_info", TensorProto.INT64)]])
-model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moe_onnx", 1)])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("moe_onnx", 1)],
+                           ir_version=10)
 feeds = {"x": np.ones((3, 4), np.float32), "expert_ids": np.array([[0], [1], [1]], np.int64)}
 try:
     moe_onnx.session(model, backend=sys.argv[1]).run(None, feeds)
