@@ -161,16 +161,15 @@ def exchange_models(shape: LayerShape, ranks: int, rank: int) -> tuple[onnx.Mode
             _model([dispatch, combine], inputs + [scales], [("out", TensorProto.FLOAT)]))
 
 
-def routing(model: onnx.ModelProto, x: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
-    """The layer's routing weights and experts for `x` (its router alone, on one process)."""
-    from onnx.utils import Extractor
-
-    import moe_onnx
-    from _timing import session_options
-
-    router = Extractor(model).extract_model([X], ["routing_weights", "experts"])
-    weights, experts = moe_onnx.session(router, sess_options=session_options(threads)).run(None, {X: x})
-    return weights, experts
+def routing(model: onnx.ModelProto, shape: LayerShape, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's routing weights and experts for `x`, in numpy: MoeGatingTopK's softmax -> top k (ties to
+    the lower index) -> renormalized, which is the softmax of the k best logits."""
+    router = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "router")
+    logits = x @ router
+    experts = np.argsort(-logits, axis=1, kind="stable")[:, :shape.k]
+    best = np.take_along_axis(logits, experts, axis=1)
+    weights = np.exp(best - best[:, :1])
+    return (weights / weights.sum(axis=1, keepdims=True)).astype(np.float32), experts.astype(np.int64)
 
 
 def exchanged_rows(assist_info: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -100,7 +100,7 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
     error = comm.allreduce(float(np.abs(calls["layer"]()[0] - expected).max()), op=MPI.MAX)
     moved_bytes = None
     if ranks > 1 and mode == "ep":
-        weights, experts = routing(model, x, args.threads)
+        weights, experts = routing(model, shape, x)
         mine = token_range(args.tokens, ranks, rank)
         feeds = {"x": x[mine], "experts": experts[mine]}
         dispatch_model, exchange_model = exchange_models(shape, ranks, rank)
