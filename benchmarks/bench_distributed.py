@@ -3,7 +3,7 @@ share of its exchanges, and MoeDistributeDispatch against a plain MPI_Alltoallv 
 (docs/distributed.md). A benchmark, not a test: numbers depend on the machine and its load.
 
   PYTHONPATH=$PWD python benchmarks/bench_distributed.py [--ranks 1 2 4] [--cores N] [--tokens 256]
-                                                          [--shapes gpt_oss qwen3] [--modes ep tp] [--rounds 5]
+      [--dispatch-tokens 4096] [--shapes gpt_oss qwen3] [--modes ep tp] [--backend cpp] [--rounds 5]
 
 The layer (benchmarks/_ranks.py, random weights, fp32) is router MatMul -> MoeGatingTopK -> MOE on T
 tokens, GPT-OSS-shaped (E=32, k=4, H=I=512, clamped SwiGLU with biases) and Qwen3-MoE-shaped (E=128,
@@ -20,13 +20,13 @@ Timed in interleaved rounds (the ratios are side by side: both calls of a ratio 
 call after a barrier, as the slowest rank's time:
 
   layer      the sharded layer (every rank's output checked against the unsharded layer's first);
-  exchange   ep: dispatch -> combine alone on the same tokens and experts (no expert work between);
-             tp: a plain MPI_Allreduce of the [T, H] float32 output;
-  dispatch   ep: MoeDistributeDispatch alone;
-  alltoallv  ep: a plain MPI_Alltoallv (mpi4py) of exactly the rows the dispatch sends, with its counts
+  exchange   beside it: ep, dispatch -> combine alone on the same tokens and experts (no expert work
+             between); tp, a plain MPI_Allreduce of the [T, H] float32 output;
+  dispatch   MoeDistributeDispatch alone (EP over all the ranks) of T and of --dispatch-tokens tokens,
+  alltoallv  beside a plain MPI_Alltoallv (mpi4py) of exactly the rows the dispatch sends, with its counts
              (read from its assist_info): dispatch bytes/s / Alltoallv bytes/s is the ratio of their times.
 
-The speed-up against 1 rank compares separate launches (not side by side). It ends with a Markdown table.
+The speed-up against 1 rank compares separate launches (not side by side). It ends with Markdown tables.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cores", type=int, default=os.cpu_count(), help="cores shared by the ranks (default: all)")
     ap.add_argument("--tokens", type=int, default=256, help="T, the layer's tokens (every rank holds all)")
+    ap.add_argument("--dispatch-tokens", type=int, nargs="+", default=[4096],
+                    help="more token counts for the dispatch against MPI_Alltoallv (beside --tokens)")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["gpt_oss", "qwen3"])
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--backend", choices=("cpp", "python"), default="cpp", help="the kernels (default cpp)")
@@ -87,8 +89,19 @@ def _session(model, args: argparse.Namespace):
                             sess_options=session_options(args.threads))
 
 
+def _exchange_feeds(comm, name: str, count: int) -> dict[str, np.ndarray]:
+    """This rank's share of `count` tokens of the layer `name`, with their experts and routing weights (the
+    inputs of the exchange models, routed as the layer routes them)."""
+    shape = SHAPES[name]
+    x = tokens(shape, count)
+    weights, experts = routing(layer_model(shape), shape, x)
+    mine = token_range(count, comm.size, comm.rank)
+    return {"x": x[mine], "experts": experts[mine], "scales": weights[mine]}
+
+
 def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
-    """One shape and parallelism on this launch's ranks: the timings (on rank 0: every rank's slowest)."""
+    """One shape and parallelism on this launch's ranks: the layer and its exchanges alone (median ms of the
+    slowest rank, the share side by side), its max error against the unsharded layer."""
     from mpi4py import MPI
 
     ranks, rank, shape = comm.size, comm.rank, SHAPES[name]
@@ -98,18 +111,10 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
     layer_session = _session(rank_model, args)
     calls = {"layer": lambda: layer_session.run([Y], {X: x})}
     error = comm.allreduce(float(np.abs(calls["layer"]()[0] - expected).max()), op=MPI.MAX)
-    moved_bytes = None
     if ranks > 1 and mode == "ep":
-        weights, experts = routing(model, shape, x)
-        mine = token_range(args.tokens, ranks, rank)
-        feeds = {"x": x[mine], "experts": experts[mine]}
-        dispatch_model, exchange_model = exchange_models(shape, ranks, rank)
-        dispatch, exchange = _session(dispatch_model, args), _session(exchange_model, args)
-        sent, received = exchanged_rows(dispatch.run(["assist_info"], feeds)[0])
-        moved_bytes = comm.allreduce(int(sent.sum())) * shape.H * 4
-        calls["exchange"] = lambda: exchange.run(["out"], {**feeds, "scales": weights[mine]})
-        calls["dispatch"] = lambda: dispatch.run(["expand_x"], feeds)
-        calls["alltoallv"] = alltoallv(comm, sent, received, shape.H)
+        exchange, feeds = _session(exchange_models(shape, ranks, rank)[1], args), _exchange_feeds(comm, name,
+                                                                                                 args.tokens)
+        calls["exchange"] = lambda: exchange.run(["out"], feeds)
     elif ranks > 1:
         calls["exchange"] = allreduce(comm, args.tokens, shape.H)
     timer = RankTimer(comm)
@@ -118,68 +123,96 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
                error=error, layer=timer.median("layer"))
     if "exchange" in calls:
         out.update(exchange=timer.median("exchange"), exchange_share=timer.paired_ratio("exchange", "layer"))
-    if moved_bytes is not None:
-        out.update(bytes=moved_bytes, dispatch=timer.median("dispatch"), alltoallv=timer.median("alltoallv"),
-                   dispatch_vs_alltoallv=timer.paired_ratio("alltoallv", "dispatch"))
     return out
+
+
+def measure_dispatch(comm, name: str, count: int, args: argparse.Namespace) -> dict:
+    """MoeDistributeDispatch of `count` tokens (EP over every rank) against a plain MPI_Alltoallv of the rows
+    it sends, with its counts, side by side."""
+    shape = SHAPES[name]
+    dispatch = _session(exchange_models(shape, comm.size, comm.rank)[0], args)
+    feeds = _exchange_feeds(comm, name, count)
+    del feeds["scales"]
+    sent, received = exchanged_rows(dispatch.run(["assist_info"], feeds)[0])
+    timer = RankTimer(comm)
+    timer.run_rounds({"dispatch": lambda: dispatch.run(["expand_x"], feeds),
+                      "alltoallv": alltoallv(comm, sent, received, shape.H)}, args.rounds, args.budget_ms)
+    return dict(shape=name, ranks=comm.size, tokens=count, bytes=comm.allreduce(int(sent.sum())) * shape.H * 4,
+                dispatch=timer.median("dispatch"), alltoallv=timer.median("alltoallv"),
+                ratio=timer.paired_ratio("alltoallv", "dispatch"))
 
 
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    results = []
+    layers, dispatches = [], []
     for name in args.shapes:
         for mode in args.modes if comm.size > 1 else args.modes[:1]:
-            results.append(measure_layer(comm, name, mode, args))
-            if comm.rank == 0:
-                print(_line(results[-1]), flush=True)
+            layers.append(measure_layer(comm, name, mode, args))
+            _say(comm, _layer_line(layers[-1]))
+        if comm.size > 1:
+            for count in sorted({args.tokens, *args.dispatch_tokens}):
+                dispatches.append(measure_dispatch(comm, name, count, args))
+                _say(comm, _dispatch_line(dispatches[-1]))
     if comm.rank == 0:
-        args.worker.write_text(json.dumps(results))
+        args.worker.write_text(json.dumps(dict(layers=layers, dispatches=dispatches)))
+
+
+def _say(comm, line: str) -> None:
+    if comm.rank == 0:
+        print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------- the launcher
 
-def launch(ranks: int, args: argparse.Namespace, out: Path) -> list[dict]:
+def launch(ranks: int, args: argparse.Namespace, out: Path) -> dict:
     """This script's worker on `ranks` ranks under mpirun, with cores / ranks threads each."""
     from moe_onnx.run import mpirun_command, package_environment
 
     # --bind-to none: Open MPI binds 1-2 ranks to one core each, which would leave a rank's threads one core
     command = mpirun_command(ranks, [
         "--bind-to", "none", sys.executable, __file__, "--worker", str(out),
-        "--threads", str(max(1, args.cores // ranks)), "--tokens", str(args.tokens), "--shapes", *args.shapes,
-        "--modes", *args.modes, "--backend", args.backend, "--rounds", str(args.rounds), "--budget-ms", str(args.budget_ms)])
+        "--threads", str(max(1, args.cores // ranks)), "--tokens", str(args.tokens),
+        "--dispatch-tokens", *map(str, args.dispatch_tokens), "--shapes", *args.shapes, "--modes", *args.modes,
+        "--backend", args.backend, "--rounds", str(args.rounds), "--budget-ms", str(args.budget_ms)])
     print(f"\n$ {shlex.join(command)}", flush=True)
     subprocess.run(command, check=True, timeout=args.timeout, env=package_environment())
     return json.loads(out.read_text())
 
 
-def _line(r: dict) -> str:
-    parts = [f"{r['shape']} {r['mode']} ranks={r['ranks']} threads={r['threads']}: layer {fmt(r['layer'])} ms",
-             f"max abs diff {r['error']:.1e}"]
+def _layer_line(r: dict) -> str:
+    line = (f"{r['shape']} {r['mode']} ranks={r['ranks']} threads={r['threads']}: layer {fmt(r['layer'])} ms, "
+            f"max abs diff {r['error']:.1e}")
     if "exchange" in r:
-        parts.append(f"exchange alone {fmt(r['exchange'])} ms ({r['exchange_share']:.0%} of the layer)")
-    if "bytes" in r:
-        parts.append(f"dispatch {fmt(r['dispatch'])} ms, MPI_Alltoallv {fmt(r['alltoallv'])} ms of "
-                     f"{r['bytes'] / 2**20:.1f} MiB: dispatch / Alltoallv bytes/s {r['dispatch_vs_alltoallv']:.2f}x")
-    return "  ".join(parts)
+        line += f", exchange alone {fmt(r['exchange'])} ms ({r['exchange_share']:.0%} of the layer)"
+    return line
 
 
-def markdown(results: list[dict], tokens: int) -> str:
-    single = {r["shape"]: r["layer"] for r in results if r["ranks"] == 1}
-    out = [f"| layer (T = {tokens}) | parallelism | ranks | threads per rank | layer ms | 1 rank / this "
-           "| exchange alone ms | exchange / layer | dispatch GB/s | MPI_Alltoallv GB/s | dispatch / Alltoallv "
-           "| max abs diff vs unsharded |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+def _dispatch_line(r: dict) -> str:
+    return (f"{r['shape']} ranks={r['ranks']} T={r['tokens']}: dispatch {fmt(r['dispatch'])} ms, MPI_Alltoallv "
+            f"{fmt(r['alltoallv'])} ms of {r['bytes'] / 2**20:.2f} MiB: dispatch / Alltoallv bytes/s {r['ratio']:.2f}x")
+
+
+def markdown(layers: list[dict], dispatches: list[dict], args: argparse.Namespace) -> str:
+    """The layer table (time, speed-up against 1 rank, the exchanges' share, error) and the dispatch table."""
+    single = {r["shape"]: r["layer"] for r in layers if r["ranks"] == 1}
+    out = [f"| layer (T = {args.tokens}) | parallelism | ranks | threads per rank | layer ms | 1 rank / this "
+           "| exchange alone ms | exchange / layer | max abs diff vs unsharded |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in layers:
         base = single.get(r["shape"])
         speedup = f"{base / r['layer']:.2f}x" if base else "-"
         exchange = (fmt(r["exchange"]), f"{r['exchange_share']:.0%}") if "exchange" in r else ("-", "-")
-        moved = ((f"{r['bytes'] / r['dispatch'] / 1e6:.2f}", f"{r['bytes'] / r['alltoallv'] / 1e6:.2f}",
-                  f"{r['dispatch_vs_alltoallv']:.2f}x") if "bytes" in r else ("-", "-", "-"))
         out.append(f"| {SHAPES[r['shape']].describe()} | {r['mode']} | {r['ranks']} | {r['threads']} | "
-                   f"{fmt(r['layer'])} | {speedup} | {' | '.join(exchange)} | {' | '.join(moved)} | "
-                   f"{r['error']:.1e} |")
+                   f"{fmt(r['layer'])} | {speedup} | {' | '.join(exchange)} | {r['error']:.1e} |")
+    out += ["", "| layer | ranks | tokens | MiB sent | dispatch ms | MPI_Alltoallv ms | dispatch GB/s "
+            "| MPI_Alltoallv GB/s | dispatch / Alltoallv bytes/s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in dispatches:
+        out.append(f"| {SHAPES[r['shape']].label} | {r['ranks']} | {r['tokens']} | {r['bytes'] / 2**20:.2f} | "
+                   f"{fmt(r['dispatch'])} | {fmt(r['alltoallv'])} | {r['bytes'] / r['dispatch'] / 1e6:.2f} | "
+                   f"{r['bytes'] / r['alltoallv'] / 1e6:.2f} | {r['ratio']:.2f}x |")
     return "\n".join(out)
 
 
@@ -189,14 +222,17 @@ def main() -> None:
         worker(args)
         return
     print("command: " + shlex.join([sys.executable] + sys.argv), flush=True)
-    results = []
+    layers, dispatches = [], []
     with tempfile.TemporaryDirectory() as folder:
         for ranks in args.ranks:
-            results += launch(ranks, args, Path(folder) / f"ranks{ranks}.json")
+            launched = launch(ranks, args, Path(folder) / f"ranks{ranks}.json")
+            layers += launched["layers"]
+            dispatches += launched["dispatches"]
     mode_order = ("-", *MODES)  # one rank first
-    results.sort(key=lambda r: (args.shapes.index(r["shape"]), mode_order.index(r["mode"]), r["ranks"]))
-    print(f"\n# Markdown ({args.cores} cores in all; exchange: ep dispatch -> combine, tp an MPI_Allreduce "
-          "of the output)\n\n" + markdown(results, args.tokens))
+    layers.sort(key=lambda r: (args.shapes.index(r["shape"]), mode_order.index(r["mode"]), r["ranks"]))
+    dispatches.sort(key=lambda r: (args.shapes.index(r["shape"]), r["ranks"], r["tokens"]))
+    print(f"\n# Markdown ({args.cores} cores in all; exchange alone: ep dispatch -> combine, tp an MPI_Allreduce "
+          "of the output)\n\n" + markdown(layers, dispatches, args))
 
 
 if __name__ == "__main__":
