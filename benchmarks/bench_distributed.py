@@ -9,8 +9,9 @@ The layer (benchmarks/_ranks.py, random weights, fp32) is router MatMul -> MoeGa
 tokens, GPT-OSS-shaped (E=32, k=4, H=I=512, clamped SwiGLU with biases) and Qwen3-MoE-shaped (E=128,
 k=8, H=512, I=192, SwiGLU): the real models' expert counts, H and I scaled down to fit a small machine.
 Each rank count is one `mpirun --oversubscribe` launch of this script in its worker mode; every rank
-has cores / ranks intra-op threads (at least 1: past the core count the ranks share cores). Each rank
-takes its model from `moe_onnx.distributed.shard` (what `moe-onnx shard` writes):
+has cores / ranks intra-op threads (at least 1: past the core count the ranks share cores). The launcher
+saves each layer with external data; each rank shards it (`moe_onnx.distributed.shard.shard_ir`, what
+`moe-onnx shard` writes for that rank):
 
   ep  the experts split over the ranks: every rank holds the whole sequence and routes its share of the
       tokens, MoeDistributeDispatch -> its experts -> MoeDistributeCombine(gather_tokens=1);
@@ -41,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx.external_data_helper import load_external_data_for_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import (SHAPES, X, Y, RankTimer, allreduce, alltoallv, exchange_models, exchanged_rows,  # noqa: E402
@@ -65,21 +68,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-ms", type=float, default=150.0, help="time per call per round")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one mpirun launch may take")
     ap.add_argument("--worker", type=Path, metavar="OUT", help=argparse.SUPPRESS)  # a rank; rank 0 writes OUT
+    ap.add_argument("--models", type=Path, help=argparse.SUPPRESS)  # a worker's layer files (_layer_file)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # a worker's intra-op threads
     return ap.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- on every rank
 
-def _shard(model, tp: int, ep: int, rank: int):
-    """Rank `rank`'s model of `model` sharded over tp * ep ranks, as `moe-onnx shard` writes it."""
+def _shard(path: Path, tp: int, ep: int, rank: int) -> onnx.ModelProto:
+    """Rank `rank`'s model of the layer at `path` sharded over tp * ep ranks, as `moe-onnx shard` writes it
+    (the weights are external data, mapped: each rank reads only its slices)."""
     import onnx_ir as ir
 
     from moe_onnx.distributed.shard import shard_ir
 
-    sharded = ir.from_proto(model)
+    sharded = ir.load(path)
     shard_ir(sharded, tp, ep, rank)
-    return ir.to_proto(sharded)
+    proto = ir.to_proto(sharded)
+    load_external_data_for_model(proto, str(path.parent))  # the weights it keeps whole (the router)
+    return proto
+
+
+def _layer_file(folder: Path, name: str) -> Path:
+    """The layer `name` saved by the launcher, its weights as external data."""
+    return folder / f"{name}.onnx"
 
 
 def _session(model, args: argparse.Namespace):
@@ -89,12 +101,12 @@ def _session(model, args: argparse.Namespace):
                             sess_options=session_options(args.threads))
 
 
-def _exchange_feeds(comm, name: str, count: int) -> dict[str, np.ndarray]:
+def _exchange_feeds(comm, name: str, model: onnx.ModelProto, count: int) -> dict[str, np.ndarray]:
     """This rank's share of `count` tokens of the layer `name`, with their experts and routing weights (the
-    inputs of the exchange models, routed as the layer routes them)."""
+    inputs of the exchange models, routed as the layer `model` routes them)."""
     shape = SHAPES[name]
     x = tokens(shape, count)
-    weights, experts = routing(layer_model(shape), shape, x)
+    weights, experts = routing(model, shape, x)
     mine = token_range(count, comm.size, comm.rank)
     return {"x": x[mine], "experts": experts[mine], "scales": weights[mine]}
 
@@ -105,14 +117,15 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
     from mpi4py import MPI
 
     ranks, rank, shape = comm.size, comm.rank, SHAPES[name]
-    model, x = layer_model(shape), tokens(shape, args.tokens)
+    path = _layer_file(args.models, name)
+    model, x = onnx.load(path), tokens(shape, args.tokens)
     expected = _session(model, args).run([Y], {X: x})[0]
-    rank_model = model if ranks == 1 else _shard(model, *((ranks, 1) if mode == "tp" else (1, ranks)), rank)
+    rank_model = model if ranks == 1 else _shard(path, *((ranks, 1) if mode == "tp" else (1, ranks)), rank)
     layer_session = _session(rank_model, args)
     calls = {"layer": lambda: layer_session.run([Y], {X: x})}
     error = comm.allreduce(float(np.abs(calls["layer"]()[0] - expected).max()), op=MPI.MAX)
     if ranks > 1 and mode == "ep":
-        exchange, feeds = _session(exchange_models(shape, ranks, rank)[1], args), _exchange_feeds(comm, name,
+        exchange, feeds = _session(exchange_models(shape, ranks, rank)[1], args), _exchange_feeds(comm, name, model,
                                                                                                  args.tokens)
         calls["exchange"] = lambda: exchange.run(["out"], feeds)
     elif ranks > 1:
@@ -131,7 +144,7 @@ def measure_dispatch(comm, name: str, count: int, args: argparse.Namespace) -> d
     it sends, with its counts, side by side."""
     shape = SHAPES[name]
     dispatch = _session(exchange_models(shape, comm.size, comm.rank)[0], args)
-    feeds = _exchange_feeds(comm, name, count)
+    feeds = _exchange_feeds(comm, name, onnx.load(_layer_file(args.models, name)), count)
     del feeds["scales"]
     sent, received = exchanged_rows(dispatch.run(["assist_info"], feeds)[0])
     timer = RankTimer(comm)
@@ -172,7 +185,7 @@ def launch(ranks: int, args: argparse.Namespace, out: Path) -> dict:
 
     # --bind-to none: Open MPI binds 1-2 ranks to one core each, which would leave a rank's threads one core
     command = mpirun_command(ranks, [
-        "--bind-to", "none", sys.executable, __file__, "--worker", str(out),
+        "--bind-to", "none", sys.executable, __file__, "--worker", str(out), "--models", str(out.parent),
         "--threads", str(max(1, args.cores // ranks)), "--tokens", str(args.tokens),
         "--dispatch-tokens", *map(str, args.dispatch_tokens), "--shapes", *args.shapes, "--modes", *args.modes,
         "--backend", args.backend, "--rounds", str(args.rounds), "--budget-ms", str(args.budget_ms)])
@@ -224,6 +237,9 @@ def main() -> None:
     print("command: " + shlex.join([sys.executable] + sys.argv), flush=True)
     layers, dispatches = [], []
     with tempfile.TemporaryDirectory() as folder:
+        for name in args.shapes:
+            onnx.save(layer_model(SHAPES[name]), _layer_file(Path(folder), name), save_as_external_data=True,
+                      location=f"{name}.data")
         for ranks in args.ranks:
             launched = launch(ranks, args, Path(folder) / f"ranks{ranks}.json")
             layers += launched["layers"]
