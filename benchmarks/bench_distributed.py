@@ -18,7 +18,8 @@ saves each layer with external data; each rank shards it (`moe_onnx.distributed.
   tp  every expert's intermediate size split (MOE with tp_world_size), the partial outputs all-reduced.
 
 Timed in interleaved rounds (the ratios are side by side: both calls of a ratio in every round), each
-call after a barrier, as the slowest rank's time:
+call after a barrier, as the slowest rank's time; sessions run on OrtValues bound once (no output copied
+to numpy):
 
   layer      the sharded layer (every rank's output checked against the unsharded layer's first);
   exchange   beside it: ep, dispatch -> combine alone on the same tokens and experts (no expert work
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import (SHAPES, X, Y, RankTimer, allreduce, alltoallv, exchange_models, exchanged_rows,  # noqa: E402
                     layer_model, routing, token_range, tokens)
 from _report import fmt  # noqa: E402
-from _timing import session_options  # noqa: E402
+from _timing import BoundRunner, session_options  # noqa: E402
 
 MODES = ("ep", "tp")
 
@@ -121,13 +122,14 @@ def measure_layer(comm, name: str, mode: str, args: argparse.Namespace) -> dict:
     model, x = onnx.load(path), tokens(shape, args.tokens)
     expected = _session(model, args).run([Y], {X: x})[0]
     rank_model = model if ranks == 1 else _shard(path, *((ranks, 1) if mode == "tp" else (1, ranks)), rank)
-    layer_session = _session(rank_model, args)
-    calls = {"layer": lambda: layer_session.run([Y], {X: x})}
-    error = comm.allreduce(float(np.abs(calls["layer"]()[0] - expected).max()), op=MPI.MAX)
+    layer = BoundRunner(_session(rank_model, args), [x])
+    layer()
+    error = comm.allreduce(float(np.abs(layer.outputs()[0] - expected).max()), op=MPI.MAX)
+    calls = {"layer": layer}
     if ranks > 1 and mode == "ep":
-        exchange, feeds = _session(exchange_models(shape, ranks, rank)[1], args), _exchange_feeds(comm, name, model,
-                                                                                                 args.tokens)
-        calls["exchange"] = lambda: exchange.run(["out"], feeds)
+        feeds = _exchange_feeds(comm, name, model, args.tokens)
+        calls["exchange"] = BoundRunner(_session(exchange_models(shape, ranks, rank)[1], args),
+                                        [feeds["x"], feeds["experts"], feeds["scales"]])
     elif ranks > 1:
         calls["exchange"] = allreduce(comm, args.tokens, shape.H)
     timer = RankTimer(comm)
@@ -148,7 +150,7 @@ def measure_dispatch(comm, name: str, count: int, args: argparse.Namespace) -> d
     del feeds["scales"]
     sent, received = exchanged_rows(dispatch.run(["assist_info"], feeds)[0])
     timer = RankTimer(comm)
-    timer.run_rounds({"dispatch": lambda: dispatch.run(["expand_x"], feeds),
+    timer.run_rounds({"dispatch": BoundRunner(dispatch, [feeds["x"], feeds["experts"]]),
                       "alltoallv": alltoallv(comm, sent, received, shape.H)}, args.rounds, args.budget_ms)
     return dict(shape=name, ranks=comm.size, tokens=count, bytes=comm.allreduce(int(sent.sum())) * shape.H * 4,
                 dispatch=timer.median("dispatch"), alltoallv=timer.median("alltoallv"),
