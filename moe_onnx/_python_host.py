@@ -3,7 +3,8 @@
 The host registers one kernel per *variant*: an op with concrete output element types, which
 onnxruntime must know before it runs (they may depend on attributes), in the private domain
 ``moe_onnx.python``. It asks :func:`op_specs` for the variants once, and calls :func:`compute` for
-each node it runs. The host looks up both here by name, and ``MoeOpError`` (the
+each node it runs: the op's numpy reference, or for a node of more than one rank its per-rank kernel
+(``distributed/kernels.py``). The host looks up both here by name, and ``MoeOpError`` (the
 exception it reports as ORT_INVALID_ARGUMENT).
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .distributed.kernels import kernel_for
 from .ops import OPS, MoeOpError, OpDef
 from .ops._common import elem_of, elem_of_type_str, np_dtype
 
@@ -60,9 +62,9 @@ def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outpu
     the node names; returns per output (elem_type, shape, bytes view), None for an output the node does not name."""
     arrays = [None if item is None else np.frombuffer(item[0], dtype=np_dtype(item[1])).reshape(item[2])
               for item in inputs]
-    op = OPS[op_name]
+    kernel = kernel_for(op_name, attrs) or OPS[op_name].reference  # a node of several ranks runs its part
     n_outputs = len(named_outputs)
-    outputs = op.reference(*arrays, _node_name=node_name, _named_outputs=named_outputs, **attrs)
+    outputs = kernel(*arrays, _node_name=node_name, _named_outputs=named_outputs, **attrs)
     if not isinstance(outputs, (tuple, list)) or len(outputs) < n_outputs:
         raise MoeOpError(f"{op_name}: the Python kernel returned {type(outputs).__name__} "
                          f"of length {len(outputs) if isinstance(outputs, (tuple, list)) else '?'}; "

@@ -21,58 +21,33 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from . import io
+from .distributed import Layout
+from .distributed.comm import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, groups
 from .distributed.manifest import Manifest, mismatches, nodes_fingerprint, rank_record
+from .runtime import BACKENDS, run, session
 
-TIMEOUT_ENV = "MOE_ONNX_COMM_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 300.0
-BACKENDS = ("cpp", "python")
+_SESSION_START = "moe_onnx.run session start"  # how comm errors of the checks name their op
 
 
 class RankError(RuntimeError):
     """A session-start check failed: the shard, the world or the ranks' models do not fit together."""
 
 
-def comm_timeout() -> float:
-    """MOE_ONNX_COMM_TIMEOUT_S, or the default 300 s."""
-    text = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else DEFAULT_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise RankError(f"{TIMEOUT_ENV} is {text!r}; expected a number of seconds > 0 (default {DEFAULT_TIMEOUT_S:g})")
-    return value
-
-
-def _wait(request, what: str, timeout: float) -> None:
-    """Poll a non-blocking MPI request until it completes; RankError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise RankError(f"session start: {what} over the world did not complete within {timeout:g} s "
-                            f"({TIMEOUT_ENV}); a rank is missing, stuck or failed")
-        time.sleep(0.001)
-
-
-def all_gather_json(comm, document, timeout: float) -> list:
-    """Every rank's JSON ``document``, in rank order (a bounded all-gather of the sizes, then the bytes)."""
-    from mpi4py import MPI
-
+def all_gather_json(world, document) -> list:
+    """Every rank's JSON ``document``, in rank order, over the world ``Group`` (moe_onnx.distributed.comm:
+    each collective waits at most MOE_ONNX_COMM_TIMEOUT_S)."""
     data = np.frombuffer(json.dumps(document).encode(), np.uint8)
-    sizes = np.zeros(comm.Get_size(), np.int64)
-    _wait(comm.Iallgather(np.array([data.size], np.int64), sizes), "the all-gather of the model checks", timeout)
-    gathered = np.empty(int(sizes.sum()), np.uint8)
-    _wait(comm.Iallgatherv(data, [gathered, sizes.astype(np.int32), MPI.UNSIGNED_CHAR]),
-          "the all-gather of the model checks", timeout)
-    edges = np.concatenate([[0], np.cumsum(sizes)])
-    return [json.loads(gathered[edges[g]:edges[g + 1]].tobytes()) for g in range(len(sizes))]
+    sizes = world.all_gather(np.array([data.size], np.int64), _SESSION_START, "the sizes of the model checks")
+    gathered = world.all_gather_v(data, sizes.reshape(-1), _SESSION_START, "the model checks")
+    edges = np.concatenate([[0], np.cumsum(sizes.reshape(-1))])
+    return [json.loads(gathered[edges[g]:edges[g + 1]].tobytes()) for g in range(len(edges) - 1)]
 
 
 def check_rank(directory: str | os.PathLike, rank: int, world: int) -> tuple[Manifest, Path, dict, str]:
@@ -99,12 +74,10 @@ def open_rank(directory: str | os.PathLike, comm, backend: str = "cpp", threads:
     all-gather of every rank's record, which detects models of other shards, layouts of other ranks and
     distributed nodes that differ. Raises RankError (the same text on every rank for a problem of any rank),
     ManifestError or ModelFileError."""
-    from .runtime import session
-    import onnxruntime as ort
-
     rank = comm.Get_rank()
     manifest, path, record, problem = check_rank(directory, rank, comm.Get_size())
-    gathered = all_gather_json(comm, {"record": record, "problem": problem}, comm_timeout())
+    layout = Layout(ep_size=manifest.ep, tp_size=manifest.tp).of_rank(rank)
+    gathered = all_gather_json(groups(layout, _SESSION_START).world, {"record": record, "problem": problem})
     problems = [f"rank {g}: {entry['problem']}" for g, entry in enumerate(gathered) if entry["problem"]]
     problems += mismatches([entry["record"] for entry in gathered], manifest.tp)
     if problems:
@@ -126,8 +99,6 @@ def read_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 def run_session(sess, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Every output of ``sess`` on ``inputs`` (those the model takes; RankError naming a missing one)."""
-    from .runtime import run
-
     names = [i.name for i in sess.get_inputs()]
     missing = [name for name in names if name not in inputs]
     if missing:
@@ -157,15 +128,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS, default="cpp", help="the kernels (default cpp)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (default 1)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help=f"seconds every collective may wait ({TIMEOUT_ENV}, default {DEFAULT_TIMEOUT_S:g})")
+                        help=f"seconds every collective may wait ({TIMEOUT_VARIABLE}, default {DEFAULT_TIMEOUT_S:g})")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.timeout is not None:
-        os.environ[TIMEOUT_ENV] = str(args.timeout)
-    from mpi4py import MPI
+        os.environ[TIMEOUT_VARIABLE] = str(args.timeout)
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        print(f"moe_onnx.run: needs mpi4py and an MPI library ({error}); see docs/distributed.md", file=sys.stderr)
+        return 2
 
     comm = MPI.COMM_WORLD
 
@@ -222,8 +197,6 @@ def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str
             backend: str = "cpp") -> dict[str, float]:
     """The max absolute difference of every output in ``output`` from the unsharded model ``reference`` run
     on one process on ``inputs``."""
-    from .runtime import session
-
     expected = run_session(session(os.fspath(reference), backend), read_inputs(inputs))
     got = read_inputs(output)
     errors = {}

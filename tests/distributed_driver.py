@@ -9,7 +9,8 @@ an error on any rank aborts the job as ``python -m moe_onnx.run`` does (``guarde
 
 Faults, injected on rank ``fault["rank"]`` after its session started, before its first run:
 ``raise``: it runs a hidden state of the wrong width (onnxruntime raises); ``kill``: it SIGKILLs itself;
-``hang``: it sleeps (outside any collective) for a minute.
+``hang``: it sleeps (outside any collective) for a minute; ``hang_at_start``: it sleeps a minute before
+opening its session (the others wait in the session-start all-gather).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main(plan_path: str) -> int:
     plan = json.loads(open(plan_path).read())
 
     def work() -> int:
+        fault = plan.get("fault")
+        if fault and fault["kind"] == "hang_at_start" and fault["rank"] == comm.Get_rank():
+            time.sleep(60)
         for run in plan["runs"]:
             sess = open_rank(run["dir"], comm, run["backend"], threads=1)
             for inputs, output in zip(run["inputs"], run["outputs"]):

@@ -13,7 +13,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from moe_onnx import DOMAIN, OPSET_VERSION
-from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP
+from moe_onnx.ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
 OPSETS = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
 
@@ -28,7 +28,7 @@ def _graph_inputs(hidden: int, k: int, rank3: bool) -> list[onnx.ValueInfoProto]
 def moe_model(expert_type: str, experts: int = 4, hidden: int = 8, inter: int = 6, k: int = 2, seed: int = 0,
               rank3: bool = False) -> onnx.ModelProto:
     """One MOE node: ``y = MOE(hidden, routing, indices)``; GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS, biases,
-    clamp 7, gate_parity 1) or GEMM3_SWIGLU (Mixtral/Qwen)."""
+    clamp 7, gate_parity 1), GEMM2_ACT (Nemotron-H, biases, relu2) or GEMM3_SWIGLU (Mixtral/Qwen)."""
     rng = np.random.default_rng(seed)
 
     def tensor(name, *shape, scale=0.3):
@@ -39,6 +39,11 @@ def moe_model(expert_type: str, experts: int = 4, hidden: int = 8, inter: int = 
                    tensor("w1", experts, inter, hidden), tensor("b1", experts, hidden)]
         names = ["w0", "b0", "w1", "b1"]
         attrs = dict(expert_type=expert_type, expert_alpha=1.702, expert_beta=7.0, gate_parity=1)
+    elif expert_type == GEMM2_ACT:
+        weights = [tensor("w0", experts, inter, hidden), tensor("b0", experts, inter),
+                   tensor("w1", experts, hidden, inter), tensor("b1", experts, hidden)]
+        names = ["w0", "b0", "w1", "b1"]
+        attrs = dict(expert_type=expert_type, activation="relu2")
     else:
         weights = [tensor("w0", experts, inter, hidden), tensor("w1", experts, inter, hidden),
                    tensor("w2", experts, hidden, inter)]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cases import ALL_CASES
 
-from moe_onnx.ops import MoeOpError
+from moe_onnx.distributed.kernels import KERNELS, kernel_for
+from moe_onnx.ops import OPS, MoeOpError
 from moe_onnx.ops.distribute import combine_all_ranks, dispatch_all_ranks
 from moe_onnx.ops.distribute_combine import moe_distribute_combine
 from moe_onnx.ops.distribute_dispatch import moe_distribute_dispatch
@@ -281,3 +283,59 @@ def test_all_ranks_inputs_that_do_not_fit(change, error):
     xs, ids = change(LAYOUT_XS, LAYOUT_IDS)
     with pytest.raises(MoeOpError, match=error):
         dispatch_all_ranks(xs, ids, num_experts=4, ep_world_size=2, tp_world_size=2)
+
+
+# ----------------------------------------------------------------------------- comm on one process (no MPI)
+
+def test_one_rank_groups_copy_without_mpi():
+    from moe_onnx.distributed import Layout, comm
+
+    groups = comm.groups(Layout(), "MOE")
+    rows = np.arange(6, dtype=np.float32).reshape(3, 2)
+    assert groups.world.size == groups.tp.size == groups.ep.size == 1
+    np.testing.assert_array_equal(groups.ep.all_to_all_v(rows, [3], [3], "MOE", "rows"), rows)
+    np.testing.assert_array_equal(groups.world.all_gather(rows[0], "MOE", "rows"), rows[:1])
+    with pytest.raises(MoeOpError, match=r"^MOE: the all-to-all-v of rows sends 3 rows to its own rank but "
+                       r"receives 2$"):
+        groups.ep.all_to_all_v(rows, [3], [2], "MOE", "rows")
+
+
+@pytest.mark.parametrize("layout,error", [
+    (dict(ep_size=0), r"attribute 'ep_world_size' is 0; expected >= 1"),
+    (dict(tp_size=2, tp_rank=2), r"attribute 'tp_rank_id' is 2; expected 0 <= tp_rank_id < tp_world_size = 2"),
+])
+def test_groups_of_an_invalid_layout(layout, error):
+    from moe_onnx.distributed import Layout, comm
+
+    with pytest.raises(MoeOpError, match=r"^op: " + error):
+        comm.groups(Layout(**layout), "op")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
+def test_timeout_variable_must_be_seconds(monkeypatch, value):
+    from moe_onnx.distributed import comm
+
+    monkeypatch.setenv("MOE_ONNX_COMM_TIMEOUT_S", value)
+    with pytest.raises(MoeOpError, match=rf"^op: environment variable MOE_ONNX_COMM_TIMEOUT_S is '{value}'; "
+                       r"expected a number of seconds > 0 \(default 300\)$"):
+        comm.timeout_s("op")
+    monkeypatch.setenv("MOE_ONNX_COMM_TIMEOUT_S", "2.5")
+    assert comm.timeout_s("op") == 2.5
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if c.op in KERNELS and c.error is None], ids=lambda c: c.id)
+def test_per_rank_kernels_on_one_rank_equal_the_reference(case):
+    """The Python backend runs these only for nodes of several ranks; on one rank (groups that copy) they
+    give the reference's outputs exactly."""
+    named = [i < case.n_outputs for i in range(len(OPS[case.op].outputs))]
+    got = KERNELS[case.op](*case.inputs, _named_outputs=named, **case.attrs)
+    for g, e in zip(got, case.run_reference()):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_array_equal(g, e)
+
+
+def test_only_nodes_of_several_ranks_take_the_per_rank_kernels():
+    assert kernel_for("MOE", {}) is None and kernel_for("MOE", {"tp_world_size": 1}) is None
+    assert kernel_for("MOE", {"tp_world_size": 2}) is KERNELS["MOE"]
+    assert kernel_for("MoeDistributeCombine", {"ep_world_size": 2}) is KERNELS["MoeDistributeCombine"]
+    assert kernel_for("MoeGatingTopK", {"tp_world_size": 2}) is None

@@ -19,14 +19,18 @@ import numpy as np
 import onnx
 import pytest
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
-from fixture_models import FIXTURES, random_feeds
+from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_feeds,
+                            whole_reference_data)
 from world_simulation import run_world
 
+from moe_onnx import io as moe_io
 from moe_onnx import session
+from moe_onnx.check import check_model
 from moe_onnx.cli import main as cli_main
 from moe_onnx.distributed.manifest import MANIFEST_NAME, Manifest, mismatches, rank_record
 from moe_onnx.distributed.shard import ShardError, shard, shard_file
-from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from moe_onnx.ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from moe_onnx.pipeline import optimize_file
 from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
 
 DRIVER = Path(__file__).with_name("distributed_driver.py")
@@ -36,11 +40,13 @@ EXPERTS = 8  # 2 local experts at ep = 4
 CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 BACKENDS = ("cpp", "python")
 FIXTURE_MODELS = ("mixtral_batched_mm_tiny", "gpt_oss_batched_mm_tiny")
-# routing-input models: GPT-OSS-like GEMM2 (biases, clamp) and Mixtral/Qwen-like GEMM3, as MOE nodes and grouped
-# chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
+WHOLE_MODELS = ("mixtral__tf5__torchscript", "gpt_oss__tf457__torchscript")  # tiny LMs: input_ids -> logits
+# routing-input models: GPT-OSS-like GEMM2 (biases, clamp), Mixtral/Qwen-like GEMM3 and Nemotron-like GEMM2_ACT, as
+# MOE nodes and grouped chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
 MODELS = {
     "gemm2_moe": lambda: moe_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS),
     "gemm3_moe": lambda: moe_model(GEMM3_SWIGLU, experts=EXPERTS, rank3=True),
+    "gemm2_act_moe": lambda: moe_model(GEMM2_ACT, experts=EXPERTS, seed=3),
     "gemm2_grouped": lambda: grouped_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS, seed=1),
     "gemm3_grouped": lambda: grouped_model(GEMM3_SWIGLU, experts=EXPERTS, seed=2),
     "drop_pad": lambda: drop_pad_model(capacity=2, experts=EXPERTS),
@@ -74,11 +80,16 @@ def expected_outputs(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[st
 
 
 def _cases(world: int) -> list[tuple[int, int, str, str]]:
-    return [(tp, ep, model, backend) for tp, ep in CONFIGS[world] for model in [*MODELS, *FIXTURE_MODELS]
-            for backend in BACKENDS]
+    return [(tp, ep, model, backend) for tp, ep in CONFIGS[world]
+            for model in [*MODELS, *FIXTURE_MODELS, *WHOLE_MODELS] for backend in BACKENDS
+            if backend == "cpp" or model not in WHOLE_MODELS]  # the whole LMs' other ops: slow on the python host
 
 
 def _inputs(model: str) -> dict[str, dict[str, np.ndarray]]:
+    if model in WHOLE_MODELS:
+        names = [i.name for i in onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[model]["file"]).graph.input]
+        data = whole_reference_data(model)
+        return {key: whole_feeds(names, data[key]) for key in data if key.startswith("input_ids")}
     if model in FIXTURE_MODELS:
         return {"b1s1": random_feeds(model, 1, 1), "b2s3": random_feeds(model, 2, 3)}
     rank3 = model == "gemm3_moe"
@@ -97,19 +108,29 @@ def world_results(world: int, root: str) -> dict:
         onnx.save(build(), sources[name])
     for name in FIXTURE_MODELS:
         sources[name] = FIXTURES / f"{name}.onnx"
+    for name in WHOLE_MODELS:
+        sources[name] = WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]
+    fused = dict(sources)
+    for name in [*FIXTURE_MODELS, *WHOLE_MODELS]:  # exports: fused once here, not by every shard_file
+        fused[name] = root / f"{name}.fused.onnx"
+        if not fused[name].exists():
+            optimize_file(sources[name], fused[name])
+    inputs = {model: _inputs(model) for model in sources}
+    expected = {model: {name: expected_outputs(sources[model], feeds) for name, feeds in inputs[model].items()}
+                for model in sources}
     for tp, ep, model, backend in _cases(world):
         directory = root / f"{model}_tp{tp}_ep{ep}"
         if not directory.exists():
-            shard_file(sources[model], directory, tp, ep)
+            shard_file(fused[model], directory, tp, ep)
         entries = []
         run = {"dir": str(directory), "backend": backend, "inputs": [], "outputs": []}
-        for input_name, feeds in _inputs(model).items():
+        for input_name, feeds in inputs[model].items():
             in_path = root / f"{model}_{input_name}.npz"
             np.savez(in_path, **feeds)
             out_path = directory / f"{backend}_{input_name}.out.npz"
             run["inputs"].append(str(in_path))
             run["outputs"].append(str(out_path))
-            entries.append((input_name, out_path, expected_outputs(sources[model], feeds)))
+            entries.append((input_name, out_path, expected[model][input_name]))
         runs.append(run)
         table[(tp, ep, model, backend)] = entries
     plan = root / "plan.json"
@@ -338,9 +359,9 @@ def run_module(ranks: int, directory: Path, inputs: Path, output: Path, **env: s
 
 def run_with_fault(root: Path, kind: str, **env: str):
     plan = root / f"plan_{kind}.json"
-    plan.write_text(json.dumps({"runs": [{"dir": str(root / "shard"), "backend": "cpp", "inputs": [str(root / "in.npz")],
-                                          "outputs": [str(root / f"out_{kind}.npz")]}],
-                                "fault": {"kind": kind, "rank": 1}}))
+    run = {"dir": str(root / "shard"), "backend": "cpp", "inputs": [str(root / "in.npz")],
+           "outputs": [str(root / f"out_{kind}.npz")]}
+    plan.write_text(json.dumps({"runs": [run], "fault": {"kind": kind, "rank": 1}}))
     return launch(2, [sys.executable, str(DRIVER), str(plan)], timeout=FAULT_BOUND_S + 60, **env)
 
 
@@ -383,6 +404,11 @@ def test_a_hanging_rank_makes_the_others_time_out(fault_root):
     assert_failed(done, seconds, "moe_onnx.run: rank 0:", "did not complete within 3 s")
 
 
+def test_a_rank_that_hangs_before_its_session_makes_the_others_time_out(fault_root):
+    done, seconds = run_with_fault(fault_root, "hang_at_start", MOE_ONNX_COMM_TIMEOUT_S="3")
+    assert_failed(done, seconds, "moe_onnx.run: rank 0:", "session start", "did not complete within 3 s")
+
+
 def test_a_wrong_rank_count_is_refused_on_every_rank(fault_root):
     done, seconds = run_module(3, fault_root / "shard", fault_root / "in.npz", fault_root / "out3.npz")
     assert_failed(done, seconds, "the MPI world has 3 ranks", "run it with -n 2")
@@ -410,3 +436,26 @@ def test_unreadable_inputs_are_reported(fault_root, tmp_path):
     (tmp_path / "in.npz").write_bytes(b"not an npz")
     done, seconds = run_module(2, fault_root / "shard", tmp_path / "in.npz", tmp_path / "out.npz")
     assert_failed(done, seconds, "cannot read the inputs")
+
+
+def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypatch):
+    """A source with external data, ranks over the external-data threshold (lowered to 0 here)."""
+    monkeypatch.setattr(moe_io, "EXTERNAL_DATA_THRESHOLD", 0)
+    source = tmp_path / "model.onnx"
+    onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS), source, save_as_external_data=True,
+              all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    shard_file(source, tmp_path / "shard", tp=2, ep=2)
+    ranks = [onnx.load(tmp_path / "shard" / f"rank{g}.onnx") for g in range(4)]
+    assert all((tmp_path / "shard" / f"rank{g}.onnx.data").is_file() for g in range(4))
+    assert [check_model(tmp_path / "shard" / f"rank{g}.onnx") for g in range(4)] == [[]] * 4
+    feeds = routing_feeds(11, experts=EXPERTS)
+    expected = run_session(session(str(source)), feeds)["y"]
+    for (got,) in run_world(ranks, feeds):
+        np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
+    code = ("import sys, moe_onnx.cli, moe_onnx.run, moe_onnx.distributed.shard; "
+            "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
+    done = subprocess.run([sys.executable, "-c", code], env=package_environment(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

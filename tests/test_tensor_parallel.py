@@ -9,8 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_onnx.ops import MoeOpError
+from moe_onnx.ops._common import ArrayView
 from moe_onnx.ops.row_parallel_linear import (
+    ROW_PARALLEL_LINEAR,
     partial_product,
+    rank_input,
     row_parallel_linear,
     row_parallel_linear_tensor_parallel,
 )
@@ -141,3 +144,42 @@ def test_int8_cases_match_the_oracle_exactly(case):
     got = case.run_reference()[0]
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, oracle(*case.padded_inputs(), **case.attrs))
+
+
+def test_a_rank_node_binds_its_k_slice():
+    """With tp_world_size > 1, W holds K_q: X [*, K] with input_is_parallel 0, X [*, K_q] with 1."""
+    x, offsets, w, b = make_inputs(offsets=OFFSETS, lead=(12,), k=K, n=6)
+    rank = dict(tp_world_size=2, tp_rank_id=1)
+    validate = ROW_PARALLEL_LINEAR.validate
+    assert validate(ArrayView(ROW_PARALLEL_LINEAR, [x, offsets, w[:, :, 4:], b], dict(rank, in_features=K)))[0].shape \
+        == (12, 6)
+    assert validate(ArrayView(ROW_PARALLEL_LINEAR, [x[:, 4:], offsets, w[:, :, 4:], b],
+                              dict(rank, input_is_parallel=1, in_features=K)))[0].shape == (12, 6)
+    with pytest.raises(MoeOpError, match=r"input 'W' dim 2 is 6; expected K_q = 4 \(from input 'X' dim -1\)"):
+        validate(ArrayView(ROW_PARALLEL_LINEAR, [x[:, :4], offsets, w[:, :, 4:], b], dict(rank, input_is_parallel=1)))
+
+
+def test_one_process_refuses_a_rank_of_a_larger_group():
+    x, offsets, w, b = make_inputs(offsets=OFFSETS, lead=(12,), k=K, n=6)
+    with pytest.raises(MoeOpError, match=r"^MoeRowParallelLinear: attribute 'tp_world_size' is 2: this node is one "
+                       r"of 2 ranks and runs only with its group"):
+        row_parallel_linear(x, offsets, w[:, :, :5], b, tp_world_size=2)
+
+
+def test_tensor_parallel_reference_takes_the_group_size():
+    x, offsets, w, b = make_inputs(offsets=OFFSETS, lead=(12,), k=K, n=6)
+    expected = row_parallel_linear(x, offsets, w, b)[0]
+    got = row_parallel_linear_tensor_parallel(x, offsets, shard_k(w, (3, 7)), b, tp_world_size=2)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(MoeOpError, match=r"do not fit 2 W shards; expected tp_world_size = 2 \(or none\) and no "
+                       r"tp_rank_id"):
+        row_parallel_linear_tensor_parallel(x, offsets, shard_k(w, (3, 7)), b, tp_world_size=3)
+
+
+def test_rank_slices_must_add_up_to_k():
+    x, offsets, w, b = make_inputs(offsets=OFFSETS, lead=(12,), k=K, n=6)
+    view = ArrayView(ROW_PARALLEL_LINEAR, [x, offsets, w[:, :, :4], b], dict(tp_world_size=2, tp_rank_id=0))
+    np.testing.assert_array_equal(rank_input(view, x, [4, 6]), x[:, :4])
+    with pytest.raises(MoeOpError, match=r"input 'W' dim 2 adds up to 9 over the 2 TP ranks \(\[4, 5\]\); expected "
+                       r"K = 10 \(from input 'X' dim -1\)"):
+        rank_input(view, x, [4, 5])

@@ -39,6 +39,10 @@ class World:
         self._barrier.wait()
         return everyone
 
+    def abort(self) -> None:
+        """Wake the other ranks' waits with BrokenBarrierError (a rank failed)."""
+        self._barrier.abort()
+
 
 def _layout(attrs: dict) -> Layout:
     return Layout(attrs.get("ep_world_size") or 1, attrs.get("ep_rank_id") or 0, attrs.get("tp_world_size") or 1,
@@ -103,7 +107,7 @@ def run_world(rank_models: Sequence[onnx.ModelProto], feeds: dict[str, np.ndarra
             results[rank] = evaluator.run(None, feeds)
         except Exception as error:  # noqa: BLE001 -- handed to the caller
             errors.append(error)
-            world._barrier.abort()
+            world.abort()
 
     threads = [threading.Thread(target=rank_thread, args=(g,)) for g in range(world.size)]
     for thread in threads:

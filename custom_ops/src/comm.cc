@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cmath>
@@ -42,7 +43,9 @@ double timeout_seconds(const std::string& op) {
   char* end = nullptr;
   errno = 0;
   const double value = std::strtod(text, &end);
-  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(value) || !(value > 0))
+  while (std::isspace(static_cast<unsigned char>(*end))) ++end;  // as Python's float() takes it
+  const bool hex = std::strpbrk(text, "xX") != nullptr;          // which float() refuses
+  if (end == text || *end != '\0' || hex || errno != 0 || !std::isfinite(value) || !(value > 0))
     throw_invalid(op + ": environment variable " + kTimeoutVariable + " is " + py_str(text) +
                   "; expected a number of seconds > 0 (default " + fmt_seconds(kDefaultTimeoutS) + ")");
   return value;
@@ -292,9 +295,8 @@ Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op) {
   timeout_seconds(op);  // a bad MOE_ONNX_COMM_TIMEOUT_S is reported before MPI is loaded
   const auto [size, rank] = mpi_world(mpi_table(op, tp_only), op);
   if (size % tp_size != 0)
-    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " +
-                  (size < tp_size ? "" : "a multiple of ") + std::to_string(tp_size) + " (tp_world_size " +
-                  std::to_string(tp_size) + "; start it under mpirun -n " + std::to_string(tp_size) + ")");
+    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs a multiple of tp_world_size " +
+                  std::to_string(tp_size) + " (start it under mpirun -n " + std::to_string(tp_size) + ")");
   if (rank % tp_size != tp_rank)
     throw_invalid(op + ": runs as MPI rank " + std::to_string(rank) + ", TP rank " + std::to_string(rank % tp_size) +
                   " of its group, but the node has tp_rank_id " + std::to_string(tp_rank) + "; expected rank " +

@@ -33,9 +33,9 @@ namespace {
 
 struct State {
   std::mutex mutex;                 // held around every MPI call (MPI may give less than MPI_THREAD_MULTIPLE)
-  bool we_initialized = false;      // MPI_Init_thread was ours: MPI_Finalize at exit is ours too
   bool timed_out = false;           // some collective never completed: no MPI_Finalize
   MoeOnnxMpiComm world;             // our duplicate of MPI_COMM_WORLD, made by the first split
+  bool world_ready = false;         // `world` is made
 };
 
 State& state() {
@@ -150,8 +150,7 @@ int world(int64_t* size, int64_t* rank, char* error) {
     int provided = 0;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Init_thread", error);
-    s.we_initialized = true;
-    std::atexit(finalize_at_exit);
+    std::atexit(finalize_at_exit);  // MPI_Init_thread was ours: so is MPI_Finalize
   }
   int world_size = 0, world_rank = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -161,24 +160,25 @@ int world(int64_t* size, int64_t* rank, char* error) {
   return MOE_ONNX_MPI_OK;
 }
 
-// Our duplicate of MPI_COMM_WORLD (errors returned, not fatal), made on first use.
+// Our duplicate of MPI_COMM_WORLD (errors returned, not fatal), made on first use. MPI writes the
+// new communicator into s.world.comm (static: it may still do so after a timeout).
 int world_comm(double timeout_s, MoeOnnxMpiComm** out, char* error) {
   State& s = state();
-  if (s.world.comm == MPI_COMM_NULL && !s.world.broken) {
-    MPI_Comm dup = MPI_COMM_NULL;
+  if (!s.world_ready && !s.world.broken) {
     MPI_Request request = MPI_REQUEST_NULL;
     int rc;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      rc = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &request);
+      rc = MPI_Comm_idup(MPI_COMM_WORLD, &s.world.comm, &request);
     }
     if (rc != MPI_SUCCESS) return mpi_fail(rc, "MPI_Comm_idup", error);
     const int status = wait(&request, &s.world, timeout_s, "MPI_Comm_idup", error);
     if (status != MOE_ONNX_MPI_OK) return status;
     std::lock_guard<std::mutex> lock(s.mutex);
-    MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
-    MPI_Comm_size(dup, &s.world.size);
-    s.world.comm = dup;
+    MPI_Comm_set_errhandler(s.world.comm, MPI_ERRORS_RETURN);
+    MPI_Comm_size(s.world.comm, &s.world.size);
+    MPI_Comm_rank(s.world.comm, &s.world.rank);
+    s.world_ready = true;
   }
   if (s.world.broken) return fail(error, "an earlier MPI set-up did not complete; MPI cannot be used again");
   *out = &s.world;

@@ -277,7 +277,7 @@ void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeD
       run.sum_slots([&](int64_t t, const float* row) { from_float(hidden.type, row, out + t * row_bytes, d.H); });
   }
   if (!partial) return;
-  tp.group->all_reduce_sum(partial, d.T * d.H, tp.where, "the partial output");
+  tp.group->all_reduce_sum(partial, d.T * d.H, tp.where, "the partial outputs");
   round_rows(ctx, d, partial, hidden.type, out);
 }
 

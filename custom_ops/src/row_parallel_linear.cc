@@ -234,21 +234,23 @@ struct OutputTiles {
 };
 
 // TP: the first column of X this rank reads (k_q, an exclusive scan of the group's K_q; 0 with
-// input_is_parallel), after checking the group's widths add up to X's width and in_features.
+// input_is_parallel), after checking that the group's K_q add up to the full K (X's width, or
+// in_features with input_is_parallel), as rank_input (row_parallel_linear.py) does.
 int64_t slice_start(RowParallelLinearKernel& kernel, const Checker& v, const Dims& d) {
-  if (kernel.input_is_parallel && !kernel.has_size[1]) return 0;  // nothing to check against the group's widths
+  const bool full_known = !kernel.input_is_parallel || kernel.has_size[1];
+  if (!full_known) return 0;  // X is this rank's own slice, and nothing to check the widths against
   const std::vector<int64_t> widths = kernel.group_widths(d.K);
   int64_t start = 0, total = 0;
   for (size_t q = 0; q < widths.size(); ++q) {
     if (static_cast<int64_t>(q) < kernel.tp->rank()) start += widths[q];
     total += widths[q];
   }
-  const std::string sum = "the sum of the TP group's K_q = " + std::to_string(total) +
-                          " (input 'W' dim 2 on each TP rank: " + fmt_shape(widths) + ")";
-  if (!kernel.input_is_parallel && d.x_width != total)
-    v.fail(v.input_name(X), "dim -1 is " + std::to_string(d.x_width) + "; expected " + sum);
-  if (kernel.has_size[1] && kernel.size[1] != total)
-    v.fail("attribute 'in_features'", "is " + std::to_string(kernel.size[1]) + "; expected " + sum);
+  const int64_t full = kernel.input_is_parallel ? kernel.size[1] : d.x_width;
+  if (total != full)
+    v.fail("input 'W' dim 2", "adds up to " + std::to_string(total) + " over the " + std::to_string(widths.size()) +
+                                  " TP ranks (" + fmt_shape(widths) + "); expected K = " + std::to_string(full) +
+                                  " (from " + (kernel.input_is_parallel ? "attribute 'in_features'" : "input 'X' dim -1") +
+                                  ")");
   return kernel.input_is_parallel ? 0 : start;
 }
 
@@ -259,9 +261,9 @@ void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const 
                     char* y) {
   const int64_t first = o[0], covered = o[E] - o[0];
   if (partial_type == kInt32)
-    tp.all_reduce_sum(reinterpret_cast<int32_t*>(partial), covered * N, where, "the partial Y");
+    tp.all_reduce_sum(reinterpret_cast<int32_t*>(partial), covered * N, where, "the partial products");
   else
-    tp.all_reduce_sum(reinterpret_cast<float*>(partial), covered * N, where, "the partial Y");
+    tp.all_reduce_sum(reinterpret_cast<float*>(partial), covered * N, where, "the partial products");
   const size_t y_size = elem_size(y_type);
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(covered), 16, 64, &chunk);
@@ -329,7 +331,7 @@ std::vector<int64_t> RowParallelLinearKernel::group_widths(int64_t K_q) {
   std::lock_guard<std::mutex> lock(widths_mutex);
   if (!constant_widths.empty()) return constant_widths;
   std::vector<int64_t> widths(static_cast<size_t>(tp->size()));
-  tp->all_gather(&K_q, 1, widths.data(), where.c_str(), "the K_q of every rank (input 'W' dim 2)");
+  tp->all_gather(&K_q, 1, widths.data(), where.c_str(), "the K-slice widths");
   if (constant) constant_widths = widths;
   return widths;
 }
@@ -366,7 +368,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y).
   std::vector<float> partial_f32;
   const bool partial_in_y = !tp || y_type == kF32 || y_type == kInt32;
-  if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial Y");
+  if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial products");
   const Input no_bias;
   const OutputTiles tiles{packed,
                           a,

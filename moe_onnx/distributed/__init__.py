@@ -35,9 +35,5 @@ class Layout:
         """The layout of ``global_rank`` in the same world."""
         return dataclasses.replace(self, ep_rank=global_rank // self.tp_size, tp_rank=global_rank % self.tp_size)
 
-    def all_ranks(self) -> list[Layout]:
-        """The layout of every rank of the world, in global rank order."""
-        return [self.of_rank(g) for g in range(self.world_size)]
-
 
 __all__ = ["Layout"]

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,10 +165,6 @@ class _Chain:
     intermediate: int
 
 
-def _attr(node: ir.Node, name: str, default):
-    return attribute_value(node, name, default)
-
-
 def _read_chain(final: ir.Node) -> _Chain:
     """The grouped chain ending at ``final``; ShardError naming what is not the expected form."""
     where = _where(final)
@@ -175,13 +172,13 @@ def _read_chain(final: ir.Node) -> _Chain:
     if init is None or init.op_type != "MoeInitRouting" or init.domain != DOMAIN:
         raise ShardError(f"{where}: expanded_row_idx does not come from a MoeInitRouting node")
     init_where = _where(init)
-    experts = int(_attr(init, "expert_num", 0))
-    active = _attr(init, "active_expert_range", None)
-    if (_attr(init, "quant_mode", -1) != -1 or _attr(init, "active_num", -1) > 0
+    experts = int(attribute_value(init, "expert_num", 0))
+    active = attribute_value(init, "active_expert_range", None)
+    if (attribute_value(init, "quant_mode", -1) != -1 or attribute_value(init, "active_num", -1) > 0
             or (active is not None and list(active) != [0, experts])):
         raise ShardError(f"{init_where}: quant_mode, active_num or active_expert_range is set; sharding takes "
                          "the plain routing (every expert, no quantization, no row limit)")
-    capacity = int(_attr(init, "expert_capacity", 0)) if _attr(init, "drop_pad_mode", 0) == 1 else 0
+    capacity = int(attribute_value(init, "expert_capacity", 0)) if attribute_value(init, "drop_pad_mode", 0) == 1 else 0
     down = final.inputs[0].producer()
     if down is None or down.op_type != "MoeRowParallelLinear" or down.domain != DOMAIN:
         raise ShardError(f"{where}: expanded_x is not computed by a MoeRowParallelLinear (the down projection)")
@@ -209,7 +206,7 @@ def _read_chain(final: ir.Node) -> _Chain:
     if any(use.node not in firsts for use in rows.uses()):
         raise ShardError(f"{init_where}: its expanded_x is read by nodes other than the chain's linears")
     for linear in [*firsts, down]:
-        if _attr(linear, "tp_world_size", 1) != 1:
+        if attribute_value(linear, "tp_world_size", 1) != 1:
             raise ShardError(f"{_where(linear)} is already sharded (tp_world_size > 1)")
     _, _, down_shape = _per_expert(down.inputs[2], f"{_where(down)}: W")
     intermediate = down_shape[2]
@@ -310,28 +307,23 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
 
 # ----------------------------------------------------------------------------- the model
 
-def _prepare(model: ir.Model, progress: Callable[[str], None] | None) -> None:
-    """Fuse the MoE blocks (optimize, target moe) of a model that has neither MOE nodes nor grouped chains."""
-    if any(node.domain == DOMAIN and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting") for node in model.graph):
-        return
-    from ..rewrite import optimize_ir  # onnxscript's rewriter, only when needed
-
-    optimize_ir(model, "moe", progress=progress)
+def _has_blocks(nodes) -> bool:
+    """Whether the main graph has fused MoE blocks (MOE, QMOE, or a grouped chain's MoeFinalizeRouting)."""
+    return any(node.domain == DOMAIN and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting") for node in nodes)
 
 
-def shard_ir(model: ir.Model, tp: int, ep: int, rank: int, progress: Callable[[str], None] | None = None) -> None:
+def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
     """Make ``model`` (in place) rank ``rank``'s model of a ``tp`` x ``ep`` shard (see the module's doc).
 
-    A model without fused MoE blocks is optimized first (target moe). Raises ShardError for tp/ep < 1, a rank
-    outside the world, a model without MoE blocks, QMOE nodes, an expert count not divisible by ep, an
-    intermediate size below tp, or a block not in a form this pass knows (the message names the node).
+    Raises ShardError for tp/ep < 1, a rank outside the world, a model without fused MoE blocks (run
+    ``optimize`` first; :func:`shard` and :func:`shard_file` do), QMOE nodes, an expert count not divisible
+    by ep, an intermediate size below tp, or a block not in a form this pass knows (the message names the node).
     """
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
     layout = _layout(tp, ep, rank)
     if not 0 <= rank < layout.world_size:
         raise ShardError(f"rank {rank} is outside the world of tp * ep = {layout.world_size} ranks")
-    _prepare(model, progress)
     graph = model.graph
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.domain != DOMAIN:
@@ -340,7 +332,7 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int, progress: Callable[[s
             raise ShardError(f"{_where(node)}: sharding quantized experts (QMOE) is not supported; shard the float "
                              "model")
         if node.op_type in ("MoeDistributeDispatch", "MoeDistributeCombine") or \
-                any(_attr(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
+                any(attribute_value(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
             raise ShardError(f"{_where(node)}: the model is already sharded")
         if node.graph is not graph and node.op_type in ("MOE", "MoeFinalizeRouting"):
             raise ShardError(f"{_where(node)} is inside a subgraph; only the main graph's MoE blocks can be sharded")
@@ -378,10 +370,17 @@ def _mark(model: ir.Model, source_fingerprint: str, layout: Layout) -> None:
 
 def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
     """The ``tp * ep`` rank models of ``model`` (an ``onnx.ModelProto`` or ``onnx_ir.Model``; the result has the
-    same kind), rank g at index g. Raises what :func:`shard_ir` raises. For files, and models over 2 GB, use
-    :func:`shard_file`, which streams the weights to disk one rank at a time."""
+    same kind), rank g at index g; a model without fused MoE blocks is optimized first (target moe). Raises
+    what :func:`shard_ir` raises. For files, and models over 2 GB, use :func:`shard_file`, which streams the
+    weights to disk one rank at a time."""
     proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
     fingerprint = hashlib.sha256(proto.SerializeToString()).hexdigest()
+    if not _has_blocks(proto.graph.node):
+        from ..rewrite import optimize_ir  # onnxscript's rewriter, only when needed
+
+        fused = ir.serde.deserialize_model(proto)
+        optimize_ir(fused, "moe")
+        proto = ir.serde.serialize_model(fused)
     ranks = []
     for rank in range(max(tp, 1) * max(ep, 1)):
         copy = ir.serde.deserialize_model(proto)
@@ -396,7 +395,8 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     """Write the ``tp * ep`` rank models of the model at ``source`` as ``out_dir/rank<g>.onnx`` (with external
     data ``rank<g>.onnx.data`` when large, see :func:`moe_onnx.io.save`; weights sliced one expert at a time
     while writing) and ``out_dir/shard.json`` (:class:`~moe_onnx.distributed.manifest.Manifest`); returns the
-    manifest. Raises ShardError (see :func:`shard_ir`; nothing is written then) and
+    manifest. A model without fused MoE blocks is optimized first (target moe), once, into a temporary file
+    in ``out_dir``. Raises ShardError (see :func:`shard_ir`; no rank file is written then) and
     :class:`moe_onnx.io.ModelFileError` for a file that cannot be read or written."""
     say = progress or (lambda message: None)
     if tp < 1 or ep < 1:
@@ -405,18 +405,31 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     proto = io.read_proto(source)
     fingerprint = source_fingerprint(source)
     out_dir = Path(out_dir)
-    files, fingerprints = [], []
-    for rank in range(tp * ep):
-        layout = _layout(tp, ep, rank)
-        model = io.load(source, proto)
-        say(f"rank {rank}: ep rank {layout.ep_rank}, tp rank {layout.tp_rank}")
-        shard_ir(model, tp, ep, rank, progress=progress if rank == 0 else None)
-        _mark(model, fingerprint, layout)
-        path = out_dir / rank_file(rank)
-        say(f"saving {path}")
-        io.save(model, path, progress=progress)
-        files.append(path.name)
-        fingerprints.append(nodes_fingerprint(io.read_proto(path)))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise io.ModelFileError(f"{out_dir}: cannot write it: {error.strerror or error}") from None
+    with tempfile.TemporaryDirectory(prefix=".fused.", dir=out_dir) as staging:
+        fused = source
+        if not _has_blocks(proto.graph.node):
+            from ..pipeline import optimize_file
+
+            fused = Path(staging) / "fused.onnx"
+            say("no fused MoE block: optimizing first (target moe)")
+            optimize_file(source, fused, "moe", progress=progress)
+            proto = io.read_proto(fused)
+        files, fingerprints = [], []
+        for rank in range(tp * ep):
+            layout = _layout(tp, ep, rank)
+            model = io.load(fused, proto)
+            say(f"rank {rank}: ep rank {layout.ep_rank}, tp rank {layout.tp_rank}")
+            shard_ir(model, tp, ep, rank)
+            _mark(model, fingerprint, layout)
+            path = out_dir / rank_file(rank)
+            say(f"saving {path}")
+            io.save(model, path, progress=progress)
+            files.append(path.name)
+            fingerprints.append(nodes_fingerprint(io.read_proto(path)))
     manifest = Manifest(str(Path(source).name), fingerprint, tp, ep, files, fingerprints)
     manifest.write(out_dir)
     return manifest

@@ -517,3 +517,12 @@ def refuse_without_group(view: NodeView, size_attrs: Sequence[str], world_size: 
         subject, verb = (f"attribute {names}", "is") if len(size_attrs) == 1 else (f"attributes {names}", "are")
         view.fail(subject, f"{verb} {values}: this node is one of {world_size} ranks and runs only with its "
                   "group (under MPI, docs/distributed.md), not on one process")
+
+
+def drop_group_attrs(op_name: str, attrs: dict, ranks: int, what: str) -> None:
+    """An all-ranks reference's attributes, tp_world_size and tp_rank_id removed in place: the number of
+    ``what`` given is the group size (tp_world_size, if given, must equal it) and the q-th is TP rank q."""
+    given = {name: attrs.pop(name) for name in ("tp_world_size", "tp_rank_id") if name in attrs}
+    if given.get("tp_world_size", ranks) != ranks or "tp_rank_id" in given:
+        raise MoeOpError(f"{op_name}: attributes {given} do not fit {ranks} {what}; expected tp_world_size = "
+                         f"{ranks} (or none) and no tp_rank_id: the q-th of {what} is TP rank q")

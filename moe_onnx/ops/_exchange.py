@@ -18,7 +18,7 @@ from ._common import MoeOpError, NodeView, check_group_attrs
 # assist_info's header, by position
 HEADER = ("ep_world_size", "tp_world_size", "num_experts", "Bs", "K", "rows of expand_x", "R (arrival rows)",
           "expert_capacity")
-H_EP, H_TP, H_EXPERTS, H_TOKENS, H_K, H_ROWS, H_ARRIVALS, H_CAPACITY = range(len(HEADER))
+H_EP, H_TP, H_EXPERTS, H_TOKENS, H_K, H_ROWS, H_ARRIVALS = range(len(HEADER) - 1)  # then expert_capacity
 
 
 def read_layout(v: NodeView) -> tuple[Layout, int]:

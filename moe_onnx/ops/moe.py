@@ -25,6 +25,7 @@ from ._common import (
     check_group_attrs,
     compute_dtype,
     dim_product,
+    drop_group_attrs,
     refuse_without_group,
 )
 
@@ -230,10 +231,7 @@ def moe_tensor_parallel(rank_inputs: Sequence[Sequence[np.ndarray | None]], **at
     ranks = len(rank_inputs)
     if not ranks:
         raise MoeOpError(f"{MOE.name}: rank_inputs is empty; expected the 8 inputs of every TP rank")
-    given = {name: attrs.pop(name) for name in ("tp_world_size", "tp_rank_id") if name in attrs}
-    if given.get("tp_world_size", ranks) != ranks or "tp_rank_id" in given:
-        raise MoeOpError(f"{MOE.name}: attributes {given} do not fit {ranks} ranks; expected tp_world_size = "
-                         f"{ranks} (or none) and no tp_rank_id: rank q of rank_inputs is TP rank q")
+    drop_group_attrs(MOE.name, attrs, ranks, "rank_inputs")
     first = rank_inputs[0]
     total = None
     for q, arrays in enumerate(rank_inputs):

@@ -28,6 +28,7 @@ from ._common import (
     check_group_attrs,
     compute_dtype,
     dim_product,
+    drop_group_attrs,
     elem_name,
     is_known,
     refuse_without_group,
@@ -213,10 +214,7 @@ def row_parallel_linear_tensor_parallel(X, expert_offset, W_shards, B=None, **at
     x_shards = list(X) if parallel else None
     _check_shards(W_shards, x_shards)
     ranks = len(W_shards)
-    given = {name: attrs.pop(name) for name in ("tp_world_size", "tp_rank_id") if name in attrs}
-    if given.get("tp_world_size", ranks) != ranks or "tp_rank_id" in given:
-        raise MoeOpError(f"{OP_NAME}: attributes {given} do not fit {len(W_shards)} W shards; expected "
-                         f"tp_world_size = {ranks} (or none) and no tp_rank_id: shard d is TP rank d")
+    drop_group_attrs(OP_NAME, attrs, ranks, "W shards")
     widths = [w.shape[2] for w in W_shards]
     full_x = np.concatenate(x_shards, axis=-1) if parallel else X
     validated([full_x, expert_offset, np.concatenate(W_shards, axis=2), B], attrs)  # as one process would see it

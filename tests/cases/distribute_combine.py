@@ -86,7 +86,8 @@ CASES = [
                   r"of 'num_experts', 'gather_tokens', 'ep_world_size', 'ep_rank_id', 'tp_world_size', "
                   r"'tp_rank_id'$", session=True, gather=1),
     # errors: shapes and types
-    _base.mutated("y_rank_3", r"input 'expand_y' has rank 3 \(shape \[1, 12, 4\]\); expected rank 2", expand_y=_y[None]),
+    _base.mutated("y_rank_3", r"input 'expand_y' has rank 3 \(shape \[1, 12, 4\]\); expected rank 2",
+                  expand_y=_y[None]),
     _base.mutated("assist_rank_2", r"input 'assist_info' has rank 2", assist_info=_assist[None]),
     _base.mutated("assist_int32", r"input 'assist_info' has type int32; expected int64",
                   assist_info=_assist.astype(np.int32)),

@@ -195,6 +195,11 @@ CASES = [
     _base2.mutated("attr_beta_floats", r"attribute 'expert_beta' has type FLOATS; expected FLOAT", expert_beta=[7.0]),
     _base2.mutated("attr_parity_float", r"attribute 'gate_parity' has type FLOAT; expected INT", gate_parity=1.0),
     _base2.mutated("attr_type_ints", r"attribute 'expert_type' has type INTS; expected STRING", expert_type=[1]),
+    _base2.mutated("tp_world_size_0", r"attribute 'tp_world_size' is 0; expected >= 1", tp_world_size=0),
+    _base2.mutated("tp_rank_outside", r"attribute 'tp_rank_id' is 2; expected 0 <= tp_rank_id < tp_world_size = 2",
+                   tp_world_size=2, tp_rank_id=2),
+    _base2.mutated("tp_rank_negative", r"attribute 'tp_rank_id' is -1; expected 0 <= tp_rank_id < tp_world_size = 1",
+                   tp_rank_id=-1),
     _base2.mutated("attr_misspelled", r"attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
             r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation', 'tp_world_size', "
             r"'tp_rank_id'$", session=True,

@@ -134,6 +134,9 @@ CASES = [
     _base.mutated("num_experts_negative", r"attribute 'num_experts' is -1; expected a size >= 0", num_experts=-1),
     _base.mutated("attr_num_experts_float", r"attribute 'num_experts' has type FLOAT; expected INT", num_experts=4.0),
     _base.mutated("attr_bias_term_string", r"attribute 'bias_term' has type STRING; expected INT", bias_term="1"),
+    _base.mutated("tp_world_size_negative", r"attribute 'tp_world_size' is -2; expected >= 1", tp_world_size=-2),
+    _base.mutated("tp_rank_outside", r"attribute 'tp_rank_id' is 4; expected 0 <= tp_rank_id < tp_world_size = 4",
+                  tp_world_size=4, tp_rank_id=4),
     _base.mutated("attr_misspelled", r"attribute 'bias_terms' is not an attribute of MoeRowParallelLinear; "
             r"expected one of 'num_experts', 'in_features', 'out_features', 'bias_term', 'input_is_parallel', "
             r"'tp_world_size', 'tp_rank_id'$",

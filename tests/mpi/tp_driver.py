@@ -6,7 +6,7 @@ Every rank runs single-node MOE (the three expert types, float32/float16, with a
 T = 0, 1 and 7) and MoeRowParallelLinear (float32 and int8, input_is_parallel 0 and 1, uneven K slices,
 W as initializer or input) on the cpp backend with its slice of the weights, in TP groups of W ranks
 and (W = 4) of 2 ranks, and compares its output with the same op on one process over the full
-weights. Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
+weights; K slices that do not add up must fail on every rank. Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
 """
 
 from __future__ import annotations
@@ -128,6 +128,26 @@ def check_row_parallel_linear(tp: int, q: int) -> list[dict]:
     return results
 
 
+def check_width_errors(tp: int, q: int) -> list[dict]:
+    """K slices that do not add up to the full K: every rank fails with rank_input's words."""
+    results = []
+    x, offsets, w, b = rpl_cases.make_inputs(offsets=RPL_OFFSETS, lead=(3, 4), k=RPL_K, n=6)
+    widths = (*K_SLICES[tp][0][:-1], K_SLICES[tp][0][-1] - 1)  # the last rank's slice one short
+    cols = rank_slice(widths, q)
+    for parallel, source in ((0, "input 'X' dim -1"), (1, "attribute 'in_features'")):
+        name = f"RPL-width-error-par{parallel}"
+        expected = (f"MoeRowParallelLinear node 'MoeRowParallelLinear_node': input 'W' dim 2 adds up to {RPL_K - 1} "
+                    f"over the {tp} TP ranks ([{', '.join(map(str, widths))}]); expected K = {RPL_K} (from {source})")
+        attrs = {"input_is_parallel": parallel, "in_features": RPL_K, "tp_world_size": tp, "tp_rank_id": q}
+        try:
+            run_node("MoeRowParallelLinear", [x[..., cols] if parallel else x, offsets, w[..., cols], b], attrs, ())
+            results.append({"name": name, "ok": False, "error": "no error"})
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            results.append({"name": name, "ok": str(error).endswith(expected), "max_error": 0.0,
+                            **({} if str(error).endswith(expected) else {"error": str(error)})})
+    return results
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
@@ -136,6 +156,7 @@ def main() -> None:
         if size % tp == 0:
             results += check_moe(tp, rank % tp)
             results += check_row_parallel_linear(tp, rank % tp)
+            results += check_width_errors(tp, rank % tp)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 
