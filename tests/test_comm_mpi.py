@@ -100,7 +100,7 @@ LAYOUT_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("op,attrs,error", LAYOUT_ERRORS, ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+@pytest.mark.parametrize("op,attrs,error", LAYOUT_ERRORS, ids=["moe-size", "moe-rank", "rpl-rank"])
 def test_layout_attributes_are_checked_before_mpi(op, attrs, error):
     if op == "MOE":
         case = Case(op=op, name="layout", inputs=moe_cases.make_inputs(expert_type=moe_cases.GEMM3),
@@ -135,9 +135,9 @@ def test_tensor_parallel_kernels_match_one_process(ranks, tmp_path):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         failed = [r for r in results if not r["ok"]]
         assert not failed, f"rank {rank}: {failed[:5]}"
-        assert {r["name"].split("-")[0] for r in results} == {"MOE", "RPL"}
-        # per TP group size: 60 MOE, 32 MoeRowParallelLinear, 2 slices that do not add up
-        assert len(results) == 94 * len({2, ranks})
+        assert {r["name"].split("-")[0] for r in results} == {"MOE", "RPL", "layout"}
+        # 2 layout errors; per TP group size: 60 MOE, 32 MoeRowParallelLinear, 2 slices that do not add up
+        assert len(results) == 2 + 94 * len({2, ranks})
         assert max(r["max_error"] for r in results if "float16" not in r["name"]) <= 1e-5
 
 

@@ -190,9 +190,12 @@ const MoeOnnxMpiTable& mpi_table(const std::string& op, const Layout& layout) {
   if (access(path.c_str(), F_OK) != 0)
     throw_invalid(needs + "this build has no MPI support (" + kMpiLibrary + " not found beside " + self +
                   "); rebuild with MPI (docs/building.md)");
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  // RTLD_GLOBAL: MPI's own plugins, which MPI dlopens, may resolve symbols of libmpi through the
+  // global namespace (Open MPI before 3.0: open-mpi/ompi issue 3705).
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NODELETE);
   if (!handle)
-    throw_invalid(needs + path + " does not load (" + dlerror() + "); install the MPI it was built with (docs/building.md)");
+    throw_invalid(needs + path + " does not load (" + dlerror() +
+                  "); install the MPI it was built with (docs/building.md)");
   const auto get = reinterpret_cast<MoeOnnxMpiTableFunction>(dlsym(handle, "moe_onnx_mpi_table"));
   const MoeOnnxMpiTable* found = get ? get() : nullptr;
   if (!found || found->abi_version != MOE_ONNX_MPI_ABI_VERSION)
@@ -224,8 +227,8 @@ Groups mpi_groups(const Layout& layout, const std::string& op) {
   char error[MOE_ONNX_MPI_ERROR_SIZE] = {0};
   const int64_t W = layout.world_size(), g = layout.global_rank();
   if (size != W)
-    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " + std::to_string(W) + " (" + layout_words(layout) + "; start it under mpirun -n " +
-                  std::to_string(W) + ")");
+    throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " + std::to_string(W) + " (" +
+                  layout_words(layout) + "; start it under mpirun -n " + std::to_string(W) + ")");
   if (rank != g)
     throw_invalid(op + ": runs as MPI rank " + std::to_string(rank) + ", but the node is global rank " +
                   std::to_string(g) + " (ep_rank_id " + std::to_string(layout.ep_rank) + " * tp_world_size " +

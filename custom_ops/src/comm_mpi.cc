@@ -273,7 +273,8 @@ int reduce_scatter_v_sum(MoeOnnxMpiComm* comm, const float* send, float* recv, c
     return MPI_Ireduce_scatter(q.send.data(), q.recv.data(), q.recv_counts.data(), MPI_FLOAT, MPI_SUM, comm->comm,
                                &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && !pending->recv.empty()) std::memcpy(recv, pending->recv.data(), pending->recv.size());
+  if (status == MOE_ONNX_MPI_OK && !pending->recv.empty())
+    std::memcpy(recv, pending->recv.data(), pending->recv.size());
   return status;
 }
 

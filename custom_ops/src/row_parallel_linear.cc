@@ -246,11 +246,11 @@ int64_t slice_start(RowParallelLinearKernel& kernel, const Checker& v, const Dim
     total += widths[q];
   }
   const int64_t full = kernel.input_is_parallel ? kernel.size[1] : d.x_width;
+  const char* source = kernel.input_is_parallel ? "attribute 'in_features'" : "input 'X' dim -1";
   if (total != full)
     v.fail("input 'W' dim 2", "adds up to " + std::to_string(total) + " over the " + std::to_string(widths.size()) +
                                   " TP ranks (" + fmt_shape(widths) + "); expected K = " + std::to_string(full) +
-                                  " (from " + (kernel.input_is_parallel ? "attribute 'in_features'" : "input 'X' dim -1") +
-                                  ")");
+                                  " (from " + source + ")");
   return kernel.input_is_parallel ? 0 : start;
 }
 
@@ -370,14 +370,8 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const bool partial_in_y = !tp || y_type == kF32 || y_type == kInt32;
   if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial products");
   const Input no_bias;
-  const OutputTiles tiles{packed,
-                          a,
-                          tp ? no_bias : inputs[B],
-                          N,
-                          K,
-                          first,
-                          partial_in_y ? y_type : kF32,
-                          partial_in_y ? y + (tp ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data()),
+  char* out = partial_in_y ? y + (tp ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data());
+  const OutputTiles tiles{packed, a, tp ? no_bias : inputs[B], N, K, first, partial_in_y ? y_type : kF32, out,
                           tp ? first : 0};
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {

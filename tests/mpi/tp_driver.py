@@ -6,7 +6,8 @@ Every rank runs single-node MOE (the three expert types, float32/float16, with a
 T = 0, 1 and 7) and MoeRowParallelLinear (float32 and int8, input_is_parallel 0 and 1, uneven K slices,
 W as initializer or input) on the cpp backend with its slice of the weights, in TP groups of W ranks
 and (W = 4) of 2 ranks, and compares its output with the same op on one process over the full
-weights; K slices that do not add up must fail on every rank. Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
+weights; K slices that do not add up, and layouts the world does not fit, must fail on every rank.
+Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
 """
 
 from __future__ import annotations
@@ -128,30 +129,54 @@ def check_row_parallel_linear(tp: int, q: int) -> list[dict]:
     return results
 
 
+def expect_error(name: str, run_it, expected_end: str) -> dict:
+    """The result of a run that must fail with a message ending in ``expected_end``."""
+    try:
+        run_it()
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        if str(error).endswith(expected_end):
+            return {"name": name, "ok": True, "max_error": 0.0}
+        return {"name": name, "ok": False, "error": str(error)}
+    return {"name": name, "ok": False, "error": "no error"}
+
+
 def check_width_errors(tp: int, q: int) -> list[dict]:
     """K slices that do not add up to the full K: every rank fails with rank_input's words."""
-    results = []
     x, offsets, w, b = rpl_cases.make_inputs(offsets=RPL_OFFSETS, lead=(3, 4), k=RPL_K, n=6)
     widths = (*K_SLICES[tp][0][:-1], K_SLICES[tp][0][-1] - 1)  # the last rank's slice one short
     cols = rank_slice(widths, q)
+    results = []
     for parallel, source in ((0, "input 'X' dim -1"), (1, "attribute 'in_features'")):
-        name = f"RPL-width-error-par{parallel}"
-        expected = (f"MoeRowParallelLinear node 'MoeRowParallelLinear_node': input 'W' dim 2 adds up to {RPL_K - 1} "
-                    f"over the {tp} TP ranks ([{', '.join(map(str, widths))}]); expected K = {RPL_K} (from {source})")
         attrs = {"input_is_parallel": parallel, "in_features": RPL_K, "tp_world_size": tp, "tp_rank_id": q}
-        try:
-            run_node("MoeRowParallelLinear", [x[..., cols] if parallel else x, offsets, w[..., cols], b], attrs, ())
-            results.append({"name": name, "ok": False, "error": "no error"})
-        except Exception as error:  # noqa: BLE001 - the error is the result
-            results.append({"name": name, "ok": str(error).endswith(expected), "max_error": 0.0,
-                            **({} if str(error).endswith(expected) else {"error": str(error)})})
+        inputs = [x[..., cols] if parallel else x, offsets, w[..., cols], b]
+        results.append(expect_error(
+            f"RPL-width-error-par{parallel}", lambda: run_node("MoeRowParallelLinear", inputs, attrs, ()),
+            f"MoeRowParallelLinear node 'MoeRowParallelLinear_node': input 'W' dim 2 adds up to {RPL_K - 1} over the "
+            f"{tp} TP ranks ([{', '.join(map(str, widths))}]); expected K = {RPL_K} (from {source})"))
     return results
+
+
+def check_layout_errors(rank: int, size: int) -> list[dict]:
+    """Layouts the MPI world does not fit: every rank fails at session creation, before any collective."""
+    inputs = moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3)
+    where = "MOE node 'MOE_node': "
+    layouts = {
+        "world-not-a-multiple": (size + 1, 0, f"runs with {size} MPI ranks; the node needs a multiple of "
+                                              f"tp_world_size {size + 1} (start it under mpirun -n {size + 1})"),
+        "wrong-tp-rank": (size, (rank + 1) % size, f"runs as MPI rank {rank}, TP rank {rank} of its group, but the "
+                                                   f"node has tp_rank_id {(rank + 1) % size}; expected rank {rank}'s "
+                                                   "model"),
+    }
+    return [expect_error(f"layout-{name}", lambda: run_node("MOE", inputs, {"expert_type": moe_cases.GEMM3,
+                                                                           "tp_world_size": tp, "tp_rank_id": q},
+                                                           (3, 5, 7)), where + expected)
+            for name, (tp, q, expected) in layouts.items()]
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
-    results = []
+    results = check_layout_errors(rank, size)
     for tp in sorted({size, 2} & set(K_SLICES)):  # the whole world, and groups of 2 (EP side: the rest)
         if size % tp == 0:
             results += check_moe(tp, rank % tp)
