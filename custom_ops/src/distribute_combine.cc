@@ -22,7 +22,7 @@ namespace {
 
 enum { EXPAND_Y, ASSIST_INFO, SCALES, X1, X2, N_INPUTS };
 
-// assist_info's sections, as views into the tensor.
+// assist_info's sections: the counts copied, the maps viewed in the tensor.
 struct AssistInfo {
   int64_t arrivals = 0;
   std::vector<int64_t> tokens_per_rank, tp_blocks, recv_counts, send_counts;

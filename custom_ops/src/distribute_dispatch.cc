@@ -12,6 +12,7 @@
 #include "distribute_dispatch.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -217,10 +218,16 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
   const comm::Layout& r = layout.ranks;
   const comm::Groups groups = comm::groups(r, where);
   const int64_t W = r.world_size(), L = layout.local_experts();
-  std::vector<int64_t> counts(1 + E, 0), table = buffer<int64_t>(W * (1 + E), "the slot counts of every rank");
+  const char* counts_what = "the slot counts of every rank";
+  const unsigned __int128 entries = static_cast<unsigned __int128>(W) * (static_cast<uint64_t>(E) + 1);
+  if (entries > static_cast<unsigned __int128>(INT64_MAX))  // num_experts past any table of counts
+    throw AllocationFailure(entries > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(entries), sizeof(int64_t),
+                            counts_what);
+  std::vector<int64_t> counts = buffer<int64_t>(1 + E, "this rank's slot counts");
+  std::vector<int64_t> table = buffer<int64_t>(static_cast<int64_t>(entries), counts_what);
   counts[0] = tokens;
   for (int64_t f = 0; f < ids.count; ++f) ++counts[1 + load_index(ids, f)];
-  groups.world->all_gather(counts.data(), 1 + E, table.data(), where.c_str(), "the slot counts of every rank");
+  groups.world->all_gather(counts.data(), 1 + E, table.data(), where.c_str(), counts_what);
   check_table(table, W, E, where);
   const Plan plan = make_plan(layout, capacity, table);
   try {
