@@ -45,7 +45,7 @@ TWO_RANK_SESSION = textwrap.dedent("""
         run(session(case.model(), backend="cpp"), case.feeds())
         print("ran")
     except Exception as error:
-        print(str(error).split("Exception during initialization: ")[-1])
+        print(str(error).split("Status Message: ")[-1])
     print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps")
                   if "libmpi" in line or "moe_onnx_mpi" in line}), "mpi4py" in sys.modules)
 """)
@@ -85,10 +85,15 @@ def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
     assert loaded == "[] False"
 
 
-def test_too_few_ranks_says_how_to_start():
+def test_a_world_of_one_rank_refuses_as_the_reference():
     outcome, _ = one_process(2)  # MPI starts as a singleton: a world of 1
-    assert outcome == ("MOE node 'MOE_node': runs with 1 MPI rank; the node needs a multiple of tp_world_size 2 "
-                       "(start it under mpirun -n 2)")
+    case = Case(op="MOE", name="tp", inputs=moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3),
+                attrs={"expert_type": moe_cases.GEMM3, "tp_world_size": 2, "tp_rank_id": 0})
+    with pytest.raises(MoeOpError) as reference:
+        case.run_reference(case.node_name)
+    assert outcome == str(reference.value) == (
+        "MOE node 'MOE_node': attribute 'tp_world_size' is 2: this node is one of 2 ranks and runs only with its "
+        "group (under MPI, docs/distributed.md), not on one process")
 
 
 LAYOUT_ERRORS = [

@@ -163,6 +163,17 @@ class MpiGroup : public Group {
   int64_t rank_;
 };
 
+// The error of a node of several ranks in a world of one (MPI started, no launcher), in the words of
+// the references' refuse_without_group: "attribute 'tp_world_size' is 2: this node is one of 2 ranks...".
+[[noreturn]] void refuse_one_process(const std::string& op, const Layout& layout, bool names_ep) {
+  const std::string tp = std::to_string(layout.tp_size);
+  const std::string subject = names_ep ? "attributes 'ep_world_size' and 'tp_world_size' are " +
+                                             std::to_string(layout.ep_size) + " and " + tp
+                                       : "attribute 'tp_world_size' is " + tp;
+  throw_invalid(op + ": " + subject + ": this node is one of " + std::to_string(layout.world_size()) +
+                " ranks and runs only with its group (under MPI, docs/distributed.md), not on one process");
+}
+
 std::string ranks_word(int64_t n) { return std::to_string(n) + (n == 1 ? " MPI rank" : " MPI ranks"); }
 
 std::string layout_words(const Layout& layout) {
@@ -226,6 +237,7 @@ Groups mpi_groups(const Layout& layout, const std::string& op) {
   const auto [size, rank] = mpi_world(mpi, op);
   char error[MOE_ONNX_MPI_ERROR_SIZE] = {0};
   const int64_t W = layout.world_size(), g = layout.global_rank();
+  if (size == 1) refuse_one_process(op, layout, true);
   if (size != W)
     throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs " + std::to_string(W) + " (" +
                   layout_words(layout) + "; start it under mpirun -n " + std::to_string(W) + ")");
@@ -297,6 +309,7 @@ Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op) {
   if (tp_size == 1) return solo_groups();
   timeout_seconds(op);  // a bad MOE_ONNX_COMM_TIMEOUT_S is reported before MPI is loaded
   const auto [size, rank] = mpi_world(mpi_table(op, tp_only), op);
+  if (size == 1) refuse_one_process(op, tp_only, false);
   if (size % tp_size != 0)
     throw_invalid(op + ": runs with " + ranks_word(size) + "; the node needs a multiple of tp_world_size " +
                   std::to_string(tp_size) + " (start it under mpirun -n " + std::to_string(tp_size) + ")");

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace moe_onnx {
@@ -62,8 +63,9 @@ std::string layout_problem(const Layout& layout);
 
 // The groups of `layout`, made once per layout and process. Throws an invalid-argument error naming
 // `op` when the layout is invalid, when this build has no MPI (libmoe_onnx_mpi missing), or when the
-// process's MPI world does not match (size != world_size, rank != global_rank). A one-rank layout
-// needs no MPI: its groups are trivial.
+// process's MPI world does not match (size != world_size, rank != global_rank; a world of one rank,
+// a process started without mpirun, gets the references' "runs only with its group ... not on one
+// process"). A one-rank layout needs no MPI: its groups are trivial.
 Groups groups(const Layout& layout, const std::string& op);
 
 // The groups of a node that names only its TP group (MOE, MoeRowParallelLinear: tp_world_size,
@@ -71,6 +73,21 @@ Groups groups(const Layout& layout, const std::string& op);
 // (ep_world_size = world size / tp_size, ep_rank_id = rank / tp_size); the process's rank must be
 // TP rank tp_rank of its group. Errors as groups(); tp_size 1 needs no MPI (every group trivial).
 Groups tp_groups(int64_t tp_size, int64_t tp_rank, const std::string& op);
+
+// The TP group of a node, made by tp_groups at its first use and kept (null while tp_size is 1).
+class TpGroup {
+ public:
+  const Group* get(int64_t tp_size, int64_t tp_rank, const std::string& op) {
+    if (tp_size == 1) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!group_) group_ = tp_groups(tp_size, tp_rank, op).tp;
+    return group_.get();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<const Group> group_;
+};
 
 }  // namespace comm
 }  // namespace moe_onnx

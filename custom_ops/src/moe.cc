@@ -1,7 +1,8 @@
 // MOE kernel. Layout of the work (T tokens, k slots each, E experts, H hidden, I intermediate):
 //
-// 1. check_inputs: validate every input as moe_onnx/ops/moe.py's _validate does, with the same
-//    messages, and the indices' range, before anything is indexed.
+// 1. validate every input as moe_onnx/ops/moe.py's _validate does, with the same messages; with
+//    tp_world_size > 1 get the TP group (made at the first run, docs/distributed.md); then the
+//    indices' range, before anything is indexed.
 // 2. Route: sort the T*k slots by expert (task_plan.h's counting sort, stable: slot order inside an
 //    expert is the token order); gather_rows copies their rows of hidden_states, as fp32, into one
 //    [T*k, H] buffer: each expert's rows are contiguous, so its weights are read once per block of
@@ -29,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "kernel_util.h"
 
@@ -64,14 +66,6 @@ MoeDims validate(const MoeKernel& kernel, const Checker& v) {
       dims.shape(i, symbols);
     }
   return MoeDims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
-}
-
-// Validation, then the indices' range: the sizes.
-MoeDims check_inputs(const MoeKernel& kernel, const std::vector<Input>& inputs) {
-  const Checker v(kernel.where, signatures::MOE, inputs);
-  const MoeDims d = validate(kernel, v);
-  check_indices(inputs[INDICES], d.E, kernel.where);
-  return d;
 }
 
 // The weight inputs a pack is made from.
@@ -176,8 +170,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   where = node_where(signatures::MOE.name, kinfo);
   const Attributes attrs(info, signatures::MOE, where);
   config = ExpertConfig::read(attrs);
-  const auto [tp_size, tp_rank] = read_group(attrs, "tp_world_size", "tp_rank_id");
-  if (tp_size > 1) tp = comm::tp_groups(tp_size, tp_rank, where).tp;
+  std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   constant = pack_constant_weights(kinfo, config.type, config.parity);
 }
 
@@ -188,7 +181,10 @@ OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
 void MoeKernel::Compute(OrtKernelContext* context) {
   Ort::KernelContext ctx(context);
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
-  const MoeDims d = check_inputs(*this, inputs);
+  const MoeDims d = validate(*this, Checker(where, signatures::MOE, inputs));
+  // The TP group after the inputs' checks and before the indices' range, in moe.py's order.
+  const comm::Group* group = tp.get(tp_size, tp_rank, where);
+  check_indices(inputs[INDICES], d.E, where);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
   const ExpertType type = config.type;
   const int64_t parity = config.parity;
@@ -199,7 +195,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
                     [&](ExpertSlots slots) { return empty_pack(type, inputs, d.H, d.I, std::move(slots)); },
                     [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
               },
-              static_cast<char*>(out_value.GetTensorMutableRawData()), TensorParallel{tp.get(), where.c_str()});
+              static_cast<char*>(out_value.GetTensorMutableRawData()), TensorParallel{group, where.c_str()});
 }
 
 }  // namespace moe_onnx

@@ -18,7 +18,8 @@ struct MoeKernel {
 
   std::string where;
   ExpertConfig config;
-  std::shared_ptr<const comm::Group> tp;  // the TP group (tp_world_size > 1), else null
+  int64_t tp_size = 1, tp_rank = 0;
+  comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
   WorkspacePool workspaces;
 };

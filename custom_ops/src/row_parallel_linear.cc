@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <tuple>
 
 #include "gemm.h"
 #include "int8_gemm.h"
@@ -63,7 +64,7 @@ Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
   }
   // K is the full input width; with tp_world_size > 1, W holds this rank's K_q, and so does X when
   // input_is_parallel is 1.
-  const char* w_k = kernel.tp ? "K_q" : "K";
+  const char* w_k = kernel.tp_size > 1 ? "K_q" : "K";
   const char* x_k = kernel.input_is_parallel ? w_k : "K";
   DimBinder dims(v);
   for (int i = 0; i < 3; ++i) {
@@ -236,13 +237,13 @@ struct OutputTiles {
 // TP: the first column of X this rank reads (k_q, an exclusive scan of the group's K_q; 0 with
 // input_is_parallel), after checking that the group's K_q add up to the full K (X's width, or
 // in_features with input_is_parallel), as rank_input (row_parallel_linear.py) does.
-int64_t slice_start(RowParallelLinearKernel& kernel, const Checker& v, const Dims& d) {
+int64_t slice_start(RowParallelLinearKernel& kernel, const comm::Group& group, const Checker& v, const Dims& d) {
   const bool full_known = !kernel.input_is_parallel || kernel.has_size[1];
   if (!full_known) return 0;  // X is this rank's own slice, and nothing to check the widths against
-  const std::vector<int64_t> widths = kernel.group_widths(d.K);
+  const std::vector<int64_t> widths = kernel.group_widths(group, d.K);
   int64_t start = 0, total = 0;
   for (size_t q = 0; q < widths.size(); ++q) {
-    if (static_cast<int64_t>(q) < kernel.tp->rank()) start += widths[q];
+    if (static_cast<int64_t>(q) < group.rank()) start += widths[q];
     total += widths[q];
   }
   const int64_t full = kernel.input_is_parallel ? kernel.size[1] : d.x_width;
@@ -304,7 +305,7 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
   input_is_parallel = attrs.choice("input_is_parallel", {0, 1}) == 1;  // no effect on one process
-  const auto [tp_size, tp_rank] = read_group(attrs, "tp_world_size", "tp_rank_id");
+  std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
     bias_term = attrs.choice("bias_term", {0, 1});
@@ -314,7 +315,6 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
       throw_invalid(where + ": input 'B' is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1");
   }
   for (int i = 0; i < 3; ++i) has_size[i] = attrs.has_int(kSizeAttrs[i], &size[i]);
-  if (tp_size > 1) tp = comm::tp_groups(tp_size, tp_rank, where).tp;
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
@@ -327,11 +327,11 @@ OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
   return compute_status(where, [&] { Compute(context); });
 }
 
-std::vector<int64_t> RowParallelLinearKernel::group_widths(int64_t K_q) {
+std::vector<int64_t> RowParallelLinearKernel::group_widths(const comm::Group& group, int64_t K_q) {
   std::lock_guard<std::mutex> lock(widths_mutex);
   if (!constant_widths.empty()) return constant_widths;
-  std::vector<int64_t> widths(static_cast<size_t>(tp->size()));
-  tp->all_gather(&K_q, 1, widths.data(), where.c_str(), "the K-slice widths");
+  std::vector<int64_t> widths(static_cast<size_t>(group.size()));
+  group.all_gather(&K_q, 1, widths.data(), where.c_str(), "the K-slice widths");
   if (constant) constant_widths = widths;
   return widths;
 }
@@ -344,7 +344,9 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const int64_t E = d.E, N = d.N, K = d.K;
   const int64_t* o = inputs[OFFSET].as<int64_t>();
   check_offsets(v, o, E, d.rows);
-  const int64_t k0 = tp ? slice_start(*this, v, d) : 0;
+  // The TP group after the inputs' checks, in row_parallel_linear.py's order.
+  const comm::Group* group = tp.get(tp_size, tp_rank, where);
+  const int64_t k0 = group ? slice_start(*this, *group, v, d) : 0;
 
   const Input& x = inputs[X];
   const ElemType y_type = output_elem(x.type);
@@ -367,12 +369,12 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const GemmRows a = gemm_rows(ctx, x, first, covered, K, d.x_width, k0);
   // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y).
   std::vector<float> partial_f32;
-  const bool partial_in_y = !tp || y_type == kF32 || y_type == kInt32;
+  const bool partial_in_y = !group || y_type == kF32 || y_type == kInt32;
   if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial products");
   const Input no_bias;
-  char* out = partial_in_y ? y + (tp ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data());
-  const OutputTiles tiles{packed, a, tp ? no_bias : inputs[B], N, K, first, partial_in_y ? y_type : kF32, out,
-                          tp ? first : 0};
+  char* out = partial_in_y ? y + (group ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data());
+  const OutputTiles tiles{packed, a, group ? no_bias : inputs[B], N, K, first, partial_in_y ? y_type : kF32, out,
+                          group ? first : 0};
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {
     if (x.type == kInt8)
@@ -380,7 +382,7 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
     else
       tiles.float_task(tasks[ti]);
   });
-  if (tp) reduce_partial(ctx, *tp, where.c_str(), tiles.y, tiles.y_type, inputs[B], o, E, N, y_type, y);
+  if (group) reduce_partial(ctx, *group, where.c_str(), tiles.y, tiles.y_type, inputs[B], o, E, N, y_type, y);
 }
 
 }  // namespace moe_onnx

@@ -25,11 +25,12 @@ struct RowParallelLinearKernel {
   int64_t size[3] = {0, 0, 0};
   std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
   bool input_is_parallel = false;
-  std::shared_ptr<const comm::Group> tp;  // the TP group (tp_world_size > 1), else null
+  int64_t tp_size = 1, tp_rank = 0;
+  comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   // Every TP rank's K_q (W's dim 2), gathered over the group; kept when W is an initializer.
   std::mutex widths_mutex;
   std::vector<int64_t> constant_widths;
-  std::vector<int64_t> group_widths(int64_t K_q);
+  std::vector<int64_t> group_widths(const comm::Group& group, int64_t K_q);
 };
 
 // One registration per element type of X (every numeric type, so that a wrong type reaches Compute

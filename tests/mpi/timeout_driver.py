@@ -2,7 +2,7 @@
 
     MOE_ONNX_COMM_TIMEOUT_S=3 mpirun -n 2 python tests/mpi/timeout_driver.py OUT_DIR
 
-both ranks create a 2-rank tensor-parallel MOE session, then rank 1 sleeps instead of running it:
+both ranks run a 2-rank tensor-parallel MOE once, then rank 1 sleeps instead of running it again:
 rank 0's all-reduce never completes and its run must fail after the timeout with the op's error.
 Rank 0 writes OUT_DIR/rank0.json ({"error", "seconds"}) and aborts the job, as the runner does.
 """
@@ -37,7 +37,8 @@ def main() -> None:
                 attrs={"expert_type": moe_cases.GEMM3, "tp_world_size": 2, "tp_rank_id": rank})
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
-    sess = session(case.model(), backend="cpp", sess_options=opts)  # both ranks: the groups are made here
+    sess = session(case.model(), backend="cpp", sess_options=opts)
+    run(sess, case.feeds())  # both ranks: the groups are made at the first run
     if rank == 1:
         time.sleep(120)  # never reaches the all-reduce; mpirun ends it when rank 0 aborts
         return

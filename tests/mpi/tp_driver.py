@@ -157,7 +157,7 @@ def check_width_errors(tp: int, q: int) -> list[dict]:
 
 
 def check_layout_errors(rank: int, size: int) -> list[dict]:
-    """Layouts the MPI world does not fit: every rank fails at session creation, before any collective."""
+    """Layouts the MPI world does not fit: every rank fails at its first run, before any collective."""
     inputs = moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3)
     where = "MOE node 'MOE_node': "
     layouts = {
