@@ -77,12 +77,16 @@ class Timer:
         """One round of `name`: `reps` calls."""
         self.rounds.setdefault(name, []).append([call_ms(fn) for _ in range(reps)])
 
+    def first_ms(self, call: Callable[[], object]) -> float:
+        """The time of one call (ms) that sets a variant's calls per round."""
+        return call_ms(call)
+
     def run_rounds(self, calls: dict[str, Callable[[], object]], rounds: int, budget_ms: float) -> None:
         """Warm each call up, time one call of each, then `rounds` rounds over all of them in turn,
         each call repeated to fill `budget_ms` per round."""
         for call in calls.values():
             call()
-        first = {name: call_ms(call) for name, call in calls.items()}
+        first = {name: self.first_ms(call) for name, call in calls.items()}
         for _ in range(rounds):
             for name, call in calls.items():
                 self.measure(name, call, reps_for(first[name], budget_ms))

@@ -1,4 +1,5 @@
-"""Each op's doc page agrees with its schema: inputs, outputs, attributes and types."""
+"""Each op's doc page agrees with its schema: inputs, outputs, attributes and types; the README's set-up
+is what CI runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from onnx import defs
 
 from moe_onnx.ops import DOMAIN, OPS
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "ops"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "ops"
 TYPE_NAMES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
               "tensor(int8)": "int8", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(uint8)": "uint8"}
 SECTIONS = ("Short description", "Detailed description", "Pseudocode", "Inputs", "Outputs", "Attributes",
@@ -63,3 +65,25 @@ def test_doc_page_matches_schema(name):
 
 def test_every_doc_page_has_an_op():
     assert sorted(p.stem for p in DOCS.glob("*.md")) == sorted(OPS)
+
+
+def _commands(lines: list[str]) -> list[str]:
+    """Shell commands of `lines`: comments and blank lines dropped, `a && b` split."""
+    commands = []
+    for line in lines:
+        line = line.split(" #", 1)[0].strip()
+        if line and not line.startswith("#"):
+            commands += [c.strip() for c in line.split("&&")]
+    return commands
+
+
+def test_readme_setup_is_what_ci_runs():
+    """The README's set-up commands (its Quick start's first lines) are exactly .ci/run's, in order."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"^## Quick start\n\n```bash\n(.*?)\n\n", readme, re.S | re.M)
+    assert block, "README's Quick start has no bash block"
+    setup = _commands(block.group(1).splitlines())
+    ci = _commands((ROOT / ".ci" / "run").read_text().splitlines())
+    start = ci.index(setup[0])
+    assert ci[start:start + len(setup)] == setup
+    assert "bash scripts/install_mpi.sh" in setup
