@@ -264,11 +264,12 @@ def test_one_process_refuses_a_node_of_a_larger_group():
     """In the words the backends use in a process of its own (a world of one MPI rank)."""
     x = np.zeros((2, H), np.float32)
     ids = np.array([[0, 1], [2, 3]])
-    with pytest.raises(MoeOpError, match=r"^MoeDistributeDispatch: runs with 1 MPI rank; the node needs 4 "
-                       r"\(ep_world_size 2 x tp_world_size 2; start it under mpirun -n 4\)$"):
+    with pytest.raises(MoeOpError, match=r"^MoeDistributeDispatch: attributes 'ep_world_size' and 'tp_world_size' "
+                       r"are 2 and 2: this node is one of 4 ranks and runs only with its group \(under MPI, "
+                       r"docs/distributed.md\), not on one process$"):
         moe_distribute_dispatch(x, ids, num_experts=E, ep_world_size=2, tp_world_size=2)
-    with pytest.raises(MoeOpError, match=r"^MOE: runs with 1 MPI rank; the node needs a multiple of tp_world_size 2 "
-                       r"\(start it under mpirun -n 2\)$"):
+    with pytest.raises(MoeOpError, match=r"^MOE: attribute 'tp_world_size' is 2: this node is one of 2 ranks and "
+                       r"runs only with its group \(under MPI, docs/distributed.md\), not on one process$"):
         moe(x, np.ones((2, 2), np.float32), ids, np.zeros((E, 3, H), np.float32), None,
             np.zeros((E, 3, H), np.float32), None, np.zeros((E, H, 3), np.float32), expert_type="GEMM3_SWIGLU",
             tp_world_size=2, tp_rank_id=1)

@@ -99,8 +99,9 @@ def test_a_two_rank_node_in_one_process_says_how_to_run_it():
     require_mpi()
     done = subprocess.run([sys.executable, "-c", TWO_RANK_NODE_ALONE], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': runs with 1 MPI rank; the node needs 2 " \
-           "(ep_world_size 2 x tp_world_size 1; start it under mpirun -n 2)" in done.stdout, done.stdout + done.stderr
+    assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': attributes 'ep_world_size' and 'tp_world_size' " \
+           "are 2 and 1: this node is one of 2 ranks and runs only with its group (under MPI, docs/distributed.md), " \
+           "not on one process" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_two_rank_node_without_mpi4py_says_what_is_missing():

@@ -161,8 +161,8 @@ def test_a_rank_node_binds_its_k_slice():
 
 def test_one_process_refuses_a_rank_of_a_larger_group():
     x, offsets, w, b = make_inputs(offsets=OFFSETS, lead=(12,), k=K, n=6)
-    with pytest.raises(MoeOpError, match=r"^MoeRowParallelLinear: runs with 1 MPI rank; the node needs a multiple "
-                       r"of tp_world_size 2 \(start it under mpirun -n 2\)$"):
+    with pytest.raises(MoeOpError, match=r"^MoeRowParallelLinear: attribute 'tp_world_size' is 2: this node is one "
+                       r"of 2 ranks and runs only with its group \(under MPI, docs/distributed.md\), not on one process$"):
         row_parallel_linear(x, offsets, w[:, :, :5], b, tp_world_size=2)
 
 

@@ -44,9 +44,17 @@ def layout_words(layout: Layout) -> str:
     return f"ep_world_size {layout.ep_size} x tp_world_size {layout.tp_size}"
 
 
+def _one_process(op: str, subject: str, ranks: int) -> str:
+    return (f"{op}: {subject}: this node is one of {ranks} ranks and runs only with its group (under MPI, "
+            "docs/distributed.md), not on one process")
+
+
 def world_size_problem(op: str, world_size: int, layout: Layout) -> str | None:
     """What is wrong with running a node of ``layout`` in an MPI world of ``world_size`` ranks (None: nothing).
-    One wording for the comm layers and the one-process references (a world of one rank)."""
+    One wording for the comm layers (Python and C++) and the one-process references (a world of one rank)."""
+    if world_size == 1 and layout.world_size > 1:
+        return _one_process(op, f"attributes 'ep_world_size' and 'tp_world_size' are {layout.ep_size} and "
+                                f"{layout.tp_size}", layout.world_size)
     if world_size != layout.world_size:
         return (f"{op}: runs with {ranks_word(world_size)}; the node needs {layout.world_size} "
                 f"({layout_words(layout)}; start it under mpirun -n {layout.world_size})")
@@ -56,6 +64,8 @@ def world_size_problem(op: str, world_size: int, layout: Layout) -> str | None:
 def tp_world_size_problem(op: str, world_size: int, tp_size: int) -> str | None:
     """As :func:`world_size_problem` for a node that names only its TP group (MOE, MoeRowParallelLinear):
     the world must be a multiple of ``tp_size``."""
+    if world_size == 1 and tp_size > 1:
+        return _one_process(op, f"attribute 'tp_world_size' is {tp_size}", tp_size)
     if world_size % tp_size:
         return (f"{op}: runs with {ranks_word(world_size)}; the node needs a multiple of tp_world_size {tp_size} "
                 f"(start it under mpirun -n {tp_size})")
