@@ -1,5 +1,6 @@
 """Weights behind layout ops (moe_onnx/rewrite/_weights.py): each expert's slice is read from the source
-expert by expert and equals the whole value's slice; lazy initializers are named from the graph alone."""
+expert by expert and equals the whole value's slice; lazy initializers are named from the graph alone and
+convert an in-memory source once per write."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from fixture_models import original, optimize_form
-from moe_onnx.rewrite._weights import weight
+from moe_onnx.rewrite._weights import initializer_expert, streamed_initializer, weight
 
 SOURCE = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)  # [E, A, B]
 
@@ -72,3 +73,34 @@ def test_initializer_names_do_not_depend_on_history():
     names = [sorted(t.name for t in optimize_form(original("gpt_oss_tiled_tiny"), target="grouped")[0].graph.initializer)
              for _ in range(2)]
     assert names[0] == names[1]
+
+
+class CountingProtoTensor(ir.serde.TensorProtoTensor):
+    """A tensor deserialized from a proto (its numpy() copies all its bytes) that counts its numpy() calls."""
+
+    reads = 0
+
+    def numpy(self) -> np.ndarray:
+        self.reads += 1
+        return super().numpy()
+
+
+@pytest.mark.parametrize("chain", ["transpose last axes", "select expert 2, transpose"])
+def test_a_lazy_initializer_converts_an_in_memory_source_once_per_write(chain):
+    """Reading each expert of a proto-backed source once per expert would copy the whole source each time."""
+    model = layout_chain(*CHAINS[chain][0])
+    expected = ReferenceEvaluator(model).run(None, {})[0]
+    graph = ir.from_proto(model).graph
+    source = CountingProtoTensor(numpy_helper.from_array(SOURCE, "x0"))
+    graph.initializers["x0"].const_value = source
+    w = weight(graph.outputs[0])
+    through_layout = streamed_initializer(graph, "through_layout", w.expert, w.dtype, w.shape, [w.source])
+    whole = graph.initializers["x0"]
+    copied = streamed_initializer(graph, "copied", lambda e: initializer_expert(whole, e), whole.dtype,
+                                  SOURCE.shape, [whole])
+    for value, want in ((through_layout, expected), (copied, SOURCE)):
+        for write in range(2):
+            reads = source.reads
+            written = ir.serde.serialize_tensor(value.const_value)  # one write: the expert slices, stacked
+            np.testing.assert_array_equal(numpy_helper.to_array(written), want)
+            assert source.reads == reads + 1, (value.name, write)

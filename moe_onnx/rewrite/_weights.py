@@ -6,12 +6,19 @@ expert (one slice of the first axis) at a time, so models with external data are
 loading every weight at once. Each expert's slice is read from the source through the layout ops
 with the expert index applied first wherever the op allows it (Cast, Transpose, a Reshape that
 keeps the expert axis), so a step is applied to one expert's data, not to the whole source.
+
+Reading a source tensor's data is cheap for external data (a memory map) and for a tensor made from
+a numpy array, but a tensor deserialized from a proto converts (copies) all of its bytes on every
+read; while a lazy initializer is written, each source is therefore converted at most once
+(:func:`_source_array`), so an in-memory model is rewritten in about its own size of memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -118,7 +125,7 @@ class Weight:
 
     def _whole(self, level: int) -> np.ndarray:
         """The value after the first ``level`` steps."""
-        array = self.source.const_value.numpy()
+        array = _source_array(self.source.const_value)
         for step in self.steps[:level]:
             array = step.whole(array)
         return array
@@ -206,11 +213,43 @@ def fresh_name(graph: ir.Graph | None, base: str) -> str:
     return name
 
 
+#: while a lazy initializer is written: the source tensors converted so far and their arrays, by id
+_CONVERTED: contextvars.ContextVar[dict[int, tuple[ir.TensorProtocol, np.ndarray]] | None] = \
+    contextvars.ContextVar("moe_onnx_converted_sources", default=None)
+
+
+def _source_array(tensor: ir.TensorProtocol) -> np.ndarray:
+    """``tensor.numpy()``; while a lazy initializer is written, converted once and kept until that write ends
+    (a tensor deserialized from a proto copies all its bytes on every ``numpy()``). External tensors are
+    not kept: mapping them again is cheap, and the writer unmaps them after each expert."""
+    converted = _CONVERTED.get()
+    if converted is None or isinstance(tensor, ir.ExternalTensor):
+        return tensor.numpy()
+    if id(tensor) not in converted:
+        converted[id(tensor)] = (tensor, tensor.numpy())  # the tensor, so that its id is not reused
+    return converted[id(tensor)][1]
+
+
+@contextlib.contextmanager
+def _converting_sources_once() -> Iterator[None]:
+    """The scope of one write: :func:`_source_array` converts each source once inside it (the outermost
+    write's scope holds when a lazy initializer reads another)."""
+    if _CONVERTED.get() is not None:
+        yield
+        return
+    token = _CONVERTED.set({})
+    try:
+        yield
+    finally:
+        _CONVERTED.reset(token)
+
+
 class _StreamedTensor(ir.LazyTensor):
     """A lazy tensor computed and written one slice of its first axis (one expert) at a time.
 
     After each slice the memory-mapped source tensors are released, so saving a transformed
-    multi-GB weight holds about one expert's worth of data at a time.
+    multi-GB weight holds about one expert's worth of data at a time; an in-memory source is converted
+    once per write (:func:`_source_array`).
     """
 
     def __init__(self, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
@@ -230,15 +269,17 @@ class _StreamedTensor(ir.LazyTensor):
         release_external(self._sources)
 
     def _whole(self) -> np.ndarray:
-        whole = np.stack([self._slice(i) for i in range(self.shape[0])]) if self.shape[0] else \
-            np.zeros(tuple(self.shape.numpy()), dtype=self.dtype.numpy())
+        with _converting_sources_once():
+            whole = np.stack([self._slice(i) for i in range(self.shape[0])]) if self.shape[0] else \
+                np.zeros(tuple(self.shape.numpy()), dtype=self.dtype.numpy())
         self._release_sources()
         return whole
 
     def tofile(self, file) -> None:
-        for index in range(self.shape[0]):
-            file.write(self._slice(index).tobytes())
-            self._release_sources()
+        with _converting_sources_once():
+            for index in range(self.shape[0]):
+                file.write(self._slice(index).tobytes())
+                self._release_sources()
 
 
 def release_external(values: Iterable[ir.Value]) -> None:
@@ -249,9 +290,10 @@ def release_external(values: Iterable[ir.Value]) -> None:
 
 
 def initializer_expert(value: ir.Value, e: int) -> np.ndarray:
-    """Slice ``e`` of the first axis of an initializer; a lazy one computes that slice alone."""
+    """Slice ``e`` of the first axis of an initializer; a lazy one computes that slice alone, any other is
+    read with :func:`_source_array`."""
     tensor = value.const_value
-    return tensor._slice(e) if isinstance(tensor, _StreamedTensor) else tensor.numpy()[e]
+    return tensor._slice(e) if isinstance(tensor, _StreamedTensor) else _source_array(tensor)[e]
 
 
 def streamed_initializer(graph: ir.Graph, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,
