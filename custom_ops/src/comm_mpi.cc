@@ -19,8 +19,10 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "block_pool.h"
 #include "comm_mpi_abi.h"
 
 struct MoeOnnxMpiComm {
@@ -114,10 +116,45 @@ bool rank_counts(const int64_t* counts, int size, const char* what, std::vector<
   return true;
 }
 
+// The blocks of Bytes: a collective's two staging copies, with room for a few groups at once.
+moe_onnx::BlockPool& staging_pool() {
+  static auto* pool = new moe_onnx::BlockPool(6);  // never destroyed: a block may come back during exit
+  return *pool;
+}
+
+// A byte buffer for MPI from staging_pool, not zero-filled (MPI or a copy writes all of it first).
+class Bytes {
+ public:
+  Bytes() = default;
+  Bytes(const Bytes&) = delete;
+  Bytes& operator=(const Bytes&) = delete;
+  ~Bytes() {
+    if (data_) staging_pool().give_back(data_, capacity_);
+  }
+  // Once per buffer: `bytes` unwritten bytes, or a copy of them from `from`.
+  void make(size_t bytes) {
+    if (bytes) std::tie(data_, capacity_) = staging_pool().take(bytes);
+    size_ = bytes;
+  }
+  void make(const void* from, size_t bytes) {
+    make(bytes);
+    if (bytes) std::memcpy(data_, from, bytes);
+  }
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t size_ = 0, capacity_ = 0;
+};
+
 // One collective in flight: MPI's copies of the buffers and the count arrays. Leaked after a
-// timeout (MPI may still read and write them).
+// timeout (MPI may still read and write them). The two copies cost about as much as the transfer
+// on one machine, but they are what keeps a timeout safe: the caller's buffers are freed when its
+// exception unwinds, and a collective completing later would read or write freed memory. They are
+// made without a zero-fill and in reused blocks (block_pool.h), which costs no page faults.
 struct Pending {
-  std::vector<char> send, recv;
+  Bytes send, recv;
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
   MPI_Request request = MPI_REQUEST_NULL;
 };
@@ -214,11 +251,11 @@ int all_reduce_sum(MoeOnnxMpiComm* comm, void* data, int64_t count, int element,
   const MPI_Datatype type = element == MOE_ONNX_MPI_INT32 ? MPI_INT32_T : MPI_FLOAT;
   const size_t bytes = static_cast<size_t>(count) * 4;
   auto pending = std::make_unique<Pending>();
-  pending->recv.assign(static_cast<char*>(data), static_cast<char*>(data) + bytes);
+  pending->recv.make(data, bytes);
   const int status = run(comm, pending, timeout_s, "MPI_Iallreduce", error, [&](Pending& p) {
     return MPI_Iallreduce(MPI_IN_PLACE, p.recv.data(), n, type, MPI_SUM, comm->comm, &p.request);
   });
-  if (status == MOE_ONNX_MPI_OK) std::memcpy(data, pending->recv.data(), bytes);
+  if (status == MOE_ONNX_MPI_OK && bytes) std::memcpy(data, pending->recv.data(), bytes);
   return status;
 }
 
@@ -230,8 +267,8 @@ int all_to_all_v(MoeOnnxMpiComm* comm, const void* send, const int64_t* send_byt
   if (!rank_counts(send_bytes, comm->size, "the bytes sent", p.send_counts, p.send_displs, &send_total, error) ||
       !rank_counts(recv_bytes, comm->size, "the bytes received", p.recv_counts, p.recv_displs, &recv_total, error))
     return MOE_ONNX_MPI_ERROR;
-  p.send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + send_total);
-  p.recv.resize(static_cast<size_t>(recv_total));
+  p.send.make(send, static_cast<size_t>(send_total));
+  p.recv.make(static_cast<size_t>(recv_total));
   const int status = run(comm, pending, timeout_s, "MPI_Ialltoallv", error, [&](Pending& q) {
     return MPI_Ialltoallv(q.send.data(), q.send_counts.data(), q.send_displs.data(), MPI_BYTE, q.recv.data(),
                           q.recv_counts.data(), q.recv_displs.data(), MPI_BYTE, comm->comm, &q.request);
@@ -249,8 +286,8 @@ int all_gather_v(MoeOnnxMpiComm* comm, const void* send, int64_t send_bytes, voi
   if (!to_int(send_bytes, "the bytes sent", &send_count, error) ||
       !rank_counts(recv_bytes, comm->size, "the bytes received", p.recv_counts, p.recv_displs, &recv_total, error))
     return MOE_ONNX_MPI_ERROR;
-  p.send.assign(static_cast<const char*>(send), static_cast<const char*>(send) + send_bytes);
-  p.recv.resize(static_cast<size_t>(recv_total));
+  p.send.make(send, static_cast<size_t>(send_bytes));
+  p.recv.make(static_cast<size_t>(recv_total));
   const int status = run(comm, pending, timeout_s, "MPI_Iallgatherv", error, [&](Pending& q) {
     return MPI_Iallgatherv(q.send.data(), send_count, MPI_BYTE, q.recv.data(), q.recv_counts.data(),
                            q.recv_displs.data(), MPI_BYTE, comm->comm, &q.request);
@@ -267,13 +304,13 @@ int reduce_scatter_v_sum(MoeOnnxMpiComm* comm, const float* send, float* recv, c
   if (!rank_counts(counts, comm->size, "the elements reduced", p.recv_counts, p.recv_displs, &total, error))
     return MOE_ONNX_MPI_ERROR;
   const char* first = reinterpret_cast<const char*>(send);
-  p.send.assign(first, first + total * 4);
-  p.recv.resize(static_cast<size_t>(p.recv_counts[comm->rank]) * 4);
+  p.send.make(first, static_cast<size_t>(total) * 4);
+  p.recv.make(static_cast<size_t>(p.recv_counts[comm->rank]) * 4);
   const int status = run(comm, pending, timeout_s, "MPI_Ireduce_scatter", error, [&](Pending& q) {
-    return MPI_Ireduce_scatter(q.send.data(), q.recv.data(), q.recv_counts.data(), MPI_FLOAT, MPI_SUM, comm->comm,
-                               &q.request);
+    return MPI_Ireduce_scatter(q.send.data(), q.recv.data(), q.recv_counts.data(), MPI_FLOAT, MPI_SUM,
+                               comm->comm, &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && !pending->recv.empty())
+  if (status == MOE_ONNX_MPI_OK && pending->recv.size())
     std::memcpy(recv, pending->recv.data(), pending->recv.size());
   return status;
 }

@@ -186,19 +186,19 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
   const ElemType type = y.type;
   const int64_t esize = static_cast<int64_t>(elem_size(type)), row_floats = H * static_cast<int64_t>(sizeof(float));
   // The arrival rows in float32; with TP, summed over the group into this rank's own block.
-  std::vector<float> arrival = buffer<float>(a.arrivals * H, "the arrival rows");
+  Scratch<float> arrival(a.arrivals * H, "the arrival rows");
   if (H)
     parallel_chunks(ctx, a.arrivals, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         to_float(type, static_cast<const char*>(y.data) + a.arrival_to_row[i] * H * esize, &arrival[i * H], H);
     });
-  std::vector<float> own_block;
+  Scratch<float> own_block;
   if (r.tp_size > 1) {
-    own_block = buffer<float>(a.tp_blocks[r.tp_rank] * H, "the received rows");
+    own_block = Scratch<float>(a.tp_blocks[r.tp_rank] * H, "the received rows");
     groups.tp->reduce_scatter_v_sum(arrival.data(), own_block.data(), scaled(a.tp_blocks, H).data(), where.c_str(),
                                     "the partial expert outputs");
   }
-  std::vector<float> back = buffer<float>(sum(a.send_counts) * H, "the expert outputs sent back");
+  Scratch<float> back(sum(a.send_counts) * H, "the expert outputs sent back");
   groups.ep->all_to_all_v(r.tp_size > 1 ? own_block.data() : arrival.data(), scaled(a.recv_counts, row_floats).data(),
                           back.data(), scaled(a.send_counts, row_floats).data(), where.c_str(),
                           "the expert outputs back to their tokens");
@@ -210,7 +210,7 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
     throw_invalid(where + ": " + failure.what());
   }
   char* out = static_cast<char*>(ctx.GetOutput(0, {out_tokens, H}).GetTensorMutableRawData());
-  std::vector<char> mine = gather_tokens ? buffer<char>(tokens * H * esize, "this rank's tokens") : std::vector<char>();
+  Scratch<char> mine = gather_tokens ? Scratch<char>(tokens * H * esize, "this rank's tokens") : Scratch<char>();
   char* result = gather_tokens ? mine.data() : out;
   const Input& scales = inputs[SCALES];
   parallel_chunks(ctx, H ? tokens : 0, 4, [&](int64_t begin, int64_t end) {

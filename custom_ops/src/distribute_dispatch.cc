@@ -162,6 +162,16 @@ std::vector<int64_t> place_arrivals(const Plan& plan, const std::vector<int64_t>
   return to_row;
 }
 
+// With a capacity, expand_x's rows past each local expert's kept rows (its padding) are zeros; the
+// others are all written by the arrival rows.
+void zero_padding_rows(const Plan& plan, char* expand_x, int64_t row_bytes) {
+  const int64_t W = plan.world;
+  for (int64_t l = 0; l < plan.local_experts; ++l) {
+    const int64_t filled = plan.first_row[l * W + W - 1] + plan.kept_of(W - 1, plan.first_expert + l);
+    std::memset(expand_x + filled * row_bytes, 0, static_cast<size_t>((plan.expert_offset[l + 1] - filled) * row_bytes));
+  }
+}
+
 void write_assist_info(const Plan& plan, const ExpertLayout& layout, int64_t capacity, int64_t tokens, int64_t k,
                        const std::vector<int64_t>& slot_to_send, const std::vector<int64_t>& arrival_to_row,
                        int64_t* out) {
@@ -240,8 +250,8 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
   const std::vector<int64_t> slot_to_send = send_positions(ids, plan, r.global_rank());
   const int64_t row_bytes = H * static_cast<int64_t>(elem_size(x.type)), id_bytes = sizeof(int64_t);
   const int64_t sent = sum(plan.send_counts), received = plan.tp_blocks[r.tp_rank], arrivals = sum(plan.tp_blocks);
-  std::vector<char> send = buffer<char>(sent * row_bytes, "the rows to send");
-  std::vector<int64_t> send_experts = buffer<int64_t>(sent, "the experts of the rows to send");
+  Scratch<char> send(sent * row_bytes, "the rows to send");
+  Scratch<int64_t> send_experts(sent, "the experts of the rows to send");
   for (int64_t f = 0; f < ids.count; ++f)
     if (slot_to_send[f] >= 0) send_experts[slot_to_send[f]] = load_index(ids, f) % L;
   if (row_bytes)
@@ -253,12 +263,12 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
     });
 
   // The exchange: all-to-all-v in the EP group, then all-gather-v in the TP group.
-  std::vector<char> arrival = buffer<char>(arrivals * row_bytes, "the arrival rows");
+  Scratch<char> arrival(arrivals * row_bytes, "the arrival rows");
   std::vector<int64_t> arrival_experts = buffer<int64_t>(arrivals, "the experts of the arrival rows");
   const bool tp = r.tp_size > 1;
-  std::vector<char> mine = tp ? buffer<char>(received * row_bytes, "the received rows") : std::vector<char>();
-  std::vector<int64_t> mine_experts = tp ? buffer<int64_t>(received, "the experts of the received rows")
-                                         : std::vector<int64_t>();
+  Scratch<char> mine = tp ? Scratch<char>(received * row_bytes, "the received rows") : Scratch<char>();
+  Scratch<int64_t> mine_experts =
+      tp ? Scratch<int64_t>(received, "the experts of the received rows") : Scratch<int64_t>();
   groups.ep->all_to_all_v(send.data(), scaled(plan.send_counts, row_bytes).data(), tp ? mine.data() : arrival.data(),
                           scaled(plan.recv_counts, row_bytes).data(), where.c_str(), "the rows to their experts");
   groups.ep->all_to_all_v(send_experts.data(), scaled(plan.send_counts, id_bytes).data(),
@@ -279,7 +289,7 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
   write_assist_info(plan, layout, capacity, tokens, k, slot_to_send, arrival_to_row,
                     ctx.GetOutput(ASSIST_INFO, {info_length}).GetTensorMutableData<int64_t>());
   if (row_bytes == 0) return;
-  if (capacity) std::memset(expand_x, 0, static_cast<size_t>(plan.rows * row_bytes));  // the padding rows
+  if (capacity) zero_padding_rows(plan, expand_x, row_bytes);
   parallel_chunks(ctx, arrivals, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       std::memcpy(expand_x + arrival_to_row[i] * row_bytes, &arrival[i * row_bytes], static_cast<size_t>(row_bytes));

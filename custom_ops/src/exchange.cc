@@ -1,5 +1,7 @@
 #include "exchange.h"
 
+#include "block_pool.h"
+
 namespace moe_onnx {
 namespace {
 
@@ -13,7 +15,21 @@ void read_group(const Attributes& a, const char* size_name, const char* rank_nam
                           std::to_string(*size));
 }
 
+// The blocks of take_scratch: enough for one dispatch or combine (send, arrival and TP buffers).
+BlockPool& scratch_pool() {
+  static BlockPool* pool = new BlockPool(6);  // never destroyed: a block may come back during exit
+  return *pool;
+}
+
 }  // namespace
+
+ScratchBytes take_scratch(size_t bytes) {
+  if (bytes == 0) return ScratchBytes();
+  const auto [block, capacity] = scratch_pool().take(bytes);
+  return ScratchBytes(block, ScratchReturn{capacity});
+}
+
+void ScratchReturn::operator()(char* block) const { scratch_pool().give_back(block, capacity); }
 
 const char* const kHeaderNames[kHeaderLength] = {
     "ep_world_size", "tp_world_size", "num_experts", "Bs", "K", "rows of expand_x", "R (arrival rows)",

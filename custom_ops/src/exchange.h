@@ -2,6 +2,7 @@
 // Python twin): the layout attributes, assist_info's header, the op registration, count helpers.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,40 @@ std::vector<T> buffer(int64_t count, const char* what) {
   allocate(v, count, T{}, what);
   return v;
 }
+
+// Byte blocks for Scratch, kept between calls in a small pool (block_pool.h) that every node of the
+// process shares. A block goes back to the pool when its Scratch ends.
+struct ScratchReturn {
+  size_t capacity = 0;
+  void operator()(char* block) const;
+};
+using ScratchBytes = std::unique_ptr<char[], ScratchReturn>;
+// A block of at least `bytes` (the pool's smallest that fits, else a new one); may throw bad_alloc.
+ScratchBytes take_scratch(size_t bytes);
+
+// `count` elements for `what`, left unwritten (no zero-fill): for buffers written in full before they
+// are read.
+template <class T>
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(int64_t count, const char* what) {
+    const uint64_t n = count < 0 ? 0 : static_cast<uint64_t>(count);
+    if (n > SIZE_MAX / sizeof(T)) throw AllocationFailure(n, sizeof(T), what);
+    try {
+      bytes_ = take_scratch(static_cast<size_t>(n) * sizeof(T));
+    } catch (const std::bad_alloc&) {
+      throw AllocationFailure(n, sizeof(T), what);
+    }
+  }
+  T* data() { return reinterpret_cast<T*>(bytes_.get()); }
+  const T* data() const { return reinterpret_cast<const T*>(bytes_.get()); }
+  T& operator[](int64_t i) { return data()[i]; }
+  const T& operator[](int64_t i) const { return data()[i]; }
+
+ private:
+  ScratchBytes bytes_;
+};
 
 // One registration per element type of input 0 (every numeric type, so that a wrong type reaches
 // Compute and gets the op's own message): output 0 has that type, the others are int64.
