@@ -34,7 +34,7 @@ from moe_onnx.pipeline import optimize_file
 from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
 
 DRIVER = Path(__file__).with_name("distributed_driver.py")
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # the largest absolute difference (docs/distributed.md, `moe-onnx run --check`)
 EXPERTS = 8  # 2 local experts at ep = 4
 # (tp, ep) per world size
 CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
@@ -157,7 +157,7 @@ def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
         assert got.keys() == expected.keys()
         for name, value in expected.items():
             assert got[name].shape == value.shape, f"{input_name}: {name}"
-            np.testing.assert_allclose(got[name], value, rtol=TOLERANCE, atol=TOLERANCE, err_msg=input_name)
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=TOLERANCE, err_msg=input_name)
 
 
 # ----------------------------------------------------------------------------- the graph transformation
@@ -177,7 +177,7 @@ def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
         expected = run_session(sess, feeds)["y"]
         for rank, (got,) in enumerate(run_world(ranks, feeds)):
             assert got.shape == expected.shape
-            np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE,
+            np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE,
                                        err_msg=f"{input_name} rank {rank}")
 
 
@@ -377,7 +377,7 @@ def test_the_runner_writes_rank_0s_outputs(fault_root):
     done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out.npz")
     assert done.returncode == 0, done.stderr
     expected = expected_outputs(fault_root / "model.onnx", dict(np.load(fault_root / "in.npz")))
-    np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=0, atol=TOLERANCE)
 
 
 def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
@@ -451,7 +451,7 @@ def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypa
     feeds = routing_feeds(11, experts=EXPERTS)
     expected = run_session(session(str(source)), feeds)["y"]
     for (got,) in run_world(ranks, feeds):
-        np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
 
 
 def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
@@ -459,3 +459,20 @@ def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
     done = subprocess.run([sys.executable, "-c", code], env=package_environment(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_check_counts_a_nan_in_any_output_as_a_mismatch(tmp_path):
+    """`moe-onnx run --check` (run.compare): a NaN where the unsharded model has a number is an infinite error,
+    whichever output holds it (max() over [0.0, nan] is 0.0); NaN where both have NaN is equal."""
+    from moe_onnx.run import compare
+
+    a, b = (onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in ("a", "b"))
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["a"]),
+                                    onnx.helper.make_node("Identity", ["x"], ["b"])], "two_outputs",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [a, b])
+    reference = tmp_path / "reference.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8), reference)
+    np.savez(tmp_path / "in.npz", x=np.array([1.0, np.nan], np.float32))
+    np.savez(tmp_path / "out.npz", a=np.array([1.0, np.nan], np.float32), b=np.array([np.nan, np.nan], np.float32))
+    errors = compare(reference, tmp_path / "in.npz", tmp_path / "out.npz")
+    assert errors == {"a": 0.0, "b": float("inf")}
