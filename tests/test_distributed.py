@@ -307,6 +307,29 @@ def test_rank_records_detect_another_shard_and_another_rank():
     assert "rank 1's model holds the layout (ep_rank_id, tp_rank_id) = (0, 0); rank 1 needs (1, 0)" in problems[0]
 
 
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+def test_rank_records_of_an_uneven_intermediate_split_fit_together(tp, ep):
+    """I = 7 over tp = 2 gives the TP ranks 3 and 4 columns: linears that name their sizes (out_features,
+    in_features) differ there by design, and the session-start check must not call that different models."""
+    model = drop_pad_model(capacity=2, inter=7)
+    sizes = {"gate": ("out_features", 7), "up": ("out_features", 7), "down": ("in_features", 7)}
+    for node in model.graph.node:
+        if node.op_type == "MoeRowParallelLinear":
+            name, value = sizes[node.input[2]]
+            node.attribute.append(onnx.helper.make_attribute(name, value))
+    ranks = shard(model, tp=tp, ep=ep)
+    widths = [sorted({a.i for n in rank.graph.node if n.op_type == "MoeRowParallelLinear" for a in n.attribute
+                      if a.name.endswith("_features")}) for rank in ranks[:2]]
+    assert widths == [[3], [4]]  # TP ranks 0 and 1: each linear names its own slice's width
+    assert mismatches([rank_record(m, g) for g, m in enumerate(ranks)], tp=tp) == []
+    if ep == 1:
+        return
+    last = ranks[-1]  # EP rank 1, TP rank 1: a width of TP rank 0's slice is a mismatch in its EP group
+    next(a for n in last.graph.node for a in n.attribute if a.name == "in_features").i = 3
+    (problem,) = mismatches([rank_record(m, g) for g, m in enumerate(ranks)], tp=tp)
+    assert f"ranks 1 and {len(ranks) - 1} hold different models: node 'd'" in problem and "'in_features': 4" in problem
+
+
 def test_run_without_mpirun_says_so(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(LaunchError, match="mpirun was not found"):
