@@ -307,20 +307,38 @@ def test_rank_records_detect_another_shard_and_another_rank():
     assert "rank 1's model holds the layout (ep_rank_id, tp_rank_id) = (0, 0); rank 1 needs (1, 0)" in problems[0]
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
-def test_rank_records_of_an_uneven_intermediate_split_fit_together(tp, ep):
-    """I = 7 over tp = 2 gives the TP ranks 3 and 4 columns: linears that name their sizes (out_features,
-    in_features) differ there by design, and the session-start check must not call that different models."""
-    model = drop_pad_model(capacity=2, inter=7)
-    sizes = {"gate": ("out_features", 7), "up": ("out_features", 7), "down": ("in_features", 7)}
+def _sized_drop_pad_model(inter: int) -> onnx.ModelProto:
+    """:func:`drop_pad_model` whose linears name their sizes (out_features of gate/up, in_features of down)."""
+    model = drop_pad_model(capacity=2, inter=inter)
+    sizes = {"gate": ("out_features", inter), "up": ("out_features", inter), "down": ("in_features", inter)}
     for node in model.graph.node:
         if node.op_type == "MoeRowParallelLinear":
-            name, value = sizes[node.input[2]]
-            node.attribute.append(onnx.helper.make_attribute(name, value))
-    ranks = shard(model, tp=tp, ep=ep)
-    widths = [sorted({a.i for n in rank.graph.node if n.op_type == "MoeRowParallelLinear" for a in n.attribute
-                      if a.name.endswith("_features")}) for rank in ranks[:2]]
-    assert widths == [[3], [4]]  # TP ranks 0 and 1: each linear names its own slice's width
+            node.attribute.append(onnx.helper.make_attribute(*sizes[node.input[2]]))
+    return model
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+def test_linears_that_name_their_sizes_shard_and_run(tp, ep):
+    """A TP down linear (input_is_parallel) keeps in_features = the full I (docs/ops/MoeRowParallelLinear.md);
+    the others name their slice: I = 7 gives TP ranks 3 and 4 columns."""
+    ranks = shard(_sized_drop_pad_model(7), tp=tp, ep=ep)
+    widths = [{(n.input[2], a.name): a.i for n in rank.graph.node if n.op_type == "MoeRowParallelLinear"
+               for a in n.attribute if a.name.endswith("_features")} for rank in ranks[:2]]
+    down = 7 if ep == 1 else None  # ep > 1: the down linear has tp_world_size 1 and its X is the slice
+    for widths_q, own in zip(widths, (3, 4)):
+        assert [v for (_, name), v in widths_q.items() if name == "out_features"] == [own, own]
+        assert [v for (_, name), v in widths_q.items() if name == "in_features"] == [down or own]
+    feeds = routing_feeds(13, experts=4)
+    expected = run_session(session(_sized_drop_pad_model(7)), feeds)["y"]
+    for (got,) in run_world(ranks, feeds):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+def test_rank_records_of_an_uneven_intermediate_split_fit_together(tp, ep):
+    """I = 7 over tp = 2 gives the TP ranks 3 and 4 columns: linears that name their slice's width differ
+    there by design, and the session-start check must not call that different models."""
+    ranks = shard(_sized_drop_pad_model(7), tp=tp, ep=ep)
     assert mismatches([rank_record(m, g) for g, m in enumerate(ranks)], tp=tp) == []
     if ep == 1:
         return
