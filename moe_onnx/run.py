@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -196,16 +197,21 @@ def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, 
 def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str | os.PathLike,
             backend: str = "cpp") -> dict[str, float]:
     """The max absolute difference of every output in ``output`` from the unsharded model ``reference`` run
-    on one process on ``inputs``."""
+    on one process on ``inputs`` (:func:`max_difference`; inf for a missing output or another shape)."""
     expected = run_session(session(os.fspath(reference), backend), read_inputs(inputs))
     got = read_inputs(output)
-    errors = {}
-    for name, value in expected.items():
-        if name not in got or got[name].shape != value.shape:
-            errors[name] = float("inf")
-        else:
-            errors[name] = float(np.max(np.abs(got[name].astype(np.float64) - value), initial=0.0))
-    return errors
+    return {name: max_difference(got[name], value) if name in got and got[name].shape == value.shape else math.inf
+            for name, value in expected.items()}
+
+
+def max_difference(got: np.ndarray, expected: np.ndarray) -> float:
+    """max |got - expected|, never NaN: equal values (infinities, NaN against NaN) differ by 0, a NaN
+    against anything else by inf (a NaN would pass any `<= tolerance` check made with max())."""
+    got, expected = got.astype(np.float64), expected.astype(np.float64)
+    both_nan = np.isnan(got) & np.isnan(expected)
+    with np.errstate(invalid="ignore"):
+        difference = np.where((got == expected) | both_nan, 0.0, np.abs(got - expected))
+    return float(np.max(np.nan_to_num(difference, nan=math.inf), initial=0.0))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from moe_onnx.pipeline import optimize_file
 from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
 
 DRIVER = Path(__file__).with_name("distributed_driver.py")
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # the largest absolute difference (docs/distributed.md, `moe-onnx run --check`)
 EXPERTS = 8  # 2 local experts at ep = 4
 # (tp, ep) per world size
 CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
@@ -157,7 +157,7 @@ def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
         assert got.keys() == expected.keys()
         for name, value in expected.items():
             assert got[name].shape == value.shape, f"{input_name}: {name}"
-            np.testing.assert_allclose(got[name], value, rtol=TOLERANCE, atol=TOLERANCE, err_msg=input_name)
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=TOLERANCE, err_msg=input_name)
 
 
 # ----------------------------------------------------------------------------- the graph transformation
@@ -177,7 +177,7 @@ def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
         expected = run_session(sess, feeds)["y"]
         for rank, (got,) in enumerate(run_world(ranks, feeds)):
             assert got.shape == expected.shape
-            np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE,
+            np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE,
                                        err_msg=f"{input_name} rank {rank}")
 
 
@@ -307,6 +307,47 @@ def test_rank_records_detect_another_shard_and_another_rank():
     assert "rank 1's model holds the layout (ep_rank_id, tp_rank_id) = (0, 0); rank 1 needs (1, 0)" in problems[0]
 
 
+def _sized_drop_pad_model(inter: int) -> onnx.ModelProto:
+    """:func:`drop_pad_model` whose linears name their sizes (out_features of gate/up, in_features of down)."""
+    model = drop_pad_model(capacity=2, inter=inter)
+    sizes = {"gate": ("out_features", inter), "up": ("out_features", inter), "down": ("in_features", inter)}
+    for node in model.graph.node:
+        if node.op_type == "MoeRowParallelLinear":
+            node.attribute.append(onnx.helper.make_attribute(*sizes[node.input[2]]))
+    return model
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+def test_linears_that_name_their_sizes_shard_and_run(tp, ep):
+    """A TP down linear (input_is_parallel) keeps in_features = the full I (docs/ops/MoeRowParallelLinear.md);
+    the others name their slice: I = 7 gives TP ranks 3 and 4 columns."""
+    ranks = shard(_sized_drop_pad_model(7), tp=tp, ep=ep)
+    widths = [{(n.input[2], a.name): a.i for n in rank.graph.node if n.op_type == "MoeRowParallelLinear"
+               for a in n.attribute if a.name.endswith("_features")} for rank in ranks[:2]]
+    down = 7 if ep == 1 else None  # ep > 1: the down linear has tp_world_size 1 and its X is the slice
+    for widths_q, own in zip(widths, (3, 4)):
+        assert [v for (_, name), v in widths_q.items() if name == "out_features"] == [own, own]
+        assert [v for (_, name), v in widths_q.items() if name == "in_features"] == [down or own]
+    feeds = routing_feeds(13, experts=4)
+    expected = run_session(session(_sized_drop_pad_model(7)), feeds)["y"]
+    for (got,) in run_world(ranks, feeds):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2)])
+def test_rank_records_of_an_uneven_intermediate_split_fit_together(tp, ep):
+    """I = 7 over tp = 2 gives the TP ranks 3 and 4 columns: linears that name their slice's width differ
+    there by design, and the session-start check must not call that different models."""
+    ranks = shard(_sized_drop_pad_model(7), tp=tp, ep=ep)
+    assert mismatches([rank_record(m, g) for g, m in enumerate(ranks)], tp=tp) == []
+    if ep == 1:
+        return
+    last = ranks[-1]  # EP rank 1, TP rank 1: a width of TP rank 0's slice is a mismatch in its EP group
+    next(a for n in last.graph.node for a in n.attribute if a.name == "in_features").i = 3
+    (problem,) = mismatches([rank_record(m, g) for g, m in enumerate(ranks)], tp=tp)
+    assert f"ranks 1 and {len(ranks) - 1} hold different models: node 'd'" in problem and "'in_features': 4" in problem
+
+
 def test_run_without_mpirun_says_so(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(LaunchError, match="mpirun was not found"):
@@ -377,7 +418,7 @@ def test_the_runner_writes_rank_0s_outputs(fault_root):
     done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out.npz")
     assert done.returncode == 0, done.stderr
     expected = expected_outputs(fault_root / "model.onnx", dict(np.load(fault_root / "in.npz")))
-    np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=TOLERANCE, atol=TOLERANCE)
+    np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=0, atol=TOLERANCE)
 
 
 def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
@@ -451,7 +492,7 @@ def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypa
     feeds = routing_feeds(11, experts=EXPERTS)
     expected = run_session(session(str(source)), feeds)["y"]
     for (got,) in run_world(ranks, feeds):
-        np.testing.assert_allclose(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
 
 
 def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
@@ -480,3 +521,20 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     grown_kib, model_kib = int(done.stdout), source.stat().st_size / 1024
     assert grown_kib < 5 * model_kib, (grown_kib, model_kib)
     assert [check_model(tmp_path / "shard" / f"rank{g}.onnx") for g in range(2)] == [[]] * 2
+
+
+def test_check_counts_a_nan_in_any_output_as_a_mismatch(tmp_path):
+    """`moe-onnx run --check` (run.compare): a NaN where the unsharded model has a number is an infinite error,
+    whichever output holds it (max() over [0.0, nan] is 0.0); NaN where both have NaN is equal."""
+    from moe_onnx.run import compare
+
+    a, b = (onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in ("a", "b"))
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["a"]),
+                                    onnx.helper.make_node("Identity", ["x"], ["b"])], "two_outputs",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])], [a, b])
+    reference = tmp_path / "reference.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8), reference)
+    np.savez(tmp_path / "in.npz", x=np.array([1.0, np.nan], np.float32))
+    np.savez(tmp_path / "out.npz", a=np.array([1.0, np.nan], np.float32), b=np.array([np.nan, np.nan], np.float32))
+    errors = compare(reference, tmp_path / "in.npz", tmp_path / "out.npz")
+    assert errors == {"a": 0.0, "b": float("inf")}

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,37 @@ def test_a_two_rank_node_without_mpi4py_says_what_is_missing():
     assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': needs 2 MPI ranks (ep_world_size 2 x " \
            "tp_world_size 1), but mpi4py does not import (" in done.stdout, done.stdout + done.stderr
     assert "install mpi4py and an MPI library (docs/distributed.md)" in done.stdout
+
+
+# Rank 0's all-reduce times out (rank 1 never comes: it sleeps far past the test's bound); rank 0 catches the
+# error and leaves Python normally. MPI_Finalize would wait for the lost collective, i.e. for rank 1.
+TIMED_OUT_THEN_EXIT = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+from moe_onnx.distributed import Layout
+from moe_onnx.distributed.comm import CommError, groups
+rank = MPI.COMM_WORLD.Get_rank()
+tp = groups(Layout(tp_size=2, tp_rank=rank), "probe").tp
+if rank == 1:
+    time.sleep(600)
+try:
+    tp.all_reduce_sum(np.ones(4, np.float32), "probe", "ones")
+except CommError as error:
+    print("TIMED OUT", error, flush=True)
+"""
+
+
+def test_a_process_whose_collective_timed_out_ends_the_job_at_exit():
+    """After a timeout the process cannot finalize MPI: it aborts the job at exit instead (as the C++ layer
+    skips MPI_Finalize), so the launch ends within seconds instead of waiting for the rank that never came."""
+    mpirun = require_mpi()
+    start = time.monotonic()
+    done = subprocess.run([mpirun, "--oversubscribe", "-n", "2", sys.executable, "-c", TIMED_OUT_THEN_EXIT],
+                          capture_output=True, text=True, env={**mpi_env(), "MOE_ONNX_COMM_TIMEOUT_S": "2"},
+                          timeout=120)
+    seconds = time.monotonic() - start
+    assert "TIMED OUT probe: the all-reduce of ones over the TP group (world ranks [0, 1]) did not complete within " \
+           "2 s" in done.stdout, done.stdout + done.stderr
+    assert done.returncode != 0
+    assert seconds < 30, f"the job took {seconds:.0f} s to end"

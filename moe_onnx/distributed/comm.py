@@ -5,8 +5,9 @@ The shape of custom_ops/src/comm.h: :func:`groups` gives a layout's world, TP an
 counts are rows (the first axis). Every collective is a non-blocking MPI call polled with ``Test``
 and a short sleep for at most ``MOE_ONNX_COMM_TIMEOUT_S`` seconds (default 300); a failure or a
 timeout is a MoeOpError naming the op, the collective, what it carried and the group's world ranks,
-in the C++ layer's words. mpi4py (and with it MPI) is imported only by a layout of more than one
-rank; a one-rank layout's groups copy.
+in the C++ layer's words; after a timeout the process ends the whole job when it exits (MPI_Abort, not
+MPI_Finalize, which would wait for the lost collective). mpi4py (and with it MPI) is imported only by a
+layout of more than one rank; a one-rank layout's groups copy.
 """
 
 from __future__ import annotations
@@ -206,10 +207,19 @@ def wait(mpi, where: str, op: str, start) -> None:
                 error = CommError(f"{where} did not complete within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank of "
                                   "the group failed or never reached it")
                 error.pending = request
+                _abort_at_exit()
                 raise error
             time.sleep(_POLL_SLEEP_S)
     except mpi.Exception as error:
         raise CommError(f"{where} failed: {error}") from None
+
+
+def _abort_at_exit() -> None:
+    """After a timeout, MPI_Finalize would wait for the lost collective (for the rank that never came): at
+    Python's exit, mpi4py then ends the job with MPI_Abort(1) instead (the C++ layer skips MPI_Finalize)."""
+    from mpi4py.run import set_abort_status
+
+    set_abort_status(1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,9 @@ METADATA_KEY = "moe_onnx.shard"
 #: the ops whose attributes carry a rank layout (docs/distributed.md)
 DISTRIBUTED_OPS = ("MOE", "MoeRowParallelLinear", "MoeDistributeDispatch", "MoeDistributeCombine")
 _RANK_ATTRS = ("ep_rank_id", "tp_rank_id")
+#: attributes that name a TP rank's slice width (an uneven I split gives the TP ranks different ones): compared
+#: with the weights' shapes, within an EP group
+_SLICE_ATTRS = ("in_features", "out_features")
 
 
 class ManifestError(ValueError):
@@ -151,7 +154,8 @@ def mismatches(records: list[dict], tp: int) -> list[str]:
     """What keeps the ranks' models (their :func:`rank_record`, one per rank, in rank order) from working
     together: a layout not of that rank, another shard, or distributed nodes that differ; each problem names
     the ranks. Weight shapes are compared within an EP group (the ranks of one TP rank), whose slices have
-    the same shapes; attributes between all ranks."""
+    the same shapes, and so are the slice widths in_features/out_features; the other attributes between all
+    ranks."""
     problems = []
     first = records[0]
     for record in records:
@@ -191,8 +195,9 @@ def _node_difference(a: list[dict], b: list[dict], shapes: bool) -> str:
     if [(n["name"], n["op"]) for n in a] != [(n["name"], n["op"]) for n in b]:
         return (f"distributed nodes {[n['name'] or n['op'] for n in a]} vs {[n['name'] or n['op'] for n in b]}")
     for x, y in zip(a, b):
-        if x["attributes"] != y["attributes"]:
-            return f"node '{x['name']}' ({x['op']}) has attributes {x['attributes']} vs {y['attributes']}"
+        attributes = [{k: v for k, v in n["attributes"].items() if shapes or k not in _SLICE_ATTRS} for n in (x, y)]
+        if attributes[0] != attributes[1]:
+            return f"node '{x['name']}' ({x['op']}) has attributes {attributes[0]} vs {attributes[1]}"
         if shapes and x["weights"] != y["weights"]:
             return f"node '{x['name']}' ({x['op']}) has input shapes {x['weights']} vs {y['weights']}"
     return ""

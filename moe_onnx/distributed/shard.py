@@ -251,7 +251,10 @@ def _chain_tensor_parallel(chain: _Chain, layout: Layout) -> None:
     for linear in chain.firsts:
         _shard_linear(linear, everyone, chain.intermediate, columns, inputs_axis=False)
     _shard_linear(chain.down, everyone, chain.intermediate, columns, inputs_axis=True)
-    _set_attributes(chain.down, dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank, input_is_parallel=1))
+    tensor_parallel = dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank, input_is_parallel=1)
+    if "in_features" in chain.down.attributes:  # with tp_world_size > 1 it names the full K, not this rank's
+        tensor_parallel["in_features"] = chain.intermediate
+    _set_attributes(chain.down, tensor_parallel)
 
 
 def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:

@@ -143,6 +143,18 @@ def check_row_parallel(g, world_size, tp, input_is_parallel, dtype):
     return compare("MoeRowParallelLinear Y", got[0], expected, tol, tol)
 
 
+def late_completion(request) -> list[str]:
+    """The timed-out collective completes once the other ranks come (2 s later): MPI can then finalize, so this
+    process need not abort the job at exit as comm.py arranged after the timeout."""
+    deadline = time.monotonic() + 30
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return ["the timed-out all-gather did not complete when the other ranks came"]
+        time.sleep(1e-3)
+    MPI._set_abort_status(0)  # noqa: SLF001 -- mpi4py.run.set_abort_status cannot take it back
+    return []
+
+
 def check_timeout(g, world_size):
     """A collective that rank 0 enters alone fails there within MOE_ONNX_COMM_TIMEOUT_S, naming the op, the
     collective and the group; the other ranks enter it later and it completes for them. Runs last: the
@@ -163,7 +175,7 @@ def check_timeout(g, world_size):
                     f"(MOE_ONNX_COMM_TIMEOUT_S): a rank of the group failed or never reached it")
         took = time.monotonic() - started
         return ([] if str(error) == expected else [f"message {str(error)!r}, expected {expected!r}"]) + \
-            ([] if took < 1.5 else [f"the timeout took {took:.2f} s"])
+            ([] if took < 1.5 else [f"the timeout took {took:.2f} s"]) + late_completion(error.pending)
     finally:
         del os.environ[comm.TIMEOUT_VARIABLE]
     return ["the all-gather completed without the other ranks"]
