@@ -260,7 +260,7 @@ void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeD
   float* partial = nullptr;  // TP: this rank's y in float32, then the group's sum
   if (tp.group) {
     partial = workspace.get().get(workspace.get().partial, static_cast<size_t>(d.T * d.H));
-    std::fill(partial, partial + d.T * d.H, 0.0f);
+    if (!any_output) std::fill(partial, partial + d.T * d.H, 0.0f);  // else sum_slots writes every row
   }
   if (any_output) {
     const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);

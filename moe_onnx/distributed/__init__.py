@@ -31,6 +31,11 @@ class Layout:
         """The global rank of (ep_rank, tp_rank) in this layout."""
         return ep_rank * self.tp_size + tp_rank
 
+    def attributes(self) -> dict[str, int]:
+        """The node attributes that say this layout (ep_world_size, ep_rank_id, tp_world_size, tp_rank_id)."""
+        return dict(ep_world_size=self.ep_size, ep_rank_id=self.ep_rank, tp_world_size=self.tp_size,
+                    tp_rank_id=self.tp_rank)
+
     def of_rank(self, global_rank: int) -> Layout:
         """The layout of ``global_rank`` in the same world."""
         return dataclasses.replace(self, ep_rank=global_rank // self.tp_size, tp_rank=global_rank % self.tp_size)

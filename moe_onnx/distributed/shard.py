@@ -92,11 +92,6 @@ def _layout(tp: int, ep: int, rank: int) -> Layout:
     return Layout(ep_size=ep, tp_size=tp).of_rank(rank)
 
 
-def _layout_attributes(layout: Layout) -> dict[str, int]:
-    return dict(ep_world_size=layout.ep_size, ep_rank_id=layout.ep_rank, tp_world_size=layout.tp_size,
-                tp_rank_id=layout.tp_rank)
-
-
 def _local_experts(layout: Layout, experts: int) -> range:
     """EP rank p's experts [p * E_local, (p + 1) * E_local)."""
     per_rank = experts // layout.ep_size
@@ -266,7 +261,7 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     if bias is not None:
         raise ShardError(f"{_where(final)}: a MoeFinalizeRouting bias is not supported by expert parallelism "
                          "(MoeDistributeCombine has none); put it in the down MoeRowParallelLinear's B")
-    groups = _layout_attributes(layout)
+    groups = layout.attributes()
 
     op = TapeBuilder()
     tokens = op.Shape(x, start=0, end=1)

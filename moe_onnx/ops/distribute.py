@@ -37,9 +37,7 @@ def _world(op: str, ranks: int, ep_world_size: int, tp_world_size: int) -> Layou
 
 
 def _rank_attrs(layout: Layout, g: int, attrs: dict) -> dict:
-    rank = layout.of_rank(g)
-    return {**attrs, "ep_world_size": rank.ep_size, "ep_rank_id": rank.ep_rank, "tp_world_size": rank.tp_size,
-            "tp_rank_id": rank.tp_rank}
+    return {**attrs, **layout.of_rank(g).attributes()}
 
 
 def _same_rows(op: str, name: str, arrays: Sequence[np.ndarray]) -> None:
