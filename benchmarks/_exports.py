@@ -1,5 +1,5 @@
-"""The benchmark's MoE blocks: their shapes, where their exports are, how to make the missing ones,
-and their optimized forms (cached beside the exports).
+"""The benchmark's MoE blocks: their shapes, where their exports are and how to make the missing ones
+(their optimized forms: ``_models.load_models``).
 
 The large blocks are exported by models/export_moe_blocks.py, which needs torch and transformers: a
 Python of one of the export environments of models/README.md, given by option or environment
@@ -14,15 +14,9 @@ import json
 import os
 import shlex
 import subprocess
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import onnx
-
-import moe_onnx
-from _models import only_first_output
 
 REPO = Path(__file__).resolve().parents[1]
 EXPORT_SCRIPT = REPO / "models" / "export_moe_blocks.py"
@@ -151,24 +145,3 @@ def how_to_export(shapes: list[Shape], models_dir: Path) -> str:
         lines += [f"  {c}" for c in env.setup_commands(venv)]
         lines += [f"  {shlex.join(s.export_command(f'{venv}/bin/python', models_dir))}" for s in exports]
     return "\n".join(lines)
-
-
-def load_models(shape: Shape, models_dir: Path, need_grouped: bool) -> dict[str, onnx.ModelProto]:
-    """The export cut to its block output ("export") and its optimized forms ("moe", "grouped"),
-    read from models_dir when cached there after the export was last written."""
-    source = shape.source(models_dir)
-    export = onnx.load(source)  # optimize() sees every output (router_scores changes what fuses)
-    out = {"export": only_first_output(export)}
-    for target in ("moe", "grouped") if need_grouped else ("moe",):
-        cached = models_dir / f"{shape.stem}.{target}.onnx"
-        if cached.exists() and cached.stat().st_mtime >= source.stat().st_mtime:
-            out[target] = onnx.load(cached)
-        else:
-            t0 = time.perf_counter()
-            optimized, _ = moe_onnx.optimize(export, target=target)
-            print(f"[{shape.name}] optimize(target={target!r}) took {time.perf_counter() - t0:.1f} s, "
-                  f"cached in {cached}", flush=True)
-            optimized = only_first_output(optimized)
-            onnx.save(optimized, cached)
-            out[target] = optimized
-    return out

@@ -1,10 +1,11 @@
-"""The models the benchmark builds: variants of a fused model (the MOE node alone,
-com.microsoft::MoE on the same weights, fp16/bf16 casts) and one-node probes (dense MatMul, GEMV,
-MoeRowParallelLinear)."""
+"""The models the benchmark builds: a block's export and its optimized forms (cached beside the export),
+variants of a fused model (the MOE node alone, com.microsoft::MoE on the same weights, fp16/bf16 casts)
+and one-node probes (dense MatMul, GEMV, MoeRowParallelLinear)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -12,10 +13,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
+from _exports import Shape
 from moe_onnx.testing import attributes, initializer, moe_node
-
-if TYPE_CHECKING:
-    from _exports import Shape
 
 #: the low-precision variants: numpy type and ONNX element type
 LOW_PRECISION = {"fp16": (np.float16, TensorProto.FLOAT16), "bf16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16)}
@@ -48,6 +47,27 @@ def only_first_output(model: onnx.ModelProto) -> onnx.ModelProto:
     del m.graph.initializer[:]
     m.graph.initializer.extend(inits)
     return m
+
+
+def load_models(shape: Shape, models_dir: Path, need_grouped: bool) -> dict[str, onnx.ModelProto]:
+    """The export cut to its block output ("export") and its optimized forms ("moe", "grouped"),
+    read from models_dir when cached there after the export was last written."""
+    source = shape.source(models_dir)
+    export = onnx.load(source)  # optimize() sees every output (router_scores changes what fuses)
+    out = {"export": only_first_output(export)}
+    for target in ("moe", "grouped") if need_grouped else ("moe",):
+        cached = models_dir / f"{shape.stem}.{target}.onnx"
+        if cached.exists() and cached.stat().st_mtime >= source.stat().st_mtime:
+            out[target] = onnx.load(cached)
+        else:
+            t0 = time.perf_counter()
+            optimized, _ = moe_onnx.optimize(export, target=target)
+            print(f"[{shape.name}] optimize(target={target!r}) took {time.perf_counter() - t0:.1f} s, "
+                  f"cached in {cached}", flush=True)
+            optimized = only_first_output(optimized)
+            onnx.save(optimized, cached)
+            out[target] = optimized
+    return out
 
 
 def router_logits(model: onnx.ModelProto) -> str:

@@ -183,7 +183,7 @@ def _say(comm, line: str) -> None:
 
 def launch(ranks: int, args: argparse.Namespace, out: Path) -> dict:
     """This script's worker on `ranks` ranks under mpirun, with cores / ranks threads each."""
-    from moe_onnx.run import mpirun_command, package_environment
+    from moe_onnx.distributed.run import mpirun_command, package_environment
 
     # --bind-to none: Open MPI binds 1-2 ranks to one core each, which would leave a rank's threads one core
     command = mpirun_command(ranks, [

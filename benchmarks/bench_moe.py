@@ -44,8 +44,8 @@ models/README.md that make those environments and the exports. --fixtures measur
 committed fixtures of the same export styles instead (models/fixtures/*_small.onnx: no torch needed;
 the figures are only a check that everything runs).
 
-The modules beside this one: _exports.py (shapes, exports, cached optimized forms), _models.py (the
-variant and probe models), _timing.py (sessions and interleaved timing), _measure.py (one shape's
+The modules beside this one: _exports.py (shapes, exports), _models.py (the cached optimized forms,
+the variant and probe models), _timing.py (sessions and interleaved timing), _measure.py (one shape's
 measurements), _memory.py (RSS, in child processes), _report.py (progress lines, tables, targets).
 
 Options (defaults):
@@ -75,10 +75,10 @@ from pathlib import Path
 import onnxruntime as ort
 
 import moe_onnx
-from _exports import (REPO, SHAPES, add_export_options, ensure_export, export_pythons, fixture_shape, how_to_export,
-                      load_models)
+from _exports import REPO, SHAPES, add_export_options, ensure_export, export_pythons, fixture_shape, how_to_export
 from _measure import Settings, measure_shape, merge_runs
 from _memory import measure_rss
+from _models import load_models
 from _report import markdown, targets
 
 VARIANTS = ("unfused", "ort_moe", "grouped", "python", "fp16", "bf16", "rss", "int8")

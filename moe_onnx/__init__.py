@@ -18,11 +18,15 @@ __all__ = ["DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError"
            "quantize", "session"]
 __version__ = "0.1.0"
 
-#: the ``target`` values of :func:`optimize` (defined here, not in ``rewrite``, so that reading them,
-#: e.g. for the CLI's choices, does not import onnxscript)
-TARGETS = ("moe", "grouped", "ort")
-#: the targets whose models use our ops (``"ort"`` writes onnxruntime's contrib MoE instead)
-OUR_OPS_TARGETS = ("moe", "grouped")
+
+def __getattr__(name: str):
+    """:data:`TARGETS` and :data:`OUR_OPS_TARGETS` (:mod:`moe_onnx.rewrite.targets`), read when first used:
+    ``import moe_onnx`` loads no part of the rewriter."""
+    if name in ("TARGETS", "OUR_OPS_TARGETS"):
+        from .rewrite import targets
+
+        return getattr(targets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False):

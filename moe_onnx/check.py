@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import io
-from ._graph import Scope, graphs, walk
+from ._ir import model_files
+from ._ir.graph import Scope, graphs, walk
 from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .ops._common import Dim, GraphView, fmt_shape
 
@@ -27,10 +27,10 @@ INT64_MAX = 2**63 - 1
 
 def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
     """Validate a model (path or ModelProto); returns the problems found, empty when valid.
-    Raises :class:`moe_onnx.io.ModelFileError` when the path cannot be read as a model."""
+    Raises :class:`moe_onnx._ir.model_files.ModelFileError` when the path cannot be read as a model."""
     if isinstance(model, onnx.ModelProto):
         return check_loaded(model)
-    return check_loaded(io.read_proto(model), Path(model))
+    return check_loaded(model_files.read_proto(model), Path(model))
 
 
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
@@ -45,11 +45,11 @@ def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
 def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
     base_dir = "" if path is None else str(path.parent)
     if path is not None:
-        problems = io.external_data_problems(proto, base_dir)
+        problems = model_files.external_data_problems(proto, base_dir)
         if problems:  # the rules below read constants from that data
             return problems
     # the checker reads external data files itself when given the path (models over 2 GB included)
-    checkable = path if path is not None and next(io.external_tensors(proto), None) is not None else proto
+    checkable = path if path is not None and next(model_files.external_tensors(proto), None) is not None else proto
     problems = _check_opset(proto) + _check_declared_sizes(proto) + _check_our_nodes(proto, base_dir)
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems
@@ -60,9 +60,9 @@ def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
     then one per problem). Nothing raises: an unreadable file is a problem too."""
     try:
-        proto = io.read_proto(path)
+        proto = model_files.read_proto(path)
         problems = check_loaded(proto, Path(path))
-    except io.ModelFileError as error:
+    except model_files.ModelFileError as error:
         problems = [f"cannot read the model: {error}"]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"

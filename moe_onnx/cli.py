@@ -1,7 +1,7 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
-``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.distributed.shard.shard_file`;
-``run``: :func:`moe_onnx.run.launch`)."""
+``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.pipeline.shard_file`;
+``run``: :func:`moe_onnx.distributed.run.launch`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import TARGETS
+from ._ir.model_files import ModelFileError
 from .check import check_file
-from .io import ModelFileError
+from .rewrite.targets import TARGETS
 from .runtime import BACKENDS
 from .verify import DEFAULT_SIZES, format_sizes, parse_sizes
 
@@ -83,7 +83,8 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from .distributed.shard import ShardError, shard_file
+    from .distributed.shard import ShardError
+    from .pipeline import shard_file
 
     try:
         manifest = shard_file(args.input, args.output, args.tp, args.ep, progress=_stage_printer())
@@ -99,7 +100,7 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .run import LaunchError, compare, launch
+    from .distributed.run import LaunchError, compare, launch
 
     if args.check and not args.reference:
         print("moe-onnx run: --check needs --reference MODEL (the unsharded model)", file=sys.stderr)
@@ -224,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run", help="run a sharded model on this machine (starts mpirun -n P --oversubscribe)",
-        description="Start `mpirun -n P python -m moe_onnx.run DIR ...`: every rank runs its model on the same "
-                    "inputs, rank 0 writes the outputs. Exit 1 when a rank fails (its message is printed as "
-                    "'moe_onnx.run: rank G: ...'), 2 when mpirun is not found.")
+        description="Start `mpirun -n P python -m moe_onnx.distributed.run DIR ...`: every rank runs its model on "
+                    "the same inputs, rank 0 writes the outputs. Exit 1 when a rank fails (its message is printed "
+                    "as 'moe_onnx.distributed.run: rank G: ...'), 2 when mpirun is not found.")
     run.add_argument("directory", metavar="DIR", help="a directory written by `moe-onnx shard`")
     run.add_argument("-n", "--ranks", type=_positive_int, required=True, help="processes (the shard's tp * ep)")
     run.add_argument("--inputs", required=True, metavar="IN.npz", help="the model's inputs by name")

@@ -1,12 +1,14 @@
-"""``moe-onnx optimize`` and ``moe-onnx quantize`` as functions: read a model file, fuse its MoE
-blocks (or quantize its MOE nodes), write the result, check it and verify it against the original
-(optimize: on request; quantize: the error against the fp32 model)."""
+"""``moe-onnx optimize``, ``moe-onnx quantize`` and ``moe-onnx shard`` as functions: read a model file, fuse
+its MoE blocks (or quantize its MOE nodes), write the result, check it and verify it against the original
+(optimize: on request; quantize: the error against the fp32 model); or write one model per rank, fusing
+the model first where it has no fused block."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from shutil import SameFileError
@@ -14,13 +16,15 @@ from shutil import SameFileError
 import onnx
 import onnx_ir as ir
 
-from . import io
+from ._ir import model_files
 from .check import check_loaded, check_model
+from .distributed.manifest import Manifest, source_fingerprint
+from .distributed.shard import ShardError, has_blocks, write_ranks
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
 from .verify import DEFAULT_SIZES, VerifyResult, format_sizes, verify
 
-__all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file"]
+__all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file", "shard_file"]
 
 
 @dataclasses.dataclass
@@ -76,21 +80,21 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
                   fuse_routers: bool = True, portable: bool = False) -> OptimizeResult:
     """Fuse the MoE blocks of the model at ``source`` (``target``, ``fuse_routers`` and ``portable`` as in
     :func:`moe_onnx.optimize`)
-    and write it to ``destination`` (with external data when large, see :func:`moe_onnx.io.save`);
-    then check the written model and, when ``verify_backend`` is given, compare both models on
-    that backend at ``sizes`` with ``threads`` intra-op threads (:func:`moe_onnx.verify.verify`).
-    ``progress`` receives stage messages.
+    and write it to ``destination`` (with external data when large, see
+    :func:`moe_onnx._ir.model_files.save`); then check the written model and, when ``verify_backend`` is
+    given, compare both models on that backend at ``sizes`` with ``threads`` intra-op threads
+    (:func:`moe_onnx.verify.verify`). ``progress`` receives stage messages.
 
     Raises SameFileError when ``destination`` or its data file is a file the input reads (the
-    weights are read from them lazily while the output is written); :class:`moe_onnx.io.ModelFileError`
-    when ``source`` cannot be read or fails ``moe-onnx check`` ("the input model is invalid"), or
+    weights are read from them lazily while the output is written);
+    :class:`moe_onnx._ir.model_files.ModelFileError` when ``source`` cannot be read or fails ``moe-onnx check`` ("the input model is invalid"), or
     ``destination`` cannot be written (nothing is left there); ValueError for an unknown target.
     """
     say = progress or (lambda message: None)
     model = _load_input(source, destination, say)
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable)
     say(f"saving {destination}")
-    io.save(model, destination, progress=progress)
+    model_files.save(model, destination, progress=progress)
     result = OptimizeResult(report, check_model(destination))
     if verify_backend is not None:
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
@@ -142,7 +146,7 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     model = _load_input(source, destination, say)
     report = quantize_ir(model, settings, progress=progress)
     say(f"saving {destination}")
-    io.save(model, destination, progress=progress)
+    model_files.save(model, destination, progress=progress)
     result = QuantizeResult(report, check_model(destination))
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
@@ -155,15 +159,48 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     return result
 
 
+def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, ep: int = 1,
+               progress: Callable[[str], None] | None = None) -> Manifest:
+    """Write the ``tp * ep`` rank models of the model at ``source`` as ``out_dir/rank<g>.onnx``
+    (:func:`moe_onnx.distributed.shard.write_ranks`) and ``out_dir/shard.json``
+    (:class:`~moe_onnx.distributed.manifest.Manifest`); returns the manifest. A model without fused MoE
+    blocks is optimized first (target moe, :func:`optimize_file`), once, into a temporary file in
+    ``out_dir``. Raises :class:`moe_onnx.distributed.shard.ShardError` (see
+    :func:`moe_onnx.distributed.shard.shard_ir`; no rank file is written then) and
+    :class:`moe_onnx._ir.model_files.ModelFileError` for a file that cannot be read or written."""
+    say = progress or (lambda message: None)
+    if tp < 1 or ep < 1:
+        raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
+    say(f"loading {source}")
+    proto = model_files.read_proto(source)
+    fingerprint = source_fingerprint(source)
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise model_files.ModelFileError(f"{out_dir}: cannot write it: {error.strerror or error}") from None
+    with tempfile.TemporaryDirectory(prefix=".fused.", dir=out_dir) as staging:
+        fused = source
+        if not has_blocks(proto.graph.node):
+            fused = Path(staging) / "fused.onnx"
+            say("no fused MoE block: optimizing first (target moe)")
+            optimize_file(source, fused, "moe", progress=progress)
+            proto = model_files.read_proto(fused)
+        manifest = write_ranks(fused, proto, out_dir, tp, ep, source_name=str(Path(source).name),
+                               fingerprint=fingerprint, progress=progress)
+    manifest.write(out_dir)
+    return manifest
+
+
 def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: Callable[[str], None]) -> ir.Model:
     """The valid model at ``source``, its weights left on disk, once it is sure writing ``destination``
     does not overwrite a file it reads."""
     say(f"loading {source}")
-    proto = io.read_proto(source)
+    proto = model_files.read_proto(source)
     _refuse_overwriting_input(source, destination, proto)
     say(f"checking {source}")
     _require_valid_input(source, proto)
-    return io.load(source, proto)
+    return model_files.load(source, proto)
 
 
 def _refuse_overwriting_input(source: str | os.PathLike, destination: str | os.PathLike,
@@ -171,8 +208,8 @@ def _refuse_overwriting_input(source: str | os.PathLike, destination: str | os.P
     """SameFileError when a file the output writes is one the input (``proto``, read from ``source``) reads."""
     read = [(Path(source), "the input")]
     read += [(file, f"the external data of the input {source}")
-             for file in sorted(io.external_data_files(proto, Path(source).parent))]
-    written = [(Path(destination), "the output"), (io.data_file(destination), "the output's data file")]
+             for file in sorted(model_files.external_data_files(proto, Path(source).parent))]
+    written = [(Path(destination), "the output"), (model_files.data_file(destination), "the output's data file")]
     for out_file, out_role in written:
         for in_file, in_role in read:
             if _same_file(out_file, in_file):
@@ -193,4 +230,4 @@ def _require_valid_input(source: str | os.PathLike, proto: onnx.ModelProto) -> N
     if problems:
         lines = [line for problem in problems for line in problem.splitlines()]
         more = f" (and more: see `moe-onnx check {source}`)" if len(lines) > 1 else ""
-        raise io.ModelFileError(f"{source}: the input model is invalid: {lines[0]}{more}")
+        raise model_files.ModelFileError(f"{source}: the input model is invalid: {lines[0]}{more}")

@@ -32,8 +32,8 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper
 
-from ._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from .ops import DOMAIN, OPS
+from .ops._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from .ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 
 __all__ = ["BUILDERS", "MIN_OPSET", "NO_BODY", "add_function_bodies", "configurations", "function_for", "portable_model",

@@ -6,7 +6,7 @@ int4, per column or block-wise, symmetric or with zero points). An MOE whose wei
 MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as GPT-OSS's
 checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
 requantization, no error. The quantized initializers are computed while the model is written, one
-expert at a time, like the rewriter's (``rewrite/_weights.py``). :func:`measure_error` runs the fp32
+expert at a time, like the rewriter's (``_ir/weights.py``). :func:`measure_error` runs the fp32
 and the quantized model on the same random inputs and reports the error of every output and of
 every quantized layer's output.
 
@@ -28,6 +28,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from ._ir.weights import initializer_expert, release_external, streamed_initializer
 from .ops import DOMAIN, signatures
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
@@ -42,7 +43,6 @@ from .ops.qmoe import (
     pack_codes,
     quantize as quantize_weight,
 )
-from .rewrite._weights import initializer_expert, release_external, streamed_initializer
 from .runtime import session
 from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
 

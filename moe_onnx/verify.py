@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from . import io
+from ._ir import model_files
 from .runtime import session
 
 DEFAULT_SIZES = ((1, 1), (2, 5), (3, 17))
@@ -243,7 +243,7 @@ def _first_line(error: Exception) -> str:
 
 
 def _proto(model) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else io.read_proto(model)
+    return model if isinstance(model, onnx.ModelProto) else model_files.read_proto(model)
 
 
 def _as_input(model):

@@ -4,8 +4,8 @@
 
 PLAN.json: ``{"runs": [{"dir": shard dir, "backend": "cpp"|"python", "inputs": [in.npz...],
 "outputs": [out.npz...]}...], "fault": null | {"kind": ..., "rank": g}}``. Every rank opens each shard
-(moe_onnx.run.open_rank: the session-start checks), runs every input, and rank 0 writes the outputs;
-an error on any rank aborts the job as ``python -m moe_onnx.run`` does (``guarded``).
+(moe_onnx.distributed.run.open_rank: the session-start checks), runs every input, and rank 0 writes the outputs;
+an error on any rank aborts the job as ``python -m moe_onnx.distributed.run`` does (``guarded``).
 
 Faults, injected on rank ``fault["rank"]`` after its session started, before its first run:
 ``raise``: it runs a hidden state of the wrong width (onnxruntime raises); ``kill``: it SIGKILLs itself;
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_onnx.run import guarded, open_rank, read_inputs, run_session  # noqa: E402
+from moe_onnx.distributed.run import guarded, open_rank, read_inputs, run_session  # noqa: E402
 
 
 def inject(fault: dict | None, rank: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

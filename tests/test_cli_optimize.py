@@ -14,7 +14,7 @@ import onnx
 import pytest
 from cases.moe import CASES
 from fixture_models import FIXTURES, TARGETS
-from moe_onnx import io
+from moe_onnx._ir import model_files
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.verify import verify
@@ -40,7 +40,7 @@ def test_optimize_verify_and_report(target, tmp_path, capsys):
 
 def test_external_data_is_written_slice_by_slice(tmp_path, monkeypatch):
     """Lazy (transposed) weights streamed into external data give the same numbers."""
-    monkeypatch.setattr(io, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(model_files, "EXTERNAL_DATA_THRESHOLD", 0)
     original = FIXTURES / "gpt_oss_tiled_tiny.onnx"
     out = tmp_path / "grouped.onnx"
     assert main(["optimize", str(original), "-o", str(out), "--target", "grouped"]) == 0
@@ -113,10 +113,10 @@ def test_refuses_a_hard_link_to_its_input(tmp_path, capsys):
 
 WRITE_UNDER_A_SIZE_LIMIT = """
 import resource, signal, sys
-from moe_onnx import io
+from moe_onnx._ir import model_files
 from moe_onnx.cli import main
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-io.EXTERNAL_DATA_THRESHOLD = int(sys.argv[1])
+model_files.EXTERNAL_DATA_THRESHOLD = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
 sys.exit(main(["optimize", *sys.argv[3:]]))
 """

@@ -291,7 +291,8 @@ def test_all_ranks_inputs_that_do_not_fit(change, error):
 # ----------------------------------------------------------------------------- comm on one process (no MPI)
 
 def test_one_rank_groups_copy_without_mpi():
-    from moe_onnx.distributed import Layout, comm
+    from moe_onnx.distributed import comm
+    from moe_onnx.ops.layout import Layout
 
     groups = comm.groups(Layout(), "MOE")
     rows = np.arange(6, dtype=np.float32).reshape(3, 2)
@@ -308,7 +309,8 @@ def test_one_rank_groups_copy_without_mpi():
     (dict(tp_size=2, tp_rank=2), r"attribute 'tp_rank_id' is 2; expected 0 <= tp_rank_id < tp_world_size = 2"),
 ])
 def test_groups_of_an_invalid_layout(layout, error):
-    from moe_onnx.distributed import Layout, comm
+    from moe_onnx.distributed import comm
+    from moe_onnx.ops.layout import Layout
 
     with pytest.raises(MoeOpError, match=r"^op: " + error):
         comm.groups(Layout(**layout), "op")

@@ -23,15 +23,15 @@ from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_fee
                             whole_reference_data)
 from world_simulation import run_world
 
-from moe_onnx import io as moe_io
 from moe_onnx import session
+from moe_onnx._ir import model_files
 from moe_onnx.check import check_model
 from moe_onnx.cli import main as cli_main
 from moe_onnx.distributed.manifest import MANIFEST_NAME, Manifest, mismatches, rank_record
-from moe_onnx.distributed.shard import ShardError, shard, shard_file
+from moe_onnx.distributed.run import LaunchError, mpirun_command, package_environment, run_session
+from moe_onnx.distributed.shard import ShardError, shard
 from moe_onnx.ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from moe_onnx.pipeline import optimize_file
-from moe_onnx.run import LaunchError, mpirun_command, package_environment, run_session
+from moe_onnx.pipeline import optimize_file, shard_file
 
 DRIVER = Path(__file__).with_name("distributed_driver.py")
 TOLERANCE = 1e-5  # the largest absolute difference (docs/distributed.md, `moe-onnx run --check`)
@@ -394,8 +394,8 @@ def fault_root(tmp_path_factory) -> Path:
 
 
 def run_module(ranks: int, directory: Path, inputs: Path, output: Path, **env: str):
-    return launch(ranks, [sys.executable, "-m", "moe_onnx.run", str(directory), "--inputs", str(inputs), "-o",
-                          str(output)], timeout=FAULT_BOUND_S + 60, **env)
+    return launch(ranks, [sys.executable, "-m", "moe_onnx.distributed.run", str(directory), "--inputs", str(inputs),
+                          "-o", str(output)], timeout=FAULT_BOUND_S + 60, **env)
 
 
 def run_with_fault(root: Path, kind: str, **env: str):
@@ -432,7 +432,7 @@ def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
 
 def test_a_rank_that_raises_ends_the_job(fault_root):
     done, seconds = run_with_fault(fault_root, "raise")
-    assert_failed(done, seconds, "moe_onnx.run: rank 1:", "hidden")
+    assert_failed(done, seconds, "moe_onnx.distributed.run: rank 1:", "hidden")
 
 
 def test_a_killed_rank_ends_the_job(fault_root):
@@ -442,12 +442,12 @@ def test_a_killed_rank_ends_the_job(fault_root):
 
 def test_a_hanging_rank_makes_the_others_time_out(fault_root):
     done, seconds = run_with_fault(fault_root, "hang", MOE_ONNX_COMM_TIMEOUT_S="3")
-    assert_failed(done, seconds, "moe_onnx.run: rank 0:", "did not complete within 3 s")
+    assert_failed(done, seconds, "moe_onnx.distributed.run: rank 0:", "did not complete within 3 s")
 
 
 def test_a_rank_that_hangs_before_its_session_makes_the_others_time_out(fault_root):
     done, seconds = run_with_fault(fault_root, "hang_at_start", MOE_ONNX_COMM_TIMEOUT_S="3")
-    assert_failed(done, seconds, "moe_onnx.run: rank 0:", "session start", "did not complete within 3 s")
+    assert_failed(done, seconds, "moe_onnx.distributed.run: rank 0:", "session start", "did not complete within 3 s")
 
 
 def test_a_wrong_rank_count_is_refused_on_every_rank(fault_root):
@@ -470,7 +470,7 @@ def test_a_corrupt_rank_file_is_reported_by_its_rank(fault_root, tmp_path):
     shutil.copytree(fault_root / "shard", broken)
     (broken / "rank1.onnx").write_bytes((broken / "rank1.onnx").read_bytes()[:100])
     done, seconds = run_module(2, broken, fault_root / "in.npz", tmp_path / "out.npz")
-    assert_failed(done, seconds, "moe_onnx.run: rank 1:", "is not an ONNX model")
+    assert_failed(done, seconds, "moe_onnx.distributed.run: rank 1:", "is not an ONNX model")
 
 
 def test_unreadable_inputs_are_reported(fault_root, tmp_path):
@@ -481,7 +481,7 @@ def test_unreadable_inputs_are_reported(fault_root, tmp_path):
 
 def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypatch):
     """A source with external data, ranks over the external-data threshold (lowered to 0 here)."""
-    monkeypatch.setattr(moe_io, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(model_files, "EXTERNAL_DATA_THRESHOLD", 0)
     source = tmp_path / "model.onnx"
     onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS), source, save_as_external_data=True,
               all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
@@ -496,7 +496,7 @@ def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypa
 
 
 def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
-    code = ("import sys, moe_onnx.cli, moe_onnx.run, moe_onnx.distributed.shard; "
+    code = ("import sys, moe_onnx.cli, moe_onnx.distributed.run, moe_onnx.distributed.shard, moe_onnx.pipeline; "
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
     done = subprocess.run([sys.executable, "-c", code], env=package_environment(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -510,7 +510,7 @@ def test_sharding_a_model_without_external_data_holds_about_its_size_in_memory(t
     onnx.save(moe_model(GEMM3_SWIGLU, experts=64, hidden=512, inter=128), source)  # 48 MiB of weights
     code = """
 import resource, sys
-from moe_onnx.distributed.shard import shard_file
+from moe_onnx.pipeline import shard_file
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 shard_file(sys.argv[1], sys.argv[2], tp=2)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
@@ -526,7 +526,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 def test_check_counts_a_nan_in_any_output_as_a_mismatch(tmp_path):
     """`moe-onnx run --check` (run.compare): a NaN where the unsharded model has a number is an infinite error,
     whichever output holds it (max() over [0.0, nan] is 0.0); NaN where both have NaN is equal."""
-    from moe_onnx.run import compare
+    from moe_onnx.distributed.run import compare
 
     a, b = (onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2]) for n in ("a", "b"))
     graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["a"]),

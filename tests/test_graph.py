@@ -1,4 +1,4 @@
-"""moe_onnx._graph, the one walk over a graph and its subgraphs: its order and scopes, and moe_onnx
+"""moe_onnx._ir.graph, the one walk over a graph and its subgraphs: its order and scopes, and moe_onnx
 nodes inside If branches run on both backends (private-domain copies) and pass the checker."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from cases import ALL_CASES, Case
 from onnx import helper
 
-from moe_onnx._graph import graphs, walk
+from moe_onnx._ir.graph import graphs, walk
 from moe_onnx.check import check_model, summarize
 from moe_onnx.runtime import run, session
 

@@ -119,7 +119,7 @@ TIMED_OUT_THEN_EXIT = """
 import sys, time
 import numpy as np
 from mpi4py import MPI
-from moe_onnx.distributed import Layout
+from moe_onnx.ops.layout import Layout
 from moe_onnx.distributed.comm import CommError, groups
 rank = MPI.COMM_WORLD.Get_rank()
 tp = groups(Layout(tp_size=2, tp_rank=rank), "probe").tp

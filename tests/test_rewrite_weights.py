@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from fixture_models import original, optimize_form
-from moe_onnx.rewrite._weights import initializer_expert, streamed_initializer, weight
+from moe_onnx._ir.weights import initializer_expert, streamed_initializer, weight
 
 SOURCE = np.arange(4 * 3 * 5, dtype=np.float32).reshape(4, 3, 5)  # [E, A, B]
 

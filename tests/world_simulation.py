@@ -15,7 +15,7 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from moe_onnx.distributed import Layout
+from moe_onnx.ops.layout import Layout
 from moe_onnx.ops import DOMAIN, REFERENCE_OPS
 from moe_onnx.ops.distribute import combine_all_ranks, dispatch_all_ranks
 from moe_onnx.ops.moe import moe_tensor_parallel

@@ -23,7 +23,7 @@ namespace {
 
 const char* kDomain = "moe_onnx";  // moe_onnx.DOMAIN
 // Private domain: variants whose output types onnxruntime cannot infer from input types alone
-// (MoeInitRouting with int8 expanded_x; moe_onnx/_private_domain.py moves quantizing nodes here).
+// (MoeInitRouting with int8 expanded_x; moe_onnx/runtime/private_domain.py moves quantizing nodes here).
 const char* kPrivateDomain = "moe_onnx.cpp";
 
 // One instance of each op for the life of the process (onnxruntime keeps pointers to them).

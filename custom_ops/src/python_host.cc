@@ -1,6 +1,6 @@
 // Hosts the Python kernels (moe_onnx.ops.OPS[name].reference) inside onnxruntime sessions.
 //
-// RegisterCustomOps asks moe_onnx._python_host.op_specs() for the ops (variant name, op name,
+// RegisterCustomOps asks moe_onnx.runtime.python_host.op_specs() for the ops (variant name, op name,
 // optional flags of the inputs and outputs, output element types, attribute names and kinds) and
 // registers one generic kernel per variant in the private domain "moe_onnx.python". A variant is an
 // op with concrete output types (onnxruntime must know them before running, and they may depend on
@@ -9,7 +9,7 @@
 // which outputs it names into a tuple of bools; at Compute the kernel takes the GIL (onnxruntime may
 // call from its own threads, and the Python binding releases the GIL during run), passes each input
 // as a read-only memoryview over onnxruntime's buffer (no copy; None when absent) with its element
-// type and shape to moe_onnx._python_host.compute, and copies the returned arrays into the named
+// type and shape to moe_onnx.runtime.python_host.compute, and copies the returned arrays into the named
 // outputs. A Python exception becomes an onnxruntime error carrying its message.
 //
 // Built against Python's headers without linking libpython: the symbols come from the Python
@@ -27,7 +27,7 @@
 namespace {
 
 const char* kDomain = "moe_onnx.python";
-const char* kHostModule = "moe_onnx._python_host";  // op_specs, compute, MoeOpError
+const char* kHostModule = "moe_onnx.runtime.python_host";  // op_specs, compute, MoeOpError
 
 struct Gil {
   PyGILState_STATE state;
@@ -241,7 +241,7 @@ void PyKernel::Compute(OrtKernelContext* context) {
                                    named_outputs));
   if (!result) python_error();
   if (!PyList_Check(result.p) || static_cast<size_t>(PyList_GET_SIZE(result.p)) < n_out)
-    throw Ort::Exception(where + ": internal: moe_onnx._python_host.compute returned a wrong value", ORT_FAIL);
+    throw Ort::Exception(where + ": internal: moe_onnx.runtime.python_host.compute returned a wrong value", ORT_FAIL);
 
   for (size_t i = 0; i < n_out; ++i) {
     PyObject* item = PyList_GET_ITEM(result.p, i);  // (elem_type, shape tuple, uint8 array), None: not named
@@ -274,7 +274,7 @@ void PyKernel::Compute(OrtKernelContext* context) {
   }
 }
 
-// The specs from moe_onnx._python_host.op_specs(), read once.
+// The specs from moe_onnx.runtime.python_host.op_specs(), read once.
 std::deque<PyOp>& load_ops() {
   static std::deque<PyOp> ops;
   if (!ops.empty()) return ops;

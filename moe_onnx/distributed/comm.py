@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..ops._common import MoeOpError
-from . import Layout, layout_words, ranks_word, tp_world_size_problem, world_size_problem
+from ..ops.layout import Layout, layout_words, ranks_word, tp_world_size_problem, world_size_problem
 
 TIMEOUT_VARIABLE = "MOE_ONNX_COMM_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0

@@ -1,10 +1,10 @@
 """The Python backend's kernels of the ops that communicate, one rank each (docs/distributed.md).
 
 ``moe_onnx.session(..., backend="python")`` runs these for a node of more than one rank
-(:func:`kernel_for`; the numpy reference runs every other node). Each validates its node as the
-reference does, plans with the reference's code (``ops/_exchange.py``, ``partial_y``,
-``partial_product``) and moves the data with :mod:`.comm`; given a group of one rank they touch no MPI
-and give the reference's result.
+(:func:`kernel_for`; the numpy reference runs every other node, and the host imports this module
+only when it meets such a node). Each validates its node as the reference does, plans with the
+reference's code (``ops/_exchange.py``, ``partial_y``, ``partial_product``) and moves the data with
+:mod:`.comm`; given a group of one rank they touch no MPI and give the reference's result.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from ..ops import distribute_combine, distribute_dispatch, moe, row_parallel_linear
 from ..ops._exchange import arrange_arrivals, plan_dispatch, send_buffers, slot_counts, weighted_sum
+from ..ops.layout import several_ranks
 from . import comm
 
 
@@ -82,8 +83,6 @@ KERNELS = {
 
 def kernel_for(op_name: str, attrs: dict):
     """The per-rank kernel of a node whose group has more than one rank (its attributes ep_world_size,
-    tp_world_size); None for every other node, which the op's numpy reference runs."""
-    sizes = [attrs.get(name, 1) for name in ("ep_world_size", "tp_world_size")]
-    if op_name not in KERNELS or not all(isinstance(size, int) for size in sizes) or sizes[0] * sizes[1] <= 1:
-        return None
-    return KERNELS[op_name]
+    tp_world_size, :func:`moe_onnx.ops.layout.several_ranks`); None for every other node, which the op's
+    numpy reference runs."""
+    return KERNELS.get(op_name) if several_ranks(attrs) else None

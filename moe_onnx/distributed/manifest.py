@@ -1,8 +1,8 @@
 """A shard's manifest (``DIR/shard.json``) and the fingerprints that tie the rank models to it.
 
-``moe-onnx shard`` writes the manifest; the runner (``moe_onnx.run``) checks every rank's model against it
-and against the other ranks' before running (docs/distributed.md, "Running it"). Everything here reads
-only the models' graphs (never their weights), so the checks cost little for a multi-GB model.
+``moe-onnx shard`` writes the manifest; the runner (``moe_onnx.distributed.run``) checks every rank's model
+against it and against the other ranks' before running (docs/distributed.md, "Running it"). Everything here
+reads only the models' graphs (never their weights), so the checks cost little for a multi-GB model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from .. import io
+from .._ir import model_files
 from ..ops import DOMAIN
 
 #: the version of shard.json's layout
@@ -47,7 +47,7 @@ def source_fingerprint(path: str | os.PathLike) -> str:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    for file in sorted(io.external_data_files(io.read_proto(path), Path(path).parent)):
+    for file in sorted(model_files.external_data_files(model_files.read_proto(path), Path(path).parent)):
         digest.update(f"{file.name}:{file.stat().st_size if file.exists() else -1}".encode())
     return digest.hexdigest()
 

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,14 +29,14 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from .. import io
+from .._ir import model_files
+from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.nodes import attribute_value
+from .._ir.weights import initializer_expert, streamed_initializer, weight
 from ..ops import DOMAIN, OPSET_VERSION
+from ..ops.layout import Layout
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
-from ..rewrite._match import attribute_value, int64s, replace_node
-from ..rewrite._onnxscript import TapeBuilder
-from ..rewrite._weights import initializer_expert, streamed_initializer, weight
-from . import Layout
-from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file, source_fingerprint
+from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
 
@@ -305,7 +304,7 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
 
 # ----------------------------------------------------------------------------- the model
 
-def _has_blocks(nodes) -> bool:
+def has_blocks(nodes) -> bool:
     """Whether the main graph has fused MoE blocks (MOE, QMOE, or a grouped chain's MoeFinalizeRouting)."""
     return any(node.domain == DOMAIN and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting") for node in nodes)
 
@@ -314,8 +313,9 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
     """Make ``model`` (in place) rank ``rank``'s model of a ``tp`` x ``ep`` shard (see the module's doc).
 
     Raises ShardError for tp/ep < 1, a rank outside the world, a model without fused MoE blocks (run
-    ``optimize`` first; :func:`shard` and :func:`shard_file` do), QMOE nodes, an expert count not divisible
-    by ep, an intermediate size below tp, or a block not in a form this pass knows (the message names the node).
+    ``optimize`` first; :func:`shard` and :func:`moe_onnx.pipeline.shard_file` do), QMOE nodes, an expert count
+    not divisible by ep, an intermediate size below tp, or a block not in a form this pass knows (the message
+    names the node).
     """
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
@@ -369,11 +369,11 @@ def _mark(model: ir.Model, source_fingerprint: str, layout: Layout) -> None:
 def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
     """The ``tp * ep`` rank models of ``model`` (an ``onnx.ModelProto`` or ``onnx_ir.Model``; the result has the
     same kind), rank g at index g; a model without fused MoE blocks is optimized first (target moe). Raises
-    what :func:`shard_ir` raises. For files, and models over 2 GB, use :func:`shard_file`, which streams the
-    weights to disk one rank at a time."""
+    what :func:`shard_ir` raises. For files, and models over 2 GB, use :func:`moe_onnx.pipeline.shard_file`,
+    which streams the weights to disk one rank at a time."""
     proto = model if isinstance(model, onnx.ModelProto) else ir.serde.serialize_model(model)
     fingerprint = hashlib.sha256(proto.SerializeToString()).hexdigest()
-    if not _has_blocks(proto.graph.node):
+    if not has_blocks(proto.graph.node):
         from ..rewrite import optimize_ir  # onnxscript's rewriter, only when needed
 
         fused = ir.serde.deserialize_model(proto)
@@ -388,46 +388,25 @@ def shard(model: onnx.ModelProto | ir.Model, tp: int, ep: int = 1) -> list:
     return ranks
 
 
-def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, ep: int = 1,
-               progress: Callable[[str], None] | None = None) -> Manifest:
-    """Write the ``tp * ep`` rank models of the model at ``source`` as ``out_dir/rank<g>.onnx`` (with external
-    data ``rank<g>.onnx.data`` when large, see :func:`moe_onnx.io.save`; weights sliced one expert at a time
-    while writing) and ``out_dir/shard.json`` (:class:`~moe_onnx.distributed.manifest.Manifest`); returns the
-    manifest. A model without fused MoE blocks is optimized first (target moe), once, into a temporary file
-    in ``out_dir``. Raises ShardError (see :func:`shard_ir`; no rank file is written then) and
-    :class:`moe_onnx.io.ModelFileError` for a file that cannot be read or written."""
+def write_ranks(fused: str | os.PathLike, proto: onnx.ModelProto, out_dir: Path, tp: int, ep: int, *,
+                source_name: str, fingerprint: str, progress: Callable[[str], None] | None = None) -> Manifest:
+    """Write the ``tp * ep`` rank models of the fused model at ``fused`` (``proto``: it, read without its external
+    data) as ``out_dir/rank<g>.onnx`` (with external data ``rank<g>.onnx.data`` when large, see
+    :func:`moe_onnx._ir.model_files.save`; weights sliced one expert at a time while writing); returns their
+    manifest (of the source model ``source_name`` with ``fingerprint``), which the caller writes. Raises
+    ShardError (see :func:`shard_ir`) and :class:`moe_onnx._ir.model_files.ModelFileError` for a file that
+    cannot be written. :func:`moe_onnx.pipeline.shard_file` optimizes an unfused source first."""
     say = progress or (lambda message: None)
-    if tp < 1 or ep < 1:
-        raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
-    say(f"loading {source}")
-    proto = io.read_proto(source)
-    fingerprint = source_fingerprint(source)
-    out_dir = Path(out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise io.ModelFileError(f"{out_dir}: cannot write it: {error.strerror or error}") from None
-    with tempfile.TemporaryDirectory(prefix=".fused.", dir=out_dir) as staging:
-        fused = source
-        if not _has_blocks(proto.graph.node):
-            from ..pipeline import optimize_file
-
-            fused = Path(staging) / "fused.onnx"
-            say("no fused MoE block: optimizing first (target moe)")
-            optimize_file(source, fused, "moe", progress=progress)
-            proto = io.read_proto(fused)
-        files, fingerprints = [], []
-        for rank in range(tp * ep):
-            layout = _layout(tp, ep, rank)
-            model = io.load(fused, proto)
-            say(f"rank {rank}: ep rank {layout.ep_rank}, tp rank {layout.tp_rank}")
-            shard_ir(model, tp, ep, rank)
-            _mark(model, fingerprint, layout)
-            path = out_dir / rank_file(rank)
-            say(f"saving {path}")
-            io.save(model, path, progress=progress)
-            files.append(path.name)
-            fingerprints.append(nodes_fingerprint(io.read_proto(path)))
-    manifest = Manifest(str(Path(source).name), fingerprint, tp, ep, files, fingerprints)
-    manifest.write(out_dir)
-    return manifest
+    files, fingerprints = [], []
+    for rank in range(tp * ep):
+        layout = _layout(tp, ep, rank)
+        model = model_files.load(fused, proto)
+        say(f"rank {rank}: ep rank {layout.ep_rank}, tp rank {layout.tp_rank}")
+        shard_ir(model, tp, ep, rank)
+        _mark(model, fingerprint, layout)
+        path = out_dir / rank_file(rank)
+        say(f"saving {path}")
+        model_files.save(model, path, progress=progress)
+        files.append(path.name)
+        fingerprints.append(nodes_fingerprint(model_files.read_proto(path)))
+    return Manifest(source_name, fingerprint, tp, ep, files, fingerprints)

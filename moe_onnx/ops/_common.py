@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, TensorProto, defs, helper
 
-from ..distributed import Layout, tp_world_size_problem, world_size_problem
+from .layout import Layout, tp_world_size_problem, world_size_problem
 from .signatures import Signature
 
 DOMAIN = "moe_onnx"

@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from ..distributed import Layout
 from ._common import MoeOpError, NodeView, check_group_attrs
+from .layout import Layout
 
 # assist_info's header, by position
 HEADER = ("ep_world_size", "tp_world_size", "num_experts", "Bs", "K", "rows of expand_x", "R (arrival rows)",

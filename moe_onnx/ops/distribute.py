@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..distributed import Layout
 from . import distribute_combine, distribute_dispatch
 from ._common import MoeOpError
 from ._exchange import arrange_arrivals, plan_dispatch, send_buffers, slot_counts, weighted_sum
+from .layout import Layout
 
 DISPATCH = distribute_dispatch.MOE_DISTRIBUTE_DISPATCH.name
 COMBINE = distribute_combine.MOE_DISTRIBUTE_COMBINE.name

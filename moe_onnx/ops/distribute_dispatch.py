@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ..distributed import Layout
 from . import signatures
 from ._common import (
     ArrayView,
@@ -35,6 +34,7 @@ from ._exchange import (
     send_buffers,
     slot_counts,
 )
+from .layout import Layout
 
 # input positions
 X, EXPERT_IDS = range(2)

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..distributed import Layout
 from . import signatures
 from ._common import (
     ArrayView,
@@ -29,6 +28,7 @@ from ._common import (
     drop_group_attrs,
     refuse_without_group,
 )
+from .layout import Layout
 
 GEMM2_BIAS_SWIGLU_CLAMP = "GEMM2_BIAS_SWIGLU_CLAMP"
 GEMM3_SWIGLU = "GEMM3_SWIGLU"

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import TensorProto
 
-from ..distributed import Layout
 from . import signatures
 from ._common import (
     ArrayView,
@@ -34,6 +33,7 @@ from ._common import (
     is_known,
     refuse_without_group,
 )
+from .layout import Layout
 
 OP_NAME = signatures.ROW_PARALLEL_LINEAR.name
 

@@ -9,11 +9,21 @@ com.microsoft::MoE/QMoE; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing
-inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_weights`` (weights behind
-layout ops, Linear layers, lazy initializers) and ``_onnxscript`` (the private onnxscript names
-used). ``_unfused`` reports every MoE block (found by its router) that no rule fused or reported.
+inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_linear`` (Linear layers);
+weights behind layout ops and lazy initializers are ``moe_onnx._ir.weights``, the node builder
+``moe_onnx._ir.builder``. ``_unfused`` reports every MoE block (found by its router) that no rule
+fused or reported. ``targets`` names the forms ``optimize`` makes.
+
+Importing this package is cheap (``moe_onnx.rewrite.targets`` does not import onnxscript): the
+names below load the driver when first used.
 """
 
-from ._driver import OptimizeReport, optimize, optimize_ir
-
 __all__ = ["OptimizeReport", "optimize", "optimize_ir"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import _driver
+
+        return getattr(_driver, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

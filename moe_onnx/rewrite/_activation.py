@@ -28,8 +28,9 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from .._ir.nodes import standard
 from ..ops.moe import ACTIVATIONS
-from ._match import MatchFailure, constant, constant_ints, constant_scalar, constant_text, require, standard
+from ._match import MatchFailure, constant, constant_ints, constant_scalar, constant_text, require
 
 # ----------------------------------------------------------------------------- pattern fragments
 

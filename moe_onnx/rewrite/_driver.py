@@ -13,13 +13,13 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
-from .. import TARGETS
 from ..ops import DOMAIN, OPSET_VERSION
 from ..portable import add_function_bodies, require_opset, summary
 from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
                tiled)
 from ._match import MoeFusion
 from ._unfused import PartialMatch, unfused_blocks
+from .targets import TARGETS
 
 
 # The export forms, in the order their rules run (a module each, with its list of FUSIONS).

@@ -1,18 +1,19 @@
 """Shared pieces of the fusion rules: the rule base class and its check idiom, constant lookup and
-MOE emission. The router, the activations and the weights have their own modules (``_router``,
-``_activation``, ``_weights``).
+MOE emission. The router, the activations and the Linear layers have their own modules (``_router``,
+``_activation``, ``_linear``); the weights behind layout ops are ``moe_onnx._ir.weights``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
+from .._ir.nodes import standard
 from ..ops import DOMAIN, OPSET_VERSION
 
 
@@ -74,12 +75,7 @@ class MoeFusion(RewriteRuleClassBase):
 
 
 # ----------------------------------------------------------------------------- nodes and constants
-# What several forms' readers check on a node: its op, its axes, its producer chain.
-
-def standard(node: ir.Node | None, op_type: str) -> bool:
-    """Whether ``node`` is the standard ONNX op ``op_type``."""
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
+# What several forms' readers check on a node: its op (``_ir.nodes.standard``), its axes, its producer chain.
 
 def producer(value: ir.Value | None, op_type: str, what: str) -> ir.Node:
     """The node computing ``value``, which must be a standard ``op_type`` (else the match fails naming ``what``)."""
@@ -200,11 +196,6 @@ def _single(array: np.ndarray) -> float | None:
     return None if flat.size == 0 or (flat != flat[0]).any() else float(flat[0])
 
 
-def int64s(op, values: Sequence[int]) -> ir.Value:
-    """A Constant node's 1-D int64 tensor (shapes, axes, Slice operands of emitted nodes)."""
-    return op.Constant(value=ir.tensor(np.array(values, np.int64)))
-
-
 # ----------------------------------------------------------------------------- shape arithmetic
 
 # One element of a small int64 shape tensor: a known int, (value, axis) for a dim known only at run
@@ -289,23 +280,3 @@ def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value,
     while inputs[-1] is None:
         inputs.pop()
     return op.MOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, expert_type=expert_type, **attributes)
-
-
-def attribute_value(node: ir.Node, name: str, default: Any) -> Any:
-    """The value of ``node``'s attribute ``name``, or ``default`` when the node does not set it."""
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
-def replace_node(node: ir.Node, nodes: Sequence[ir.Node], initializers: Sequence[ir.Value], output: ir.Value) -> None:
-    """Put ``nodes`` (and their new ``initializers``) where ``node`` was; ``output`` takes over its only
-    output: its readers, name, type and shape."""
-    graph = node.graph
-    for value in initializers:
-        graph.register_initializer(value)
-    graph.insert_before(node, nodes)
-    old = node.outputs[0]
-    name, old.name = old.name, None
-    ir.convenience.replace_all_uses_with(old, output, replace_graph_outputs=True)
-    output.name, output.type, output.shape = name, old.type, old.shape
-    graph.remove(node, safe=True)

@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import onnx_ir as ir
 
-from ._match import constant, constant_ints, fill_value, is_zeros, require, shape_dims, standard
+from .._ir.nodes import standard
+from ._match import constant, constant_ints, fill_value, is_zeros, require, shape_dims
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,9 +22,10 @@ from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
 
+from .._ir.nodes import standard
+from .._ir.weights import weight
 from ..ops import DOMAIN
-from ._match import constant_ints, standard
-from ._weights import weight
+from ._match import constant_ints
 
 RULE = "UnfusedMoe"
 

@@ -12,10 +12,11 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.nodes import standard
+from .._ir.weights import Weight, lazy_initializer, weight_value
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
-from ._match import MoeFusion, axes, emit_moe, producer, require, standard
+from ._match import MoeFusion, axes, emit_moe, producer, require
 from ._router import Route
-from ._weights import Weight, lazy_initializer, weight_value
 
 
 @dataclasses.dataclass(frozen=True)

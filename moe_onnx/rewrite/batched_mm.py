@@ -29,11 +29,11 @@ import dataclasses
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from .._ir.weights import Weight, weight, weight_value
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import clamped_swiglu, pointwise, read_clamped_swiglu, read_pointwise, read_swiglu, swiglu
 from ._match import MoeFusion, constant_ints, emit_moe, require, shape_dims, static_last_dim
 from ._router import Route, route
-from ._weights import Weight, weight, weight_value
 
 
 def _ints(value: ir.Value, what: str) -> list[int]:

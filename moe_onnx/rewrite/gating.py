@@ -36,12 +36,13 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from .._ir.builder import TapeBuilder
+from .._ir.nodes import standard
 from ..ops import DOMAIN, OPSET_VERSION
 from ._match import (
     MatchFailure, constant, constant_ints, constant_scalar, constant_text, fill_value, ints_input_or_attr, is_zeros,
-    require, standard,
+    require,
 )
-from ._onnxscript import TapeBuilder
 
 RULE = "RouterToMoeGatingTopK"
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

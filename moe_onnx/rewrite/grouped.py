@@ -6,7 +6,7 @@
 which computes the same block for any activation and is the form tensor parallelism shards
 (MoeRowParallelLinear's K dimension). MoeRowParallelLinear takes its weights as [E, N, K]: the
 GEMM3 ones are that already, the GEMM2 ones are transposed offline, lazily (see
-_weights.lazy_initializer).
+``moe_onnx._ir.weights.lazy_initializer``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._expert_math import ACTIVATIONS, clamped_swiglu, swish
+from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.nodes import attribute_value
+from .._ir.weights import Weight, weight, weight_value
 from ..ops import DOMAIN, OPSET_VERSION
+from ..ops._expert_math import ACTIVATIONS, clamped_swiglu, swish
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
-from ._match import attribute_value, int64s, replace_node
-from ._onnxscript import TapeBuilder
-from ._weights import Weight, weight, weight_value
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
 

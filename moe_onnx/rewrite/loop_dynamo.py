@@ -32,14 +32,16 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
+from .._ir.nodes import standard
+from .._ir.weights import Weight
 from ._activation import read_swiglu
+from ._linear import Linear, read_linear
 from ._match import (
-    MatchFailure, axes, constant_ints, failing_in, is_zeros, nonzero_of, producer, require, standard, static_shape,
+    MatchFailure, axes, constant_ints, failing_in, is_zeros, nonzero_of, producer, require, static_shape,
     unsqueezed_last,
 )
 from ._router import one_hot_route
 from ._unrolled import LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row
-from ._weights import Linear, Weight, read_linear
 
 
 def _is_accumulation(node: ir.Node | None) -> bool:

@@ -42,13 +42,14 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.nodes import attribute_value
+from .._ir.weights import Weight, lazy_initializer, weight
 from ..ops import DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, W0, W1, W2
 from ..ops.qmoe import INT8_ACTIVATIONS, QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
 from ..ops.signatures import MOE_GATING_TOPK
-from ._match import MatchFailure, attribute_value, constant, int64s, replace_node, require
-from ._onnxscript import TapeBuilder
-from ._weights import Weight, lazy_initializer, weight
+from ._match import MatchFailure, constant, require
 from .gating import Router, read_router, uncast
 
 ORT_DOMAIN = "com.microsoft"

@@ -53,11 +53,11 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.weights import fresh_name, initializer_expert, streamed_initializer
 from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.qmoe import INT8_ACTIVATIONS, QUANT_INT, QUANT_MXFP4, pack_codes, unpack_codes
 from ._match import MatchFailure, constant, require
-from ._weights import fresh_name, initializer_expert, streamed_initializer
 
 RULE = "OrtMoeImport"
 ORT_DOMAIN = "com.microsoft"

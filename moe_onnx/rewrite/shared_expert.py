@@ -18,10 +18,12 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.nodes import standard
+from .._ir.weights import initializer_expert, streamed_initializer
 from ..ops import DOMAIN
 from ._activation import read_swiglu
-from ._match import MatchFailure, require, standard, static_last_dim
-from ._weights import Linear, initializer_expert, read_linear, streamed_initializer
+from ._linear import Linear, read_linear
+from ._match import MatchFailure, require, static_last_dim
 
 RULE_NAME = "SharedExpertFold"
 

@@ -35,11 +35,12 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from .._ir.builder import int64s
+from .._ir.weights import Weight, weight, weight_value
 from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import clamped_swiglu, read_clamped_swiglu, read_swiglu, swiglu
-from ._match import Dim, MoeFusion, constant_ints, emit_moe, int64s, require, shape_dims
+from ._match import Dim, MoeFusion, constant_ints, emit_moe, require, shape_dims
 from ._router import Route, dense_route
-from ._weights import Weight, weight, weight_value
 
 
 # ----------------------------------------------------------------------------- shape tensors

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the case
 from backends import as_float64, run_case  # noqa: E402
 from cases import Case  # noqa: E402
 
-from moe_onnx.distributed import Layout, comm  # noqa: E402
+from moe_onnx.distributed import comm  # noqa: E402
+from moe_onnx.ops.layout import Layout  # noqa: E402
 from moe_onnx.ops.distribute import combine_all_ranks, dispatch_all_ranks  # noqa: E402
 from moe_onnx.ops.moe import moe_tensor_parallel  # noqa: E402
 from moe_onnx.ops.row_parallel_linear import row_parallel_linear_tensor_parallel  # noqa: E402

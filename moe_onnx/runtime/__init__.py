@@ -6,8 +6,8 @@ numpy reference (``moe_onnx.ops.OPS[name].reference``) under the GIL inside the 
 session runs a copy of the model whose moe_onnx nodes are moved to the host's private domain
 (``moe_onnx.python``), each as the variant with the output types ONNX shape inference gives it.
 
-Where the parts live: finding the libraries in ``_library``, the private-domain copies of a model
-in ``_private_domain``, the host's Python side in ``_python_host``.
+Where the parts live: finding the libraries in ``library``, the private-domain copies of a model
+in ``private_domain``, the host's Python side in ``python_host``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ._graph import walk
-from ._library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, python_host_library
-from ._private_domain import cpp_model, python_model, structure
-from .ops import DOMAIN, OPS
-from .ops._common import check_attribute_names
+from .._ir.graph import walk
+from ..ops import DOMAIN, OPS
+from ..ops._common import check_attribute_names
+from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, python_host_library
+from .private_domain import cpp_model, python_model, structure
 
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "BACKENDS",

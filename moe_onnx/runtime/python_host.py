@@ -4,8 +4,9 @@ The host registers one kernel per *variant*: an op with concrete output element 
 onnxruntime must know before it runs (they may depend on attributes), in the private domain
 ``moe_onnx.python``. It asks :func:`op_specs` for the variants once, and calls :func:`compute` for
 each node it runs: the op's numpy reference, or for a node of more than one rank its per-rank kernel
-(``distributed/kernels.py``). The host looks up both here by name, and ``MoeOpError`` (the
-exception it reports as ORT_INVALID_ARGUMENT).
+(``distributed/kernels.py``, imported only when such a node runs, so a session of one process never
+loads the MPI layer). The host (``kHostModule`` in python_host.cc) looks up both here by name, and
+``MoeOpError`` (the exception it reports as ORT_INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .distributed.kernels import kernel_for
-from .ops import OPS, MoeOpError, OpDef
-from .ops._common import elem_of, elem_of_type_str, np_dtype
+from ..ops import OPS, MoeOpError, OpDef
+from ..ops._common import elem_of, elem_of_type_str, np_dtype
+from ..ops.layout import several_ranks
 
 PYTHON_DOMAIN = "moe_onnx.python"  # kDomain in python_host.cc
 # Output element types a variant may have when the op's output type is a constraint (not fixed).
@@ -62,7 +63,7 @@ def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outpu
     the node names; returns per output (elem_type, shape, bytes view), None for an output the node does not name."""
     arrays = [None if item is None else np.frombuffer(item[0], dtype=np_dtype(item[1])).reshape(item[2])
               for item in inputs]
-    kernel = kernel_for(op_name, attrs) or OPS[op_name].reference  # a node of several ranks runs its part
+    kernel = _rank_kernel(op_name, attrs) or OPS[op_name].reference
     n_outputs = len(named_outputs)
     outputs = kernel(*arrays, _node_name=node_name, _named_outputs=named_outputs, **attrs)
     if not isinstance(outputs, (tuple, list)) or len(outputs) < n_outputs:
@@ -80,3 +81,14 @@ def compute(op_name: str, node_name: str, inputs: list, attrs: dict, named_outpu
         shape = tuple(int(d) for d in out.shape)
         result.append((int(elem), shape, np.ascontiguousarray(out).reshape(-1).view(np.uint8)))
     return result
+
+
+def _rank_kernel(op_name: str, attrs: dict):
+    """The per-rank kernel of a node of several ranks, which runs its part
+    (:func:`moe_onnx.distributed.kernels.kernel_for`); None for every other node, without importing the
+    MPI layer."""
+    if not several_ranks(attrs):
+        return None
+    from ..distributed.kernels import kernel_for
+
+    return kernel_for(op_name, attrs)

@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from ._graph import graphs
+from .graph import graphs
 
 #: models whose weights exceed this are written with external data (protobuf's limit is 2 GB)
 EXTERNAL_DATA_THRESHOLD = 1 << 30

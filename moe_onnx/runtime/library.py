@@ -37,7 +37,7 @@ def _find_library(stem: str, env: str) -> str:
             raise FileNotFoundError(f"{env}={override} is not a file")
         return os.path.abspath(override)
     name = _LIB_NAMES.get(sys.platform, "lib{}.so").format(stem)
-    candidates = [Path(__file__).parent / "_lib" / name]
+    candidates = [Path(__file__).parents[1] / "_lib" / name]  # moe_onnx/_lib
     # The source tree can shadow the installed package (e.g. `python` started in the repository):
     # then look for the library in the installed copies of the package too.
     for entry in sys.path:

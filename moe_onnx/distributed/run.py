@@ -1,14 +1,14 @@
 """Run a sharded model (``moe-onnx shard``'s directory) with one process per rank under MPI::
 
-    mpirun -n P python -m moe_onnx.run DIR --inputs in.npz -o out.npz [--backend cpp|python] [--threads N]
-        [--timeout S]
+    mpirun -n P python -m moe_onnx.distributed.run DIR --inputs in.npz -o out.npz [--backend cpp|python]
+        [--threads N] [--timeout S]
 
 or ``moe-onnx run DIR -n P ...``, which starts that mpirun itself (:func:`launch`). Every rank runs its
 ``rankG.onnx`` on the same inputs; rank 0 writes the outputs. Before running, every rank checks that the
 MPI world has the shard's size, that its model file matches shard.json's fingerprint, and, through an
 all-gather, that all ranks hold models of one shard that fit together (:func:`open_rank`). An error on any
-rank prints ``moe_onnx.run: rank G: <message>`` and aborts the whole job (MPI_Abort), so no rank waits for
-one that is gone; every collective waits at most MOE_ONNX_COMM_TIMEOUT_S seconds (``--timeout``).
+rank prints ``moe_onnx.distributed.run: rank G: <message>`` and aborts the whole job (MPI_Abort), so no rank
+waits for one that is gone; every collective waits at most MOE_ONNX_COMM_TIMEOUT_S seconds (``--timeout``).
 
 Only this module's ``main`` and ``open_rank`` touch MPI (mpi4py); ``launch`` and ``compare`` do not.
 """
@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from . import io
-from .distributed import Layout
-from .distributed.comm import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, groups
-from .distributed.manifest import Manifest, mismatches, nodes_fingerprint, rank_record
-from .runtime import BACKENDS, run, session
+from .._ir import model_files
+from ..ops.layout import Layout
+from ..runtime import BACKENDS, run, session
+from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, groups
+from .manifest import Manifest, mismatches, nodes_fingerprint, rank_record
 
-_SESSION_START = "moe_onnx.run session start"  # how comm errors of the checks name their op
+_SESSION_START = "moe_onnx.distributed.run session start"  # how comm errors of the checks name their op
 
 
 class RankError(RuntimeError):
@@ -59,7 +59,7 @@ def check_rank(directory: str | os.PathLike, rank: int, world: int) -> tuple[Man
         raise RankError(f"the MPI world has {world} ranks; {directory} is a shard for {manifest.world} ranks "
                         f"(tp {manifest.tp} x ep {manifest.ep}): run it with -n {manifest.world}")
     path = Path(directory) / manifest.files[rank]
-    proto = io.read_proto(path)
+    proto = model_files.read_proto(path)
     fingerprint = nodes_fingerprint(proto)
     problem = ""
     if fingerprint != manifest.fingerprints[rank]:
@@ -109,19 +109,21 @@ def run_session(sess, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def guarded(comm, work: Callable[[], int]) -> int:
-    """``work()`` on this rank; any exception prints ``moe_onnx.run: rank G: <message>`` and aborts the job."""
+    """``work()`` on this rank; any exception prints ``moe_onnx.distributed.run: rank G: <message>`` and aborts
+    the job."""
     try:
         return work()
     except BaseException as error:  # noqa: BLE001 -- whatever ends this rank must end the job
         text = str(error).strip() or type(error).__name__
         sys.stderr.flush()
-        os.write(2, f"moe_onnx.run: rank {comm.Get_rank()}: {text}\n".encode())  # one write: whole before the abort
+        # one write: the whole message before the abort
+        os.write(2, f"moe_onnx.distributed.run: rank {comm.Get_rank()}: {text}\n".encode())
         comm.Abort(1)
         raise  # not reached: Abort ends the process
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moe_onnx.run",
+    parser = argparse.ArgumentParser(prog="python -m moe_onnx.distributed.run",
                                      description="Run one rank of a sharded model; start it with mpirun -n P.")
     parser.add_argument("directory", metavar="DIR", help="a directory written by `moe-onnx shard`")
     parser.add_argument("--inputs", required=True, metavar="IN.npz", help="the model's inputs (the same on every rank)")
@@ -140,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from mpi4py import MPI
     except ImportError as error:
-        print(f"moe_onnx.run: needs mpi4py and an MPI library ({error}); see docs/distributed.md", file=sys.stderr)
+        print(f"moe_onnx.distributed.run: needs mpi4py and an MPI library ({error}); see docs/distributed.md",
+              file=sys.stderr)
         return 2
 
     comm = MPI.COMM_WORLD
@@ -167,7 +170,7 @@ def mpirun_command(ranks: int, command: Sequence[str]) -> list[str]:
     program = shutil.which("mpirun")
     if program is None:
         raise LaunchError("mpirun was not found on PATH: install Open MPI (Debian: apt-get install openmpi-bin "
-                          "libopenmpi-dev) or start `python -m moe_onnx.run` with your MPI's launcher")
+                          "libopenmpi-dev) or start `python -m moe_onnx.distributed.run` with your MPI's launcher")
     launcher = [program, "--oversubscribe"]
     if hasattr(os, "getuid") and os.getuid() == 0:
         launcher.append("--allow-run-as-root")
@@ -190,7 +193,7 @@ def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, 
                  "--threads", str(threads)]
     if timeout is not None:
         arguments += ["--timeout", str(timeout)]
-    command = mpirun_command(ranks, [sys.executable, "-m", "moe_onnx.run", *arguments])
+    command = mpirun_command(ranks, [sys.executable, "-m", "moe_onnx.distributed.run", *arguments])
     return subprocess.run(command, env=package_environment()).returncode
 
 

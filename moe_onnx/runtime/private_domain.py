@@ -4,7 +4,7 @@
   is int8 whatever x is; onnxruntime takes output types from the registration that matches the
   input types, so these nodes need a registration of their own.
 * Python host (``moe_onnx.python``): every moe_onnx node, as the variant whose output types ONNX
-  shape inference gives it (see :mod:`moe_onnx._python_host`).
+  shape inference gives it (see :mod:`moe_onnx.runtime.python_host`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import os
 
 import onnx
 
-from ._graph import graphs, walk
-from ._python_host import PYTHON_DOMAIN, output_choices, variant_name
-from .ops import DOMAIN, OPS
+from .._ir.graph import graphs, walk
+from ..ops import DOMAIN, OPS
+from .python_host import PYTHON_DOMAIN, output_choices, variant_name
 
 CPP_PRIVATE_DOMAIN = "moe_onnx.cpp"  # custom_ops/src/ops.cc
 
