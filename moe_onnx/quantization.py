@@ -48,7 +48,7 @@ from .runtime import session
 from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
 
 __all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
-           "measure_error", "mxfp4_exact", "quantize_ir"]
+           "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
 
 BITS = (4, 8)
 
@@ -392,6 +392,31 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
                             f"({', '.join(repacked)}): they keep 0")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
     return report
+
+
+def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
+             sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
+             progress: Callable[[str], None] | None = None):
+    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, loaded whole with its external data,
+    an ``onnx.ModelProto`` or an ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
+    and, with ``measure``, put its error against the model as it was into the report (:func:`measure_error`
+    on ``backend`` at ``sizes``, inputs seeded by ``seed``). Returns ``(quantized, report)``: an
+    ``onnx_ir.Model`` for one, else a ModelProto. Both models are serialized to protos, so the model must be
+    under 2 GB; ``moe_onnx.pipeline.quantize_file`` streams larger ones to disk. Raises QuantizeError as
+    :func:`quantize_ir` does, and what onnxruntime raises when the error cannot be measured."""
+    settings.check()
+    if isinstance(model, ir.Model):
+        ir_model = model
+    elif isinstance(model, onnx.ModelProto):
+        ir_model = ir.serde.deserialize_model(model)
+    else:  # loaded whole (external data included), so that both models run from memory
+        ir_model = ir.serde.deserialize_model(onnx.load(model))
+    original = ir.serde.serialize_model(ir_model) if measure else None
+    report = quantize_ir(ir_model, settings, progress=progress)
+    quantized = ir.serde.serialize_model(ir_model)
+    if measure:
+        report.error = measure_error(original, quantized, report.layers, backend=backend, sizes=sizes, seed=seed)
+    return (ir_model if isinstance(model, ir.Model) else quantized), report
 
 
 # ----------------------------------------------------------------------------- the error
