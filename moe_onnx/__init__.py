@@ -74,24 +74,9 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     For models over 2 GB use ``moe-onnx quantize`` (:func:`moe_onnx.pipeline.quantize_file`), which
     streams the weights to disk.
     """
-    import onnx
-    import onnx_ir as ir
-
-    from .quantization import QuantizeSettings, measure_error, quantize_ir
+    from . import quantization
     from .verify import DEFAULT_SIZES
 
-    settings = QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4)
-    settings.check()
-    if isinstance(model, ir.Model):
-        ir_model = model
-    elif isinstance(model, onnx.ModelProto):
-        ir_model = ir.serde.deserialize_model(model)
-    else:  # loaded whole (external data included), so that both models run from memory
-        ir_model = ir.serde.deserialize_model(onnx.load(model))
-    original = ir.serde.serialize_model(ir_model) if measure else None
-    report = quantize_ir(ir_model, settings)
-    quantized = ir.serde.serialize_model(ir_model)
-    if measure:
-        report.error = measure_error(original, quantized, report.layers, backend=backend,
-                                     sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
-    return (ir_model if isinstance(model, ir.Model) else quantized), report
+    settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4)
+    return quantization.quantize(model, settings, measure=measure, backend=backend,
+                                 sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)

@@ -29,6 +29,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
+from .compare import Difference, compare_arrays, worst
 from .ops import DOMAIN, signatures
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
@@ -47,7 +48,7 @@ from .runtime import session
 from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
 
 __all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
-           "measure_error", "mxfp4_exact", "quantize_ir"]
+           "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
 
 BITS = (4, 8)
 
@@ -289,7 +290,8 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
 
 @dataclasses.dataclass
 class ErrorStat:
-    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|.
+    """The error of one tensor over every size tried: max |quantized - fp32| and that over max |fp32|
+    (:mod:`moe_onnx.compare`: a NaN or an infinity where the fp32 model has another value is an infinite error).
     For a layer, also the tokens routed, those ``rerouted`` (whose set of selected experts differs from the
     fp32 model's: quantization moved a near tie of the router's scores) and the largest change of the
     routing weight of an expert that both select for a token (``routing_weight_change``)."""
@@ -392,6 +394,31 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     return report
 
 
+def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
+             sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
+             progress: Callable[[str], None] | None = None):
+    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, loaded whole with its external data,
+    an ``onnx.ModelProto`` or an ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
+    and, with ``measure``, put its error against the model as it was into the report (:func:`measure_error`
+    on ``backend`` at ``sizes``, inputs seeded by ``seed``). Returns ``(quantized, report)``: an
+    ``onnx_ir.Model`` for one, else a ModelProto. Both models are serialized to protos, so the model must be
+    under 2 GB; ``moe_onnx.pipeline.quantize_file`` streams larger ones to disk. Raises QuantizeError as
+    :func:`quantize_ir` does, and what onnxruntime raises when the error cannot be measured."""
+    settings.check()
+    if isinstance(model, ir.Model):
+        ir_model = model
+    elif isinstance(model, onnx.ModelProto):
+        ir_model = ir.serde.deserialize_model(model)
+    else:  # loaded whole (external data included), so that both models run from memory
+        ir_model = ir.serde.deserialize_model(onnx.load(model))
+    original = ir.serde.serialize_model(ir_model) if measure else None
+    report = quantize_ir(ir_model, settings, progress=progress)
+    quantized = ir.serde.serialize_model(ir_model)
+    if measure:
+        report.error = measure_error(original, quantized, report.layers, backend=backend, sizes=sizes, seed=seed)
+    return (ir_model if isinstance(model, ir.Model) else quantized), report
+
+
 # ----------------------------------------------------------------------------- the error
 
 def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, backend: str = "cpp",
@@ -409,7 +436,7 @@ def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, ba
         int_ranges = integer_input_ranges(proto)
         dims = symbolic_dims(reference_sess)
         names = list(dict.fromkeys(graph_outputs + extra))
-        errors = {name: _Error() for name in names}
+        errors = {name: _Error(name) for name in names}
         for index, size in enumerate(sizes):
             feeds = random_feeds(reference_sess, dict(zip(dims, size)), seed=seed + index, int_ranges=int_ranges)
             expected = dict(zip(names, reference_sess.run(names, feeds)))
@@ -420,15 +447,18 @@ def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, ba
                 errors[layer.output].add_routing(expected[layer.indices], got[layer.indices],
                                                  expected[layer.routing_weights], got[layer.routing_weights])
     float_outputs = [name for name in graph_outputs if errors[name].floating]
-    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat(name) for name in float_outputs],
-                       [errors[layer.output].stat(layer.output) for layer in layers])
+    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat() for name in float_outputs],
+                       [errors[layer.output].stat() for layer in layers])
 
 
 class _Error:
-    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes."""
+    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes
+    (:mod:`moe_onnx.compare`'s rule: a NaN or an infinity the unquantized model does not have is an infinite
+    error)."""
 
-    def __init__(self):
-        self.max_abs = self.reference_max = 0.0
+    def __init__(self, name: str):
+        self.name = name
+        self.difference = Difference()
         self.floating = False
         self.tokens = self.rerouted = self.routing_weight_change = None
 
@@ -436,10 +466,7 @@ class _Error:
         if not np.issubdtype(expected.dtype, np.floating):
             return
         self.floating = True
-        if expected.size:
-            reference = expected.astype(np.float64)
-            self.max_abs = max(self.max_abs, float(np.abs(got.astype(np.float64) - reference).max()))
-            self.reference_max = max(self.reference_max, float(np.abs(reference).max()))
+        self.difference = worst([self.difference, compare_arrays(expected, got, name=self.name)])
 
     def add_routing(self, indices: np.ndarray, indices_now: np.ndarray, weights: np.ndarray,
                     weights_now: np.ndarray) -> None:
@@ -452,14 +479,14 @@ class _Error:
         same = (chosen == chosen_now).all(axis=1)
         self.tokens = (self.tokens or 0) + chosen.shape[0]
         self.rerouted = (self.rerouted or 0) + int((~same).sum())
-        change = np.abs(np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1).astype(np.float64)
-                        - np.take_along_axis(weights.reshape(-1, k), order, axis=1))[same]
-        self.routing_weight_change = max(self.routing_weight_change or 0.0, float(change.max(initial=0.0)))
+        change = compare_arrays(np.take_along_axis(weights.reshape(-1, k), order, axis=1)[same],
+                                np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1)[same],
+                                name=f"{self.name}'s routing weights")
+        self.routing_weight_change = max(self.routing_weight_change or 0.0, change.max_abs)
 
-    def stat(self, name: str) -> ErrorStat:
-        relative = self.max_abs / self.reference_max if self.reference_max else float(self.max_abs > 0)
-        return ErrorStat(name, self.max_abs, relative, self.reference_max, self.tokens, self.rerouted,
-                         self.routing_weight_change)
+    def stat(self) -> ErrorStat:
+        return ErrorStat(self.name, self.difference.max_abs, self.difference.relative_to_peak,
+                         self.difference.reference_peak, self.tokens, self.rerouted, self.routing_weight_change)
 
 
 @contextlib.contextmanager

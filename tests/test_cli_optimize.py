@@ -291,3 +291,36 @@ def test_verify_reports_an_input_it_cannot_generate():
         opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
     result = verify(model, model, backend="python", time_it=False)
     assert not result.ok and result.error == "verify: input 'text' has type tensor(string), which verify cannot generate"
+
+
+def _elementwise_model(*ops: str) -> onnx.ModelProto:
+    """y = op_n(...op_1(x)) for x [batch, seq] (Concat: along the last axis with itself)."""
+    nodes, value = [], "x"
+    for index, op in enumerate(ops):
+        output = "y" if index == len(ops) - 1 else f"v{index}"
+        inputs = [value, value] if op == "Concat" else [value]
+        nodes.append(onnx.helper.make_node(op, inputs, [output], **({"axis": -1} if op == "Concat" else {})))
+        value = output
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                                    ["batch", "seq"])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_verify_counts_nan_as_infinite_unless_both_models_give_it():
+    """moe_onnx.compare's rule: a NaN only the optimized model gives is an infinite difference; NaN where the
+    original gives NaN too is equal."""
+    nan_everywhere = _elementwise_model("Abs", "Neg", "Sqrt")  # sqrt(-|x|): NaN for x != 0
+    result = verify(_elementwise_model("Identity"), nan_everywhere, backend="python", sizes=[(2, 3)], time_it=False)
+    assert not result.ok and result.results[0].max_abs_diff == np.inf
+    assert "max abs diff inf, max rel diff inf MISMATCH" in result.summary()
+    same = verify(nan_everywhere, nan_everywhere, backend="python", sizes=[(2, 3)], time_it=False)
+    assert same.ok and (same.results[0].max_abs_diff, same.results[0].max_rel_diff) == (0.0, 0.0)
+
+
+def test_verify_names_an_output_whose_shape_differs():
+    result = verify(_elementwise_model("Identity"), _elementwise_model("Concat"), backend="python", sizes=[(2, 3)],
+                    time_it=False)
+    assert not result.ok and not result.results[0].compared
+    assert result.summary() == ("  batch=2, seq=3: FAILED: the optimized model's outputs differ from the original's: "
+                                "output 'y' has shape [2, 6]; expected [2, 3]")

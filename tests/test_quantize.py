@@ -303,6 +303,61 @@ def test_cli_quantize_prints_the_error_and_writes_the_report(tmp_path, capsys):
     assert op_counts(onnx.load(out))["QMOE"] == 1
 
 
+# ----------------------------------------------------------------------------- NaN after quantization
+
+def dead_unit_rms_norm_model() -> onnx.ModelProto:
+    """One GEMM3_SWIGLU MOE, then an RMS norm without epsilon (y / sqrt(mean(y^2))). Intermediate unit 0 is
+    dead (its gate and up rows are zeros, so its activation is 0), but its down-projection weight, 1.0, is the
+    largest of every output column: int8 per column gives those columns the scale 1/127, the live units'
+    weights (|w| < 0.004 < scale / 2) round to 0, and the quantized MOE's output is exactly 0, so the norm
+    divides 0 by 0. The fp32 MOE's output is small but not 0: its norm is finite."""
+    rng = np.random.default_rng(0)
+    experts, hidden, inter = 2, 32, 16
+    gate, up = (rng.standard_normal((experts, inter, hidden)).astype(np.float32) for _ in range(2))
+    gate[:, 0], up[:, 0] = 0.0, 0.0
+    down = rng.uniform(-0.003, 0.003, (experts, hidden, inter)).astype(np.float32)
+    down[:, :, 0] = 1.0
+    nodes = [onnx.helper.make_node("MOE", ["x", "rw", "idx", "gate", "", "up", "", "down"], ["y"], name="moe",
+                                   domain=DOMAIN, expert_type="GEMM3_SWIGLU"),
+             onnx.helper.make_node("Mul", ["y", "y"], ["squares"]),
+             onnx.helper.make_node("ReduceMean", ["squares", "last"], ["mean_square"], keepdims=1),
+             onnx.helper.make_node("Sqrt", ["mean_square"], ["rms"]),
+             onnx.helper.make_node("Div", ["y", "rms"], ["out"])]
+    graph = onnx.helper.make_graph(
+        nodes, "dead_unit_rms_norm",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["t", hidden]),
+         onnx.helper.make_tensor_value_info("rw", onnx.TensorProto.FLOAT, ["t", 2]),
+         onnx.helper.make_tensor_value_info("idx", onnx.TensorProto.INT64, ["t", 2])],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["t", hidden])],
+        initializer=[numpy_helper.from_array(value, name) for name, value in
+                     (("gate", gate), ("up", up), ("down", down), ("last", np.array([-1], np.int64)))])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                        onnx.helper.make_opsetid(DOMAIN, 1)], ir_version=10)
+
+
+def test_an_output_the_quantized_model_makes_nan_is_an_infinite_error(tmp_path, capsys):
+    """The error of an output the quantized model makes NaN where the fp32 model has numbers is inf, not 0
+    (Python's max(0.0, nan) is 0.0), in the report of the API and of the CLI."""
+    model = dead_unit_rms_norm_model()
+    quantized_model, report = moe_onnx.quantize(model, bits=8, backend=BACKEND, sizes=SIZES)
+    feeds = {"x": np.ones((2, 32), np.float32), "rw": np.ones((2, 2), np.float32), "idx": np.zeros((2, 2), np.int64)}
+    (expected,), (got,) = session(model, BACKEND).run(None, feeds), session(quantized_model, BACKEND).run(None, feeds)
+    assert np.isfinite(expected).all() and np.isnan(got).all()  # the construction holds
+    (output,) = report.error.outputs
+    assert (output.name, output.max_abs, output.relative) == ("out", np.inf, np.inf)
+    assert "output 'out': max abs inf, relative inf" in report.summary()
+    (layer,) = report.error.layers  # the MOE's own output is finite on both sides: a finite error
+    assert 0 < layer.max_abs < np.inf and layer.relative == pytest.approx(1.0)
+
+    source, out, document = tmp_path / "model.onnx", tmp_path / "q.onnx", tmp_path / "report.json"
+    onnx.save(model, source)
+    assert main(["quantize", str(source), "-o", str(out), "--bits", "8", "--backend", BACKEND, "--report",
+                 str(document)]) == 0
+    assert "output 'out': max abs inf, relative inf" in capsys.readouterr().out
+    (written,) = json.loads(document.read_text())["error"]["outputs"]
+    assert (written["max_abs"], written["relative"]) == (np.inf, np.inf)
+
+
 # ----------------------------------------------------------------------------- errors
 
 @pytest.mark.parametrize("settings, message", [

@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .._ir import model_files
+from ..compare import OutputMismatch, compare_arrays
 from ..ops.layout import Layout
 from ..runtime import BACKENDS, run, session
 from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_VARIABLE, groups
@@ -200,21 +201,18 @@ def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, 
 def compare(reference: str | os.PathLike, inputs: str | os.PathLike, output: str | os.PathLike,
             backend: str = "cpp") -> dict[str, float]:
     """The max absolute difference of every output in ``output`` from the unsharded model ``reference`` run
-    on one process on ``inputs`` (:func:`max_difference`; inf for a missing output or another shape)."""
+    on one process on ``inputs`` (:func:`moe_onnx.compare.compare_arrays`: NaN against NaN is equal, a NaN or
+    an infinity against another value an infinite difference; inf too for a missing output or another shape)."""
     expected = run_session(session(os.fspath(reference), backend), read_inputs(inputs))
     got = read_inputs(output)
-    return {name: max_difference(got[name], value) if name in got and got[name].shape == value.shape else math.inf
-            for name, value in expected.items()}
+    return {name: _max_difference(name, value, got) for name, value in expected.items()}
 
 
-def max_difference(got: np.ndarray, expected: np.ndarray) -> float:
-    """max |got - expected|, never NaN: equal values (infinities, NaN against NaN) differ by 0, a NaN
-    against anything else by inf (a NaN would pass any `<= tolerance` check made with max())."""
-    got, expected = got.astype(np.float64), expected.astype(np.float64)
-    both_nan = np.isnan(got) & np.isnan(expected)
-    with np.errstate(invalid="ignore"):
-        difference = np.where((got == expected) | both_nan, 0.0, np.abs(got - expected))
-    return float(np.max(np.nan_to_num(difference, nan=math.inf), initial=0.0))
+def _max_difference(name: str, expected: np.ndarray, outputs: dict[str, np.ndarray]) -> float:
+    try:
+        return compare_arrays(expected, outputs[name], name=name).max_abs
+    except (KeyError, OutputMismatch):
+        return math.inf
 
 
 if __name__ == "__main__":
