@@ -1,4 +1,4 @@
-"""How much slower is a portable model without our library? (issue 13, item 4)
+"""How much slower is a portable model without our library?
 
 `moe-onnx optimize --portable` writes each moe_onnx op's function body (standard ONNX ops,
 moe_onnx/portable.py) into the model. This script times the same portable model three ways, side by

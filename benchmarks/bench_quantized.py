@@ -12,8 +12,8 @@ scales are random (the time does not depend on their values), and fp32 MOE runs 
 weights dequantized. QMoE gets the same codes and scales (gate/up rows interleaved: swiglu_fusion 1)
 and router logits that select the same experts with the same weights, so its output is checked
 against ours; where its CPU kernel refuses a variant the reason is printed. Decode (T = 1) reads
-each selected expert's weights once, so int4 / fp32 there is about the ratio of bytes read; the
-issue's target is int4 (block 32) <= 0.3x fp32 at T = 1.
+each selected expert's weights once, so int4 / fp32 there is about the ratio of bytes read (the
+target: int4 block 32 <= 0.3x fp32 at T = 1).
 """
 
 from __future__ import annotations

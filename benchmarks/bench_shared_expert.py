@@ -1,4 +1,4 @@
-"""Is a shared expert faster beside the fused MOE or folded into it? (issue 11, item 8)
+"""Is a shared expert faster beside the fused MOE or folded into it?
 
 A shared expert (Qwen2-MoE, DeepSeek, GLM, dots...) is a gated MLP that every token runs, of width
 S = m * I. Down-projection is linear, so it equals m extra routed experts of width I that every

@@ -2,7 +2,7 @@
 many the rewriter fuses per target (and the near-misses when not), whether the fused logits equal
 torch's on both backends, and the fused model's speed-up over the original.
 
-  PYTHONPATH=$PWD python benchmarks/bench_whole_models.py /work/whole [--markdown] [--only mixtral]
+  PYTHONPATH=$PWD python benchmarks/bench_whole_models.py /tmp/whole [--markdown] [--only mixtral]
   PYTHONPATH=$PWD python benchmarks/bench_whole_models.py models/fixtures --markdown
 
 The directory is either an export directory of `models/export_moe_blocks.py --whole` (a

@@ -1,4 +1,4 @@
-"""Issue 13's evidence, one row per fixture family: every way in and out of our ops, on the same inputs.
+"""One row per fixture family: every way in and out of our ops, on the same inputs.
 
 For the small block fixture of each family (models/fixtures), on seeded random inputs:
 

@@ -6,7 +6,7 @@ Exporting needs torch and transformers (see models/README.md for the two export 
     python models/export_moe_blocks.py --family gpt_oss --style tiled --size tiny -o OUT.onnx
     python models/export_moe_blocks.py --all --out-dir models/fixtures
     python models/export_moe_blocks.py --check models/fixtures --op-table models/fixtures --update-readme
-    python models/export_moe_blocks.py --whole --out-dir /work/whole                 # every family, both exporters
+    python models/export_moe_blocks.py --whole --out-dir /tmp/whole                 # every family, both exporters
     python models/export_moe_blocks.py --whole --family mixtral --exporter dynamo --out-dir DIR
     python models/export_moe_blocks.py --whole --list-families
 """

@@ -1,4 +1,4 @@
-"""Weights behind layout ops (moe_onnx/rewrite/_weights.py): each expert's slice is read from the source
+"""Weights behind layout ops (moe_onnx/_ir/weights.py): each expert's slice is read from the source
 expert by expert and equals the whole value's slice; lazy initializers are named from the graph alone and
 convert an in-memory source once per write."""
 

@@ -89,7 +89,7 @@ MOE = Signature(
              "GEMM2_ACT (non-gated: down(activation(up(x))), Nemotron-H).", required=True),
         Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
         Attr("expert_beta", "float", "GEMM2 only, and a GEMM2 node must set it: the clamp bound (> 0, inf for "
-             "none). The default 0.0 is the seed's and is rejected (it would clamp every activation to 0).",
+             "none). The default 0.0 is OpenVINO's and is rejected (it would clamp every activation to 0).",
              default=0.0),
         Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
              default=0),
