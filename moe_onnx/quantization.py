@@ -28,9 +28,10 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from ._ir.builder import TapeBuilder, replace
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
 from .compare import Difference, compare_arrays, worst
-from .ops import DOMAIN, signatures
+from .ops import DOMAIN, OPSET_VERSION, signatures
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
     ACCURACY_LEVELS,
@@ -278,11 +279,11 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
     while inputs[-1] is None:
         inputs.pop()
 
-    attributes = [*node.attributes.values(), ir.AttrInt64("bits", layer.bits),
-                  ir.AttrInt64("block_size", layer.block_size), ir.AttrString("quant_type", layer.quant_type),
-                  ir.AttrInt64("accuracy_level", layer.accuracy_level)]
-    qmoe = ir.Node(DOMAIN, "QMOE", inputs, attributes, name=node.name)
-    ir.convenience.replace_nodes_and_values(graph, node, [node], [qmoe], node.outputs, qmoe.outputs)
+    op = TapeBuilder()
+    qmoe = op.QMOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, _name=node.name, **node.attributes,
+                   bits=layer.bits, block_size=layer.block_size, quant_type=layer.quant_type,
+                   accuracy_level=layer.accuracy_level)
+    replace(node, qmoe, op)
     return layer
 
 

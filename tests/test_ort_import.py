@@ -28,6 +28,7 @@ from moe_onnx.cli import main
 from fixture_models import MANIFEST, moe_node, optimized, reference_data
 from moe_onnx.ops.qmoe import quantize
 from moe_onnx.rewrite import ort_import
+from moe_onnx.rewrite._ort_contrib import INPUTS
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-4)
 FP16_TOL = dict(rtol=2e-2, atol=2e-2)  # onnxruntime's fp16 kernel rounds every intermediate to fp16
@@ -172,7 +173,7 @@ def genai_model(config: Config, arrays: dict, router: np.ndarray, router_bias: n
         inits.append(numpy_helper.from_array(router_bias.astype(config.dtype), "router.bias"))
         nodes.append(helper.make_node("Add", ["router_logits", "router.bias"], ["router_logits_biased"]))
         logits = "router_logits_biased"
-    names = ort_import._QMOE_INPUTS if config.quant is not None else ort_import._MOE_INPUTS
+    names = INPUTS["QMoE" if config.quant is not None else "MoE"]
     given = dict(arrays, **(global_scales or {}))
     inputs = ["hidden_states", logits]
     for name in names[2:]:
@@ -618,7 +619,7 @@ def _replace_initializer(model: onnx.ModelProto, name: str, array: np.ndarray) -
 def _with_input(model: onnx.ModelProto, name: str, array: np.ndarray) -> onnx.ModelProto:
     """The contrib node with initializer ``array`` as its input ``name``."""
     node = model.graph.node[-1]
-    position = ort_import._QMOE_INPUTS.index(name)
+    position = INPUTS["QMoE"].index(name)
     node.input.extend([""] * (position + 1 - len(node.input)))
     node.input[position] = name
     model.graph.initializer.append(numpy_helper.from_array(array, name))

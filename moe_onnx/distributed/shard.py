@@ -30,7 +30,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from .._ir import model_files
-from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.builder import TapeBuilder, const, insert, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import initializer_expert, streamed_initializer, weight
 from ..ops import DOMAIN, OPSET_VERSION
@@ -273,9 +273,8 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     local_ids = mine(expert_ids, op)
     expand_x, offsets, assist = op.MoeDistributeDispatch(
         mine(x, op), local_ids, num_experts=chain.experts, expert_capacity=chain.capacity, **groups,
-        _outputs=3, **_IN_OUR_DOMAIN)
-    expand_x.producer().name = f"{name}/MoeDistributeDispatch"
-    init.graph.insert_before(init, op.nodes)
+        _outputs=3, _name=f"{name}/MoeDistributeDispatch", **_IN_OUR_DOMAIN)
+    insert(init, op)
 
     experts = _local_experts(layout, chain.experts)
     columns = _i_slice(chain.intermediate, layout.tp_size, layout.tp_rank)
@@ -289,7 +288,7 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
 
     tail = TapeBuilder()
     if scales is None:  # absent scales count as 1
-        one = tail.Constant(value=ir.tensor(np.array(1, dtype=final.inputs[0].dtype.numpy())))
+        one = const(tail, 1, final.inputs[0].dtype)
         local_scales = tail.Expand(one, tail.Shape(local_ids))
     else:
         local_scales = mine(scales, tail)
@@ -297,9 +296,8 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     while extras and extras[-1] is None:
         extras.pop()
     out = tail.MoeDistributeCombine(final.inputs[0], assist, local_scales, *extras, num_experts=chain.experts,
-                                    gather_tokens=1, **groups, **_IN_OUR_DOMAIN)
-    out.producer().name = f"{name}/MoeDistributeCombine"
-    replace_node(final, tail.nodes, tail.initializers, out)
+                                    gather_tokens=1, _name=f"{name}/MoeDistributeCombine", **groups, **_IN_OUR_DOMAIN)
+    replace(final, out, tail)
 
 
 # ----------------------------------------------------------------------------- the model

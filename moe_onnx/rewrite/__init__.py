@@ -9,9 +9,10 @@ com.microsoft::MoE/QMoE; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing
-inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_linear`` (Linear layers);
-weights behind layout ops and lazy initializers are ``moe_onnx._ir.weights``, the node builder
-``moe_onnx._ir.builder``. ``_unfused`` reports every MoE block (found by its router) that no rule
+inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_linear`` (Linear layers),
+``_ort_contrib`` (the contrib ops' terms in ours, for ``ort_import`` and ``ort_export``); weights
+behind layout ops and lazy initializers are ``moe_onnx._ir.weights``, the node builder and the one
+replace ``moe_onnx._ir.builder``. ``_unfused`` reports every MoE block (found by its router) that no rule
 fused or reported. ``targets`` names the forms ``optimize`` makes.
 
 Importing this package is cheap (``moe_onnx.rewrite.targets`` does not import onnxscript): the

@@ -18,6 +18,7 @@ from ..portable import add_function_bodies, require_opset, summary
 from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
                tiled)
 from ._match import MoeFusion
+from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
 from .targets import TARGETS
 
@@ -55,7 +56,7 @@ class OptimizeReport:
         QMOE nodes; total_fused counts rule applications (grouped applies two per block)."""
         ours = self.nodes_after.get(f"{DOMAIN}::QMOE", 0)
         if self.target == "ort":
-            contrib = sum(self.nodes_after.get(f"{ort_export.ORT_DOMAIN}::{op}", 0) for op in ("MoE", "QMoE"))
+            contrib = sum(self.nodes_after.get(f"{ORT_DOMAIN}::{op}", 0) for op in CONTRIB_OPS.values())
             return contrib + ours + self.nodes_after.get(f"{DOMAIN}::MOE", 0)
         op_type = "MOE" if self.target == "moe" else "MoeFinalizeRouting"
         return self.nodes_after.get(f"{DOMAIN}::{op_type}", 0) + ours

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from .._ir.builder import TapeBuilder
+from .._ir.builder import TapeBuilder, const, insert, typed
 from .._ir.nodes import standard
 from ..ops import DOMAIN, OPSET_VERSION
 from ._match import (
@@ -354,24 +354,20 @@ def read_router(weights: ir.Value, indices: ir.Value) -> Router:
     return Router(logits, bias, attributes)
 
 
-def _emit(graph: ir.Graph, moe: ir.Node, router: Router) -> None:
+def _emit(moe: ir.Node, router: Router) -> None:
     """Insert MoeGatingTopK before ``moe`` and make ``moe`` take its weights and indices."""
     op = TapeBuilder()
-    bias = None
-    if router.bias is not None:
-        bias = op.Constant(value=ir.tensor(np.ascontiguousarray(router.bias)))
+    bias = None if router.bias is None else const(op, router.bias)
     attributes = {name: value for name, value in router.attributes.items() if value != _UNWRITTEN.get(name)}
     weights, indices = op.MoeGatingTopK(router.logits, bias, _outputs=2, _domain=DOMAIN, _version=OPSET_VERSION,
-                                        **attributes)
-    indices.producer().name = f"{moe.name or 'MOE'}/router"
+                                        _name=f"{moe.name or 'MOE'}/router", **attributes)
     # the shapes the routed values had, for the passes after this one (the shared-expert fold reads k)
-    weights.dtype, indices.dtype = router.logits.dtype, ir.DataType.INT64
-    weights.shape, indices.shape = (None if v.shape is None else ir.Shape(list(v.shape)) for v in moe.inputs[1:3])
+    typed(weights, router.logits.dtype, moe.inputs[1].shape)
+    typed(indices, ir.DataType.INT64, moe.inputs[2].shape)
     wanted = moe.inputs[1].dtype
     if wanted is not None and wanted != router.logits.dtype:
-        weights = op.Cast(weights, to=wanted)
-        weights.dtype, weights.shape = wanted, indices.shape
-    graph.insert_before(moe, op.nodes)
+        weights = typed(op.Cast(weights, to=wanted), wanted, indices.shape)
+    insert(moe, op)
     moe.replace_input_with(1, weights)
     moe.replace_input_with(2, indices)
 
@@ -388,6 +384,6 @@ def fuse_routers(model: ir.Model) -> tuple[int, list[str]]:
         except MatchFailure as failure:
             notes.append(f"{node.op_type} node '{node.name or ''}': the router stays as exported ({failure})")
             continue
-        _emit(model.graph, node, router)
+        _emit(node, router)
         count += 1
     return count, notes

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.builder import TapeBuilder, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import Weight, weight, weight_value
 from ..ops import DOMAIN, OPSET_VERSION
@@ -40,8 +40,8 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
     return op.MoeRowParallelLinear(*inputs, **_IN_OUR_DOMAIN)
 
 
-def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | None:
-    """The grouped chain for one MOE node: its nodes, new initializers and output (None: keep the node)."""
+def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
+    """The grouped chain for one MOE node: the builder that made it and its output (None: keep the node)."""
     hidden, routing, indices, w0, b0, w1, b1, w2 = (list(node.inputs) + [None] * 8)[:8]
     weights = [weight(w) for w in (w0, w1, w2)]
     if weights[0] is None or weights[1] is None or (w2 is not None and weights[2] is None):
@@ -88,7 +88,7 @@ def _expand(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value] | N
 
     out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
     y = op.Reshape(out, op.Shape(hidden), allowzero=1)  # a 0 in the shape is a 0 (no tokens), not a copy
-    return op.nodes, op.initializers, y
+    return op, y
 
 
 def expand_moe_nodes(model: ir.Model) -> dict[str, int]:
@@ -101,6 +101,7 @@ def expand_moe_nodes(model: ir.Model) -> dict[str, int]:
         expansion = _expand(node)
         if expansion is None:
             continue
-        replace_node(node, *expansion)
+        op, y = expansion
+        replace(node, y, op)
         count += 1
     return {"MoeToGrouped": count} if count else {}

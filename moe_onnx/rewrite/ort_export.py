@@ -42,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from .._ir.builder import TapeBuilder, int64s, replace_node
+from .._ir.builder import TapeBuilder, const, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import Weight, lazy_initializer, weight
 from ..ops import DOMAIN
@@ -50,13 +50,13 @@ from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, W0, W1, W2
 from ..ops.qmoe import INT8_ACTIVATIONS, QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
 from ..ops.signatures import MOE_GATING_TOPK
 from ._match import MatchFailure, constant, require
+from ._ort_contrib import (
+    ACTIVATION_TYPES, CONTRIB_OPS, ORT_DOMAIN, ORT_OPSET_VERSION, QUANT_TYPES, SWIGLU_INTERLEAVED, Activation,
+    ordered_inputs,
+)
 from .gating import Router, read_router, uncast
 
-ORT_DOMAIN = "com.microsoft"
-ORT_OPSET_VERSION = 1
 RULE = "MoeToOrtMoE"
-# GEMM2_ACT's activations by the contrib op's name for them (gelu: the tanh approximation, measured)
-_ORT_ACTIVATIONS = {"relu": "relu", "silu": "silu", "identity": "identity", "gelu_tanh": "gelu"}
 _ORT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 _BIASED = ("the router adds a bias to choose the experts (DeepSeek-V3's e_score_correction_bias); the contrib "
            "op chooses by the softmax scores")
@@ -142,11 +142,7 @@ class OrtExperts:
 
     fc1: OrtLinear
     fc2: OrtLinear
-    activation_type: str
-    alpha: float
-    beta: float
-    limit: float
-    swiglu_fusion: int
+    activation: Activation
 
 
 def _constant_weight(node: ir.Node, index: int | None) -> Weight | None:
@@ -238,27 +234,26 @@ def _experts(op, node: ir.Node) -> OrtExperts:
         parity = int(attribute_value(node, "gate_parity", 0))
         transposed = node.op_type != QMOE.name  # MOE keeps GPT-OSS's [E, H, 2I] and [E, I, H]
         fc1 = _linear(op, node, "fc1", [W0], lambda rows: _even_gate_rows(rows, parity), transposed)
-        return OrtExperts(fc1, _linear(op, node, "fc2", [W1], transposed=transposed), "swiglu", alpha, 1.0,
-                          float(attribute_value(node, "expert_beta", 0.0)), 1)
+        limit = float(attribute_value(node, "expert_beta", 0.0))
+        return OrtExperts(fc1, _linear(op, node, "fc2", [W1], transposed=transposed),
+                          Activation("swiglu", alpha, 1.0, SWIGLU_INTERLEAVED, limit))
     if expert_type == GEMM3_SWIGLU:
-        return OrtExperts(_linear(op, node, "fc1", [W0, W1], _interleave), _linear(op, node, "fc2", [W2]), "swiglu",
-                          alpha, 0.0, math.inf, 1)
+        return OrtExperts(_linear(op, node, "fc1", [W0, W1], _interleave), _linear(op, node, "fc2", [W2]),
+                          Activation("swiglu", alpha, 0.0, SWIGLU_INTERLEAVED, math.inf))
     activation = attribute_value(node, "activation", "")
-    require(activation in _ORT_ACTIVATIONS, f"the experts' activation is {activation}; the contrib op has "
-            f"{', '.join(sorted(_ORT_ACTIVATIONS))} (its gelu is the tanh approximation)")
-    return OrtExperts(_linear(op, node, "fc1", [W0]), _linear(op, node, "fc2", [W1]), _ORT_ACTIVATIONS[activation],
-                      1.0, 0.0, math.inf, 0)
+    require(activation in ACTIVATION_TYPES, f"the experts' activation is {activation}; the contrib op has "
+            f"{', '.join(sorted(ACTIVATION_TYPES))} (its gelu is the tanh approximation)")
+    return OrtExperts(_linear(op, node, "fc1", [W0]), _linear(op, node, "fc2", [W1]),
+                      Activation(ACTIVATION_TYPES[activation]))
 
 
 def ort_attributes(node: ir.Node, experts: OrtExperts, routing: OrtRouting) -> dict:
     """Every attribute of com.microsoft::MoE (QMoE: and its quantization's), written out."""
     attributes = {"k": routing.k, "normalize_routing_weights": int(routing.renormalize), "use_sparse_mixer": 0,
-                  "activation_type": experts.activation_type, "activation_alpha": experts.alpha,
-                  "activation_beta": experts.beta, "swiglu_fusion": experts.swiglu_fusion,
-                  "swiglu_limit": experts.limit}
+                  **experts.activation.attributes()}
     if node.op_type == QMOE.name:
         attributes.update(expert_weight_bits=attribute_value(node, "bits", 0),
-                          block_size=attribute_value(node, "block_size", 0), quant_type=QUANT_INT,
+                          block_size=attribute_value(node, "block_size", 0), quant_type=QUANT_TYPES[QUANT_INT],
                           accuracy_level=attribute_value(node, "accuracy_level", 0), weights_prepacked=0)
     return attributes
 
@@ -303,8 +298,8 @@ def _rows(op, value: ir.Value, width: int) -> ir.Value:
     return op.Reshape(value, int64s(op, [-1, width]))
 
 
-def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
-    """The nodes replacing a MOE or QMOE ``node``, new initializers and the output; MatchFailure when it stays."""
+def _convert(node: ir.Node) -> tuple[TapeBuilder, ir.Value]:
+    """The builder of the nodes replacing a MOE or QMOE ``node`` and their output; MatchFailure when it stays."""
     _check_types(node)
     routing = read_routing(node)
     quantized = node.op_type == QMOE.name
@@ -325,24 +320,25 @@ def _convert(node: ir.Node) -> tuple[list[ir.Node], list[ir.Value], ir.Value]:
     rows, logits = _rows(op, hidden, hidden_size), _rows(op, logits, num_experts)
     fc1, fc2 = experts.fc1, experts.fc2
     attributes = ort_attributes(node, experts, routing)
-    if not quantized:
-        y = op.MoE(rows, logits, fc1.weight, fc1.bias, fc2.weight, fc2.bias, _domain=ORT_DOMAIN,
-                   _version=ORT_OPSET_VERSION, **attributes)
-    else:
+    inputs = {"input": rows, "router_probs": logits, "fc1_experts_weights": fc1.weight, "fc1_experts_bias": fc1.bias,
+              "fc2_experts_weights": fc2.weight, "fc2_experts_bias": fc2.bias}
+    if quantized:
         # QMoE renormalizes the softmax of the chosen logits whatever normalize_routing_weights says
         # (measured); its router_weights, gathered as they are, give the weights without renormalization
-        router_weights = None if routing.renormalize else op.Softmax(logits, axis=-1)
-        y = op.QMoE(rows, logits, fc1.weight, fc1.scales, fc1.bias, fc2.weight, fc2.scales, fc2.bias, None, None,
-                    None, fc1.zero_points, fc2.zero_points, None, router_weights, _domain=ORT_DOMAIN,
-                    _version=ORT_OPSET_VERSION, **attributes)
+        inputs |= {"fc1_scales": fc1.scales, "fc2_scales": fc2.scales, "fc1_zero_points": fc1.zero_points,
+                   "fc2_zero_points": fc2.zero_points,
+                   "router_weights": None if routing.renormalize else op.Softmax(logits, axis=-1)}
+    contrib = CONTRIB_OPS[node.op_type]
+    y = op.op(contrib, *ordered_inputs(contrib, inputs), _domain=ORT_DOMAIN, _version=ORT_OPSET_VERSION,
+              **attributes)
     # onnxruntime 1.31.1's CPU MoE and QMoE may compute in place (MayInplace(0, 0)) but read their input
     # after writing the output (measured: wrong numbers when the input is a value nothing reads after
     # them); a node after them that reads the input keeps its buffer theirs alone. Where(false, rows, y)
     # is y exactly.
-    y = op.Where(op.Constant(value=ir.tensor(np.array(False))), rows, y)
+    y = op.Where(const(op, False), rows, y)
     if rows is not hidden:  # allowzero: a 0 in the shape (no tokens) is a 0, not "copy that dim"
         y = op.Reshape(y, op.Shape(hidden), allowzero=1)
-    return op.nodes, op.initializers, y
+    return op, y
 
 
 def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, str]]]:
@@ -350,10 +346,11 @@ def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, st
     and a near-miss (rule, node, reason) for each node that stays."""
     count, refused = 0, []
     for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type not in ("MOE", QMOE.name):
+        if node.domain != DOMAIN or node.op_type not in CONTRIB_OPS:
             continue
         try:
-            replace_node(node, *_convert(node))
+            op, y = _convert(node)
+            replace(node, y, op)
         except MatchFailure as failure:
             refused.append({"rule": RULE, "node": node.name or "",
                             "reason": f"stays a {DOMAIN} {node.op_type} (needs our library): {failure}"})

@@ -53,25 +53,20 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.builder import TapeBuilder, const, int64s, replace, typed
 from .._ir.weights import fresh_name, initializer_expert, streamed_initializer
 from ..ops import DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.qmoe import INT8_ACTIVATIONS, QUANT_INT, QUANT_MXFP4, pack_codes, unpack_codes
 from ._match import MatchFailure, constant, require
+from ._ort_contrib import (
+    ORT_DOMAIN, OUR_OPS, OUR_QUANT_TYPES, POINTWISE_ACTIVATIONS, SWIGLU_HALVES, SWIGLU_INTERLEAVED, SWIGLU_SEPARATE,
+    Activation, named_inputs,
+)
 
 RULE = "OrtMoeImport"
-ORT_DOMAIN = "com.microsoft"
 JITTER_EPS = 0.01  # onnxruntime's sparse mixer (PhiMoE's router_jitter_noise)
 
-# the contrib inputs, by name, in each op's order
-_MOE_INPUTS = ("input", "router_probs", "fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights",
-               "fc2_experts_bias", "fc3_experts_weights", "fc3_experts_bias")
-_QMOE_INPUTS = ("input", "router_probs", "fc1_experts_weights", "fc1_scales", "fc1_experts_bias",
-                "fc2_experts_weights", "fc2_scales", "fc2_experts_bias", "fc3_experts_weights", "fc3_scales",
-                "fc3_experts_bias", "fc1_zero_points", "fc2_zero_points", "fc3_zero_points", "router_weights",
-                "fc1_global_scale", "fc2_global_scale", "fc1_act_scale", "fc2_act_scale", "fc1_act_block_scale",
-                "fc2_act_block_scale")
-_POINTWISE = {"relu": "relu", "gelu": "gelu_tanh", "silu": "silu", "identity": "identity"}
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
@@ -143,10 +138,7 @@ class _Node:
 
 
 def _read_node(node: ir.Node) -> _Node:
-    quantized = node.op_type == "QMoE"
-    names = _QMOE_INPUTS if quantized else _MOE_INPUTS
-    inputs = {name: value for name, value in zip(names, node.inputs) if value is not None}
-    return _Node(node, inputs, quantized)
+    return _Node(node, named_inputs(node), OUR_OPS[node.op_type] == "QMOE")
 
 
 def _initializer(n: _Node, name: str) -> ir.Value:
@@ -248,10 +240,10 @@ def _bias_of(*projections: _Projection, up_shift: float = 0.0) -> _Bias | None:
 def _plan(n: _Node) -> _Plan:
     """The plan for node ``n``, or MatchFailure with the reason it cannot be expressed exactly."""
     quant = _quant(n) if n.quantized else None
-    activation = n.attr("activation_type", "relu")
-    fusion = n.attr("swiglu_fusion", 0)
+    contrib = Activation.of(n.node)
+    activation, fusion = contrib.activation_type, contrib.swiglu_fusion
     has_fc3 = n.has("fc3_experts_weights")
-    require(activation in (*_POINTWISE, "swiglu"),
+    require(activation in (*POINTWISE_ACTIVATIONS, "swiglu"),
             f"activation_type is {activation!r}; expected relu, gelu, silu, swiglu or identity")
     experts = _initializer(n, "fc1_experts_weights").shape[0]
     k = n.attr("k", 1)
@@ -259,18 +251,19 @@ def _plan(n: _Node) -> _Plan:
     (down,) = _split(n, "fc2", [None], quant)
     if activation != "swiglu" and not has_fc3:
         (up,) = _split(n, "fc1", [None], quant)
-        return _Plan(GEMM2_ACT, {"activation": _POINTWISE[activation]}, [(up, None), (down, None)],
+        return _Plan(GEMM2_ACT, {"activation": POINTWISE_ACTIVATIONS[activation]}, [(up, None), (down, None)],
                      (_bias_of(up), _bias_of(down)), k, quant)
     require(activation in ("swiglu", "silu"),
             f"activation_type {activation!r} with fc3 (gated {activation}): MOE's gated experts are SwiGLU only")
     if activation == "silu":  # fc3 given: silu(fc1) * fc3
         alpha, beta, limit = 1.0, 0.0, math.inf
     else:
-        alpha = float(n.attr("activation_alpha", 1.0))
-        beta = float(n.attr("activation_beta", 0.0))
-        limit = float(n.attr("swiglu_limit", math.inf))
-        require(fusion in (0, 1, 2), f"swiglu_fusion is {fusion}; expected 0, 1 or 2")
-    if activation == "silu" or fusion == 0:
+        alpha = float(contrib.activation_alpha)
+        beta = float(contrib.activation_beta)
+        limit = float(contrib.swiglu_limit)
+        require(fusion in (SWIGLU_SEPARATE, SWIGLU_INTERLEAVED, SWIGLU_HALVES),
+                f"swiglu_fusion is {fusion}; expected 0, 1 or 2")
+    if activation == "silu" or fusion == SWIGLU_SEPARATE:
         require(has_fc3, "swiglu_fusion is 0 (gate in fc1, up in fc3) but fc3_experts_weights is missing")
         (gate,), (up,) = _split(n, "fc1", [None], quant), _split(n, "fc3", [None], quant)
     else:
@@ -278,8 +271,8 @@ def _plan(n: _Node) -> _Plan:
         rows = _initializer(n, "fc1_experts_weights").shape[1]
         require(rows % 2 == 0, f"fc1_experts_weights has {rows} rows; fused SwiGLU needs an even count")
         half = rows // 2
-        pick = (np.arange(0, rows, 2), np.arange(1, rows, 2)) if fusion == 1 else \
-            (np.arange(half), np.arange(half, rows))
+        pick = (np.arange(0, rows, 2), np.arange(1, rows, 2)) if fusion == SWIGLU_INTERLEAVED else \
+            (np.arange(half), np.arange(half, rows))  # SWIGLU_HALVES
         gate, up = _split(n, "fc1", pick, quant)
     if limit == math.inf and beta == 0 and gate.bias is None and up.bias is None and down.bias is None:
         return _Plan(GEMM3_SWIGLU, {"expert_alpha": alpha}, [(gate, None), (up, None), (down, None)], (None, None),
@@ -308,8 +301,10 @@ class _Quant:
 
 def _quant(n: _Node) -> _Quant:
     """QMoE's quantization attributes as QMOE's, or MatchFailure."""
-    quant_type = n.attr("quant_type", "int")
-    require(quant_type in ("int", "fp4"), f"quant_type is {quant_type!r}; QMOE takes int and fp4 (as mxfp4)")
+    contrib_quant_type = n.attr("quant_type", "int")
+    require(contrib_quant_type in OUR_QUANT_TYPES,
+            f"quant_type is {contrib_quant_type!r}; QMOE takes int and fp4 (as mxfp4)")
+    quant_type = OUR_QUANT_TYPES[contrib_quant_type]
     require(n.attr("weights_prepacked", -1) != 1, "weights_prepacked is 1: the weights are in a provider's "
             "prepacked layout, not QMoE's [E, N, K] one")
     default_bits = n.attr("expert_weight_bits", 4)
@@ -326,7 +321,7 @@ def _quant(n: _Node) -> _Quant:
         require(not n.has(name), f"input '{name}' is given (FP8 activations); QMOE has none")
     level = n.attr("accuracy_level", 0)
     block_size = n.attr("block_size", 0)
-    if quant_type == "fp4":
+    if quant_type == QUANT_MXFP4:
         require(set(widths.values()) == {4}, f"quant_type fp4 with widths {widths}; expected 4 bits")
         for fc in ("fc1", "fc2", "fc3"):
             require(not n.has(f"{fc}_zero_points"), f"quant_type fp4 with input '{fc}_zero_points'; MXFP4 has none")
@@ -417,30 +412,9 @@ def _bias_value(graph: ir.Graph, name: str, bias: _Bias | None, dtype: ir.DataTy
 
 # ----------------------------------------------------------------------------- routing
 
-class _Builder:
-    """Nodes to insert before the contrib node, in order. The routing values get their [T, E] or [T, k]
-    shape and type (``shape``, ``dtype``): the router pass reads them (shape inference ran before)."""
-
-    def __init__(self) -> None:
-        self.nodes: list[ir.Node] = []
-
-    def __call__(self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None,
-                 outputs: int = 1, domain: str = "", shape: Sequence | None = None,
-                 dtype: Sequence[ir.DataType] = (ir.DataType.FLOAT,)) -> ir.Value | tuple[ir.Value, ...]:
-        node = ir.node(op_type, list(inputs), attributes or {}, num_outputs=outputs, domain=domain,
-                       version=OPSET_VERSION if domain == DOMAIN else None)
-        self.nodes.append(node)
-        if shape is not None:
-            for value, value_type in zip(node.outputs, dtype if len(dtype) == outputs else dtype * outputs):
-                value.shape, value.dtype = ir.Shape(list(shape)), value_type
-        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
-
-    def const(self, array: np.ndarray) -> ir.Value:
-        return self("Constant", [], {"value": ir.tensor(array)})
-
-
-def _float32(b: _Builder, value: ir.Value, shape: Sequence) -> ir.Value:
-    return value if value.dtype == ir.DataType.FLOAT else b("Cast", [value], {"to": ir.DataType.FLOAT}, shape=shape)
+def _float32(op: TapeBuilder, value: ir.Value, shape: Sequence) -> ir.Value:
+    return value if value.dtype == ir.DataType.FLOAT else \
+        typed(op.Cast(value, to=ir.DataType.FLOAT), ir.DataType.FLOAT, shape)
 
 
 def _check_routing(n: _Node, k: int) -> None:
@@ -450,45 +424,46 @@ def _check_routing(n: _Node, k: int) -> None:
                 "picks by the router_probs it masks")
 
 
-def _routing(b: _Builder, n: _Node, k: int, experts: int) -> tuple[ir.Value, ir.Value]:
-    """(weights float32 [T, k], indices int64 [T, k]) of the node's own routing."""
+def _routing(op: TapeBuilder, n: _Node, k: int, experts: int) -> tuple[ir.Value, ir.Value]:
+    """(weights float32 [T, k], indices int64 [T, k]) of the node's own routing. The values get their
+    [T, E] or [T, k] shape and type: the router pass reads them (shape inference ran before)."""
     router = n.inputs["router_probs"]
     rows = router.shape[0] if router.shape is not None and len(router.shape) == 2 else None
     scores, chosen = (rows, experts), (rows, k)
-    logits = _float32(b, router, scores)
+    logits = _float32(op, router, scores)
     if n.attr("use_sparse_mixer", 0):
-        return _sparse_mixer(b, logits)
-    probs = b("Softmax", [logits], {"axis": -1}, shape=scores)
-    values, indices = b("TopK", [probs, b.const(np.array([k], np.int64))], {"axis": -1, "largest": 1, "sorted": 1},
-                        outputs=2, shape=chosen, dtype=(ir.DataType.FLOAT, ir.DataType.INT64))
+        return _sparse_mixer(op, logits)
+    probs = typed(op.Softmax(logits, axis=-1), ir.DataType.FLOAT, scores)
+    values, indices = op.TopK(probs, int64s(op, [k]), axis=-1, largest=1, sorted=1, _outputs=2)
+    typed(values, ir.DataType.FLOAT, chosen)
+    typed(indices, ir.DataType.INT64, chosen)
     if n.has("router_weights"):
-        values = b("GatherElements", [_float32(b, n.inputs["router_weights"], scores), indices], {"axis": 1},
-                   shape=chosen)
+        values = typed(op.GatherElements(_float32(op, n.inputs["router_weights"], scores), indices, axis=1),
+                       ir.DataType.FLOAT, chosen)
     if n.attr("normalize_routing_weights", 0):
-        total = b("ReduceSum", [values, b.const(np.array([-1], np.int64))], {"keepdims": 1}, shape=(rows, 1))
-        values = b("Div", [values, total], shape=chosen)
+        total = typed(op.ReduceSum(values, int64s(op, [-1]), keepdims=1), ir.DataType.FLOAT, (rows, 1))
+        values = typed(op.Div(values, total), ir.DataType.FLOAT, chosen)
     return values, indices
 
 
-def _sparse_mixer(b: _Builder, logits: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _sparse_mixer(op: TapeBuilder, logits: ir.Value) -> tuple[ir.Value, ir.Value]:
     """PhiMoE's sparsemixer: pick j is the maximum of the logits left (the earlier picks set to -inf);
     its weight the softmax, at the pick, of the logits left with those farther than 2 * jitter_eps
     (relative: (top - s) / max(|s|, top)) from it set to -inf."""
-    minus_inf = b.const(np.array(-np.inf, np.float32))
-    threshold = b.const(np.array(2 * JITTER_EPS, np.float32))
-    magnitude = b("Abs", [logits])
+    minus_inf = const(op, -np.inf, ir.DataType.FLOAT)
+    threshold = const(op, 2 * JITTER_EPS, ir.DataType.FLOAT)
+    magnitude = op.Abs(logits)
     left, weights, picks = logits, [], []
     for j in range(2):
         if j:
-            left = b("ScatterElements", [left, picks[-1], b("Expand", [minus_inf, b("Shape", [picks[-1]])])],
-                     {"axis": 1})
-        pick = b("ArgMax", [left], {"axis": -1, "keepdims": 1})
-        top = b("GatherElements", [left, pick], {"axis": 1})
-        far = b("Greater", [b("Div", [b("Sub", [top, logits]), b("Max", [magnitude, top])]), threshold])
-        gates = b("Softmax", [b("Where", [far, minus_inf, left])], {"axis": -1})
-        weights.append(b("GatherElements", [gates, pick], {"axis": 1}))
+            left = op.ScatterElements(left, picks[-1], op.Expand(minus_inf, op.Shape(picks[-1])), axis=1)
+        pick = op.ArgMax(left, axis=-1, keepdims=1)
+        top = op.GatherElements(left, pick, axis=1)
+        far = op.Greater(op.Div(op.Sub(top, logits), op.Max(magnitude, top)), threshold)
+        gates = op.Softmax(op.Where(far, minus_inf, left), axis=-1)
+        weights.append(op.GatherElements(gates, pick, axis=1))
         picks.append(pick)
-    return b("Concat", weights, {"axis": -1}), b("Concat", picks, {"axis": -1})
+    return op.Concat(*weights, axis=-1), op.Concat(*picks, axis=-1)
 
 
 # ----------------------------------------------------------------------------- the node
@@ -499,10 +474,10 @@ def _write(n: _Node, plan: _Plan) -> None:
     hidden = n.inputs["input"]
     dtype = hidden.dtype
     name = node.name or n.node.op_type
-    b = _Builder()
-    weights, indices = _routing(b, n, plan.k, plan.linears[0][0].weight.value.shape[0])
+    op = TapeBuilder()
+    weights, indices = _routing(op, n, plan.k, plan.linears[0][0].weight.value.shape[0])
     if dtype != ir.DataType.FLOAT:
-        weights = b("Cast", [weights], {"to": dtype}, shape=weights.shape, dtype=(dtype,))
+        weights = typed(op.Cast(weights, to=dtype), dtype, weights.shape)
     quant = plan.quant
     transpose = quant is None and plan.expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 takes [E, K, N]
     weight_values, scales, zero_points = [], [], []
@@ -534,14 +509,8 @@ def _write(n: _Node, plan: _Plan) -> None:
                        "accuracy_level": quant.accuracy_level}
     while inputs[-1] is None:
         inputs.pop()
-    y = b(op_type, inputs, attributes, domain=DOMAIN)
-    y.producer().name = f"{name}/{op_type}"
-    graph.insert_before(node, b.nodes)
-    old = node.outputs[0]
-    output_name, old.name = old.name, None
-    ir.convenience.replace_all_uses_with(old, y, replace_graph_outputs=True)
-    y.name, y.type, y.shape = output_name, old.type, old.shape
-    graph.remove(node, safe=True)
+    y = op.op(op_type, *inputs, _domain=DOMAIN, _version=OPSET_VERSION, _name=f"{name}/{op_type}", **attributes)
+    replace(node, y, op)
 
 
 def _fc_of(n: _Node, weight: ir.Value) -> str:
@@ -575,7 +544,7 @@ def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
     near-miss (rule, node, reason) for each node left as it is."""
     count, misses = 0, []
     nodes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
-             if node.domain == ORT_DOMAIN and node.op_type in ("MoE", "QMoE")]
+             if node.domain == ORT_DOMAIN and node.op_type in OUR_OPS]
     for node in nodes:
         n = _read_node(node)
         try:

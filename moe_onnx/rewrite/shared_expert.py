@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from .._ir.builder import TapeBuilder, const, insert, int64s, replace
 from .._ir.nodes import standard
 from .._ir.weights import initializer_expert, streamed_initializer
 from ..ops import DOMAIN
@@ -127,10 +128,6 @@ def _read_fold(moe: ir.Node) -> _Fold | None:
     return _Fold(moe, add, routed, shared, shared.gate.out_features // width)
 
 
-def _constant(array: np.ndarray) -> ir.Node:
-    return ir.node("Constant", [], {"value": ir.tensor(array)})
-
-
 def _stacked(graph: ir.Graph, routed: ir.Value, extra: list[np.ndarray]) -> ir.Value:
     """An initializer holding the experts of ``routed`` and then ``extra``, written one expert at a time."""
     count = routed.shape[0]
@@ -152,37 +149,25 @@ def _fold(fold: _Fold) -> None:
                7: _stacked(graph, moe.inputs[7], [np.ascontiguousarray(down[:, c]) for c in columns])}
 
     k = static_last_dim(moe.inputs[1])
-    rows_by_k = _constant(np.array([-1, k], np.int64))
-    weights_2d = ir.node("Reshape", [moe.inputs[1], rows_by_k.outputs[0]])
-    indices_2d = ir.node("Reshape", [moe.inputs[2], rows_by_k.outputs[0]])
-    rows = ir.node("Shape", [indices_2d.outputs[0]], {"end": 1})
-    m_const = _constant(np.array([m], np.int64))
-    extra_shape = ir.node("Concat", [rows.outputs[0], m_const.outputs[0]], {"axis": 0})
-    ids = _constant(np.arange(experts, experts + m, dtype=moe.inputs[2].dtype.numpy())[None, :])
-    extra_indices = ir.node("Expand", [ids.outputs[0], extra_shape.outputs[0]])
+    op = TapeBuilder()
+    rows_by_k = int64s(op, [-1, k])
+    weights_2d, indices_2d = op.Reshape(moe.inputs[1], rows_by_k), op.Reshape(moe.inputs[2], rows_by_k)
+    extra_shape = op.Concat(op.Shape(indices_2d, end=1), int64s(op, [m]), axis=0)
+    ids = const(op, np.arange(experts, experts + m)[None, :], moe.inputs[2].dtype)
+    extra_indices = op.Expand(ids, extra_shape)
     if shared.scale is not None:
-        column = _constant(np.array([-1, 1], np.int64))
-        scale = ir.node("Reshape", [shared.scale, column.outputs[0]])
-        scale_nodes = [column, scale]
+        scale = op.Reshape(shared.scale, int64s(op, [-1, 1]))
     else:
-        scale_nodes = [_constant(np.ones((1, 1), moe.inputs[1].dtype.numpy()))]
-    extra_weights = ir.node("Expand", [scale_nodes[-1].outputs[0], extra_shape.outputs[0]])
-    all_weights = ir.node("Concat", [weights_2d.outputs[0], extra_weights.outputs[0]], {"axis": 1})
-    all_indices = ir.node("Concat", [indices_2d.outputs[0], extra_indices.outputs[0]], {"axis": 1})
-    graph.insert_before(moe, [rows_by_k, weights_2d, indices_2d, rows, m_const, extra_shape, ids, extra_indices,
-                              *scale_nodes, extra_weights, all_weights, all_indices])
-    moe.replace_input_with(1, all_weights.outputs[0])
-    moe.replace_input_with(2, all_indices.outputs[0])
+        scale = const(op, np.ones((1, 1)), moe.inputs[1].dtype)
+    extra_weights = op.Expand(scale, extra_shape)
+    all_weights = op.Concat(weights_2d, extra_weights, axis=1)
+    all_indices = op.Concat(indices_2d, extra_indices, axis=1)
+    insert(moe, op)
+    moe.replace_input_with(1, all_weights)
+    moe.replace_input_with(2, all_indices)
     for index, value in weights.items():
         moe.replace_input_with(index, value)
-
-    result = fold.add.outputs[0]
-    name, is_output = result.name, result.is_graph_output()
-    if is_output:  # the model keeps its output name: the routed value takes it over
-        result.name = None
-    ir.convenience.replace_all_uses_with(result, fold.routed, replace_graph_outputs=True)
-    if is_output:
-        fold.routed.name = name
+    replace(fold.add, fold.routed)  # the Add's readers (and its name, maybe a graph output's) take the MOE's output
 
 
 def fold_shared_experts(model: ir.Model) -> tuple[int, list[str]]:
