@@ -413,6 +413,7 @@ def _bias_value(graph: ir.Graph, name: str, bias: _Bias | None, dtype: ir.DataTy
 # ----------------------------------------------------------------------------- routing
 
 def _float32(op: TapeBuilder, value: ir.Value, shape: Sequence) -> ir.Value:
+    """``value`` as float32: itself, or a Cast of it typed with ``shape``."""
     return value if value.dtype == ir.DataType.FLOAT else \
         typed(op.Cast(value, to=ir.DataType.FLOAT), ir.DataType.FLOAT, shape)
 
