@@ -367,9 +367,8 @@ class _Blocks:
 
 def _blocks(op, c: Config, inputs: dict[str, Any], weight: str) -> _Blocks:
     bits, block_size = int(c.attr("bits")), int(c.attr("block_size"))
-    packed = inputs[weight]
-    suffix = weight[-1]
-    scales, zero_points = inputs[f"scales_{suffix}"], f"zero_points_{suffix}"
+    suffix = weight[-1]  # weight_i goes with scales_i and zero_points_i
+    packed, scales, zero_points = inputs[weight], inputs[f"scales_{suffix}"], inputs.get(f"zero_points_{suffix}")
     codes = _unpacked(op, packed, bits)
     if block_size:
         blocks, block = op.Div(op.Shape(codes, start=2), ints(op, block_size)), ints(op, block_size)
@@ -382,13 +381,13 @@ def _blocks(op, c: Config, inputs: dict[str, Any], weight: str) -> _Blocks:
     scale = float32(op, scales)
     if not block_size:
         scale = op.Unsqueeze(scale, ints(op, 2))
-    if not c.has(zero_points):
+    if zero_points is None:
         zero_point = constant(op, 1 << (bits - 1), np.int32)
     elif block_size:
-        zero_point = op.Unsqueeze(_unpacked(op, inputs[zero_points], bits, blocks), ints(op, -1))
+        zero_point = op.Unsqueeze(_unpacked(op, zero_points, bits, blocks), ints(op, -1))
     else:
         n = op.Shape(packed, start=1, end=2)
-        zero_point = op.Unsqueeze(_unpacked(op, inputs[zero_points], bits, n), ints(op, 2, 3))
+        zero_point = op.Unsqueeze(_unpacked(op, zero_points, bits, n), ints(op, 2, 3))
     return _Blocks(codes, scale, zero_point)
 
 
