@@ -1,7 +1,7 @@
 """How much slower is a portable model without our library?
 
-`moe-onnx optimize --portable` writes each moe_onnx op's function body (standard ONNX ops,
-moe_onnx/portable.py) into the model. This script times the same portable model three ways, side by
+`moe-onnx optimize --portable` writes each moe_onnx op's function body (standard ONNX ops, from
+moe_onnx/ops/<op>.py) into the model. This script times the same portable model three ways, side by
 side in interleaved rounds: on our C++ kernels (the library registered: kernels win over functions),
 on plain onnxruntime (the function bodies: every expert on every token), and the original unfused
 export. Fixtures (models/fixtures) by name, and a GPT-OSS-shaped MOE block (`gpt_oss_block`:
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_onnx  # noqa: E402
 from _timing import BoundRunner, Timer, session_options  # noqa: E402
-from moe_onnx.portable import portable_model  # noqa: E402
+from moe_onnx.rewrite.portable import portable_model  # noqa: E402
 
 FIXTURES = ROOT / "models" / "fixtures"
 GPT_OSS_BLOCK = dict(E=32, k=4, H=1024, I=1024)

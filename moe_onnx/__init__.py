@@ -41,7 +41,7 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
     chain is a known one (softmax -> top-k, top-k -> softmax, DeepSeek-V3's group-limited sigmoid
     router); the report notes the routers left as exported, with the reason. ``fuse_routers=False``
     keeps every router as exported. ``portable=True`` also writes each moe_onnx node's function body
-    (standard ONNX ops, :mod:`moe_onnx.portable`) into the model as a model-local function, so it runs
+    (standard ONNX ops, :mod:`moe_onnx.rewrite.portable`) into the model as a model-local function, so it runs
     on plain onnxruntime and onnx.reference.ReferenceEvaluator too (slower, the same numbers); where our
     library is registered onnxruntime still runs our kernels. The report
     (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses with the check

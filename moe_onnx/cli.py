@@ -60,8 +60,8 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
     that would overwrite the input or bad settings, 1 for a file error or a result that is not ok."""
     from .pipeline import SameFileError
-    from .portable import PortableError
     from .quantization import QuantizeError
+    from .rewrite.portable import PortableError
 
     try:
         result = run()

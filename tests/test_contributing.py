@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from moe_onnx.ops import OPS
-from moe_onnx.portable import BUILDERS, NO_BODY
 from moe_onnx.rewrite import _driver
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,14 +42,14 @@ def test_every_op_has_each_piece(name):
         assert (ROOT / "custom_ops" / "src" / f"{module}{suffix}").is_file()
     assert f"src/{module}.cc" in CMAKE, f"{module}.cc is not in custom_ops/CMakeLists.txt"
     assert f'#include "{module}.h"' in REGISTRATION, f"custom_ops/src/ops.cc does not include {module}.h"
-    assert (name in BUILDERS) != (name in NO_BODY), \
-        f"moe_onnx/portable.py has no function body for {name} (BUILDERS) nor a reason why not (NO_BODY)"
+    assert (OPS[name].body is not None) != bool(OPS[name].no_body), \
+        f"moe_onnx/ops/{module}.py gives {name} no function body (body=) nor a reason why not (no_body=)"
 
 
 def test_every_export_form_has_each_piece():
     forms = [family.__name__.rsplit(".", 1)[1] for family in _driver.FAMILIES]
     modules = {p.stem for p in (ROOT / "moe_onnx" / "rewrite").glob("*.py") if not p.stem.startswith("_")}
-    passes_over_fused_graph = {"gating", "grouped", "ort_export", "shared_expert"}
+    passes_over_fused_graph = {"gating", "grouped", "ort_export", "portable", "shared_expert"}
     passes_before_the_fusions = {"ort_import"}  # onnxruntime's MoE/QMoE nodes into ours
     not_passes = {"targets"}  # the names of the targets, read without importing the rewriter
     assert modules - passes_over_fused_graph - passes_before_the_fusions - not_passes == set(forms), \

@@ -1,4 +1,5 @@
-"""Portable function bodies (moe_onnx/portable.py): every op's body on plain onnxruntime and on onnx's
+"""Portable function bodies (each op's ``body`` in moe_onnx/ops/<op>.py, written into models by
+moe_onnx/rewrite/portable.py): every op's body on plain onnxruntime and on onnx's
 ReferenceEvaluator equals the numpy reference, and every fixture optimized with ``portable=True`` runs
 without our library with the numbers of our kernels."""
 
@@ -21,7 +22,7 @@ import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN, OPS
-from moe_onnx.portable import NO_BODY, PortableError, add_function_bodies, configurations, portable_model, summary
+from moe_onnx.rewrite.portable import PortableError, add_function_bodies, configurations, portable_model, summary
 from moe_onnx.runtime import run
 
 
@@ -38,7 +39,7 @@ def assert_outputs_match(got, expected, rtol: float, atol: float) -> None:
 
 
 # The valid cases of the ops that have a body; the others are refused, with their reason (below).
-WITH_BODY = [c for c in VALID if c.op not in NO_BODY]
+WITH_BODY = [c for c in VALID if OPS[c.op].body is not None]
 
 
 @functools.cache
@@ -66,7 +67,7 @@ def test_body_on_reference_evaluator_matches_reference_and_checks(case):
     assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
 
 
-@pytest.mark.parametrize("op", sorted(NO_BODY))
+@pytest.mark.parametrize("op", sorted(name for name, op in OPS.items() if op.no_body))
 def test_distributed_ops_are_refused_with_their_reason(op):
     """Dispatch and combine exchange data between processes: no standard op can, so no body."""
     case = next(c for c in VALID if c.op == op)

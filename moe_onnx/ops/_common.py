@@ -148,13 +148,27 @@ class OpDef(Signature):
 
     validate: Callable[[NodeView], list[TensorInfo | None]]
     reference: Callable[..., Any]
+    body: Callable[..., dict[str, Any]] | None = None
+    """The op as standard ONNX ops (``moe-onnx optimize --portable``): ``body(op, config, inputs)`` builds
+    one configuration with the builder ``op`` and returns each formal output's value (moe_onnx/ops/_body.py)."""
+    no_body: str = ""
+    """Why standard ONNX ops cannot express the op, where it has no ``body``: ``--portable`` refuses it so."""
+    checked_only: tuple[str, ...] = ()
+    """Attributes that only restate what the inputs say (checked, never computed with): nodes that differ
+    only there share a body."""
 
     @classmethod
     def of(cls, signature: Signature, validate: Callable[[NodeView], list[TensorInfo | None]],
-           reference: Callable[..., Any]) -> OpDef:
-        """The op of ``signature`` (moe_onnx/ops/signatures.py) with its validation and reference."""
+           reference: Callable[..., Any], *, body: Callable[..., dict[str, Any]] | None = None, no_body: str = "",
+           checked_only: tuple[str, ...] = ()) -> OpDef:
+        """The op of ``signature`` (moe_onnx/ops/signatures.py) with its validation, reference and either
+        its function body or the reason it has none."""
+        if (body is None) == (not no_body):
+            raise ValueError(f"{signature.name}: OpDef.of takes its function body (body) or the reason it has "
+                             "none (no_body): exactly one")
         formal = {f.name: getattr(signature, f.name) for f in dataclasses.fields(Signature)}
-        return cls(**formal, validate=validate, reference=reference)
+        return cls(**formal, validate=validate, reference=reference, body=body, no_body=no_body,
+                   checked_only=checked_only)
 
     def input_elems(self, i: int) -> tuple[int, ...]:
         """The ONNX element types input i may have, in the order of its signature."""

@@ -1,10 +1,10 @@
 """The experts' activations (moe.py's meaning) as standard ONNX ops, for any op builder.
 
-Shared by the grouped chain (``rewrite/grouped.py``, onnxscript's tape builder, in the model's
-float type) and the portable function bodies (``portable.py``'s ``Body``, in float32): ``op`` is
-anything with one method per ONNX op (``op.Mul(a, b)`` -> a value), ``const(v)`` makes a scalar
-constant of the computation's float type. NaN propagates as through the numpy references (``Where``
-rather than ``Relu``/``Min``/``Clip``, whose NaN handling onnxruntime does not promise).
+The pieces of ``moe.expert_layer``, which the grouped chain (``rewrite/grouped.py``, in the model's
+float type) and the MOE and QMOE function bodies (in float32) share: ``op`` is anything with one
+method per ONNX op (``op.Mul(a, b)`` -> a value), ``const(v)`` makes a scalar constant of the
+computation's float type. NaN propagates as through the numpy references (``Where`` rather than
+``Relu``/``Min``/``Clip``, whose NaN handling onnxruntime does not promise).
 """
 
 from __future__ import annotations

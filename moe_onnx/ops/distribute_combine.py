@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import signatures
+from ._body import CANNOT_COMMUNICATE
 from ._common import (
     ArrayView,
     DimBinder,
@@ -77,5 +78,6 @@ def moe_distribute_combine(expand_y, assist_info, scales, x1=None, x2=None, *, n
     return (weighted_sum(returned, plan, scales, x1, x2),)
 
 
-MOE_DISTRIBUTE_COMBINE = OpDef.of(signatures.MOE_DISTRIBUTE_COMBINE, validate=_validate,
-                                  reference=moe_distribute_combine)
+MOE_DISTRIBUTE_COMBINE = OpDef.of(
+    signatures.MOE_DISTRIBUTE_COMBINE, validate=_validate, reference=moe_distribute_combine,
+    no_body=f"it sends expert outputs back to their tokens' ranks (MPI); {CANNOT_COMMUNICATE}")

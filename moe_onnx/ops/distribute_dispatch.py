@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from . import signatures
+from ._body import CANNOT_COMMUNICATE
 from ._common import (
     ArrayView,
     DimBinder,
@@ -102,5 +103,6 @@ def moe_distribute_dispatch(x, expert_ids, *, num_experts=None, expert_capacity=
     return arrange_arrivals(*send_buffers(x, expert_ids, plan), plan)  # one rank: it sends to itself
 
 
-MOE_DISTRIBUTE_DISPATCH = OpDef.of(signatures.MOE_DISTRIBUTE_DISPATCH, validate=_validate,
-                                   reference=moe_distribute_dispatch)
+MOE_DISTRIBUTE_DISPATCH = OpDef.of(
+    signatures.MOE_DISTRIBUTE_DISPATCH, validate=_validate, reference=moe_distribute_dispatch,
+    no_body=f"it sends tokens to the ranks that own their experts (MPI); {CANNOT_COMMUNICATE}")

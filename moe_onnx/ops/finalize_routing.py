@@ -7,9 +7,13 @@ Meaning (docs/ops/MoeFinalizeRouting.md):
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from onnx import TensorProto
 
 from . import signatures
+from ._body import Config, float32, int64, ints, positions, reshape, to_rows
 from ._common import (
     ArrayView,
     DimBinder,
@@ -137,4 +141,34 @@ def moe_finalize_routing(expanded_x, expanded_row_idx, x1=None, x2=None, bias=No
     return (out.astype(expanded_x.dtype),)
 
 
-MOE_FINALIZE_ROUTING = OpDef.of(signatures.MOE_FINALIZE_ROUTING, validate=_validate, reference=moe_finalize_routing)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    expanded = to_rows(op, float32(op, inputs["expanded_x"]))
+    hidden = op.Shape(expanded, start=1)
+    row_idx = op.Cast(inputs["expanded_row_idx"], to=TensorProto.INT64)
+    slots = op.Shape(row_idx)
+    listed = op.GreaterOrEqual(row_idx, int64(op, 0))
+    listed_at, listed_value = op.Compress(positions(op, slots), listed), op.Compress(row_idx, listed)
+    slot, row = (listed_value, listed_at) if c.attr("row_idx_type") == SCATTER else (listed_at, listed_value)
+    routed = op.Gather(expanded, row, axis=0)
+    if c.has("bias"):
+        expert = op.Gather(op.Reshape(op.Cast(inputs["expert_idx"], to=TensorProto.INT64), ints(op, -1)), slot)
+        routed = op.Add(routed, op.Gather(float32(op, inputs["bias"]), expert, axis=0))
+    if c.has("scales"):
+        slot_scale = op.Gather(op.Reshape(float32(op, inputs["scales"]), ints(op, -1)), slot)
+        routed = op.Mul(routed, op.Unsqueeze(slot_scale, ints(op, 1)))
+    zeros = op.ConstantOfShape(op.Concat(slots, hidden, axis=0))
+    per_slot = op.ScatterND(zeros, op.Unsqueeze(slot, ints(op, 1)), routed)
+    token_source = next(name for name in ("x1", "x2", "scales", "expert_idx") if c.has(name))
+    tokens = op.Shape(inputs[token_source], end=1)
+    k = op.Div(slots, op.Max(tokens, ints(op, 1)))
+    out = op.ReduceSum(reshape(op, per_slot, tokens, k, hidden), ints(op, 1), keepdims=0)
+    for residual in ("x1", "x2"):
+        if c.has(residual):
+            out = op.Add(out, float32(op, inputs[residual]))
+    return {"out": op.CastLike(out, inputs["expanded_x"])}
+
+
+MOE_FINALIZE_ROUTING = OpDef.of(signatures.MOE_FINALIZE_ROUTING, validate=_validate, reference=moe_finalize_routing,
+                                body=_function_body)

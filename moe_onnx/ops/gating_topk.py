@@ -9,10 +9,13 @@ as the largest value, ties: lower index first); ``w = s[idx]``, ``w / (sum(w) + 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from onnx import TensorProto
 
 from . import signatures
+from ._body import Config, constant, float32, ints, reshape, scalar, take_rows, to_rows
 from ._common import (
     ArrayView,
     DimBinder,
@@ -142,4 +145,56 @@ def moe_gating_topk(logits, bias=None, *, k=None, score_func=None, n_group=None,
             s.astype(logits.dtype).reshape(logits.shape))
 
 
-MOE_GATING_TOPK = OpDef.of(signatures.MOE_GATING_TOPK, validate=_validate, reference=moe_gating_topk)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    logits = inputs["logits"]
+    logit_rows = to_rows(op, float32(op, logits))
+    scores = op.Softmax(logit_rows, axis=-1) if c.attr("score_func") == "softmax" else op.Sigmoid(logit_rows)
+    select = op.Add(scores, float32(op, inputs["bias"])) if c.has("bias") else scores
+    key = _order_key(op, select)
+    n_group = int(c.attr("n_group"))
+    if n_group > 1:
+        key = op.Where(_kept_group_experts(op, c, select, n_group), key, constant(op, -1e301, np.float64))
+    k = int(c.attr("k"))
+    _, idx = op.TopK(key, ints(op, k), axis=1, _outputs=2)
+    weights = take_rows(op, scores, idx)
+    if c.attr("renormalize"):
+        total = op.Add(op.ReduceSum(weights, ints(op, 1), keepdims=1), scalar(op, float(c.attr("eps"))))
+        weights = op.Div(weights, total)
+    weights = op.Mul(weights, scalar(op, float(c.attr("routed_scaling_factor"))))
+    out_shape = op.Concat(op.Shape(logits, end=-1), ints(op, k), axis=0)
+    return {"weights": op.CastLike(op.Reshape(weights, out_shape, allowzero=1), logits),
+            "indices": op.Reshape(idx, out_shape, allowzero=1),
+            "scores": op.CastLike(op.Reshape(scores, op.Shape(logits), allowzero=1), logits)}
+
+
+def _kept_group_experts(op, c: Config, select, n_group: int):
+    """[rows, E] bool: the experts of each row's ``topk_group`` best groups (as :func:`_kept_groups`)."""
+    count = op.Shape(select, end=1)
+    group_size = op.Div(op.Shape(select, start=1), ints(op, n_group))
+    grouped = reshape(op, select, op.Mul(count, ints(op, n_group)), group_size)  # [rows * G, E/G]
+    best = 2 if c.attr("group_select") == "sum_top2" else 1
+    _, top = op.TopK(_order_key(op, grouped), ints(op, best), axis=1, _outputs=2)
+    group_score = op.ReduceSum(take_rows(op, grouped, top), ints(op, 1), keepdims=0)  # NaN if any NaN
+    group_score = reshape(op, group_score, count, ints(op, n_group))
+    topk_group = int(c.attr("topk_group")) or n_group
+    _, kept = op.TopK(_order_key(op, group_score), ints(op, topk_group), axis=1, _outputs=2)
+    mask = op.ScatterElements(op.ConstantOfShape(op.Concat(count, ints(op, n_group), axis=0)), kept,
+                              op.Expand(scalar(op, 1.0), op.Shape(kept)), axis=1)
+    per_expert = op.Expand(op.Unsqueeze(mask, ints(op, 2)), op.Concat(count, ints(op, n_group), group_size, axis=0))
+    return op.Greater(reshape(op, per_expert, count, op.Shape(select, start=1)), scalar(op, 0.0))
+
+
+def _order_key(op, values):
+    """float32 ``values`` as float64 keys whose descending order is the reference's best-first order:
+    NaN above +inf above every finite value (float32 fits float64 exactly), -inf last; TopK breaks
+    ties by the lower index."""
+    key = op.Cast(values, to=TensorProto.DOUBLE)
+    key = op.Where(op.IsInf(values, detect_negative=0), constant(op, 1e300, np.float64), key)
+    key = op.Where(op.IsInf(values, detect_positive=0), constant(op, -1e300, np.float64), key)
+    return op.Where(op.IsNaN(values), constant(op, 1e301, np.float64), key)
+
+
+MOE_GATING_TOPK = OpDef.of(signatures.MOE_GATING_TOPK, validate=_validate, reference=moe_gating_topk,
+                           body=_function_body)

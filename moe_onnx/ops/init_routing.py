@@ -8,11 +8,13 @@ slots of the active experts ``[start, end)`` are ordered by expert (ties keep sl
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto
 
 from . import signatures
+from ._body import Config, abs_max, float32, int64, ints, positions, reshape, scalar
 from ._common import (
     ArrayView,
     DimBinder,
@@ -272,4 +274,110 @@ def _token_counts(counts: np.ndarray, mode: Routing) -> np.ndarray | None:
     return pairs
 
 
-MOE_INIT_ROUTING = OpDef.of(signatures.MOE_INIT_ROUTING, validate=_validate, reference=moe_init_routing)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    expert_num = int(c.attr("expert_num"))
+    start, end = c.attr("active_expert_range") or (0, expert_num)
+    active_experts = end - start
+    ids = op.Cast(inputs["expert_idx"], to=TensorProto.INT64)
+    k = op.Shape(ids, start=1)
+    flat = op.Reshape(ids, ints(op, -1))
+    slots = op.Shape(flat)
+    active = op.And(op.GreaterOrEqual(flat, int64(op, start)), op.Less(flat, int64(op, end)))
+    # stable sort by expert, inactive slots (key `end`) last: TopK keeps the lower index first on ties
+    sorted_key, order = op.TopK(op.Where(active, flat, int64(op, end)), slots, axis=0, largest=0, _outputs=2)
+    n_valid = op.ReduceSum(op.Cast(active, to=TensorProto.INT64), keepdims=1)
+    position = positions(op, slots)
+    relative = op.Sub(sorted_key, int64(op, start))  # active_experts for the inactive slots
+    experts = op.Range(int64(op, start), int64(op, end), int64(op, 1))
+    routed_to = op.Equal(op.Unsqueeze(sorted_key, ints(op, 0)), op.Unsqueeze(experts, ints(op, 1)))  # [A, slots]
+
+    def count(where):
+        hits = routed_to if where is None else op.And(routed_to, op.Unsqueeze(where, ints(op, 0)))
+        return op.ReduceSum(op.Cast(hits, to=TensorProto.INT64), ints(op, 1), keepdims=0)
+
+    x = inputs["x"]
+    hidden = op.Shape(x, start=1)
+    if c.attr("drop_pad_mode"):  # rank inside the expert's run, kept below the capacity
+        capacity = int(c.attr("expert_capacity"))
+        counts = count(None)  # before the drop
+        first = op.CumSum(counts, int64(op, 0), exclusive=1)
+        rank = op.Sub(position, op.Gather(first, op.Min(relative, int64(op, active_experts - 1))))
+        kept = op.And(op.Less(position, n_valid), op.Less(rank, int64(op, capacity)))
+        dest = op.Add(op.Mul(relative, int64(op, capacity)), rank)
+        out_rows = ints(op, expert_num * capacity)
+        rows_shape = ints(op, expert_num, capacity)
+    else:  # the first rows of the sorted order, up to expanded_x's row count
+        active_num = int(c.attr("active_num"))
+        out_rows = slots if active_num <= 0 else op.Min(slots, ints(op, active_num))
+        kept = op.Less(position, op.Min(n_valid, out_rows))
+        dest = position
+        counts = count(kept)
+        rows_shape = out_rows
+
+    if c.attr("row_idx_type") == SCATTER:  # dropless only: row -> slot
+        row_idx = op.Where(kept, order, int64(op, -1))
+    else:  # GATHER: slot -> row
+        row_idx = op.ScatterElements(op.CastLike(op.ConstantOfShape(slots), order), order,
+                                     op.Where(kept, dest, int64(op, -1)), axis=0)
+
+    tokens = op.Compress(op.Div(order, k), kept)
+    targets = op.Unsqueeze(op.Compress(dest, kept), ints(op, 1))
+    values, row_scale = _expanded_values(op, c, inputs, op.Gather(x, tokens, axis=0), tokens,
+                                         op.Compress(relative, kept))
+    zeros = op.CastLike(op.ConstantOfShape(op.Concat(out_rows, hidden, axis=0)), values)
+    expanded_x = op.ScatterND(zeros, targets, values)
+    expanded_scale = op.ConstantOfShape(out_rows)
+    if row_scale is not None:
+        expanded_scale = op.ScatterND(expanded_scale, targets, row_scale)
+    return {"expanded_x": reshape(op, expanded_x, rows_shape, hidden),
+            "expanded_row_idx": op.Cast(row_idx, to=TensorProto.INT32),
+            "expert_tokens_count_or_cumsum": _count_output(op, c, counts, experts),
+            "expanded_scale": op.Reshape(expanded_scale, rows_shape, allowzero=1)}
+
+
+def _expanded_values(op, c: Config, inputs: dict[str, Any], gathered, tokens, relative):
+    """The gathered rows as the quant mode makes them, and their scales (None: none) (:func:`_expand_rows`)."""
+    quant_mode = int(c.attr("quant_mode"))
+    scale = inputs.get("scale")
+    if quant_mode == NO_QUANT:
+        return gathered, None if scale is None else op.Gather(scale, tokens, axis=0)
+    values = float32(op, gathered)
+    if quant_mode == STATIC_QUANT:
+        shifted = op.Mul(values, scale)
+        return _int8_of(op, op.Add(shifted, inputs["offset"]) if c.has("offset") else shifted), None
+    if scale is not None:  # one smooth row per active expert, or one for all: index min(relative, rows - 1)
+        last = op.Sub(op.Shape(scale, end=1), ints(op, 1))
+        values = op.Mul(values, op.Gather(scale, op.Min(relative, last), axis=0))
+    largest = op.Squeeze(abs_max(op, values, 1), ints(op, 1))
+    is_nan = op.Cast(op.IsNaN(values), to=TensorProto.FLOAT)
+    has_nan = op.Greater(op.ReduceMax(is_nan, ints(op, 1), keepdims=0), scalar(op, 0.0))
+    row_scale = op.Div(op.Where(has_nan, scalar(op, float("nan")), largest), scalar(op, 127.0))
+    return _int8_of(op, op.Div(values, op.Unsqueeze(row_scale, ints(op, 1)))), row_scale
+
+
+def _int8_of(op, values):
+    """Round half to even, saturate to int8, NaN to 0 (:func:`to_int8`)."""
+    rounded = op.Round(values)
+    clipped = op.Clip(rounded, scalar(op, -128.0), scalar(op, 127.0))
+    return op.Cast(op.Where(op.IsNaN(rounded), scalar(op, 0.0), clipped), to=TensorProto.INT8)
+
+
+def _count_output(op, c: Config, counts, experts):
+    """The count output from the per-expert ``counts`` of the active ``experts`` (:func:`_token_counts`)."""
+    count_type = int(c.attr("expert_tokens_num_type"))
+    if count_type == CUMSUM:
+        return op.CumSum(counts, int64(op, 0))
+    if count_type == COUNT:
+        return counts
+    used = op.Greater(counts, int64(op, 0))
+    used_experts = op.Compress(experts, used)
+    padding = op.Concat(ints(op, 0), op.Sub(op.Shape(experts), op.Shape(used_experts)), axis=0)
+    keys = op.Pad(used_experts, padding, int64(op, -1))
+    values = op.Pad(op.Compress(counts, used), padding, int64(op, 0))
+    return op.Concat(op.Unsqueeze(keys, ints(op, 1)), op.Unsqueeze(values, ints(op, 1)), axis=1)
+
+
+MOE_INIT_ROUTING = OpDef.of(signatures.MOE_INIT_ROUTING, validate=_validate, reference=moe_init_routing,
+                            body=_function_body)

@@ -6,12 +6,16 @@ computing only the selected experts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+from onnx import TensorProto
 
-from . import signatures
+from . import _expert_math, signatures
+from ._body import INT64_MAX, Config, float32, ints, scalar, take_rows, to_rows
 from ._common import (
     ArrayView,
     DimBinder,
@@ -305,4 +309,67 @@ def expert_sum(view: NodeView, hidden_states, routing_weights, indices, num_expe
     return out
 
 
-MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+def expert_layer(op, x, linear: Callable[[int, int | None, Any], Any], attr: Callable[[str], Any],
+                 const: Callable[[float], Any]):
+    """Every expert on ``x`` as standard ONNX ops, for any op builder ``op``: the one dispatch on the expert
+    type of the function bodies (MOE, QMOE) and the grouped chain (``moe_onnx/rewrite/grouped.py``).
+
+    ``linear(weight, bias, a)`` is ``a`` through the linear of weight input ``weight`` and bias input ``bias``
+    (None: none; each as :data:`LINEARS` lists them), as the caller computes it; ``attr(name)`` is the node's
+    attribute with its default; ``const(v)`` a scalar of the computation's float type. GEMM2's gate and up
+    are interleaved along the last axis."""
+    expert_type, alpha = attr("expert_type"), float(attr("expert_alpha"))
+    layers = [functools.partial(linear, weight, bias) for weight, bias, _, _ in LINEARS[expert_type]]
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
+        gate_up_linear, down_linear = layers
+        gate_up, parity = gate_up_linear(x), int(attr("gate_parity"))
+
+        def half(start: int):
+            return op.Slice(gate_up, ints(op, start), ints(op, INT64_MAX), ints(op, -1), ints(op, 2))
+
+        beta = float(attr("expert_beta"))
+        return down_linear(_expert_math.clamped_swiglu(op, half(parity), half(1 - parity), alpha, beta, const))
+    if expert_type == GEMM2_ACT:
+        up_linear, down_linear = layers
+        return down_linear(_expert_math.ACTIVATIONS[attr("activation")](op, up_linear(x), const))
+    gate_linear, up_linear, down_linear = layers
+    gate, up = gate_linear(x), up_linear(x)
+    return down_linear(op.Mul(_expert_math.swish(op, gate, alpha, const), up))
+
+
+def experts_body(op, c: Config, inputs: dict[str, Any], product: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """MOE's and QMOE's function body (:mod:`moe_onnx.ops._body`): each token's k chosen expert outputs,
+    weighted and summed. ``product(weight, a)`` is ``a`` ([1, T, K] for every expert, or [E, T, K]; float32)
+    times every expert's weight of the input named ``weight``, ``a @ W[e]^T`` for W [E, N, K]: [E, T, N]."""
+
+    def linear(weight: int, bias: int | None, a):
+        y = product(MOE.inputs[weight].name, a)
+        if bias is None or not c.has(MOE.inputs[bias].name):
+            return y
+        return op.Add(y, op.Unsqueeze(float32(op, inputs[MOE.inputs[bias].name]), ints(op, 1)))  # [E, 1, N]
+
+    hidden_states, indices = inputs["hidden_states"], inputs["router_topk_output_indices"]
+    tokens = to_rows(op, float32(op, hidden_states))  # [T, H]
+    tokens_k = op.Concat(op.Shape(tokens, end=1), op.Shape(indices, start=-1), axis=0)
+    idx = op.Reshape(op.Cast(indices, to=TensorProto.INT64), tokens_k, allowzero=1)
+    routing = op.Reshape(float32(op, inputs["routing_weights"]), tokens_k, allowzero=1)
+    every_expert = expert_layer(op, op.Unsqueeze(tokens, ints(op, 0)), linear, c.attr, lambda v: scalar(op, v))
+    chosen = take_rows(op, op.Transpose(every_expert, perm=[1, 0, 2]), idx)  # [T, k, H]
+    mixed = op.ReduceSum(op.Mul(chosen, op.Unsqueeze(routing, ints(op, -1))), ints(op, 1), keepdims=0)
+    y = op.Reshape(mixed, op.Shape(hidden_states), allowzero=1)
+    return {"y": op.CastLike(y, hidden_states)}
+
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    stored_k_n = c.attr("expert_type") == GEMM2_BIAS_SWIGLU_CLAMP  # GEMM2 stores [E, K, N], the others [E, N, K]
+
+    def product(weight: str, a):
+        w = float32(op, inputs[weight])
+        return op.MatMul(a, w if stored_k_n else op.Transpose(w, perm=[0, 2, 1]))
+
+    return experts_body(op, c, inputs, product)
+
+
+MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe, body=_function_body)

@@ -8,10 +8,14 @@ layout's two directions.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 from onnx import TensorProto
 
 from . import signatures
+from ._body import Config, abs_max, constant, float32, ints, reshape, scalar
 from ._common import ArrayView, Dim, DimBinder, NodeView, OpDef, TensorInfo, check_choice, elem_name, is_known
 from .moe import (
     B0,
@@ -23,6 +27,7 @@ from .moe import (
     W1,
     W2,
     check_expert_inputs,
+    experts_body,
     mix_experts,
     validate_expert_attrs,
     validate_tokens,
@@ -321,4 +326,100 @@ def qmoe(hidden_states, routing_weights, router_topk_output_indices, weight_0, b
                         bias_0, bias_1),)
 
 
-QMOE = OpDef.of(signatures.QMOE, validate=_validate, reference=qmoe)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+# The E8M0 scale's factor 2^(s - 127) by s, for a Gather (255: NaN)
+_E8M0_FACTORS = np.append(np.ldexp(1.0, np.arange(E8M0_NAN) - E8M0_BIAS), np.nan).astype(np.float32)
+
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    if int(c.attr("accuracy_level")) == INT8_ACTIVATIONS:
+        return experts_body(op, c, inputs, lambda weight, a: _int8_product(op, c, inputs, weight, a))
+
+    def product(weight: str, a):
+        return op.MatMul(a, op.Transpose(_dequantized(op, c, inputs, weight), perm=[0, 2, 1]))
+
+    return experts_body(op, c, inputs, product)
+
+
+def _unpacked(op, packed, bits: int, count=None):
+    """The codes (int32) along the last dim of uint8 ``packed``: one per byte, or two (the even index in the
+    low nibble); the first ``count`` of them when given (:func:`unpack_codes`)."""
+    codes = op.Cast(packed, to=TensorProto.INT32)
+    if bits == 4:
+        sixteen = constant(op, 16, np.int32)
+        low, high = op.Mod(codes, sixteen), op.Div(codes, sixteen)
+        pairs = op.Concat(op.Unsqueeze(low, ints(op, -1)), op.Unsqueeze(high, ints(op, -1)), axis=-1)
+        codes = reshape(op, pairs, op.Shape(packed, end=-1), op.Mul(op.Shape(packed, start=-1), ints(op, 2)))
+    return codes if count is None else op.Slice(codes, ints(op, 0), count, ints(op, -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """One quantized weight input by blocks: codes [E, N, blocks, block] (int32), scale [E, N, blocks]
+    (float32; mxfp4: the factor 2^(s - 127)), zero point [E, N, blocks, 1] or a scalar (int32, to subtract
+    from the codes; None for mxfp4)."""
+
+    codes: Any
+    scale: Any
+    zero_point: Any | None
+
+
+def _blocks(op, c: Config, inputs: dict[str, Any], weight: str) -> _Blocks:
+    bits, block_size = int(c.attr("bits")), int(c.attr("block_size"))
+    suffix = weight[-1]  # weight_i goes with scales_i and zero_points_i
+    packed, scales, zero_points = inputs[weight], inputs[f"scales_{suffix}"], inputs.get(f"zero_points_{suffix}")
+    codes = _unpacked(op, packed, bits)
+    if block_size:
+        blocks, block = op.Div(op.Shape(codes, start=2), ints(op, block_size)), ints(op, block_size)
+    else:
+        blocks, block = ints(op, 1), op.Shape(codes, start=2)
+    codes = reshape(op, codes, op.Shape(codes, end=2), blocks, block)
+    if c.attr("quant_type") == QUANT_MXFP4:
+        factor = op.Gather(constant(op, _E8M0_FACTORS, np.float32), op.Cast(scales, to=TensorProto.INT64), axis=0)
+        return _Blocks(codes, factor, None)
+    scale = float32(op, scales)
+    if not block_size:
+        scale = op.Unsqueeze(scale, ints(op, 2))
+    if zero_points is None:
+        zero_point = constant(op, 1 << (bits - 1), np.int32)
+    elif block_size:
+        zero_point = op.Unsqueeze(_unpacked(op, zero_points, bits, blocks), ints(op, -1))
+    else:
+        n = op.Shape(packed, start=1, end=2)
+        zero_point = op.Unsqueeze(_unpacked(op, zero_points, bits, n), ints(op, 2, 3))
+    return _Blocks(codes, scale, zero_point)
+
+
+def _dequantized(op, c: Config, inputs: dict[str, Any], weight: str):
+    """float32 W [E, N, K] of a quantized weight input (:func:`dequantize`)."""
+    q = _blocks(op, c, inputs, weight)
+    if q.zero_point is None:
+        values = op.Gather(constant(op, E2M1_VALUES, np.float32), op.Cast(q.codes, to=TensorProto.INT64), axis=0)
+    else:
+        values = op.Cast(op.Sub(q.codes, q.zero_point), to=TensorProto.FLOAT)
+    w = op.Mul(values, op.Unsqueeze(q.scale, ints(op, -1)))
+    k = op.Mul(op.Shape(q.codes, start=2, end=3), op.Shape(q.codes, start=3))
+    return reshape(op, w, op.Shape(inputs[weight], end=2), k)
+
+
+def _int8_product(op, c: Config, inputs: dict[str, Any], weight: str, a):
+    """accuracy_level 4 (:func:`int8_linear`): ``a`` [1 or E, T, K] in int8 per row and block, exact int32
+    dots with q - zero point, then the blocks' (sa * scale) * dot summed: [E, T, N]."""
+    q = _blocks(op, c, inputs, weight)
+    a4 = reshape(op, a, op.Shape(a, end=-1), op.Shape(q.codes, start=2, end=3), op.Shape(q.codes, start=3))
+    sa = op.Div(abs_max(op, a4, 3), scalar(op, 127.0))  # [., T, blocks, 1]
+    steps = op.Clip(op.Round(op.Div(a4, sa)), scalar(op, -127.0), scalar(op, 127.0))
+    qa = op.Cast(op.Where(op.Greater(sa, scalar(op, 0.0)), steps, scalar(op, 0.0)), to=TensorProto.INT32)
+    qw = op.Sub(q.codes, q.zero_point)  # [E, N, blocks, block]
+    qw_t = op.Transpose(qw, perm=[0, 2, 3, 1])  # [E, blocks, block, N]
+    qa_t = op.Transpose(qa, perm=[0, 2, 1, 3])  # [1 or E, blocks, T, block]
+    # expanded to E first: onnxruntime's int32 MatMul gives a wrong shape broadcasting over an empty K
+    qa_t = op.Expand(qa_t, op.Concat(op.Shape(qw_t, end=1), op.Shape(qa_t, start=1), axis=0))
+    dots = op.MatMul(qa_t, qw_t)  # [E, blocks, T, N]
+    block_scale = op.Unsqueeze(op.Transpose(q.scale, perm=[0, 2, 1]), ints(op, 2))  # [E, blocks, 1, N]
+    factor = op.Mul(op.Transpose(sa, perm=[0, 2, 1, 3]), block_scale)
+    return op.ReduceSum(op.Mul(factor, op.Cast(dots, to=TensorProto.FLOAT)), ints(op, 1), keepdims=0)
+
+
+QMOE = OpDef.of(signatures.QMOE, validate=_validate, reference=qmoe, body=_function_body)

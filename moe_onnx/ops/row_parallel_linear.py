@@ -10,11 +10,13 @@ the partials are all-reduce summed and B is added once: :func:`row_parallel_line
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto
 
 from . import signatures
+from ._body import INT64_MAX, Config, ints, positions, reshape, scalar, take_rows, to_rows
 from ._common import (
     ArrayView,
     Dim,
@@ -249,4 +251,30 @@ def _check_shards(w_shards: Sequence[np.ndarray], x_shards: Sequence[np.ndarray]
                              f"{[*lead, w_d.shape[2]]} (leading dims of X shard 0, K_d of W shard {d})")
 
 
-ROW_PARALLEL_LINEAR = OpDef.of(signatures.ROW_PARALLEL_LINEAR, validate=_validate, reference=row_parallel_linear)
+# ----------------------------------------------------------------------------- as standard ONNX ops
+
+def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    accumulate = TensorProto.INT32 if c.int8 else TensorProto.FLOAT
+    x = to_rows(op, op.Cast(inputs["X"], to=accumulate))
+    every_expert = op.MatMul(x, op.Transpose(op.Cast(inputs["W"], to=accumulate), perm=[0, 2, 1]))  # [E, rows, N]
+    offsets = inputs["expert_offset"]
+    position = positions(op, op.Shape(x, end=1))
+    ends = op.Slice(offsets, ints(op, 1), ints(op, INT64_MAX))
+    # row r belongs to the expert whose range holds it: the number of range ends <= r
+    ended = op.LessOrEqual(op.Unsqueeze(ends, ints(op, 0)), op.Unsqueeze(position, ints(op, 1)))
+    expert = op.ReduceSum(op.Cast(ended, to=TensorProto.INT64), ints(op, 1), keepdims=0)
+    expert = op.Min(expert, op.Sub(op.Shape(ends), ints(op, 1)))
+    covered = op.And(op.GreaterOrEqual(position, op.Slice(offsets, ints(op, 0), ints(op, 1))),
+                     op.Less(position, op.Slice(offsets, ints(op, -1), ints(op, INT64_MAX))))
+    per_row = take_rows(op, op.Transpose(every_expert, perm=[1, 0, 2]), op.Unsqueeze(expert, ints(op, 1)))
+    y = op.Squeeze(per_row, ints(op, 1))
+    if c.has("B"):
+        y = op.Add(y, op.Gather(op.Cast(inputs["B"], to=accumulate), expert, axis=0))
+    y = op.Where(op.Unsqueeze(covered, ints(op, 1)), y, op.CastLike(scalar(op, 0.0), y))
+    y = reshape(op, y, op.Shape(inputs["X"], end=-1), op.Shape(inputs["W"], start=1, end=2))
+    return {"Y": y if c.int8 else op.CastLike(y, inputs["X"])}
+
+
+ROW_PARALLEL_LINEAR = OpDef.of(
+    signatures.ROW_PARALLEL_LINEAR, validate=_validate, reference=row_parallel_linear, body=_function_body,
+    checked_only=(*(name for _, name in _SIZE_ATTRS), "bias_term", "input_is_parallel"))

@@ -14,12 +14,12 @@ import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from ..ops import DOMAIN, OPSET_VERSION
-from ..portable import add_function_bodies, require_opset, summary
 from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
                tiled)
 from ._match import MoeFusion
 from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
+from .portable import add_function_bodies, require_opset, summary
 from .targets import TARGETS
 
 
@@ -105,7 +105,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                 fuse_routers: bool = True, portable: bool = False) -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
     ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
-    adds each moe_onnx node's function body (:func:`moe_onnx.portable.add_function_bodies`)."""
+    adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`)."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     say = progress or (lambda message: None)
@@ -210,7 +210,7 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True,
     MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
     express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
     router one MoeGatingTopK where its chain is a known one (the report notes the others). ``portable`` also
-    writes each moe_onnx node's function body into the model (moe_onnx/portable.py). Raises ValueError for an
+    writes each moe_onnx node's function body into the model (moe_onnx/rewrite/portable.py). Raises ValueError for an
     unknown target, or for ``portable`` on a model whose default opset is below 18.
     """
     if isinstance(model, ir.Model):

@@ -18,8 +18,7 @@ from .._ir.builder import TapeBuilder, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import Weight, weight, weight_value
 from ..ops import DOMAIN, OPSET_VERSION
-from ..ops._expert_math import ACTIVATIONS, clamped_swiglu, swish
-from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
+from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, MOE, W0, W1, W2, expert_layer
 
 _IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
 
@@ -47,7 +46,6 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     if weights[0] is None or weights[1] is None or (w2 is not None and weights[2] is None):
         return None  # weights computed at run time: keep the MOE node
     expert_type = attribute_value(node, "expert_type", "")
-    alpha = float(attribute_value(node, "expert_alpha", 1.0))
     dtype = hidden.dtype
     experts = weights[0].shape[0]
 
@@ -66,25 +64,17 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **_IN_OUR_DOMAIN)
     offsets = op.Concat(int64s(op, [0]), cumsum, axis=0)
 
-    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-        beta = float(attribute_value(node, "expert_beta", 0.0))
-        parity = int(attribute_value(node, "gate_parity", 0))
-        gate_up = _grouped_linear(op, rows, offsets, weights[0], "moe_gate_up_enk", True, b0)
-        two_i = weights[0].shape[2]
+    transposed = expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 stores [E, K, N]
+    weight_of, bias_of = {W0: weights[0], W1: weights[1], W2: weights[2]}, {B0: b0, B1: b1}
 
-        def half(start: int) -> ir.Value:
-            return op.Slice(gate_up, *(int64s(op, [v]) for v in (start, two_i, -1, 2)))
+    def linear(weight_input: int, bias_input: int | None, a: ir.Value) -> ir.Value:
+        name = f"moe_{MOE.inputs[weight_input].name}" + ("_enk" if transposed else "")
+        return _grouped_linear(op, a, offsets, weight_of[weight_input], name, transposed, bias_of.get(bias_input))
 
-        act = clamped_swiglu(op, half(parity), half(1 - parity), alpha, beta, const)
-        down = _grouped_linear(op, act, offsets, weights[1], "moe_down_enk", True, b1)
-    elif expert_type == GEMM2_ACT:
-        up = _grouped_linear(op, rows, offsets, weights[0], "moe_up", False, b0)
-        act = ACTIVATIONS[attribute_value(node, "activation", "")](op, up, const)
-        down = _grouped_linear(op, act, offsets, weights[1], "moe_down", False, b1)
-    else:
-        gate = _grouped_linear(op, rows, offsets, weights[0], "moe_gate", False)
-        up = _grouped_linear(op, rows, offsets, weights[1], "moe_up", False)
-        down = _grouped_linear(op, op.Mul(swish(op, gate, alpha, const), up), offsets, weights[2], "moe_down", False)
+    def attr(name: str):
+        return attribute_value(node, name, MOE.attr_spec(name).default)
+
+    down = expert_layer(op, rows, linear, attr, const)
 
     out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
     y = op.Reshape(out, op.Shape(hidden), allowzero=1)  # a 0 in the shape is a 0 (no tokens), not a copy
