@@ -31,7 +31,7 @@ import onnx_ir.passes.common as common_passes
 from ._ir.builder import TapeBuilder, replace
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
 from .compare import Difference, compare_arrays, worst
-from .ops import DOMAIN, OPSET_VERSION, signatures
+from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
     ACCURACY_LEVELS,
@@ -280,7 +280,7 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
         inputs.pop()
 
     op = TapeBuilder()
-    qmoe = op.QMOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, _name=node.name, **node.attributes,
+    qmoe = op.QMOE(*inputs, **IN_OUR_DOMAIN, _name=node.name, **node.attributes,
                    bits=layer.bits, block_size=layer.block_size, quant_type=layer.quant_type,
                    accuracy_level=layer.accuracy_level)
     replace(node, qmoe, op)

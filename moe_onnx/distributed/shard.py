@@ -33,13 +33,10 @@ from .._ir import model_files
 from .._ir.builder import TapeBuilder, const, insert, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import initializer_expert, streamed_initializer, weight
-from ..ops import DOMAIN, OPSET_VERSION
+from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.layout import Layout
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
-
-_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
-
 
 class ShardError(ValueError):
     """A model (or a tp/ep choice) that cannot be sharded; the message names the node and the reason."""
@@ -273,7 +270,7 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     local_ids = mine(expert_ids, op)
     expand_x, offsets, assist = op.MoeDistributeDispatch(
         mine(x, op), local_ids, num_experts=chain.experts, expert_capacity=chain.capacity, **groups,
-        _outputs=3, _name=f"{name}/MoeDistributeDispatch", **_IN_OUR_DOMAIN)
+        _outputs=3, _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
     insert(init, op)
 
     experts = _local_experts(layout, chain.experts)
@@ -296,7 +293,7 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     while extras and extras[-1] is None:
         extras.pop()
     out = tail.MoeDistributeCombine(final.inputs[0], assist, local_scales, *extras, num_experts=chain.experts,
-                                    gather_tokens=1, _name=f"{name}/MoeDistributeCombine", **groups, **_IN_OUR_DOMAIN)
+                                    gather_tokens=1, _name=f"{name}/MoeDistributeCombine", **groups, **IN_OUR_DOMAIN)
     replace(final, out, tail)
 
 

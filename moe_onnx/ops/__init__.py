@@ -10,7 +10,7 @@ import numpy as np
 from onnx import defs
 from onnx.reference.op_run import OpRun
 
-from ._common import DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
+from ._common import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION, MoeOpError, OpDef, check_node_attributes
 from .distribute_combine import MOE_DISTRIBUTE_COMBINE
 from .distribute_dispatch import MOE_DISTRIBUTE_DISPATCH
 from .finalize_routing import MOE_FINALIZE_ROUTING
@@ -49,4 +49,4 @@ REFERENCE_OPS: list[type[OpRun]] = [_evaluator_class(op) for op in OPS.values()]
 
 _register_schemas()
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "OPS", "REFERENCE_OPS", "MoeOpError", "OpDef"]
+__all__ = ["DOMAIN", "IN_OUR_DOMAIN", "OPSET_VERSION", "OPS", "REFERENCE_OPS", "MoeOpError", "OpDef"]

@@ -27,6 +27,8 @@ from .signatures import Signature
 
 DOMAIN = "moe_onnx"
 OPSET_VERSION = 1
+#: the builder keywords of a node of our op set (``op.MOE(..., **IN_OUR_DOMAIN)``)
+IN_OUR_DOMAIN = {"_domain": DOMAIN, "_version": OPSET_VERSION}
 
 Dim = int | str | None  # a known size, a symbolic name, or unknown
 

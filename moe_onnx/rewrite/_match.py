@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
 from .._ir.nodes import standard
-from ..ops import DOMAIN, OPSET_VERSION
+from ..ops import IN_OUR_DOMAIN
 
 
 class MatchFailure(Exception):
@@ -279,4 +279,4 @@ def emit_moe(op, hidden: ir.Value, routing_weights: ir.Value, indices: ir.Value,
     inputs = [hidden, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, weight_2]
     while inputs[-1] is None:
         inputs.pop()
-    return op.MOE(*inputs, _domain=DOMAIN, _version=OPSET_VERSION, expert_type=expert_type, **attributes)
+    return op.MOE(*inputs, **IN_OUR_DOMAIN, expert_type=expert_type, **attributes)

@@ -38,7 +38,7 @@ from onnx.reference import ReferenceEvaluator
 
 from .._ir.builder import TapeBuilder, const, insert, typed
 from .._ir.nodes import standard
-from ..ops import DOMAIN, OPSET_VERSION
+from ..ops import DOMAIN, IN_OUR_DOMAIN
 from ._match import (
     MatchFailure, constant, constant_ints, constant_scalar, constant_text, fill_value, ints_input_or_attr, is_zeros,
     require,
@@ -359,7 +359,7 @@ def _emit(moe: ir.Node, router: Router) -> None:
     op = TapeBuilder()
     bias = None if router.bias is None else const(op, router.bias)
     attributes = {name: value for name, value in router.attributes.items() if value != _UNWRITTEN.get(name)}
-    weights, indices = op.MoeGatingTopK(router.logits, bias, _outputs=2, _domain=DOMAIN, _version=OPSET_VERSION,
+    weights, indices = op.MoeGatingTopK(router.logits, bias, _outputs=2, **IN_OUR_DOMAIN,
                                         _name=f"{moe.name or 'MOE'}/router", **attributes)
     # the shapes the routed values had, for the passes after this one (the shared-expert fold reads k)
     typed(weights, router.logits.dtype, moe.inputs[1].shape)

@@ -14,18 +14,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._ir.builder import TapeBuilder, int64s, replace
+from .._ir.builder import TapeBuilder, const, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import Weight, weight, weight_value
-from ..ops import DOMAIN, OPSET_VERSION
+from ..ops import DOMAIN, IN_OUR_DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, MOE, W0, W1, W2, expert_layer
-
-_IN_OUR_DOMAIN = dict(_domain=DOMAIN, _version=OPSET_VERSION)
-
-
-def _scalar(op, value: float, dtype: ir.DataType) -> ir.Value:
-    return op.Constant(value=ir.tensor(np.array(value, dtype=dtype.numpy())))
-
 
 def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str, transposed: bool,
                     bias: ir.Value | None = None) -> ir.Value:
@@ -36,7 +29,7 @@ def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str,
     else:
         w_enk = weight_value(op, w, name)
     inputs = [rows, offsets, w_enk] + ([bias] if bias is not None else [])
-    return op.MoeRowParallelLinear(*inputs, **_IN_OUR_DOMAIN)
+    return op.MoeRowParallelLinear(*inputs, **IN_OUR_DOMAIN)
 
 
 def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
@@ -51,8 +44,8 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
 
     op = TapeBuilder()
 
-    def const(value: float) -> ir.Value:
-        return _scalar(op, value, dtype)
+    def scalar(value: float) -> ir.Value:
+        return const(op, value, dtype)
 
     hidden_size = weights[1].shape[2] if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else weights[0].shape[2]
     rows_in = op.Reshape(hidden, int64s(op, [-1, hidden_size]))
@@ -61,7 +54,7 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     shape_tk = op.Concat(minus_one, k, axis=0)
     idx_tk = op.Reshape(indices, shape_tk)
     scales_tk = op.Reshape(routing, shape_tk)
-    rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **_IN_OUR_DOMAIN)
+    rows, row_idx, cumsum = op.MoeInitRouting(rows_in, idx_tk, expert_num=experts, _outputs=3, **IN_OUR_DOMAIN)
     offsets = op.Concat(int64s(op, [0]), cumsum, axis=0)
 
     transposed = expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 stores [E, K, N]
@@ -74,9 +67,9 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     def attr(name: str):
         return attribute_value(node, name, MOE.attr_spec(name).default)
 
-    down = expert_layer(op, rows, linear, attr, const)
+    down = expert_layer(op, rows, linear, attr, scalar)
 
-    out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **_IN_OUR_DOMAIN)
+    out = op.MoeFinalizeRouting(down, row_idx, None, None, None, scales_tk, **IN_OUR_DOMAIN)
     y = op.Reshape(out, op.Shape(hidden), allowzero=1)  # a 0 in the shape is a 0 (no tokens), not a copy
     return op, y
 

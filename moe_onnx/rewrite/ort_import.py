@@ -55,7 +55,7 @@ import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, const, int64s, replace, typed
 from .._ir.weights import fresh_name, initializer_expert, streamed_initializer
-from ..ops import DOMAIN, OPSET_VERSION
+from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.qmoe import INT8_ACTIVATIONS, QUANT_INT, QUANT_MXFP4, pack_codes, unpack_codes
 from ._match import MatchFailure, constant, require
@@ -510,7 +510,7 @@ def _write(n: _Node, plan: _Plan) -> None:
                        "accuracy_level": quant.accuracy_level}
     while inputs[-1] is None:
         inputs.pop()
-    y = op.op(op_type, *inputs, _domain=DOMAIN, _version=OPSET_VERSION, _name=f"{name}/{op_type}", **attributes)
+    y = op.op(op_type, *inputs, **IN_OUR_DOMAIN, _name=f"{name}/{op_type}", **attributes)
     replace(node, y, op)
 
 
