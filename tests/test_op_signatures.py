@@ -1,6 +1,7 @@
 """The C++ kernels' op tables (generated at build time by custom_ops/cmake/gen_op_tables.py) say
-what the OpDefs say: input and output names in order, optional flags and element types, and the
-attributes with their kinds and defaults."""
+what the OpDefs say: input and output names in order, optional flags and element types, the
+attributes with their kinds and defaults, and the allowed values of the string attributes (C++ enums
+and their spelling; the Python tables keyed by them have the same values)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,17 @@ def _generator():
 
 
 @pytest.fixture(scope="module")
-def header(tmp_path_factory) -> str:
-    """The header as the build writes it: a bare interpreter (-I -S: no site-packages, so no numpy
+def generated(tmp_path_factory) -> Path:
+    """The headers as the build writes them: a bare interpreter (-I -S: no site-packages, so no numpy
     or onnx, as in an isolated PEP 517 build) runs the generator on the signatures file."""
     target = tmp_path_factory.mktemp("generated") / "op_signatures.h"
     subprocess.run([sys.executable, "-I", "-S", str(GENERATOR), str(SIGNATURES), str(target)], check=True)
-    return target.read_text()
+    return target.parent
+
+
+@pytest.fixture(scope="module")
+def header(generated) -> str:
+    return (generated / "op_signatures.h").read_text()
 
 
 def _tables(header: str) -> dict[str, dict[str, list[tuple]]]:
@@ -88,3 +94,35 @@ def test_op_is_its_signature(name):
     signature = next(s for s in signatures.SIGNATURES if s.name == name)
     assert (op.doc, op.inputs, op.outputs, op.type_constraints, op.attributes) == \
         (signature.doc, signature.inputs, signature.outputs, signature.type_constraints, signature.attributes)
+
+
+def _declared_choices() -> dict[str, tuple[str, ...]]:
+    """{attribute name: its choices} of every string attribute that declares them."""
+    return {a.name: a.choices for s in signatures.SIGNATURES for a in s.attributes if a.choices}
+
+
+def test_choices_are_enums(generated, header):
+    """op_choices.h: one enum per string attribute with choices, an enumerator per value in the declared
+    order; op_signatures.h spells them (StringChoices)."""
+    camel = _generator().camel
+    enums = dict(re.findall(r"enum class (\w+) : int \{ ([\w, ]+) \};", (generated / "op_choices.h").read_text()))
+    spelled = dict(re.findall(r'struct StringChoices<(\w+)> \{\n  static constexpr const char\* attribute = "(\w+)";',
+                              header))
+    names = {enum: tuple(re.findall(r'"(\w+)"', text))
+             for enum, text in re.findall(r"struct StringChoices<(\w+)> \{.*?names\[\] = \{([^}]*)\}", header, re.S)}
+    declared = _declared_choices()
+    assert enums == {camel(name): ", ".join(f"k{camel(c)}" for c in choices) for name, choices in declared.items()}
+    assert spelled == {camel(name): name for name in declared}
+    assert names == {camel(name): choices for name, choices in declared.items()}
+    assert _generator().render_choices(signatures.SIGNATURES) == (generated / "op_choices.h").read_text()
+
+
+def test_python_tables_have_the_declared_choices():
+    """The Python tables keyed by an attribute's values (the activations of the reference and of the
+    function bodies) have exactly the declared values, in their order."""
+    from moe_onnx.ops import _expert_math
+    from moe_onnx.ops import moe
+
+    activations = signatures.MOE.attr_spec("activation").choices
+    assert tuple(moe.ACTIVATIONS) == activations
+    assert tuple(_expert_math.ACTIVATIONS) == activations

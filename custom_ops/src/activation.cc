@@ -1,11 +1,9 @@
 #include "activation.h"
 
 #include <cmath>
-#include <utility>
 
-#include "common.h"
-#include "isa.h"
 #include "gemm.h"
+#include "isa.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -77,12 +75,6 @@ void pointwise_activation_portable(const PointwiseActivation& act, const float* 
 }  // namespace detail
 
 namespace {
-constexpr std::pair<const char*, PointwiseActivation::Form> kPointwiseForms[] = {
-    {"relu", PointwiseActivation::Form::kRelu},          {"relu2", PointwiseActivation::Form::kRelu2},
-    {"gelu", PointwiseActivation::Form::kGelu},          {"gelu_tanh", PointwiseActivation::Form::kGeluTanh},
-    {"silu", PointwiseActivation::Form::kSilu},          {"identity", PointwiseActivation::Form::kIdentity},
-};
-
 // The implementation of the kernels' ISA level (isa.h); null where this build has none for a level.
 template <class Kernel>
 Kernel* chosen(Kernel* portable, Kernel* avx2, Kernel* avx512) {
@@ -118,24 +110,6 @@ void PointwiseActivation::apply(const float* C, int64_t ldc, const float* bias, 
   static detail::PointwiseKernel* const fn =
       chosen(detail::pointwise_activation_portable, kPointwiseAvx2, kPointwiseAvx512);
   if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
-}
-
-bool pointwise_form(const std::string& name, PointwiseActivation::Form* form) {
-  for (const auto& [known, f] : kPointwiseForms)
-    if (name == known) {
-      *form = f;
-      return true;
-    }
-  return false;
-}
-
-const char* pointwise_names() {
-  static const std::string names = [] {
-    std::string listed;
-    for (const auto& [known, f] : kPointwiseForms) listed += std::string(listed.empty() ? "'" : ", '") + known + "'";
-    return listed;
-  }();
-  return names.c_str();
 }
 
 }  // namespace moe_onnx

@@ -5,8 +5,9 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <type_traits>
+
+#include "op_choices.h"
 
 namespace moe_onnx {
 
@@ -29,16 +30,15 @@ struct GatedActivation {
              int64_t ldd) const;
 };
 
-// GEMM2_ACT's activation (MOE's `activation` attribute).
+// GEMM2_ACT's activation (MOE's `activation` attribute, whose values are the forms):
+//   kRelu      max(z, 0)
+//   kRelu2     max(z, 0)^2 (Nemotron-H)
+//   kGelu      z * Phi(z), Phi the normal CDF through erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7)
+//   kGeluTanh  0.5 * z * (1 + tanh(sqrt(2 / pi) * (z + 0.044715 z^3))) = z * sigmoid(2 * that argument)
+//   kSilu      z * sigmoid(z)
+//   kIdentity  z
 struct PointwiseActivation {
-  enum class Form {
-    kRelu,      // max(z, 0)
-    kRelu2,     // max(z, 0)^2 (Nemotron-H)
-    kGelu,      // z * Phi(z), Phi the normal CDF through erf (Abramowitz-Stegun 7.1.26, |error| < 1.5e-7)
-    kGeluTanh,  // 0.5 * z * (1 + tanh(sqrt(2 / pi) * (z + 0.044715 z^3))) = z * sigmoid(2 * that argument)
-    kSilu,      // z * sigmoid(z)
-    kIdentity,  // z
-  };
+  using Form = Activation;
   Form form = Form::kIdentity;
 
   // For r < rows, c < 16 * panels, with z = C[r, c] + bias[c] (bias may be null: 0):
@@ -46,11 +46,6 @@ struct PointwiseActivation {
   void apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
              int64_t ldd) const;
 };
-
-// The form of an `activation` attribute value; false when the name is none of them.
-bool pointwise_form(const std::string& name, PointwiseActivation::Form* form);
-// The names pointwise_form knows, as moe.py lists them: "'relu', 'relu2', ...".
-const char* pointwise_names();
 
 namespace detail {
 // One implementation of PointwiseActivation::apply / GatedActivation::apply per ISA level.

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "comm_mpi_abi.h"
-#include "common.h"
+#include "status.h"
 
 namespace moe_onnx {
 namespace comm {

@@ -19,11 +19,10 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <tuple>
 #include <vector>
 
-#include "block_pool.h"
 #include "comm_mpi_abi.h"
+#include "workspace.h"
 
 struct MoeOnnxMpiComm {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -116,47 +115,36 @@ bool rank_counts(const int64_t* counts, int size, const char* what, std::vector<
   return true;
 }
 
-// The blocks of Bytes: a collective's two staging copies, with room for a few groups at once.
-moe_onnx::BlockPool& staging_pool() {
-  static auto* pool = new moe_onnx::BlockPool(6);  // never destroyed: a block may come back during exit
+// The workspaces of the collectives' staging copies, with room for a few groups at once.
+moe_onnx::WorkspacePool& staging_workspaces() {
+  static auto* pool = new moe_onnx::WorkspacePool(3);  // never destroyed: a lease may end during exit
   return *pool;
 }
 
-// A byte buffer for MPI from staging_pool, not zero-filled (MPI or a copy writes all of it first).
-class Bytes {
- public:
-  Bytes() = default;
-  Bytes(const Bytes&) = delete;
-  Bytes& operator=(const Bytes&) = delete;
-  ~Bytes() {
-    if (data_) staging_pool().give_back(data_, capacity_);
-  }
-  // Once per buffer: `bytes` unwritten bytes, or a copy of them from `from`.
-  void make(size_t bytes) {
-    if (bytes) std::tie(data_, capacity_) = staging_pool().take(bytes);
-    size_ = bytes;
-  }
-  void make(const void* from, size_t bytes) {
-    make(bytes);
-    if (bytes) std::memcpy(data_, from, bytes);
-  }
-  char* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  char* data_ = nullptr;
-  size_t size_ = 0, capacity_ = 0;
+// A staging copy: `size` bytes at `data` (null for none), not zero-filled (MPI or a copy writes all
+// of it first).
+struct Staging {
+  char* data = nullptr;
+  size_t size = 0;
 };
 
-// One collective in flight: MPI's copies of the buffers and the count arrays. Leaked after a
-// timeout (MPI may still read and write them). The two copies cost about as much as the transfer
-// on one machine, but they are what keeps a timeout safe: the caller's buffers are freed when its
-// exception unwinds, and a collective completing later would read or write freed memory. They are
-// made without a zero-fill and in reused blocks (block_pool.h), which costs no page faults.
+// One collective in flight: MPI's copies of the buffers (in a leased workspace) and the count arrays.
+// Leaked after a timeout (MPI may still read and write them). The two copies cost about as much as
+// the transfer on one machine, but they are what keeps a timeout safe: the caller's buffers are freed
+// when its exception unwinds, and a collective completing later would read or write freed memory.
+// They are made without a zero-fill and in reused workspaces (workspace.h), which costs no page faults.
 struct Pending {
-  Bytes send, recv;
+  moe_onnx::WorkspacePool::Lease buffers = staging_workspaces().lease();
+  Staging send, recv;
   std::vector<int> send_counts, send_displs, recv_counts, recv_displs;
   MPI_Request request = MPI_REQUEST_NULL;
+
+  // `bytes` unwritten bytes, or a copy of them from `from`.
+  Staging stage(size_t bytes, const void* from = nullptr) {
+    Staging copy{buffers->take<char>(static_cast<int64_t>(bytes), "a collective's staging copy"), bytes};
+    if (from && bytes) std::memcpy(copy.data, from, bytes);
+    return copy;
+  }
 };
 
 // Starts the collective `start` made of `pending`, waits for it; releases `pending` unless it timed out.
@@ -251,11 +239,11 @@ int all_reduce_sum(MoeOnnxMpiComm* comm, void* data, int64_t count, int element,
   const MPI_Datatype type = element == MOE_ONNX_MPI_INT32 ? MPI_INT32_T : MPI_FLOAT;
   const size_t bytes = static_cast<size_t>(count) * 4;
   auto pending = std::make_unique<Pending>();
-  pending->recv.make(data, bytes);
+  pending->recv = pending->stage(bytes, data);
   const int status = run(comm, pending, timeout_s, "MPI_Iallreduce", error, [&](Pending& p) {
-    return MPI_Iallreduce(MPI_IN_PLACE, p.recv.data(), n, type, MPI_SUM, comm->comm, &p.request);
+    return MPI_Iallreduce(MPI_IN_PLACE, p.recv.data, n, type, MPI_SUM, comm->comm, &p.request);
   });
-  if (status == MOE_ONNX_MPI_OK && bytes) std::memcpy(data, pending->recv.data(), bytes);
+  if (status == MOE_ONNX_MPI_OK && bytes) std::memcpy(data, pending->recv.data, bytes);
   return status;
 }
 
@@ -267,13 +255,13 @@ int all_to_all_v(MoeOnnxMpiComm* comm, const void* send, const int64_t* send_byt
   if (!rank_counts(send_bytes, comm->size, "the bytes sent", p.send_counts, p.send_displs, &send_total, error) ||
       !rank_counts(recv_bytes, comm->size, "the bytes received", p.recv_counts, p.recv_displs, &recv_total, error))
     return MOE_ONNX_MPI_ERROR;
-  p.send.make(send, static_cast<size_t>(send_total));
-  p.recv.make(static_cast<size_t>(recv_total));
+  p.send = p.stage(static_cast<size_t>(send_total), send);
+  p.recv = p.stage(static_cast<size_t>(recv_total));
   const int status = run(comm, pending, timeout_s, "MPI_Ialltoallv", error, [&](Pending& q) {
-    return MPI_Ialltoallv(q.send.data(), q.send_counts.data(), q.send_displs.data(), MPI_BYTE, q.recv.data(),
+    return MPI_Ialltoallv(q.send.data, q.send_counts.data(), q.send_displs.data(), MPI_BYTE, q.recv.data,
                           q.recv_counts.data(), q.recv_displs.data(), MPI_BYTE, comm->comm, &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && recv_total > 0) std::memcpy(recv, pending->recv.data(), pending->recv.size());
+  if (status == MOE_ONNX_MPI_OK && recv_total > 0) std::memcpy(recv, pending->recv.data, pending->recv.size);
   return status;
 }
 
@@ -286,13 +274,13 @@ int all_gather_v(MoeOnnxMpiComm* comm, const void* send, int64_t send_bytes, voi
   if (!to_int(send_bytes, "the bytes sent", &send_count, error) ||
       !rank_counts(recv_bytes, comm->size, "the bytes received", p.recv_counts, p.recv_displs, &recv_total, error))
     return MOE_ONNX_MPI_ERROR;
-  p.send.make(send, static_cast<size_t>(send_bytes));
-  p.recv.make(static_cast<size_t>(recv_total));
+  p.send = p.stage(static_cast<size_t>(send_bytes), send);
+  p.recv = p.stage(static_cast<size_t>(recv_total));
   const int status = run(comm, pending, timeout_s, "MPI_Iallgatherv", error, [&](Pending& q) {
-    return MPI_Iallgatherv(q.send.data(), send_count, MPI_BYTE, q.recv.data(), q.recv_counts.data(),
+    return MPI_Iallgatherv(q.send.data, send_count, MPI_BYTE, q.recv.data, q.recv_counts.data(),
                            q.recv_displs.data(), MPI_BYTE, comm->comm, &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && recv_total > 0) std::memcpy(recv, pending->recv.data(), pending->recv.size());
+  if (status == MOE_ONNX_MPI_OK && recv_total > 0) std::memcpy(recv, pending->recv.data, pending->recv.size);
   return status;
 }
 
@@ -304,14 +292,14 @@ int reduce_scatter_v_sum(MoeOnnxMpiComm* comm, const float* send, float* recv, c
   if (!rank_counts(counts, comm->size, "the elements reduced", p.recv_counts, p.recv_displs, &total, error))
     return MOE_ONNX_MPI_ERROR;
   const char* first = reinterpret_cast<const char*>(send);
-  p.send.make(first, static_cast<size_t>(total) * 4);
-  p.recv.make(static_cast<size_t>(p.recv_counts[comm->rank]) * 4);
+  p.send = p.stage(static_cast<size_t>(total) * 4, first);
+  p.recv = p.stage(static_cast<size_t>(p.recv_counts[comm->rank]) * 4);
   const int status = run(comm, pending, timeout_s, "MPI_Ireduce_scatter", error, [&](Pending& q) {
-    return MPI_Ireduce_scatter(q.send.data(), q.recv.data(), q.recv_counts.data(), MPI_FLOAT, MPI_SUM,
+    return MPI_Ireduce_scatter(q.send.data, q.recv.data, q.recv_counts.data(), MPI_FLOAT, MPI_SUM,
                                comm->comm, &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && pending->recv.size())
-    std::memcpy(recv, pending->recv.data(), pending->recv.size());
+  if (status == MOE_ONNX_MPI_OK && pending->recv.size)
+    std::memcpy(recv, pending->recv.data, pending->recv.size);
   return status;
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "checker.h"
 #include "parallel.h"
 
 namespace moe_onnx {
@@ -185,22 +186,24 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
   const Input& y = inputs[EXPAND_Y];
   const ElemType type = y.type;
   const int64_t esize = static_cast<int64_t>(elem_size(type)), row_floats = H * static_cast<int64_t>(sizeof(float));
+  const FloatType values = float_type(type);
   // The arrival rows in float32; with TP, summed over the group into this rank's own block.
-  Scratch<float> arrival(a.arrivals * H, "the arrival rows");
+  const WorkspacePool::Lease buffers = exchange_workspaces().lease();
+  float* arrival = buffers->take<float>(a.arrivals * H, "the arrival rows");
   if (H)
     parallel_chunks(ctx, a.arrivals, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        to_float(type, static_cast<const char*>(y.data) + a.arrival_to_row[i] * H * esize, &arrival[i * H], H);
+        widen_row(values, static_cast<const char*>(y.data) + a.arrival_to_row[i] * H * esize, arrival + i * H, H);
     });
-  Scratch<float> own_block;
+  float* own_block = nullptr;
   if (r.tp_size > 1) {
-    own_block = Scratch<float>(a.tp_blocks[r.tp_rank] * H, "the received rows");
-    groups.tp->reduce_scatter_v_sum(arrival.data(), own_block.data(), scaled(a.tp_blocks, H).data(), where.c_str(),
+    own_block = buffers->take<float>(a.tp_blocks[r.tp_rank] * H, "the received rows");
+    groups.tp->reduce_scatter_v_sum(arrival, own_block, scaled(a.tp_blocks, H).data(), where.c_str(),
                                     "the partial expert outputs");
   }
-  Scratch<float> back(sum(a.send_counts) * H, "the expert outputs sent back");
-  groups.ep->all_to_all_v(r.tp_size > 1 ? own_block.data() : arrival.data(), scaled(a.recv_counts, row_floats).data(),
-                          back.data(), scaled(a.send_counts, row_floats).data(), where.c_str(),
+  float* back = buffers->take<float>(sum(a.send_counts) * H, "the expert outputs sent back");
+  groups.ep->all_to_all_v(r.tp_size > 1 ? own_block : arrival, scaled(a.recv_counts, row_floats).data(), back,
+                          scaled(a.send_counts, row_floats).data(), where.c_str(),
                           "the expert outputs back to their tokens");
 
   const int64_t out_tokens = gather_tokens ? sum(a.tokens_per_rank) : tokens;
@@ -210,30 +213,32 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
     throw_invalid(where + ": " + failure.what());
   }
   char* out = static_cast<char*>(ctx.GetOutput(0, {out_tokens, H}).GetTensorMutableRawData());
-  Scratch<char> mine = gather_tokens ? Scratch<char>(tokens * H * esize, "this rank's tokens") : Scratch<char>();
-  char* result = gather_tokens ? mine.data() : out;
+  char* mine = gather_tokens ? buffers->take<char>(tokens * H * esize, "this rank's tokens") : nullptr;
+  char* result = gather_tokens ? mine : out;
   const Input& scales = inputs[SCALES];
   parallel_chunks(ctx, H ? tokens : 0, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(H)), add(static_cast<size_t>(H));
+    Scratch scratch;
+    float* acc = scratch.take<float>(H, "a token's sum");
+    float* add = scratch.take<float>(H, "a row to add");
     for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc, acc + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t s = a.slot_to_send[t * k + j];
         if (s < 0) continue;
-        const float weight = load_float(type, scales.data, t * k + j);
-        const float* row = &back[s * H];
+        const float weight = load_float(values, scales.data, t * k + j);
+        const float* row = back + s * H;
         for (int64_t h = 0; h < H; ++h) acc[h] += weight * row[h];
       }
       for (int i : {X1, X2})
         if (inputs[i].present) {
-          to_float(type, static_cast<const char*>(inputs[i].data) + t * H * esize, add.data(), H);
+          widen_row(values, static_cast<const char*>(inputs[i].data) + t * H * esize, add, H);
           for (int64_t h = 0; h < H; ++h) acc[h] += add[h];
         }
-      from_float(type, acc.data(), result + t * H * esize, H);
+      narrow_row(values, acc, result + t * H * esize, H);
     }
   });
   if (gather_tokens)
-    groups.world->all_gather_v(mine.data(), tokens * H * esize, out, scaled(a.tokens_per_rank, H * esize).data(),
+    groups.world->all_gather_v(mine, tokens * H * esize, out, scaled(a.tokens_per_rank, H * esize).data(),
                                where.c_str(), "the tokens of every rank");
 }
 

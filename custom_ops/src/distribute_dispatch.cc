@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 
+#include "checker.h"
 #include "parallel.h"
 
 namespace moe_onnx {
@@ -250,8 +251,9 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
   const std::vector<int64_t> slot_to_send = send_positions(ids, plan, r.global_rank());
   const int64_t row_bytes = H * static_cast<int64_t>(elem_size(x.type)), id_bytes = sizeof(int64_t);
   const int64_t sent = sum(plan.send_counts), received = plan.tp_blocks[r.tp_rank], arrivals = sum(plan.tp_blocks);
-  Scratch<char> send(sent * row_bytes, "the rows to send");
-  Scratch<int64_t> send_experts(sent, "the experts of the rows to send");
+  const WorkspacePool::Lease buffers = exchange_workspaces().lease();
+  char* send = buffers->take<char>(sent * row_bytes, "the rows to send");
+  int64_t* send_experts = buffers->take<int64_t>(sent, "the experts of the rows to send");
   for (int64_t f = 0; f < ids.count; ++f)
     if (slot_to_send[f] >= 0) send_experts[slot_to_send[f]] = load_index(ids, f) % L;
   if (row_bytes)
@@ -263,21 +265,20 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
     });
 
   // The exchange: all-to-all-v in the EP group, then all-gather-v in the TP group.
-  Scratch<char> arrival(arrivals * row_bytes, "the arrival rows");
+  char* arrival = buffers->take<char>(arrivals * row_bytes, "the arrival rows");
   std::vector<int64_t> arrival_experts = buffer<int64_t>(arrivals, "the experts of the arrival rows");
   const bool tp = r.tp_size > 1;
-  Scratch<char> mine = tp ? Scratch<char>(received * row_bytes, "the received rows") : Scratch<char>();
-  Scratch<int64_t> mine_experts =
-      tp ? Scratch<int64_t>(received, "the experts of the received rows") : Scratch<int64_t>();
-  groups.ep->all_to_all_v(send.data(), scaled(plan.send_counts, row_bytes).data(), tp ? mine.data() : arrival.data(),
+  char* mine = tp ? buffers->take<char>(received * row_bytes, "the received rows") : nullptr;
+  int64_t* mine_experts = tp ? buffers->take<int64_t>(received, "the experts of the received rows") : nullptr;
+  groups.ep->all_to_all_v(send, scaled(plan.send_counts, row_bytes).data(), tp ? mine : arrival,
                           scaled(plan.recv_counts, row_bytes).data(), where.c_str(), "the rows to their experts");
-  groups.ep->all_to_all_v(send_experts.data(), scaled(plan.send_counts, id_bytes).data(),
-                          tp ? mine_experts.data() : arrival_experts.data(), scaled(plan.recv_counts, id_bytes).data(),
+  groups.ep->all_to_all_v(send_experts, scaled(plan.send_counts, id_bytes).data(),
+                          tp ? mine_experts : arrival_experts.data(), scaled(plan.recv_counts, id_bytes).data(),
                           where.c_str(), "the experts of the rows");
   if (tp) {
-    groups.tp->all_gather_v(mine.data(), received * row_bytes, arrival.data(), scaled(plan.tp_blocks, row_bytes).data(),
+    groups.tp->all_gather_v(mine, received * row_bytes, arrival, scaled(plan.tp_blocks, row_bytes).data(),
                             where.c_str(), "the received rows");
-    groups.tp->all_gather_v(mine_experts.data(), received * id_bytes, arrival_experts.data(),
+    groups.tp->all_gather_v(mine_experts, received * id_bytes, arrival_experts.data(),
                             scaled(plan.tp_blocks, id_bytes).data(), where.c_str(), "the experts of the received rows");
   }
   const std::vector<int64_t> arrival_to_row = place_arrivals(plan, arrival_experts, where);

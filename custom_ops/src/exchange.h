@@ -6,9 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "attributes.h"
 #include "comm.h"
-#include "common.h"
-#include "kernel_util.h"
+#include "status.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -40,39 +41,9 @@ std::vector<T> buffer(int64_t count, const char* what) {
   return v;
 }
 
-// Byte blocks for Scratch, kept between calls in a small pool (block_pool.h) that every node of the
-// process shares. A block goes back to the pool when its Scratch ends.
-struct ScratchReturn {
-  size_t capacity = 0;
-  void operator()(char* block) const;
-};
-using ScratchBytes = std::unique_ptr<char[], ScratchReturn>;
-// A block of at least `bytes` (the pool's smallest that fits, else a new one); may throw bad_alloc.
-ScratchBytes take_scratch(size_t bytes);
-
-// `count` elements for `what`, left unwritten (no zero-fill): for buffers written in full before they
-// are read.
-template <class T>
-class Scratch {
- public:
-  Scratch() = default;
-  Scratch(int64_t count, const char* what) {
-    const uint64_t n = count < 0 ? 0 : static_cast<uint64_t>(count);
-    if (n > SIZE_MAX / sizeof(T)) throw AllocationFailure(n, sizeof(T), what);
-    try {
-      bytes_ = take_scratch(static_cast<size_t>(n) * sizeof(T));
-    } catch (const std::bad_alloc&) {
-      throw AllocationFailure(n, sizeof(T), what);
-    }
-  }
-  T* data() { return reinterpret_cast<T*>(bytes_.get()); }
-  const T* data() const { return reinterpret_cast<const T*>(bytes_.get()); }
-  T& operator[](int64_t i) { return data()[i]; }
-  const T& operator[](int64_t i) const { return data()[i]; }
-
- private:
-  ScratchBytes bytes_;
-};
+// The workspaces of the exchange buffers (rows to send, arrival rows, TP blocks), kept between calls
+// and shared by every dispatch and combine node of the process: a call leases one for its buffers.
+WorkspacePool& exchange_workspaces();
 
 // One registration per element type of input 0 (every numeric type, so that a wrong type reaches
 // Compute and gets the op's own message): output 0 has that type, the others are int64.

@@ -3,15 +3,13 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernel_util.h"
+#include "attributes.h"
+#include "messages.h"
 #include "parallel.h"
+#include "status.h"
 
 namespace moe_onnx {
 namespace {
-
-const char* kGemm2 = "GEMM2_BIAS_SWIGLU_CLAMP";
-const char* kGemm3 = "GEMM3_SWIGLU";
-const char* kGemm2Act = "GEMM2_ACT";
 
 // Tasks of up to 96 rows (A block per K block: 192 KB, in L2), an expert's rows in equal blocks,
 // and 8 panels.
@@ -21,17 +19,17 @@ constexpr TaskShape kTaskShape{/*max_rows=*/96, /*equal_rows=*/true, /*max_panel
 // their defaults; the SwiGLU types name none.
 void read_activation(const Attributes& attrs, ExpertConfig& config, float alpha, float beta) {
   const std::string name = attrs.get_string("activation");
+  const char* gemm2_act = choice_name(ExpertType::kGemm2Act);
   if (config.type != ExpertType::kGemm2Act) {
     if (!name.empty())
-      attrs.fail("activation", "is " + py_str(name) + "; " + expert_type_name(config.type) +
+      attrs.fail("activation", "is " + py_str(name) + "; " + choice_name(config.type) +
                                    " does not use it (its activation is SwiGLU): leave it empty");
     return;
   }
-  if (name.empty()) attrs.fail("activation", std::string("is required for ") + kGemm2Act);
-  if (!pointwise_form(name, &config.pointwise.form))
-    attrs.fail("activation", "is " + py_str(name) + "; expected one of " + pointwise_names());
+  if (name.empty()) attrs.fail("activation", std::string("is required for ") + gemm2_act);
+  config.pointwise.form = attrs.choice<Activation>();
   const auto unused = [&](const char* attr, const std::string& value, const char* default_text) {
-    attrs.fail(attr, "is " + value + "; " + kGemm2Act + " does not use it: leave the default " + default_text);
+    attrs.fail(attr, "is " + value + "; " + gemm2_act + " does not use it: leave the default " + default_text);
   };
   if (alpha != 1.0f) unused("expert_alpha", py_float(alpha), "1.0");
   if (!(beta == 0.0f)) unused("expert_beta", py_float(beta), "0.0");
@@ -42,28 +40,8 @@ void read_activation(const Attributes& attrs, ExpertConfig& config, float alpha,
 // its down bias: the general path): out = 0.
 void write_zeros(ElemType type, const MoeDims& d, char* out) {
   const std::vector<float> zeros(static_cast<size_t>(d.H), 0.0f);
-  for (int64_t t = 0; t < d.T; ++t) from_float(type, zeros.data(), out + t * d.H * elem_size(type), d.H);
+  for (int64_t t = 0; t < d.T; ++t) narrow_row(float_type(type), zeros.data(), out + t * d.H * elem_size(type), d.H);
 }
-
-// The kernel's run buffers for one Compute: taken from the pool (new ones while another run holds
-// them) and given back at the end unless another run already has.
-class WorkspaceLease {
- public:
-  explicit WorkspaceLease(WorkspacePool& pool) : pool_(pool) {
-    std::lock_guard<std::mutex> lock(pool_.mutex);
-    ws_ = std::move(pool_.idle);
-    if (!ws_) ws_ = std::make_unique<MoeWorkspace>();
-  }
-  ~WorkspaceLease() {
-    std::lock_guard<std::mutex> lock(pool_.mutex);
-    if (!pool_.idle) pool_.idle = std::move(ws_);
-  }
-  MoeWorkspace& get() { return *ws_; }
-
- private:
-  WorkspacePool& pool_;
-  std::unique_ptr<MoeWorkspace> ws_;
-};
 
 // Steps 2-5 of one Compute on checked inputs, each a parallel pass over the run buffers.
 struct MoeRun {
@@ -71,7 +49,7 @@ struct MoeRun {
   const MoeDims& d;
   const SlotsByExpert& sorted;  // the T*k slots by expert: rows of xs, act in this order
   const PackedExperts& weights;
-  MoeWorkspace& ws;
+  Workspace& ws;                // the run's buffers
   int64_t ldx = 0, ldact = 0;  // row strides of xs and act
   float *xs = nullptr, *act = nullptr, *y = nullptr;
 
@@ -83,15 +61,15 @@ struct MoeRun {
   // xs[position] = the hidden_states row of the slot at that sorted position, as fp32.
   void gather_rows(const Input& x) {
     ldx = gemm_row_stride(d.H);
-    xs = ws.get(ws.xs, static_cast<size_t>(slots() * ldx));
+    xs = ws.take<float>(slots() * ldx, "the gathered rows");
     const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(x.type);
-    const PanelType x_panel = panel_type(x.type);
+    const FloatType x_type = float_type(x.type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
     parallel_for(ctx, n_chunks, [&](size_t c) {
       const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
       for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
-        widen_row(x_panel, static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes, xs + pos * ldx,
+        widen_row(x_type, static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes, xs + pos * ldx,
                   d.H);
     });
   }
@@ -102,13 +80,14 @@ struct MoeRun {
     const PackedWeights& w = weights.matrices[GATE_UP];
     const int64_t act_columns = config.gated() ? kHalfPanel : kPanel;  // per panel of W0
     ldact = gemm_row_stride(w.panels() * act_columns);
-    act = ws.get(ws.act, static_cast<size_t>(slots() * ldact));
+    act = ws.take<float>(slots() * ldact, "the activations");
     const std::vector<Task> plan = tasks(w);
     parallel_for(ctx, plan.size(), [&](size_t ti) {
       const Task& t = plan[ti];
       const int64_t slot = weights.slots.slot_of_expert[t.expert];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
+      Scratch scratch;
+      float* C = scratch.take<float>(t.rows * ldc, "a task's gate/up tile");
       w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
       const float* bias = w.bias_at(slot);
       if (bias) bias += t.p0 * kPanel;
@@ -124,19 +103,21 @@ struct MoeRun {
   void down(const Input& routing, bool add_bias) {
     const PackedWeights& w = weights.matrices[DOWN];
     const int64_t H = d.H;
-    y = ws.get(ws.y, static_cast<size_t>(slots() * H));
+    y = ws.take<float>(slots() * H, "the weighted expert outputs");
+    const FloatType routing_type = float_type(routing.type);
     const std::vector<Task> plan = tasks(w);
     parallel_for(ctx, plan.size(), [&](size_t ti) {
       const Task& t = plan[ti];
       const int64_t slot = weights.slots.slot_of_expert[t.expert];
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      float* C = scratch<float>(static_cast<size_t>(t.rows * ldc));
+      Scratch scratch;
+      float* C = scratch.take<float>(t.rows * ldc, "a task's down tile");
       w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
       const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
       const float* b = add_bias ? w.bias_at(slot) + h0 : nullptr;
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t f = sorted.order[t.row0 + r];
-        const float weight = load_float(routing.type, routing.data, f);
+        const float weight = load_float(routing_type, routing.data, f);
         const float* src = C + r * ldc;
         float* dst = y + f * H + h0;
         if (b)
@@ -154,7 +135,8 @@ struct MoeRun {
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(d.T), 4, 64, &chunk);
     parallel_for(ctx, n_chunks, [&](size_t c) {
-      float* row = scratch<float>(static_cast<size_t>(H));
+      Scratch scratch;
+      float* row = scratch.take<float>(H, "a token's sum");
       const int64_t end = std::min<int64_t>(d.T, static_cast<int64_t>((c + 1) * chunk));
       for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
         std::fill(row, row + H, 0.0f);
@@ -171,38 +153,21 @@ struct MoeRun {
 // The [T, H] float32 rows of `partial` converted to `type` in `out`.
 void round_rows(Ort::KernelContext& ctx, const MoeDims& d, const float* partial, ElemType type, char* out) {
   const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(type);
+  const FloatType out_type = float_type(type);
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(d.T), 4, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
     const int64_t end = std::min<int64_t>(d.T, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t)
-      from_float(type, partial + t * d.H, out + t * row_bytes, d.H);
+      narrow_row(out_type, partial + t * d.H, out + t * row_bytes, d.H);
   });
 }
 
 }  // namespace
 
-const char* expert_type_name(ExpertType type) {
-  switch (type) {
-    case ExpertType::kGemm2BiasSwigluClamp: return kGemm2;
-    case ExpertType::kGemm3Swiglu: return kGemm3;
-    case ExpertType::kGemm2Act: return kGemm2Act;
-  }
-  return kGemm2;
-}
-
 ExpertConfig ExpertConfig::read(const Attributes& attrs) {
   ExpertConfig config;
-  const std::string expert_type = attrs.get_string("expert_type");
-  if (expert_type == kGemm2)
-    config.type = ExpertType::kGemm2BiasSwigluClamp;
-  else if (expert_type == kGemm3)
-    config.type = ExpertType::kGemm3Swiglu;
-  else if (expert_type == kGemm2Act)
-    config.type = ExpertType::kGemm2Act;
-  else
-    attrs.fail("expert_type", "is " + py_str(expert_type) + "; expected one of '" + kGemm2 + "', '" + kGemm3 + "', '" +
-                                  kGemm2Act + "'");
+  config.type = attrs.choice<ExpertType>();
   const float alpha = attrs.get_float("expert_alpha");
   if (!std::isfinite(alpha)) attrs.fail("expert_alpha", "is " + py_float(alpha) + "; expected a finite number");
   const float beta = attrs.get_float("expert_beta");
@@ -249,32 +214,33 @@ void check_indices(const Input& in, int64_t E, const std::string& where) {
 }
 
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
-                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
+                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
                  const ExpertsForRun& experts, char* out, const TensorParallel& tp) {
   if (d.T == 0 || d.H == 0) return;  // the same on every TP rank (the same tokens)
   const bool add_down_bias = down_bias && (!tp.group || tp.group->rank() == 0);
   // Whether some expert output reaches a token (this rank's I-slice may be empty, its bias absent).
   const bool any_output = d.k > 0 && (d.I > 0 || add_down_bias);
   if (!tp.group && !any_output) return write_zeros(hidden.type, d, out);
-  WorkspaceLease workspace(pool);
+  const WorkspacePool::Lease buffers = workspaces.lease();
   float* partial = nullptr;  // TP: this rank's y in float32, then the group's sum
   if (tp.group) {
-    partial = workspace.get().get(workspace.get().partial, static_cast<size_t>(d.T * d.H));
+    partial = buffers->take<float>(d.T * d.H, "the partial outputs");
     if (!any_output) std::fill(partial, partial + d.T * d.H, 0.0f);  // else sum_slots writes every row
   }
   if (any_output) {
     const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);
     PackedExperts local;
     const PackedExperts& weights = experts(sorted, local);
-    MoeRun run{ctx, d, sorted, weights, workspace.get()};
+    MoeRun run{ctx, d, sorted, weights, *buffers};
     run.gather_rows(hidden);
     run.gate_up(config);
     run.down(routing, add_down_bias);
     const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(hidden.type);
+    const FloatType out_type = float_type(hidden.type);
     if (partial)
       run.sum_slots([&](int64_t t, const float* row) { std::copy(row, row + d.H, partial + t * d.H); });
     else
-      run.sum_slots([&](int64_t t, const float* row) { from_float(hidden.type, row, out + t * row_bytes, d.H); });
+      run.sum_slots([&](int64_t t, const float* row) { narrow_row(out_type, row, out + t * row_bytes, d.H); });
   }
   if (!partial) return;
   tp.group->all_reduce_sum(partial, d.T * d.H, tp.where, "the partial outputs");

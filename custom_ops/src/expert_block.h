@@ -7,26 +7,24 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "activation.h"
+#include "checker.h"
 #include "comm.h"
-#include "common.h"
+#include "op_signatures.h"
 #include "packed_weights.h"
 #include "task_plan.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
 class Attributes;
 
-enum class ExpertType { kGemm2BiasSwigluClamp, kGemm3Swiglu, kGemm2Act };
-const char* expert_type_name(ExpertType type);
-
-// The expert type and its activation (MOE's expert_type, expert_alpha, expert_beta, gate_parity,
-// activation attributes; QMOE has the same ones).
+// The expert type (ExpertType: the `expert_type` attribute's values, op_choices.h) and its activation
+// (MOE's expert_type, expert_alpha, expert_beta, gate_parity, activation attributes; QMOE has the
+// same ones).
 struct ExpertConfig {
   ExpertType type = ExpertType::kGemm2BiasSwigluClamp;
   GatedActivation activation;     // of the SwiGLU types, with expert_alpha (and expert_beta: the clamp limit)
@@ -55,21 +53,10 @@ ElemType validate_tokens(const Checker& v, std::initializer_list<int> same_type,
 // Every index in [0, E), else moe.py's message.
 void check_indices(const Input& indices, int64_t E, const std::string& where);
 
-// Per-run buffers, O(T*k*max(H, 2I)): gathered rows, activations, weighted expert outputs. Kept by
-// the kernel between runs (a run takes them, and gives them back when no other run has), so a run
-// neither allocates nor page-faults them again.
-struct MoeWorkspace {
-  std::vector<float> xs, act, y, partial;  // partial: the [T, H] float32 sums of a TP rank
-  float* get(std::vector<float>& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-  }
-};
-// A kernel's idle run buffers.
-struct WorkspacePool {
-  std::mutex mutex;
-  std::unique_ptr<MoeWorkspace> idle;  // null while a run holds them
-};
+// How many idle workspaces a kernel keeps for its runs' buffers, O(T*k*max(H, 2I)): gathered rows,
+// activations, weighted expert outputs, a TP rank's float32 sums. A run leases one (a run that finds
+// none idle gets a new one), so a run in steady state neither allocates nor page-faults them.
+constexpr size_t kKeptRunWorkspaces = 1;
 
 // The packed experts of one run: `local` to fill when the kernel's constant pack does not serve
 // (experts_for_run), given the slots sorted by expert.
@@ -86,7 +73,7 @@ struct TensorParallel {
 // Steps 2-5 of a Compute on checked inputs: writes y (hidden_states' shape and type) to `out`.
 // `down_bias`: whether the down linear has a bias (with I == 0 it alone reaches the output).
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
-                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& pool,
+                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
                  const ExpertsForRun& experts, char* out, const TensorParallel& tp = {});
 
 }  // namespace moe_onnx

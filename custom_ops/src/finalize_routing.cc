@@ -10,8 +10,10 @@
 
 #include <algorithm>
 
-#include "kernel_util.h"
+#include "attributes.h"
+#include "checker.h"
 #include "parallel.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 namespace {
@@ -164,43 +166,46 @@ void FinalizeRoutingKernel::Compute(OrtKernelContext* context) {
   const Input& scales = inputs[SCALES];
   const Input& experts = inputs[EXPERT_IDX];
 
+  const FloatType values = float_type(type);
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(N), 4, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
-    std::vector<float> acc(static_cast<size_t>(H)), sum(static_cast<size_t>(H)), term(static_cast<size_t>(H)),
-        add(static_cast<size_t>(H));
+    Scratch scratch;
+    float* acc = scratch.take<float>(H, "a token's sum");
+    float* sum = scratch.take<float>(H, "a token's routed sum");
+    float* term = scratch.take<float>(H, "a slot's term");
+    float* add = scratch.take<float>(H, "a row to add");
     const int64_t end = std::min<int64_t>(N, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t t = static_cast<int64_t>(c * chunk); t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc, acc + H, 0.0f);
       for (const Input* residual : {&x1, &x2})
         if (residual->present) {
-          to_float(type, static_cast<const char*>(residual->data) + t * row_bytes, add.data(), H);
+          widen_row(values, static_cast<const char*>(residual->data) + t * row_bytes, add, H);
           for (int64_t h = 0; h < H; ++h) acc[h] += add[h];
         }
       for (int64_t j = 0; j < k; ++j) {
         const int64_t f = t * k + j, row = row_of_slot[f];
         if (row < 0) {
-          std::fill(term.begin(), term.end(), 0.0f);
+          std::fill(term, term + H, 0.0f);
         } else {
-          to_float(type, static_cast<const char*>(y.data) + row * row_bytes, term.data(), H);
+          widen_row(values, static_cast<const char*>(y.data) + row * row_bytes, term, H);
           if (bias.present) {
-            to_float(type, static_cast<const char*>(bias.data) + load_index(experts, f) * row_bytes, add.data(), H);
+            widen_row(values, static_cast<const char*>(bias.data) + load_index(experts, f) * row_bytes, add, H);
             for (int64_t h = 0; h < H; ++h) term[h] += add[h];
           }
           if (scales.present) {
-            float weight;
-            to_float(type, static_cast<const char*>(scales.data) + f * elem_size(type), &weight, 1);
+            const float weight = load_float(values, scales.data, f);
             for (int64_t h = 0; h < H; ++h) term[h] *= weight;
           }
         }
         if (j == 0)
-          sum = term;
+          std::copy(term, term + H, sum);
         else
           for (int64_t h = 0; h < H; ++h) sum[h] += term[h];
       }
       if (k > 0)
         for (int64_t h = 0; h < H; ++h) acc[h] += sum[h];
-      from_float(type, acc.data(), out + t * row_bytes, H);
+      narrow_row(values, acc, out + t * row_bytes, H);
     }
   });
 }

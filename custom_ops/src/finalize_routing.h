@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "common.h"
 #include "op_signatures.h"
+#include "status.h"
 
 namespace moe_onnx {
 

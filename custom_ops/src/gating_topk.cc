@@ -4,16 +4,17 @@
 //    At Compute: the inputs, then the rules that need E.
 // 2. One pass per row (rows split in chunks, one task each), in float32: scores, selection values,
 //    group scores and the kept groups, the k best allowed experts (a total order: NaN first, larger
-//    first, lower index first), weights renormalized in slot order and scaled. The scratch is one
-//    per thread, sized once; a row's result depends on that row only, so 1 and N threads agree
-//    bitwise.
+//    first, lower index first), weights renormalized in slot order and scaled, in the task's scratch
+//    (workspace.h); a row's result depends on that row only, so 1 and N threads agree bitwise.
 #include "gating_topk.h"
 
 #include <algorithm>
 #include <cmath>
 
-#include "kernel_util.h"
+#include "attributes.h"
+#include "checker.h"
 #include "parallel.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 namespace {
@@ -25,20 +26,14 @@ GatingMode read_mode(const Attributes& attrs) {
   GatingMode m;
   m.k = attrs.get_int("k");
   if (m.k < 1) attrs.fail("k", "is " + std::to_string(m.k) + "; expected a value >= 1");
-  const std::string score_func = attrs.get_string("score_func");
-  if (score_func != "softmax" && score_func != "sigmoid")
-    attrs.fail("score_func", "is " + py_str(score_func) + "; expected one of 'softmax', 'sigmoid'");
-  m.sigmoid = score_func == "sigmoid";
+  m.sigmoid = attrs.choice<ScoreFunc>() == ScoreFunc::kSigmoid;
   m.n_group = attrs.get_int("n_group");
   if (m.n_group < 1) attrs.fail("n_group", "is " + std::to_string(m.n_group) + "; expected a value >= 1");
   m.topk_group = attrs.get_int("topk_group");
   if (m.topk_group < 0 || m.topk_group > m.n_group)
     attrs.fail("topk_group", "is " + std::to_string(m.topk_group) + "; expected 0 (all groups) or 1..n_group = " +
                                  std::to_string(m.n_group));
-  const std::string group_select = attrs.get_string("group_select");
-  if (group_select != "sum_top2" && group_select != "max")
-    attrs.fail("group_select", "is " + py_str(group_select) + "; expected one of 'sum_top2', 'max'");
-  m.sum_top2 = group_select == "sum_top2";
+  m.sum_top2 = attrs.choice<GroupSelect>() == GroupSelect::kSumTop2;
   m.renormalize = attrs.choice("renormalize", {0, 1}) == 1;
   m.eps = attrs.get_float("eps");
   if (!std::isfinite(m.eps)) attrs.fail("eps", "is " + py_float(m.eps) + "; expected a finite number");
@@ -68,10 +63,13 @@ int64_t validate(const GatingMode& m, const Checker& v) {
     v.fail("attribute 'k'", "is " + k + "; expected at most E = " + experts + " (the last dim of input 'logits')");
   if (E % m.n_group) v.fail("attribute 'n_group'", "is " + n_group + "; expected a divisor of E = " + experts);
   const int64_t group_size = E / m.n_group;
-  if (m.n_group > 1 && m.sum_top2 && group_size < 2)
-    v.fail("attribute 'group_select'", "is 'sum_top2'; expected 'max' for groups of " + std::to_string(group_size) +
-                                           " expert (E / n_group = " + experts + " / " + n_group +
-                                           "): sum_top2 needs at least 2 experts per group");
+  if (m.n_group > 1 && m.sum_top2 && group_size < 2) {
+    const char* sum_top2 = choice_name(GroupSelect::kSumTop2);
+    v.fail("attribute 'group_select'", "is " + py_str(sum_top2) + "; expected " +
+                                           py_str(choice_name(GroupSelect::kMax)) + " for groups of " +
+                                           std::to_string(group_size) + " expert (E / n_group = " + experts + " / " +
+                                           n_group + "): " + sum_top2 + " needs at least 2 experts per group");
+  }
   const int64_t kept = m.topk_group ? m.topk_group : m.n_group;
   if (m.k > kept * group_size)
     v.fail("attribute 'k'", "is " + k + "; expected at most topk_group * E / n_group = " + std::to_string(kept) +
@@ -174,22 +172,25 @@ void GatingTopKKernel::Compute(OrtKernelContext* context) {
                               : nullptr;
   if (rows == 0) return;
 
-  std::vector<float> bias_f(static_cast<size_t>(bias.present ? E : 0));
-  if (bias.present) to_float(type, bias.data, bias_f.data(), E);
+  const FloatType values = float_type(type);
+  Scratch run;
+  float* bias_f = bias.present ? run.take<float>(E, "input 'bias' in float32") : nullptr;
+  if (bias.present) widen_row(values, bias.data, bias_f, E);
   const int64_t n_group = mode.n_group, group_size = E / n_group;
   const int64_t kept = mode.topk_group ? mode.topk_group : n_group;
   const size_t value_bytes = elem_size(type);
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(rows), 16, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
-    // per thread: x, s, sel [E], group scores [n_group], w [k]; candidate experts [E], groups [n_group]
-    float* x = scratch<float>(static_cast<size_t>(3 * E + n_group + k));
+    // per task: x, s, sel [E], group scores [n_group], w [k]; candidate experts [E], groups [n_group]
+    Scratch scratch;
+    float* x = scratch.take<float>(3 * E + n_group + k, "a row's scores");
     float *s = x + E, *sel = s + E, *groups = sel + E, *w = groups + n_group;
-    int64_t* candidates = scratch<int64_t>(static_cast<size_t>(E + n_group));
+    int64_t* candidates = scratch.take<int64_t>(E + n_group, "a row's candidate experts");
     int64_t* group_order = candidates + E;
     const int64_t end = std::min<int64_t>(rows, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t r = static_cast<int64_t>(c * chunk); r < end; ++r) {
-      to_float(type, static_cast<const char*>(logits.data) + r * E * value_bytes, x, E);
+      widen_row(values, static_cast<const char*>(logits.data) + r * E * value_bytes, x, E);
       score_row(x, E, mode.sigmoid, s);
       for (int64_t e = 0; e < E; ++e) sel[e] = bias.present ? s[e] + bias_f[e] : s[e];
       int64_t n_candidates = 0;
@@ -213,8 +214,8 @@ void GatingTopKKernel::Compute(OrtKernelContext* context) {
         w[j] *= mode.scale;
         indices[r * k + j] = candidates[j];
       }
-      from_float(type, w, weights + r * k * value_bytes, k);
-      if (scores) from_float(type, s, scores + r * E * value_bytes, E);
+      narrow_row(values, w, weights + r * k * value_bytes, k);
+      if (scores) narrow_row(values, s, scores + r * E * value_bytes, E);
     }
   });
 }

@@ -2,27 +2,25 @@
 
 #include <cstring>
 
-#include "common.h"
 #include "isa.h"
 
 namespace moe_onnx {
 namespace detail {
 
-template <PanelType W>
-static inline float widen(const void* B, int64_t i) {
-  if (W == PanelType::kF16) return half_to_float(static_cast<const uint16_t*>(B)[i]);
-  if (W == PanelType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(B)[i - i % kPanel + bf16_lane(i % kPanel)]);
-  return static_cast<const float*>(B)[i];
+// Element c of panel row k as fp32 (bf16 rows are stored in bf16_lane order).
+template <FloatType W>
+static inline float panel_element(const void* B, int64_t k, int64_t c) {
+  return to_fp32<W>(B, k * kPanel + (W == FloatType::kBF16 ? bf16_lane(c) : c));
 }
 
-template <PanelType W, int MR>
+template <FloatType W, int MR>
 static void micro_portable(const float* A, int64_t lda, int64_t K, const void* B, float* C, int64_t ldc) {
   float acc[MR][kPanel];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kPanel; ++c) acc[r][c] = 0.0f;
   float b[kPanel];
   for (int64_t k = 0; k < K; ++k) {
-    for (int c = 0; c < kPanel; ++c) b[c] = widen<W>(B, k * kPanel + c);
+    for (int c = 0; c < kPanel; ++c) b[c] = panel_element<W>(B, k, c);
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
       for (int c = 0; c < kPanel; ++c) acc[r][c] += a * b[c];
@@ -31,10 +29,10 @@ static void micro_portable(const float* A, int64_t lda, int64_t K, const void* B
   for (int r = 0; r < MR; ++r) std::memcpy(C + r * ldc, acc[r], sizeof acc[r]);
 }
 
-template <PanelType W>
+template <FloatType W>
 static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                           int64_t p1, float* C, int64_t ldc) {
-  const size_t esz = panel_elem_size(W);
+  const size_t esz = float_size(W);
   const int64_t stride = K * kPanel;  // elements per panel
   for (int64_t p = p0; p < p1; ++p) {
     const void* B = static_cast<const char*>(B_packed) + static_cast<size_t>(p * stride) * esz;
@@ -45,32 +43,13 @@ static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, con
   }
 }
 
-void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_portable(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
   switch (type) {
-    case PanelType::kF16: return gemm_portable<PanelType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    case PanelType::kBF16: return gemm_portable<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    default: return gemm_portable<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kF16: return gemm_portable<FloatType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kBF16: return gemm_portable<FloatType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    default: return gemm_portable<FloatType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
-}
-
-void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n) {
-  const auto* s16 = static_cast<const uint16_t*>(src);
-  switch (type) {
-    case PanelType::kF16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s16[i]);
-      break;
-    case PanelType::kBF16:
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(s16[i]);
-      break;
-    default:
-      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-  }
-}
-
-void widen_row_rest(PanelType type, const void* src, int64_t done, float* dst, int64_t n) {
-  widen_row_portable(type, static_cast<const char*>(src) + done * static_cast<int64_t>(panel_elem_size(type)), dst + done,
-                     n - done);
 }
 
 }  // namespace detail
@@ -79,13 +58,11 @@ namespace {
 
 struct Dispatch {
   detail::GemmFn fn = detail::gemm_panels_portable;
-  detail::WidenFn widen = detail::widen_row_portable;
   IsaLevel level = IsaLevel::kPortable;
   Dispatch() {
 #if defined(MOE_ONNX_HAVE_AVX512)
     if (isa_at_least(IsaLevel::kAvx512)) {
       fn = detail::gemm_panels_avx512;
-      widen = detail::widen_row_avx512;
       level = IsaLevel::kAvx512;
       return;
     }
@@ -93,7 +70,6 @@ struct Dispatch {
 #if defined(MOE_ONNX_HAVE_AVX2)
     if (isa_at_least(IsaLevel::kAvx2)) {
       fn = detail::gemm_panels_avx2;
-      widen = detail::widen_row_avx2;
       level = IsaLevel::kAvx2;
     }
 #endif
@@ -106,7 +82,7 @@ const Dispatch& dispatch() {
 }
 }  // namespace
 
-void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
   if (K <= 0) {
@@ -114,10 +90,6 @@ void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t
     return;
   }
   dispatch().fn(type, A, lda, M, K, B_packed, p0, p1, C, ldc);
-}
-
-void widen_row(PanelType type, const void* src, float* dst, int64_t n) {
-  if (n > 0) dispatch().widen(type, src, dst, n);
 }
 
 const char* gemm_isa() { return isa_name(dispatch().level); }

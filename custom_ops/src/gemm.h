@@ -15,15 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "float_convert.h"
+
 namespace moe_onnx {
 
 constexpr int64_t kPanel = 16;
 
 inline int64_t panel_count(int64_t n) { return (n + kPanel - 1) / kPanel; }
-
-// Element type of packed B panels.
-enum class PanelType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
-inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2; }
 
 // bf16 panels store each 16-column row with its two halves interleaved (columns 0, 8, 1, 9, ..., 7,
 // 15), so the AVX2 kernel widens 16 weights with one load, a shift and a mask (the AVX-512 one
@@ -31,37 +29,28 @@ inline size_t panel_elem_size(PanelType t) { return t == PanelType::kF32 ? 4 : 2
 inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * panel_p[k][c] for m < M, p in [p0, p1), c < 16, with
-// B_packed holding elements of `type` (uint16_t bits for fp16 and bf16).
+// B_packed holding elements of `type` (uint16_t bits for fp16 and bf16). Ops reach it through
+// PackedWeights::multiply (packed_weights.h).
 // A is row-major with row stride lda; C is row-major with row stride ldc (>= 16 * (p1 - p0)).
 // (A row stride that is a multiple of 4 KB makes the rows of a tile share L1 sets: pad it.)
-void gemm_panels(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc);
-
-// dst[i] = float(src[i]) for n elements of a fp32/fp16/bf16 buffer (exact), vectorized when the CPU
-// allows; the same values as common.h's to_float.
-void widen_row(PanelType type, const void* src, float* dst, int64_t n);
 
 // Which level's kernels gemm_panels uses ("avx512", "avx2" or "portable": isa_name).
 const char* gemm_isa();
 
 namespace detail {
-using GemmFn = void (*)(PanelType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
+using GemmFn = void (*)(FloatType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                         int64_t);
-using WidenFn = void (*)(PanelType, const void*, float*, int64_t);
-void widen_row_portable(PanelType type, const void* src, float* dst, int64_t n);
-// widen_row_portable on elements [done, n) of the row: the tail the SIMD widen_row_* leave.
-void widen_row_rest(PanelType type, const void* src, int64_t done, float* dst, int64_t n);
-void gemm_panels_portable(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_portable(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                           int64_t p0, int64_t p1, float* C, int64_t ldc);
 #if defined(MOE_ONNX_HAVE_AVX2)
-void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_avx2(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                       int64_t p0, int64_t p1, float* C, int64_t ldc);
-void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
-void gemm_panels_avx512(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_avx512(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                         int64_t p0, int64_t p1, float* C, int64_t ldc);
-void widen_row_avx512(PanelType type, const void* src, float* dst, int64_t n);
 #endif
 }  // namespace detail
 

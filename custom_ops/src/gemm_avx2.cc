@@ -1,4 +1,4 @@
-// AVX2 + FMA (+ F16C) micro-kernels of gemm_panels and widen_row; this file alone is compiled with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
+// AVX2 + FMA (+ F16C) micro-kernels of gemm_panels; this file alone is compiled with -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
 #include <immintrin.h>
 
 #include "gemm.h"
@@ -15,13 +15,13 @@ constexpr int64_t kKBlock = 512;
 // One 16-wide panel row widened to fp32 (exact for fp16 and bf16): lo = columns 0-7, hi = 8-15.
 // bf16 rows are stored interleaved (bf16_lane): the even 16-bit lanes shifted up are
 // columns 0-7, the odd lanes masked are columns 8-15.
-template <PanelType W>
+template <FloatType W>
 inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
-  if (W == PanelType::kF16) {
+  if (W == FloatType::kF16) {
     const __m128i* p = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(B) + i);
     lo = _mm256_cvtph_ps(_mm_loadu_si128(p));
     hi = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
-  } else if (W == PanelType::kBF16) {
+  } else if (W == FloatType::kBF16) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i));
     lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
@@ -31,9 +31,9 @@ inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
   }
 }
 
-template <PanelType W>
+template <FloatType W>
 inline const void* advance(const void* B, int64_t elems) {
-  return static_cast<const char*>(B) + elems * static_cast<int64_t>(W == PanelType::kF32 ? 4 : 2);
+  return static_cast<const char*>(B) + elems * static_cast<int64_t>(W == FloatType::kF32 ? 4 : 2);
 }
 
 // Accumulators are named variables, not arrays: with arrays GCC writes them back to the stack on
@@ -43,7 +43,7 @@ inline const void* advance(const void* B, int64_t elems) {
 // tile), the next block (contiguous after it: the next K block, or the next panel) is fetched into
 // L2 a line every `pf_every` k steps, each tile taking its share. Without it the weights stream in
 // only while the first tile runs and the memory sits idle during the others.
-template <PanelType W, int MR>
+template <FloatType W, int MR>
 inline void micro(const float* A, int64_t lda, int64_t K, const void* B, float* C, int64_t ldc, bool accumulate,
                   const char* pf, int64_t pf_every) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
@@ -110,7 +110,7 @@ inline void micro(const float* A, int64_t lda, int64_t K, const void* B, float* 
 
 // One row (decode): four panels at once, so 8 independent FMA chains hide the FMA latency and four
 // weight streams are in flight. Same per-element order as `micro` (k increasing, one chain).
-template <PanelType W>
+template <FloatType W>
 inline void micro_one_row(const float* A, int64_t K, const void* B0, const void* B1, const void* B2, const void* B3,
                           float* C) {
   __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
@@ -140,7 +140,7 @@ inline void micro_one_row(const float* A, int64_t K, const void* B0, const void*
 }
 
 // Two rows: two panels at once (8 FMA chains, 14 registers; four panels would need 26 and spill).
-template <PanelType W>
+template <FloatType W>
 inline void micro_two_rows(const float* A, int64_t lda, int64_t K, const void* B0, const void* B1, float* C,
                            int64_t ldc) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
@@ -169,7 +169,7 @@ inline void micro_two_rows(const float* A, int64_t lda, int64_t K, const void* B
   _mm256_storeu_ps(D + 24, c13);
 }
 
-template <PanelType W>
+template <FloatType W>
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0, int64_t p1, float* C,
           int64_t ldc) {
   const int64_t stride = K * kPanel;  // elements per panel
@@ -196,7 +196,7 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
       const float* Ak = A + k0;
       const bool acc = k0 > 0;
       // The next block's lines, shared out over the tiles (each prefetches `share` lines).
-      const int64_t lines = (kb * kPanel * static_cast<int64_t>(W == PanelType::kF32 ? 4 : 2) + 63) / 64;
+      const int64_t lines = (kb * kPanel * static_cast<int64_t>(W == FloatType::kF32 ? 4 : 2) + 63) / 64;
       const int64_t share = (lines + tiles - 1) / tiles;
       const int64_t every = kb / share > 0 ? kb / share : 1;
       const char* next = static_cast<const char*>(advance<W>(B, kb * kPanel));
@@ -226,27 +226,13 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
 
 }  // namespace
 
-void gemm_panels_avx2(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_avx2(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                       int64_t p0, int64_t p1, float* C, int64_t ldc) {
   switch (type) {
-    case PanelType::kF16: return gemm<PanelType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kF16: return gemm<FloatType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kBF16: return gemm<FloatType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    default: return gemm<FloatType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
-}
-
-void widen_row_avx2(PanelType type, const void* src, float* dst, int64_t n) {
-  const auto* s16 = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  if (type == PanelType::kF16) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i))));
-  } else if (type == PanelType::kBF16) {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + i))), 16)));
-  }
-  widen_row_rest(type, src, i, dst, n);
 }
 
 }  // namespace detail

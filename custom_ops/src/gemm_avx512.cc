@@ -1,4 +1,4 @@
-// AVX-512 micro-kernels of gemm_panels and widen_row; this file alone is compiled with -mavx512f
+// AVX-512 micro-kernels of gemm_panels; this file alone is compiled with -mavx512f
 // -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c and is only called after a run-time check of the CPU.
 //
 // A 16-wide panel row is one zmm register, so a tile is rows x panels accumulators with no A
@@ -20,12 +20,12 @@ constexpr int64_t kKBlock = 256;
 // Row tiles are at most this tall (12 x 2 panels = 24 accumulators).
 constexpr int64_t kMaxRows = 12;
 
-template <PanelType W>
+template <FloatType W>
 constexpr int64_t elem_bytes() {
-  return W == PanelType::kF32 ? 4 : 2;
+  return W == FloatType::kF32 ? 4 : 2;
 }
 
-template <PanelType W>
+template <FloatType W>
 inline const void* advance(const void* B, int64_t elems) {
   return static_cast<const char*>(B) + elems * elem_bytes<W>();
 }
@@ -34,11 +34,11 @@ inline const void* advance(const void* B, int64_t elems) {
 // bf16 rows are interleaved (bf16_lane: columns 0, 8, 1, 9, ...): the row is loaded into both
 // 256-bit halves and one byte shuffle moves each column's two bytes to the high half of its lane
 // (the low half zeroed), the even 16-bit elements into the low 8 lanes, the odd into the high 8.
-template <PanelType W>
+template <FloatType W>
 inline __m512 load16(const void* B, int64_t i) {
-  if (W == PanelType::kF16) {
+  if (W == FloatType::kF16) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i)));
-  } else if (W == PanelType::kBF16) {
+  } else if (W == FloatType::kBF16) {
     const __m512i row =
         _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i)));
     // Per 128-bit lane (each a copy of 8 elements): lanes 0-1 take the even elements, lanes 2-3
@@ -60,7 +60,7 @@ inline __m512 load16(const void* B, int64_t i) {
 // Prefetch: while the row tiles of a task compute on one K block (from L1 after the first tile),
 // the next NP blocks (at pf + j * pf_stride bytes) are fetched into L2, a line of each every
 // `pf_every` k steps, each tile taking its share; pf == nullptr prefetches nothing.
-template <PanelType W, int MR, int NP>
+template <FloatType W, int MR, int NP>
 inline void micro(const float* A, int64_t lda, int64_t K, const void* B, int64_t bstride, float* C, int64_t ldc,
                   bool accumulate, const char* pf, int64_t pf_stride, int64_t pf_every) {
   __m512 acc[MR][NP];
@@ -94,7 +94,7 @@ inline void micro(const float* A, int64_t lda, int64_t K, const void* B, int64_t
 
 // Rows [0, M) x NP panels from panel B on: K in blocks, rows in tiles of equal height (16 rows:
 // 8 + 8, not 12 + 4: a short tile has too few FMA chains to hide the FMA latency).
-template <PanelType W, int NP>
+template <FloatType W, int NP>
 void panels(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, float* C, int64_t ldc) {
   const int64_t stride = K * kPanel;  // elements per panel
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
@@ -137,7 +137,7 @@ void panels(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, fl
   }
 }
 
-template <PanelType W>
+template <FloatType W>
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0, int64_t p1, float* C,
           int64_t ldc) {
   const int64_t stride = K * kPanel;  // elements per panel
@@ -157,27 +157,13 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
 
 }  // namespace
 
-void gemm_panels_avx512(PanelType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+void gemm_panels_avx512(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                         int64_t p0, int64_t p1, float* C, int64_t ldc) {
   switch (type) {
-    case PanelType::kF16: return gemm<PanelType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    case PanelType::kBF16: return gemm<PanelType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    default: return gemm<PanelType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kF16: return gemm<FloatType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    case FloatType::kBF16: return gemm<FloatType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
+    default: return gemm<FloatType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
   }
-}
-
-void widen_row_avx512(PanelType type, const void* src, float* dst, int64_t n) {
-  const auto* s16 = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  if (type == PanelType::kF16) {
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + i))));
-  } else if (type == PanelType::kBF16) {
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + i))), 16)));
-  }
-  widen_row_rest(type, src, i, dst, n);
 }
 
 }  // namespace detail

@@ -12,9 +12,11 @@
 #include <cmath>
 #include <limits>
 
-#include "kernel_util.h"
+#include "attributes.h"
+#include "checker.h"
 #include "parallel.h"
 #include "task_plan.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 namespace {
@@ -293,9 +295,11 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
   const bool scale_per_channel = scale.present && scale.count > 1;
   const bool offset_per_channel = offset.present && offset.count > 1;
   const bool smooth_per_expert = scale.present && scale.shape[0] > 1;
+  // The quant modes read x as fp32 (x is then float32, float16 or bfloat16); -1 copies its bytes.
+  const FloatType x_type = mode.quant_mode == NO_QUANT ? FloatType::kF32 : float_type(x.type);
 
   // One row of expanded_x (and its scale) from slot f.
-  auto fill_row = [&](int64_t r, std::vector<float>& values) {
+  auto fill_row = [&](int64_t r, float* values) {
     char* dst = expanded_x + r * out_row;
     const int64_t f = p.slot_of_row[r];
     float row_scale = 0.0f;
@@ -310,7 +314,7 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
         if (sc) row_scale = sc[t];
       } else if (mode.quant_mode == STATIC_QUANT) {
         for (int64_t h = 0; h < H; ++h) {
-          float value = load_float(x.type, src, h) * sc[scale_per_channel ? h : 0];
+          float value = load_float(x_type, src, h) * sc[scale_per_channel ? h : 0];
           if (off) value = value + off[offset_per_channel ? h : 0];
           q[h] = to_int8(value);
         }
@@ -319,7 +323,7 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
         float biggest = 0.0f;
         bool nan = false;
         for (int64_t h = 0; h < H; ++h) {
-          float value = load_float(x.type, src, h);
+          float value = load_float(x_type, src, h);
           if (smooth) value = value * smooth[h];
           values[h] = value;
           const float magnitude = std::fabs(value);
@@ -338,7 +342,8 @@ void InitRoutingKernel::Compute(OrtKernelContext* context) {
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(rows), 16, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
-    std::vector<float> values(static_cast<size_t>(H));
+    Scratch scratch;
+    float* values = mode.quant_mode == DYNAMIC_QUANT ? scratch.take<float>(H, "a row in float32") : nullptr;
     const int64_t end = std::min<int64_t>(rows, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t r = static_cast<int64_t>(c * chunk); r < end; ++r) fill_row(r, values);
   });

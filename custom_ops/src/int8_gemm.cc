@@ -2,7 +2,6 @@
 
 #include <cstring>
 
-#include "common.h"
 #include "isa.h"
 
 namespace moe_onnx {

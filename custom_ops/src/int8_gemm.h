@@ -12,7 +12,8 @@
 //          k per column; starting each column's sum at its correction gives sum x * w exactly.
 //
 // The caller prepares X rows with prepare_int8_rows (int8_row_bytes(K) bytes each) and packs W in
-// the matching WeightFormat (packed_weights.h asks int8_layout()).
+// the matching WeightFormat (packed_weights.h asks int8_layout()); ops multiply through
+// PackedWeights::multiply.
 #pragma once
 
 #include <cstdint>

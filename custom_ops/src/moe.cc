@@ -22,29 +22,27 @@
 //
 // Weights are packed into the GEMM's panels (packed_weights.h), in their own type (fp16/bf16 stay
 // 16-bit and are widened in the micro-kernel): once at kernel creation when they are initializers
-// (KernelInfo::GetTensorConstantInput, API 15+; a few threads), else per Compute for the experts in
-// use.
+// (KernelInfo::GetTensorConstantInput, API 15+; a few threads) and pass Compute's checks of the
+// weights (validate_weights), else per Compute for the experts in use.
 //
 // Steps 2-5 (and the attributes, the indices' check) are shared with QMOE: expert_block.h.
 #include "moe.h"
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
 
-#include "kernel_util.h"
+#include "attributes.h"
 
 namespace moe_onnx {
 namespace {
 
 enum { HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2, N_INPUTS };
 
-// The checks of moe.py's _validate, in its order and words. Returns the sizes.
-MoeDims validate(const MoeKernel& kernel, const Checker& v) {
-  DimBinder dims(v);
-  validate_tokens(v, {ROUTING, W0, B0, W1, B1, W2}, dims);
+// The checks of moe.py's _validate on the weight inputs, after validate_tokens, in its order and
+// words: which inputs the expert type uses, their ranks and shapes.
+void validate_weights(ExpertType type, const Checker& v, DimBinder& dims) {
   std::vector<std::pair<int, std::vector<std::string>>> layout;
-  switch (kernel.config.type) {
+  switch (type) {
     case ExpertType::kGemm2BiasSwigluClamp:
       layout = {{W0, {"E", "H", "2I"}}, {B0, {"E", "2I"}}, {W1, {"E", "I", "H"}}, {B1, {"E", "H"}}};
       break;
@@ -53,24 +51,26 @@ MoeDims validate(const MoeKernel& kernel, const Checker& v) {
       layout = {{W0, {"E", "I", "H"}}, {B0, {"E", "I"}}, {W1, {"E", "H", "I"}}, {B1, {"E", "H"}}};
       break;
   }
-  const bool gemm3 = kernel.config.type == ExpertType::kGemm3Swiglu;
+  const bool gemm3 = type == ExpertType::kGemm3Swiglu;
   for (int i : gemm3 ? std::vector<int>{W0, W1, W2} : std::vector<int>{W0, W1}) v.require(i);
   for (int i : {B0, W1, B1, W2}) {
     const bool used = std::any_of(layout.begin(), layout.end(), [i](const auto& l) { return l.first == i; });
     if (v.has(i) && !used)
-      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(kernel.config.type) + " does not use it; leave it empty");
+      v.fail(v.input_name(i), std::string("is given, but ") + choice_name(type) + " does not use it; leave it empty");
   }
   for (const auto& [i, symbols] : layout)
     if (v.has(i)) {
       v.expect_rank(i, static_cast<int>(symbols.size()));
       dims.shape(i, symbols);
     }
-  return MoeDims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
 }
 
-// The weight inputs a pack is made from.
-WeightSignature moe_signature(const std::vector<Input>& inputs) {
-  return weight_signature({&inputs[W0], &inputs[B0], &inputs[W1], &inputs[B1], &inputs[W2]});
+// The checks of moe.py's _validate, in its order and words. Returns the sizes.
+MoeDims validate(const MoeKernel& kernel, const Checker& v) {
+  DimBinder dims(v);
+  validate_tokens(v, {ROUTING, W0, B0, W1, B1, W2}, dims);
+  validate_weights(kernel.config.type, v, dims);
+  return MoeDims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
 }
 
 // Room for the experts in `slots`: gate/up B [H, 2I] in gate/up panels (GEMM2_ACT: up B [H, I] in
@@ -82,7 +82,6 @@ PackedExperts empty_pack(ExpertType type, const std::vector<Input>& inputs, int6
   p.matrices.emplace_back(format, type != ExpertType::kGemm2Act ? 2 * I : I, H, slots.count(), type != ExpertType::kGemm3Swiglu);
   p.matrices.emplace_back(format, H, I, slots.count(), true);
   p.slots = std::move(slots);
-  p.signature = moe_signature(inputs);
   return p;
 }
 
@@ -119,40 +118,36 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
   }
 }
 
-// All experts packed at kernel creation when every weight the expert type uses is an initializer,
-// their shapes agree and the matrices have elements (H, I > 0: the pack is then in proportion to the
-// weights' data, whatever E is); else null (Compute packs per run and reports any error).
-std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, ExpertType type,
-                                                     int64_t parity) {
+// All experts packed at kernel creation when every weight input is an initializer and passes
+// Compute's checks of the weights (their types as validate_tokens checks them, against weight_0's;
+// validate_weights), and the matrices have elements (H, I > 0: the pack is then in proportion to the
+// weights' data, whatever E is); else null (Compute packs per run and reports any error in the
+// reference's order).
+std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const std::string& where,
+                                                     const ExpertConfig& config) {
   std::vector<Input> inputs(N_INPUTS);
-  const bool gemm2 = type == ExpertType::kGemm2BiasSwigluClamp;
-  const bool act = type == ExpertType::kGemm2Act;
   for (int i : {W0, B0, W1, B1, W2}) {
     if (!node_has_input(kinfo, i)) continue;
     inputs[i] = constant_input(kinfo, i);
     if (!inputs[i].present) return nullptr;  // a runtime weight: pack per Compute
   }
-  const Input& w0 = inputs[W0];
-  const Input& w1 = inputs[W1];
-  if (!w0.present || !w1.present || !signatures::MOE.inputs[W0].allows(w0.type) || w0.shape.size() != 3) return nullptr;
-  const int64_t E = w0.shape[0];
-  const int64_t H = gemm2 ? w0.shape[1] : w0.shape[2];
-  const int64_t I = gemm2 ? w0.shape[2] / 2 : w0.shape[1];
-  if ((gemm2 && w0.shape[2] % 2) || H == 0 || I == 0) return nullptr;
-  auto same = [&](const Input& in, std::vector<int64_t> shape) {
-    return in.present && in.type == w0.type && in.shape == shape;
-  };
-  if (gemm2 || act) {
-    if (!same(w1, gemm2 ? std::vector<int64_t>{E, I, H} : std::vector<int64_t>{E, H, I}) || inputs[W2].present)
-      return nullptr;
-    if (inputs[B0].present && !same(inputs[B0], {E, gemm2 ? 2 * I : I})) return nullptr;
-    if (inputs[B1].present && !same(inputs[B1], {E, H})) return nullptr;
-  } else {
-    if (!same(w1, {E, I, H}) || !same(inputs[W2], {E, H, I}) || inputs[B0].present || inputs[B1].present)
-      return nullptr;
+  const Checker v(where, signatures::MOE, inputs);
+  DimBinder dims(v);
+  try {
+    v.expect_elem(W0);
+    for (int i : {B0, W1, B1, W2})
+      if (v.has(i)) {
+        v.expect_elem(i);
+        v.expect_same_elem(i, W0);
+      }
+    validate_weights(config.type, v, dims);
+  } catch (const Ort::Exception&) {
+    return nullptr;  // Compute reports it
   }
-  auto packed = std::make_unique<PackedExperts>(empty_pack(type, inputs, H, I, ExpertSlots::all(E)));
-  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(type, parity, inputs, *packed, slot); });
+  const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
+  if (H == 0 || I == 0) return nullptr;
+  auto packed = std::make_unique<PackedExperts>(empty_pack(config.type, inputs, H, I, ExpertSlots::all(E)));
+  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(config.type, config.parity, inputs, *packed, slot); });
   return packed;
 }
 
@@ -171,7 +166,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   const Attributes attrs(info, signatures::MOE, where);
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
-  constant = pack_constant_weights(kinfo, config.type, config.parity);
+  constant = pack_constant_weights(kinfo, where, config);
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -191,7 +186,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
               [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
                 return experts_for_run(
-                    ctx, constant.get(), moe_signature(inputs), sorted.start.data(), d.E, local,
+                    ctx, constant.get(), sorted.start.data(), d.E, local,
                     [&](ExpertSlots slots) { return empty_pack(type, inputs, d.H, d.I, std::move(slots)); },
                     [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
               },

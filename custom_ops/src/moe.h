@@ -4,10 +4,11 @@
 #include <memory>
 #include <string>
 
-#include "common.h"
 #include "expert_block.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
+#include "status.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -21,7 +22,7 @@ struct MoeKernel {
   int64_t tp_size = 1, tp_rank = 0;
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
-  WorkspacePool workspaces;
+  WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 
 // One registration per element type of hidden_states (every tensor type, the invalid ones included,

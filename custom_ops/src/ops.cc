@@ -4,7 +4,6 @@
 // that decides the output type, see MoeOp).
 #include <vector>
 
-#include "common.h"
 #include "distribute_combine.h"
 #include "distribute_dispatch.h"
 #include "finalize_routing.h"
@@ -16,8 +15,9 @@
 #include "moe.h"
 #include "qgemm.h"
 #include "qmoe.h"
-#include "row_parallel_linear.h"
 #include "ort_api.h"
+#include "row_parallel_linear.h"
+#include "tensor.h"
 
 namespace {
 

@@ -12,8 +12,8 @@
 #include <system_error>
 #include <thread>
 
+#include "allocation.h"
 #include "int8_gemm.h"
-#include "kernel_util.h"
 
 namespace moe_onnx {
 namespace {
@@ -64,6 +64,17 @@ int64_t row_offset(int64_t k) {
   return F == WeightFormat::kInt8 ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
 }
 
+// The panels' element type of a float format.
+FloatType panel_type(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kF16: return FloatType::kF16;
+    case WeightFormat::kBF16: return FloatType::kBF16;
+    default: return FloatType::kF32;
+  }
+}
+
+bool is_int8(WeightFormat format) { return format == WeightFormat::kInt8 || format == WeightFormat::kInt8Quads; }
+
 // An E8M0 scale: 2^(s - 127), NaN for 255 (2^-127 is a subnormal float, exact).
 float e8m0_to_float(uint8_t s) {
   if (s == 255) return std::numeric_limits<float>::quiet_NaN();
@@ -111,14 +122,6 @@ WeightFormat weight_format(ElemType weights) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
       return int8_layout() == Int8Layout::kQuads ? WeightFormat::kInt8Quads : WeightFormat::kInt8;
     default: return WeightFormat::kF32;
-  }
-}
-
-PanelType gemm_panel_type(WeightFormat format) {
-  switch (format) {
-    case WeightFormat::kF16: return PanelType::kF16;
-    case WeightFormat::kBF16: return PanelType::kBF16;
-    default: return PanelType::kF32;
   }
 }
 
@@ -171,7 +174,7 @@ void PackedWeights::pack_quantized(int64_t slot, const QuantizedColumns& src) {
       uint8_t* block = dst + panel * q.panel_bytes() + b * q.block_bytes();
       const int64_t s = src.scales_first + c * src.scales_stride + b;
       const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
-                                                     : load_float(src.scale_type, src.scales, s);
+                                                     : load_float(float_type(src.scale_type), src.scales, s);
       std::memcpy(block + 4 * lane, &scale, 4);
       if (q.zero_points)  // a linear without zero points sharing the panels with one that has them: 2^(bits-1)
         block[64 + lane] = static_cast<uint8_t>(
@@ -192,13 +195,22 @@ void PackedWeights::pack_quantized(int64_t slot, const QuantizedColumns& src) {
 void PackedWeights::multiply(int64_t slot, const float* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
                              int64_t ldc) const {
   if (format_ == WeightFormat::kQuantized) return quant_gemm_panels(quant_, A, lda, M, at(slot), p0, p1, C, ldc);
-  gemm_panels(gemm_panel_type(format_), A, lda, M, K_, at(slot), p0, p1, C, ldc);
+  if (is_int8(format_)) throw std::logic_error("internal: int8 panels multiply prepared int8 rows");
+  gemm_panels(panel_type(format_), A, lda, M, K_, at(slot), p0, p1, C, ldc);
+}
+
+void PackedWeights::multiply(int64_t slot, const void* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, int32_t* C,
+                             int64_t ldc) const {
+  if (!is_int8(format_)) throw std::logic_error("internal: prepared int8 rows multiply int8 panels only");
+  int8_gemm_panels(A, lda, M, K_, at(slot), p0, p1, C, ldc);
 }
 
 void PackedWeights::pack_bias(int64_t slot, ElemType type, const ColumnSource& src) {
   float* dst = bias_.data() + slot * panels() * kPanel;
+  const FloatType bias_type = float_type(type);
   for (int64_t c = 0; c < src.columns; ++c)
-    dst[(c / src.width) * kPanel + src.lane0 + c % src.width] = load_float(type, src.data, src.first + c * src.c_stride);
+    dst[(c / src.width) * kPanel + src.lane0 + c % src.width] =
+        load_float(bias_type, src.data, src.first + c * src.c_stride);
 }
 
 ExpertSlots ExpertSlots::all(int64_t experts) {
@@ -218,14 +230,6 @@ ExpertSlots ExpertSlots::with_rows(const int64_t* offsets, int64_t experts) {
       s.expert_of_slot.push_back(e);
     }
   return s;
-}
-
-WeightSignature weight_signature(const std::vector<const Input*>& weights) {
-  WeightSignature signature;
-  for (const Input* in : weights)
-    signature.emplace_back(in->present ? in->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED,
-                           in->present ? in->shape : std::vector<int64_t>{});
-  return signature;
 }
 
 void pack_on_own_threads(int64_t slots, const std::function<void(int64_t)>& pack_slot) {

@@ -1,10 +1,11 @@
-// The GEMM operands of the expert ops (MOE, MoeRowParallelLinear) in one place: the weight formats
-// and where each weight element lands in their panels, the packed expert weights (huge-page
-// buffers, one slot per packed expert), which experts are packed, and the row stride of the
-// activation rows the GEMMs read. A new weight format or a new panel layout for another ISA is a
-// new WeightFormat here: its element, its slot size and its placement (packed_weights.cc), and its
-// GEMM in PackedWeights::multiply; the ops only name the columns of their weight tensors (QMOE's
-// quantized ones: QuantizedColumns).
+// The GEMM operands of the expert ops (MOE, QMOE, MoeRowParallelLinear) in one place: the weight
+// formats and where each weight element lands in their panels, the packed expert weights (huge-page
+// buffers, one slot per packed expert) and their GEMM, which experts are packed, and the row stride of
+// the activation rows the GEMMs read. PackedWeights::multiply is the ops' one entry to the GEMM
+// kernels (gemm.h, int8_gemm.h, qgemm.h): a new weight format or a new panel layout for another ISA
+// is a new WeightFormat here: its element, its slot size and its placement (packed_weights.cc), and
+// its kernel in multiply; the ops only name the columns of their weight tensors (QMOE's quantized
+// ones: QuantizedColumns).
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,10 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "qgemm.h"
+#include "tensor.h"
 
 namespace moe_onnx {
 
@@ -37,10 +38,6 @@ enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized };
 // The format that holds weights of this element type (float32, float16, bfloat16 or int8; int8:
 // the layout of the int8 GEMM in use, int8_layout()).
 WeightFormat weight_format(ElemType weights);
-// The float GEMM's panel type of a float format.
-PanelType gemm_panel_type(WeightFormat format);
-// The panel type of float32/float16/bfloat16 values of this element type (as widen_row reads them).
-inline PanelType panel_type(ElemType type) { return gemm_panel_type(weight_format(type)); }
 
 // Row stride, in fp32 elements, of activation rows of n elements laid out for the GEMM: n rounded
 // up to 16 (64-byte rows), plus 16 when that is a multiple of 256 (1 KB), so the rows of a
@@ -118,9 +115,12 @@ class PackedWeights {
   // Writes quantized columns into the slot's panels (format kQuantized).
   void pack_quantized(int64_t slot, const QuantizedColumns& src);
 
-  // C[m, 16 * (p - p0) + c] = (A @ B)[m, 16 p + c] for m < M, p in [p0, p1): the float GEMM
-  // (gemm.h) or, for quantized panels, quant_gemm_panels (qgemm.h). A: fp32 rows of stride lda.
+  // C[m, 16 * (p - p0) + c] = (A @ B)[m, 16 p + c] for m < M, p in [p0, p1), C's row stride ldc.
+  // Float and quantized formats: A fp32 rows of stride lda, C fp32 (gemm.h; qgemm.h).
   void multiply(int64_t slot, const float* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
+                int64_t ldc) const;
+  // int8 formats: A rows prepared by prepare_int8_rows, lda bytes apart; C int32, wrapping (int8_gemm.h).
+  void multiply(int64_t slot, const void* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, int32_t* C,
                 int64_t ldc) const;
 
  private:
@@ -149,27 +149,22 @@ struct ExpertSlots {
   static ExpertSlots with_rows(const int64_t* offsets, int64_t experts);
 };
 
-// The element types and shapes of the weight inputs a pack was made from ({} shape, undefined type:
-// an absent input); a run whose weights differ packs its own.
-using WeightSignature = std::vector<std::pair<ElemType, std::vector<int64_t>>>;
-WeightSignature weight_signature(const std::vector<const Input*>& weights);
-
 // An op's packed experts: its weight matrices (MOE: gate/up and down; MoeRowParallelLinear: W),
 // all in the same slots.
 struct PackedExperts {
   ExpertSlots slots;
   std::vector<PackedWeights> matrices;
-  WeightSignature signature;
 };
 
-// The packed experts a run reads: `constant` when it was packed from weights with this signature;
-// else `local`, made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and
+// The packed experts a run reads: `constant` when the weights are initializers (packed at kernel
+// creation, after their checks: a run that passes its own checks has the same weights); else
+// `local`, made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and
 // filled by pack_slot(local, slot) on the intra-op pool.
 template <class Empty, class PackSlot>
 const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, const PackedExperts* constant,
-                                     const WeightSignature& signature, const int64_t* offsets, int64_t experts,
-                                     PackedExperts& local, Empty&& empty, PackSlot&& pack_slot) {
-  if (constant && constant->signature == signature) return *constant;
+                                     const int64_t* offsets, int64_t experts, PackedExperts& local, Empty&& empty,
+                                     PackSlot&& pack_slot) {
+  if (constant) return *constant;
   local = empty(ExpertSlots::with_rows(offsets, experts));
   parallel_for(ctx, static_cast<size_t>(local.slots.count()),
                [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });

@@ -3,14 +3,13 @@
 // Determinism: every task writes its own disjoint part of the output and computes it in a fixed
 // order, so results do not depend on how many threads run the tasks or which thread runs which.
 // Reductions across tasks are never done in completion order: the caller reduces afterwards in
-// index order.
+// index order. A task's scratch buffers: workspace.h's Scratch.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <mutex>
-#include <vector>
 
 #include "ort_api.h"
 
@@ -40,15 +39,6 @@ void parallel_for(const Ort::KernelContext& ctx, size_t n, Fn&& fn) {
   };
   ctx.ParallelFor(trampoline, n, 0, &state);
   if (state.error) std::rethrow_exception(state.error);
-}
-
-// Per-thread scratch of n elements for a task (grown, never shrunk: no allocation per task; not
-// zeroed). Valid until the same thread asks again.
-template <class T>
-T* scratch(size_t n) {
-  thread_local std::vector<T> buffer;
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
 }
 
 // Splits [0, n) into about `parts` chunks of at least `min_chunk`; returns the chunk count and size.

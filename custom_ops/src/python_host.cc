@@ -22,7 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "attributes.h"
+#include "status.h"
+#include "tensor.h"
 
 namespace {
 

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "isa.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -103,16 +103,6 @@ const Dispatch& dispatch() {
   return d;
 }
 
-// The per-thread buffers of this file (parallel.h's scratch<T> holds the callers' C).
-enum class Buffer { kDecoded, kActivationCodes, kActivationScales, kActivationSums };
-
-template <class T, Buffer Which>
-T* local_buffer(size_t n) {
-  thread_local std::vector<T> buffer;
-  if (buffer.size() < n) buffer.resize(n);
-  return buffer.data();
-}
-
 // Panels dequantized per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
 constexpr int64_t kDecodedPanels = 2;
 
@@ -120,14 +110,15 @@ constexpr int64_t kDecodedPanels = 2;
 void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
   const int64_t panel_floats = layout.K * kPanel;
-  float* decoded = local_buffer<float, Buffer::kDecoded>(static_cast<size_t>(kDecodedPanels * panel_floats));
+  Scratch scratch;
+  float* decoded = scratch.take<float>(kDecodedPanels * panel_floats, "the dequantized weight panels");
   for (int64_t p = p0; p < p1; p += kDecodedPanels) {
     const int64_t n = std::min(kDecodedPanels, p1 - p);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t b = 0; b < layout.blocks(); ++b)
         dispatch().decode(layout, B + (p + j) * layout.panel_bytes() + b * layout.block_bytes(),
                           decoded + j * panel_floats + b * layout.block * kPanel);
-    gemm_panels(PanelType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
+    gemm_panels(FloatType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
   }
 }
 
@@ -137,9 +128,10 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
   const int64_t ldq = blocks * padded;
-  int8_t* qa = local_buffer<int8_t, Buffer::kActivationCodes>(static_cast<size_t>(M * ldq));
-  float* sa = local_buffer<float, Buffer::kActivationScales>(static_cast<size_t>(M * blocks));
-  int32_t* sums = local_buffer<int32_t, Buffer::kActivationSums>(static_cast<size_t>(M * blocks));
+  Scratch scratch;
+  int8_t* qa = scratch.take<int8_t>(M * ldq, "the int8 activations");
+  float* sa = scratch.take<float>(M * blocks, "the int8 activations' scales");
+  int32_t* sums = scratch.take<int32_t>(M * blocks, "the int8 activations' sums");
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* a = A + m * lda + b * layout.block;

@@ -2,7 +2,8 @@
 // 1. check_inputs: validate every input as moe_onnx/ops/qmoe.py does, with the same messages, and the
 //    indices' range, before anything is indexed.
 // 2. The packed experts: from kernel creation when every weight, scale and zero point is an
-//    initializer (one pack for the life of the session), else packed per run for the experts in use.
+//    initializer and passes Compute's checks of them (validate_weights; one pack for the life of the
+//    session), else packed per run for the experts in use.
 //    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
 //    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
 // 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels.
@@ -10,7 +11,7 @@
 
 #include <algorithm>
 
-#include "kernel_util.h"
+#include "attributes.h"
 
 namespace moe_onnx {
 namespace {
@@ -33,6 +34,9 @@ std::vector<Linear> linears(ExpertType type) {
   }
   return {};
 }
+
+// "quant_type 'mxfp4'", as the messages name a quant type.
+std::string quant_type_words(QuantType type) { return "quant_type " + py_str(choice_name(type)); }
 
 // The bytes that hold n elements of `bits` bits.
 int64_t packed_bytes(int64_t n, int64_t bits) { return (n * bits + 7) / 8; }
@@ -78,8 +82,9 @@ void validate_quantized(const Quantization& q, const Checker& v, DimBinder& dims
   if (std::find(allowed.begin(), allowed.end(), scale_elem) == allowed.end()) {
     std::string names;
     for (size_t a = 0; a < allowed.size(); ++a) names += (a ? " or " : "") + std::string(elem_name(allowed[a]));
-    v.fail(v.input_name(l.scales), std::string("has type ") + elem_name(scale_elem) + "; quant_type '" +
-                                       (q.mxfp4 ? "mxfp4" : "int") + "' expects " + names);
+    v.fail(v.input_name(l.scales), std::string("has type ") + elem_name(scale_elem) + "; " +
+                                       quant_type_words(q.mxfp4 ? QuantType::kMxfp4 : QuantType::kInt) + " expects " +
+                                       names);
   }
   if (q.block_size) {
     v.expect_rank(l.scales, 3);
@@ -91,7 +96,9 @@ void validate_quantized(const Quantization& q, const Checker& v, DimBinder& dims
   }
 
   if (!v.has(l.zero_points)) return;
-  if (q.mxfp4) v.fail(v.input_name(l.zero_points), "is given; quant_type 'mxfp4' has no zero points: leave it empty");
+  if (q.mxfp4)
+    v.fail(v.input_name(l.zero_points),
+           "is given; " + quant_type_words(QuantType::kMxfp4) + " has no zero points: leave it empty");
   if (q.block_size) {
     v.expect_rank(l.zero_points, 3);
     dims.shape(l.zero_points, {"E", n});
@@ -103,12 +110,10 @@ void validate_quantized(const Quantization& q, const Checker& v, DimBinder& dims
   }
 }
 
-// The checks of qmoe.py's _validate, in its order and words (the attributes' were made at kernel
-// creation). Returns the sizes.
-MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
+// The checks of qmoe.py's _validate on the weights, scales and zero points, after validate_tokens
+// (`elem`: hidden_states' type), in its order and words.
+void validate_weights(const QMoeKernel& kernel, const Checker& v, DimBinder& dims, ElemType elem) {
   const ExpertType type = kernel.config.type;
-  DimBinder dims(v);
-  const ElemType elem = validate_tokens(v, {ROUTING, B0, B1}, dims);
   for (int i : {W0, W1, W2, Z0, Z1, Z2})
     if (v.has(i)) v.expect_elem(i);
   // check_expert_inputs
@@ -123,7 +128,7 @@ MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
                         return l.weight == i || l.scales == i || l.zero_points == i;
                       });
     if (v.has(i) && !uses)
-      v.fail(v.input_name(i), std::string("is given, but ") + expert_type_name(type) + " does not use it; leave it empty");
+      v.fail(v.input_name(i), std::string("is given, but ") + choice_name(type) + " does not use it; leave it empty");
   }
   for (const Linear& l : used) {
     v.expect_rank(l.weight, 3);
@@ -135,6 +140,14 @@ MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
     }
   }
   for (const Linear& l : used) validate_quantized(kernel.quant, v, dims, l, elem);
+}
+
+// The checks of qmoe.py's _validate, in its order and words (the attributes' were made at kernel
+// creation). Returns the sizes.
+MoeDims validate(const QMoeKernel& kernel, const Checker& v) {
+  DimBinder dims(v);
+  const ElemType elem = validate_tokens(v, {ROUTING, B0, B1}, dims);
+  validate_weights(kernel, v, dims, elem);
   return MoeDims{dims.get("T"), dims.get("k"), dims.get("E"), dims.get("H"), dims.get("I")};
 }
 
@@ -144,13 +157,6 @@ MoeDims check_inputs(const QMoeKernel& kernel, const std::vector<Input>& inputs)
   const MoeDims d = validate(kernel, v);
   check_indices(inputs[INDICES], d.E, kernel.where);
   return d;
-}
-
-// The weight inputs a pack is made from.
-WeightSignature qmoe_signature(const std::vector<Input>& inputs) {
-  std::vector<const Input*> weights;
-  for (int i = W0; i < N_INPUTS; ++i) weights.push_back(&inputs[i]);
-  return weight_signature(weights);
 }
 
 // The panel layout of one linear with K inputs.
@@ -178,7 +184,6 @@ PackedExperts empty_pack(const ExpertConfig& config, const Quantization& q, cons
                           slots.count(), config.type != ExpertType::kGemm3Swiglu);
   p.matrices.emplace_back(layout_of(q, I, inputs[used.back().zero_points].present), H, slots.count(), true);
   p.slots = std::move(slots);
-  p.signature = qmoe_signature(inputs);
   return p;
 }
 
@@ -248,76 +253,51 @@ void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vec
   if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
 }
 
-// All experts packed at kernel creation when every input of the weights is an initializer and their
-// shapes agree with each other and with the attributes (H, I > 0); else null (Compute packs per run
-// and reports any error).
-std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const ExpertConfig& config,
-                                                     const Quantization& q) {
+// All experts packed at kernel creation when every input of the weights is an initializer and passes
+// Compute's checks of them (the biases' types; validate_weights, the scales' types against
+// `hidden_type`, the type of hidden_states this kernel is registered for) and the matrices have
+// elements (H, I > 0); else null (Compute packs per run and reports any error in the reference's order).
+std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const QMoeKernel& kernel,
+                                                     ElemType hidden_type) {
+  if (!signatures::QMOE.inputs[HIDDEN].allows(hidden_type)) return nullptr;
   std::vector<Input> inputs(N_INPUTS);
   for (int i = W0; i < N_INPUTS; ++i) {
     if (!node_has_input(kinfo, i)) continue;
     inputs[i] = constant_input(kinfo, i);
     if (!inputs[i].present) return nullptr;  // a runtime weight: pack per Compute
   }
-  const std::vector<Linear> used = linears(config.type);
-  const Input& w0 = inputs[W0];
-  const Input& down = inputs[used.back().weight];
-  if (!w0.present || !down.present || w0.shape.size() != 3 || down.shape.size() != 3) return nullptr;
-  const int64_t E = w0.shape[0], H = down.shape[1];
-  const int64_t I = config.type == ExpertType::kGemm2BiasSwigluClamp ? w0.shape[1] / 2 : w0.shape[1];
-  if (H <= 0 || I <= 0 || (config.type == ExpertType::kGemm2BiasSwigluClamp && w0.shape[1] % 2)) return nullptr;
-  if ((q.bits == 4 && (H % 2 || I % 2)) || (q.block_size > 0 && (H % q.block_size || I % q.block_size))) return nullptr;
-  const ElemType bias_type = inputs[B0].present ? inputs[B0].type : inputs[B1].type;
-  for (const Linear& l : used) {
-    const int64_t K = std::string(l.k) == "H" ? H : I;
-    const int64_t N = std::string(l.n) == "H" ? H : std::string(l.n) == "2I" ? 2 * I : I;
-    const int64_t blocks = q.block_size > 0 ? K / q.block_size : 1;
-    const Input &w = inputs[l.weight], &s = inputs[l.scales], &z = inputs[l.zero_points];
-    if (!w.present || w.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 || w.shape != std::vector<int64_t>{E, N, K * q.bits / 8})
-      return nullptr;
-    const bool e8m0 = s.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-    if (!s.present || !signatures::QMOE.inputs[l.scales].allows(s.type) || e8m0 != q.mxfp4 ||
-        s.shape != (q.block_size > 0 ? std::vector<int64_t>{E, N, blocks} : std::vector<int64_t>{E, N}))
-      return nullptr;
-    if (z.present && (q.mxfp4 || z.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ||
-                      z.shape != (q.block_size > 0 ? std::vector<int64_t>{E, N, packed_bytes(blocks, q.bits)}
-                                                   : std::vector<int64_t>{E, packed_bytes(N, q.bits)})))
-      return nullptr;
+  const Checker v(kernel.where, signatures::QMOE, inputs);
+  DimBinder dims(v);
+  try {
+    for (int i : {B0, B1})
+      if (v.has(i)) v.expect_elem(i);
+    validate_weights(kernel, v, dims, hidden_type);
+  } catch (const Ort::Exception&) {
+    return nullptr;  // Compute reports it
   }
-  for (int i : {W0, W1, W2, S0, S1, S2, Z0, Z1, Z2})
-    if (inputs[i].present && std::none_of(used.begin(), used.end(), [i](const Linear& l) {
-          return l.weight == i || l.scales == i || l.zero_points == i;
-        }))
-      return nullptr;
-  const bool gemm3 = config.type == ExpertType::kGemm3Swiglu;
-  if (inputs[B0].present && (gemm3 || !signatures::QMOE.inputs[B0].allows(inputs[B0].type) ||
-                             inputs[B0].shape != std::vector<int64_t>{E, config.gated() ? 2 * I : I}))
-    return nullptr;
-  if (inputs[B1].present && (gemm3 || inputs[B1].type != bias_type || !signatures::QMOE.inputs[B1].allows(bias_type) ||
-                             inputs[B1].shape != std::vector<int64_t>{E, H}))
-    return nullptr;
-  auto packed = std::make_unique<PackedExperts>(empty_pack(config, q, inputs, H, I, ExpertSlots::all(E)));
-  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(config, q, inputs, *packed, slot); });
+  const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
+  if (H == 0 || I == 0) return nullptr;
+  auto packed =
+      std::make_unique<PackedExperts>(empty_pack(kernel.config, kernel.quant, inputs, H, I, ExpertSlots::all(E)));
+  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(kernel.config, kernel.quant, inputs, *packed, slot); });
   return packed;
 }
 
 // The quantization attributes after qmoe.py's checks (_validate_quant_attrs).
 Quantization read_quantization(const Attributes& attrs) {
   Quantization q;
-  const std::string quant_type = attrs.get_string("quant_type");
-  if (quant_type != "int" && quant_type != "mxfp4")
-    attrs.fail("quant_type", "is " + py_str(quant_type) + "; expected one of 'int', 'mxfp4'");
-  q.mxfp4 = quant_type == "mxfp4";
+  q.mxfp4 = attrs.choice<QuantType>() == QuantType::kMxfp4;
   q.bits = attrs.choice("bits", {4, 8});
   q.block_size = attrs.get_int("block_size");
   const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 4});
   const std::string block_size = std::to_string(q.block_size);
   if (q.mxfp4) {
-    if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + "; quant_type 'mxfp4' expects 4");
-    if (q.block_size != 32) attrs.fail("block_size", "is " + block_size + "; quant_type 'mxfp4' expects 32");
+    const std::string expects = "; " + quant_type_words(QuantType::kMxfp4) + " expects ";
+    if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + expects + "4");
+    if (q.block_size != 32) attrs.fail("block_size", "is " + block_size + expects + "32");
     if (accuracy_level != 0)
-      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) +
-                                       "; quant_type 'mxfp4' expects 0 (int8 activations are for quant_type 'int')");
+      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) + expects +
+                                       "0 (int8 activations are for " + quant_type_words(QuantType::kInt) + ")");
   } else if (q.block_size != 0 &&
              !(q.block_size >= 16 && q.block_size <= 256 && (q.block_size & (q.block_size - 1)) == 0)) {
     attrs.fail("block_size", "is " + block_size + "; expected 0 or a power of two in [16, 256]");
@@ -329,16 +309,17 @@ Quantization read_quantization(const Attributes& attrs) {
 }  // namespace
 
 OrtStatusPtr QMoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::QMOE.name, info, kernel, [&] { return new QMoeKernel(api, info); });
+  return create_kernel_status(api, signatures::QMOE.name, info, kernel,
+                              [&] { return new QMoeKernel(info, hidden_type_); });
 }
 
-QMoeKernel::QMoeKernel(const OrtApi&, const OrtKernelInfo* info) {
+QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::QMOE.name, kinfo);
   const Attributes attrs(info, signatures::QMOE, where);
   config = ExpertConfig::read(attrs);
   quant = read_quantization(attrs);
-  constant = pack_constant_weights(kinfo, config, quant);
+  constant = pack_constant_weights(kinfo, *this, hidden_type);
 }
 
 OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -353,7 +334,7 @@ void QMoeKernel::Compute(OrtKernelContext* context) {
   run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
               [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
                 return experts_for_run(
-                    ctx, constant.get(), qmoe_signature(inputs), sorted.start.data(), d.E, local,
+                    ctx, constant.get(), sorted.start.data(), d.E, local,
                     [&](ExpertSlots slots) { return empty_pack(config, quant, inputs, d.H, d.I, std::move(slots)); },
                     [&](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); });
               },

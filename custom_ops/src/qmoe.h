@@ -6,10 +6,11 @@
 #include <memory>
 #include <string>
 
-#include "common.h"
 #include "expert_block.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
+#include "status.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -22,7 +23,7 @@ struct Quantization {
 };
 
 struct QMoeKernel {
-  QMoeKernel(const OrtApi& api, const OrtKernelInfo* info);
+  QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type);
   void Compute(OrtKernelContext* context);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
@@ -30,7 +31,7 @@ struct QMoeKernel {
   ExpertConfig config;
   Quantization quant;
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
-  WorkspacePool workspaces;
+  WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 
 // One registration per element type of hidden_states, as MoeOp.

@@ -2,10 +2,11 @@
 //
 // 1. Validate every input as row_parallel_linear.py's _validate does (same order and words), then
 //    the offsets' values (0 <= o_0 <= ... <= o_E <= rows) before any row is touched.
-// 2. W is packed per expert into the GEMM's panels (packed_weights.h): once at kernel creation when
-//    it is an initializer, else per Compute for the experts that own rows. Float types use the fp32 GEMM
-//    (gemm.h; float16/bfloat16 panels stay 16-bit, accumulation in fp32, rounded once at the end);
-//    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
+// 2. W is packed per expert into the GEMM's panels (packed_weights.h), multiplied through
+//    PackedWeights::multiply: once at kernel creation when it is an initializer, else per Compute for
+//    the experts that own rows. Float types use the fp32 GEMM (gemm.h; float16/bfloat16 panels stay
+//    16-bit, accumulation in fp32, rounded once at the end); int8 uses the exact int32 GEMM
+//    (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
 // 3. With tp_world_size > 1 (docs/distributed.md), W is this rank's K-slice [E, N, K_q]: the rank
 //    reads X's columns [k_q, k_q + K_q) (k_q: the K_q of the TP ranks before it, all-gathered) unless
 //    input_is_parallel, computes its partial without B in float32 (int32 for int8), all-reduces it over
@@ -19,9 +20,9 @@
 #include <memory>
 #include <tuple>
 
-#include "gemm.h"
+#include "attributes.h"
+#include "checker.h"
 #include "int8_gemm.h"
-#include "kernel_util.h"
 #include "parallel.h"
 #include "task_plan.h"
 
@@ -121,7 +122,6 @@ PackedExperts empty_pack(const Input& w, ExpertSlots slots) {
   PackedExperts p;
   p.matrices.emplace_back(weight_format(w.type), /*N=*/w.shape[1], /*K=*/w.shape[2], slots.count(), false);
   p.slots = std::move(slots);
-  p.signature = weight_signature({&w});
   return p;
 }
 
@@ -131,16 +131,15 @@ void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
 
 // The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
 // prepared for the int8 GEMM (ld in bytes); float32 in place when gemm_rows_in_place allows, else
-// widened or copied to fp32 at gemm_row_stride.
+// widened or copied to fp32 at gemm_row_stride, in the run's workspace.
 struct GemmRows {
-  std::unique_ptr<char[]> int8_rows;  // every byte written by prepare_int8_rows
-  std::vector<float> f32;
+  const char* int8_rows = nullptr;  // every byte written by prepare_int8_rows
   const float* f = nullptr;
   int64_t ld = 0;
 };
 
-GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first, int64_t rows, int64_t K,
-                   int64_t x_width, int64_t k0) {
+GemmRows gemm_rows(const Ort::KernelContext& ctx, Workspace& run, const Input& x, int64_t first, int64_t rows,
+                   int64_t K, int64_t x_width, int64_t k0) {
   GemmRows a;
   if (x.type == kF32 && gemm_rows_in_place(x_width)) {
     a.f = x.as<float>() + first * x_width + k0;
@@ -157,23 +156,24 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, const Input& x, int64_t first,
   };
   if (x.type == kInt8) {
     a.ld = int8_row_bytes(K);
-    a.int8_rows.reset(new char[static_cast<size_t>(rows * a.ld)]);
+    char* prepared = run.take<char>(rows * a.ld, "the int8 rows of input 'X'");
     for_chunks([&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        prepare_int8_rows(x.as<int8_t>() + (first + r) * x_width + k0, 1, K, a.int8_rows.get() + r * a.ld);
+        prepare_int8_rows(x.as<int8_t>() + (first + r) * x_width + k0, 1, K, prepared + r * a.ld);
     });
+    a.int8_rows = prepared;
     return a;
   }
   a.ld = gemm_row_stride(K);
-  a.f32.resize(static_cast<size_t>(rows * a.ld));
+  float* widened = run.take<float>(rows * a.ld, "the float32 rows of input 'X'");
   const size_t x_size = elem_size(x.type);
-  const PanelType x_panel = panel_type(x.type);
+  const FloatType x_type = float_type(x.type);
   for_chunks([&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      widen_row(x_panel, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size,
-                a.f32.data() + r * a.ld, K);
+      widen_row(x_type, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size,
+                widened + r * a.ld, K);
   });
-  a.f = a.f32.data();
+  a.f = widened;
   return a;
 }
 
@@ -184,23 +184,22 @@ struct OutputTiles {
   const PackedExperts& packed;
   const GemmRows& a;
   const Input& b;
-  int64_t N, K, first;  // first: the first covered row (row 0 of a)
+  int64_t N, first;  // first: the first covered row (row 0 of a)
   ElemType y_type;
-  char* y;              // row y_first of the output (0: Y itself; first: a TP rank's partial)
+  char* y;           // row y_first of the output (0: Y itself; first: a TP rank's partial)
   int64_t y_first;
 
   bool direct(const Task& t) const { return t.p1 * kPanel <= N && (y_type == kInt32 || y_type == kF32); }
-  const void* weights(const Task& t) const {
-    return packed.matrices[0].at(packed.slots.slot_of_expert[t.expert]);
-  }
+  int64_t slot(const Task& t) const { return packed.slots.slot_of_expert[t.expert]; }
 
   // int32 results; the bias wraps like numpy's int32.
   void int8_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
     int32_t* out = reinterpret_cast<int32_t*>(y) + (t.row0 - y_first) * N + c0;
-    int32_t* C = direct(t) ? out : scratch<int32_t>(static_cast<size_t>(t.rows * ldc));
-    int8_gemm_panels(a.int8_rows.get() + (t.row0 - first) * a.ld, a.ld, t.rows, K, weights(t), t.p0, t.p1, C, ldc);
+    Scratch scratch;
+    int32_t* C = direct(t) ? out : scratch.take<int32_t>(t.rows * ldc, "a task's tile");
+    packed.matrices[0].multiply(slot(t), a.int8_rows + (t.row0 - first) * a.ld, a.ld, t.rows, t.p0, t.p1, C, ldc);
     if (direct(t) && !b.present) return;
     const int32_t* bias = b.present ? b.as<int32_t>() + t.expert * N + c0 : nullptr;
     for (int64_t r = 0; r < t.rows; ++r)
@@ -215,21 +214,22 @@ struct OutputTiles {
   void float_task(const Task& t) const {
     const int64_t c0 = t.p0 * kPanel, c1 = std::min(N, t.p1 * kPanel);
     const int64_t ldc = direct(t) ? N : (t.p1 - t.p0) * kPanel;
+    Scratch scratch;
     float* C = direct(t) ? reinterpret_cast<float*>(y) + (t.row0 - y_first) * N + c0
-                         : scratch<float>(static_cast<size_t>(t.rows * ldc));
-    gemm_panels(gemm_panel_type(packed.matrices[0].format()), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, K,
-                weights(t), t.p0, t.p1, C, ldc);
+                         : scratch.take<float>(t.rows * ldc, "a task's tile");
+    packed.matrices[0].multiply(slot(t), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, t.p0, t.p1, C, ldc);
     const size_t y_size = elem_size(y_type);
-    std::vector<float> bias;  // the task's columns of the expert's bias, converted once
+    float* bias = nullptr;  // the task's columns of the expert's bias, converted once
     if (b.present) {
-      bias.resize(static_cast<size_t>(c1 - c0));
-      to_float(b.type, static_cast<const char*>(b.data) + (t.expert * N + c0) * elem_size(b.type), bias.data(),
-               c1 - c0);
+      bias = scratch.take<float>(c1 - c0, "a task's bias");
+      widen_row(float_type(b.type), static_cast<const char*>(b.data) + (t.expert * N + c0) * elem_size(b.type), bias,
+                c1 - c0);
     }
     for (int64_t r = 0; r < t.rows; ++r) {
       float* row = C + r * ldc;
-      for (size_t c = 0; c < bias.size(); ++c) row[c] += bias[c];
-      if (!direct(t)) from_float(y_type, row, y + ((t.row0 - y_first + r) * N + c0) * y_size, c1 - c0);
+      if (bias)
+        for (int64_t c = 0; c < c1 - c0; ++c) row[c] += bias[c];
+      if (!direct(t)) narrow_row(float_type(y_type), row, y + ((t.row0 - y_first + r) * N + c0) * y_size, c1 - c0);
     }
   }
 };
@@ -269,7 +269,8 @@ void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const 
   size_t chunk = 1;
   const size_t n_chunks = chunk_count(static_cast<size_t>(covered), 16, 64, &chunk);
   parallel_for(ctx, n_chunks, [&](size_t c) {
-    float* bias = scratch<float>(static_cast<size_t>(N));
+    Scratch scratch;
+    float* bias = b.present ? scratch.take<float>(N, "an expert's bias") : nullptr;
     const int64_t end = std::min<int64_t>(covered, static_cast<int64_t>((c + 1) * chunk));
     for (int64_t i = static_cast<int64_t>(c * chunk); i < end; ++i) {
       const int64_t row = first + i;
@@ -284,10 +285,10 @@ void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const 
       }
       float* sums = reinterpret_cast<float*>(partial) + i * N;
       if (b.present) {
-        to_float(b.type, static_cast<const char*>(b.data) + expert * N * elem_size(b.type), bias, N);
+        widen_row(float_type(b.type), static_cast<const char*>(b.data) + expert * N * elem_size(b.type), bias, N);
         for (int64_t n = 0; n < N; ++n) sums[n] += bias[n];
       }
-      if (y_type != kF32) from_float(y_type, sums, y + row * N * y_size, N);
+      if (y_type != kF32) narrow_row(float_type(y_type), sums, y + row * N * y_size, N);
     }
   });
 }
@@ -363,17 +364,17 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const Input& w = inputs[W];
   PackedExperts local;
   const PackedExperts& packed = experts_for_run(
-      ctx, constant.get(), weight_signature({&w}), o, E, local,
-      [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
+      ctx, constant.get(), o, E, local, [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
       [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
-  const GemmRows a = gemm_rows(ctx, x, first, covered, K, d.x_width, k0);
-  // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y).
-  std::vector<float> partial_f32;
+  const WorkspacePool::Lease buffers = workspaces.lease();
+  const GemmRows a = gemm_rows(ctx, *buffers, x, first, covered, K, d.x_width, k0);
+  // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y); the tasks
+  // write all of it.
   const bool partial_in_y = !group || y_type == kF32 || y_type == kInt32;
-  if (!partial_in_y) allocate(partial_f32, covered * N, 0.0f, "the partial products");
   const Input no_bias;
-  char* out = partial_in_y ? y + (group ? first * N * y_size : 0) : reinterpret_cast<char*>(partial_f32.data());
-  const OutputTiles tiles{packed, a, group ? no_bias : inputs[B], N, K, first, partial_in_y ? y_type : kF32, out,
+  char* out = partial_in_y ? y + (group ? first * N * y_size : 0)
+                           : reinterpret_cast<char*>(buffers->take<float>(covered * N, "the partial products"));
+  const OutputTiles tiles{packed, a, group ? no_bias : inputs[B], N, first, partial_in_y ? y_type : kF32, out,
                           group ? first : 0};
   const std::vector<Task> tasks = make_tasks(o, E, panel_count(N), kTaskShape);
   parallel_for(ctx, tasks.size(), [&](size_t ti) {

@@ -8,9 +8,10 @@
 #include <vector>
 
 #include "comm.h"
-#include "common.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
+#include "status.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -24,6 +25,7 @@ struct RowParallelLinearKernel {
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
   std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
+  WorkspacePool workspaces{1};              // for the runs' rows of X (float32 or int8) and TP partials
   bool input_is_parallel = false;
   int64_t tp_size = 1, tp_rank = 0;
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kernel_util.h"
+#include "allocation.h"
 
 namespace moe_onnx {
 

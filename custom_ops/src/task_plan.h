@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common.h"
+#include "tensor.h"
 
 namespace moe_onnx {
 

@@ -509,7 +509,11 @@ def check_float_attr(view: NodeView, name: str, *, positive: bool = False, allow
     return value
 
 
-def check_choice(view: NodeView, name: str, choices: Sequence[Any]) -> Any:
+def check_choice(view: NodeView, name: str, choices: Sequence[Any] | None = None) -> Any:
+    """The attribute's value after checking it is one of ``choices`` (by default the values its
+    signature declares: ``Attr.choices``)."""
+    if choices is None:
+        choices = view.op.attr_spec(name).choices
     value = view.attr(name)
     if value not in choices:
         view.fail(f"attribute '{name}'", f"is {value!r}; expected one of {', '.join(map(repr, choices))}")

@@ -32,8 +32,9 @@ from ._common import (
 LOGITS, BIAS = range(2)
 # output positions
 WEIGHTS, INDICES, SCORES = range(3)
-SCORE_FUNCS = ("softmax", "sigmoid")
-GROUP_SELECTS = ("sum_top2", "max")
+# the values of the string attributes, as the signature declares them
+SOFTMAX, SIGMOID = signatures.MOE_GATING_TOPK.attr_spec("score_func").choices
+SUM_TOP2, MAX = signatures.MOE_GATING_TOPK.attr_spec("group_select").choices
 
 
 def _validate(v: NodeView) -> list[TensorInfo | None]:
@@ -41,14 +42,14 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
     k = v.attr("k")
     if k < 1:
         v.fail("attribute 'k'", f"is {k}; expected a value >= 1")
-    check_choice(v, "score_func", SCORE_FUNCS)
+    check_choice(v, "score_func")
     n_group = v.attr("n_group")
     if n_group < 1:
         v.fail("attribute 'n_group'", f"is {n_group}; expected a value >= 1")
     topk_group = v.attr("topk_group")
     if not 0 <= topk_group <= n_group:
         v.fail("attribute 'topk_group'", f"is {topk_group}; expected 0 (all groups) or 1..n_group = {n_group}")
-    group_select = check_choice(v, "group_select", GROUP_SELECTS)
+    group_select = check_choice(v, "group_select")
     check_choice(v, "renormalize", (0, 1))
     check_float_attr(v, "eps")
     check_float_attr(v, "routed_scaling_factor")
@@ -71,9 +72,9 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
         if experts % n_group:
             v.fail("attribute 'n_group'", f"is {n_group}; expected a divisor of E = {experts}")
         group_size = experts // n_group
-        if n_group > 1 and group_select == "sum_top2" and group_size < 2:
-            v.fail("attribute 'group_select'", f"is 'sum_top2'; expected 'max' for groups of {group_size} expert "
-                   f"(E / n_group = {experts} / {n_group}): sum_top2 needs at least 2 experts per group")
+        if n_group > 1 and group_select == SUM_TOP2 and group_size < 2:
+            v.fail("attribute 'group_select'", f"is {SUM_TOP2!r}; expected {MAX!r} for groups of {group_size} expert "
+                   f"(E / n_group = {experts} / {n_group}): {SUM_TOP2} needs at least 2 experts per group")
         allowed = (topk_group or n_group) * group_size
         if k > allowed:
             v.fail("attribute 'k'", f"is {k}; expected at most topk_group * E / n_group = {topk_group or n_group} "
@@ -87,7 +88,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
 
 def _scores(rows: np.ndarray, score_func: str) -> np.ndarray:
     """softmax or sigmoid over the last axis, in float32."""
-    if score_func == "sigmoid":
+    if score_func == SIGMOID:
         return np.float32(1) / (np.float32(1) + np.exp(-rows))
     shifted = np.exp(rows - rows.max(axis=1, keepdims=True))
     return shifted / shifted.sum(axis=1, keepdims=True)
@@ -107,7 +108,7 @@ def _kept_groups(sel: np.ndarray, n_group: int, topk_group: int, group_select: s
     """[rows, E] bool: the experts of each row's ``topk_group`` best groups."""
     rows, experts = sel.shape
     grouped = np.sort(sel.reshape(rows, n_group, experts // n_group), axis=2)  # NaN last: it counts as the largest
-    group_score = grouped[..., -1] + grouped[..., -2] if group_select == "sum_top2" else grouped[..., -1]
+    group_score = grouped[..., -1] + grouped[..., -2] if group_select == SUM_TOP2 else grouped[..., -1]
     kept = np.zeros((rows, n_group), dtype=bool)
     np.put_along_axis(kept, best_first(group_score)[:, :topk_group], True, axis=1)
     return np.repeat(kept, experts // n_group, axis=1)

@@ -34,10 +34,9 @@ from ._common import (
 )
 from .layout import Layout
 
-GEMM2_BIAS_SWIGLU_CLAMP = "GEMM2_BIAS_SWIGLU_CLAMP"
-GEMM3_SWIGLU = "GEMM3_SWIGLU"
-GEMM2_ACT = "GEMM2_ACT"
-EXPERT_TYPES = (GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, GEMM2_ACT)
+# The expert types, as the signature declares them.
+EXPERT_TYPES = signatures.MOE.attr_spec("expert_type").choices
+GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, GEMM2_ACT = EXPERT_TYPES
 
 # input positions
 HIDDEN, ROUTING, INDICES, W0, B0, W1, B1, W2 = range(8)
@@ -72,7 +71,8 @@ def _gelu_tanh(z: np.ndarray) -> np.ndarray:
     return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3)))
 
 
-# GEMM2_ACT's activations, by the name of the `activation` attribute (NaN propagates through each).
+# GEMM2_ACT's activations, by the name of the `activation` attribute (its declared choices, in their order;
+# NaN propagates through each).
 ACTIVATIONS = {
     "relu": _relu,
     "relu2": lambda z: _relu(z) ** 2,
@@ -102,7 +102,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
 
 def validate_expert_attrs(v: NodeView) -> str:
     """The attributes MOE and QMOE share (expert type, SwiGLU, activation); returns the expert type."""
-    expert_type = check_choice(v, "expert_type", EXPERT_TYPES)
+    expert_type = check_choice(v, "expert_type")
     check_float_attr(v, "expert_alpha")
     if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
         check_float_attr(v, "expert_beta", positive=True, allow_inf=True)
@@ -163,7 +163,7 @@ def _check_activation(v: NodeView, expert_type: str) -> None:
         return
     if not activation:
         v.fail("attribute 'activation'", f"is required for {GEMM2_ACT}")
-    check_choice(v, "activation", tuple(ACTIVATIONS))
+    check_choice(v, "activation")
     for name in _SWIGLU_ONLY:
         value, spec = v.attr(name), v.op.attr_spec(name)
         if spec.kind == "float":

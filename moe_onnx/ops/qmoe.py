@@ -37,7 +37,7 @@ from .moe import (
 SCALES = {W0: 8, W1: 9, W2: 10}
 ZERO_POINTS = {W0: 11, W1: 12, W2: 13}
 
-QUANT_INT, QUANT_MXFP4 = "int", "mxfp4"
+QUANT_INT, QUANT_MXFP4 = signatures.QMOE.attr_spec("quant_type").choices
 MXFP4_BLOCK = 32
 ACCURACY_LEVELS = (0, 4)
 INT8_ACTIVATIONS = 4  # the accuracy_level of int8 activations
@@ -69,7 +69,7 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
 
 def _validate_quant_attrs(v: NodeView) -> tuple[str, int, int]:
     """quant_type, bits, block_size and accuracy_level, alone and together."""
-    quant_type = check_choice(v, "quant_type", (QUANT_INT, QUANT_MXFP4))
+    quant_type = check_choice(v, "quant_type")
     bits = check_choice(v, "bits", (4, 8))
     block_size = v.attr("block_size")
     accuracy_level = check_choice(v, "accuracy_level", ACCURACY_LEVELS)

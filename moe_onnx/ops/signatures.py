@@ -28,13 +28,19 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Attr:
-    """A formal attribute; ``default=None`` means required (or, for ``ints``, 'not given')."""
+    """A formal attribute; ``default=None`` means required (or, for ``ints``, 'not given').
+
+    ``choices``: the values a string attribute may take when given (its checks say whether the
+    default, e.g. ``""`` for 'not given', is allowed besides them). ``check_choice`` checks them and
+    the C++ build makes an enum of them (custom_ops/cmake/gen_op_tables.py).
+    """
 
     name: str
     kind: str  # "int", "float", "string" or "ints"
     doc: str
     default: Any = None
     required: bool = False
+    choices: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,8 @@ MOE = Signature(
     ),
     attributes=(
         Attr("expert_type", "string", "GEMM2_BIAS_SWIGLU_CLAMP (GPT-OSS), GEMM3_SWIGLU (Mixtral, Qwen, OLMoE) or "
-             "GEMM2_ACT (non-gated: down(activation(up(x))), Nemotron-H).", required=True),
+             "GEMM2_ACT (non-gated: down(activation(up(x))), Nemotron-H).", required=True,
+             choices=("GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU", "GEMM2_ACT")),
         Attr("expert_alpha", "float", "The swish beta: swish(z) = z * sigmoid(expert_alpha * z).", default=1.0),
         Attr("expert_beta", "float", "GEMM2 only, and a GEMM2 node must set it: the clamp bound (> 0, inf for "
              "none). The default 0.0 is OpenVINO's and is rejected (it would clamp every activation to 0).",
@@ -94,7 +101,8 @@ MOE = Signature(
         Attr("gate_parity", "int", "GEMM2 only: gate = gate_up[..., gate_parity::2]; up is the other half.",
              default=0),
         Attr("activation", "string", "GEMM2_ACT only, and a GEMM2_ACT node must set it: relu, relu2 (relu "
-             "squared), gelu (erf), gelu_tanh, silu or identity. The default '' means not given.", default=""),
+             "squared), gelu (erf), gelu_tanh, silu or identity. The default '' means not given.", default="",
+             choices=("relu", "relu2", "gelu", "gelu_tanh", "silu", "identity")),
     ),
 )
 
@@ -155,7 +163,8 @@ QMOE = Signature(
         Attr("block_size", "int", "0: one scale (and zero point) per output column; else a power of two in "
              "[16, 256] dividing K: one per block of block_size inputs. mxfp4: 32.", default=0),
         Attr("quant_type", "string", "int: w = (q - zero_point) * scale; mxfp4: q is an E2M1 code (bits 4, "
-             "block_size 32, uint8 E8M0 scales, no zero points), w = e2m1(q) * 2^(s - 127).", default="int"),
+             "block_size 32, uint8 E8M0 scales, no zero points), w = e2m1(q) * 2^(s - 127).", default="int",
+             choices=("int", "mxfp4")),
         Attr("accuracy_level", "int", "0: activations stay in floating point (the dequantized weights' exact "
              "result); 4: activations are quantized to int8 per row and block for int8 dot products "
              "(quant_type int only). As QMoE's attribute of that name.", default=0),
@@ -282,11 +291,12 @@ MOE_GATING_TOPK = Signature(
     type_constraints=(("T", FLOAT_TYPES, "Logits, bias, weights and scores."),),
     attributes=(
         Attr("k", "int", "Experts per row, 1 <= k <= E.", required=True),
-        Attr("score_func", "string", "softmax or sigmoid: s over the E logits of a row.", default="softmax"),
+        Attr("score_func", "string", "softmax or sigmoid: s over the E logits of a row.", default="softmax",
+             choices=("softmax", "sigmoid")),
         Attr("n_group", "int", "Expert groups (E % n_group == 0); 1: plain top-k.", default=1),
         Attr("topk_group", "int", "Groups kept per row, 1..n_group; 0 means n_group (all).", default=0),
         Attr("group_select", "string", "A group's score: sum_top2 (the sum of its two best selection scores, "
-             "DeepSeek-V3) or max (DeepSeek-V2).", default="sum_top2"),
+             "DeepSeek-V3) or max (DeepSeek-V2).", default="sum_top2", choices=("sum_top2", "max")),
         Attr("renormalize", "int", "1: weights = w / (sum(w) + eps); 0: the scores as they are.", default=0),
         Attr("eps", "float", "Added to the renormalize denominator (DeepSeek: 1e-20).", default=0.0),
         Attr("routed_scaling_factor", "float", "Multiplies the weights, after renormalize.", default=1.0),

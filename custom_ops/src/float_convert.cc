@@ -1,0 +1,66 @@
+#include "float_convert.h"
+
+#include "isa.h"
+
+namespace moe_onnx {
+namespace detail {
+namespace {
+
+template <FloatType T>
+void widen_elements(const void* src, int64_t done, float* dst, int64_t n) {
+  for (int64_t i = done; i < n; ++i) dst[i] = to_fp32<T>(src, i);
+}
+
+template <class Narrow>
+void narrow_elements(const float* src, void* dst, int64_t n, Narrow narrow) {
+  auto* d = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = narrow(src[i]);
+}
+
+}  // namespace
+
+void widen_row_from(FloatType type, const void* src, int64_t done, float* dst, int64_t n) {
+  switch (type) {
+    case FloatType::kF16: return widen_elements<FloatType::kF16>(src, done, dst, n);
+    case FloatType::kBF16: return widen_elements<FloatType::kBF16>(src, done, dst, n);
+    default:
+      if (n > done) std::memcpy(dst + done, static_cast<const float*>(src) + done, static_cast<size_t>(n - done) * 4);
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n) {
+  detail::widen_row_from(type, src, 0, dst, n);
+}
+
+// The widen_row of the kernels' ISA level (isa.h).
+detail::WidenRowFn chosen_widen_row() {
+#if defined(MOE_ONNX_HAVE_AVX512)
+  if (isa_at_least(IsaLevel::kAvx512)) return detail::widen_row_avx512;
+#endif
+#if defined(MOE_ONNX_HAVE_AVX2)
+  if (isa_at_least(IsaLevel::kAvx2)) return detail::widen_row_avx2;
+#endif
+  return widen_row_portable;
+}
+
+}  // namespace
+
+void widen_row(FloatType type, const void* src, float* dst, int64_t n) {
+  static const detail::WidenRowFn fn = chosen_widen_row();
+  if (n > 0) fn(type, src, dst, n);
+}
+
+void narrow_row(FloatType type, const float* src, void* dst, int64_t n) {
+  switch (type) {
+    case FloatType::kF16: return detail::narrow_elements(src, dst, n, float_to_half);
+    case FloatType::kBF16: return detail::narrow_elements(src, dst, n, float_to_bf16);
+    default:
+      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+  }
+}
+
+}  // namespace moe_onnx
