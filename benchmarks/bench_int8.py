@@ -15,7 +15,6 @@ over the runs of each kernel.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -34,11 +33,9 @@ def child(shapes: list[str], tokens: list[int], threads: int) -> None:
     from _exports import SHAPES
     from _measure import Settings, measure_int8
 
-    import moe_onnx
+    from moe_onnx.runtime import kernel_report
 
-    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-    lib.MoeOnnxInt8GemmIsa.restype = ctypes.c_char_p
-    isa = lib.MoeOnnxInt8GemmIsa().decode()
+    isa = kernel_report()["int8_gemm"]
     settings = Settings(tokens=tokens, threads=threads, rounds=5, budget_ms=300, unfused_max_tokens=0)
     rng = np.random.default_rng(3)
     for name in shapes:

@@ -19,7 +19,6 @@ target: int4 block 32 <= 0.3x fp32 at T = 1).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from _timing import BoundRunner, Timer, session_options  # noqa: E402
 
 import moe_onnx  # noqa: E402
 from moe_onnx.ops.qmoe import dequantize  # noqa: E402
+from moe_onnx.runtime import kernel_report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -260,10 +260,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-    lib.MoeOnnxQuantGemmIsa.restype = ctypes.c_char_p
-    print(f"quantized GEMM kernels: {lib.MoeOnnxQuantGemmIsa(0).decode()} (accuracy_level 4: "
-          f"{lib.MoeOnnxQuantGemmIsa(1).decode()}); {args.threads} threads", flush=True)
+    kernels = kernel_report()
+    print(f"quantized GEMM kernels: {kernels['quant_fused']} fused, {kernels['quant_decode']} decode "
+          f"(accuracy_level 4: {kernels['quant_dots']}); {args.threads} threads", flush=True)
     tables, targets = [], []
     for name in args.shapes:
         shape = SHAPES[name]

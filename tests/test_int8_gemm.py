@@ -10,7 +10,6 @@ wrap modulo 2^32 (the VNNI kernel's -128 * column-sum correction must wrap with 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import subprocess
@@ -22,8 +21,7 @@ import pytest
 from cases import Case
 from cases import row_parallel_linear as linear_cases
 
-import moe_onnx
-from moe_onnx.runtime import run, session
+from moe_onnx.runtime import kernel_report, run, session
 
 LEVELS = ("portable", "avx2", "avx512")  # MOE_ONNX_GEMM values with int8 kernels
 
@@ -63,9 +61,7 @@ EDGE_CASES.append(_wrapping_case("int8_wrapping_sums", k=131073))  # 128 * 128 *
 
 
 def int8_gemm_isa() -> str:
-    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-    lib.MoeOnnxInt8GemmIsa.restype = ctypes.c_char_p
-    return lib.MoeOnnxInt8GemmIsa().decode()
+    return kernel_report()["int8_gemm"]
 
 
 def run_exact(cases) -> int:

@@ -445,19 +445,18 @@ ISA_LEVELS = ("portable", "avx2", "avx512", "amx")
 GEMM_KERNELS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
 
 # Registers the C++ library under the MOE_ONNX_GEMM of the environment: prints the registration's
-# error (a level this CPU or build lacks), or the float GEMM's level in use.
+# error (a level this CPU or build lacks), or the float GEMM's kernels in use.
 ISA_PROBE = """
-import ctypes, sys
+import sys
 import onnxruntime as ort
 import moe_onnx
+from moe_onnx.runtime import kernel_report
 try:
     ort.SessionOptions().register_custom_ops_library(moe_onnx.custom_ops_library())
 except Exception as error:
     print("unsupported:", error)
     sys.exit(0)
-lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
-print("gemm:", lib.MoeOnnxGemmIsa().decode())
+print("gemm:", kernel_report()["gemm_panels"])
 """
 
 

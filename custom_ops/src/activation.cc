@@ -74,42 +74,14 @@ void pointwise_activation_portable(const PointwiseActivation& act, const float* 
 
 }  // namespace detail
 
-namespace {
-// The implementation of the kernels' ISA level (isa.h); null where this build has none for a level.
-template <class Kernel>
-Kernel* chosen(Kernel* portable, Kernel* avx2, Kernel* avx512) {
-  if (avx512 && isa_at_least(IsaLevel::kAvx512)) return avx512;
-  if (avx2 && isa_at_least(IsaLevel::kAvx2)) return avx2;
-  return portable;
-}
-
-#if defined(MOE_ONNX_HAVE_AVX2)
-constexpr detail::PointwiseKernel* kPointwiseAvx2 = detail::pointwise_activation_avx2;
-constexpr detail::GatedKernel* kGatedAvx2 = detail::gated_activation_avx2;
-#else
-constexpr detail::PointwiseKernel* kPointwiseAvx2 = nullptr;
-constexpr detail::GatedKernel* kGatedAvx2 = nullptr;
-#endif
-#if defined(MOE_ONNX_HAVE_AVX512)
-constexpr detail::PointwiseKernel* kPointwiseAvx512 = detail::pointwise_activation_avx512;
-constexpr detail::GatedKernel* kGatedAvx512 = detail::gated_activation_avx512;
-#else
-constexpr detail::PointwiseKernel* kPointwiseAvx512 = nullptr;
-constexpr detail::GatedKernel* kGatedAvx512 = nullptr;
-#endif
-}  // namespace
-
 void GatedActivation::apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels, float* dst,
                             int64_t ldd) const {
-  static detail::GatedKernel* const fn = chosen(detail::gated_activation_portable, kGatedAvx2, kGatedAvx512);
-  if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
+  if (rows > 0 && panels > 0) kernels().gated_activation(*this, C, ldc, bias, rows, panels, dst, ldd);
 }
 
 void PointwiseActivation::apply(const float* C, int64_t ldc, const float* bias, int64_t rows, int64_t panels,
                                 float* dst, int64_t ldd) const {
-  static detail::PointwiseKernel* const fn =
-      chosen(detail::pointwise_activation_portable, kPointwiseAvx2, kPointwiseAvx512);
-  if (rows > 0 && panels > 0) fn(*this, C, ldc, bias, rows, panels, dst, ldd);
+  if (rows > 0 && panels > 0) kernels().pointwise_activation(*this, C, ldc, bias, rows, panels, dst, ldd);
 }
 
 }  // namespace moe_onnx

@@ -1,7 +1,8 @@
 // The activations of MOE's expert types (moe_onnx/ops/moe.py), applied as the epilogue of the first
 // GEMM: the gated ones (SwiGLU) on results laid out as gate/up panels, 8 gate columns then the 8
 // matching up columns (moe.cc packs the weights so); GEMM2_ACT's pointwise ones on plain panels.
-// AVX-512 or AVX2/FMA chosen at run time, portable fallback (isa.h's level, as for the GEMM).
+// AVX-512, AVX2/FMA and portable kernels: the ISA table's gated_activation and pointwise_activation
+// slots (isa.h).
 #pragma once
 
 #include <cstdint>
@@ -48,7 +49,8 @@ struct PointwiseActivation {
 };
 
 namespace detail {
-// One implementation of PointwiseActivation::apply / GatedActivation::apply per ISA level.
+// One implementation of PointwiseActivation::apply / GatedActivation::apply per ISA level (the
+// table's slots), arguments as there (rows > 0, panels > 0).
 using PointwiseKernel = void(const PointwiseActivation& act, const float* C, int64_t ldc, const float* bias,
                              int64_t rows, int64_t panels, float* dst, int64_t ldd);
 using GatedKernel = void(const GatedActivation& act, const float* C, int64_t ldc, const float* bias, int64_t rows,

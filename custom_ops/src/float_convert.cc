@@ -28,30 +28,12 @@ void widen_row_from(FloatType type, const void* src, int64_t done, float* dst, i
   }
 }
 
+void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n) { widen_row_from(type, src, 0, dst, n); }
+
 }  // namespace detail
 
-namespace {
-
-void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n) {
-  detail::widen_row_from(type, src, 0, dst, n);
-}
-
-// The widen_row of the kernels' ISA level (isa.h).
-detail::WidenRowFn chosen_widen_row() {
-#if defined(MOE_ONNX_HAVE_AVX512)
-  if (isa_at_least(IsaLevel::kAvx512)) return detail::widen_row_avx512;
-#endif
-#if defined(MOE_ONNX_HAVE_AVX2)
-  if (isa_at_least(IsaLevel::kAvx2)) return detail::widen_row_avx2;
-#endif
-  return widen_row_portable;
-}
-
-}  // namespace
-
 void widen_row(FloatType type, const void* src, float* dst, int64_t n) {
-  static const detail::WidenRowFn fn = chosen_widen_row();
-  if (n > 0) fn(type, src, dst, n);
+  if (n > 0) kernels().widen_row(type, src, dst, n);
 }
 
 void narrow_row(FloatType type, const float* src, void* dst, int64_t n) {

@@ -1,8 +1,8 @@
 // Conversion between fp32 and the 16-bit float types (fp16, bf16): the one definition of each
 // direction. Widening (fp16/bf16 -> fp32) is exact; narrowing (fp32 -> fp16/bf16) rounds to nearest
 // even. The element forms (to_fp32, load_float) and the row routines (widen_row, narrow_row) give the
-// same bits: widen_row is vectorized where the CPU allows (isa.h's level; float_convert_avx2.cc,
-// float_convert_avx512.cc) and its portable form is to_fp32 on every element.
+// same bits: widen_row is vectorized where the CPU allows (the ISA table's widen_row slot, isa.h;
+// float_convert_avx2.cc, float_convert_avx512.cc) and its portable form is to_fp32 on every element.
 //
 // No onnxruntime header here: the SIMD kernels include it (gemm.h's panels hold FloatType elements).
 // tensor.h maps an onnxruntime element type to its FloatType (float_type).
@@ -106,7 +106,9 @@ void widen_row(FloatType type, const void* src, float* dst, int64_t n);
 void narrow_row(FloatType type, const float* src, void* dst, int64_t n);
 
 namespace detail {
+// The kernels of widen_row (the table's slot), arguments as there (n > 0).
 using WidenRowFn = void (*)(FloatType, const void*, float*, int64_t);
+void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n);
 // widen_row's portable form on elements [done, n): all of a row, or the tail a SIMD form leaves.
 void widen_row_from(FloatType type, const void* src, int64_t done, float* dst, int64_t n);
 #if defined(MOE_ONNX_HAVE_AVX2)

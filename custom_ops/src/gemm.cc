@@ -54,34 +54,6 @@ void gemm_panels_portable(FloatType type, const float* A, int64_t lda, int64_t M
 
 }  // namespace detail
 
-namespace {
-
-struct Dispatch {
-  detail::GemmFn fn = detail::gemm_panels_portable;
-  IsaLevel level = IsaLevel::kPortable;
-  Dispatch() {
-#if defined(MOE_ONNX_HAVE_AVX512)
-    if (isa_at_least(IsaLevel::kAvx512)) {
-      fn = detail::gemm_panels_avx512;
-      level = IsaLevel::kAvx512;
-      return;
-    }
-#endif
-#if defined(MOE_ONNX_HAVE_AVX2)
-    if (isa_at_least(IsaLevel::kAvx2)) {
-      fn = detail::gemm_panels_avx2;
-      level = IsaLevel::kAvx2;
-    }
-#endif
-  }
-};
-
-const Dispatch& dispatch() {
-  static const Dispatch d;
-  return d;
-}
-}  // namespace
-
 void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
@@ -89,9 +61,7 @@ void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
     return;
   }
-  dispatch().fn(type, A, lda, M, K, B_packed, p0, p1, C, ldc);
+  kernels().gemm_panels(type, A, lda, M, K, B_packed, p0, p1, C, ldc);
 }
-
-const char* gemm_isa() { return isa_name(dispatch().level); }
 
 }  // namespace moe_onnx

@@ -1,6 +1,5 @@
 // A small GEMM on packed B panels (fp32 activations, fp32/fp16/bf16 weights, fp32 accumulation),
-// with AVX-512 or AVX2/FMA/F16C kernels chosen at run time (isa.h; MOE_ONNX_GEMM caps the level)
-// and a portable fallback.
+// with AVX-512, AVX2/FMA/F16C and portable kernels (the ISA table's gemm_panels slot, isa.h).
 //
 // Packed B ([K, N] logically): ceil(N / 16) panels, each [K][16] contiguous and zero padded, so a
 // micro-kernel streams a panel while it keeps a tile of rows x 16 results in registers (one zmm or
@@ -36,10 +35,8 @@ inline int64_t bf16_lane(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
 void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                  int64_t p1, float* C, int64_t ldc);
 
-// Which level's kernels gemm_panels uses ("avx512", "avx2" or "portable": isa_name).
-const char* gemm_isa();
-
 namespace detail {
+// The kernels of gemm_panels (the table's slot), arguments as there (M > 0, K > 0, p1 > p0).
 using GemmFn = void (*)(FloatType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                         int64_t);
 void gemm_panels_portable(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,

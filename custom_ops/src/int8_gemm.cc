@@ -39,44 +39,7 @@ void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, 
 
 }  // namespace detail
 
-namespace {
-using Int8GemmFn = void (*)(const void*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, int32_t*, int64_t);
-using PrepareFn = void (*)(const int8_t*, int64_t, int64_t, void*);
-
-// The one choice of kernel, and with it of the operands' layout.
-struct Dispatch {
-  const char* name = "portable";
-  Int8Layout layout = Int8Layout::kPairs;
-  Int8GemmFn fn = detail::int8_gemm_pairs_portable;
-  PrepareFn prepare = detail::widen_int8_rows_portable;
-  Dispatch() {
-#if defined(MOE_ONNX_HAVE_AVX2)
-    if (isa_at_least(IsaLevel::kAvx2)) {
-      name = "avx2";
-      fn = detail::int8_gemm_pairs_avx2;
-      prepare = detail::widen_int8_rows_avx2;
-    }
-#endif
-#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
-    if (use_avx512_vnni()) {
-      name = "avx512-vnni";
-      layout = Int8Layout::kQuads;
-      fn = detail::int8_gemm_quads_vnni;
-      prepare = detail::bias_int8_rows_vnni;
-    }
-#endif
-  }
-};
-
-const Dispatch& dispatch() {
-  static const Dispatch d;
-  return d;
-}
-}  // namespace
-
-Int8Layout int8_layout() { return dispatch().layout; }
-
-const char* int8_gemm_isa() { return dispatch().name; }
+Int8Layout int8_layout() { return kernels().int8_gemm.layout; }
 
 int64_t int8_row_bytes(int64_t K) {
   return int8_layout() == Int8Layout::kQuads ? 4 * int8_quads(K) : 2 * 2 * int8_pairs(K);
@@ -89,11 +52,11 @@ void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const vo
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kInt8Panel) * 4);
     return;
   }
-  dispatch().fn(A, lda, M, K, W_packed, p0, p1, C, ldc);
+  kernels().int8_gemm.multiply(A, lda, M, K, W_packed, p0, p1, C, ldc);
 }
 
 void prepare_int8_rows(const int8_t* src, int64_t rows, int64_t K, void* dst) {
-  if (rows > 0) dispatch().prepare(src, rows, K, dst);
+  if (rows > 0) kernels().int8_gemm.prepare(src, rows, K, dst);
 }
 
 }  // namespace moe_onnx

@@ -1,7 +1,7 @@
 // int8 x int8 -> int32 GEMM for Y = X @ W^T (W in nn.Linear layout [N, K]), exact: every product
 // and partial sum of an instruction fits int32 and the sum over k wraps modulo 2^32 like numpy's
-// int32 matmul, so the result does not depend on the summation order. The kernel is chosen once per
-// process at run time (isa.h) and fixes the layout of both operands:
+// int32 matmul, so the result does not depend on the summation order. The kernel (the ISA table's
+// int8_gemm slot, isa.h) fixes the layout of both operands:
 //
 //   pairs (AVX2 vpmaddwd, portable)  X rows widened to int16, K padded to an even 2 * pairs (zeros);
 //          W in ceil(N / 16) panels, each [pairs][16 columns][2] int16: the two k of a pair side by
@@ -12,8 +12,8 @@
 //          k per column; starting each column's sum at its correction gives sum x * w exactly.
 //
 // The caller prepares X rows with prepare_int8_rows (int8_row_bytes(K) bytes each) and packs W in
-// the matching WeightFormat (packed_weights.h asks int8_layout()); ops multiply through
-// PackedWeights::multiply.
+// the matching WeightFormat (packed_weights.h asks the slot's layout, int8_layout()); ops multiply
+// through PackedWeights::multiply.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +29,6 @@ enum class Int8Layout { kPairs, kQuads };
 
 // The layout of the kernel in use.
 Int8Layout int8_layout();
-// The kernel in use ("avx512-vnni", "avx2" or "portable"), for diagnostics.
-const char* int8_gemm_isa();
 
 inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
 inline int64_t int8_quads(int64_t K) { return (K + 3) / 4; }
@@ -50,7 +48,11 @@ void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const vo
                       int32_t* C, int64_t ldc);
 
 namespace detail {
-// The kernels behind int8_gemm_panels and prepare_int8_rows, arguments as there (K > 0, M > 0).
+// The kernels behind int8_gemm_panels and prepare_int8_rows (the table's slot), arguments as there
+// (K > 0, M > 0).
+using Int8GemmFn = void (*)(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                            int64_t p1, int32_t* C, int64_t ldc);
+using PrepareInt8RowsFn = void (*)(const int8_t* src, int64_t rows, int64_t K, void* dst);
 void widen_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst);
 void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
                               int64_t p1, int32_t* C, int64_t ldc);

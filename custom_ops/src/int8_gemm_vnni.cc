@@ -1,6 +1,6 @@
 // AVX512-VNNI micro-kernels of int8_gemm_panels (the quad layout, int8_gemm.h); this file alone is
 // compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni and is only called after a run-time
-// check of the CPU (isa.h: use_avx512_vnni).
+// check of the CPU (the ISA table, isa.h, assigns it where the CPU has AVX512-VNNI).
 //
 // vpdpbusd multiplies 4 unsigned bytes of X (u = x + 128) by 4 signed bytes of W per int32 lane and
 // adds their sum (at most 4 * 255 * 128, no overflow) into the lane, wrapping modulo 2^32 (not the

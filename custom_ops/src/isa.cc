@@ -1,60 +1,219 @@
 #include "isa.h"
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#include <cpuid.h>
+#define MOE_ONNX_X86 1
+#endif
 
 namespace moe_onnx {
 namespace {
 
+// ---------------------------------------------------------------------------- what the CPU has
+
 // __builtin_cpu_supports takes only a string literal.
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#if defined(MOE_ONNX_X86)
 #define MOE_ONNX_CPU_HAS(feature) (__builtin_cpu_init(), __builtin_cpu_supports(feature))
 #else
 #define MOE_ONNX_CPU_HAS(feature) false
 #endif
 
-IsaLevel detect() {
-  // Levels are usable only when this build compiled their kernels.
-  IsaLevel level = IsaLevel::kPortable;
-#if defined(MOE_ONNX_HAVE_AVX2)
-  if (MOE_ONNX_CPU_HAS("avx2") && MOE_ONNX_CPU_HAS("fma") && MOE_ONNX_CPU_HAS("f16c")) level = IsaLevel::kAvx2;
+struct CpuFeatures {
+  bool avx2 = false;    // with FMA and F16C
+  bool avx512 = false;  // F/BW/DQ/VL
+  bool avx512_vnni = false;
+  bool avx512_bf16 = false;
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
+  bool os_tile_state = false;  // XCR0 enables the tile configuration and data state
+};
+
+// AVX512-BF16 and AMX from CPUID itself: not every compiler's __builtin_cpu_supports knows them.
+CpuFeatures detect_cpu() {
+  CpuFeatures cpu;
+  cpu.avx2 = MOE_ONNX_CPU_HAS("avx2") && MOE_ONNX_CPU_HAS("fma") && MOE_ONNX_CPU_HAS("f16c");
+  cpu.avx512 = MOE_ONNX_CPU_HAS("avx512f") && MOE_ONNX_CPU_HAS("avx512bw") && MOE_ONNX_CPU_HAS("avx512dq") &&
+               MOE_ONNX_CPU_HAS("avx512vl");
+  cpu.avx512_vnni = MOE_ONNX_CPU_HAS("avx512vnni");
+#if defined(MOE_ONNX_X86)
+  unsigned eax, ebx, ecx, edx;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+    cpu.amx_bf16 = (edx >> 22) & 1;
+    cpu.amx_tile = (edx >> 24) & 1;
+    cpu.amx_int8 = (edx >> 25) & 1;
+  }
+  if (__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) cpu.avx512_bf16 = cpu.avx512 && ((eax >> 5) & 1);
+  if (cpu.amx_tile && __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 27) & 1)) {  // OSXSAVE: xgetbv works
+    unsigned xcr0_low, xcr0_high;
+    __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    cpu.os_tile_state = (xcr0_low & 0x60000u) == 0x60000u;  // XTILECFG (17), XTILEDATA (18)
+  }
 #endif
-#if defined(MOE_ONNX_HAVE_AVX512)
-  if (level == IsaLevel::kAvx2 && MOE_ONNX_CPU_HAS("avx512f") && MOE_ONNX_CPU_HAS("avx512bw") &&
-      MOE_ONNX_CPU_HAS("avx512dq") && MOE_ONNX_CPU_HAS("avx512vl"))
-    level = IsaLevel::kAvx512;
-#endif
-  // No AMX kernels are built yet: MOE_ONNX_GEMM=amx is a known level this build reports as unsupported.
-  return level;
+  return cpu;
 }
 
-IsaLevel chosen() {
-  const IsaLevel supported = cpu_isa_level();
+const CpuFeatures& cpu() {
+  static const CpuFeatures features = detect_cpu();
+  return features;
+}
+
+// The OS's permission for this process to use the tile data state: "" when granted, else why not.
+// Asked once per process.
+const std::string& amx_permission_refusal() {
+  static const std::string refusal = [] {
+    if (!cpu().os_tile_state) return std::string("the OS does not enable the tile state (XCR0)");
+#if defined(__linux__) && defined(__x86_64__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+      const int error = errno;
+      return std::string("arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: ") + std::strerror(error) +
+             " (errno " + std::to_string(error) + ")";
+    }
+#endif
+    return std::string();
+  }();
+  return refusal;
+}
+
+// ---------------------------------------------------------------------------- the choices
+
+constexpr IsaLevel kLevels[] = {IsaLevel::kPortable, IsaLevel::kAvx2, IsaLevel::kAvx512, IsaLevel::kAmx};
+
+bool at_least(IsaLevel level, IsaLevel floor) { return static_cast<int>(level) >= static_cast<int>(floor); }
+
+// MOE_ONNX_GEMM's level, if set.
+std::optional<IsaLevel> requested_level() {
   const char* force = std::getenv("MOE_ONNX_GEMM");
-  if (force == nullptr || *force == '\0') return supported;
-  for (IsaLevel level : {IsaLevel::kPortable, IsaLevel::kAvx2, IsaLevel::kAvx512, IsaLevel::kAmx}) {
-    if (std::strcmp(force, isa_name(level)) != 0) continue;
-    if (static_cast<int>(level) > static_cast<int>(supported))
-      throw std::invalid_argument(std::string("MOE_ONNX_GEMM=") + force + ": this CPU (or this build of the library) " +
-                                  "supports up to '" + isa_name(supported) + "'");
-    return level;
-  }
+  if (force == nullptr || *force == '\0') return std::nullopt;
+  for (IsaLevel level : kLevels)
+    if (std::strcmp(force, isa_name(level)) == 0) return level;
   throw std::invalid_argument(std::string("MOE_ONNX_GEMM='") + force +
                               "' is not a level; expected one of 'portable', 'avx2', 'avx512', 'amx'");
 }
 
+enum class AmxMode { kHardware, kModel, kOff };
+
+AmxMode amx_mode() {
+  const char* mode = std::getenv("MOE_ONNX_AMX");
+  if (mode == nullptr || *mode == '\0') return AmxMode::kHardware;
+  if (std::strcmp(mode, "model") == 0) return AmxMode::kModel;
+  if (std::strcmp(mode, "off") == 0) return AmxMode::kOff;
+  throw std::invalid_argument(std::string("MOE_ONNX_AMX='") + mode +
+                              "' is not a mode; expected 'model' (the AMX kernels on the scalar model of the tile "
+                              "instructions) or 'off' (unset: the hardware where it is usable)");
+}
+
+// The highest SIMD level below amx that the CPU and this build support.
+IsaLevel simd_level() {
+  IsaLevel level = IsaLevel::kPortable;
+#if defined(MOE_ONNX_HAVE_AVX2)
+  if (cpu().avx2) level = IsaLevel::kAvx2;
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512)
+  if (level == IsaLevel::kAvx2 && cpu().avx512) level = IsaLevel::kAvx512;
+#endif
+  return level;
+}
+
+// Sets t.amx and t.amx_reason; true when the AMX hardware is usable (the permission asked only then).
+bool decide_amx(KernelTable& t, AmxMode mode, std::optional<IsaLevel> requested, IsaLevel simd) {
+  auto set = [&t](AmxState state, std::string reason) {
+    t.amx = state;
+    t.amx_reason = std::move(reason);
+    return state == AmxState::kUsable;
+  };
+  if (mode == AmxMode::kModel) return set(AmxState::kModelled, "MOE_ONNX_AMX=model: the scalar model of the tiles");
+  if (!cpu().amx_tile || !cpu().avx512) return set(AmxState::kNotInCpu, "this CPU has no AMX");
+#if defined(MOE_ONNX_HAVE_AMX)
+  const bool built = simd == IsaLevel::kAvx512;
+#else
+  const bool built = false;
+#endif
+  if (!built) return set(AmxState::kNotInBuild, "this build has no AMX kernels (its compiler took no AMX flags)");
+  if (mode == AmxMode::kOff) return set(AmxState::kOff, "MOE_ONNX_AMX=off");
+  if (requested && !at_least(*requested, IsaLevel::kAmx))
+    return set(AmxState::kCapped, std::string("MOE_ONNX_GEMM=") + isa_name(*requested));
+  const std::string& refusal = amx_permission_refusal();
+  if (!refusal.empty()) return set(AmxState::kRefused, "refused by the OS: " + refusal);
+  return set(AmxState::kUsable, "the hardware");
+}
+
+// ---------------------------------------------------------------------------- the kernels of each level
+
+void fill_portable(KernelTable& t) {
+  t.gemm_panels = {detail::gemm_panels_portable, "portable"};
+  t.widen_row = {detail::widen_row_portable, "portable"};
+  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable"};
+  t.quant_decode = {detail::quant_decode_portable, "portable"};
+  t.quant_dots = {detail::quant_dots_portable, "portable"};
+  t.gated_activation = {detail::gated_activation_portable, "portable"};
+  t.pointwise_activation = {detail::pointwise_activation_portable, "portable"};
+}
+
+void fill_avx2(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_AVX2)
+  t.gemm_panels = {detail::gemm_panels_avx2, "avx2"};
+  t.widen_row = {detail::widen_row_avx2, "avx2"};
+  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_avx2, detail::int8_gemm_pairs_avx2, "avx2"};
+  t.quant_fused = {detail::quant_fused_avx2, "avx2"};
+  t.quant_decode = {detail::quant_decode_avx2, "avx2"};
+  t.gated_activation = {detail::gated_activation_avx2, "avx2"};
+  t.pointwise_activation = {detail::pointwise_activation_avx2, "avx2"};
+#endif
+}
+
+void fill_avx512(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_AVX512)
+  t.gemm_panels = {detail::gemm_panels_avx512, "avx512"};
+  t.widen_row = {detail::widen_row_avx512, "avx512"};
+  t.quant_fused = {detail::quant_fused_avx512, "avx512"};
+  t.quant_decode = {detail::quant_decode_avx512, "avx512"};
+  t.gated_activation = {detail::gated_activation_avx512, "avx512"};
+  t.pointwise_activation = {detail::pointwise_activation_avx512, "avx512"};
+#endif
+#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
+  if (t.avx512_vnni) {
+    t.int8_gemm = {Int8Layout::kQuads, detail::bias_int8_rows_vnni, detail::int8_gemm_quads_vnni, "avx512-vnni"};
+    t.quant_dots = {detail::quant_dots_vnni, "avx512-vnni"};
+  }
+#endif
+}
+
+KernelTable fill() {
+  const AmxMode mode = amx_mode();
+  const std::optional<IsaLevel> requested = requested_level();
+  KernelTable t;
+  const IsaLevel available = decide_amx(t, mode, requested, simd_level()) ? IsaLevel::kAmx : simd_level();
+  if (requested && !at_least(available, *requested)) {
+    std::string message = std::string("MOE_ONNX_GEMM=") + isa_name(*requested) +
+                          ": this CPU (or this build of the library) supports up to '" + isa_name(available) + "'";
+    if (*requested == IsaLevel::kAmx) message += " (AMX: " + t.amx_reason + ")";
+    throw std::invalid_argument(message);
+  }
+  t.level = requested.value_or(available);
+  t.avx512_vnni = at_least(t.level, IsaLevel::kAvx512) && cpu().avx512_vnni;
+  t.avx512_bf16 = at_least(t.level, IsaLevel::kAvx512) && cpu().avx512_bf16;
+  t.amx_int8 = t.amx == AmxState::kModelled || (t.amx == AmxState::kUsable && cpu().amx_int8);
+  t.amx_bf16 = t.amx == AmxState::kModelled || (t.amx == AmxState::kUsable && cpu().amx_bf16);
+
+  fill_portable(t);
+  if (at_least(t.level, IsaLevel::kAvx2)) fill_avx2(t);
+  if (at_least(t.level, IsaLevel::kAvx512)) fill_avx512(t);
+  return t;
+}
+
+const char* yes_no(bool value) { return value ? "yes" : "no"; }
+
 }  // namespace
-
-IsaLevel cpu_isa_level() {
-  static const IsaLevel level = detect();
-  return level;
-}
-
-IsaLevel isa_level() {
-  static const IsaLevel level = chosen();  // a throw leaves it unset: the next call reports again
-  return level;
-}
 
 const char* isa_name(IsaLevel level) {
   switch (level) {
@@ -66,6 +225,49 @@ const char* isa_name(IsaLevel level) {
   return "unknown";
 }
 
-bool use_avx512_vnni() { return isa_at_least(IsaLevel::kAvx512) && MOE_ONNX_CPU_HAS("avx512vnni"); }
+const char* amx_state_name(AmxState state) {
+  switch (state) {
+    case AmxState::kUsable: return "usable";
+    case AmxState::kModelled: return "modelled";
+    case AmxState::kOff: return "off";
+    case AmxState::kCapped: return "capped";
+    case AmxState::kNotInCpu: return "not-in-cpu";
+    case AmxState::kNotInBuild: return "not-in-build";
+    case AmxState::kRefused: return "refused";
+  }
+  return "unknown";
+}
+
+std::string KernelTable::report() const {
+  std::string out;
+  auto add = [&out](const char* key, const std::string& value) {
+    out += out.empty() ? "" : ";";
+    out += key;
+    out += "=";
+    out += value;
+  };
+  add("level", isa_name(level));
+  add("gemm_panels", gemm_panels.name);
+  add("widen_row", widen_row.name);
+  add("int8_gemm", int8_gemm.name);
+  add("int8_layout", int8_gemm.layout == Int8Layout::kQuads ? "quads" : "pairs");
+  add("quant_fused", quant_fused.name);
+  add("quant_decode", quant_decode.name);
+  add("quant_dots", quant_dots.name);
+  add("gated_activation", gated_activation.name);
+  add("pointwise_activation", pointwise_activation.name);
+  add("avx512_vnni", yes_no(avx512_vnni));
+  add("avx512_bf16", yes_no(avx512_bf16));
+  add("amx_int8", yes_no(amx_int8));
+  add("amx_bf16", yes_no(amx_bf16));
+  add("amx", amx_state_name(amx));
+  add("amx_reason", amx_reason);
+  return out;
+}
+
+const KernelTable& kernels() {
+  static const KernelTable table = fill();  // a throw leaves it unfilled: the next call reports again
+  return table;
+}
 
 }  // namespace moe_onnx

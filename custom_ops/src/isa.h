@@ -1,29 +1,102 @@
-// Which instruction-set level the kernels use, chosen once per process at run time.
+// The ISA table: the kernel each slot of the library runs, filled once per process (kernels()) from
+// what the CPU, this build and the OS support. Callers call a slot (kernels().gemm_panels(...)); no
+// caller asks which instruction set is in use.
 //
 // Levels, each including the one before: portable (plain C++), avx2 (AVX2 + FMA + F16C), avx512
-// (AVX-512 F/BW/DQ/VL), amx (AMX tiles with bf16 and int8; no kernels for it are built yet). The kernels use the highest level the
-// CPU supports; MOE_ONNX_GEMM=portable|avx2|avx512|amx caps it at that level, and a level the CPU
-// lacks (or an unknown name) is an error naming what the CPU has. Extensions inside a level that
-// not every CPU of that level has (AVX512-VNNI today) are asked for separately.
+// (AVX-512 F/BW/DQ/VL), amx (AMX tiles, on top of avx512). The table is filled in ascending order of
+// capability, each level's kernels overwriting the slots they have, up to the highest level the CPU,
+// the build and the OS support. MOE_ONNX_GEMM=portable|avx2|avx512|amx caps it; a level not available
+// here, or an unknown name, is an error naming the highest level available. Extensions not every CPU
+// of a level has (AVX512-VNNI, AVX512-BF16) and AMX's int8 and bf16 instructions are capabilities the
+// table records; a kernel that needs one is assigned only where the table has it.
+//
+// AMX needs, on Linux, the OS's permission for the tile data state: arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA), requested once, when the table is filled, and only when AMX would be used. The
+// AMX slots run the tile kernels (amx_tiles.h) on the hardware where `amx` is kUsable, or on the
+// scalar model of the tile instructions, on any CPU, with MOE_ONNX_AMX=model; MOE_ONNX_AMX=off leaves
+// the hardware unused. `amx` and `amx_reason` say which, and why.
 #pragma once
 
 #include <string>
+#include <utility>
+
+#include "activation.h"
+#include "float_convert.h"
+#include "gemm.h"
+#include "int8_gemm.h"
+#include "qgemm.h"
 
 namespace moe_onnx {
 
 enum class IsaLevel { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
-// The level the kernels use (MOE_ONNX_GEMM applied). Throws std::invalid_argument when
-// MOE_ONNX_GEMM names an unknown level or one this CPU cannot run.
-IsaLevel isa_level();
-// Whether the kernels use at least `level`.
-inline bool isa_at_least(IsaLevel level) { return static_cast<int>(isa_level()) >= static_cast<int>(level); }
-// The highest level this CPU (and this build) supports, ignoring MOE_ONNX_GEMM.
-IsaLevel cpu_isa_level();
 // "portable", "avx2", "avx512" or "amx".
 const char* isa_name(IsaLevel level);
 
-// An extension, true only when the CPU has them and the chosen level includes their base level.
-bool use_avx512_vnni();  // vpdpbusd on zmm (needs avx512)
+// Where the AMX slots run, and why.
+enum class AmxState {
+  kUsable,      // the hardware: the CPU has AMX, this build its tile kernels, the OS granted the tile state
+  kModelled,    // MOE_ONNX_AMX=model: the scalar model of the tile instructions (any CPU)
+  kOff,         // MOE_ONNX_AMX=off
+  kCapped,      // MOE_ONNX_GEMM caps the level below amx
+  kNotInCpu,    // this CPU has no AMX (amx_tile), or no AVX-512 level under it
+  kNotInBuild,  // this build has no hardware tile kernels (the compiler took no AMX flags)
+  kRefused,     // the OS refused the tile data state (amx_reason names the error)
+};
+
+// "usable", "modelled", "off", "capped", "not-in-cpu", "not-in-build" or "refused".
+const char* amx_state_name(AmxState state);
+
+// A slot: a kernel and the name the report gives it ("none" while unfilled).
+template <class Fn>
+struct Kernel {
+  Fn fn = nullptr;
+  const char* name = "none";
+
+  explicit operator bool() const { return fn != nullptr; }
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) const {
+    return fn(std::forward<Args>(args)...);
+  }
+};
+
+// The int8 GEMM's slot: its kernel fixes the layout of both operands (int8_gemm.h), so the kernel,
+// the preparation of X's rows and the layout change together.
+struct Int8GemmKernels {
+  Int8Layout layout = Int8Layout::kPairs;
+  detail::PrepareInt8RowsFn prepare = nullptr;
+  detail::Int8GemmFn multiply = nullptr;
+  const char* name = "none";
+};
+
+struct KernelTable {
+  IsaLevel level = IsaLevel::kPortable;  // MOE_ONNX_GEMM applied
+
+  // Capabilities (false where the level in use excludes them).
+  bool avx512_vnni = false;  // vpdpbusd on zmm
+  bool avx512_bf16 = false;  // vdpbf16ps
+  bool amx_int8 = false;     // TDPBUSD for the AMX slots (hardware, or the model)
+  bool amx_bf16 = false;     // TDPBF16PS likewise
+  AmxState amx = AmxState::kNotInCpu;
+  std::string amx_reason;    // a sentence saying why `amx` is what it is
+
+  // The slots.
+  Kernel<detail::GemmFn> gemm_panels;        // gemm.h
+  Kernel<detail::WidenRowFn> widen_row;      // float_convert.h
+  Int8GemmKernels int8_gemm;                 // int8_gemm.h
+  Kernel<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
+  Kernel<detail::QuantDecodeFn> quant_decode;
+  Kernel<detail::QuantDotFn> quant_dots;
+  Kernel<detail::GatedKernel*> gated_activation;  // activation.h
+  Kernel<detail::PointwiseKernel*> pointwise_activation;
+
+  // "key=value;..." of the level, every slot's kernel, the capabilities and the AMX state and reason
+  // (values hold no ';').
+  std::string report() const;
+};
+
+// The table, filled on the first call. Throws std::invalid_argument when MOE_ONNX_GEMM names an
+// unknown level or one not available here, or MOE_ONNX_AMX an unknown mode (a later call tries again).
+const KernelTable& kernels();
 
 }  // namespace moe_onnx

@@ -2,18 +2,16 @@
 // variants of kPrivateDomain to theirs).
 // Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
 // that decides the output type, see MoeOp).
+#include <string>
 #include <vector>
 
 #include "distribute_combine.h"
 #include "distribute_dispatch.h"
 #include "finalize_routing.h"
 #include "gating_topk.h"
-#include "gemm.h"
 #include "init_routing.h"
-#include "int8_gemm.h"
 #include "isa.h"
 #include "moe.h"
-#include "qgemm.h"
 #include "qmoe.h"
 #include "ort_api.h"
 #include "row_parallel_linear.h"
@@ -86,7 +84,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   if (api == nullptr) return nullptr;  // cannot even report: the runtime is older than the headers
   Ort::InitApi(api);
   try {
-    moe_onnx::isa_level();  // an invalid MOE_ONNX_GEMM fails the registration, naming the levels
+    moe_onnx::kernels();  // an invalid MOE_ONNX_GEMM or MOE_ONNX_AMX fails the registration, naming the choices
     for (OrtCustomOpDomain* domain : domains(*api)) Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());
@@ -96,16 +94,16 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return nullptr;
 }
 
-// The GEMM kernels' level in use ("avx512", "avx2" or "portable"), for diagnostics (ctypes).
-__attribute__((visibility("default"))) const char* MoeOnnxGemmIsa() { return moe_onnx::gemm_isa(); }
-
-// The quantized GEMM's kernels in use (QMOE) at accuracy level 0 ("avx512", "avx2", "portable") or,
-// with int8_activations, level 4 ("avx512-vnni", "portable"), for diagnostics (ctypes).
-__attribute__((visibility("default"))) const char* MoeOnnxQuantGemmIsa(int int8_activations) {
-  return moe_onnx::quant_gemm_isa(int8_activations != 0);
+// The ISA table's report (isa.h: "level=...;gemm_panels=...;..."), or "error=<why>" when MOE_ONNX_GEMM or
+// MOE_ONNX_AMX is invalid; for diagnostics (ctypes: moe_onnx.runtime.kernel_report()).
+__attribute__((visibility("default"))) const char* MoeOnnxKernelReport() {
+  static thread_local std::string text;
+  try {
+    text = moe_onnx::kernels().report();
+  } catch (const std::exception& e) {
+    text = std::string("error=") + e.what();
+  }
+  return text.c_str();
 }
-
-// The int8 GEMM implementation in use ("avx512-vnni", "avx2" or "portable"), for diagnostics (ctypes).
-__attribute__((visibility("default"))) const char* MoeOnnxInt8GemmIsa() { return moe_onnx::int8_gemm_isa(); }
 
 }  // extern "C"

@@ -68,41 +68,6 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
 
 namespace {
 
-struct Dispatch {
-  detail::QuantFusedFn fused = nullptr;
-  detail::QuantDecodeFn decode = detail::quant_decode_portable;
-  detail::QuantDotFn dots = detail::quant_dots_portable;
-  IsaLevel level = IsaLevel::kPortable;
-  const char* dots_name = "portable";
-  Dispatch() {
-#if defined(MOE_ONNX_HAVE_AVX2)
-    if (isa_at_least(IsaLevel::kAvx2)) {
-      fused = detail::quant_fused_avx2;
-      decode = detail::quant_decode_avx2;
-      level = IsaLevel::kAvx2;
-    }
-#endif
-#if defined(MOE_ONNX_HAVE_AVX512)
-    if (isa_at_least(IsaLevel::kAvx512)) {
-      fused = detail::quant_fused_avx512;
-      decode = detail::quant_decode_avx512;
-      level = IsaLevel::kAvx512;
-    }
-#endif
-#if defined(MOE_ONNX_HAVE_AVX512_VNNI)
-    if (use_avx512_vnni()) {
-      dots = detail::quant_dots_vnni;
-      dots_name = "avx512-vnni";
-    }
-#endif
-  }
-};
-
-const Dispatch& dispatch() {
-  static const Dispatch d;
-  return d;
-}
-
 // Panels dequantized per fp32 GEMM call: two, the fp32 kernel's widest tile for M > 2.
 constexpr int64_t kDecodedPanels = 2;
 
@@ -116,7 +81,7 @@ void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, in
     const int64_t n = std::min(kDecodedPanels, p1 - p);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t b = 0; b < layout.blocks(); ++b)
-        dispatch().decode(layout, B + (p + j) * layout.panel_bytes() + b * layout.block_bytes(),
+        kernels().quant_decode(layout, B + (p + j) * layout.panel_bytes() + b * layout.block_bytes(),
                           decoded + j * panel_floats + b * layout.block * kPanel);
     gemm_panels(FloatType::kF32, A, lda, M, layout.K, decoded, 0, n, C + (p - p0) * kPanel, ldc);
   }
@@ -149,7 +114,7 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
       sa[m * blocks + b] = s;
       sums[m * blocks + b] = sum;
     }
-  dispatch().dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+  kernels().quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
 }
 
 }  // namespace
@@ -163,12 +128,8 @@ void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, i
     return;
   }
   if (layout.int8_activations) return int8_activation_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
-  if (M <= kFusedRows && dispatch().fused) return dispatch().fused(layout, A, lda, M, B, p0, p1, C, ldc);
+  if (M <= kFusedRows && kernels().quant_fused) return kernels().quant_fused(layout, A, lda, M, B, p0, p1, C, ldc);
   decode_then_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
-}
-
-const char* quant_gemm_isa(bool int8_activations) {
-  return int8_activations ? dispatch().dots_name : isa_name(dispatch().level);
 }
 
 }  // namespace moe_onnx

@@ -76,11 +76,8 @@ constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0
 void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const void* B_packed,
                        int64_t p0, int64_t p1, float* C, int64_t ldc);
 
-// Which level's kernels quant_gemm_panels uses at accuracy level 0 and 4 ("avx512", "avx2",
-// "portable"; level 4: "avx512-vnni" or "portable").
-const char* quant_gemm_isa(bool int8_activations);
-
 namespace detail {
+// The kernels of quant_gemm_panels: the ISA table's quant_fused, quant_decode and quant_dots slots.
 // The fused kernel on M <= kFusedRows rows: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1). No
 // portable one: the portable level always decodes blocks.
 using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, const uint8_t* B,

@@ -6,8 +6,9 @@ numpy reference (``moe_onnx.ops.OPS[name].reference``) under the GIL inside the 
 session runs a copy of the model whose moe_onnx nodes are moved to the host's private domain
 (``moe_onnx.python``), each as the variant with the output types ONNX shape inference gives it.
 
-Where the parts live: finding the libraries in ``library``, the private-domain copies of a model
-in ``private_domain``, the host's Python side in ``python_host``.
+Where the parts live: finding the libraries (and ``kernel_report()``, the C++ kernels chosen on this
+machine) in ``library``, the private-domain copies of a model in ``private_domain``, the host's Python
+side in ``python_host``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import onnxruntime as ort
 from .._ir.graph import walk
 from ..ops import DOMAIN, OPS
 from ..ops._common import check_attribute_names
-from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, python_host_library
+from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, kernel_report, python_host_library
 from .private_domain import cpp_model, python_model, structure
 
 
-__all__ = ["session", "run", "custom_ops_library", "python_host_library", "BACKENDS",
+__all__ = ["session", "run", "custom_ops_library", "python_host_library", "kernel_report", "BACKENDS",
            "LIBRARY_ENV", "PYTHON_HOST_ENV"]
 
 BACKENDS = ("cpp", "python")

@@ -1,7 +1,9 @@
-"""Finding the built C++ libraries: the custom ops and the Python-kernel host."""
+"""Finding the built C++ libraries (the custom ops and the Python-kernel host), and what the custom
+ops' ISA table chose on this machine."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -28,6 +30,24 @@ def python_host_library() -> str:
     """Path of the Python-kernel host library (``libmoe_onnx_python_host.so``); see
     :func:`moe_onnx.runtime.session`. ``$MOE_ONNX_PYTHON_HOST_LIBRARY`` overrides it."""
     return _find_library("moe_onnx_python_host", PYTHON_HOST_ENV)
+
+
+def kernel_report() -> dict[str, str]:
+    """The C++ library's ISA table on this machine (docs/building.md, "Instruction-set levels"): the level
+    in use (``level``), the kernel of every slot (``gemm_panels``, ``int8_gemm``, ``quant_dots``, ...; "none"
+    for an unfilled one), the capabilities (``avx512_vnni``, ``avx512_bf16``, ``amx_int8``, ``amx_bf16``:
+    "yes"/"no") and where the AMX slots run (``amx``: "usable", "modelled", "off", "capped",
+    "not-in-cpu", "not-in-build", "refused"; ``amx_reason``: why).
+
+    The table is filled once per process, from ``MOE_ONNX_GEMM`` and ``MOE_ONNX_AMX`` as they are then.
+    Raises ValueError, in the library's words, when either is invalid.
+    """
+    lib = ctypes.CDLL(custom_ops_library())
+    lib.MoeOnnxKernelReport.restype = ctypes.c_char_p
+    report = dict(item.split("=", 1) for item in lib.MoeOnnxKernelReport().decode().split(";"))
+    if "error" in report:
+        raise ValueError(report["error"])
+    return report
 
 
 def _find_library(stem: str, env: str) -> str:
