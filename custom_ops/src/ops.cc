@@ -2,6 +2,7 @@
 // variants of kPrivateDomain to theirs).
 // Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
 // that decides the output type, see MoeOp).
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "ort_api.h"
 #include "row_parallel_linear.h"
 #include "tensor.h"
+#include "tile_dot.h"
 
 namespace {
 
@@ -94,8 +96,8 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   return nullptr;
 }
 
-// The ISA table's report (isa.h: "level=...;gemm_panels=...;..."), or "error=<why>" when MOE_ONNX_GEMM or
-// MOE_ONNX_AMX is invalid; for diagnostics (ctypes: moe_onnx.runtime.kernel_report()).
+// The ISA table's report (isa.h: "level=...;gemm_panels=...;..."), or "error=" and the message when
+// MOE_ONNX_GEMM or MOE_ONNX_AMX is invalid; for diagnostics (ctypes: moe_onnx.runtime.kernel_report()).
 __attribute__((visibility("default"))) const char* MoeOnnxKernelReport() {
   static thread_local std::string text;
   try {
@@ -104,6 +106,24 @@ __attribute__((visibility("default"))) const char* MoeOnnxKernelReport() {
     text = std::string("error=") + e.what();
   }
   return text.c_str();
+}
+
+// The tile layer's test hook (tile_dot.h; tests/test_amx_tiles.py): runs `count` TDPBUSD / TDPBF16PS
+// dots on `threads` threads, on the model of the tile instructions (hardware = 0) or on the AMX
+// instructions (hardware = 1). Returns 0, or 1 with the reason, nothing run, in `error` (a string of at
+// most error_size bytes).
+__attribute__((visibility("default"))) int MoeOnnxTileDots(int hardware, const moe_onnx::amx::TileDot* dots,
+                                                           int64_t count, int threads, char* error,
+                                                           int64_t error_size) {
+  std::string why;
+  try {
+    why = moe_onnx::amx::run_tile_dots(hardware != 0, dots, count, threads);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  if (why.empty()) return 0;
+  if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", why.c_str());
+  return 1;
 }
 
 }  // extern "C"

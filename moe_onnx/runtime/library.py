@@ -44,10 +44,10 @@ def kernel_report() -> dict[str, str]:
     """
     lib = ctypes.CDLL(custom_ops_library())
     lib.MoeOnnxKernelReport.restype = ctypes.c_char_p
-    report = dict(item.split("=", 1) for item in lib.MoeOnnxKernelReport().decode().split(";"))
-    if "error" in report:
-        raise ValueError(report["error"])
-    return report
+    text = lib.MoeOnnxKernelReport().decode()
+    if text.startswith("error="):
+        raise ValueError(text.removeprefix("error="))
+    return dict(item.split("=", 1) for item in text.split(";"))
 
 
 def _find_library(stem: str, env: str) -> str:
