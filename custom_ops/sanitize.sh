@@ -23,4 +23,5 @@ export LD_PRELOAD
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 cd "$root"
-"$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_runtime.py tests/test_fuzz.py "$@"
+"$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_runtime.py tests/test_amx_tiles.py \
+  tests/test_fuzz.py "$@"
