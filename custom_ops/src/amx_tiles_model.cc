@@ -148,6 +148,23 @@ uint32_t dot_bf16(uint32_t c, const uint16_t* a, const uint16_t* b, int pairs) {
   return to_bits(add_daz_ftz(read_fp32(c), add_daz_ftz(first, second)));
 }
 
+// C[m][n] = element(C[m][n]'s bits, A's row m, B, n, A.colsb / 4) for C's configured elements, once the
+// shapes of C += A x B are checked; the rest of C zeroed.
+template <class Element>
+void product(const char* instruction, int c, int a, int b, Element element) {
+  TileRows* C = configured_tile(instruction, c);
+  const TileRows* A = configured_tile(instruction, a);
+  const TileRows* B = configured_tile(instruction, b);
+  check_product(instruction, c, a, b);
+  const int rows = rows_of(c), columns = colsb_of(c) / 4, groups = colsb_of(a) / 4;
+  for (int m = 0; m < rows; ++m)
+    for (int n = 0; n < columns; ++n) {
+      const uint32_t result = element(dword(C[m] + 4 * n), A[m], B, n, groups);
+      std::memcpy(C[m] + 4 * n, &result, 4);
+    }
+  zero_outside(C, rows, colsb_of(c));
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------- the instructions
@@ -180,40 +197,22 @@ void store(int t, void* base, int64_t stride) {
 }
 
 void dpbusd(int c, int a, int b) {
-  auto* C = configured_tile("TDPBUSD", c);
-  const auto* A = configured_tile("TDPBUSD", a);
-  const auto* B = configured_tile("TDPBUSD", b);
-  check_product("TDPBUSD", c, a, b);
-  const int rows = rows_of(c), columns = colsb_of(c) / 4, quads = colsb_of(a) / 4;
-  for (int m = 0; m < rows; ++m)
-    for (int n = 0; n < columns; ++n) {
-      uint32_t sum = dword(C[m] + 4 * n);  // unsigned: wraps modulo 2^32 as the instruction does
-      for (int k = 0; k < quads; ++k)
-        for (int i = 0; i < 4; ++i)
-          sum += static_cast<uint32_t>(static_cast<int32_t>(A[m][4 * k + i]) *
-                                       static_cast<int32_t>(static_cast<int8_t>(B[k][4 * n + i])));
-      std::memcpy(C[m] + 4 * n, &sum, 4);
-    }
-  zero_outside(C, rows, colsb_of(c));
+  product("TDPBUSD", c, a, b, [](uint32_t sum, const uint8_t* a_row, const TileRows* B, int n, int quads) {
+    for (int k = 0; k < quads; ++k)
+      for (int i = 0; i < 4; ++i)  // unsigned: wraps modulo 2^32 as the instruction does
+        sum += static_cast<uint32_t>(static_cast<int32_t>(a_row[4 * k + i]) *
+                                     static_cast<int32_t>(static_cast<int8_t>(B[k][4 * n + i])));
+    return sum;
+  });
 }
 
 void dpbf16ps(int c, int a, int b) {
-  auto* C = configured_tile("TDPBF16PS", c);
-  const auto* A = configured_tile("TDPBF16PS", a);
-  const auto* B = configured_tile("TDPBF16PS", b);
-  check_product("TDPBF16PS", c, a, b);
-  const int rows = rows_of(c), columns = colsb_of(c) / 4, pairs = colsb_of(a) / 4;
-  uint16_t column[2 * kTileRows];  // B's pairs of column n, k after k
-  for (int n = 0; n < columns; ++n) {
+  product("TDPBF16PS", c, a, b, [](uint32_t acc, const uint8_t* a_row, const TileRows* B, int n, int pairs) {
+    uint16_t row[2 * kTileRows], column[2 * kTileRows];  // A's row m and B's column n, pair after pair
+    std::memcpy(row, a_row, 4 * pairs);
     for (int k = 0; k < pairs; ++k) std::memcpy(column + 2 * k, B[k] + 4 * n, 4);
-    for (int m = 0; m < rows; ++m) {
-      uint16_t row[2 * kTileRows];
-      std::memcpy(row, A[m], 4 * pairs);
-      const uint32_t result = dot_bf16(dword(C[m] + 4 * n), row, column, pairs);
-      std::memcpy(C[m] + 4 * n, &result, 4);
-    }
-  }
-  zero_outside(C, rows, colsb_of(c));
+    return dot_bf16(acc, row, column, pairs);
+  });
 }
 
 }  // namespace moe_onnx::amx::model
