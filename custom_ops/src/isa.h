@@ -49,7 +49,7 @@ const char* amx_state_name(AmxState state);
 
 // A slot: a kernel and the name the report gives it ("none" while unfilled).
 template <class Fn>
-struct Kernel {
+struct Slot {
   Fn fn = nullptr;
   const char* name = "none";
 
@@ -81,14 +81,14 @@ struct KernelTable {
   std::string amx_reason;    // a sentence saying why `amx` is what it is
 
   // The slots.
-  Kernel<detail::GemmFn> gemm_panels;        // gemm.h
-  Kernel<detail::WidenRowFn> widen_row;      // float_convert.h
+  Slot<detail::GemmFn> gemm_panels;        // gemm.h
+  Slot<detail::WidenRowFn> widen_row;      // float_convert.h
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
-  Kernel<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
-  Kernel<detail::QuantDecodeFn> quant_decode;
-  Kernel<detail::QuantDotFn> quant_dots;
-  Kernel<detail::GatedKernel*> gated_activation;  // activation.h
-  Kernel<detail::PointwiseKernel*> pointwise_activation;
+  Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
+  Slot<detail::QuantDecodeFn> quant_decode;
+  Slot<detail::QuantDotFn> quant_dots;
+  Slot<detail::GatedKernel*> gated_activation;  // activation.h
+  Slot<detail::PointwiseKernel*> pointwise_activation;
 
   // "key=value;..." of the level, every slot's kernel, the capabilities and the AMX state and reason
   // (values hold no ';').
