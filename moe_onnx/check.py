@@ -3,6 +3,8 @@
 ``check_model`` reports every problem it finds as a readable line that names the node and the
 input or attribute; an empty list means the model is valid. Models with external data are read
 without loading their weights, except the few constants a rule needs (such as expert offsets).
+A model is checked as onnxruntime reads it: a domain onnxruntime registers that the model uses without
+importing it counts as imported at the version onnxruntime assumes (``check_file`` prints a note).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from onnx import numpy_helper
 
 from ._ir import model_files
 from ._ir.graph import Scope, graphs, walk
+from ._ir.inference import ShapeInferenceError, infer_shapes, with_runtime_domains
 from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .ops._common import Dim, GraphView, fmt_shape
 
@@ -48,8 +51,11 @@ def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
         problems = model_files.external_data_problems(proto, base_dir)
         if problems:  # the rules below read constants from that data
             return problems
-    # the checker reads external data files itself when given the path (models over 2 GB included)
-    checkable = path if path is not None and next(model_files.external_tensors(proto), None) is not None else proto
+    proto, declared = with_runtime_domains(proto)
+    # the checker reads external data files itself when given the path (models over 2 GB included; the file
+    # lacks the imports onnxruntime assumes, so a model without them is checked in memory)
+    external = next(model_files.external_tensors(proto), None) is not None
+    checkable = path if path is not None and external and not declared else proto
     problems = _check_opset(proto) + _check_declared_sizes(proto) + _check_our_nodes(proto, base_dir)
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems
@@ -62,12 +68,14 @@ def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     try:
         proto = model_files.read_proto(path)
         problems = check_loaded(proto, Path(path))
+        notes = with_runtime_domains(proto)[1]
     except model_files.ModelFileError as error:
-        problems = [f"cannot read the model: {error}"]
+        problems, notes = [f"cannot read the model: {error}"], []
+    notes = [f"  note: {note}" for note in notes]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
-        return False, "\n".join([heading] + [f"  {problem}" for problem in problems])
-    return True, f"{path}: OK ({summarize(proto)})"
+        return False, "\n".join([heading] + [f"  {problem}" for problem in problems] + notes)
+    return True, "\n".join([f"{path}: OK ({summarize(proto)})"] + notes)
 
 
 def summarize(model: onnx.ModelProto) -> str:
@@ -128,8 +136,8 @@ def _too_large(shape: Sequence[Dim] | None, elem_type: int) -> str | None:
 
 def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # inference is best effort here; _check_full reports its errors
+        inferred = infer_shapes(model, strict_mode=False)
+    except ShapeInferenceError:  # inference is best effort here; _check_full reports its errors
         inferred = model
     problems = []
     for node, scope in walk(inferred.graph):
@@ -167,9 +175,9 @@ def _check_full(proto: onnx.ModelProto) -> list[str]:
     """Strict shape inference with type checks, standard ops included (what the full checker adds
     to the structural check, which has run already)."""
     try:
-        onnx.shape_inference.infer_shapes(proto, strict_mode=True, check_type=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as error:
-        return [f"shape inference: {error}"]
+        infer_shapes(proto, strict_mode=True, check_type=True)
+    except ShapeInferenceError as error:
+        return [str(error)]
     return []
 
 

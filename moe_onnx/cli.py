@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from ._ir.inference import ShapeInferenceError
 from ._ir.model_files import ModelFileError
 from .check import check_file
 from .rewrite.targets import TARGETS
@@ -58,7 +59,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
-    that would overwrite the input or bad settings, 1 for a file error or a result that is not ok."""
+    that would overwrite the input or bad settings, 1 for a file error, a model onnx shape inference rejects or
+    a result that is not ok."""
     from .pipeline import SameFileError
     from .quantization import QuantizeError
     from .rewrite.portable import PortableError
@@ -68,7 +70,7 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     except (SameFileError, QuantizeError, PortableError) as error:
         print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 2
-    except ModelFileError as error:
+    except (ModelFileError, ShapeInferenceError) as error:
         print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 1
     print(result.summary())

@@ -126,11 +126,10 @@ def moe(x, router_probs, fc1, fc1_bias, fc2, fc2_bias, fc3=None, fc3_bias=None, 
 
 
 def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """The first ``count`` codes along the last axis of a packed uint8 array (bits 4: low nibble first)."""
-    if bits == 8:
-        return packed[..., :count].astype(np.int32)
-    nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    return nibbles[..., :count].astype(np.int32)
+    """The first ``count`` codes along the last axis of a packed uint8 array (8 // bits per byte, the first in
+    the lowest bits: bits 4, low nibble first)."""
+    lanes = [(packed >> shift) & ((1 << bits) - 1) for shift in range(0, 8, bits)]
+    return np.stack(lanes, axis=-1).reshape(*packed.shape[:-1], -1)[..., :count].astype(np.int32)
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *, bits: int,

@@ -160,12 +160,14 @@ def _expect_dim(v: NodeView, i: int, shape: tuple[Dim, ...] | None, axis: int, e
 # ----------------------------------------------------------------------------- the layout
 
 def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """The first ``count`` codes along the last dim of ``packed`` (uint8): one per byte (bits 8) or two
-    (bits 4: the even index in the low nibble). Returns uint8 [..., count]."""
+    """The first ``count`` codes along the last dim of ``packed`` (uint8): one per byte (bits 8), two (bits 4:
+    the even index in the low nibble) or four (bits 2, onnxruntime's QMoE: the first in the lowest bits).
+    Returns uint8 [..., count]."""
     if bits == 8:
         return packed[..., :count]
-    pairs = np.stack([packed & 0x0F, packed >> 4], axis=-1)
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :count]
+    per_byte = 8 // bits
+    codes = (packed[..., None] >> (np.arange(per_byte, dtype=np.uint8) * bits)) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], per_byte * packed.shape[-1])[..., :count]
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -8,12 +8,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
+from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
 from ..ops import DOMAIN, OPSET_VERSION
+from ..runtime.versions import onnxruntime_versions
 from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
                tiled)
 from ._match import MoeFusion
@@ -112,7 +113,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     if portable:
         require_opset(model)  # before the work, not after it
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
-    fused, notes = {}, []
+    fused, notes = {}, declare_runtime_domains(model)
     missed: list[tuple[ir.Node | None, dict[str, str]]] = []  # (root node, near-miss)
     say("shape inference")  # static shapes let the rules check weight layouts without loading data
     _infer_shapes(model)
@@ -172,6 +173,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     common_passes.RemoveUnusedOpsetsPass()(model)
     if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
         model.opset_imports[DOMAIN] = OPSET_VERSION
+    notes += [note for note in [lower_versions(model, *onnxruntime_versions())] if note]
     if portable:
         say("portable function bodies")
         _infer_shapes(model)  # the element types some bodies depend on
@@ -184,9 +186,10 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
 def _infer_shapes(model: ir.Model) -> None:
     """onnx shape inference, copied onto the IR values that lack a static shape.
 
-    Serializing keeps external tensors as references, so no weight is loaded.
+    Serializing keeps external tensors as references, so no weight is loaded. Raises
+    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
     """
-    inferred = onnx.shape_inference.infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+    inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
     known = {info.name: info for info in inferred.graph.value_info}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for value in node.outputs:
@@ -210,8 +213,14 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True,
     MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
     express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
     router one MoeGatingTopK where its chain is a known one (the report notes the others). ``portable`` also
-    writes each moe_onnx node's function body into the model (moe_onnx/rewrite/portable.py). Raises ValueError for an
-    unknown target, or for ``portable`` on a model whose default opset is below 18.
+    writes each moe_onnx node's function body into the model (moe_onnx/rewrite/portable.py).
+
+    Read as onnxruntime reads it: a domain onnxruntime registers (com.microsoft, ...) that the model uses without
+    importing it is imported at the version onnxruntime assumes, and an IR version or opset newer than the
+    installed onnxruntime loads is lowered where the model means the same with it (a note in the report for
+    each; :mod:`moe_onnx._ir.inference`). Raises ValueError for an unknown target, or for ``portable`` on a model
+    whose default opset is below 18, and :class:`moe_onnx._ir.inference.ShapeInferenceError` (a ValueError, one
+    line) for a model onnx shape inference rejects.
     """
     if isinstance(model, ir.Model):
         return model, optimize_ir(model, target, fuse_routers=fuse_routers, portable=portable)

@@ -26,21 +26,23 @@ logits (``router_probs``) and does the routing itself. Each node becomes:
   (second half), 0 as gate (fc1) and up (fc3).
 
 - QMoE's quant_type int (bits 4/8, per column or block_size 16..256, zero points) stays as stored;
-  with per-projection widths the 4-bit ones are widened to 8 bits (the same codes, one per byte;
-  their zero points given or the 4-bit default 8: exact), and where one of an interleaved gate/up
-  pair has zero points the other gets its default. fp4 becomes mxfp4 (the float8e8m0 scales as their
+  2-bit weights are widened to 4 bits, and with per-projection widths the narrower ones to the widest
+  (the same codes, two or one per byte; their zero points given or their own width's default, 2 for
+  2 bits, 8 for 4 bits: exact), and where one of an interleaved gate/up pair has zero points the other
+  gets its default. fp4 becomes mxfp4 (the float8e8m0 scales as their
   uint8 bits; a per-expert global scale that is a power of two moves into the exponents).
   Block-wise experts at accuracy_level 4, and block-wise 8 bits at any level (here: every projection
   8 bits), which onnxruntime computes with int8 activations, become accuracy_level 4; per-column
-  experts keep float activations at every level, as there.
+  experts, and 2-bit ones, keep float activations at every level, as there.
 
 Exact ties among the routing scores: TopK (and MoeGatingTopK) choose the lower expert index, onnxruntime's
 CPU kernel the higher (a partial sort of (score, index) pairs); other providers have their own order.
 
 What our ops cannot express exactly stays as it is and the report names the node with the reason:
 a finite swiglu_limit with activation_beta other than 1, gated relu/gelu/identity (fc3 with those),
-2-bit weights, block sizes outside 16..256, nvfp4 / fp8 / wfp4afp8, prepacked weights, a global fp4
-scale that is not a power of two, inputs that are not initializers. Weights that change layout are
+widths other than 2, 4 and 8 bits (or that do not fit the stored bytes), block sizes outside 16..256,
+nvfp4 / fp8 / wfp4afp8, prepacked weights, a global fp4 scale that is not a power of two, inputs that
+are not initializers. Weights that change layout are
 written one expert at a time, when the model is saved.
 """
 
@@ -76,7 +78,7 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 class _Part:
     """Rows of one [E, N, ...] input: ``rows`` of its N (None: all). ``unpack``: the input holds codes of
     that many bits packed along its last axis, read as one code per byte (``count`` of them); zero points
-    are always read so, weights when widened from 4 to 8 bits. ``shift``: float8e8m0 scales, read as
+    are always read so, weights when widened (2 bits to 4 or 8, 4 to 8). ``shift``: float8e8m0 scales, read as
     their uint8 exponents plus a shift per expert (a global scale 2^shift[e]; 255, NaN, stays)."""
 
     value: ir.Value
@@ -184,13 +186,13 @@ class _Plan:
 
 def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], quant: _Quant | None) -> list[_Projection]:
     """The projections of ``fc`` (fc1, fc2, fc3) each made of some of its rows; quantized ones read at
-    QMOE's width (a 4-bit fc of an 8-bit QMOE widened: its codes one per byte, its zero points given or
-    the 4-bit default 8)."""
+    QMOE's width (a 4-bit fc of an 8-bit QMOE, or a 2-bit one, widened: the same codes, its zero points given
+    or its own width's default, 8 for 4 bits, 2 for 2 bits)."""
     weight = _initializer(n, f"{fc}_experts_weights")
     bias = _small_constant(n, f"{fc}_experts_bias")
     scales = None
     width = quant.widths.get(fc, 0) if quant is not None else 0
-    widen = 4 if quant is not None and width < quant.bits else 0
+    widen = width if quant is not None and width < quant.bits else 0
     if n.quantized:
         require(n.has(f"{fc}_scales"), f"input '{fc}_scales' is missing")
         scales = _initializer(n, f"{fc}_scales")
@@ -199,7 +201,7 @@ def _split(n: _Node, fc: str, rows: Sequence[np.ndarray | None], quant: _Quant |
         zp = None
         if n.has(f"{fc}_zero_points"):
             zp = _Part(_initializer(n, f"{fc}_zero_points"), r, width, _zero_point_count(scales))
-        projection = _Projection(_Part(weight, r, widen, weight.shape[2] * 2 if widen else 0),
+        projection = _Projection(_Part(weight, r, widen, weight.shape[2] * 8 // widen if widen else 0),
                                  None if bias is None else (bias if r is None else bias[:, r]),
                                  None if scales is None else _Part(scales, r), zp, width)
         if widen and zp is None:
@@ -291,7 +293,7 @@ def _plan(n: _Node) -> _Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Quant:
-    bits: int  # QMOE's: the widest projection's (a 4-bit one of an 8-bit node is widened, exactly)
+    bits: int  # QMOE's: the widest projection's, at least 4 (narrower ones are widened, exactly)
     widths: dict[str, int]  # per fc, as the contrib node stores it
     block_size: int
     quant_type: str
@@ -315,8 +317,9 @@ def _quant(n: _Node) -> _Quant:
         attribute = f"{fc}_expert_weight_bits" if n.node.attributes.get(f"{fc}_expert_weight_bits") else \
             "expert_weight_bits"
         widths[fc] = n.attr(attribute, default_bits)
-        require(widths[fc] in (4, 8), f"{attribute} is {widths[fc]}; QMOE takes 4 or 8")
-    bits = max(widths.values())
+        require(widths[fc] in (2, 4, 8), f"{attribute} is {widths[fc]}; QMoE stores 2, 4 or 8 bits per weight of "
+                f"input '{fc}_experts_weights' (QMOE 4 or 8: 2-bit codes are widened)")
+    bits = max(4, *widths.values())
     for name in ("fc1_act_scale", "fc2_act_scale", "fc1_act_block_scale", "fc2_act_block_scale"):
         require(not n.has(name), f"input '{name}' is given (FP8 activations); QMOE has none")
     level = n.attr("accuracy_level", 0)
@@ -332,9 +335,26 @@ def _quant(n: _Node) -> _Quant:
         return _Quant(4, widths, 32, QUANT_MXFP4, 0, _global_exponents(n))
     require(block_size == 0 or (block_size & (block_size - 1) == 0 and 16 <= block_size <= 256),
             f"block_size is {block_size}; QMOE takes a power of two in [16, 256] (or none: per column)")
-    # onnxruntime: int8 activations for block-wise experts only: 4 bits at accuracy_level 4, 8 bits always
-    int8_activations = block_size > 0 and (level == INT8_ACTIVATIONS or set(widths.values()) == {8})
+    _check_code_bytes(n, widths)
+    # onnxruntime: int8 activations for block-wise experts only: 4 bits at accuracy_level 4, 8 bits always,
+    # 2 bits never (measured: its 2-bit experts keep float activations at accuracy_level 4)
+    int8_activations = block_size > 0 and 2 not in widths.values() and \
+        (level == INT8_ACTIVATIONS or set(widths.values()) == {8})
     return _Quant(bits, widths, block_size, QUANT_INT, INT8_ACTIVATIONS if int8_activations else 0, {})
+
+
+def _check_code_bytes(n: _Node, widths: dict[str, int]) -> None:
+    """Each weight's rows hold its K inputs at its width (hidden_size for fc1 and fc3, inter_size for fc2), or
+    MatchFailure: a width that does not fit the stored bytes would read other codes."""
+    hidden = n.inputs["fc2_experts_weights"].shape[1]
+    rows = n.inputs["fc1_experts_weights"].shape[1]
+    fused = n.attr("activation_type", "relu") == "swiglu" and n.attr("swiglu_fusion", 0) in (1, 2)
+    inter = rows // 2 if fused and isinstance(rows, int) else rows
+    for fc, width in widths.items():
+        inputs, stored = (inter if fc == "fc2" else hidden), n.inputs[f"{fc}_experts_weights"].shape[2]
+        require(not all(isinstance(d, int) for d in (inputs, stored)) or stored * 8 == inputs * width,
+                f"input '{fc}_experts_weights' has {stored} bytes per row; {inputs} codes of {width} bits "
+                f"take {inputs * width / 8:g}")
 
 
 def _global_exponents(n: _Node) -> dict[str, np.ndarray]:
