@@ -33,13 +33,13 @@ from ._ir.nodes import attribute_value
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
 from .compare import Difference, compare_arrays, worst
 from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
-from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops._common import EXACT
+from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
     ACCURACY_LEVELS,
-    INT8_ACTIVATIONS,
     E2M1_VALUES,
     E8M0_BIAS,
+    INT8_ACTIVATIONS,
     MXFP4_BLOCK,
     QUANT_INT,
     QUANT_MXFP4,
