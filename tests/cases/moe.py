@@ -112,6 +112,8 @@ def _act(activation):
 
 
 _base_act = _case("act_relu2_fp32", _act("relu2"))
+_k_blocks_over_512_gemm3 = _case("gemm3_k_blocks_over_512", G3, tokens=9, hidden=530, inter=520, experts=3, k=2,
+                                 scale=0.2, atol=1e-4)
 
 CASES = [
     _base2,
@@ -144,12 +146,13 @@ CASES = [
     _case("more_tokens", G3, tokens=65, hidden=16, inter=12, experts=8, k=2),
     # K > 512 (the C++ GEMM blocks K by 512); outputs reach ~30, so rounding allows ~1e-4 absolute
     _case("k_blocks_over_512", G2, tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2, atol=1e-4),
-    _case("gemm3_k_blocks_over_512", G3, tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2, atol=1e-4),
+    _k_blocks_over_512_gemm3,
     # accuracy_level 3: bfloat16 GEMM operands allowed (rows enough for the kernels' prefill paths too)
     bf16_compute(_case("gemm2_more_tokens", G2, tokens=40), "gemm2_bf16_compute"),
     bf16_compute(_case("gemm3_fp16_more_tokens", G3, tokens=40, dtype=np.float16), "gemm3_fp16_bf16_compute"),
     bf16_compute(_case("act_silu_bf16", _act("silu"), dtype=BF16, tokens=40), "act_silu_bf16_bf16_compute"),
     bf16_compute(_case("gemm3_empty", G3, tokens=0), "empty_bf16_compute"),
+    bf16_compute(_k_blocks_over_512_gemm3, "gemm3_k_blocks_over_512_bf16_compute"),
     Case("MOE", "routing_rank3", [_x, _w.reshape(7, 1, 2), _i.reshape(7, 1, 2), *_base2.inputs[3:]], dict(G2),
          constant=WEIGHTS),
     # GEMM2_ACT: every activation, with and without biases, each float type, the edge cases
