@@ -151,14 +151,17 @@ def _finite_max(a: np.ndarray) -> float:
 def bf16_tolerance(case: Case, outputs) -> float:
     """The absolute error accuracy_level 3 (bfloat16 GEMM operands) may add to the outputs of ``case`` (valid;
     ``outputs``: its reference's). MoeRowParallelLinear, one GEMM: :func:`bf16_product_bound` of X and each
-    expert's W (B stays float32). MOE and QMOE, two GEMMs with an activation between: that worst case, carried through
-    both GEMMs, is several times the outputs of random data, so the bound is the one moe-onnx optimize
-    --verify holds each block to, BF16_COMPUTE_TOLERANCE (6 * 2^-9, derived in moe_onnx/verify.py) of the
-    largest finite |output|: K terms of either sign add like sqrt(K), and so do their roundings' errors."""
+    expert's W (B stays float32). MOE and QMOE, two GEMMs with an activation between: that worst case,
+    carried through both GEMMs, is several times the outputs of random data, so the bound is the one
+    ``moe-onnx optimize --verify`` holds each block to, BF16_COMPUTE_TOLERANCE (6 * 2^-9, derived in
+    moe_onnx/verify.py) of the largest finite |output|: K terms of either sign add like sqrt(K), and so do
+    their roundings' errors."""
     if case.op == "MoeRowParallelLinear":
         x, _, w = case.padded_inputs()[:3]
+        if x.size == 0 or w.size == 0:
+            return 0.0
         rows = x.reshape(-1, w.shape[-1])
-        return max((bf16_product_bound(rows, expert.T) for expert in w), default=0.0)
+        return max(bf16_product_bound(rows, expert.T) for expert in w)
     return BF16_COMPUTE_TOLERANCE * max((_finite_max(out) for out in outputs), default=0.0)
 
 
