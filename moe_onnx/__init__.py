@@ -14,22 +14,23 @@ Public API:
 from .ops import DOMAIN, OPSET_VERSION, MoeOpError
 from .runtime import custom_ops_library, session
 
-__all__ = ["DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError", "custom_ops_library", "optimize",
-           "quantize", "session"]
+__all__ = ["COMPUTES", "DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError", "custom_ops_library",
+           "optimize", "quantize", "session"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """:data:`TARGETS` and :data:`OUR_OPS_TARGETS` (:mod:`moe_onnx.rewrite.targets`), read when first used:
-    ``import moe_onnx`` loads no part of the rewriter."""
-    if name in ("TARGETS", "OUR_OPS_TARGETS"):
+    """:data:`TARGETS`, :data:`OUR_OPS_TARGETS` and :data:`COMPUTES` (:mod:`moe_onnx.rewrite.targets`), read
+    when first used: ``import moe_onnx`` loads no part of the rewriter."""
+    if name in ("TARGETS", "OUR_OPS_TARGETS", "COMPUTES"):
         from .rewrite import targets
 
         return getattr(targets, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False):
+def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
+             compute: str = "fp32"):
     """Fuse the MoE blocks of an exported model; returns ``(optimized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` (a path or ModelProto gives a
@@ -43,18 +44,22 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
     keeps every router as exported. ``portable=True`` also writes each moe_onnx node's function body
     (standard ONNX ops, :mod:`moe_onnx.rewrite.portable`) into the model as a model-local function, so it runs
     on plain onnxruntime and onnx.reference.ReferenceEvaluator too (slower, the same numbers); where our
-    library is registered onnxruntime still runs our kernels. The report
+    library is registered onnxruntime still runs our kernels. ``compute="bf16"`` records accuracy_level 3 on
+    every MOE, QMOE and MoeRowParallelLinear of the result: their GEMMs may round both operands to
+    bfloat16 (float32 accumulation), which the kernels do where the CPU has AMX-BF16 or AVX512-BF16
+    (:mod:`moe_onnx.rewrite.compute`; ``"fp32"``, the default, keeps them exact). The report
     (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses with the check
-    that failed, notes, and nodes and parameters before and after. Raises ValueError for an unknown
-    target.
+    that failed, notes, the compute, and nodes and parameters before and after. Raises ValueError for an
+    unknown target or compute.
     """
     from .rewrite import optimize as _optimize  # onnxscript is imported only when needed
 
-    return _optimize(model, target, fuse_routers=fuse_routers, portable=portable)
+    return _optimize(model, target, fuse_routers=fuse_routers, portable=portable, compute=compute)
 
 
-def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False, accuracy_level: int = 0,
-             repack_mxfp4: bool = True, measure: bool = True, backend: str = "cpp", sizes=None, seed: int = 0):
+def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False,
+             accuracy_level: int | None = None, repack_mxfp4: bool = True, measure: bool = True, backend: str = "cpp",
+             sizes=None, seed: int = 0):
     """Quantize the expert weights of a fused model; returns ``(quantized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
@@ -62,8 +67,10 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     (a path gives a ModelProto). Every MOE node becomes a QMOE node whose weights are ``bits`` 4 or 8
     integers with one scale per output column (``block_size`` 0) or per block of ``block_size`` inputs
     (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
-    ``accuracy_level`` (0, or 4: int8 activations). An MOE whose weights are exactly MXFP4 (GPT-OSS's
-    format) is repacked as quant_type mxfp4 without requantizing unless ``repack_mxfp4`` is False.
+    ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
+    activations; None, the default: each MOE's own, 3 after ``optimize(..., compute="bf16")``, else 0). An
+    MOE whose weights are exactly MXFP4 (GPT-OSS's format) is repacked as quant_type mxfp4 without
+    requantizing unless ``repack_mxfp4`` is False.
     With ``measure`` (default), both models run on ``backend`` on random inputs (seeded by ``seed``)
     at ``sizes`` (default :data:`moe_onnx.verify.DEFAULT_SIZES`) and ``report.error`` holds the error
     of every output and every quantized layer's output.

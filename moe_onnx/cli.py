@@ -13,7 +13,7 @@ from collections.abc import Callable
 from ._ir.inference import ShapeInferenceError
 from ._ir.model_files import ModelFileError
 from .check import check_file
-from .rewrite.targets import TARGETS
+from .rewrite.targets import COMPUTES, TARGETS
 from .runtime import BACKENDS
 from .verify import DEFAULT_SIZES, format_sizes, parse_sizes
 
@@ -43,7 +43,7 @@ def _optimize(args: argparse.Namespace) -> int:
     return _run_pipeline("optimize", args, lambda: optimize_file(
         args.input, args.output, args.target, progress=_stage_printer(),
         verify_backend=args.backend if args.verify else None, sizes=args.sizes, threads=args.threads,
-        fuse_routers=not args.keep_routers, portable=args.portable))
+        fuse_routers=not args.keep_routers, portable=args.portable, compute=args.compute))
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also write each moe_onnx op's function body (standard ONNX ops) into the model, so it "
                           "runs on plain onnxruntime and onnx.reference without our library (slower, the same "
                           "numbers; with the library registered onnxruntime still runs our kernels)")
+    opt.add_argument("--compute", choices=COMPUTES, default="fp32",
+                     help="fp32: exact float32 expert GEMMs (default); bf16: record accuracy_level 3 on every MOE, "
+                          "QMOE and MoeRowParallelLinear, so their GEMMs take bfloat16 operands with float32 "
+                          "accumulation where the CPU has AMX-BF16 or AVX512-BF16 (--verify then allows bf16's error)")
     opt.add_argument("--verify", action="store_true",
                      help="run both models on random inputs and compare (exit 1 on a mismatch), and time them")
     opt.add_argument("--backend", choices=BACKENDS, default="cpp", help="kernels used by --verify")
@@ -199,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "every K: one scale per block of that many inputs")
     quant.add_argument("--zero-points", action="store_true", help="asymmetric: a zero point per scale "
                        "(default: symmetric, zero point 2^(bits-1))")
-    quant.add_argument("--accuracy-level", type=int, default=0,
-                       help="QMOE's accuracy_level: 0 (default, float activations) or 4 (int8 activations)")
+    quant.add_argument("--accuracy-level", type=int, default=None,
+                       help="QMOE's accuracy_level: 0 (float activations), 3 (bf16 GEMM operands in prefill, float32 "
+                            "accumulation) or 4 (int8 activations); default: each MOE's own (3 after `optimize "
+                            "--compute bf16`, else 0)")
     quant.add_argument("--no-mxfp4", action="store_true",
                        help="requantize MXFP4 weights too (default: repack them exactly as quant_type mxfp4)")
     quant.add_argument("--no-measure", action="store_true", help="skip running both models for the error")

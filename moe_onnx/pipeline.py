@@ -62,7 +62,8 @@ class OptimizeResult:
         if self.verified is not None:
             v = self.verified
             document["verify"] = {"ok": v.ok, "backend": v.backend, "sizes": [dataclasses.asdict(r) for r in v.results],
-                                  "original_ms": v.original_ms, "optimized_ms": v.optimized_ms, "error": v.error}
+                                  "original_ms": v.original_ms, "optimized_ms": v.optimized_ms, "error": v.error,
+                                  "bf16_tolerance": v.bf16_tolerance}
         return document
 
     def write_json(self, path: str | os.PathLike) -> None:
@@ -77,13 +78,14 @@ def _write_json(document: dict, path: str | os.PathLike) -> None:
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
                   verify_backend: str | None = None, sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   threads: int | None = None, progress: Callable[[str], None] | None = None,
-                  fuse_routers: bool = True, portable: bool = False) -> OptimizeResult:
-    """Fuse the MoE blocks of the model at ``source`` (``target``, ``fuse_routers`` and ``portable`` as in
-    :func:`moe_onnx.optimize`)
+                  fuse_routers: bool = True, portable: bool = False, compute: str = "fp32") -> OptimizeResult:
+    """Fuse the MoE blocks of the model at ``source`` (``target``, ``fuse_routers``, ``portable`` and
+    ``compute`` as in :func:`moe_onnx.optimize`)
     and write it to ``destination`` (with external data when large, see
     :func:`moe_onnx._ir.model_files.save`); then check the written model and, when ``verify_backend`` is
     given, compare both models on that backend at ``sizes`` with ``threads`` intra-op threads
-    (:func:`moe_onnx.verify.verify`). ``progress`` receives stage messages.
+    (:func:`moe_onnx.verify.verify`; with bf16 compute, within the tolerance of its bf16 blocks).
+    ``progress`` receives stage messages.
 
     Raises SameFileError when ``destination`` or its data file is a file the input reads (the
     weights are read from them lazily while the output is written);
@@ -92,13 +94,15 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     """
     say = progress or (lambda message: None)
     model = _load_input(source, destination, say)
-    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable)
+    report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable,
+                         compute=compute)
     say(f"saving {destination}")
     model_files.save(model, destination, progress=progress)
     result = OptimizeResult(report, check_model(destination))
     if verify_backend is not None:
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
-        result.verified = verify(source, destination, backend=verify_backend, sizes=sizes, threads=threads)
+        result.verified = verify(source, destination, backend=verify_backend, sizes=sizes, threads=threads,
+                                 bf16_blocks=report.bf16_blocks)
     return result
 
 

@@ -29,14 +29,17 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._ir.builder import TapeBuilder, replace
+from ._ir.nodes import attribute_value
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
 from .compare import Difference, compare_arrays, worst
 from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
+from .ops._common import EXACT
 from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from .ops.qmoe import (
     ACCURACY_LEVELS,
     E2M1_VALUES,
     E8M0_BIAS,
+    INT8_ACTIVATIONS,
     MXFP4_BLOCK,
     QUANT_INT,
     QUANT_MXFP4,
@@ -61,14 +64,14 @@ class QuantizeError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class QuantizeSettings:
     """How to quantize: ``bits`` 4 or 8; ``block_size`` 0 (one scale per output column) or a power of
-    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level``;
-    ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the
-    bits asked for."""
+    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level`` (None: each
+    MOE's own, 3 after ``optimize --compute bf16``, else 0); ``repack_mxfp4``: an MOE whose weights are
+    exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked for."""
 
     bits: int = 8
     block_size: int = 0
     zero_points: bool = False
-    accuracy_level: int = 0
+    accuracy_level: int | None = None
     repack_mxfp4: bool = True
 
     def check(self) -> None:
@@ -79,14 +82,22 @@ class QuantizeSettings:
         if block != 0 and not (16 <= block <= 256 and block & (block - 1) == 0):
             raise QuantizeError(f"block_size is {block}; expected 0 (one scale per output column) "
                                 "or a power of two in [16, 256]")
-        if self.accuracy_level not in ACCURACY_LEVELS:
+        if self.accuracy_level is not None and self.accuracy_level not in ACCURACY_LEVELS:
             raise QuantizeError(f"accuracy_level is {self.accuracy_level}; expected one of "
                                 f"{', '.join(map(str, ACCURACY_LEVELS))}")
 
     def describe(self) -> str:
         block = "per column" if self.block_size == 0 else f"block {self.block_size}"
         zero = "with zero points" if self.zero_points else "symmetric"
-        return f"int{self.bits}, {block}, {zero}, accuracy_level {self.accuracy_level}"
+        level = "each MOE's" if self.accuracy_level is None else self.accuracy_level
+        return f"int{self.bits}, {block}, {zero}, accuracy_level {level}"
+
+    def level_for(self, moe_level: int, mxfp4: bool) -> int:
+        """A QMOE's accuracy_level: the one asked for, else its MOE's ``moe_level``; an MXFP4 node keeps its
+        MOE's where int8 activations (4, quant_type int only) were asked for."""
+        if self.accuracy_level is None or (mxfp4 and self.accuracy_level == INT8_ACTIVATIONS):
+            return moe_level
+        return self.accuracy_level
 
 
 # ----------------------------------------------------------------------------- MXFP4
@@ -255,7 +266,8 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
         indices=node.inputs[2].name, expert_type=node.attributes["expert_type"].as_string(),
         quant_type=QUANT_MXFP4 if mxfp4 else QUANT_INT, bits=4 if mxfp4 else settings.bits,
         block_size=MXFP4_BLOCK if mxfp4 else settings.block_size, zero_points=not mxfp4 and settings.zero_points,
-        accuracy_level=0 if mxfp4 else settings.accuracy_level, weight_bytes_before=0, weight_bytes_after=0)
+        accuracy_level=settings.level_for(attribute_value(node, "accuracy_level", EXACT), mxfp4),
+        weight_bytes_before=0, weight_bytes_after=0)
 
     def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
         if mxfp4:
@@ -280,7 +292,8 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
         inputs.pop()
 
     op = TapeBuilder()
-    qmoe = op.QMOE(*inputs, **IN_OUR_DOMAIN, _name=node.name, **node.attributes,
+    kept = {name: attr for name, attr in node.attributes.items() if name != "accuracy_level"}
+    qmoe = op.QMOE(*inputs, **IN_OUR_DOMAIN, _name=node.name, **kept,
                    bits=layer.bits, block_size=layer.block_size, quant_type=layer.quant_type,
                    accuracy_level=layer.accuracy_level)
     replace(node, qmoe, op)
@@ -388,9 +401,9 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
         report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
                             + ", ".join(f"'{node.name}'" for node in nested))
     repacked = [layer.node for layer in report.layers if layer.quant_type == QUANT_MXFP4]
-    if repacked and settings.accuracy_level:
+    if repacked and settings.accuracy_level == INT8_ACTIVATIONS:
         report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
-                            f"({', '.join(repacked)}): they keep 0")
+                            f"({', '.join(repacked)}): they keep their MOE's")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
     return report
 

@@ -238,7 +238,7 @@ WRONG_ATTRIBUTE_TYPES = {
     "float_for_int": ("gate_parity", 1.0, "attribute 'gate_parity' has type FLOAT; expected INT"),
     "misspelled": ("expert_alhpa", 1.0, "attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
                    "'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation', 'tp_world_size', "
-                   "'tp_rank_id'"),
+                   "'tp_rank_id', 'accuracy_level'"),
 }
 
 

@@ -26,12 +26,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 from backends import KERNEL_CREATION, as_float64, kernel_error, run_case
-from cases import ALL_CASES, Case
+from cases import ALL_CASES, Case, bf16_tolerance
 from cases.moe import BF16, TOL
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from moe_onnx.ops import OPS, MoeOpError
+from moe_onnx.ops._common import BF16_OPERANDS
 from moe_onnx.runtime import BACKENDS
 
 ort.set_default_logger_severity(4)  # the errors are compared, not logged
@@ -334,6 +335,8 @@ def disagreement(case: Case) -> str | None:
             if (g.dtype, g.shape) != (e.dtype, e.shape):
                 return f"{backend}: output {i} is {g.dtype}{list(g.shape)}; the reference's {e.dtype}{list(e.shape)}"
             rtol, atol = TOL.get(e.dtype, (case.rtol, case.atol))
+            if case.attrs.get("accuracy_level") == BF16_OPERANDS:  # kernels with bf16 GEMM operands
+                atol = max(atol, case.atol) + bf16_tolerance(case, expected[1])
             try:
                 np.testing.assert_allclose(as_float64(g), as_float64(e), rtol=max(rtol, case.rtol),
                                            atol=max(atol, case.atol), err_msg=f"{backend}: output {i}")

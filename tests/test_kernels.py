@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from backends import as_float64, kernel_message, options, run_case
-from cases import ALL_CASES, Case
+from cases import ALL_CASES, Case, bf16_compute
 from cases import finalize_routing as finalize_cases
 from cases import gating_topk as gating_cases
 from cases import init_routing as init_cases
@@ -85,6 +85,7 @@ def _larger_cases() -> list[Case]:
               for t in (np.float32, BF16, np.int8)]
     wide = linear_cases._case("larger_k1024", lead=(30,), k=1024, n=20, offsets=(0, 7, 7, 30))  # a 4 KB row stride
     linear.append(dataclasses.replace(wide, rtol=1e-4, atol=1e-4))
+    linear.append(bf16_compute(linear[0], "larger_float32_bf16_compute"))  # many tasks, K and N tails at level 3
     # Whole panels (N % 16 == 0: results written straight into Y), several k blocks (int8: 256 pairs
     # each, so partial sums carry over) and every row-tile remainder (1, 5, 13, 101 rows).
     direct = dict(lead=(120,), k=1101, n=48, offsets=(0, 1, 6, 19, 19, 120))

@@ -365,7 +365,7 @@ def test_an_output_the_quantized_model_makes_nan_is_an_infinite_error(tmp_path, 
     (dict(bits=4, block_size=24), "block_size is 24; expected 0 (one scale per output column) or a power of two "
                                   "in [16, 256]"),
     (dict(bits=4, block_size=512), "block_size is 512; expected 0"),
-    (dict(bits=8, accuracy_level=2), "accuracy_level is 2; expected one of 0, 4"),
+    (dict(bits=8, accuracy_level=2), "accuracy_level is 2; expected one of 0, 3, 4"),
 ])
 def test_bad_settings_are_refused(settings, message):
     with pytest.raises(QuantizeError, match=None) as caught:

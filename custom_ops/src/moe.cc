@@ -166,6 +166,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   const Attributes attrs(info, signatures::MOE, where);
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
+  accuracy_level = attrs.choice("accuracy_level", {0, 3});
   constant = pack_constant_weights(kinfo, where, config);
 }
 

@@ -289,15 +289,15 @@ Quantization read_quantization(const Attributes& attrs) {
   q.mxfp4 = attrs.choice<QuantType>() == QuantType::kMxfp4;
   q.bits = attrs.choice("bits", {4, 8});
   q.block_size = attrs.get_int("block_size");
-  const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 4});
+  const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 3, 4});
   const std::string block_size = std::to_string(q.block_size);
   if (q.mxfp4) {
     const std::string expects = "; " + quant_type_words(QuantType::kMxfp4) + " expects ";
     if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + expects + "4");
     if (q.block_size != 32) attrs.fail("block_size", "is " + block_size + expects + "32");
-    if (accuracy_level != 0)
-      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) + expects +
-                                       "0 (int8 activations are for " + quant_type_words(QuantType::kInt) + ")");
+    if (accuracy_level == 4)
+      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) + expects + "0 or 3 (int8 activations are for " +
+                                       quant_type_words(QuantType::kInt) + ")");
   } else if (q.block_size != 0 &&
              !(q.block_size >= 16 && q.block_size <= 256 && (q.block_size & (q.block_size - 1)) == 0)) {
     attrs.fail("block_size", "is " + block_size + "; expected 0 or a power of two in [16, 256]");

@@ -52,6 +52,9 @@ struct Dims {
 // _validate of row_parallel_linear.py after the attribute checks done at kernel creation.
 Dims validate(const RowParallelLinearKernel& kernel, const Checker& v) {
   const ElemType x_type = v.expect_elem(X);
+  if (x_type == kInt8 && kernel.accuracy_level != 0)
+    v.fail("attribute 'accuracy_level'", "is " + std::to_string(kernel.accuracy_level) +
+                                             "; int8 X expects 0 (the int8 product is exact int32)");
   v.expect_elem(W);
   v.expect_same_elem(W, X);
   v.expect_elem(OFFSET);
@@ -307,6 +310,7 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
   input_is_parallel = attrs.choice("input_is_parallel", {0, 1}) == 1;  // no effect on one process
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
+  accuracy_level = attrs.choice("accuracy_level", {0, 3});
   int64_t bias_term = 0;
   if (attrs.has_int("bias_term", &bias_term)) {
     bias_term = attrs.choice("bias_term", {0, 1});

@@ -156,8 +156,9 @@ class OpDef(Signature):
     no_body: str = ""
     """Why standard ONNX ops cannot express the op, where it has no ``body``: ``--portable`` refuses it so."""
     checked_only: tuple[str, ...] = ()
-    """Attributes that only restate what the inputs say (checked, never computed with): nodes that differ
-    only there share a body."""
+    """Attributes the function body never computes with (checked only): those that restate what the inputs
+    say, and an ``accuracy_level`` the body computes exactly at every level. Nodes that differ only there
+    share a body."""
 
     @classmethod
     def of(cls, signature: Signature, validate: Callable[[NodeView], list[TensorInfo | None]],
@@ -507,6 +508,14 @@ def check_float_attr(view: NodeView, name: str, *, positive: bool = False, allow
     if positive and not value > 0:
         view.fail(f"attribute '{name}'", f"is {value}; expected a value > 0")
     return value
+
+
+#: ``accuracy_level`` (MOE, QMOE, MoeRowParallelLinear; as onnxruntime's MatMulNBits): the least accuracy a
+#: node's GEMMs may use. EXACT: float32 (int32 for int8); BF16_OPERANDS: both operands of each GEMM may be
+#: rounded to bfloat16 (round to nearest even), float32 accumulation. The references and the function
+#: bodies compute EXACT at every level: exact is within what any level allows.
+EXACT, BF16_OPERANDS = 0, 3
+FLOAT_ACCURACY_LEVELS = (EXACT, BF16_OPERANDS)
 
 
 def check_choice(view: NodeView, name: str, choices: Sequence[Any] | None = None) -> Any:

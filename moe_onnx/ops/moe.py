@@ -17,6 +17,7 @@ from onnx import TensorProto
 from . import _expert_math, signatures
 from ._body import INT64_MAX, Config, float32, ints, scalar, take_rows, to_rows
 from ._common import (
+    FLOAT_ACCURACY_LEVELS,
     ArrayView,
     DimBinder,
     MoeOpError,
@@ -88,6 +89,7 @@ _SWIGLU_ONLY = ("expert_alpha", "expert_beta", "gate_parity")
 def _validate(v: NodeView) -> list[TensorInfo | None]:
     expert_type = validate_expert_attrs(v)
     check_group_attrs(v, "tp_world_size", "tp_rank_id")
+    check_choice(v, "accuracy_level", FLOAT_ACCURACY_LEVELS)
     dims = DimBinder(v)
     elem, hidden = validate_tokens(v, dims, float_inputs=(ROUTING, W0, B0, W1, B1, W2))
     check_expert_inputs(v, expert_type)
@@ -184,14 +186,17 @@ def _check_indices(view: NodeView, idx: np.ndarray, num_experts: int) -> None:
 
 def moe(hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0=None, weight_1=None,
         bias_1=None, weight_2=None, *, expert_type=None, expert_alpha=None, expert_beta=None, gate_parity=None,
-        activation=None, tp_world_size=None, tp_rank_id=None, _node_name="", _named_outputs=None):
+        activation=None, tp_world_size=None, tp_rank_id=None, accuracy_level=None, _node_name="",
+        _named_outputs=None):
     """numpy reference of MOE on one process; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
 
-    Raises MoeOpError for any input or attribute outside the contract, and for a node of a tensor-parallel
-    group of more than one rank (:func:`moe_tensor_parallel` simulates every rank).
+    Computes the exact result at every ``accuracy_level`` (3 allows bfloat16 GEMM operands; exact is within
+    that). Raises MoeOpError for any input or attribute outside the contract, and for a node of a
+    tensor-parallel group of more than one rank (:func:`moe_tensor_parallel` simulates every rank).
     """
     attrs = dict(expert_type=expert_type, expert_alpha=expert_alpha, expert_beta=expert_beta,
-                 gate_parity=gate_parity, activation=activation, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id)
+                 gate_parity=gate_parity, activation=activation, tp_world_size=tp_world_size, tp_rank_id=tp_rank_id,
+                 accuracy_level=accuracy_level)
     arrays = [hidden_states, routing_weights, router_topk_output_indices, weight_0, bias_0, weight_1, bias_1, weight_2]
     view = validated(arrays, attrs, _node_name, _named_outputs)
     refuse_without_group(view, Layout(tp_size=int(view.attr("tp_world_size"))), tp_only=True)
@@ -363,6 +368,7 @@ def experts_body(op, c: Config, inputs: dict[str, Any], product: Callable[[str, 
 
 
 def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Exact at every accuracy_level (not part of the configuration: ``checked_only``)."""
     stored_k_n = c.attr("expert_type") == GEMM2_BIAS_SWIGLU_CLAMP  # GEMM2 stores [E, K, N], the others [E, N, K]
 
     def product(weight: str, a):
@@ -372,4 +378,5 @@ def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
     return experts_body(op, c, inputs, product)
 
 
-MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe, body=_function_body)
+MOE = OpDef.of(signatures.MOE, validate=_validate, reference=moe, body=_function_body,
+               checked_only=("accuracy_level",))

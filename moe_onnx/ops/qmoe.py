@@ -2,8 +2,8 @@
 
 Meaning (docs/ops/QMOE.md): ``QMOE(...) == MOE(...)`` on the dequantized weights, every weight
 ``[E, N, K]`` (N outputs, K inputs) with K packed into bytes; with ``accuracy_level`` 4 each linear
-takes int8 activations instead (:func:`int8_linear`). :func:`dequantize` and :func:`quantize` are the
-layout's two directions.
+takes int8 activations instead (:func:`int8_linear`); level 3 (bfloat16 GEMM operands allowed) is computed
+exactly, as 0. :func:`dequantize` and :func:`quantize` are the layout's two directions.
 """
 
 from __future__ import annotations
@@ -16,7 +16,19 @@ from onnx import TensorProto
 
 from . import signatures
 from ._body import Config, abs_max, constant, float32, ints, reshape, scalar
-from ._common import ArrayView, Dim, DimBinder, NodeView, OpDef, TensorInfo, check_choice, elem_name, is_known
+from ._common import (
+    BF16_OPERANDS,
+    EXACT,
+    ArrayView,
+    Dim,
+    DimBinder,
+    NodeView,
+    OpDef,
+    TensorInfo,
+    check_choice,
+    elem_name,
+    is_known,
+)
 from .moe import (
     B0,
     B1,
@@ -39,8 +51,8 @@ ZERO_POINTS = {W0: 11, W1: 12, W2: 13}
 
 QUANT_INT, QUANT_MXFP4 = signatures.QMOE.attr_spec("quant_type").choices
 MXFP4_BLOCK = 32
-ACCURACY_LEVELS = (0, 4)
 INT8_ACTIVATIONS = 4  # the accuracy_level of int8 activations
+ACCURACY_LEVELS = (EXACT, BF16_OPERANDS, INT8_ACTIVATIONS)
 # E2M1 (MXFP4's 4-bit float): the value of each code; bit 3 is the sign.
 E2M1_VALUES = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 E8M0_BIAS, E8M0_NAN = 127, 255
@@ -78,9 +90,9 @@ def _validate_quant_attrs(v: NodeView) -> tuple[str, int, int]:
             v.fail("attribute 'bits'", f"is {bits}; quant_type 'mxfp4' expects 4")
         if block_size != MXFP4_BLOCK:
             v.fail("attribute 'block_size'", f"is {block_size}; quant_type 'mxfp4' expects {MXFP4_BLOCK}")
-        if accuracy_level != 0:
-            v.fail("attribute 'accuracy_level'", f"is {accuracy_level}; quant_type 'mxfp4' expects 0 (int8 "
-                   "activations are for quant_type 'int')")
+        if accuracy_level == INT8_ACTIVATIONS:
+            v.fail("attribute 'accuracy_level'", f"is {accuracy_level}; quant_type 'mxfp4' expects {EXACT} or "
+                   f"{BF16_OPERANDS} (int8 activations are for quant_type 'int')")
     elif block_size != 0 and not (16 <= block_size <= 256 and block_size & (block_size - 1) == 0):
         v.fail("attribute 'block_size'", f"is {block_size}; expected 0 or a power of two in [16, 256]")
     return quant_type, bits, block_size
@@ -297,8 +309,8 @@ def qmoe(hidden_states, routing_weights, router_topk_output_indices, weight_0, b
     """numpy reference of QMOE; returns ``(y,)`` with the shape and dtype of ``hidden_states``.
 
     Dequantizes each selected expert's weights (only those with tokens) and runs MOE's computation;
-    ``accuracy_level`` 4 takes :func:`int8_linear` instead. Raises MoeOpError for any input or attribute
-    outside the contract.
+    ``accuracy_level`` 4 takes :func:`int8_linear` instead; 3 computes 0's exact result. Raises MoeOpError
+    for any input or attribute outside the contract.
     """
     attrs = dict(expert_type=expert_type, expert_alpha=expert_alpha, expert_beta=expert_beta, gate_parity=gate_parity,
                  activation=activation, bits=bits, block_size=block_size, quant_type=quant_type,

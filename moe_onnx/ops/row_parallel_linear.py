@@ -18,6 +18,8 @@ from onnx import TensorProto
 from . import signatures
 from ._body import INT64_MAX, Config, ints, positions, reshape, scalar, take_rows, to_rows
 from ._common import (
+    EXACT,
+    FLOAT_ACCURACY_LEVELS,
     ArrayView,
     Dim,
     DimBinder,
@@ -58,6 +60,7 @@ def accumulation_dtype(dtype: np.dtype) -> np.dtype:
 def _validate(v: NodeView) -> list[TensorInfo | None]:
     parallel = check_choice(v, "input_is_parallel", (0, 1)) == 1
     tp_size, _ = check_group_attrs(v, "tp_world_size", "tp_rank_id")
+    accuracy_level = check_choice(v, "accuracy_level", FLOAT_ACCURACY_LEVELS)
     # K is the full input width (in_features); with tp_world_size > 1, W holds this rank's K_q, and so does X
     # when input_is_parallel is 1
     w_k = "K" if tp_size == 1 else "K_q"
@@ -71,6 +74,9 @@ def _validate(v: NodeView) -> list[TensorInfo | None]:
             v.fail(v.input_name(B), "is given, but attribute 'bias_term' is 0; expected no B, or bias_term = 1")
 
     x_elem = v.expect_elem(X)
+    if x_elem == TensorProto.INT8 and accuracy_level != EXACT:
+        v.fail("attribute 'accuracy_level'", f"is {accuracy_level}; int8 X expects {EXACT} (the int8 product is "
+               "exact int32)")
     v.expect_elem(W)
     v.expect_same_elem(W, X)
     v.expect_elem(OFFSET)
@@ -161,17 +167,17 @@ def finish_reduced(reduced: np.ndarray, expert_offset: np.ndarray, bias: np.ndar
 
 
 def row_parallel_linear(X, expert_offset, W, B=None, *, num_experts=None, in_features=None, out_features=None,
-                        bias_term=None, input_is_parallel=None, tp_world_size=None, tp_rank_id=None, _node_name="",
-                        _named_outputs=None):
+                        bias_term=None, input_is_parallel=None, tp_world_size=None, tp_rank_id=None,
+                        accuracy_level=None, _node_name="", _named_outputs=None):
     """numpy reference of MoeRowParallelLinear on one process; returns ``(Y,)``, Y [*, N].
 
-    Y has X's type, int32 for int8 X. Raises MoeOpError for any input or attribute outside the contract,
-    and for a node of a tensor-parallel group of more than one rank
+    Y has X's type, int32 for int8 X; exact at every ``accuracy_level``. Raises MoeOpError for any input or
+    attribute outside the contract, and for a node of a tensor-parallel group of more than one rank
     (:func:`row_parallel_linear_tensor_parallel` simulates every rank).
     """
     attrs = dict(num_experts=num_experts, in_features=in_features, out_features=out_features,
                  bias_term=bias_term, input_is_parallel=input_is_parallel, tp_world_size=tp_world_size,
-                 tp_rank_id=tp_rank_id)
+                 tp_rank_id=tp_rank_id, accuracy_level=accuracy_level)
     view = validated([X, expert_offset, W, B], attrs, _node_name, _named_outputs)
     refuse_without_group(view, Layout(tp_size=int(view.attr("tp_world_size"))), tp_only=True)
     return (finish_reduced(partial_product(X, expert_offset, W), expert_offset, B, X),)
@@ -254,6 +260,7 @@ def _check_shards(w_shards: Sequence[np.ndarray], x_shards: Sequence[np.ndarray]
 # ----------------------------------------------------------------------------- as standard ONNX ops
 
 def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Exact at every accuracy_level (not part of the configuration: ``checked_only``)."""
     accumulate = TensorProto.INT32 if c.int8 else TensorProto.FLOAT
     x = to_rows(op, op.Cast(inputs["X"], to=accumulate))
     every_expert = op.MatMul(x, op.Transpose(op.Cast(inputs["W"], to=accumulate), perm=[0, 2, 1]))  # [E, rows, N]
@@ -277,4 +284,4 @@ def _function_body(op, c: Config, inputs: dict[str, Any]) -> dict[str, Any]:
 
 ROW_PARALLEL_LINEAR = OpDef.of(
     signatures.ROW_PARALLEL_LINEAR, validate=_validate, reference=row_parallel_linear, body=_function_body,
-    checked_only=(*(name for _, name in _SIZE_ATTRS), "bias_term", "input_is_parallel"))
+    checked_only=(*(name for _, name in _SIZE_ATTRS), "bias_term", "input_is_parallel", "accuracy_level"))

@@ -5,7 +5,7 @@ per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``, ``paralle
 list of ``FUSIONS`` (onnxscript rewrite rules); passes over the fused graph: ``gating`` turns the
 routers into MoeGatingTopK, ``shared_expert`` folds shared experts into their MOE, ``grouped`` turns
 MOE nodes into the routed chain, ``ort_export`` MOE/QMOE nodes into onnxruntime's
-com.microsoft::MoE/QMoE; ``_driver`` runs
+com.microsoft::MoE/QMoE, ``compute`` sets the accuracy_level of our expert nodes; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing
@@ -13,7 +13,7 @@ inputs), ``_activation`` (SwiGLU and GPT-OSS's clamped SwiGLU), ``_linear`` (Lin
 ``_ort_contrib`` (the contrib ops' terms in ours, for ``ort_import`` and ``ort_export``); weights
 behind layout ops and lazy initializers are ``moe_onnx._ir.weights``, the node builder and the one
 replace ``moe_onnx._ir.builder``. ``_unfused`` reports every MoE block (found by its router) that no rule
-fused or reported. ``targets`` names the forms ``optimize`` makes.
+fused or reported. ``targets`` names the forms ``optimize`` makes and the computes it records.
 
 Importing this package is cheap (``moe_onnx.rewrite.targets`` does not import onnxscript): the
 names below load the driver when first used.

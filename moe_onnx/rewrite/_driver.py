@@ -15,8 +15,8 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
-from . import (batched_mm, gating, grouped, loop, loop_dynamo, ort_export, ort_import, parallel_experts, shared_expert,
-               tiled)
+from . import (batched_mm, compute as compute_pass, gating, grouped, loop, loop_dynamo, ort_export, ort_import,
+               parallel_experts, shared_expert, tiled)
 from ._match import MoeFusion
 from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
@@ -45,6 +45,8 @@ class OptimizeReport:
     nodes_after: dict[str, int]
     parameters_before: int
     parameters_after: int
+    compute: str = "fp32"
+    bf16_blocks: int = 0  # the expert blocks whose GEMMs may take bfloat16 operands (accuracy_level 3)
 
     @property
     def total_fused(self) -> int:
@@ -74,6 +76,10 @@ class OptimizeReport:
 
     def summary(self) -> str:
         lines = [f"target: {self.target}"]
+        if self.compute != "fp32":
+            lines.append(f"compute: {self.compute} ({self.bf16_blocks} block{'s' if self.bf16_blocks != 1 else ''} "
+                         "at accuracy_level 3: bfloat16 GEMM operands, float32 accumulation, where the CPU has "
+                         "AMX-BF16 or AVX512-BF16)")
         for rule, count in self.fused.items():
             lines.append(f"  {rule}: {count} block{'s' if count != 1 else ''} fused")
         for miss in self.near_misses:
@@ -103,12 +109,14 @@ def _parameters(model: ir.Model) -> int:
 
 
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
-                fuse_routers: bool = True, portable: bool = False) -> OptimizeReport:
+                fuse_routers: bool = True, portable: bool = False, compute: str = "fp32") -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
     ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
-    adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`)."""
+    adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`);
+    ``compute`` sets the accuracy_level of our expert nodes (:mod:`moe_onnx.rewrite.compute`)."""
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
+    compute_pass.check_compute(compute)
     say = progress or (lambda message: None)
     if portable:
         require_opset(model)  # before the work, not after it
@@ -158,6 +166,12 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     say("looking for MoE blocks left unfused")
     roots = [root for root, _ in missed if root is not None]
     near_misses = [miss for _, miss in missed] + unfused_blocks(model, roots, partial)
+    # before the target's passes: the grouped chain and the contrib ops take the level from the MOE nodes
+    changed, compute_notes = compute_pass.apply_compute(model, compute)
+    notes += compute_notes
+    if changed and compute == "fp32":
+        notes.append("compute fp32: accuracy_level 3 (bf16 operands) reset to 0 on "
+                     + ", ".join(f"{count} {op_type}" for op_type, count in changed.items()))
     if target == "grouped":
         say("expanding MOE nodes into the grouped chain")
         fused.update(grouped.expand_moe_nodes(model))
@@ -168,6 +182,8 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         exported, refused = ort_export.export_moe_nodes(model)
         fused.update(exported)
         near_misses += refused
+        if compute == "bf16":
+            notes += ort_export.accuracy_notes(model)
     common_passes.RemoveUnusedNodesPass()(model)
     common_passes.RemoveUnusedFunctionsPass()(model)
     common_passes.RemoveUnusedOpsetsPass()(model)
@@ -180,7 +196,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         add_function_bodies(model)
         notes.append(summary(model))
     return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
-                          parameters_before, _parameters(model))
+                          parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
 
 
 def _infer_shapes(model: ir.Model) -> None:
@@ -203,8 +219,8 @@ def _infer_shapes(model: ir.Model) -> None:
                 value.shape = shape
 
 
-def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True,
-             portable: bool = False) -> tuple[Any, OptimizeReport]:
+def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
+             compute: str = "fp32") -> tuple[Any, OptimizeReport]:
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
@@ -213,20 +229,22 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True,
     MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
     express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
     router one MoeGatingTopK where its chain is a known one (the report notes the others). ``portable`` also
-    writes each moe_onnx node's function body into the model (moe_onnx/rewrite/portable.py).
+    writes each moe_onnx node's function body into the model (moe_onnx/rewrite/portable.py). ``compute="bf16"``
+    sets accuracy_level 3 on the result's expert nodes (moe_onnx/rewrite/compute.py).
 
     Read as onnxruntime reads it: a domain onnxruntime registers (com.microsoft, ...) that the model uses without
     importing it is imported at the version onnxruntime assumes, and an IR version or opset newer than the
     installed onnxruntime loads is lowered where the model means the same with it (a note in the report for
-    each; :mod:`moe_onnx._ir.inference`). Raises ValueError for an unknown target, or for ``portable`` on a model
-    whose default opset is below 18, and :class:`moe_onnx._ir.inference.ShapeInferenceError` (a ValueError, one
-    line) for a model onnx shape inference rejects.
+    each; :mod:`moe_onnx._ir.inference`). Raises ValueError for an unknown target or compute, or for ``portable``
+    on a model whose default opset is below 18, and :class:`moe_onnx._ir.inference.ShapeInferenceError` (a
+    ValueError, one line) for a model onnx shape inference rejects.
     """
+    options = dict(fuse_routers=fuse_routers, portable=portable, compute=compute)
     if isinstance(model, ir.Model):
-        return model, optimize_ir(model, target, fuse_routers=fuse_routers, portable=portable)
+        return model, optimize_ir(model, target, **options)
     if isinstance(model, (str, os.PathLike)):
         ir_model = ir.load(model)
     else:
         ir_model = ir.serde.deserialize_model(model)
-    report = optimize_ir(ir_model, target, fuse_routers=fuse_routers, portable=portable)
+    report = optimize_ir(ir_model, target, **options)
     return ir.serde.serialize_model(ir_model), report

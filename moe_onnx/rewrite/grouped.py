@@ -6,7 +6,7 @@
 which computes the same block for any activation and is the form tensor parallelism shards
 (MoeRowParallelLinear's K dimension). MoeRowParallelLinear takes its weights as [E, N, K]: the
 GEMM3 ones are that already, the GEMM2 ones are transposed offline, lazily (see
-``moe_onnx._ir.weights.lazy_initializer``).
+``moe_onnx._ir.weights.lazy_initializer``). Every linear takes the MOE's ``accuracy_level`` (bf16 compute).
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from ..ops import DOMAIN, IN_OUR_DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, MOE, W0, W1, W2, expert_layer
 
 def _grouped_linear(op, rows: ir.Value, offsets: ir.Value, w: Weight, name: str, transposed: bool,
-                    bias: ir.Value | None = None) -> ir.Value:
-    """MoeRowParallelLinear with W in [E, N, K]; ``transposed`` says the source is [E, K, N]."""
+                    bias: ir.Value | None = None, accuracy: dict[str, int] | None = None) -> ir.Value:
+    """MoeRowParallelLinear with W in [E, N, K]; ``transposed`` says the source is [E, K, N]; ``accuracy``:
+    the MOE's accuracy_level, where it sets one."""
     if transposed:
         experts, k, n = w.shape
         w_enk = weight_value(op, w, name, np.transpose, (experts, n, k))
     else:
         w_enk = weight_value(op, w, name)
     inputs = [rows, offsets, w_enk] + ([bias] if bias is not None else [])
-    return op.MoeRowParallelLinear(*inputs, **IN_OUR_DOMAIN)
+    return op.MoeRowParallelLinear(*inputs, **IN_OUR_DOMAIN, **(accuracy or {}))
 
 
 def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
@@ -59,10 +60,12 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
 
     transposed = expert_type == GEMM2_BIAS_SWIGLU_CLAMP  # MOE's GEMM2 stores [E, K, N]
     weight_of, bias_of = {W0: weights[0], W1: weights[1], W2: weights[2]}, {B0: b0, B1: b1}
+    accuracy = {name: attr.value for name, attr in node.attributes.items() if name == "accuracy_level"}
 
     def linear(weight_input: int, bias_input: int | None, a: ir.Value) -> ir.Value:
         name = f"moe_{MOE.inputs[weight_input].name}" + ("_enk" if transposed else "")
-        return _grouped_linear(op, a, offsets, weight_of[weight_input], name, transposed, bias_of.get(bias_input))
+        return _grouped_linear(op, a, offsets, weight_of[weight_input], name, transposed, bias_of.get(bias_input),
+                               accuracy)
 
     def attr(name: str):
         return attribute_value(node, name, MOE.attr_spec(name).default)

@@ -27,8 +27,13 @@ always interleaved (``swiglu_fusion=1``, the only form the CPU kernel takes). Wh
 - QMoE renormalizes whatever ``normalize_routing_weights`` says; with ``router_weights`` it gathers
   them as they are (0) or renormalized (1): blocks without renormalization pass the softmax there;
 - QMoE with per-column scales keeps float activations at accuracy_level 4, and block-wise 8-bit
-  weights take int8 activations at accuracy_level 0: both stay ours (QMOE means the other);
+  weights take int8 activations at accuracy_level 0 and 3: these stay ours (QMOE means the other);
+- QMoE at accuracy_level 3 computes level 0's float activations: QMOE's 3 is written as it is (bf16
+  compute allows exact numbers);
 - silu ignores ``activation_alpha``.
+
+MoE has no ``accuracy_level``: an MOE at 3 (``optimize --compute bf16``) becomes a MoE that computes in
+float32, which the level allows (:func:`accuracy_notes` says so in the report).
 
 A block the contrib ops cannot express keeps its node, and the report says why (a near-miss of ``RULE``).
 """
@@ -46,7 +51,7 @@ from .._ir.builder import TapeBuilder, const, int64s, replace
 from .._ir.nodes import attribute_value
 from .._ir.weights import Weight, lazy_initializer, weight
 from ..ops import DOMAIN
-from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, W0, W1, W2
+from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, MOE, W0, W1, W2
 from ..ops.qmoe import INT8_ACTIVATIONS, QMOE, QUANT_INT, SCALES, ZERO_POINTS, pack_codes, unpack_codes
 from ..ops.signatures import MOE_GATING_TOPK
 from ._match import MatchFailure, constant, require
@@ -287,8 +292,9 @@ def _check_quantization(node: ir.Node) -> None:
     require(block_size or not int8_activations, "accuracy_level 4 with per-column scales: onnxruntime's CPU QMoE "
             "keeps float activations there, so its numbers would be accuracy_level 0's")
     require(not (bits == 8 and block_size) or int8_activations, f"bits 8 with block_size {block_size} at "
-            "accuracy_level 0: onnxruntime's CPU QMoE has no float-activation kernel for block-wise 8-bit "
-            "weights and quantizes the activations to int8 at every accuracy_level")
+            f"accuracy_level {attribute_value(node, 'accuracy_level', 0)}: onnxruntime's CPU QMoE has no "
+            "float-activation kernel for block-wise 8-bit weights and quantizes the activations to int8 at every "
+            "accuracy_level")
 
 
 def _rows(op, value: ir.Value, width: int) -> ir.Value:
@@ -339,6 +345,15 @@ def _convert(node: ir.Node) -> tuple[TapeBuilder, ir.Value]:
     if rows is not hidden:  # allowzero: a 0 in the shape (no tokens) is a 0, not "copy that dim"
         y = op.Reshape(y, op.Shape(hidden), allowzero=1)
     return op, y
+
+
+def accuracy_notes(model: ir.Model) -> list[str]:
+    """For a model optimized with compute bf16: what its contrib nodes make of accuracy_level 3."""
+    count = sum(1 for node in model.graph if node.domain == ORT_DOMAIN and node.op_type == CONTRIB_OPS[MOE.name])
+    if not count:
+        return []
+    return [f"compute bf16: com.microsoft::MoE has no accuracy_level: {count} MoE node{'s' if count != 1 else ''} "
+            "compute in float32 (exact, which bf16 compute allows; QMoE nodes take accuracy_level 3)"]
 
 
 def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, str]]]:

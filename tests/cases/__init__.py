@@ -15,7 +15,8 @@ import onnx
 from onnx import helper
 
 from moe_onnx.ops import DOMAIN, OPS
-from moe_onnx.ops._common import check_node_attributes, elem_of
+from moe_onnx.ops._common import BF16_OPERANDS, check_node_attributes, elem_of
+from moe_onnx.verify import BF16_COMPUTE_TOLERANCE, BF16_ROUNDING
 
 
 @dataclasses.dataclass
@@ -125,6 +126,51 @@ class Case:
             for out in model.graph.output:
                 out.CopyFrom(helper.make_tensor_value_info(out.name, fallback, None))
             return model
+
+
+def bf16_product_bound(a: np.ndarray, w: np.ndarray) -> float:
+    """The most any element of ``a @ w`` (a [M, K], w [K, N]) computed from ``bf16(a) @ bf16(w)`` in float32
+    can differ from the exact product: rounding to nearest even moves each operand by at most 2^-9 of itself
+    (BF16_ROUNDING), so each of the K products by (2 * 2^-9 + 2^-18) |a w|, and the element by that times
+    sum_k |a_k| |w_k| (<= K max|a| max|w|). The float32 accumulation's own error is level 0's, in the case's
+    tolerance already. Values that are not finite count as 0 (they make the same inf/nan either way)."""
+    magnitude = _finite_abs(a) @ _finite_abs(w)
+    return (2 * BF16_ROUNDING + BF16_ROUNDING ** 2) * float(magnitude.max(initial=0.0))
+
+
+def _finite_abs(a: np.ndarray) -> np.ndarray:
+    a = np.abs(a.astype(np.float64))
+    return np.where(np.isfinite(a), a, 0.0)
+
+
+def _finite_max(a: np.ndarray) -> float:
+    """The largest finite |value| of an array (0 when it has none or is not floating-point)."""
+    return float(_finite_abs(a).max(initial=0.0)) if a.dtype.kind in "fV" else 0.0
+
+
+def bf16_tolerance(case: Case, outputs) -> float:
+    """The absolute error accuracy_level 3 (bfloat16 GEMM operands) may add to the outputs of ``case`` (valid;
+    ``outputs``: its reference's). MoeRowParallelLinear, one GEMM: :func:`bf16_product_bound` of X and each
+    expert's W (B stays float32). MOE and QMOE, two GEMMs with an activation between: that worst case,
+    carried through both GEMMs, is several times the outputs of random data, so the bound is the one
+    ``moe-onnx optimize --verify`` holds each block to, BF16_COMPUTE_TOLERANCE (6 * 2^-9, derived in
+    moe_onnx/verify.py) of the largest finite |output|: K terms of either sign add like sqrt(K), and so do
+    their roundings' errors."""
+    if case.op == "MoeRowParallelLinear":
+        x, _, w = case.padded_inputs()[:3]
+        if x.size == 0 or w.size == 0:
+            return 0.0
+        rows = x.reshape(-1, w.shape[-1])
+        return max(bf16_product_bound(rows, expert.T) for expert in w)
+    return BF16_COMPUTE_TOLERANCE * max((_finite_max(out) for out in outputs), default=0.0)
+
+
+def bf16_compute(case: Case, name: str) -> Case:
+    """``case`` at accuracy_level 3 (bfloat16 GEMM operands allowed): the reference's exact result within the
+    case's atol plus :func:`bf16_tolerance`. The kernels round where the CPU has AMX-BF16 or AVX512-BF16 and
+    compute exactly elsewhere; both must pass."""
+    return case.mutated(name, None, accuracy_level=BF16_OPERANDS,
+                        atol=case.atol + bf16_tolerance(case, case.run_reference()))
 
 
 def onnx_elem(array: np.ndarray) -> int:

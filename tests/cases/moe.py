@@ -7,7 +7,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from . import Case
+from . import Case, bf16_compute
 
 OP = "MOE"
 GEMM2, GEMM3, GEMM2_ACT = "GEMM2_BIAS_SWIGLU_CLAMP", "GEMM3_SWIGLU", "GEMM2_ACT"
@@ -58,8 +58,9 @@ SCALAR_ACTIVATIONS = {
 
 
 def oracle(x, weights, indices, w0, b0, w1, b1, w2, *, expert_type, expert_alpha=1.0, expert_beta=0.0, gate_parity=0,
-           activation=""):
-    """Token by token, slot by slot, in float64: written apart from the reference on purpose."""
+           activation="", accuracy_level=0):
+    """Token by token, slot by slot, in float64: written apart from the reference on purpose (exact at every
+    accuracy_level)."""
     flat = x.reshape(int(np.prod(x.shape[:-1])), x.shape[-1]).astype(np.float64)
     k = indices.shape[-1]
     idx = indices.reshape(-1, k)
@@ -111,6 +112,8 @@ def _act(activation):
 
 
 _base_act = _case("act_relu2_fp32", _act("relu2"))
+_k_blocks_over_512_gemm3 = _case("gemm3_k_blocks_over_512", G3, tokens=9, hidden=530, inter=520, experts=3, k=2,
+                                 scale=0.2, atol=1e-4)
 
 CASES = [
     _base2,
@@ -143,7 +146,13 @@ CASES = [
     _case("more_tokens", G3, tokens=65, hidden=16, inter=12, experts=8, k=2),
     # K > 512 (the C++ GEMM blocks K by 512); outputs reach ~30, so rounding allows ~1e-4 absolute
     _case("k_blocks_over_512", G2, tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2, atol=1e-4),
-    _case("gemm3_k_blocks_over_512", G3, tokens=9, hidden=530, inter=520, experts=3, k=2, scale=0.2, atol=1e-4),
+    _k_blocks_over_512_gemm3,
+    # accuracy_level 3: bfloat16 GEMM operands allowed (rows enough for the kernels' prefill paths too)
+    bf16_compute(_case("gemm2_more_tokens", G2, tokens=40), "gemm2_bf16_compute"),
+    bf16_compute(_case("gemm3_fp16_more_tokens", G3, tokens=40, dtype=np.float16), "gemm3_fp16_bf16_compute"),
+    bf16_compute(_case("act_silu_bf16", _act("silu"), dtype=BF16, tokens=40), "act_silu_bf16_bf16_compute"),
+    bf16_compute(_case("gemm3_empty", G3, tokens=0), "empty_bf16_compute"),
+    bf16_compute(_k_blocks_over_512_gemm3, "gemm3_k_blocks_over_512_bf16_compute"),
     Case("MOE", "routing_rank3", [_x, _w.reshape(7, 1, 2), _i.reshape(7, 1, 2), *_base2.inputs[3:]], dict(G2),
          constant=WEIGHTS),
     # GEMM2_ACT: every activation, with and without biases, each float type, the edge cases
@@ -202,8 +211,12 @@ CASES = [
                    tp_rank_id=-1),
     _base2.mutated("attr_misspelled", r"attribute 'expert_alhpa' is not an attribute of MOE; expected one of "
             r"'expert_type', 'expert_alpha', 'expert_beta', 'gate_parity', 'activation', 'tp_world_size', "
-            r"'tp_rank_id'$", session=True,
+            r"'tp_rank_id', 'accuracy_level'$", session=True,
             expert_alhpa=1.0),
+    _base2.mutated("accuracy_level_4", r"attribute 'accuracy_level' is 4; expected one of 0, 3$", accuracy_level=4),
+    _base3.mutated("accuracy_level_1", r"attribute 'accuracy_level' is 1; expected one of 0, 3$", accuracy_level=1),
+    _base2.mutated("attr_accuracy_level_float", r"attribute 'accuracy_level' has type FLOAT; expected INT$",
+                   accuracy_level=3.0),
     # errors: shapes and types
     _base2.mutated("hidden_rank1", r"input 'hidden_states' has rank 1 .*expected rank >= 2", hidden_states=_x[0]),
     _base2.mutated("weight_0_rank2", r"input 'weight_0' has rank 2 .*expected rank 3",

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from . import Case
+from . import Case, bf16_compute
 from .moe import BF16, GEMM2, GEMM2_ACT, GEMM3, SCALAR_ACTIVATIONS, TOL
 
 OP = "QMOE"
@@ -233,6 +233,13 @@ CASES = [
     _case("gemm3_int8_bf16_int8_activations", G3, dtype=BF16, bits=8, accuracy_level=4),
     _base2.mutated("zero_tokens_int8_activations", None, accuracy_level=4,
                    hidden_states=np.where(np.arange(7)[:, None] == 2, 0, _x).astype(np.float32)),
+    # accuracy_level 3: bfloat16 GEMM operands allowed (40 tokens: rows enough for the dequantizing prefill path)
+    bf16_compute(_case("gemm2_int4_block32_more_tokens", G2, tokens=40, block_size=32), "gemm2_int4_bf16_compute"),
+    bf16_compute(_case("gemm3_int8_zero_points_fp16_more_tokens", G3, tokens=40, bits=8, zero_points=True,
+                       dtype=np.float16), "gemm3_int8_fp16_bf16_compute"),
+    bf16_compute(_case("gemm2_mxfp4_more_tokens", G2, tokens=40, quant_type="mxfp4", block_size=32),
+                 "gemm2_mxfp4_bf16_compute"),
+    bf16_compute(_case("act_relu2_int4", _act("relu2"), tokens=3), "act_relu2_decode_bf16_compute"),
     # routing and shapes
     _case("gemm2_gate_parity_1", {**G2, "gate_parity": 1}, block_size=16),
     _case("gemm2_no_clamp", {**G2, "expert_beta": float("inf")}, scale=3.0),
@@ -288,14 +295,15 @@ CASES += [
                           r"\(the K of input 'weight_0'\)$", block_size=32),
     _base2.mutated("quant_type_unknown", r"attribute 'quant_type' is 'fp4'; expected one of 'int', 'mxfp4'$",
                    quant_type="fp4"),
-    _base2.mutated("accuracy_level_1", r"attribute 'accuracy_level' is 1; expected one of 0, 4$", accuracy_level=1),
+    _base2.mutated("accuracy_level_1", r"attribute 'accuracy_level' is 1; expected one of 0, 3, 4$",
+                   accuracy_level=1),
     _mx.mutated("mxfp4_bits_8", r"attribute 'bits' is 8; quant_type 'mxfp4' expects 4$", bits=8),
     _mx.mutated("mxfp4_block_size_0", r"attribute 'block_size' is 0; quant_type 'mxfp4' expects 32$",
                 block_size=None),
     _mx.mutated("mxfp4_block_size_16", r"attribute 'block_size' is 16; quant_type 'mxfp4' expects 32$",
                 block_size=16),
-    _mx.mutated("mxfp4_int8_activations", r"attribute 'accuracy_level' is 4; quant_type 'mxfp4' expects 0 \(int8 "
-                r"activations are for quant_type 'int'\)$", accuracy_level=4),
+    _mx.mutated("mxfp4_int8_activations", r"attribute 'accuracy_level' is 4; quant_type 'mxfp4' expects 0 or 3 "
+                r"\(int8 activations are for quant_type 'int'\)$", accuracy_level=4),
     _mx.mutated("mxfp4_zero_points", r"input 'zero_points_0' is given; quant_type 'mxfp4' has no zero points: "
                 r"leave it empty$", zero_points_0=np.zeros((4, 64, 1), np.uint8)),
     _mx.mutated("mxfp4_float_scales", r"input 'scales_0' has type float32; quant_type 'mxfp4' expects uint8$",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from . import Case
+from . import Case, bf16_compute
 
 OP = "MoeRowParallelLinear"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -58,6 +58,7 @@ _base = _case("fp32")
 _x, _off, _w, _b = _base.inputs
 _int8 = _case("int8", dtype=np.int8)
 _fp16 = _case("fp16", dtype=np.float16)
+_more_rows = _case("more_rows", lead=(40,), k=16, n=12, offsets=(0, 3, 3, 10, 18, 18, 30, 37, 40), seed=3)
 _SIZES = dict(num_experts=4, in_features=8, out_features=5)
 _STATIC_OFFSETS = (OFFSET, W, B)
 
@@ -91,7 +92,11 @@ CASES = [
     _case("zero_rows", lead=(0,), offsets=(0, 0, 0, 0, 0)),
     _case("zero_rows_rank3", lead=(2, 0), offsets=(0, 0, 0), constant=_STATIC_OFFSETS),
     _case("one_row", lead=(1,), offsets=(0, 0, 1, 1, 1)),
-    _case("more_rows", lead=(40,), k=16, n=12, offsets=(0, 3, 3, 10, 18, 18, 30, 37, 40), seed=3),
+    _more_rows,
+    # accuracy_level 3: bfloat16 GEMM operands allowed
+    bf16_compute(_more_rows, "bf16_compute"),
+    bf16_compute(_case("fp16", dtype=np.float16, offsets=(1, 1, 6, 7)), "fp16_bf16_compute"),
+    bf16_compute(_case("bf16", dtype=BF16), "bf16_bf16_compute"),
     _base.mutated("nan_in_uncovered_row_stays_out", None,
             X=np.where(np.arange(7)[:, None] == 6, np.nan, _x).astype(np.float32),
             expert_offset=np.array([0, 2, 2, 5, 6])),
@@ -139,8 +144,15 @@ CASES = [
                   tp_world_size=4, tp_rank_id=4),
     _base.mutated("attr_misspelled", r"attribute 'bias_terms' is not an attribute of MoeRowParallelLinear; "
             r"expected one of 'num_experts', 'in_features', 'out_features', 'bias_term', 'input_is_parallel', "
-            r"'tp_world_size', 'tp_rank_id'$",
+            r"'tp_world_size', 'tp_rank_id', 'accuracy_level'$",
             session=True, bias_terms=1),
+    _base.mutated("accuracy_level_4", r"attribute 'accuracy_level' is 4; expected one of 0, 3$", accuracy_level=4),
+    _int8.mutated("int8_accuracy_level_3", r"attribute 'accuracy_level' is 3; int8 X expects 0 \(the int8 product "
+                  r"is exact int32\)$", accuracy_level=3),
+    _int8.mutated("int8_accuracy_level_1", r"attribute 'accuracy_level' is 1; expected one of 0, 3$",
+                  accuracy_level=1),
+    _base.mutated("attr_accuracy_level_string", r"attribute 'accuracy_level' has type STRING; expected INT$",
+                  accuracy_level="3"),
     _base.mutated("bias_wrong_n", r"input 'B' dim 1 is 3; expected N = 5 \(from input 'W' dim 1\)", B=_b[:, :3]),
     _base.mutated("bias_wrong_e", r"input 'B' dim 0 is 3; expected E = 4 \(from input 'W' dim 0\)", B=_b[:3]),
     _base.mutated("bias_rank1", r"input 'B' has rank 1 .*expected rank 2", B=_b[0]),
