@@ -20,6 +20,7 @@ struct MoeKernel {
   std::string where;
   ExpertConfig config;
   int64_t tp_size = 1, tp_rank = 0;
+  int64_t accuracy_level = 0;  // 3: the bf16 GEMM where the table has one (packed_weights.h: weight_format)
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
   WorkspacePool workspaces{kKeptRunWorkspaces};

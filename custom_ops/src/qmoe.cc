@@ -6,7 +6,8 @@
 //    session), else packed per run for the experts in use.
 //    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
 //    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
-// 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels.
+// 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels (accuracy_level
+//    3, where the ISA table has a bf16 GEMM: prefill-sized tasks into bf16 pair panels, qgemm.h).
 #include "qmoe.h"
 
 #include <algorithm>
@@ -167,6 +168,7 @@ QuantPanels layout_of(const Quantization& q, int64_t K, bool zero_points) {
   p.block = q.block_size > 0 ? q.block_size : K;
   p.zero_points = zero_points;
   p.int8_activations = q.int8_activations;
+  p.bf16_prefill = q.bf16_prefill;
   return p;
 }
 
@@ -289,20 +291,21 @@ Quantization read_quantization(const Attributes& attrs) {
   q.mxfp4 = attrs.choice<QuantType>() == QuantType::kMxfp4;
   q.bits = attrs.choice("bits", {4, 8});
   q.block_size = attrs.get_int("block_size");
-  const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 4});
+  const int64_t accuracy_level = attrs.choice("accuracy_level", {0, 3, 4});
   const std::string block_size = std::to_string(q.block_size);
   if (q.mxfp4) {
     const std::string expects = "; " + quant_type_words(QuantType::kMxfp4) + " expects ";
     if (q.bits != 4) attrs.fail("bits", "is " + std::to_string(q.bits) + expects + "4");
     if (q.block_size != 32) attrs.fail("block_size", "is " + block_size + expects + "32");
-    if (accuracy_level != 0)
-      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) + expects +
-                                       "0 (int8 activations are for " + quant_type_words(QuantType::kInt) + ")");
+    if (accuracy_level == 4)
+      attrs.fail("accuracy_level", "is " + std::to_string(accuracy_level) + expects + "0 or 3 (int8 activations are for " +
+                                       quant_type_words(QuantType::kInt) + ")");
   } else if (q.block_size != 0 &&
              !(q.block_size >= 16 && q.block_size <= 256 && (q.block_size & (q.block_size - 1)) == 0)) {
     attrs.fail("block_size", "is " + block_size + "; expected 0 or a power of two in [16, 256]");
   }
   q.int8_activations = accuracy_level == 4;
+  q.bf16_prefill = accuracy_level == 3 && bf16_compute_available();
   return q;
 }
 

@@ -124,7 +124,12 @@ def _tp_attrs(what: str) -> tuple[Attr, ...]:
 MOE = dataclasses.replace(MOE, attributes=(*MOE.attributes, *_tp_attrs(
     "the weights hold this rank's slice of the intermediate size I (docs/distributed.md); the partial y "
     "of every rank is summed over the group in float32 (the all-reduce) and rounded once to T. The down "
-    "bias (bias_1) counts once: only tp_rank_id 0 adds it.")))
+    "bias (bias_1) counts once: only tp_rank_id 0 adds it."), Attr(
+    "accuracy_level", "int", "The least accuracy the expert GEMMs may use, as onnxruntime's MatMulNBits "
+    "attribute of that name. 0: exact float32 (fp16/bf16 inputs widened). 3: each GEMM may round both its "
+    "operands (the activation rows and the weights) to bfloat16, round to nearest even, and accumulate in "
+    "float32; biases, the activation, the routing weights and the sum over the slots stay float32. Where the "
+    "CPU has no bf16 dot-product instruction (AMX-BF16, AVX512-BF16), 3 computes 0's exact result.", default=0)))
 
 QMOE = Signature(
     name="QMOE",
@@ -165,9 +170,12 @@ QMOE = Signature(
         Attr("quant_type", "string", "int: w = (q - zero_point) * scale; mxfp4: q is an E2M1 code (bits 4, "
              "block_size 32, uint8 E8M0 scales, no zero points), w = e2m1(q) * 2^(s - 127).", default="int",
              choices=("int", "mxfp4")),
-        Attr("accuracy_level", "int", "0: activations stay in floating point (the dequantized weights' exact "
-             "result); 4: activations are quantized to int8 per row and block for int8 dot products "
-             "(quant_type int only). As QMoE's attribute of that name.", default=0),
+        Attr("accuracy_level", "int", "The least accuracy the expert GEMMs may use, as QMoE's attribute of that "
+             "name. 0: activations stay in floating point (the dequantized weights' exact result); 3: as MOE's "
+             "3: rows of more than a few tokens (prefill) may take the dequantized weights and the activation "
+             "rows rounded to bfloat16 with float32 accumulation, where the CPU has AMX-BF16 or AVX512-BF16 "
+             "(decode and other CPUs: 0's result); 4: activations are quantized to int8 per row and block for "
+             "int8 dot products (quant_type int only).", default=0),
     ),
 )
 
@@ -241,6 +249,11 @@ ROW_PARALLEL_LINEAR = Signature(
                                          "its own X_d. No effect on one process.", default=0),
         *_tp_attrs("W holds this rank's K-slice W_d; the partials are summed over the group (float32 for "
                    "floating-point X, int32 for int8) and B is added once, after."),
+        Attr("accuracy_level", "int", "The least accuracy the GEMM may use, as MOE's. 0: exact (float32 "
+             "accumulation; int8: int32). 3 (floating-point X only): X's rows and W may be rounded to bfloat16, "
+             "round to nearest even, with float32 accumulation; B stays float32. Where the CPU has no bf16 "
+             "dot-product instruction (AMX-BF16, AVX512-BF16), 3 computes 0's exact result. int8 X must "
+             "leave 0 (its int32 product is exact).", default=0),
     ),
 )
 
