@@ -157,8 +157,8 @@ void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, i
     return;
   }
   if (layout.int8_activations) return int8_activation_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
+  if (layout.bf16_prefill && M > kFusedRows) return decode_then_bf16_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
   if (M <= kFusedRows && kernels().quant_fused) return kernels().quant_fused(layout, A, lda, M, B, p0, p1, C, ldc);
-  if (layout.bf16_prefill) return decode_then_bf16_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
   decode_then_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
 }
 

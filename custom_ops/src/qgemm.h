@@ -26,8 +26,8 @@
 // rows get the bits of MOE on the dequantized weights. Either way a row's result depends only on the
 // number of rows its expert has in the call (the task plan's, not the thread count).
 //
-// accuracy level 3 (where the ISA table has a bf16 GEMM, bf16_gemm.h): decode-sized rows as level 0
-// (the fused kernels); more rows dequantize the pair of panels into bf16 pair panels instead (v(q) *
+// accuracy level 3 (where the ISA table has a bf16 GEMM, bf16_gemm.h): up to kFusedRows rows as level
+// 0 (the fused kernels where the table has them); more rows dequantize the pair of panels into bf16 pair panels instead (v(q) *
 // scale rounded once to fp32, then to bf16) and run the bf16 GEMM on the rows rounded to bf16: the
 // bits of MOE at level 3 on the dequantized weights, whose rows go to bf16 the same way.
 //
