@@ -4,7 +4,7 @@ multiples of the pair panel's 32 k and 16 columns, an expert with no tokens, QMO
 
 Each path runs in a fresh process (the ISA table is filled once per process):
 
-  amx          the hardware's TDPBF16PS from kBf16TileRows rows, vdpbf16ps below (where AMX is usable)
+  amx          the hardware's TDPBF16PS from kBf16TileRows (4) rows, vdpbf16ps below (where AMX is usable)
   amx-model    MOE_ONNX_AMX=model: the same kernel code on the model of the tiles (any CPU)
   avx512-bf16  MOE_ONNX_AMX=off: vdpbf16ps for every call (where the CPU has AVX512-BF16)
   portable     MOE_ONNX_GEMM=portable MOE_ONNX_AMX=model: vdpbf16ps's arithmetic in portable code below
@@ -56,13 +56,13 @@ def cases() -> list[Case]:
     """The cases, at accuracy_level 0 (each path also runs them at 3)."""
     rng = np.random.default_rng(7)
     no_expert_3 = np.stack([rng.permutation(3)[:2] for _ in range(37)])  # experts 0-2: ~25 rows each, 3: none
-    linear = linear_cases.make_inputs(offsets=(0, 1, 1, 21, 56), lead=(60,), k=70, n=40)
+    linear = linear_cases.make_inputs(offsets=(0, 3, 3, 7, 58), lead=(60,), k=70, n=40)
     return [
         _moe("gemm2_one_row", G2, tokens=1, hidden=40, inter=24, experts=4),
         _moe("gemm2_k_and_n_tails_idle_expert", G2, tokens=37, hidden=40, inter=24, experts=4, indices=no_expert_3),
         _moe("gemm3_several_row_tiles", G3, tokens=50, hidden=64, inter=48, experts=2, bias=False),
         _moe("gemm2_bf16_weights", G2, tokens=20, hidden=32, inter=16, experts=2, k=1, dtype=BF16),
-        Case("MoeRowParallelLinear", "rows_1_0_20_35_of_60", linear, {}, constant=(2, 3)),
+        Case("MoeRowParallelLinear", "rows_3_0_4_51_of_60", linear, {}, constant=(2, 3)),
         Case("QMOE", "int4_prefill", qmoe_cases.make_inputs(tokens=40, hidden=64, inter=40, experts=2, **_q(G2)),
              dict(G2, bits=4), constant=qmoe_cases.CONSTANT),
         Case("QMOE", "int8_block32_decode", qmoe_cases.make_inputs(tokens=3, hidden=64, inter=32, experts=2, bits=8,
@@ -210,7 +210,7 @@ def test_amx_hardware_is_the_model(paths):
 
 def test_portable_kernel_is_vdpbf16ps(paths):
     """The portable kernel (below the model's tiles on CPUs without AVX512-BF16) gives vdpbf16ps's bits:
-    MoeRowParallelLinear's rows of the one-row expert (the others run on the model's tiles in both)."""
+    MoeRowParallelLinear's rows of the 3-row expert (the others run on the model's tiles in both)."""
     _, model = _usable(paths, "amx-model")
     _, portable = _usable(paths, "portable")
     if paths["amx-model"][0]["bf16_gemm"] != "avx512-bf16":

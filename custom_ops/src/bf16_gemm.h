@@ -45,9 +45,10 @@ inline int64_t bf16_row_stride(int64_t K) {
 }
 
 // Rows of a call from which the AMX kernel runs (where the table has one). Measured on a 2-core Xeon
-// with AMX (docs/building.md, "bf16 compute"); the model takes the same rows, so tests cross it on
-// any machine.
-constexpr int64_t kBf16TileRows = 16;
+// with AMX (K=2048, N=1536, 2 threads): with 1-2 rows both stream the weights in about the same time;
+// from 4 rows the tiles take 0.3-0.7x vdpbf16ps's time (docs/building.md, "bf16 compute"). The model
+// takes the same rows, so tests cross it on any machine.
+constexpr int64_t kBf16TileRows = 4;
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * B_p[k, c] for m < M, p in [p0, p1), c < 16: A bf16 rows
 // (lda elements apart, bf16_padded_k(K) elements each, zero past K), B pair panels of K rows, C fp32
