@@ -43,15 +43,21 @@ void write_zeros(ElemType type, const MoeDims& d, char* out) {
   for (int64_t t = 0; t < d.T; ++t) narrow_row(float_type(type), zeros.data(), out + t * d.H * elem_size(type), d.H);
 }
 
-// Steps 2-5 of one Compute on checked inputs, each a parallel pass over the run buffers.
+// Steps 2-5 of one Compute on checked inputs, each a parallel pass over the run buffers. The GEMMs'
+// rows (xs, act) are fp32, or bf16 when the weights are bf16 pair panels (accuracy_level 3,
+// bf16_gemm.h): then gather_rows rounds hidden_states' rows to bf16 and gate_up its activations, each
+// value once.
 struct MoeRun {
   Ort::KernelContext& ctx;
   const MoeDims& d;
   const SlotsByExpert& sorted;  // the T*k slots by expert: rows of xs, act in this order
   const PackedExperts& weights;
   Workspace& ws;                // the run's buffers
-  int64_t ldx = 0, ldact = 0;  // row strides of xs and act
+  int64_t ldx = 0, ldact = 0;  // row strides of xs and act (elements)
   float *xs = nullptr, *act = nullptr, *y = nullptr;
+  uint16_t *xs16 = nullptr, *act16 = nullptr;  // bf16 rows in place of xs, act
+
+  bool bf16_rows() const { return weights.matrices[GATE_UP].takes_bf16_rows(); }
 
   int64_t slots() const { return d.T * d.k; }
   std::vector<Task> tasks(const PackedWeights& w) const {
@@ -59,28 +65,43 @@ struct MoeRun {
   }
 
   // xs[position] = the hidden_states row of the slot at that sorted position, as fp32.
+  // (bf16 rows: xs16, zero padded to bf16_padded_k(H).)
   void gather_rows(const Input& x) {
-    ldx = gemm_row_stride(d.H);
-    xs = ws.take<float>(slots() * ldx, "the gathered rows");
+    const bool bf16 = bf16_rows();
+    ldx = bf16 ? bf16_row_stride(d.H) : gemm_row_stride(d.H);
+    if (bf16)
+      xs16 = ws.take<uint16_t>(slots() * ldx, "the gathered rows");
+    else
+      xs = ws.take<float>(slots() * ldx, "the gathered rows");
     const size_t row_bytes = static_cast<size_t>(d.H) * elem_size(x.type);
     const FloatType x_type = float_type(x.type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
     parallel_for(ctx, n_chunks, [&](size_t c) {
       const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
-      for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos)
-        widen_row(x_type, static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes, xs + pos * ldx,
-                  d.H);
+      for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos) {
+        const char* row = static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes;
+        if (bf16)
+          bf16_row(x_type, row, d.H, xs16 + pos * ldx);
+        else
+          widen_row(x_type, row, xs + pos * ldx, d.H);
+      }
     });
   }
 
   // act = activation(xs @ W0 (+ b0)), I columns (rounded up to the half panel, GEMM2_ACT: the panel)
-  // per row.
+  // per row. (bf16 rows: act16, each task's activations rounded from an fp32 tile; the task of the last
+  // panels writes the zeros up to bf16_padded_k(I), down's K.)
   void gate_up(const ExpertConfig& config) {
     const PackedWeights& w = weights.matrices[GATE_UP];
+    const bool bf16 = bf16_rows();
     const int64_t act_columns = config.gated() ? kHalfPanel : kPanel;  // per panel of W0
-    ldact = gemm_row_stride(w.panels() * act_columns);
-    act = ws.take<float>(slots() * ldact, "the activations");
+    const int64_t act_width = w.panels() * act_columns, down_k = weights.matrices[DOWN].K();
+    ldact = bf16 ? bf16_row_stride(down_k) : gemm_row_stride(act_width);
+    if (bf16)
+      act16 = ws.take<uint16_t>(slots() * ldact, "the activations");
+    else
+      act = ws.take<float>(slots() * ldact, "the activations");
     const std::vector<Task> plan = tasks(w);
     parallel_for(ctx, plan.size(), [&](size_t ti) {
       const Task& t = plan[ti];
@@ -88,14 +109,27 @@ struct MoeRun {
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
       Scratch scratch;
       float* C = scratch.take<float>(t.rows * ldc, "a task's gate/up tile");
-      w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
+      if (bf16)
+        w.multiply(slot, xs16 + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
+      else
+        w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
       const float* bias = w.bias_at(slot);
       if (bias) bias += t.p0 * kPanel;
-      float* dst = act + t.row0 * ldact + t.p0 * act_columns;
+      const int64_t width = (t.p1 - t.p0) * act_columns;  // the task's activations per row
+      float* dst = bf16 ? scratch.take<float>(t.rows * width, "a task's activations")
+                        : act + t.row0 * ldact + t.p0 * act_columns;
+      const int64_t ldd = bf16 ? width : ldact;
       if (config.gated())
-        config.activation.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
+        config.activation.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldd);
       else
-        config.pointwise.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldact);
+        config.pointwise.apply(C, ldc, bias, t.rows, t.p1 - t.p0, dst, ldd);
+      if (!bf16) return;
+      const int64_t pad = t.p1 == w.panels() ? bf16_padded_k(down_k) - act_width : 0;
+      for (int64_t r = 0; r < t.rows; ++r) {
+        uint16_t* row = act16 + (t.row0 + r) * ldact + t.p0 * act_columns;
+        round_to_bf16(FloatType::kF32, dst + r * width, width, row);
+        std::fill(row + width, row + width + pad, uint16_t{0});
+      }
     });
   }
 
@@ -112,7 +146,10 @@ struct MoeRun {
       const int64_t ldc = (t.p1 - t.p0) * kPanel;
       Scratch scratch;
       float* C = scratch.take<float>(t.rows * ldc, "a task's down tile");
-      w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
+      if (bf16_rows())
+        w.multiply(slot, act16 + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
+      else
+        w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
       const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
       const float* b = add_bias ? w.bias_at(slot) + h0 : nullptr;
       for (int64_t r = 0; r < t.rows; ++r) {

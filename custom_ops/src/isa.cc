@@ -188,6 +188,24 @@ void fill_avx512(KernelTable& t) {
 #endif
 }
 
+// The bf16 GEMM's slots (bf16_gemm.h): vdpbf16ps where the table has AVX512-BF16; AMX-BF16's tiles
+// (the hardware, or the model) with, below their rows, vdpbf16ps or, without it, its arithmetic in
+// portable code. Neither: no bf16 GEMM, and accuracy_level 3 runs level 0's kernels.
+void fill_bf16(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_AVX512_BF16)
+  if (t.avx512_bf16) t.bf16_gemm = {detail::bf16_gemm_avx512bf16, "avx512-bf16"};
+#endif
+  if (!t.amx_bf16) return;
+  if (t.amx == AmxState::kModelled) {
+    t.bf16_gemm_tiles = {detail::bf16_gemm_amx_model, "amx-model"};
+  } else {
+#if defined(MOE_ONNX_HAVE_AMX)
+    t.bf16_gemm_tiles = {detail::bf16_gemm_amx, "amx"};
+#endif
+  }
+  if (!t.bf16_gemm) t.bf16_gemm = {detail::bf16_gemm_portable, "portable"};
+}
+
 KernelTable fill() {
   const AmxMode mode = amx_mode();
   const std::optional<IsaLevel> requested = requested_level();
@@ -208,6 +226,7 @@ KernelTable fill() {
   fill_portable(t);
   if (at_least(t.level, IsaLevel::kAvx2)) fill_avx2(t);
   if (at_least(t.level, IsaLevel::kAvx512)) fill_avx512(t);
+  fill_bf16(t);
   return t;
 }
 
@@ -256,6 +275,8 @@ std::string KernelTable::report() const {
   add("quant_dots", quant_dots.name);
   add("gated_activation", gated_activation.name);
   add("pointwise_activation", pointwise_activation.name);
+  add("bf16_gemm", bf16_gemm.name);
+  add("bf16_gemm_tiles", bf16_gemm_tiles.name);
   add("avx512_vnni", yes_no(avx512_vnni));
   add("avx512_bf16", yes_no(avx512_bf16));
   add("amx_int8", yes_no(amx_int8));

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "activation.h"
+#include "bf16_gemm.h"
 #include "float_convert.h"
 #include "gemm.h"
 #include "int8_gemm.h"
@@ -89,6 +90,11 @@ struct KernelTable {
   Slot<detail::QuantDotFn> quant_dots;
   Slot<detail::GatedKernel*> gated_activation;  // activation.h
   Slot<detail::PointwiseKernel*> pointwise_activation;
+  // bf16_gemm.h (accuracy_level 3): filled only where the table has a bf16 dot-product instruction
+  // (AVX512-BF16, or AMX-BF16: the hardware or its model). bf16_gemm takes the calls of fewer than
+  // kBf16TileRows rows (and all of them without AMX-BF16), bf16_gemm_tiles the others.
+  Slot<detail::Bf16GemmFn> bf16_gemm;
+  Slot<detail::Bf16GemmFn> bf16_gemm_tiles;
 
   // "key=value;..." of the level, every slot's kernel, the capabilities and the AMX state and reason
   // (values hold no ';').

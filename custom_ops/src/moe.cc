@@ -23,7 +23,9 @@
 // Weights are packed into the GEMM's panels (packed_weights.h), in their own type (fp16/bf16 stay
 // 16-bit and are widened in the micro-kernel): once at kernel creation when they are initializers
 // (KernelInfo::GetTensorConstantInput, API 15+; a few threads) and pass Compute's checks of the
-// weights (validate_weights), else per Compute for the experts in use.
+// weights (validate_weights), else per Compute for the experts in use. accuracy_level 3, where the
+// ISA table has a bf16 GEMM: in bf16 pair panels (weights rounded to bf16), the rows of both GEMMs
+// rounded to bf16 (bf16_gemm.h); elsewhere level 0's kernels.
 //
 // Steps 2-5 (and the attributes, the indices' check) are shared with QMOE: expert_block.h.
 #include "moe.h"
@@ -75,12 +77,15 @@ MoeDims validate(const MoeKernel& kernel, const Checker& v) {
 
 // Room for the experts in `slots`: gate/up B [H, 2I] in gate/up panels (GEMM2_ACT: up B [H, I] in
 // plain panels), with the bias for the types that have one, and down B [I, H] with its bias (zeros
-// when there is none).
-PackedExperts empty_pack(ExpertType type, const std::vector<Input>& inputs, int64_t H, int64_t I, ExpertSlots slots) {
+// when there is none), in the format of the weights' type and the node's accuracy_level.
+PackedExperts empty_pack(ExpertType type, int64_t accuracy_level, const std::vector<Input>& inputs, int64_t H, int64_t I,
+                         ExpertSlots slots) {
   PackedExperts p;
-  const WeightFormat format = weight_format(inputs[W0].type);
-  p.matrices.emplace_back(format, type != ExpertType::kGemm2Act ? 2 * I : I, H, slots.count(), type != ExpertType::kGemm3Swiglu);
-  p.matrices.emplace_back(format, H, I, slots.count(), true);
+  const WeightFormat format = weight_format(inputs[W0].type, accuracy_level);
+  const FloatType source = float_type(inputs[W0].type);
+  p.matrices.emplace_back(format, type != ExpertType::kGemm2Act ? 2 * I : I, H, slots.count(),
+                          type != ExpertType::kGemm3Swiglu, source);
+  p.matrices.emplace_back(format, H, I, slots.count(), true, source);
   p.slots = std::move(slots);
   return p;
 }
@@ -124,7 +129,7 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
 // weights' data, whatever E is); else null (Compute packs per run and reports any error in the
 // reference's order).
 std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const std::string& where,
-                                                     const ExpertConfig& config) {
+                                                     const ExpertConfig& config, int64_t accuracy_level) {
   std::vector<Input> inputs(N_INPUTS);
   for (int i : {W0, B0, W1, B1, W2}) {
     if (!node_has_input(kinfo, i)) continue;
@@ -146,7 +151,8 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   }
   const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
   if (H == 0 || I == 0) return nullptr;
-  auto packed = std::make_unique<PackedExperts>(empty_pack(config.type, inputs, H, I, ExpertSlots::all(E)));
+  auto packed =
+      std::make_unique<PackedExperts>(empty_pack(config.type, accuracy_level, inputs, H, I, ExpertSlots::all(E)));
   pack_on_own_threads(E, [&](int64_t slot) { pack_slot(config.type, config.parity, inputs, *packed, slot); });
   return packed;
 }
@@ -167,7 +173,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   accuracy_level = attrs.choice("accuracy_level", {0, 3});
-  constant = pack_constant_weights(kinfo, where, config);
+  constant = pack_constant_weights(kinfo, where, config, accuracy_level);
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -183,12 +189,12 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   check_indices(inputs[INDICES], d.E, where);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
   const ExpertType type = config.type;
-  const int64_t parity = config.parity;
+  const int64_t parity = config.parity, level = accuracy_level;
   run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
               [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
                 return experts_for_run(
                     ctx, constant.get(), sorted.start.data(), d.E, local,
-                    [&](ExpertSlots slots) { return empty_pack(type, inputs, d.H, d.I, std::move(slots)); },
+                    [&](ExpertSlots slots) { return empty_pack(type, level, inputs, d.H, d.I, std::move(slots)); },
                     [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
               },
               static_cast<char*>(out_value.GetTensorMutableRawData()), TensorParallel{group, where.c_str()});

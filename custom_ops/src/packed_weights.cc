@@ -14,6 +14,7 @@
 
 #include "allocation.h"
 #include "int8_gemm.h"
+#include "isa.h"
 
 namespace moe_onnx {
 namespace {
@@ -46,6 +47,7 @@ size_t element_bytes(WeightFormat format) {
 // Packed elements of one expert's B [K, N].
 int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
   if (format == WeightFormat::kInt8Quads) return panel_count(N) * int8_quad_panel_bytes(K);
+  if (format == WeightFormat::kBF16Pairs) return panel_count(N) * bf16_pair_panel_elements(K);
   return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
 }
 
@@ -55,13 +57,15 @@ template <WeightFormat F>
 int64_t column_offset(int64_t K, int64_t panel, int64_t lane) {
   if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel + lane * 2;
   if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K) + kInt8QuadHeader + lane * 4;
+  if (F == WeightFormat::kBF16Pairs) return panel * bf16_pair_panel_elements(K) + lane * 2;
   if (F == WeightFormat::kBF16) return panel * K * kPanel + bf16_lane(lane);
   return panel * K * kPanel + lane;
 }
 template <WeightFormat F>
 int64_t row_offset(int64_t k) {
   if (F == WeightFormat::kInt8Quads) return (k / 4) * 4 * kPanel + k % 4;
-  return F == WeightFormat::kInt8 ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
+  const bool pairs = F == WeightFormat::kInt8 || F == WeightFormat::kBF16Pairs;
+  return pairs ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
 }
 
 // The panels' element type of a float format.
@@ -97,13 +101,16 @@ void store_quad_corrections(int8_t* panels, int64_t count, int64_t K) {
 }
 
 // Copies the columns of src into dst (one expert's panels of format F, K rows); Src is the weight
-// tensor's element, Dst the panels' (int8 is widened to int16, the others are copied as bits).
-template <WeightFormat F, class Src, class Dst>
-void place(const ColumnSource& src, int64_t K, Dst* dst) {
+// tensor's element, Dst the panels', `convert` one to the other (by default int8 is widened to int16,
+// the others are copied as bits).
+template <WeightFormat F, class Src, class Dst, class Convert>
+void place(const ColumnSource& src, int64_t K, Dst* dst, Convert&& convert) {
   const Src* in = static_cast<const Src*>(src.data) + src.first;
   std::vector<int64_t> column(static_cast<size_t>(src.columns));
   for (int64_t c = 0; c < src.columns; ++c) column[c] = column_offset<F>(K, c / src.width, src.lane0 + c % src.width);
-  auto put = [&](int64_t k, int64_t c) { dst[column[c] + row_offset<F>(k)] = in[k * src.k_stride + c * src.c_stride]; };
+  auto put = [&](int64_t k, int64_t c) {
+    dst[column[c] + row_offset<F>(k)] = convert(in[k * src.k_stride + c * src.c_stride]);
+  };
   if (src.c_stride == 1) {  // read the source in its memory order
     for (int64_t k = 0; k < K; ++k)
       for (int64_t c = 0; c < src.columns; ++c) put(k, c);
@@ -112,10 +119,30 @@ void place(const ColumnSource& src, int64_t K, Dst* dst) {
       for (int64_t k = 0; k < K; ++k) put(k, c);
   }
 }
+template <WeightFormat F, class Src, class Dst>
+void place(const ColumnSource& src, int64_t K, Dst* dst) {
+  place<F, Src>(src, K, dst, [](Src value) { return static_cast<Dst>(value); });
+}
+
+// Weights of `source` type into bf16 pair panels, rounded to nearest even.
+void place_bf16_pairs(FloatType source, const ColumnSource& src, int64_t K, uint16_t* dst) {
+  constexpr WeightFormat F = WeightFormat::kBF16Pairs;
+  switch (source) {
+    case FloatType::kF32: return place<F, float>(src, K, dst, float_to_bf16);
+    case FloatType::kF16:
+      return place<F, uint16_t>(src, K, dst, [](uint16_t h) { return float_to_bf16(half_to_float(h)); });
+    case FloatType::kBF16: return place<F, uint16_t>(src, K, dst);
+  }
+}
 
 }  // namespace
 
-WeightFormat weight_format(ElemType weights) {
+bool bf16_compute_available() { return static_cast<bool>(kernels().bf16_gemm); }
+
+WeightFormat weight_format(ElemType weights, int64_t accuracy_level) {
+  const bool floats = weights == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT || weights == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
+                      weights == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+  if (floats && accuracy_level == 3 && bf16_compute_available()) return WeightFormat::kBF16Pairs;
   switch (weights) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return WeightFormat::kF16;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return WeightFormat::kBF16;
@@ -125,17 +152,18 @@ WeightFormat weight_format(ElemType weights) {
   }
 }
 
-PackedWeights::PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias)
+PackedWeights::PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias,
+                             FloatType source)
     : PackedWeights(format, QuantPanels{}, N, K, slot_elements(format, N, K) * static_cast<int64_t>(element_bytes(format)),
-                    slots, with_bias) {}
+                    slots, with_bias, source) {}
 
 PackedWeights::PackedWeights(const QuantPanels& layout, int64_t N, int64_t slots, bool with_bias)
     : PackedWeights(WeightFormat::kQuantized, layout, N, layout.K, panel_count(N) * layout.panel_bytes(), slots,
-                    with_bias) {}
+                    with_bias, FloatType::kF32) {}
 
 PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes,
-                             int64_t slots, bool with_bias)
-    : format_(format), quant_(layout), N_(N), K_(K), slot_bytes_(slot_bytes) {
+                             int64_t slots, bool with_bias, FloatType source)
+    : format_(format), source_(source), quant_(layout), N_(N), K_(K), slot_bytes_(slot_bytes) {
   const auto bytes = static_cast<unsigned __int128>(slots) * static_cast<uint64_t>(slot_bytes_);
   try {
     if (bytes > SIZE_MAX) throw std::bad_alloc();
@@ -156,6 +184,7 @@ void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
     case WeightFormat::kInt8Quads:
       place<WeightFormat::kInt8Quads, int8_t>(src, K_, reinterpret_cast<int8_t*>(dst));
       return store_quad_corrections(reinterpret_cast<int8_t*>(dst), panels(), K_);
+    case WeightFormat::kBF16Pairs: return place_bf16_pairs(source_, src, K_, reinterpret_cast<uint16_t*>(dst));
     case WeightFormat::kQuantized: throw std::logic_error("internal: quantized panels are packed by pack_quantized");
   }
 }
@@ -196,7 +225,14 @@ void PackedWeights::multiply(int64_t slot, const float* A, int64_t lda, int64_t 
                              int64_t ldc) const {
   if (format_ == WeightFormat::kQuantized) return quant_gemm_panels(quant_, A, lda, M, at(slot), p0, p1, C, ldc);
   if (is_int8(format_)) throw std::logic_error("internal: int8 panels multiply prepared int8 rows");
+  if (format_ == WeightFormat::kBF16Pairs) throw std::logic_error("internal: bf16 pair panels multiply bf16 rows");
   gemm_panels(panel_type(format_), A, lda, M, K_, at(slot), p0, p1, C, ldc);
+}
+
+void PackedWeights::multiply(int64_t slot, const uint16_t* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
+                             int64_t ldc) const {
+  if (format_ != WeightFormat::kBF16Pairs) throw std::logic_error("internal: bf16 rows multiply bf16 pair panels only");
+  bf16_gemm_panels(A, lda, M, K_, at(slot), p0, p1, C, ldc);
 }
 
 void PackedWeights::multiply(int64_t slot, const void* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, int32_t* C,

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "gemm.h"
 #include "parallel.h"
 #include "qgemm.h"
@@ -33,11 +34,17 @@ namespace moe_onnx {
 //                      multiple of 4 with zeros.
 //   kQuantized         QMOE's int4/int8/E2M1 codes with per-block scales (and zero points), blocks
 //                      of 64-byte code groups (qgemm.h: QuantPanels), decoded in the GEMM.
-enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized };
+//   kBF16Pairs         the bf16 GEMM's pair panels (bf16_gemm.h, accuracy_level 3): [pairs][16][2]
+//                      bf16, the weights rounded to bf16 (nearest even), K padded with zeros to a
+//                      multiple of 32; the activation rows are bf16 too (bf16_row).
+enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized, kBF16Pairs };
 
 // The format that holds weights of this element type (float32, float16, bfloat16 or int8; int8:
-// the layout of the int8 GEMM in use, int8_layout()).
-WeightFormat weight_format(ElemType weights);
+// the layout of the int8 GEMM in use, int8_layout()) for a node's accuracy_level: 3 (float types)
+// takes kBF16Pairs where the ISA table has a bf16 GEMM (isa.h), else the exact format of level 0.
+WeightFormat weight_format(ElemType weights, int64_t accuracy_level = 0);
+// Whether accuracy_level 3 runs the bf16 GEMM here (else level 0's kernels, exact).
+bool bf16_compute_available();
 
 // Row stride, in fp32 elements, of activation rows of n elements laid out for the GEMM: n rounded
 // up to 16 (64-byte rows), plus 16 when that is a multiple of 256 (1 KB), so the rows of a
@@ -94,7 +101,10 @@ struct QuantizedColumns {
 // buffer; optionally an fp32 bias per slot in the panels' column order (natural lanes).
 class PackedWeights {
  public:
-  PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias);
+  // `source`: the element type of the weights pack() reads, for kBF16Pairs (the other float formats
+  // read their own type).
+  PackedWeights(WeightFormat format, int64_t N, int64_t K, int64_t slots, bool with_bias,
+                FloatType source = FloatType::kF32);
   // Quantized panels of this layout (format kQuantized; K is the layout's).
   PackedWeights(const QuantPanels& layout, int64_t N, int64_t slots, bool with_bias);
 
@@ -122,14 +132,21 @@ class PackedWeights {
   // int8 formats: A rows prepared by prepare_int8_rows, lda bytes apart; C int32, wrapping (int8_gemm.h).
   void multiply(int64_t slot, const void* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, int32_t* C,
                 int64_t ldc) const;
+  // kBF16Pairs: A bf16 rows as bf16_row writes them, lda elements apart (bf16_row_stride(K)); C fp32
+  // (bf16_gemm.h).
+  void multiply(int64_t slot, const uint16_t* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
+                int64_t ldc) const;
+  // Whether multiply takes bf16 rows (kBF16Pairs) rather than fp32 ones.
+  bool takes_bf16_rows() const { return format_ == WeightFormat::kBF16Pairs; }
 
  private:
   PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes, int64_t slots,
-                bool with_bias);
+                bool with_bias, FloatType source);
   struct Free {
     void operator()(char* p) const { std::free(p); }
   };
   WeightFormat format_;
+  FloatType source_;   // kBF16Pairs: the weights' element type
   QuantPanels quant_;  // kQuantized only
   int64_t N_, K_;
   int64_t slot_bytes_;

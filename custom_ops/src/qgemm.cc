@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16_gemm.h"
 #include "isa.h"
 #include "workspace.h"
 
@@ -87,6 +88,34 @@ void decode_then_gemm(const QuantPanels& layout, const float* A, int64_t lda, in
   }
 }
 
+// Level 3's prefill: the rows rounded to bf16 once per call; per pair of panels, their weights
+// dequantized (fp32, as level 0's) and rounded into bf16 pair panels, then the bf16 GEMM.
+void decode_then_bf16_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B,
+                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
+  const int64_t K = layout.K, panel_elements = bf16_pair_panel_elements(K), ldr = bf16_row_stride(K);
+  Scratch scratch;
+  uint16_t* rows = scratch.take<uint16_t>(M * ldr, "the bf16 activation rows");
+  for (int64_t m = 0; m < M; ++m) bf16_row(FloatType::kF32, A + m * lda, K, rows + m * ldr);
+  float* decoded = scratch.take<float>(layout.block * kPanel, "a dequantized weight block");
+  uint16_t* pairs = scratch.take<uint16_t>(kDecodedPanels * panel_elements, "the dequantized bf16 weight panels");
+  for (int64_t j = 0; j < kDecodedPanels; ++j)  // the rows past K stay zero (from the pair that holds K)
+    std::fill(pairs + j * panel_elements + K / 2 * 2 * kPanel, pairs + (j + 1) * panel_elements, uint16_t{0});
+  for (int64_t p = p0; p < p1; p += kDecodedPanels) {
+    const int64_t n = std::min(kDecodedPanels, p1 - p);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t b = 0; b < layout.blocks(); ++b) {
+        kernels().quant_decode(layout, B + (p + j) * layout.panel_bytes() + b * layout.block_bytes(), decoded);
+        uint16_t* panel = pairs + j * panel_elements;
+        for (int64_t kk = 0; kk < layout.block; ++kk) {
+          const int64_t k = b * layout.block + kk;
+          uint16_t* pair_row = panel + (k / 2) * 2 * kPanel + k % 2;
+          for (int64_t c = 0; c < kPanel; ++c) pair_row[2 * c] = float_to_bf16(decoded[kk * kPanel + c]);
+        }
+      }
+    bf16_gemm_panels(rows, ldr, M, K, pairs, 0, n, C + (p - p0) * kPanel, ldc);
+  }
+}
+
 // Level 4: the rows quantized per block (qa, zero padded to whole groups), their scales sa and the
 // sums of their qa; then the kernel's dots and sums over the blocks.
 void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B,
@@ -128,6 +157,7 @@ void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, i
     return;
   }
   if (layout.int8_activations) return int8_activation_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
+  if (layout.bf16_prefill && M > kFusedRows) return decode_then_bf16_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
   if (M <= kFusedRows && kernels().quant_fused) return kernels().quant_fused(layout, A, lda, M, B, p0, p1, C, ldc);
   decode_then_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
 }

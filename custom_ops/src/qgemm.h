@@ -26,6 +26,11 @@
 // rows get the bits of MOE on the dequantized weights. Either way a row's result depends only on the
 // number of rows its expert has in the call (the task plan's, not the thread count).
 //
+// accuracy level 3 (where the ISA table has a bf16 GEMM, bf16_gemm.h): up to kFusedRows rows as level
+// 0 (the fused kernels where the table has them); more rows dequantize the pair of panels into bf16 pair panels instead (v(q) *
+// scale rounded once to fp32, then to bf16) and run the bf16 GEMM on the rows rounded to bf16: the
+// bits of MOE at level 3 on the dequantized weights, whose rows go to bf16 the same way.
+//
 // accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
 // qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
 // as sum q * qa - zp * sum qa), C = sum over blocks in order of (sa * scale) * dot. AVX512-VNNI
@@ -49,6 +54,7 @@ struct QuantPanels {
   int64_t block = 0;          // rows per block (K for per-column scales)
   bool zero_points = false;   // whether the headers carry zero points
   bool int8_activations = false;  // accuracy level 4
+  bool bf16_prefill = false;      // accuracy level 3 where the table has a bf16 GEMM
 
   int bits() const { return code == QuantCode::kInt8 ? 8 : 4; }
   int64_t group_rows() const { return code == QuantCode::kInt8 ? 4 : 8; }

@@ -6,7 +6,8 @@
 //    session), else packed per run for the experts in use.
 //    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
 //    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
-// 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels.
+// 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels (accuracy_level
+//    3, where the ISA table has a bf16 GEMM: prefill-sized tasks into bf16 pair panels, qgemm.h).
 #include "qmoe.h"
 
 #include <algorithm>
@@ -167,6 +168,7 @@ QuantPanels layout_of(const Quantization& q, int64_t K, bool zero_points) {
   p.block = q.block_size > 0 ? q.block_size : K;
   p.zero_points = zero_points;
   p.int8_activations = q.int8_activations;
+  p.bf16_prefill = q.bf16_prefill;
   return p;
 }
 
@@ -303,6 +305,7 @@ Quantization read_quantization(const Attributes& attrs) {
     attrs.fail("block_size", "is " + block_size + "; expected 0 or a power of two in [16, 256]");
   }
   q.int8_activations = accuracy_level == 4;
+  q.bf16_prefill = accuracy_level == 3 && bf16_compute_available();
   return q;
 }
 

@@ -20,6 +20,7 @@ struct Quantization {
   int64_t block_size = 0;  // 0: per column
   bool mxfp4 = false;
   bool int8_activations = false;  // accuracy_level 4
+  bool bf16_prefill = false;      // accuracy_level 3 where the ISA table has a bf16 GEMM (qgemm.h)
 };
 
 struct QMoeKernel {

@@ -5,8 +5,10 @@
 // 2. W is packed per expert into the GEMM's panels (packed_weights.h), multiplied through
 //    PackedWeights::multiply: once at kernel creation when it is an initializer, else per Compute for
 //    the experts that own rows. Float types use the fp32 GEMM (gemm.h; float16/bfloat16 panels stay
-//    16-bit, accumulation in fp32, rounded once at the end); int8 uses the exact int32 GEMM
-//    (int8_gemm.h; its kernel fixes the layout of X's rows and W's panels).
+//    16-bit, accumulation in fp32, rounded once at the end), or with accuracy_level 3, where the ISA
+//    table has one, the bf16 GEMM (bf16_gemm.h: W in bf16 pair panels, X's rows rounded to bf16);
+//    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's
+//    panels).
 // 3. With tp_world_size > 1 (docs/distributed.md), W is this rank's K-slice [E, N, K_q]: the rank
 //    reads X's columns [k_q, k_q + K_q) (k_q: the K_q of the TP ranks before it, all-gathered) unless
 //    input_is_parallel, computes its partial without B in float32 (int32 for int8), all-reduces it over
@@ -120,10 +122,13 @@ bool is_packable(const Input& w) {
   return w.present && w.count > 0 && w.shape.size() == 3 && signatures::MoeRowParallelLinear.inputs[W].allows(w.type);
 }
 
-// Room for W's experts in `slots`, packed by pack_slot.
-PackedExperts empty_pack(const Input& w, ExpertSlots slots) {
+// Room for W's experts in `slots` in the format of W's type and the node's accuracy_level, packed by
+// pack_slot.
+PackedExperts empty_pack(const Input& w, int64_t accuracy_level, ExpertSlots slots) {
   PackedExperts p;
-  p.matrices.emplace_back(weight_format(w.type), /*N=*/w.shape[1], /*K=*/w.shape[2], slots.count(), false);
+  const ElemType type = w.type;
+  p.matrices.emplace_back(weight_format(type, accuracy_level), /*N=*/w.shape[1], /*K=*/w.shape[2], slots.count(), false,
+                          type == kInt8 ? FloatType::kF32 : float_type(type));
   p.slots = std::move(slots);
   return p;
 }
@@ -133,18 +138,20 @@ void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
 }
 
 // The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
-// prepared for the int8 GEMM (ld in bytes); float32 in place when gemm_rows_in_place allows, else
-// widened or copied to fp32 at gemm_row_stride, in the run's workspace.
+// prepared for the int8 GEMM (ld in bytes); for bf16 pair panels (`bf16`) rounded to bf16 rows
+// (bf16_row, ld bf16_row_stride); float32 in place when gemm_rows_in_place allows, else widened or
+// copied to fp32 at gemm_row_stride, in the run's workspace.
 struct GemmRows {
   const char* int8_rows = nullptr;  // every byte written by prepare_int8_rows
+  const uint16_t* bf16 = nullptr;
   const float* f = nullptr;
   int64_t ld = 0;
 };
 
 GemmRows gemm_rows(const Ort::KernelContext& ctx, Workspace& run, const Input& x, int64_t first, int64_t rows,
-                   int64_t K, int64_t x_width, int64_t k0) {
+                   int64_t K, int64_t x_width, int64_t k0, bool bf16) {
   GemmRows a;
-  if (x.type == kF32 && gemm_rows_in_place(x_width)) {
+  if (x.type == kF32 && !bf16 && gemm_rows_in_place(x_width)) {
     a.f = x.as<float>() + first * x_width + k0;
     a.ld = x_width;
     return a;
@@ -167,10 +174,21 @@ GemmRows gemm_rows(const Ort::KernelContext& ctx, Workspace& run, const Input& x
     a.int8_rows = prepared;
     return a;
   }
-  a.ld = gemm_row_stride(K);
-  float* widened = run.take<float>(rows * a.ld, "the float32 rows of input 'X'");
   const size_t x_size = elem_size(x.type);
   const FloatType x_type = float_type(x.type);
+  if (bf16) {
+    a.ld = bf16_row_stride(K);
+    uint16_t* rounded = run.take<uint16_t>(rows * a.ld, "the bfloat16 rows of input 'X'");
+    for_chunks([&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        bf16_row(x_type, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size, K,
+                 rounded + r * a.ld);
+    });
+    a.bf16 = rounded;
+    return a;
+  }
+  a.ld = gemm_row_stride(K);
+  float* widened = run.take<float>(rows * a.ld, "the float32 rows of input 'X'");
   for_chunks([&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       widen_row(x_type, static_cast<const char*>(x.data) + ((first + r) * x_width + k0) * x_size,
@@ -220,7 +238,10 @@ struct OutputTiles {
     Scratch scratch;
     float* C = direct(t) ? reinterpret_cast<float*>(y) + (t.row0 - y_first) * N + c0
                          : scratch.take<float>(t.rows * ldc, "a task's tile");
-    packed.matrices[0].multiply(slot(t), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, t.p0, t.p1, C, ldc);
+    if (a.bf16)
+      packed.matrices[0].multiply(slot(t), a.bf16 + (t.row0 - first) * a.ld, a.ld, t.rows, t.p0, t.p1, C, ldc);
+    else
+      packed.matrices[0].multiply(slot(t), a.f + (t.row0 - first) * a.ld, a.ld, t.rows, t.p0, t.p1, C, ldc);
     const size_t y_size = elem_size(y_type);
     float* bias = nullptr;  // the task's columns of the expert's bias, converted once
     if (b.present) {
@@ -323,7 +344,7 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
-  auto packed = std::make_unique<PackedExperts>(empty_pack(w, ExpertSlots::all(w.shape[0])));
+  auto packed = std::make_unique<PackedExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])));
   pack_on_own_threads(packed->slots.count(), [&](int64_t slot) { pack_slot(w, *packed, slot); });
   constant = std::move(packed);
 }
@@ -368,10 +389,11 @@ void RowParallelLinearKernel::Compute(OrtKernelContext* context) {
   const Input& w = inputs[W];
   PackedExperts local;
   const PackedExperts& packed = experts_for_run(
-      ctx, constant.get(), o, E, local, [&](ExpertSlots slots) { return empty_pack(w, std::move(slots)); },
+      ctx, constant.get(), o, E, local, [&](ExpertSlots slots) { return empty_pack(w, accuracy_level, std::move(slots)); },
       [&](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); });
   const WorkspacePool::Lease buffers = workspaces.lease();
-  const GemmRows a = gemm_rows(ctx, *buffers, x, first, covered, K, d.x_width, k0);
+  const GemmRows a =
+      gemm_rows(ctx, *buffers, x, first, covered, K, d.x_width, k0, packed.matrices[0].takes_bf16_rows());
   // TP: the partial without B, float32 (in Y itself when Y is float32) or int32 (in Y); the tasks
   // write all of it.
   const bool partial_in_y = !group || y_type == kF32 || y_type == kInt32;

@@ -27,7 +27,7 @@ struct RowParallelLinearKernel {
   std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
   WorkspacePool workspaces{1};              // for the runs' rows of X (float32 or int8) and TP partials
   bool input_is_parallel = false;
-  int64_t accuracy_level = 0;  // 3 (float X): the bf16 GEMM where the table has one
+  int64_t accuracy_level = 0;  // 3 (float X): the bf16 GEMM where the ISA table has one
   int64_t tp_size = 1, tp_rank = 0;
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   // Every TP rank's K_q (W's dim 2), gathered over the group; kept when W is an initializer.

@@ -1,0 +1,99 @@
+// bf16_gemm_panels on AMX's TDPBF16PS (bf16_gemm.h's layout as it is): a template over the tile
+// layer's policy (amx_tiles.h), instantiated in bf16_gemm_amx.cc (the instructions) and
+// bf16_gemm_amx_model.cc (their model). Include it only there.
+//
+// A step is 32 k: an A tile is 16 rows x 32 bf16 of the rows in place (row stride lda), a B tile the
+// step's 16 pair rows of a panel (1 KB, contiguous), a C tile 16 rows x 16 fp32 columns. Tiles: C
+// tmm0-3 (two row tiles x two panels), A tmm4-5, B tmm6-7; per pair of row tiles, every pair of
+// panels runs all of K's steps (C stays in its tiles) and is stored once. One configuration per pair
+// of row tiles (16 rows each, the last tile the rows left; loaded only when it changes), so no read
+// goes past row M. K needs no tail: the layout pads it to whole steps with zeros.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "amx_tiles.h"
+#include "bf16_gemm.h"
+
+namespace moe_onnx::detail {
+
+template <class Tiles>
+struct Bf16PairTiles {
+  static constexpr int64_t kStepBytes = amx::kTileRows * amx::kTileRowBytes;  // a B tile: 16 pair rows
+
+  const uint16_t* A;
+  int64_t lda;
+  const char* B;  // panel p at B + p * panel_bytes
+  int64_t panel_bytes, steps;
+  int64_t p0;
+  float* C;
+  int64_t ldc;
+
+  // Rows m.. (one row tile, or two: rows m + 16..) x panels p.. (one or two).
+  template <bool kTwoRows, bool kTwoPanels>
+  void block(int64_t m, int64_t p) const {
+    using amx::tmm;
+    Tiles::zero(tmm<0>);
+    if (kTwoPanels) Tiles::zero(tmm<1>);
+    if (kTwoRows) Tiles::zero(tmm<2>);
+    if (kTwoRows && kTwoPanels) Tiles::zero(tmm<3>);
+    const uint16_t* a = A + m * lda;
+    const int64_t a_stride = lda * 2;
+    const char* b0 = B + p * panel_bytes;
+    const char* b1 = b0 + panel_bytes;
+    for (int64_t s = 0; s < steps; ++s) {
+      Tiles::load(tmm<4>, a + s * kBf16StepK, a_stride);
+      Tiles::load(tmm<6>, b0 + s * kStepBytes, amx::kTileRowBytes);
+      Tiles::dpbf16ps(tmm<0>, tmm<4>, tmm<6>);
+      if (kTwoPanels) {
+        Tiles::load(tmm<7>, b1 + s * kStepBytes, amx::kTileRowBytes);
+        Tiles::dpbf16ps(tmm<1>, tmm<4>, tmm<7>);
+      }
+      if (kTwoRows) {
+        Tiles::load(tmm<5>, a + amx::kTileRows * lda + s * kBf16StepK, a_stride);
+        Tiles::dpbf16ps(tmm<2>, tmm<5>, tmm<6>);
+        if (kTwoPanels) Tiles::dpbf16ps(tmm<3>, tmm<5>, tmm<7>);
+      }
+    }
+    float* c = C + m * ldc + (p - p0) * kPanel;
+    const int64_t stride = ldc * 4;
+    Tiles::store(tmm<0>, c, stride);
+    if (kTwoPanels) Tiles::store(tmm<1>, c + kPanel, stride);
+    if (kTwoRows) Tiles::store(tmm<2>, c + amx::kTileRows * ldc, stride);
+    if (kTwoRows && kTwoPanels) Tiles::store(tmm<3>, c + amx::kTileRows * ldc + kPanel, stride);
+  }
+};
+
+// bf16_gemm_panels' contract (bf16_gemm.h; K padded, a multiple of kBf16StepK).
+template <class Tiles>
+void bf16_gemm_tiles(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
+                     int64_t p1, float* C, int64_t ldc) {
+  const Bf16PairTiles<Tiles> k{A, lda, static_cast<const char*>(B_packed), K * kPanel * 2, K / kBf16StepK, p0, C, ldc};
+  amx::ReleaseTiles<Tiles> release;
+  constexpr int kRows = amx::kTileRows;
+  for (int64_t m = 0; m < M; m += 2 * kRows) {
+    const int rows0 = static_cast<int>(std::min<int64_t>(kRows, M - m));
+    const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m - kRows, 0, kRows));
+    // A lone last row tile keeps the pair's shape for the unused tiles: often no new configuration.
+    const int shape1 = rows1 > 0 ? rows1 : kRows;
+    Tiles::configure(amx::TileConfig()
+                         .shape(0, rows0, 64)
+                         .shape(1, rows0, 64)
+                         .shape(2, shape1, 64)
+                         .shape(3, shape1, 64)
+                         .shape(4, rows0, 64)
+                         .shape(5, shape1, 64)
+                         .shape(6, kRows, 64)
+                         .shape(7, kRows, 64));
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool two_panels = p + 1 < p1;
+      if (rows1 > 0)
+        two_panels ? k.template block<true, true>(m, p) : k.template block<true, false>(m, p);
+      else
+        two_panels ? k.template block<false, true>(m, p) : k.template block<false, false>(m, p);
+    }
+  }
+}
+
+}  // namespace moe_onnx::detail
