@@ -64,6 +64,39 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
     }
 }
 
+void quant_signed_codes_portable(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, int8_t* rows,
+                                 int32_t* terms) {
+  const int32_t o = layout.default_zero_point();
+  for (int64_t b = 0; b < layout.blocks(); ++b) {
+    const uint8_t* block = panel + b * layout.block_bytes();
+    for (int64_t c = 0; c < kPanel; ++c) {
+      uint32_t sum = 0;  // wraps like the int32 lanes
+      for (int64_t k = 0; k < block_k; ++k) {
+        const int32_t value = k < layout.block ? code_at(layout, block + layout.header_bytes(), k, c) - o : 0;
+        rows[b * block_k * kPanel + (k / 4) * 4 * kPanel + c * 4 + k % 4] = static_cast<int8_t>(value);
+        sum += static_cast<uint32_t>(value);
+      }
+      terms[32 * b + c] = static_cast<int32_t>(0u - 128u * sum);
+      terms[32 * b + kPanel + c] = o - zero_point_at(layout, block, c);
+    }
+  }
+}
+
+void quant_add_dots_portable(const QuantBlockDots& d, float* out, int64_t ldc) {
+  for (int64_t m = 0; m < d.rows; ++m)
+    for (int64_t i = 0; i < d.count; ++i) {
+      const int32_t* dots = d.dots + i * d.block_stride + m * kPanel;
+      const float* scales = reinterpret_cast<const float*>(d.headers + i * d.header_stride);
+      const float sa = d.sa[m * d.stride + i];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        uint32_t dot = static_cast<uint32_t>(dots[c]);
+        if (d.zero_terms)
+          dot += static_cast<uint32_t>(d.zero_terms[32 * i + c]) * static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        out[m * ldc + c] += (sa * scales[c]) * static_cast<float>(static_cast<int32_t>(dot));
+      }
+    }
+}
+
 }  // namespace detail
 
 namespace {
@@ -114,7 +147,10 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
       sa[m * blocks + b] = s;
       sums[m * blocks + b] = sum;
     }
-  kernels().quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+  const KernelTable& table = kernels();
+  if (table.quant_tiles && M >= kQuantTileRows && layout.block >= kQuantTileBlock)
+    return table.quant_tiles(table.quant_tile_steps, layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+  table.quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
 }
 
 }  // namespace
