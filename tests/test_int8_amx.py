@@ -26,7 +26,7 @@ from backends import run_case
 from cases import Case
 from cases import qmoe as qmoe_cases
 from cases import row_parallel_linear as linear_cases
-from cases.moe import GEMM2, GEMM3
+from cases.moe import GEMM2, GEMM2_ACT, GEMM3
 
 from moe_onnx.runtime import kernel_report
 
@@ -66,6 +66,21 @@ QMOE_CASES = [
     _qmoe("amx_int4_columns_zero_points", 4, 0, hidden=100, inter=84, zero_points=True),
     _qmoe("amx_int8_columns", 8, 0, hidden=102, inter=90),
 ]
+
+
+def _special_rows(case: Case) -> Case:
+    """Row 0 with a NaN, row 1 with an infinity, row 2 all zero (the quantization's special blocks)."""
+    x = case.inputs[0].copy()
+    x[0, 5], x[1, 70], x[2] = np.nan, np.inf, 0.0
+    return dataclasses.replace(case, inputs=[x, *case.inputs[1:]])
+
+
+# relu (exact) between the GEMMs: QMOE's level 4 has the same bits at every ISA level
+EVERY_LEVEL_CASES = [_special_rows(_qmoe("amx_relu_int8_block64", 8, 64, hidden=192, inter=128, zero_points=True,
+                                         attrs={"expert_type": GEMM2_ACT, "activation": "relu"})),
+                     _qmoe("amx_relu_int4_block16", 4, 16, hidden=96, inter=64, attrs={"expert_type": GEMM2_ACT,
+                                                                                       "activation": "relu"})]
+QMOE_CASES += EVERY_LEVEL_CASES
 CASES = LINEAR_CASES + QMOE_CASES
 
 
@@ -136,3 +151,11 @@ def test_hardware_gives_the_bits_of_the_kernels_it_replaces(without_amx, tmp_pat
         pytest.skip(f"AMX-INT8 is not usable here (amx: {hardware['amx']}, {hardware['amx_reason']})")
     assert str(hardware["quant_tiles"]) == "amx"
     assert_same_bits(hardware, without_amx(""))
+
+
+def test_level_4_bits_at_every_level(without_amx):
+    """Level 4 (activations quantized, dots, scales) gives the same bits on the portable kernels and
+    this CPU's best (the activation between the GEMMs exact); int8 too."""
+    portable, best = without_amx("portable"), without_amx("")
+    for case in LINEAR_CASES + EVERY_LEVEL_CASES:
+        np.testing.assert_array_equal(best[case.id].view(np.uint8), portable[case.id].view(np.uint8), err_msg=case.id)

@@ -43,9 +43,11 @@ inline int64_t int8_quad_panel_bytes(int64_t K) { return kInt8QuadHeader + int8_
 // Bytes of one prepared X row of K values (both layouts: a multiple of 4).
 int64_t int8_row_bytes(int64_t K);
 // Rows from which a call of the quad layout runs on AMX's tiles where the ISA table has them (fewer:
-// the VNNI kernel, whose vpdpbusd per row beats loading a mostly empty tile). Measured on a 2-core
-// Xeon with AMX (docs/building.md, "int8 and level-4 dots on AMX"); the model of the tiles takes the
-// same rows, so tests cross it on any machine.
+// the VNNI kernel). Measured on a 2-core Xeon with AMX (one expert, 2 threads, load ~8; microseconds
+// AMX / VNNI): N=5760 K=2880 (weights from memory) 1 row 622 / 634, 4 rows 635 / 712, 8 rows 655 /
+// 862, 16 rows 706 / 1788; N=768 K=1024 (weights in cache) 1 row 22-26 / 18-19, 4 rows 22-24 / 20-24,
+// 8 rows 24-26 / 25-28, 16 rows 27 / 49-52: AMX gains from 8 rows (docs/building.md, "int8 and
+// level-4 dots on AMX"); the model of the tiles takes the same rows, so tests cross it on any machine.
 constexpr int64_t kInt8TileRows = 8;
 
 // Writes `rows` rows of K int8 values (row stride K) as the kernel reads them, int8_row_bytes(K)

@@ -154,6 +154,7 @@ void fill_portable(KernelTable& t) {
   t.widen_row = {detail::widen_row_portable, "portable"};
   t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable", {}};
   t.quant_decode = {detail::quant_decode_portable, "portable"};
+  t.quant_activations = {detail::quant_activations_portable, "portable"};
   t.quant_dots = {detail::quant_dots_portable, "portable"};
   t.quant_tile_steps = {detail::quant_signed_codes_portable, detail::quant_add_dots_portable, "portable"};
   t.gated_activation = {detail::gated_activation_portable, "portable"};
@@ -178,6 +179,7 @@ void fill_avx512(KernelTable& t) {
   t.widen_row = {detail::widen_row_avx512, "avx512"};
   t.quant_fused = {detail::quant_fused_avx512, "avx512"};
   t.quant_decode = {detail::quant_decode_avx512, "avx512"};
+  t.quant_activations = {detail::quant_activations_avx512, "avx512"};
   t.quant_tile_steps = {detail::quant_signed_codes_avx512, detail::quant_add_dots_avx512, "avx512"};
   t.gated_activation = {detail::gated_activation_avx512, "avx512"};
   t.pointwise_activation = {detail::pointwise_activation_avx512, "avx512"};
@@ -278,6 +280,7 @@ std::string KernelTable::report() const {
   add("int8_tile_rows", std::to_string(kInt8TileRows));
   add("quant_fused", quant_fused.name);
   add("quant_decode", quant_decode.name);
+  add("quant_activations", quant_activations.name);
   add("quant_dots", quant_dots.name);
   add("quant_tiles", quant_tiles.name);
   add("quant_tile_steps", quant_tile_steps.name);

@@ -88,6 +88,7 @@ struct KernelTable {
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
   Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
   Slot<detail::QuantDecodeFn> quant_decode;
+  Slot<detail::QuantActivationsFn> quant_activations;  // level 4's int8 activations
   Slot<detail::QuantDotFn> quant_dots;
   Slot<detail::QuantTilesFn> quant_tiles;  // AMX: level 4's calls of kQuantTileRows rows or more
   detail::QuantTileSteps quant_tile_steps;  // quant_tiles' steps outside the tiles

@@ -42,6 +42,30 @@ void quant_decode_portable(const QuantPanels& layout, const uint8_t* block, floa
     }
 }
 
+void quantize_activation_block(const float* a, int64_t block, int64_t padded, int8_t* q, float* sa, int32_t* sum) {
+  float amax = 0.0f;  // NaN when the block has one (numpy's max)
+  for (int64_t kk = 0; kk < block && !std::isnan(amax); ++kk)
+    amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
+  const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
+  int32_t total = 0;
+  for (int64_t kk = 0; kk < padded; ++kk) {
+    const float v = kk < block && s != 0.0f ? std::nearbyint(a[kk] / s) : 0.0f;
+    q[kk] = static_cast<int8_t>(v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0);
+    total += q[kk];
+  }
+  *sa = s;
+  *sum = total;
+}
+
+void quant_activations_portable(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, int8_t* qa,
+                                int64_t ldq, float* sa, int32_t* sums) {
+  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      quantize_activation_block(A + m * lda + b * layout.block, layout.block, padded, qa + m * ldq + b * padded,
+                                sa + m * blocks + b, sums + m * blocks + b);
+}
+
 void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums,
                          const float* sa, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
@@ -130,24 +154,8 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
   int8_t* qa = scratch.take<int8_t>(M * ldq, "the int8 activations");
   float* sa = scratch.take<float>(M * blocks, "the int8 activations' scales");
   int32_t* sums = scratch.take<int32_t>(M * blocks, "the int8 activations' sums");
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* a = A + m * lda + b * layout.block;
-      float amax = 0.0f;  // NaN when the block has one (numpy's max)
-      for (int64_t kk = 0; kk < layout.block && !std::isnan(amax); ++kk)
-        amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
-      const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
-      int8_t* q = qa + m * ldq + b * padded;
-      int32_t sum = 0;
-      for (int64_t kk = 0; kk < padded; ++kk) {
-        const float v = kk < layout.block && s != 0.0f ? std::nearbyint(a[kk] / s) : 0.0f;
-        q[kk] = static_cast<int8_t>(v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0);
-        sum += q[kk];
-      }
-      sa[m * blocks + b] = s;
-      sums[m * blocks + b] = sum;
-    }
   const KernelTable& table = kernels();
+  table.quant_activations(layout, A, lda, M, qa, ldq, sa, sums);
   if (table.quant_tiles && M >= kQuantTileRows && layout.block >= kQuantTileBlock)
     return table.quant_tiles(table.quant_tile_steps, layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
   table.quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);

@@ -72,12 +72,16 @@ constexpr int64_t kQuantGroupBytes = 64;
 // Rows up to which the micro-kernels decode in registers (more: decode a panel once, fp32 GEMM).
 constexpr int64_t kFusedRows = 4;
 // Accuracy level 4 runs on AMX's tiles, where the ISA table has them, for calls of kQuantTileRows rows
-// or more on blocks of kQuantTileBlock k or more; the other calls on the quant_dots kernel. Each block's
-// dots leave the tiles for the vector units (the scales), 4 operations per row and 16 columns: on
-// blocks of 16 and 32 k that costs as much as VNNI's whole dot, and AMX is slower. Measured on a
-// 2-core Xeon with AMX (docs/building.md, "int8 and level-4 dots on AMX"); the model of the tiles
-// takes the same calls.
-constexpr int64_t kQuantTileRows = 8;
+// or more on blocks of kQuantTileBlock k or more; the other calls on the quant_dots kernel. Each call
+// first turns its panels' codes into B rows (weight-sized work whatever the rows), and each block's
+// dots leave the tiles for the vector units (the scales): on blocks of 16 and 32 k that costs as much
+// as VNNI's whole dot. Measured on a 2-core Xeon with AMX (QMOE level 4, int8 block 64, one expert,
+// 2 threads, load ~9; microseconds AMX / VNNI): H=2048 I=768: 1 row 450-551 / 235-298, 8 rows
+// 769-855 / 556-741, 16 rows 1031-1383 / 997-1283, 32 rows 1634-3199 / 1880-2476; H=1024 I=384:
+// 8 rows 175-183 / 132-151, 16 rows 253-267 / 242-271, 32 rows 427-430 / 480-539. AMX breaks even
+// at 16 rows and gains from there (docs/building.md, "int8 and level-4 dots on AMX"); the model of
+// the tiles takes the same calls.
+constexpr int64_t kQuantTileRows = 16;
 constexpr int64_t kQuantTileBlock = 64;
 
 // The values of the 16 4-bit codes: int (q itself, and q - 8 for the default zero point) and E2M1 (FP4).
@@ -103,6 +107,15 @@ using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* 
 // padded to whole groups, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
 // exact int32 dot, then C += (sa * scale) * float(dot) over the blocks in order (products and sums
 // each rounded once, no FMA: the portable and VNNI kernels give the same bits).
+// Level 4's int8 activations: rows m < M of A, each block b's K values quantized as the op defines
+// them (sa = max |a| / 127, qa = round-half-even(a / sa) clipped to +-127, 0 where sa is 0 or a / sa
+// NaN; a NaN in the block makes sa NaN) into qa + m * ldq + b * padded (zero past the block's values,
+// padded = the block's codes rounded up to whole groups), with sa[m * blocks + b] and the sums of the
+// block's qa in sums[m * blocks + b]. Every kernel gives the same bits.
+using QuantActivationsFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, int8_t* qa,
+                                    int64_t ldq, float* sa, int32_t* sums);
+// One block of QuantActivationsFn (the portable kernel's, and the others' for blocks with a NaN).
+void quantize_activation_block(const float* a, int64_t block, int64_t padded, int8_t* qa, float* sa, int32_t* sum);
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
                             int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc);
 
@@ -155,6 +168,7 @@ void with_decoder(const QuantPanels& layout, Body&& body) {
 }
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
+void quant_activations_portable(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
 void quant_signed_codes_portable(const QuantPanels&, const uint8_t*, int64_t, int8_t*, int32_t*);
 void quant_add_dots_portable(const QuantBlockDots&, float*, int64_t);
 void quant_dots_amx_model(const QuantTileSteps&, const QuantPanels&, const int8_t*, int64_t, const int32_t*,
@@ -174,6 +188,7 @@ void quant_decode_avx2(const QuantPanels&, const uint8_t*, float*);
 void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                         int64_t);
 void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
+void quant_activations_avx512(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
 void quant_signed_codes_avx512(const QuantPanels&, const uint8_t*, int64_t, int8_t*, int32_t*);
 void quant_add_dots_avx512(const QuantBlockDots&, float*, int64_t);
 #endif

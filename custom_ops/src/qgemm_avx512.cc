@@ -204,6 +204,48 @@ inline __m512i lane_sums(__m512i bytes) {
 
 }  // namespace
 
+void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, int8_t* qa,
+                              int64_t ldq, float* sa, int32_t* sums) {
+  const int64_t blocks = layout.blocks(), block = layout.block;
+  const int64_t padded = layout.groups_per_block() * layout.group_rows();
+  auto mask_of = [](int64_t n) {  // the first n of 16 lanes
+    return static_cast<__mmask16>(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1);
+  };
+  const __m512 limit = _mm512_set1_ps(127.0f), abs_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* a = A + m * lda + b * block;
+      int8_t* q = qa + m * ldq + b * padded;
+      __m512 amax = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (int64_t k = 0; k < block; k += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(mask_of(block - k), a + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_and_ps(v, abs_bits));
+      }
+      if (nan) {  // the portable loop: which NaN the scale gets is its rule
+        quantize_activation_block(a, block, padded, q, sa + m * blocks + b, sums + m * blocks + b);
+        continue;
+      }
+      const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+      const __m512 scale = _mm512_set1_ps(s);
+      __m512i total = _mm512_setzero_si512();
+      for (int64_t k = 0; k < padded; k += 16) {
+        const __mmask16 valid = s != 0.0f ? mask_of(block - k) : 0;
+        // a / s rounded half to even (nearbyint); NaN (inf / inf) to 0, the rest clipped to +-127
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(valid, a + k), scale),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __mmask16 number = valid & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+        const __m512i values = _mm512_maskz_cvtps_epi32(number, v);
+        total = _mm512_add_epi32(total, values);
+        _mm_mask_storeu_epi8(q + k, mask_of(padded - k), _mm512_cvtepi32_epi8(values));
+      }
+      sa[m * blocks + b] = s;
+      sums[m * blocks + b] = _mm512_reduce_add_epi32(total);
+    }
+}
+
 void quant_signed_codes_avx512(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, int8_t* rows,
                                int32_t* terms) {
   const int64_t groups = layout.groups_per_block(), header_bytes = layout.header_bytes();
