@@ -103,10 +103,6 @@ using QuantFusedFn = void (*)(const QuantPanels&, const float* A, int64_t lda, i
                               int64_t p0, int64_t p1, float* C, int64_t ldc);
 // One block of one panel dequantized, v(q) * scale, as [block][16] fp32 (rows of the fp32 GEMM's panel).
 using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* out);
-// Level 4: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) from the rows quantized per block (qa, zero
-// padded to whole groups, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
-// exact int32 dot, then C += (sa * scale) * float(dot) over the blocks in order (products and sums
-// each rounded once, no FMA: the portable and VNNI kernels give the same bits).
 // Level 4's int8 activations: rows m < M of A, each block b's K values quantized as the op defines
 // them (sa = max |a| / 127, qa = round-half-even(a / sa) clipped to +-127, 0 where sa is 0 or a / sa
 // NaN; a NaN in the block makes sa NaN) into qa + m * ldq + b * padded (zero past the block's values,
@@ -116,6 +112,10 @@ using QuantActivationsFn = void (*)(const QuantPanels&, const float* A, int64_t 
                                     int64_t ldq, float* sa, int32_t* sums);
 // One block of QuantActivationsFn (the portable kernel's, and the others' for blocks with a NaN).
 void quantize_activation_block(const float* a, int64_t block, int64_t padded, int8_t* qa, float* sa, int32_t* sum);
+// Level 4: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) from the rows quantized per block (qa, zero
+// padded to whole groups, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
+// exact int32 dot, then C += (sa * scale) * float(dot) over the blocks in order (products and sums
+// each rounded once, no FMA: the portable and VNNI kernels give the same bits).
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
                             int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc);
 
