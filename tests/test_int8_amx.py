@@ -5,11 +5,12 @@ on the instructions where AMX is usable.
 The ISA table is filled once per process, so each configuration runs the cases in a child process,
 at 1 and 2 threads (the same bits), and writes their outputs; the parent compares them bit for bit with
 the outputs of the same ISA level without AMX (MOE_ONNX_AMX=off), and the int8 outputs with numpy's
-int32 (wrapping) products. The cases cross the tile kernels' edges: experts with
-0, 1, 7, 8 (the tile threshold), 16, 17 and 33 rows (row tiles of 16, a lone last tile), K not a
-multiple of 64 (a tail step) or of 4, an odd number of 16-column panels, sums that wrap modulo 2^32,
-QMOE blocks of 64 to 256 k and per column (K = 100, 102: blocks padded to whole tile rows), zero
-points or none, and no rows at all.
+int32 (wrapping) products. The cases cross the tile kernels' edges: int8 experts with 0, 1, 7, 8
+(int8's tile threshold), 16, 17 and 33 rows (row tiles of 16, a lone last tile), QMOE experts with
+1, 7, 8, 17 (past level 4's threshold of 16), 33 and 66 rows and one with none, K not a multiple
+of 64 (a tail step) or of 4, an odd number of 16-column panels, sums that wrap modulo 2^32, QMOE
+blocks of 64 to 256 k and per column (K = 100, 102: blocks padded to whole tile rows), zero points
+or none, and no rows at all.
 """
 
 from __future__ import annotations
