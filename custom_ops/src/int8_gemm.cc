@@ -37,6 +37,15 @@ void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, 
   }
 }
 
+void bias_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst) {
+  const int64_t stride = 4 * int8_quads(K);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* d = static_cast<uint8_t*>(dst) + r * stride;
+    for (int64_t k = 0; k < K; ++k) d[k] = static_cast<uint8_t>(src[r * K + k] ^ 0x80);
+    for (int64_t k = K; k < stride; ++k) d[k] = 0x80;
+  }
+}
+
 }  // namespace detail
 
 Int8Layout int8_layout() { return kernels().int8_gemm.layout; }
@@ -52,7 +61,8 @@ void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const vo
     for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kInt8Panel) * 4);
     return;
   }
-  kernels().int8_gemm.multiply(A, lda, M, K, W_packed, p0, p1, C, ldc);
+  const Int8GemmKernels& kernel = kernels().int8_gemm;
+  (kernel.tiles && M >= kInt8TileRows ? kernel.tiles.fn : kernel.multiply)(A, lda, M, K, W_packed, p0, p1, C, ldc);
 }
 
 void prepare_int8_rows(const int8_t* src, int64_t rows, int64_t K, void* dst) {

@@ -10,6 +10,11 @@
 //          multiple of 4; W in panels, each 16 int32 corrections -128 * sum_k W[c, k] (one per
 //          column) then [quads][16 columns][4] int8, K padded with zeros. vpdpbusd sums u * w over 4
 //          k per column; starting each column's sum at its correction gives sum x * w exactly.
+//          AMX's TDPBUSD reads the same operands: a quad row of a panel (64 bytes: 4 k x 16 columns)
+//          is a row of its B tile, 16 quad rows (64 k) a whole tile; its C tiles start from the
+//          corrections (int8_gemm_amx.h). The int8 slot then has two kernels: calls of fewer than
+//          kInt8TileRows rows (decode) run on VNNI, the others on AMX; both give the exact int32, so the
+//          choice changes no bit of the result.
 //
 // The caller prepares X rows with prepare_int8_rows (int8_row_bytes(K) bytes each) and packs W in
 // the matching WeightFormat (packed_weights.h asks the slot's layout, int8_layout()); ops multiply
@@ -37,6 +42,14 @@ constexpr int64_t kInt8QuadHeader = kInt8Panel * 4;
 inline int64_t int8_quad_panel_bytes(int64_t K) { return kInt8QuadHeader + int8_quads(K) * 4 * kInt8Panel; }
 // Bytes of one prepared X row of K values (both layouts: a multiple of 4).
 int64_t int8_row_bytes(int64_t K);
+// Rows from which a call of the quad layout runs on AMX's tiles where the ISA table has them (fewer:
+// the VNNI kernel). Measured on a 2-core Xeon with AMX (one expert, 2 threads, load ~8; microseconds
+// AMX / VNNI): N=5760 K=2880 (weights from memory) 1 row 622 / 634, 4 rows 635 / 712, 8 rows 655 /
+// 862, 16 rows 706 / 1788; N=768 K=1024 (weights in cache) 1 row 22-26 / 18-19, 4 rows 22-24 / 20-24,
+// 8 rows 24-26 / 25-28, 16 rows 27 / 49-52: AMX gains from 8 rows (docs/building.md, "int8 and
+// level-4 dots on AMX"); the model of the tiles takes the same rows, so tests cross it on any machine.
+constexpr int64_t kInt8TileRows = 8;
+
 // Writes `rows` rows of K int8 values (row stride K) as the kernel reads them, int8_row_bytes(K)
 // bytes per row, padding included.
 void prepare_int8_rows(const int8_t* src, int64_t rows, int64_t K, void* dst);
@@ -60,6 +73,15 @@ void int8_gemm_pairs_portable(const void* A, int64_t lda, int64_t M, int64_t K, 
 void widen_int8_rows_avx2(const int8_t* src, int64_t rows, int64_t K, void* dst);
 void int8_gemm_pairs_avx2(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
                           int64_t p1, int32_t* C, int64_t ldc);
+#endif
+// The quad layout's rows (x ^ 0x80), without AVX-512: for AMX's model on any CPU.
+void bias_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst);
+// AMX on the quad layout (int8_gemm_amx.h): on the tile instructions and on their model.
+void int8_gemm_quads_amx_model(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                               int64_t p1, int32_t* C, int64_t ldc);
+#if defined(MOE_ONNX_HAVE_AMX)
+void int8_gemm_quads_amx(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                         int64_t p1, int32_t* C, int64_t ldc);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
 void bias_int8_rows_vnni(const int8_t* src, int64_t rows, int64_t K, void* dst);

@@ -152,9 +152,11 @@ bool decide_amx(KernelTable& t, AmxMode mode, std::optional<IsaLevel> requested,
 void fill_portable(KernelTable& t) {
   t.gemm_panels = {detail::gemm_panels_portable, "portable"};
   t.widen_row = {detail::widen_row_portable, "portable"};
-  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable"};
+  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable", {}};
   t.quant_decode = {detail::quant_decode_portable, "portable"};
+  t.quant_activations = {detail::quant_activations_portable, "portable"};
   t.quant_dots = {detail::quant_dots_portable, "portable"};
+  t.quant_tile_steps = {detail::quant_signed_codes_portable, detail::quant_add_dots_portable, "portable"};
   t.gated_activation = {detail::gated_activation_portable, "portable"};
   t.pointwise_activation = {detail::pointwise_activation_portable, "portable"};
 }
@@ -163,7 +165,7 @@ void fill_avx2(KernelTable& t) {
 #if defined(MOE_ONNX_HAVE_AVX2)
   t.gemm_panels = {detail::gemm_panels_avx2, "avx2"};
   t.widen_row = {detail::widen_row_avx2, "avx2"};
-  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_avx2, detail::int8_gemm_pairs_avx2, "avx2"};
+  t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_avx2, detail::int8_gemm_pairs_avx2, "avx2", {}};
   t.quant_fused = {detail::quant_fused_avx2, "avx2"};
   t.quant_decode = {detail::quant_decode_avx2, "avx2"};
   t.gated_activation = {detail::gated_activation_avx2, "avx2"};
@@ -177,12 +179,15 @@ void fill_avx512(KernelTable& t) {
   t.widen_row = {detail::widen_row_avx512, "avx512"};
   t.quant_fused = {detail::quant_fused_avx512, "avx512"};
   t.quant_decode = {detail::quant_decode_avx512, "avx512"};
+  t.quant_activations = {detail::quant_activations_avx512, "avx512"};
+  t.quant_tile_steps = {detail::quant_signed_codes_avx512, detail::quant_add_dots_avx512, "avx512"};
   t.gated_activation = {detail::gated_activation_avx512, "avx512"};
   t.pointwise_activation = {detail::pointwise_activation_avx512, "avx512"};
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
   if (t.avx512_vnni) {
-    t.int8_gemm = {Int8Layout::kQuads, detail::bias_int8_rows_vnni, detail::int8_gemm_quads_vnni, "avx512-vnni"};
+    t.int8_gemm = {Int8Layout::kQuads, detail::bias_int8_rows_vnni, detail::int8_gemm_quads_vnni, "avx512-vnni",
+                   {}};
     t.quant_dots = {detail::quant_dots_vnni, "avx512-vnni"};
   }
 #endif
@@ -206,6 +211,25 @@ void fill_bf16(KernelTable& t) {
   if (!t.bf16_gemm) t.bf16_gemm = {detail::bf16_gemm_portable, "portable"};
 }
 
+// AMX's kernels, over the slots below them: on the hardware where `amx` is usable, on the model where
+// it is modelled (on any level: the quad rows' portable preparation where VNNI is not in the table,
+// whose tiles then take every call).
+void fill_amx(KernelTable& t) {
+  if (t.amx_int8) {
+    Slot<detail::Int8GemmFn> int8_tiles{detail::int8_gemm_quads_amx_model, "amx-model"};
+#if defined(MOE_ONNX_HAVE_AMX)
+    if (t.amx == AmxState::kUsable) int8_tiles = {detail::int8_gemm_quads_amx, "amx"};
+#endif
+    if (t.int8_gemm.layout != Int8Layout::kQuads)
+      t.int8_gemm = {Int8Layout::kQuads, detail::bias_int8_rows_portable, int8_tiles.fn, int8_tiles.name, {}};
+    t.int8_gemm.tiles = int8_tiles;
+    t.quant_tiles = {detail::quant_dots_amx_model, "amx-model"};
+#if defined(MOE_ONNX_HAVE_AMX)
+    if (t.amx == AmxState::kUsable) t.quant_tiles = {detail::quant_dots_amx, "amx"};
+#endif
+  }
+}
+
 KernelTable fill() {
   const AmxMode mode = amx_mode();
   const std::optional<IsaLevel> requested = requested_level();
@@ -227,6 +251,7 @@ KernelTable fill() {
   if (at_least(t.level, IsaLevel::kAvx2)) fill_avx2(t);
   if (at_least(t.level, IsaLevel::kAvx512)) fill_avx512(t);
   fill_bf16(t);
+  if (t.amx == AmxState::kUsable || t.amx == AmxState::kModelled) fill_amx(t);
   return t;
 }
 
@@ -270,9 +295,16 @@ std::string KernelTable::report() const {
   add("widen_row", widen_row.name);
   add("int8_gemm", int8_gemm.name);
   add("int8_layout", int8_gemm.layout == Int8Layout::kQuads ? "quads" : "pairs");
+  add("int8_gemm_tiles", int8_gemm.tiles.name);
+  add("int8_tile_rows", std::to_string(kInt8TileRows));
   add("quant_fused", quant_fused.name);
   add("quant_decode", quant_decode.name);
+  add("quant_activations", quant_activations.name);
   add("quant_dots", quant_dots.name);
+  add("quant_tiles", quant_tiles.name);
+  add("quant_tile_steps", quant_tile_steps.name);
+  add("quant_tile_rows", std::to_string(kQuantTileRows));
+  add("quant_tile_block", std::to_string(kQuantTileBlock));
   add("gated_activation", gated_activation.name);
   add("pointwise_activation", pointwise_activation.name);
   add("bf16_gemm", bf16_gemm.name);

@@ -62,12 +62,14 @@ struct Slot {
 };
 
 // The int8 GEMM's slot: its kernel fixes the layout of both operands (int8_gemm.h), so the kernel,
-// the preparation of X's rows and the layout change together.
+// the preparation of X's rows and the layout change together. Where the table has AMX's int8 tiles,
+// they take the calls of kInt8TileRows rows or more (the quad layout; `multiply` the others).
 struct Int8GemmKernels {
   Int8Layout layout = Int8Layout::kPairs;
   detail::PrepareInt8RowsFn prepare = nullptr;
   detail::Int8GemmFn multiply = nullptr;
   const char* name = "none";
+  Slot<detail::Int8GemmFn> tiles;
 };
 
 struct KernelTable {
@@ -87,7 +89,10 @@ struct KernelTable {
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
   Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
   Slot<detail::QuantDecodeFn> quant_decode;
+  Slot<detail::QuantActivationsFn> quant_activations;  // level 4's int8 activations
   Slot<detail::QuantDotFn> quant_dots;
+  Slot<detail::QuantTilesFn> quant_tiles;  // AMX: level 4's calls of kQuantTileRows rows or more
+  detail::QuantTileSteps quant_tile_steps;  // quant_tiles' steps outside the tiles
   Slot<detail::GatedKernel*> gated_activation;  // activation.h
   Slot<detail::PointwiseKernel*> pointwise_activation;
   // bf16_gemm.h (accuracy_level 3): filled only where the table has a bf16 dot-product instruction

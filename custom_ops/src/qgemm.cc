@@ -43,6 +43,30 @@ void quant_decode_portable(const QuantPanels& layout, const uint8_t* block, floa
     }
 }
 
+void quantize_activation_block(const float* a, int64_t block, int64_t padded, int8_t* q, float* sa, int32_t* sum) {
+  float amax = 0.0f;  // NaN when the block has one (numpy's max)
+  for (int64_t kk = 0; kk < block && !std::isnan(amax); ++kk)
+    amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
+  const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
+  int32_t total = 0;
+  for (int64_t kk = 0; kk < padded; ++kk) {
+    const float v = kk < block && s != 0.0f ? std::nearbyint(a[kk] / s) : 0.0f;
+    q[kk] = static_cast<int8_t>(v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0);
+    total += q[kk];
+  }
+  *sa = s;
+  *sum = total;
+}
+
+void quant_activations_portable(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, int8_t* qa,
+                                int64_t ldq, float* sa, int32_t* sums) {
+  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b)
+      quantize_activation_block(A + m * lda + b * layout.block, layout.block, padded, qa + m * ldq + b * padded,
+                                sa + m * blocks + b, sums + m * blocks + b);
+}
+
 void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums,
                          const float* sa, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
   const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
@@ -61,6 +85,39 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
           dot -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
           out[c] += (sa[m * blocks + b] * scale_at(block, c)) * static_cast<float>(static_cast<int32_t>(dot));
         }
+      }
+    }
+}
+
+void quant_signed_codes_portable(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, int8_t* rows,
+                                 int32_t* terms) {
+  const int32_t o = layout.default_zero_point();
+  for (int64_t b = 0; b < layout.blocks(); ++b) {
+    const uint8_t* block = panel + b * layout.block_bytes();
+    for (int64_t c = 0; c < kPanel; ++c) {
+      uint32_t sum = 0;  // wraps like the int32 lanes
+      for (int64_t k = 0; k < block_k; ++k) {
+        const int32_t value = k < layout.block ? code_at(layout, block + layout.header_bytes(), k, c) - o : 0;
+        rows[b * block_k * kPanel + (k / 4) * 4 * kPanel + c * 4 + k % 4] = static_cast<int8_t>(value);
+        sum += static_cast<uint32_t>(value);
+      }
+      terms[32 * b + c] = static_cast<int32_t>(0u - 128u * sum);
+      terms[32 * b + kPanel + c] = o - zero_point_at(layout, block, c);
+    }
+  }
+}
+
+void quant_add_dots_portable(const QuantBlockDots& d, float* out, int64_t ldc) {
+  for (int64_t m = 0; m < d.rows; ++m)
+    for (int64_t i = 0; i < d.count; ++i) {
+      const int32_t* dots = d.dots + i * d.block_stride + m * kPanel;
+      const float* scales = reinterpret_cast<const float*>(d.headers + i * d.header_stride);
+      const float sa = d.sa[m * d.stride + i];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        uint32_t dot = static_cast<uint32_t>(dots[c]);
+        if (d.zero_terms)
+          dot += static_cast<uint32_t>(d.zero_terms[32 * i + c]) * static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        out[m * ldc + c] += (sa * scales[c]) * static_cast<float>(static_cast<int32_t>(dot));
       }
     }
 }
@@ -126,24 +183,11 @@ void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda
   int8_t* qa = scratch.take<int8_t>(M * ldq, "the int8 activations");
   float* sa = scratch.take<float>(M * blocks, "the int8 activations' scales");
   int32_t* sums = scratch.take<int32_t>(M * blocks, "the int8 activations' sums");
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* a = A + m * lda + b * layout.block;
-      float amax = 0.0f;  // NaN when the block has one (numpy's max)
-      for (int64_t kk = 0; kk < layout.block && !std::isnan(amax); ++kk)
-        amax = std::isnan(a[kk]) ? a[kk] : std::max(amax, std::fabs(a[kk]));
-      const float s = amax / 127.0f;  // NaN: every qa is 0 and the block's term NaN, as the reference's
-      int8_t* q = qa + m * ldq + b * padded;
-      int32_t sum = 0;
-      for (int64_t kk = 0; kk < padded; ++kk) {
-        const float v = kk < layout.block && s != 0.0f ? std::nearbyint(a[kk] / s) : 0.0f;
-        q[kk] = static_cast<int8_t>(v >= 127.0f ? 127 : v <= -127.0f ? -127 : v == v ? static_cast<int>(v) : 0);
-        sum += q[kk];
-      }
-      sa[m * blocks + b] = s;
-      sums[m * blocks + b] = sum;
-    }
-  kernels().quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+  const KernelTable& table = kernels();
+  table.quant_activations(layout, A, lda, M, qa, ldq, sa, sums);
+  if (table.quant_tiles && M >= kQuantTileRows && layout.block >= kQuantTileBlock)
+    return table.quant_tiles(table.quant_tile_steps, layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+  table.quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
 }
 
 }  // namespace
