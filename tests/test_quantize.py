@@ -10,6 +10,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from backends import cached_session
 from fixture_models import FIXTURES, MANIFEST, WHOLE_FIXTURES, WHOLE_MANIFEST, op_counts, optimized
 from onnx import numpy_helper
 
@@ -67,7 +68,7 @@ def max_errors(original: onnx.ModelProto, result: onnx.ModelProto, name: str) ->
     """(max abs error, max |fp32|) of output ``output`` over SIZES, inputs drawn independently of the
     report: standard normal hidden states from a generator seeded with the size's index."""
     hidden = MANIFEST[name]["hidden_size"]
-    reference, quantized_sess = session(original, backend=BACKEND), session(result, backend=BACKEND)
+    reference, quantized_sess = cached_session(original, BACKEND), session(result, backend=BACKEND)
     error = peak = 0.0
     for index, (batch, seq) in enumerate(SIZES):
         x = np.random.default_rng(index).standard_normal((batch, seq, hidden)).astype(np.float32)
@@ -80,6 +81,7 @@ def max_errors(original: onnx.ModelProto, result: onnx.ModelProto, name: str) ->
 
 # ----------------------------------------------------------------------------- every family
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
 def test_quantized_family_within_bound_and_reported_as_measured(family, config):

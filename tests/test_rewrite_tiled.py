@@ -86,6 +86,7 @@ def test_fixture_fuses(name, target):
         assert {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"} <= set(after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TILED)
 def test_fixture_numbers(name, target):
@@ -232,6 +233,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_fuses(variant, target):
@@ -365,6 +367,7 @@ NEAR_MISSES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NEAR_MISSES))
 def test_near_miss_is_left_alone(case):
     name, mutate, rule, reason = NEAR_MISSES[case]
