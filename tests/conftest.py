@@ -3,12 +3,13 @@
 Helpers are plain modules (tests/ and models/ are on pytest's ``pythonpath``, pyproject.toml); no test
 module imports another:
 
-* ``cases/``: one case table per op (:class:`cases.Case`, ``ALL_CASES``, ``VALID_CASES``, ``ORACLES``) and
-  ``covering``, which picks a representative subset of a table;
-* ``backends.py``: a case on the C++ or the Python kernels, their errors, and the session cache
-  (``cached_session``: a model is built into a session once per run);
+* ``cases/``: one case table per op (:class:`cases.Case`, ``ALL_CASES``, ``VALID_CASES``, ``ORACLES``),
+  ``covering`` (a representative subset of a table) and ``lanes`` (a table's cases, those outside such
+  a subset marked slow);
+* ``backends.py``: a case on the C++ or the Python kernels, their errors, and the sessions tests build
+  (``cached_session``: a model run again soon after is not built again; ``options``);
 * ``fixture_models.py``: the committed export fixtures: loading, optimizing (the one cache of optimized
-  fixtures), running, reading and mutating them;
+  fixtures), running, reading and mutating them; ``fixture_lanes`` (all but FAST_FIXTURES marked slow);
 * ``distributed_models.py``, ``world_simulation.py``: the distributed tests' models and every rank in one
   process; ``ort_contrib_reference.py``: onnxruntime's contrib MoE/QMoE in numpy;
 * ``mpi/``: the drivers :func:`mpirun` launches.

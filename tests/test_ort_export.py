@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 from backends import PLAIN, cached_session
-from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, optimized, original, reference_data,
-                            whole_feeds, whole_reference_data)
+from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, fixture_lanes, optimized, original,
+                            reference_data, whole_feeds, whole_reference_data)
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
@@ -120,7 +120,7 @@ def test_router_chain_kept_as_exported(name):
     assert_exported_numbers(name, model)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MANIFEST if MANIFEST[n]["family"] not in REFUSED))
+@pytest.mark.parametrize("name", fixture_lanes(sorted(n for n in MANIFEST if MANIFEST[n]["family"] not in REFUSED)))
 def test_every_attribute_written(name):
     (node,) = contrib_nodes(exported(name)[0])
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}

@@ -106,6 +106,7 @@ def test_quantized_family_within_bound_and_reported_as_measured(family, config):
     assert report.weight_bytes_after < report.weight_bytes_before * (0.3 if settings["bits"] == 8 else 0.2)
 
 
+@pytest.mark.slow
 def test_int4_error_is_larger_than_int8():
     for name in FAMILY_FIXTURES.values():
         int8 = quantized(name, "int8_column")[1].error.outputs[0].relative
@@ -119,6 +120,7 @@ def quantized_whole(name: str, **settings):
     return moe_onnx.quantize(model, **settings, backend=BACKEND, sizes=SIZES)
 
 
+@pytest.mark.slow
 def test_layer_errors_reported_for_each_moe_of_a_whole_model():
     name = "gpt_oss__tf457__torchscript"
     result, report = quantized_whole(name, bits=8)

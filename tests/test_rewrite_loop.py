@@ -174,6 +174,7 @@ def assert_torch_and_pinned_numbers(name: str, model: onnx.ModelProto) -> None:
         np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_the_python_kernels(name):
     model, _ = optimized(name, "moe")
