@@ -22,12 +22,12 @@ from backends import PLAIN, cached_session
 from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
-from moe_onnx import OUR_OPS_TARGETS as TARGETS  # noqa: F401  (the test modules take it from here)
 from moe_onnx.ops import REFERENCE_OPS
 from moe_onnx.testing import random_hidden_states
-from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
-from moe_export.fixtures import whole_feeds, whole_logits_match  # noqa: F401 (models/ on pytest's pythonpath; no torch)
+from moe_onnx.testing import attributes, moe_node
 
+# The targets our ops run on: the rewrite tests optimize each fixture for every one.
+TARGETS = moe_onnx.OUR_OPS_TARGETS
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 # whole tiny causal LMs (input_ids -> logits), with the fusion state the rewriter is expected to reach

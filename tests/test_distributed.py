@@ -20,8 +20,8 @@ import onnx
 import pytest
 from backends import cached_session
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
-from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_feeds,
-                            whole_reference_data)
+from fixture_models import FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_reference_data
+from moe_export.fixtures import whole_feeds
 from world_simulation import run_world
 
 from moe_onnx import session

@@ -32,7 +32,7 @@ from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
 from moe_onnx.ops import OPS, REFERENCE_OPS, MoeOpError
-from moe_onnx.runtime import run
+from moe_onnx.runtime import kernel_report, run
 
 CPP_OPS = {"MOE", "QMOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK",
            "MoeDistributeDispatch", "MoeDistributeCombine"}  # ops with a C++ kernel
@@ -491,16 +491,9 @@ print("gemm:", kernel_report()["gemm_panels"])
 
 
 def in_process_level() -> str:
-    """The ISA level this process's kernels run (test_cpp, test_cpp_larger, test_cpp_tile_paths): MOE_ONNX_GEMM,
-    else the highest the CPU and the build support, which the float GEMM's kernels name (no AMX kernels are
-    built, so it is never "amx")."""
-    import ctypes
-
-    if os.environ.get("MOE_ONNX_GEMM"):
-        return os.environ["MOE_ONNX_GEMM"]
-    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
-    lib.MoeOnnxGemmIsa.restype = ctypes.c_char_p
-    return lib.MoeOnnxGemmIsa().decode()
+    """The ISA level this process's kernels run (test_cpp, test_cpp_larger, test_cpp_tile_paths ran at it):
+    MOE_ONNX_GEMM, else the highest the CPU and the build support."""
+    return kernel_report()["level"]
 
 
 @pytest.mark.slow

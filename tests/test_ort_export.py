@@ -12,7 +12,8 @@ import onnx
 import pytest
 from backends import PLAIN, cached_session
 from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, fixture_lanes, optimized, original,
-                            reference_data, whole_feeds, whole_reference_data)
+                            reference_data, whole_reference_data)
+from moe_export.fixtures import whole_feeds
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 

@@ -16,13 +16,14 @@ from onnx import numpy_helper
 import moe_onnx
 from backends import cached_session
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, moe_node, mutable_copy, nodes,
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, mutable_copy, nodes,
     op_counts, optimized, original, ort_output, producer, random_feeds, random_hidden, reference_data,
     reference_output, set_input,
     routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
 from moe_onnx.rewrite._match import shape_dims
+from moe_onnx.testing import initializer
 
 NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"

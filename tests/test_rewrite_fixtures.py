@@ -14,7 +14,8 @@ from backends import cached_session
 
 import moe_onnx
 from fixture_models import (MANIFEST, TARGETS, TOL, WHOLE_MANIFEST, fixture_lanes, optimized, optimized_whole,
-                            reference_data, whole_feeds, whole_logits_match, whole_reference_data)
+                            reference_data, whole_reference_data)
+from moe_export.fixtures import whole_feeds, whole_logits_match
 from moe_onnx.check import check_model
 from moe_onnx.rewrite.gating import RULE as ROUTER_RULE
 

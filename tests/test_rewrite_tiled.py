@@ -18,13 +18,14 @@ from onnx import helper, numpy_helper
 
 import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, mutable_copy, nodes, op_counts,
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, mutable_copy, nodes, op_counts,
     optimized, original, producer, random_feeds, random_hidden, reference_data, run_ort, run_reference, set_input,
     shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
 from moe_onnx.ops import DOMAIN
 from moe_onnx.rewrite import optimize_ir
+from moe_onnx.testing import initializer
 
 RULES = {"tiled": "TiledGptOssFusion", "tiled_dynamo": "TiledGptOssFusion", "tiled3": "TiledSwigluFusion"}
 TILED = fixture_names(*RULES)
