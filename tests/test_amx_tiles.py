@@ -297,10 +297,10 @@ def test_model_tdpbusd_is_exact():
         assert_same_bits(got, tdpbusd_reference(dot), f"dot {i} {dot.rows}x{dot.a_colsb}x{dot.c_colsb}")
 
 
-# The exact-arithmetic pseudocode takes about a second a kind: the fast lane checks random and any-bits data.
-@pytest.mark.parametrize("kind", ["normal", pytest.param("cancelling", marks=pytest.mark.slow),
-                                  pytest.param("tiny", marks=pytest.mark.slow),
-                                  pytest.param("denormal", marks=pytest.mark.slow), "bits"])
+# The exact-arithmetic pseudocode takes about a second a kind: the fast lane checks any-bits data (NaN,
+# infinities, denormals and normal numbers of every exponent).
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow) for kind in
+                                  ("normal", "cancelling", "tiny", "denormal")] + ["bits"])
 def test_model_tdpbf16ps_is_the_pseudocode(kind):
     rng = np.random.default_rng(["normal", "cancelling", "tiny", "denormal", "bits"].index(kind))
     dots = bf16_dots(rng, kind)
@@ -467,6 +467,7 @@ def _without_switches() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MOE_ONNX_AMX", "MOE_ONNX_GEMM")}
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_amx_model_switch():
     """MOE_ONNX_AMX=model: the AMX slots on the model, on any CPU; the hardware hook refuses, saying so."""
