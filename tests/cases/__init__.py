@@ -18,6 +18,7 @@ import pytest
 from onnx import helper
 
 from moe_onnx.ops import DOMAIN, OPS
+from moe_onnx.ops.layout import several_ranks
 from moe_onnx.ops._common import check_node_attributes, elem_of
 
 
@@ -186,13 +187,14 @@ def error_kind(case: Case) -> str | None:
 
 def transport_features(case: Case) -> set[tuple]:
     """What a runner that hands a node to the op's reference (onnxruntime's Python-kernel host, onnx's
-    ReferenceEvaluator) treats differently: the op and how the case fails; per input position its element
-    type or its absence; every element type at all; how many outputs the node names; each attribute given
-    or left to its default; and, for a valid case, the combination of its input types (the variant the
-    host runs)."""
+    ReferenceEvaluator) treats differently: the op and how the case fails; whether the node is one of
+    several ranks (the host looks up a per-rank kernel); per input position its element type or its absence;
+    every element type at all; how many outputs the node names; each attribute given or left to its default;
+    and, for a valid case, the combination of its input types (the variant the host runs)."""
     op = OPS[case.op]
     types = tuple(None if a is None else str(a.dtype) for a in case.padded_inputs())
-    features = {("kind", case.op, error_kind(case)), ("outputs", case.op, case.n_outputs)}
+    features = {("kind", case.op, error_kind(case)), ("outputs", case.op, case.n_outputs),
+                ("several ranks", case.op, several_ranks(case.attrs))}
     features |= {("input", case.op, i, t) for i, t in enumerate(types)} | {("type", t) for t in types}
     if case.error is None:
         features.add(("variant", case.op, types))
