@@ -1,39 +1,81 @@
 """Running a :class:`cases.Case` on the onnxruntime backends and reading their errors, shared by
-the kernel tests (tests/test_kernels.py) and the fuzzer (tests/test_fuzz.py)."""
+the kernel tests (tests/test_kernels.py) and the fuzzer (tests/test_fuzz.py); and the sessions the tests
+build (:func:`cached_session`: a model run again soon after is not built again; :func:`options`)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections import OrderedDict
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnxruntime as ort
 from cases import Case
 
-from moe_onnx.runtime import run, session
+from moe_onnx.runtime import BACKENDS, run, session
 
 
 def as_float64(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype == ml_dtypes.bfloat16 else a
 
 
-def options(threads: int) -> ort.SessionOptions:
+def options(threads: int | None = None) -> ort.SessionOptions:
+    """Session options with ``threads`` intra-op threads (None: onnxruntime's default) that do not spin.
+    onnxruntime's pool threads spin for work after each run by default: over the suite's thousands of small
+    sessions that took the CPU the tests run on (measured: the kernel tables ran 2x as long)."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
+    if threads is not None:
+        opts.intra_op_num_threads = threads
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 
-def run_case(case: Case, backend: str, threads: int = 2, valid: bool | None = None) -> list[np.ndarray]:
-    """The outputs of ``case`` on ``backend``; ``valid`` (default: the case has no ``error``) keeps
-    the output types shape inference gives the node."""
-    model = case.model()
-    if not (case.error is None if valid is None else valid):
-        # Case.model() declares the outputs of an invalid node with input 0's type; leave them
-        # untyped so the kernel, not onnxruntime's graph type check, reports what is wrong.
-        for out in model.graph.output:
-            out.ClearField("type")
-    sess = session(model, backend=backend, sess_options=options(threads))
-    return run(sess, case.feeds())
+PLAIN = "plain"  # onnxruntime without our library
+# The sessions kept, per backend (the least recently used are dropped): enough for a test, or the tests
+# next to it, to run a model it ran before. Not more: sessions kept alive slowed the building of the next
+# ones (measured: holding a thousand C++ sessions made the kernel tables ~25% slower than building them
+# again), and a Python-kernel session holds about 7 MB.
+SESSION_LIMITS = {"cpp": 16, "python": 4, PLAIN: 16}
+_SESSIONS: dict[str, OrderedDict] = {backend: OrderedDict() for backend in SESSION_LIMITS}
+
+
+def cached_session(model: onnx.ModelProto, backend: str = "cpp", threads: int | None = None) -> ort.InferenceSession:
+    """A session on ``model`` (:func:`options`): ``moe_onnx.session(model, backend)`` for a backend of
+    ``moe_onnx.runtime.BACKENDS``, plain onnxruntime on the CPU for :data:`PLAIN`; the one built before
+    for an equal model (the serialized bytes), backend and ``threads`` while it is among the last
+    SESSION_LIMITS[backend] used. Sessions keep no state between runs: a test may run one another built."""
+    data = model.SerializeToString()
+    key = (hashlib.blake2b(data, digest_size=20).digest(), threads)
+    sessions = _SESSIONS[backend]
+    if key in sessions:
+        sessions.move_to_end(key)
+        return sessions[key]
+    if backend == PLAIN:
+        sess = ort.InferenceSession(data, options(threads), providers=["CPUExecutionProvider"])
+    else:
+        assert backend in BACKENDS, backend
+        sess = session(model, backend=backend, sess_options=options(threads))
+    sessions[key] = sess
+    if len(sessions) > SESSION_LIMITS[backend]:
+        sessions.popitem(last=False)
+    return sess
+
+
+def run_case(case: Case, backend: str, threads: int = 2, valid: bool | None = None,
+             model: onnx.ModelProto | None = None) -> list[np.ndarray]:
+    """The outputs of ``case`` on ``backend`` (a cached session); ``valid`` (default: the case has no
+    ``error``) keeps the output types shape inference gives the node. ``model``: a model of the case's
+    node to run instead of ``case.model()`` (one session for cases that differ only in runtime inputs)."""
+    if model is None:
+        model = case.model()
+        if not (case.error is None if valid is None else valid):
+            # Case.model() declares the outputs of an invalid node with input 0's type; leave them
+            # untyped so the kernel, not onnxruntime's graph type check, reports what is wrong.
+            for out in model.graph.output:
+                out.ClearField("type")
+    return run(cached_session(model, backend, threads), case.feeds())
 
 
 # What onnxruntime puts before a kernel's message: a failed Compute, or a failed kernel creation.

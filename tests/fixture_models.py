@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,20 +16,18 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
+import pytest
 from onnx import numpy_helper
+from backends import PLAIN, cached_session
 from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
-from moe_onnx import OUR_OPS_TARGETS as TARGETS  # noqa: F401  (the test modules take it from here)
 from moe_onnx.ops import REFERENCE_OPS
-from moe_onnx.rewrite import optimize
 from moe_onnx.testing import random_hidden_states
-from moe_onnx.testing import attributes, initializer, moe_node  # noqa: F401 (for the test modules)
+from moe_onnx.testing import attributes, moe_node
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from moe_export.fixtures import whole_feeds, whole_logits_match  # noqa: E402, F401 (no torch in there)
-
+# The targets our ops run on: the rewrite tests optimize each fixture for every one.
+TARGETS = moe_onnx.OUR_OPS_TARGETS
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["fixtures"]
 # whole tiny causal LMs (input_ids -> logits), with the fusion state the rewriter is expected to reach
@@ -39,6 +36,16 @@ WHOLE_MANIFEST = json.loads((WHOLE_FIXTURES / "manifest.json").read_text())["fix
 # (batch, seq): one token, a small shape, and one unlike the exports' traced (2, 5) or (2, 8)
 SHAPES = [(1, 1), (2, 3), (3, 7)]
 TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+# Where a test takes every fixture, the fast lane (`pytest -m "not slow"`) runs these: a tiny export of each
+# router chain's kind (softmax -> top-k renormalized; top-k -> softmax); the others are marked slow.
+FAST_FIXTURES = ("qwen3_moe_batched_mm_tiny", "gpt_oss_tiled_tiny")
+
+
+def fixture_lanes(names: Sequence[str]) -> list:
+    """``names`` as pytest parameters, those not in FAST_FIXTURES marked slow."""
+    return [pytest.param(name, marks=() if name in FAST_FIXTURES else pytest.mark.slow) for name in names]
 
 
 def fixture_names(*styles: str) -> list[str]:
@@ -84,19 +91,24 @@ def mutable_copy(name: str) -> onnx.ModelProto:
 def optimize_form(model, target: str = "moe"):
     """``optimize`` with the routers left as exported: what the export-form tests check (the fusions,
     the shared-expert fold); tests/test_rewrite_gating.py checks the router pass."""
-    return optimize(model, target=target, fuse_routers=False)
+    return moe_onnx.optimize(model, target=target, fuse_routers=False)
 
+
+# The one cache of optimized fixtures: every test module takes them from here, so each (fixture, target,
+# options) is optimized once per run. The models are shared: copy one before changing it.
 
 @functools.cache
-def optimized(name: str, target: str):
-    """``optimize_form(original(name), target)``: the optimized model and its report."""
-    return optimize_form(original(name), target=target)
+def optimized(name: str, target: str, *, fuse_routers: bool = False, portable: bool = False):
+    """``moe_onnx.optimize`` of fixture ``name``: the optimized model and its report. By default the routers
+    stay as exported (``optimize_form``: what the export-form tests check); ``fuse_routers=True`` is what
+    users get (``optimize``'s default)."""
+    return moe_onnx.optimize(original(name), target=target, fuse_routers=fuse_routers, portable=portable)
 
 
 @functools.cache
 def optimized_whole(name: str, target: str):
-    """``optimize`` of the whole-model fixture ``name``: the optimized model and its report."""
-    return optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]), target=target)
+    """``optimize`` of the whole-model fixture ``name`` (routers fused): the optimized model and its report."""
+    return moe_onnx.optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]), target=target)
 
 
 def whole_reference_data(name: str) -> dict[str, np.ndarray]:
@@ -123,11 +135,8 @@ def random_feeds(name: str, batch: int, seq: int, seed: int = 0, scale: float = 
 # ----------------------------------------------------------------------------- running
 
 def run_ort(model: onnx.ModelProto, feeds: dict, outputs: Sequence[str] | None = None) -> list[np.ndarray]:
-    """The outputs (all, or those named) of onnxruntime on the CPU."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # mutated copies keep constants nothing reads: no warnings about them
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None if outputs is None else list(outputs), feeds)
+    """The outputs (all, or those named) of onnxruntime on the CPU (without our library)."""
+    return cached_session(model, PLAIN).run(None if outputs is None else list(outputs), feeds)
 
 
 def run_reference(model: onnx.ModelProto, feeds: dict, outputs: Sequence[str] | None = None) -> list[np.ndarray]:
@@ -284,7 +293,7 @@ def assert_numbers_on_both_backends(name: str) -> None:
     """The fixture optimized for MOE computes the original's outputs on the cpp and the python kernels."""
     model, _ = optimized(name, "moe")
     for backend in ("cpp", "python"):
-        session = moe_onnx.session(model, backend=backend)
+        session = cached_session(model, backend)
         for batch, seq in SHAPES:
             inputs = scaled_random_feeds(name, batch, seq)
             np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs),

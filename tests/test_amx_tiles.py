@@ -297,7 +297,10 @@ def test_model_tdpbusd_is_exact():
         assert_same_bits(got, tdpbusd_reference(dot), f"dot {i} {dot.rows}x{dot.a_colsb}x{dot.c_colsb}")
 
 
-@pytest.mark.parametrize("kind", ["normal", "cancelling", "tiny", "denormal", "bits"])
+# The exact-arithmetic pseudocode takes about a second a kind: the fast lane checks any-bits data (NaN,
+# infinities, denormals and normal numbers of every exponent).
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow) for kind in
+                                  ("normal", "cancelling", "tiny", "denormal")] + ["bits"])
 def test_model_tdpbf16ps_is_the_pseudocode(kind):
     rng = np.random.default_rng(["normal", "cancelling", "tiny", "denormal", "bits"].index(kind))
     dots = bf16_dots(rng, kind)
@@ -464,6 +467,8 @@ def _without_switches() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("MOE_ONNX_AMX", "MOE_ONNX_GEMM")}
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_amx_model_switch():
     """MOE_ONNX_AMX=model: the AMX slots on the model, on any CPU; the hardware hook refuses, saying so."""
     report = _report_in({**_without_switches(), "MOE_ONNX_AMX": "model"})
@@ -479,6 +484,8 @@ def test_amx_model_switch():
     assert out.stdout.strip() == "1 AMX is not usable here (modelled: MOE_ONNX_AMX=model: the scalar model of the tiles)"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_amx_switch_errors():
     assert _report_in({**_without_switches(), "MOE_ONNX_AMX": "fast"}) == (
         "MOE_ONNX_AMX='fast' is not a mode; expected 'model' (the AMX kernels on the scalar model of the tile "
@@ -488,6 +495,8 @@ def test_amx_switch_errors():
     assert report.endswith("(AMX: MOE_ONNX_AMX=model: the scalar model of the tiles)")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_amx_off_and_capped():
     """Where AMX is usable: MOE_ONNX_AMX=off and MOE_ONNX_GEMM below amx leave it unused, saying why."""
     _hardware_or_skip()

@@ -122,6 +122,8 @@ sys.exit(main(["optimize", *sys.argv[3:]]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("threshold", [1 << 30, 0], ids=["inline", "external_data"])
 def test_a_failed_write_leaves_no_partial_output(threshold, tmp_path):
     """(d) the file-size limit stops the write midway: OUT keeps its old content, nothing else is left."""

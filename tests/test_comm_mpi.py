@@ -61,12 +61,15 @@ def one_process(tp: int, **env: str) -> tuple[str, str]:
     return lines[0], lines[1]
 
 
+@pytest.mark.subprocess
 def test_one_rank_layout_loads_no_mpi():
     outcome, loaded = one_process(1)
     assert outcome == "ran"
     assert loaded == "[] False"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_missing_mpi_library_is_named(tmp_path):
     copy = tmp_path / "libmoe_onnx_ops.so"
     shutil.copy(moe_onnx.custom_ops_library(), copy)
@@ -77,6 +80,8 @@ def test_missing_mpi_library_is_named(tmp_path):
     assert loaded == "[] False"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "inf", "0x10"])
 def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
     outcome, loaded = one_process(2, MOE_ONNX_COMM_TIMEOUT_S=value)
@@ -85,6 +90,8 @@ def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
     assert loaded == "[] False"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_world_of_one_rank_refuses_as_the_reference():
     outcome, _ = one_process(2)  # MPI starts as a singleton: a world of 1
     case = Case(op="MOE", name="tp", inputs=moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3),
@@ -120,21 +127,11 @@ def test_layout_attributes_are_checked_before_mpi(op, attrs, error):
     assert kernel_message(cpp.value) == str(reference.value)
 
 
-def mpirun(ranks: int, driver: str, out_dir: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """One launch of a driver on `ranks` ranks (oversubscribed, one intra-op thread each)."""
-    launcher = shutil.which("mpirun")
-    if launcher is None:
-        pytest.fail("mpirun not found: the multi-rank tests need Open MPI (apt-get install openmpi-bin "
-                    "libopenmpi-dev; docs/building.md)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1", **env}
-    return subprocess.run([launcher, "-n", str(ranks), sys.executable, str(DRIVERS / driver), str(out_dir)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_tensor_parallel_kernels_match_one_process(ranks, tmp_path):
-    launch = mpirun(ranks, "tp_driver.py", tmp_path, timeout=300)
+def test_tensor_parallel_kernels_match_one_process(ranks, tmp_path, mpirun):
+    launch = mpirun(ranks, sys.executable, str(DRIVERS / "tp_driver.py"), str(tmp_path), timeout=300)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     for rank in range(ranks):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -146,8 +143,11 @@ def test_tensor_parallel_kernels_match_one_process(ranks, tmp_path):
         assert max(r["max_error"] for r in results if "float16" not in r["name"]) <= 1e-5
 
 
-def test_a_rank_that_never_comes_fails_the_collective_within_the_timeout(tmp_path):
-    launch = mpirun(2, "timeout_driver.py", tmp_path, timeout=90, MOE_ONNX_COMM_TIMEOUT_S="3")
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_rank_that_never_comes_fails_the_collective_within_the_timeout(tmp_path, mpirun):
+    launch = mpirun(2, sys.executable, str(DRIVERS / "timeout_driver.py"), str(tmp_path), timeout=90,
+                    MOE_ONNX_COMM_TIMEOUT_S="3")
     assert launch.returncode != 0  # rank 0 aborts the job
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] is not None

@@ -11,15 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_comm_mpi import mpirun
+from mpi.distribute_driver import configurations
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
-from distribute_driver import configurations  # noqa: E402
+DRIVER = Path(__file__).resolve().parent / "mpi" / "distribute_driver.py"
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_dispatch_combine_match_the_reference_on_every_rank(ranks, tmp_path):
-    launch = mpirun(ranks, "distribute_driver.py", tmp_path, timeout=600, MOE_ONNX_COMM_TIMEOUT_S="60")
+def test_dispatch_combine_match_the_reference_on_every_rank(ranks, tmp_path, mpirun):
+    launch = mpirun(ranks, sys.executable, str(DRIVER), str(tmp_path), timeout=600, MOE_ONNX_COMM_TIMEOUT_S="60")
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{g}.json").read_text()) for g in range(ranks)]
     names = [c["name"] for c in configurations(ranks)]

@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from backends import cached_session
 from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
-from fixture_models import (FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_feeds,
-                            whole_reference_data)
+from fixture_models import FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_reference_data
+from moe_export.fixtures import whole_feeds
 from world_simulation import run_world
 
 from moe_onnx import session
@@ -76,7 +77,7 @@ def launch(ranks: int, command: list[str], timeout: float = 300, **env: str) -> 
 
 
 def expected_outputs(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return run_session(session(str(model_path)), inputs)
+    return run_session(cached_session(onnx.load(model_path)), inputs)
 
 
 def _cases(world: int) -> list[tuple[int, int, str, str]]:
@@ -148,6 +149,8 @@ def shard_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("shards"))
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", [c for world in CONFIGS for c in _cases(world)],
                          ids=lambda c: f"tp{c[0]}_ep{c[1]}_{c[2]}_{c[3]}")
 def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
@@ -167,12 +170,13 @@ def _unsharded(model: str) -> onnx.ModelProto:
     return MODELS[model]()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, ep", [c for world in CONFIGS for c in CONFIGS[world]], ids=lambda v: str(v))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
     """Every rank in one process (threads, the ops' all-ranks references): the transformation, without MPI."""
     ranks = shard(_unsharded(model), tp=tp, ep=ep)
-    sess = session(_unsharded(model))
+    sess = cached_session(_unsharded(model))
     for input_name, feeds in _inputs(model).items():
         expected = run_session(sess, feeds)["y"]
         for rank, (got,) in enumerate(run_world(ranks, feeds)):
@@ -414,6 +418,8 @@ def assert_failed(done: subprocess.CompletedProcess, seconds: float, *messages: 
         assert message in output, f"{message!r} not in:\n{output}"
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_the_runner_writes_rank_0s_outputs(fault_root):
     done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out.npz")
     assert done.returncode == 0, done.stderr
@@ -421,6 +427,8 @@ def test_the_runner_writes_rank_0s_outputs(fault_root):
     np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
     require_mpirun()
     status = cli_main(["run", str(fault_root / "shard"), "-n", "2", "--inputs", str(fault_root / "in.npz"), "-o",
@@ -430,31 +438,43 @@ def test_moe_onnx_run_checks_against_the_unsharded_model(fault_root, capsys):
     assert "max error" in out and "(ok, tolerance 1e-05)" in out
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_rank_that_raises_ends_the_job(fault_root):
     done, seconds = run_with_fault(fault_root, "raise")
     assert_failed(done, seconds, "moe_onnx.distributed.run: rank 1:", "hidden")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_killed_rank_ends_the_job(fault_root):
     done, seconds = run_with_fault(fault_root, "kill")
     assert_failed(done, seconds, "signal 9")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_hanging_rank_makes_the_others_time_out(fault_root):
     done, seconds = run_with_fault(fault_root, "hang", MOE_ONNX_COMM_TIMEOUT_S="3")
     assert_failed(done, seconds, "moe_onnx.distributed.run: rank 0:", "did not complete within 3 s")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_rank_that_hangs_before_its_session_makes_the_others_time_out(fault_root):
     done, seconds = run_with_fault(fault_root, "hang_at_start", MOE_ONNX_COMM_TIMEOUT_S="3")
     assert_failed(done, seconds, "moe_onnx.distributed.run: rank 0:", "session start", "did not complete within 3 s")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_wrong_rank_count_is_refused_on_every_rank(fault_root):
     done, seconds = run_module(3, fault_root / "shard", fault_root / "in.npz", fault_root / "out3.npz")
     assert_failed(done, seconds, "the MPI world has 3 ranks", "run it with -n 2")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_rank_file_of_another_shard_is_detected(fault_root, tmp_path):
     onnx.save(moe_model(GEMM3_SWIGLU, experts=EXPERTS, inter=4), tmp_path / "other.onnx")
     shard_file(tmp_path / "other.onnx", tmp_path / "other", tp=1, ep=2)
@@ -465,6 +485,8 @@ def test_a_rank_file_of_another_shard_is_detected(fault_root, tmp_path):
     assert_failed(done, seconds, "rank 1: ", "does not match", "ranks 0 and 1 hold models of different shards")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_a_corrupt_rank_file_is_reported_by_its_rank(fault_root, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(fault_root / "shard", broken)
@@ -473,6 +495,8 @@ def test_a_corrupt_rank_file_is_reported_by_its_rank(fault_root, tmp_path):
     assert_failed(done, seconds, "moe_onnx.distributed.run: rank 1:", "is not an ONNX model")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_unreadable_inputs_are_reported(fault_root, tmp_path):
     (tmp_path / "in.npz").write_bytes(b"not an npz")
     done, seconds = run_module(2, fault_root / "shard", tmp_path / "in.npz", tmp_path / "out.npz")
@@ -495,6 +519,8 @@ def test_large_weights_are_streamed_into_each_ranks_data_file(tmp_path, monkeypa
         np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
     code = ("import sys, moe_onnx.cli, moe_onnx.distributed.run, moe_onnx.distributed.shard, moe_onnx.pipeline; "
             "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'")
@@ -502,6 +528,8 @@ def test_sharding_and_its_runner_do_not_load_mpi_on_one_process():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sharding_a_model_without_external_data_holds_about_its_size_in_memory(tmp_path):
     """Weights inside the .onnx file are read expert by expert without converting the whole tensor for each
     expert: the rank models are written in a few times the model's size (the source, the rank's proto and

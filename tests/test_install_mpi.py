@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # the script, in bash
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "install_mpi.sh"
 TOOLS = ("bash", "cat", "env", "grep", "head")  # the real commands the script uses besides the package tools
 

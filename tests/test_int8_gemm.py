@@ -88,6 +88,8 @@ def test_int8_edge_case(case):
     run_exact([case])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("level", LEVELS)
 def test_int8_cases_on_kernel(level):
     """The edge cases, exactly, with MOE_ONNX_GEMM=level (in a fresh process); the case tables' int8

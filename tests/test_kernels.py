@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from backends import as_float64, kernel_message, options, run_case
-from cases import ALL_CASES, Case, bf16_compute
+from backends import as_float64, cached_session, kernel_message, run_case
+from cases import ALL_CASES, Case, bf16_compute, covering, lanes, transport_features
 from cases import finalize_routing as finalize_cases
 from cases import gating_topk as gating_cases
 from cases import init_routing as init_cases
@@ -32,9 +32,7 @@ from onnx.reference import ReferenceEvaluator
 
 import moe_onnx
 from moe_onnx.ops import OPS, REFERENCE_OPS, MoeOpError
-from moe_onnx.runtime import run, session
-
-ort.set_default_logger_severity(4)  # the errors are asserted, not logged
+from moe_onnx.runtime import kernel_report, run
 
 CPP_OPS = {"MOE", "QMOE", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting", "MoeGatingTopK",
            "MoeDistributeDispatch", "MoeDistributeCombine"}  # ops with a C++ kernel
@@ -67,13 +65,35 @@ def check(case: Case, backend: str) -> list[np.ndarray] | None:
     return got
 
 
-@pytest.mark.parametrize("case", CPP_CASES, ids=lambda c: c.id)
+# What test_cpp, test_cpp_larger and test_cpp_tile_paths got (at 2 intra-op threads), by case id:
+# test_cpp_threads_identical compares 1 thread with it instead of building those sessions again.
+TWO_THREAD_OUTPUTS: dict[str, list[np.ndarray]] = {}
+
+
+def check_cpp(case: Case) -> None:
+    got = check(case, "cpp")
+    if got is not None:
+        TWO_THREAD_OUTPUTS[case.id] = got
+
+
+@pytest.mark.parametrize("case", lanes(CPP_CASES))
 def test_cpp(case):
-    check(case, "cpp")
+    check_cpp(case)
 
 
-@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.id)
+# The Python-kernel host runs each op's own reference, so what it can get wrong is the transport, not the
+# op's rules (test_cpp checks the tables' every case against the reference, tests/test_op_cases.py the
+# reference against the oracles): the cases that together have every transport feature run on it
+# (cases.transport_features: every op and way a case fails, each input's element types and absence,
+# every element type, each output count, each attribute given and defaulted, each input-type combination
+# of valid cases, i.e. each variant the host registers that a case reaches).
+PYTHON_CASES = covering(ALL_CASES, transport_features)
+
+
+@pytest.mark.parametrize("case", lanes(PYTHON_CASES))
 def test_python(case):
+    """A covering subset of the tables (PYTHON_CASES) on the Python kernels: the reference's outputs, or
+    its error message past onnxruntime's prefix."""
     check(case, "python")
 
 
@@ -127,7 +147,7 @@ LARGER_CASES = _larger_cases()
 
 @pytest.mark.parametrize("case", LARGER_CASES, ids=lambda c: c.id)
 def test_cpp_larger(case):
-    check(case, "cpp")
+    check_cpp(case)
 
 
 def _tile_path_cases() -> list[Case]:
@@ -191,7 +211,7 @@ QMOE_TILE_PATH_CASES = _qmoe_tile_path_cases()
 
 @pytest.mark.parametrize("case", TILE_PATH_CASES + QMOE_TILE_PATH_CASES, ids=lambda c: c.id)
 def test_cpp_tile_paths(case):
-    check(case, "cpp")
+    check_cpp(case)
 
 
 def _dequantized_moe_case(case: Case) -> Case:
@@ -245,7 +265,7 @@ def test_init_routing_unnamed_count_output_between_named_ones(backend):
     if backend == "reference_evaluator":
         got = ReferenceEvaluator(model, new_ops=REFERENCE_OPS).run(None, case.feeds())
     else:
-        got = run(session(model, backend=backend, sess_options=options(2)), case.feeds())
+        got = run(cached_session(model, backend, threads=2), case.feeds())
     expected = OPS[case.op].reference(*case.inputs, _named_outputs=[True, True, False, True], **case.attrs)
     assert len(got) == 3 and expected[2] is None
     for g, e in zip(got, (expected[0], expected[1], expected[3])):
@@ -253,10 +273,11 @@ def test_init_routing_unnamed_count_output_between_named_ones(backend):
         np.testing.assert_array_equal(g, e)
 
 
-@pytest.mark.parametrize("case", [c for c in CPP_CASES if c.error is None] + LARGER_CASES + QMOE_TILE_PATH_CASES,
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", lanes([c for c in CPP_CASES if c.error is None] + LARGER_CASES + QMOE_TILE_PATH_CASES))
 def test_cpp_threads_identical(case):
-    one, two = run_case(case, "cpp", threads=1), run_case(case, "cpp", threads=2)
+    """One and two intra-op threads give the same bits (two: what test_cpp and the others got, where they ran)."""
+    two = TWO_THREAD_OUTPUTS.pop(case.id, None) or run_case(case, "cpp", threads=2)
+    one = run_case(case, "cpp", threads=1)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -297,6 +318,8 @@ def moe_cases(draw):
 EXAMPLES = int(os.environ.get("MOE_ONNX_HYPOTHESIS_EXAMPLES", "200"))
 
 
+@pytest.mark.slow
+@pytest.mark.fuzz
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(moe_cases())
 def test_moe_cpp_property(case):
@@ -386,18 +409,24 @@ def finalize_routing_cases(draw):
                                       index_dtype=draw(st.sampled_from([np.int32, np.int64])), given=given_, seed=seed)
 
 
+@pytest.mark.slow
+@pytest.mark.fuzz
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(init_routing_cases())
 def test_init_routing_cpp_property(case):
     check(case, "cpp")
 
 
+@pytest.mark.slow
+@pytest.mark.fuzz
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(row_parallel_linear_cases())
 def test_row_parallel_linear_cpp_property(case):
     check(case, "cpp")
 
 
+@pytest.mark.slow
+@pytest.mark.fuzz
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(finalize_routing_cases())
 def test_finalize_routing_cpp_property(case):
@@ -415,7 +444,7 @@ def test_grouped_target_cpp_matches_original(name):
     assert ours == {"MoeGatingTopK", "MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"}
     original = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     hidden = original.get_inputs()[0].shape[-1]
-    fast = session(grouped, sess_options=options(2))
+    fast = cached_session(grouped, threads=2)
     for shape in [(2, 5, hidden), (1, 1, hidden), (3, 17, hidden)]:
         feeds = {original.get_inputs()[0].name: np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
         expected = original.run(None, feeds)
@@ -429,6 +458,7 @@ GEMM2_ACT_CASES = [c for c in CPP_CASES if c.op == "MOE" and c.error is None
                    and c.attrs.get("expert_type") == GEMM2_ACT and c.inputs[0].dtype == np.float32]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GEMM2_ACT_CASES, ids=lambda c: c.id)
 def test_grouped_target_gemm2_act_matches_reference(case):
     """A GEMM2_ACT node (each activation, with and without biases) expanded to the grouped chain and
@@ -436,7 +466,7 @@ def test_grouped_target_gemm2_act_matches_reference(case):
     grouped, report = moe_onnx.optimize(case.model(), target="grouped")
     assert report.fused == {"MoeToGrouped": 1}
     assert "MOE" not in {n.op_type for n in grouped.graph.node}
-    got = run(session(grouped, sess_options=options(2)), case.feeds())
+    got = run(cached_session(grouped, threads=2), case.feeds())
     expected = case.run_reference(case.node_name)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=case.atol)
 
@@ -461,11 +491,20 @@ print("gemm:", kernel_report()["gemm_panels"])
 """
 
 
+def in_process_level() -> str:
+    """The ISA level this process's kernels run (test_cpp, test_cpp_larger, test_cpp_tile_paths ran at it):
+    MOE_ONNX_GEMM, else the highest the CPU and the build support."""
+    return kernel_report()["level"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("level", ISA_LEVELS)
 def test_isa_level(level):
     """Every ISA level this machine supports (MOE_ONNX_GEMM=level, in a fresh process) runs the C++
     MOE, QMOE and MoeRowParallelLinear cases (the tables, the larger and the tile-path ones; float and int8;
-    errors included) to the reference's results; a level the CPU or the build lacks is skipped."""
+    errors included) to the reference's results; a level the CPU or the build lacks is skipped. The level
+    this process runs has run them here already: for it only the level the library reports is checked."""
     import subprocess
     import sys
     from pathlib import Path
@@ -477,6 +516,8 @@ def test_isa_level(level):
         assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in probe.stdout
         pytest.skip(f"ISA level '{level}' is not supported here: {probe.stdout.strip()}")
     assert probe.stdout.split() == ["gemm:", GEMM_KERNELS[level]]
+    if level == in_process_level():
+        return
     tests = [f"{__file__}::{name}" for name in ("test_cpp", "test_cpp_larger", "test_cpp_tile_paths")]
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
                           "[MOE- or [QMOE- or [MoeRowParallelLinear-", *tests], env=env, capture_output=True, text=True,
@@ -488,6 +529,8 @@ def test_isa_level(level):
 
 # ----------------------------------------------------------------------------- memory in proportion to the data
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("shape", ["hidden_zero", "inter_zero"])
 def test_zero_size_weights_of_many_experts_allocate_nothing(shape):
     """A model of a few hundred bytes whose weights have millions of experts and no elements: the

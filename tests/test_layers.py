@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "moe_onnx"
 
@@ -110,10 +112,12 @@ def _loaded_after(code: str) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
 def test_importing_the_package_loads_neither_the_rewriter_nor_the_mpi_layer():
     assert _loaded_after("import moe_onnx") == []
 
 
+@pytest.mark.subprocess
 def test_a_python_session_of_one_rank_does_not_import_the_distributed_layer():
     code = """
 import sys

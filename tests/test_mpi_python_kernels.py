@@ -7,10 +7,8 @@ mpirun or mpi4py these tests fail, with what is missing: CI installs both (docs/
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,29 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "mpi" / "check_python_kernels.py"
 
 
-def mpi_env() -> dict[str, str]:
-    """The environment of an mpirun launch: this checkout importable, one thread per rank, as root if need be."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1",
-            "MOE_ONNX_COMM_TIMEOUT_S": "60"}
-
-
-def require_mpi() -> str:
-    """mpirun's path; fails (not skips) when mpirun or mpi4py is missing."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.fail("mpirun is not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev); the "
-                    "multi-rank tests need it")
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.fail("mpi4py is not installed in this Python (pip install mpi4py): the multi-rank tests need it")
-    return mpirun
-
-
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_python_kernels_under_mpirun_match_the_all_ranks_references(ranks):
-    mpirun = require_mpi()
-    done = subprocess.run([mpirun, "--oversubscribe", "-n", str(ranks), sys.executable, str(DRIVER)],
-                          capture_output=True, text=True, env=mpi_env(), timeout=540)
+def test_python_kernels_under_mpirun_match_the_all_ranks_references(ranks, mpirun):
+    done = mpirun(ranks, sys.executable, str(DRIVER), timeout=540, MOE_ONNX_COMM_TIMEOUT_S="60")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and len(lines) == 1, \
         f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -58,21 +38,25 @@ def test_python_kernels_under_mpirun_match_the_all_ranks_references(ranks):
     assert not failed, json.dumps(failed, indent=1)[:6000]
 
 
+# The valid cases of the ops with a per-rank kernel that cover the Python host's paths (cases.covering): what
+# reaches the per-rank kernels' lookup is the node's attributes, given or defaulted, and its inputs.
 ONE_RANK_SESSION = """
 import sys
 import numpy as np
 sys.path.insert(0, "tests")
-from cases import ALL_CASES
+from cases import VALID_CASES, covering, transport_features
 from backends import run_case
-for case in ALL_CASES:
-    if case.error is None and case.op in ("MoeDistributeDispatch", "MoeDistributeCombine", "MOE",
-                                          "MoeRowParallelLinear"):
-        run_case(case, "python")
+ops = ("MoeDistributeDispatch", "MoeDistributeCombine", "MOE", "MoeRowParallelLinear")
+for case in covering([c for c in VALID_CASES if c.op in ops], transport_features):
+    run_case(case, "python")
 print("mpi4py" in sys.modules)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_rank_never_imports_mpi4py():
+    """One-rank nodes of every op with a per-rank kernel run on the Python backend without importing mpi4py."""
     done = subprocess.run([sys.executable, "-c", ONE_RANK_SESSION], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -96,8 +80,10 @@ except Exception as error:
 """
 
 
-def test_a_two_rank_node_in_one_process_says_how_to_run_it():
-    require_mpi()
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_two_rank_node_in_one_process_says_how_to_run_it(mpirun):
+    """(``mpirun``: the message needs mpi4py, which fails the test when missing.)"""
     done = subprocess.run([sys.executable, "-c", TWO_RANK_NODE_ALONE], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert "MoeDistributeDispatch node 'MoeDistributeDispatch_node': attributes 'ep_world_size' and 'tp_world_size' " \
@@ -105,6 +91,7 @@ def test_a_two_rank_node_in_one_process_says_how_to_run_it():
            "not on one process" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.subprocess
 def test_a_two_rank_node_without_mpi4py_says_what_is_missing():
     done = subprocess.run([sys.executable, "-c", TWO_RANK_NODE_ALONE, "no-mpi4py"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -132,14 +119,13 @@ except CommError as error:
 """
 
 
-def test_a_process_whose_collective_timed_out_ends_the_job_at_exit():
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_a_process_whose_collective_timed_out_ends_the_job_at_exit(mpirun):
     """After a timeout the process cannot finalize MPI: it aborts the job at exit instead (as the C++ layer
     skips MPI_Finalize), so the launch ends within seconds instead of waiting for the rank that never came."""
-    mpirun = require_mpi()
     start = time.monotonic()
-    done = subprocess.run([mpirun, "--oversubscribe", "-n", "2", sys.executable, "-c", TIMED_OUT_THEN_EXIT],
-                          capture_output=True, text=True, env={**mpi_env(), "MOE_ONNX_COMM_TIMEOUT_S": "2"},
-                          timeout=120)
+    done = mpirun(2, sys.executable, "-c", TIMED_OUT_THEN_EXIT, timeout=120, MOE_ONNX_COMM_TIMEOUT_S="2")
     seconds = time.monotonic() - start
     assert "TIMED OUT probe: the all-reduce of ones over the TP group (world ranks [0, 1]) did not complete within " \
            "2 s" in done.stdout, done.stdout + done.stderr

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Makes mpi4py unimportable, as in an environment without it, and records every attempt to import it.
@@ -79,6 +83,7 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_single_process_never_imports_mpi4py_nor_loads_mpi():
     out = _run(SINGLE_PROCESS)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -67,10 +67,12 @@ def _enum(elem: int) -> str:
     return "ONNX_TENSOR_ELEMENT_DATA_TYPE_" + TensorProto.DataType.Name(elem)
 
 
+@pytest.mark.subprocess
 def test_every_op_has_a_table(header):
     assert sorted(_tables(header)) == sorted(OPS)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_table_matches_op(header, name):
     op, table = OPS[name], _tables(header)[name]
@@ -82,6 +84,7 @@ def test_table_matches_op(header, name):
                                    for a in op.attributes]
 
 
+@pytest.mark.subprocess
 def test_generator_renders_what_it_writes(header):
     """The in-process rendering (the module the build runs) gives the same text."""
     assert _generator().render(signatures.SIGNATURES) == header

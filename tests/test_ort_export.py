@@ -9,10 +9,11 @@ import functools
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, optimized, original, reference_data,
-                            whole_feeds, whole_reference_data)
+from backends import PLAIN, cached_session
+from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, fixture_lanes, optimized, original,
+                            reference_data, whole_reference_data)
+from moe_export.fixtures import whole_feeds
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
 
@@ -49,11 +50,6 @@ def ort_schema_attributes(op_type: str) -> set[str]:
     return set(schema.attributes)
 
 
-def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """onnxruntime without our library."""
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-
-
 def contrib_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if n.domain == ORT_DOMAIN]
 
@@ -69,9 +65,9 @@ def exported(name: str, fuse_routers: bool = True):
 
 def assert_exported_numbers(name: str, model: onnx.ModelProto) -> None:
     """Plain onnxruntime on ``model`` == torch (the fixture's .npz) == our kernels on the fused model."""
-    data, ours = reference_data(name), moe_onnx.session(optimized(name, "moe")[0], backend="cpp")
+    data, ours = reference_data(name), cached_session(optimized(name, "moe")[0])
     input_name = model.graph.input[0].name
-    plain = plain_session(model)
+    plain = cached_session(model, PLAIN)
     for suffix in ("", "_alt"):
         feeds = {input_name: data[f"hidden_states{suffix}"]}
         got = plain.run(None, feeds)[0]
@@ -81,6 +77,7 @@ def assert_exported_numbers(name: str, model: onnx.ModelProto) -> None:
 
 # ----------------------------------------------------------------------------- the fixtures
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_fixture_on_plain_onnxruntime(name):
     model, report = exported(name)
@@ -97,6 +94,7 @@ def test_fixture_on_plain_onnxruntime(name):
     assert_exported_numbers(name, model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WHOLE_MANIFEST))
 def test_whole_model_on_plain_onnxruntime(name):
     """Whole tiny causal LMs: every MoE layer becomes the contrib op and the logits equal torch's on plain
@@ -109,7 +107,7 @@ def test_whole_model_on_plain_onnxruntime(name):
         return
     assert not report.near_misses and our_nodes(model) == [], report.summary()
     assert len(contrib_nodes(model)) == entry["moe_layers"]
-    data, plain = whole_reference_data(name), plain_session(model)
+    data, plain = whole_reference_data(name), cached_session(model, PLAIN)
     for suffix in ("", "_alt"):
         feeds = whole_feeds([value.name for value in model.graph.input], data[f"input_ids{suffix}"])
         np.testing.assert_allclose(plain.run(None, feeds)[0], data[f"expected{suffix}"], **TOL, err_msg=name)
@@ -123,7 +121,7 @@ def test_router_chain_kept_as_exported(name):
     assert_exported_numbers(name, model)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MANIFEST if MANIFEST[n]["family"] not in REFUSED))
+@pytest.mark.parametrize("name", fixture_lanes(sorted(n for n in MANIFEST if MANIFEST[n]["family"] not in REFUSED)))
 def test_every_attribute_written(name):
     (node,) = contrib_nodes(exported(name)[0])
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -166,6 +164,7 @@ def as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     return half
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FP16_FIXTURES)
 def test_float16_fixture(name):
     half = as_float16(original(name))
@@ -176,7 +175,7 @@ def test_float16_fixture(name):
         return
     assert our_nodes(model) == [] and [n.op_type for n in contrib_nodes(model)] == ["MoE"], report.summary()
     data = reference_data(name)
-    ours, plain = moe_onnx.session(moe_onnx.optimize(half)[0], backend="cpp"), plain_session(model)
+    ours, plain = moe_onnx.session(moe_onnx.optimize(half)[0], backend="cpp"), cached_session(model, PLAIN)
     input_name = model.graph.input[0].name
     for suffix in ("", "_alt"):
         feeds = {input_name: data[f"hidden_states{suffix}"].astype(np.float16)}
@@ -265,7 +264,7 @@ def assert_block_exports(block: onnx.ModelProto, backend: str = "cpp", shapes=((
     model, report = moe_onnx.optimize(block, target="ort")
     assert our_nodes(model) == [] and not report.near_misses, report.summary()
     (node,) = contrib_nodes(model)
-    plain, ours = plain_session(model), moe_onnx.session(block, backend=backend)
+    plain, ours = cached_session(model, PLAIN), cached_session(block, backend)
     for shape in shapes:
         feeds = {"hidden_states": hidden(shape, block_dtype(block))}
         got, expected = plain.run(None, feeds)[0], ours.run(None, feeds)[0]
@@ -388,6 +387,7 @@ def quantized_block(expert_type: str, bits: int, block_size: int, accuracy_level
                        **options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("renormalize", [0, 1])
 @pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero_points"])
 @pytest.mark.parametrize("bits, block_size, accuracy_level", QUANTIZATIONS)

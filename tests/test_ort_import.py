@@ -17,12 +17,12 @@ import math
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
 import ort_contrib_reference as contrib
+from backends import PLAIN, cached_session
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from fixture_models import MANIFEST, moe_node, optimized, reference_data
@@ -246,17 +246,14 @@ def hidden(config: Config, tokens: int, seed: int = 1, rank: int = 2) -> np.ndar
 
 
 def ort_cpu(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(["output"], {"hidden_states": x})[0]
+    return cached_session(model, PLAIN).run(["output"], {"hidden_states": x})[0]
 
 
 def has_kernels(model: onnx.ModelProto, backend: str) -> bool:
     """Whether ``backend`` runs every moe_onnx op of ``model`` (the QMOE C++ kernel is on its own branch
     until merged)."""
     try:
-        moe_onnx.session(model, backend=backend)
+        cached_session(model, backend)
     except Exception as error:  # noqa: BLE001 (onnxruntime raises its own exception types)
         if "not a registered function/op" in str(error):
             return False
@@ -267,7 +264,7 @@ def has_kernels(model: onnx.ModelProto, backend: str) -> bool:
 def run_ours(model: onnx.ModelProto, x: np.ndarray, backend: str) -> np.ndarray:
     if not has_kernels(model, backend):
         pytest.skip(f"the {backend} backend has no kernel for an op of this model in this build")
-    return moe_onnx.session(model, backend=backend).run(["output"], {"hidden_states": x})[0]
+    return cached_session(model, backend).run(["output"], {"hidden_states": x})[0]
 
 
 def imported(built: Built, target: str = "moe"):
@@ -384,6 +381,7 @@ def truth(built: Built, x: np.ndarray) -> tuple[np.ndarray, str]:
     return built.reference(x), "reference"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_import_numbers(name, backend):
@@ -720,6 +718,7 @@ def family_errors(family: str, backend: str = "cpp") -> dict[str, float]:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_families(family, backend):

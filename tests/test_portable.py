@@ -10,13 +10,13 @@ import functools
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
-from cases import ALL_CASES
-from fixture_models import MANIFEST, SHAPES, TARGETS, TOL, original, random_feeds
+from backends import PLAIN, as_float64, cached_session
+from cases import ALL_CASES, VALID_CASES, lanes
+import fixture_models
+from fixture_models import MANIFEST, SHAPES, TARGETS, TOL, mutable_copy, original, random_feeds
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
-from test_op_cases import VALID, as_float64
 
 import moe_onnx
 from moe_onnx.check import check_model
@@ -24,11 +24,6 @@ from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN, OPS
 from moe_onnx.rewrite.portable import PortableError, add_function_bodies, configurations, portable_model, summary
 from moe_onnx.runtime import run
-
-
-def plain_session(model: onnx.ModelProto) -> ort.InferenceSession:
-    """onnxruntime on the CPU without our library."""
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
 def assert_outputs_match(got, expected, rtol: float, atol: float) -> None:
@@ -39,7 +34,7 @@ def assert_outputs_match(got, expected, rtol: float, atol: float) -> None:
 
 
 # The valid cases of the ops that have a body; the others are refused, with their reason (below).
-WITH_BODY = [c for c in VALID if OPS[c.op].body is not None]
+WITH_BODY = [c for c in VALID_CASES if OPS[c.op].body is not None]
 
 
 @functools.cache
@@ -48,16 +43,16 @@ def _portable_case_model(case_id: str) -> onnx.ModelProto:
     return portable_model(case.model())
 
 
-@pytest.mark.parametrize("case", WITH_BODY, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", lanes(WITH_BODY))
 def test_body_on_plain_onnxruntime_matches_reference(case):
     model = _portable_case_model(case.id)
     (function,) = model.functions
     assert all(node.domain == "" for node in function.node), "standard ops only"
-    got = run(plain_session(model), case.feeds())
+    got = run(cached_session(model, PLAIN), case.feeds())
     assert_outputs_match(got, case.run_reference(), rtol=max(case.rtol, 1e-5), atol=max(case.atol, 1e-5))
 
 
-@pytest.mark.parametrize("case", WITH_BODY, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", lanes(WITH_BODY))
 def test_body_on_reference_evaluator_matches_reference_and_checks(case):
     model = _portable_case_model(case.id)
     onnx.checker.check_model(model, full_check=True)
@@ -70,7 +65,7 @@ def test_body_on_reference_evaluator_matches_reference_and_checks(case):
 @pytest.mark.parametrize("op", sorted(name for name, op in OPS.items() if op.no_body))
 def test_distributed_ops_are_refused_with_their_reason(op):
     """Dispatch and combine exchange data between processes: no standard op can, so no body."""
-    case = next(c for c in VALID if c.op == op)
+    case = next(c for c in VALID_CASES if c.op == op)
     with pytest.raises(PortableError, match=rf"^{op} node '{case.node_name}' has no portable function body: it "
                        r"sends .* \(MPI\); standard ONNX ops cannot exchange data between processes"):
         portable_model(case.model())
@@ -78,7 +73,7 @@ def test_distributed_ops_are_refused_with_their_reason(op):
 
 @pytest.mark.parametrize("op,attrs", [("MOE", {}), ("MoeRowParallelLinear", {})])
 def test_a_node_of_a_tensor_parallel_group_is_refused(op, attrs):
-    case = next(c for c in VALID if c.op == op)
+    case = next(c for c in VALID_CASES if c.op == op)
     node_case = case.mutated("tp2", None, tp_world_size=2, tp_rank_id=1)
     with pytest.raises(PortableError, match=rf"^{op} node '{case.node_name}' has no portable function body: its "
                        r"attribute 'tp_world_size' is 2: it sums partial results over its tensor-parallel group"):
@@ -105,7 +100,7 @@ def test_configurations_share_one_function_and_differ_by_overload():
         "portable: function bodies MoeGatingTopK x2; MoeGatingTopK with several configurations (overloads): "
         "onnxruntime runs this model, onnx.reference.ReferenceEvaluator (it ignores overload) cannot")
     logits = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
-    got = plain_session(portable).run(None, {"logits": logits})
+    got = cached_session(portable, PLAIN).run(None, {"logits": logits})
     for i, k in enumerate(ks):
         weights, indices, _ = OPS["MoeGatingTopK"].reference(logits, k=k)
         np.testing.assert_allclose(got[2 * i], weights, rtol=1e-6, atol=1e-6)
@@ -131,13 +126,14 @@ def test_low_opset_is_refused():
 
 # ----------------------------------------------------------------------------- fixtures
 
-@functools.cache
 def optimized(name: str, target: str, portable: bool = True) -> onnx.ModelProto:
-    model, report = moe_onnx.optimize(original(name), target=target, portable=portable)
+    """Fixture ``name`` optimized as users do (routers fused), with function bodies (``portable``)."""
+    model, report = fixture_models.optimized(name, target, fuse_routers=True, portable=portable)
     assert report.total_fused >= 1
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_portable_fixture_on_plain_onnxruntime_matches_our_kernels(name, target):
@@ -148,7 +144,7 @@ def test_portable_fixture_on_plain_onnxruntime_matches_our_kernels(name, target)
     ours = {n.op_type for n in portable.graph.node if n.domain == DOMAIN}
     assert ours and ours == {f.name for f in portable.functions}, "every op of the fused model has its body"
     assert all(n.overload for n in portable.graph.node if n.domain == DOMAIN)
-    plain, kernels = plain_session(portable), moe_onnx.session(portable)
+    plain, kernels = cached_session(portable, PLAIN), cached_session(portable)
     for batch, seq in SHAPES:
         feeds = random_feeds(name, batch, seq)
         for got, expected in zip(plain.run(None, feeds), kernels.run(None, feeds)):
@@ -166,11 +162,11 @@ def test_portable_model_still_runs_our_kernels_where_registered():
             del function.node[:]
             function.node.append(onnx.helper.make_node("Neg", ["hidden_states"], ["y"]))
     feeds = random_feeds(name, 2, 3)
-    expected = moe_onnx.session(optimized(name, "moe", False)).run(None, feeds)[0]
+    expected = cached_session(optimized(name, "moe", False)).run(None, feeds)[0]
     for backend in moe_onnx.runtime.BACKENDS:
         got = moe_onnx.session(portable, backend=backend).run(None, feeds)[0]
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=backend)
-    assert not np.allclose(plain_session(portable).run(None, feeds)[0], expected)
+    assert not np.allclose(cached_session(portable, PLAIN).run(None, feeds)[0], expected)
 
 
 REFERENCE_EVALUATOR_FIXTURES = ["gpt_oss_tiled_tiny", "deepseek_v3_loop_grouped_tiny", "qwen3_moe_batched_mm_tiny"]
@@ -182,7 +178,7 @@ def test_portable_fixture_on_reference_evaluator(name, target):
     portable = optimized(name, target)
     assert all(count == 1 for count in configurations(ir.serde.deserialize_model(portable)).values())
     feeds = random_feeds(name, 2, 3)
-    expected = moe_onnx.session(portable).run(None, feeds)
+    expected = cached_session(portable).run(None, feeds)
     got = ReferenceEvaluator(portable).run(None, feeds)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, **TOL)
@@ -199,13 +195,13 @@ def test_cli_optimize_portable(tmp_path, capsys):
     assert main(["check", str(destination)]) == 0
     feeds = random_feeds(name, 1, 4)
     expected = moe_onnx.session(written).run(None, feeds)
-    for got, e in zip(plain_session(written).run(None, feeds), expected):
+    for got, e in zip(cached_session(written, PLAIN).run(None, feeds), expected):
         np.testing.assert_allclose(got, e, **TOL)
 
 
 def test_cli_optimize_portable_low_opset(tmp_path, capsys):
     """A model below opset 18: one line and exit 2, nothing written."""
-    model = original("gpt_oss_tiled_tiny")
+    model = mutable_copy("gpt_oss_tiled_tiny")
     next(o for o in model.opset_import if o.domain in ("", "ai.onnx")).version = 17
     source, destination = tmp_path / "in.onnx", tmp_path / "out.onnx"
     onnx.save(model, source)

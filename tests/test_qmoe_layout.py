@@ -24,8 +24,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from moe_onnx.ops.qmoe import qmoe, quantize
 
-ort.set_default_logger_severity(4)
-
 EXPERTS, K, HIDDEN, INTER, TOKENS = 4, 2, 128, 128, 6
 GPT_OSS = dict(activation_alpha=1.702, activation_beta=1.0, swiglu_limit=7.0)
 ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from backends import cached_session
 from fixture_models import FIXTURES, MANIFEST, WHOLE_FIXTURES, WHOLE_MANIFEST, op_counts, optimized
 from onnx import numpy_helper
 
@@ -67,7 +68,7 @@ def max_errors(original: onnx.ModelProto, result: onnx.ModelProto, name: str) ->
     """(max abs error, max |fp32|) of output ``output`` over SIZES, inputs drawn independently of the
     report: standard normal hidden states from a generator seeded with the size's index."""
     hidden = MANIFEST[name]["hidden_size"]
-    reference, quantized_sess = session(original, backend=BACKEND), session(result, backend=BACKEND)
+    reference, quantized_sess = cached_session(original, BACKEND), session(result, backend=BACKEND)
     error = peak = 0.0
     for index, (batch, seq) in enumerate(SIZES):
         x = np.random.default_rng(index).standard_normal((batch, seq, hidden)).astype(np.float32)
@@ -80,6 +81,7 @@ def max_errors(original: onnx.ModelProto, result: onnx.ModelProto, name: str) ->
 
 # ----------------------------------------------------------------------------- every family
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
 def test_quantized_family_within_bound_and_reported_as_measured(family, config):
@@ -104,6 +106,7 @@ def test_quantized_family_within_bound_and_reported_as_measured(family, config):
     assert report.weight_bytes_after < report.weight_bytes_before * (0.3 if settings["bits"] == 8 else 0.2)
 
 
+@pytest.mark.slow
 def test_int4_error_is_larger_than_int8():
     for name in FAMILY_FIXTURES.values():
         int8 = quantized(name, "int8_column")[1].error.outputs[0].relative
@@ -117,6 +120,7 @@ def quantized_whole(name: str, **settings):
     return moe_onnx.quantize(model, **settings, backend=BACKEND, sizes=SIZES)
 
 
+@pytest.mark.slow
 def test_layer_errors_reported_for_each_moe_of_a_whole_model():
     name = "gpt_oss__tf457__torchscript"
     result, report = quantized_whole(name, bits=8)

@@ -14,14 +14,16 @@ import pytest
 from onnx import numpy_helper
 
 import moe_onnx
+from backends import cached_session
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, moe_node, mutable_copy, nodes,
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, moe_node, mutable_copy, nodes,
     op_counts, optimized, original, ort_output, producer, random_feeds, random_hidden, reference_data,
     reference_output, set_input,
     routing_producer, shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
 from moe_onnx.rewrite._match import shape_dims
+from moe_onnx.testing import initializer
 
 NAMES = fixture_names("batched_mm")
 GPT_OSS, SWIGLU, NON_GATED = "BatchedMmGptOss", "BatchedMmSwiglu", "BatchedMmNonGated"
@@ -98,6 +100,7 @@ def test_moe_node(name):
         assert [shapes[node.input[i]] for i in (3, 5, 7)] == [[E, I, H], [E, I, H], [E, H, I]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
@@ -108,7 +111,7 @@ def assert_numbers_on(name: str, target: str, backends: tuple[str, ...]) -> None
     """Fixture ``name`` optimized for ``target`` computes the original's outputs at every (batch, seq) of SHAPES
     on the onnx reference and on ``backends``' kernels, and torch's outputs on the reference."""
     model, _ = optimized(name, target)
-    sessions = [moe_onnx.session(model, backend=backend) for backend in backends]
+    sessions = [cached_session(model, backend) for backend in backends]
     for batch, seq in SHAPES:
         inputs = random_feeds(name, batch, seq)
         expected = ort_output(original(name), inputs)
@@ -372,6 +375,7 @@ NON_GATED_VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", NON_GATED_VARIANTS)
 def test_non_gated_activation_is_read_from_the_graph(variant):
     make, activation = NON_GATED_VARIANTS[variant]
@@ -560,6 +564,7 @@ def test_torchscript_fixtures_exist():
             for size in ("tiny", "small")} <= set(TORCHSCRIPT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TORCHSCRIPT)
 def test_torchscript_fuses(name, target):
@@ -616,6 +621,7 @@ def test_torchscript_moe_node_has_the_exported_weights(name):
         np.testing.assert_array_equal(weights[node.input[index]][:E], array, err_msg=f"MOE input {index}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TORCHSCRIPT)
 def test_torchscript_numbers(name, target):

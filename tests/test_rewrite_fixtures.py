@@ -8,14 +8,14 @@ the rules themselves: near-misses, mutations, sizes the export never saw.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
+from backends import cached_session
 
 import moe_onnx
-from fixture_models import (MANIFEST, TARGETS, TOL, WHOLE_MANIFEST, optimized_whole, original, reference_data,
-                            whole_feeds, whole_logits_match, whole_reference_data)
+from fixture_models import (MANIFEST, TARGETS, TOL, WHOLE_MANIFEST, fixture_lanes, optimized, optimized_whole,
+                            reference_data, whole_reference_data)
+from moe_export.fixtures import whole_feeds, whole_logits_match
 from moe_onnx.check import check_model
 from moe_onnx.rewrite.gating import RULE as ROUTER_RULE
 
@@ -27,15 +27,10 @@ ROUTERS_KEPT = {
 }
 
 
-@functools.cache
-def optimized(name: str, target: str):
-    return moe_onnx.optimize(original(name), target=target)
-
-
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("name", sorted(MANIFEST))
+@pytest.mark.parametrize("name", fixture_lanes(sorted(MANIFEST)))
 def test_fixture_fuses_and_keeps_the_numbers(name, target):
-    model, report = optimized(name, target)
+    model, report = optimized(name, target, fuse_routers=True)
     assert report.total_fused >= 1 and not report.near_misses, report.summary()
     assert check_model(model) == []
     left = {n.op_type for n in model.graph.node} & UNFUSED_OPS
@@ -54,13 +49,14 @@ def test_fixture_fuses_and_keeps_the_numbers(name, target):
     data = reference_data(name)
     input_name = model.graph.input[0].name
     for backend in ("cpp", "python"):
-        sess = moe_onnx.session(model, backend=backend)
+        sess = cached_session(model, backend)
         for suffix in ("", "_alt"):
             outputs = sess.run(None, {input_name: data[f"hidden_states{suffix}"]})
             np.testing.assert_allclose(outputs[0], data[f"expected{suffix}"], **TOL,
                                        err_msg=f"{name} {target} on {backend}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", sorted(WHOLE_MANIFEST))
 def test_whole_model_fuses_as_recorded_and_keeps_the_logits(name, target):
@@ -79,7 +75,7 @@ def test_whole_model_fuses_as_recorded_and_keeps_the_logits(name, target):
 
     data = whole_reference_data(name)
     for backend in ("cpp", "python"):
-        sess = moe_onnx.session(model, backend=backend)
+        sess = cached_session(model, backend)
         for suffix in ("", "_alt"):
             assert whole_logits_match(sess, data, suffix) == expected["matches_torch"], f"{name} {target} {backend}"
             if expected["matches_torch"]:

@@ -21,7 +21,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
 import moe_onnx.runtime
-from fixture_models import FIXTURES, MANIFEST, TARGETS, attributes, nodes, original, producer, reference_data, run_ort
+from backends import cached_session
+from fixture_models import (FIXTURES, MANIFEST, TARGETS, attributes, nodes, optimized, original, producer,
+                            reference_data, run_ort)
 from moe_onnx.check import check_model
 from moe_onnx.rewrite import optimize
 from moe_onnx.rewrite.gating import RULE
@@ -50,14 +52,14 @@ def gating_node(model: onnx.ModelProto) -> onnx.NodeProto:
 
 def run(model: onnx.ModelProto, feeds: dict, backend: str) -> np.ndarray:
     """The first output on ``backend`` (bfloat16 feeds and outputs included)."""
-    return moe_onnx.runtime.run(moe_onnx.session(model, backend=backend), feeds)[0]
+    return moe_onnx.runtime.run(cached_session(model, backend), feeds)[0]
 
 
 # ----------------------------------------------------------------------------- the fixtures' routers
 
-@functools.cache
 def fused(name: str, target: str):
-    return optimize(original(name), target=target, fuse_routers=True)
+    """Fixture ``name`` optimized with its router fused (the one cache, fixture_models.optimized)."""
+    return optimized(name, target, fuse_routers=True)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -88,6 +90,7 @@ def routed_source(model: onnx.ModelProto, value: str) -> str:
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_fixture_numbers(name, target):
@@ -97,7 +100,7 @@ def test_fixture_numbers(name, target):
         feeds = {"hidden_states": data["hidden_states" + suffix]}
         expected = run_ort(original(name), feeds, ["output"])[0]
         for backend in ("cpp", "python"):
-            got = moe_onnx.session(model, backend=backend).run(["output"], feeds)[0]
+            got = cached_session(model, backend).run(["output"], feeds)[0]
             np.testing.assert_allclose(got, expected, **TOL)
 
 
@@ -158,6 +161,7 @@ def bias_initializer(model: onnx.ModelProto) -> onnx.TensorProto:
     return bias
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("file", DEEPSEEK)
 def test_deepseek_router_fuses(file, target):
@@ -313,6 +317,7 @@ FUSES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, file, mutate, reason, runs", STAYS, ids=[c[0] for c in STAYS])
 def test_near_miss_router_stays(name, file, mutate, reason, runs):
     before = mutated(file, mutate)
@@ -324,6 +329,7 @@ def test_near_miss_router_stays(name, file, mutate, reason, runs):
         assert_same_numbers(before, model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, file, mutate, changed", FUSES, ids=[c[0] for c in FUSES])
 def test_variant_still_fuses(name, file, mutate, changed):
     before = mutated(file, mutate)
@@ -450,6 +456,7 @@ def built_router(dtype, softmax_in_float: bool) -> onnx.ModelProto:
 HALF = [(np.float16, True), (np.float16, False), (BF16, False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, softmax_in_float", HALF, ids=["fp16_softmax_in_float32", "fp16", "bf16_fp32_router"])
 def test_half_precision_router(dtype, softmax_in_float):
     """The logits' type decides MoeGatingTopK's weights' type; a Cast to the block's type follows when they differ."""

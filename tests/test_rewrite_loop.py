@@ -72,6 +72,7 @@ def test_every_loop_fixture_is_covered():
     assert any(MANIFEST[name]["missing_experts"] for name in NAMES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_fuses(name, target):
@@ -147,6 +148,7 @@ def test_missing_experts_get_zero_weights_and_a_note(name):
         assert report.notes == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers(name, target):
@@ -172,6 +174,7 @@ def assert_torch_and_pinned_numbers(name: str, model: onnx.ModelProto) -> None:
         np.testing.assert_allclose(reference_output(model, inputs), expected, **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_numbers_on_the_python_kernels(name):
     model, _ = optimized(name, "moe")
@@ -291,6 +294,7 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "mutate", "reason"), MUTATIONS, ids=[m[1].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(name, mutate, reason):
     assert_near_miss(name, mutate, RULE, reason)
@@ -352,6 +356,7 @@ def test_new_loop_forms_are_covered():
     assert {MANIFEST[name]["family"] for name in DEEPSEEK} == {"deepseek_v3"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", GPT_OSS_CPU + DEEPSEEK)
 def test_new_forms_fuse(name, target):
@@ -408,6 +413,7 @@ def test_deepseek_moe_node(name):
     assert expert_weight_shapes(model, node) == [[E, I, H], [E, I, H], [E, H, I]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", GPT_OSS_CPU + DEEPSEEK)
 def test_new_forms_numbers(name, target):
@@ -468,6 +474,7 @@ NEW_FORM_MUTATIONS: list[tuple[str, Callable[[ir.Model, dict], None], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "mutate", "reason"), NEW_FORM_MUTATIONS,
                          ids=[m[1].__name__ for m in NEW_FORM_MUTATIONS])
 def test_new_form_mutation_is_a_near_miss(name, mutate, reason):
@@ -535,6 +542,7 @@ def test_sorted_fuses(name, target):
     assert check_model(model) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", SORTED)
 def test_sorted_numbers(name, target):
@@ -609,6 +617,7 @@ def deepseek_mask_kt(model: ir.Model, entry: dict) -> None:
         value.shape = None  # stale [E, T, K] / [T, K] annotations; shape inference sets them again
 
 
+@pytest.mark.slow
 def test_deepseek_token_column_is_checked():
     test_mutation_is_a_near_miss("deepseek_v3_loop_grouped_tiny", deepseek_mask_kt,
                                  "the routed tokens are not column 1 of NonZero(mask row), the mask row's token axis")

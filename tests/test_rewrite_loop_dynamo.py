@@ -123,6 +123,7 @@ MUTATIONS: list[tuple[Callable[[ir.Model, dict], None], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mutate", "reason"), MUTATIONS, ids=[m[0].__name__ for m in MUTATIONS])
 def test_mutation_is_a_near_miss(mutate, reason):
     assert_near_miss("olmoe_loop_dynamo_tiny", mutate, RULE, reason)

@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
+from backends import cached_session
 from fixture_models import (
     MANIFEST, TARGETS, TOL, moe_node, optimized, reference_data, reference_output,
     shared_chunks, optimize_form,
@@ -20,6 +21,7 @@ SHARED = sorted(name for name in MANIFEST if shared_chunks(name))  # the fixture
 H, I, E, K = 16, 8, 4, 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", SHARED)
 def test_fixtures_fold(name, target):
@@ -37,7 +39,7 @@ def test_fixtures_fold(name, target):
         expected = data["expected" + suffix]
         np.testing.assert_allclose(reference_output(model, feeds), expected, **TOL)
         for backend in ("cpp", "python"):
-            got = moe_onnx.session(model, backend=backend).run(["output"], feeds)[0]
+            got = cached_session(model, backend).run(["output"], feeds)[0]
             np.testing.assert_allclose(got, expected, **TOL)
 
 
@@ -90,9 +92,10 @@ def feeds(tokens: int, seed: int = 1) -> dict[str, np.ndarray]:
 
 
 def run(model: onnx.ModelProto, inputs: dict, backend: str = "cpp") -> np.ndarray:
-    return moe_onnx.session(model, backend=backend).run(["y"], inputs)[0]
+    return cached_session(model, backend).run(["y"], inputs)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gated", [True, False], ids=["sigmoid-scaled", "unscaled"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_block_folds(gated, chunks):

@@ -13,7 +13,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-import moe_onnx
+from backends import cached_session
 from fixture_models import (
     MANIFEST, SHAPES, TARGETS, TOL, moe_node, op_counts, optimized, original, ort_output, random_feeds,
     reference_data, optimize_form,
@@ -34,6 +34,7 @@ def test_fixtures_exist():
                for name in BATCHED + LOOP)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", BATCHED + LOOP)
 def test_fuses_with_the_routers_picks(name, target):
@@ -48,13 +49,14 @@ def test_fuses_with_the_routers_picks(name, target):
     assert op_counts(model)["ArgMax"] == 2  # the router stays
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", BATCHED + LOOP)
 def test_numbers(name, target):
     model, _ = optimized(name, target)
     data = reference_data(name)
     for backend in ("cpp", "python"):
-        session = moe_onnx.session(model, backend=backend)
+        session = cached_session(model, backend)
         for suffix in ("", "_alt"):
             got = session.run(["output"], {"hidden_states": data["hidden_states" + suffix]})[0]
             np.testing.assert_allclose(got, data["expected" + suffix], **TOL)
@@ -65,7 +67,7 @@ def test_numbers_at_any_shape(name):
     # the batched_mm export runs any input (a loop export only the traced routing)
     # (on onnxruntime: onnx's reference GatherElements rejects the router's axis -1 gather)
     model, _ = optimized(name, "moe")
-    session = moe_onnx.session(model)
+    session = cached_session(model)
     for batch, seq in SHAPES:
         inputs = random_feeds(name, batch, seq, scale=reference_data(name)["hidden_states"].std())
         np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs), **TOL)
@@ -103,6 +105,7 @@ MUTATIONS: list[tuple[str, Callable[[ir.Model], None]]] = [
     (name, mutate) for name in (BATCHED[0], LOOP[0]) for mutate in (unmasked_second_pick, masked_to_zero)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "mutate"), MUTATIONS, ids=[f"{n}-{m.__name__}" for n, m in MUTATIONS])
 def test_picks_that_may_repeat_stay_unfused(name, mutate):
     model = ir.from_proto(original(name))

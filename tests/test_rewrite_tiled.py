@@ -18,13 +18,14 @@ from onnx import helper, numpy_helper
 
 import moe_onnx
 from fixture_models import (
-    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, initializer, mutable_copy, nodes, op_counts,
+    MANIFEST, SHAPES, TARGETS, TOL, attributes, fixture_names, mutable_copy, nodes, op_counts,
     optimized, original, producer, random_feeds, random_hidden, reference_data, run_ort, run_reference, set_input,
     shared_chunks, optimize_form,
 )
 from moe_onnx.check import check_model
 from moe_onnx.ops import DOMAIN
 from moe_onnx.rewrite import optimize_ir
+from moe_onnx.testing import initializer
 
 RULES = {"tiled": "TiledGptOssFusion", "tiled_dynamo": "TiledGptOssFusion", "tiled3": "TiledSwigluFusion"}
 TILED = fixture_names(*RULES)
@@ -86,6 +87,7 @@ def test_fixture_fuses(name, target):
         assert {"MoeInitRouting", "MoeRowParallelLinear", "MoeFinalizeRouting"} <= set(after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", TILED)
 def test_fixture_numbers(name, target):
@@ -232,6 +234,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_fuses(variant, target):
@@ -365,6 +368,7 @@ NEAR_MISSES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NEAR_MISSES))
 def test_near_miss_is_left_alone(case):
     name, mutate, rule, reason = NEAR_MISSES[case]

@@ -22,8 +22,6 @@ from moe_onnx import runtime
 from moe_onnx.ops import OPS
 from moe_onnx.runtime import run, session
 
-ort.set_default_logger_severity(4)
-
 BASE = next(c for c in ALL_CASES if c.id == "MOE-gemm2_fp32")
 
 
@@ -202,6 +200,7 @@ def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.subprocess
 def test_python_exception_message_not_utf8_encodable():
     """A kernel's message with a lone surrogate becomes an onnxruntime error (escaped), not a crash."""
     code = r"""
@@ -226,6 +225,8 @@ except Exception as error:
     assert "INVALID_ARGUMENT" in out.stdout and "bad \\udcff text" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["cpp", "python"])
 def test_registrations_do_not_grow_memory(backend):
     """Registering the library on many SessionOptions keeps no memory per registration (the custom-op

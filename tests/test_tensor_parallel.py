@@ -91,6 +91,7 @@ def test_edge_shapes(offsets, lead):
                                   row_parallel_linear(x, offsets, w, b)[0])
 
 
+@pytest.mark.fuzz
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_random_splits_and_offsets(data):

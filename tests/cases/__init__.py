@@ -2,20 +2,24 @@
 
 Each module ``cases/<op>.py`` defines ``OP`` (the op name), ``CASES`` and ``oracle`` (an independent,
 slow implementation used to check the numpy reference); :data:`ALL_CASES` and :data:`ORACLES`
-collect them.
+collect them, :data:`VALID_CASES` holds the valid ones. :func:`covering` picks the cases a test of
+a path every case takes alike (a runner, a wrapper) needs, rather than all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from moe_onnx.ops import DOMAIN, OPS
 from moe_onnx.ops._common import BF16_OPERANDS, check_node_attributes, elem_of
+from moe_onnx.ops.layout import several_ranks
 from moe_onnx.verify import BF16_COMPUTE_TOLERANCE, BF16_ROUNDING
 
 
@@ -198,3 +202,56 @@ def _collect() -> tuple[list[Case], dict]:
 
 
 ALL_CASES, ORACLES = _collect()
+VALID_CASES = [c for c in ALL_CASES if c.error is None]
+
+
+def covering(cases: Sequence[Case], features: Callable[[Case], Iterable[Hashable]]) -> list[Case]:
+    """The cases, in table order, that each bring a feature no earlier one has: together they have
+    every feature any case has."""
+    seen: set = set()
+    chosen = []
+    for case in cases:
+        new = set(features(case)) - seen
+        if new:
+            chosen.append(case)
+            seen |= new
+    return chosen
+
+
+def error_kind(case: Case) -> str | None:
+    """How a case fails: None (valid), "session" (moe_onnx.session() refuses it), "attribute" (an
+    attribute's type or name), "runtime" (only the input values show it) or "static" (types, shapes,
+    attribute values: shape inference sees it)."""
+    if case.error is None:
+        return None
+    if case.session:
+        return "session"
+    if case.name.startswith("attr_"):
+        return "attribute"
+    return "runtime" if case.runtime else "static"
+
+
+def transport_features(case: Case) -> set[tuple]:
+    """What a runner that hands a node to the op's reference (onnxruntime's Python-kernel host, onnx's
+    ReferenceEvaluator) treats differently: the op and how the case fails; whether the node is one of
+    several ranks (the host looks up a per-rank kernel); per input position its element type or its absence;
+    every element type at all; how many outputs the node names; each attribute given or left to its default;
+    and, for a valid case, the combination of its input types (the variant the host runs)."""
+    op = OPS[case.op]
+    types = tuple(None if a is None else str(a.dtype) for a in case.padded_inputs())
+    features = {("kind", case.op, error_kind(case)), ("outputs", case.op, case.n_outputs),
+                ("several ranks", case.op, several_ranks(case.attrs))}
+    features |= {("input", case.op, i, t) for i, t in enumerate(types)} | {("type", t) for t in types}
+    if case.error is None:
+        features.add(("variant", case.op, types))
+        features |= {("attribute", case.op, a.name, a.name in case.attrs) for a in op.attributes}
+    return features
+
+
+def lanes(cases: Sequence[Case], features: Callable[[Case], Iterable[Hashable]] = lambda c: {(c.op, error_kind(c))}
+          ) -> list:
+    """``cases`` as pytest parameters (ids: ``Case.id``): the fast lane (``pytest -m "not slow"``) runs the
+    cases ``covering(cases, features)`` picks (by default one per op and way of failing), the others are
+    marked slow."""
+    fast = {id(case) for case in covering(cases, features)}
+    return [pytest.param(case, id=case.id, marks=() if id(case) in fast else pytest.mark.slow) for case in cases]

@@ -1,0 +1,62 @@
+"""What the test modules share.
+
+Helpers are plain modules (tests/ and models/ are on pytest's ``pythonpath``, pyproject.toml); no test
+module imports another:
+
+* ``cases/``: one case table per op (:class:`cases.Case`, ``ALL_CASES``, ``VALID_CASES``, ``ORACLES``),
+  ``covering`` (a representative subset of a table) and ``lanes`` (a table's cases, those outside such
+  a subset marked slow);
+* ``backends.py``: a case on the C++ or the Python kernels, their errors, and the sessions tests build
+  (``cached_session``: a model run again soon after is not built again; ``options``);
+* ``fixture_models.py``: the committed export fixtures: loading, optimizing (the one cache of optimized
+  fixtures), running, reading and mutating them; ``fixture_lanes`` (all but FAST_FIXTURES marked slow);
+* ``distributed_models.py``, ``world_simulation.py``: the distributed tests' models and every rank in one
+  process; ``ort_contrib_reference.py``: onnxruntime's contrib MoE/QMoE in numpy;
+* ``mpi/``: the drivers :func:`mpirun` launches.
+
+Markers (pyproject.toml): ``slow`` (left out of the fast lane ``pytest -m "not slow"``), ``mpi``,
+``subprocess``, ``fuzz``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ort.set_default_logger_severity(4)  # the tests assert onnxruntime's errors; they are not logged
+
+
+def mpi_environment(**env: str) -> dict[str, str]:
+    """The environment of an mpirun launch: this checkout importable, one thread per rank, oversubscribed
+    (more ranks than cores), allowed as root; ``env`` on top."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMPI_MCA_rmaps_base_oversubscribe": "1", **env}
+
+
+@pytest.fixture
+def mpirun() -> Callable[..., subprocess.CompletedProcess]:
+    """``mpirun(ranks, *command, timeout=..., **env)``: one launch of ``command`` on ``ranks`` ranks
+    (:func:`mpi_environment`), its output captured. Fails the test, saying what to install, when
+    mpirun or mpi4py is missing: CI installs both (docs/distributed.md)."""
+    launcher = shutil.which("mpirun")
+    if launcher is None:
+        pytest.fail("mpirun not found: the multi-rank tests need Open MPI (apt-get install openmpi-bin "
+                    "libopenmpi-dev; docs/building.md)")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.fail("mpi4py is not installed in this Python (pip install mpi4py): the multi-rank tests need it")
+
+    def launch(ranks: int, *command: str, timeout: float, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([launcher, "-n", str(ranks), *command], env=mpi_environment(**env),
+                              capture_output=True, text=True, timeout=timeout)
+
+    return launch
