@@ -164,7 +164,7 @@ def child(args) -> dict:
             result["times"][f"{name} {T}"] = time_ms(lambda: sess.run(None, f), args.budget_ms)
         if level is not None and args.save_outputs:
             np.save(args.models_dir / f"{name}_{args.variant}_T16.npy", sess.run(None, feeds(shape, 16))[0])
-        del sess
+        sess = None  # freed before the next shape's session is built
     return result
 
 
