@@ -40,6 +40,7 @@
 // the 4 (int8) or 2 (bf16) consecutive k of that column side by side.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -86,6 +87,40 @@ struct ReleaseTiles {
   ReleaseTiles(const ReleaseTiles&) = delete;
   ReleaseTiles& operator=(const ReleaseTiles&) = delete;
   ~ReleaseTiles() { Tiles::release(); }
+};
+
+// One row block of C in the kernels that compute two row tiles x two column panels at once: tmm0-3 the
+// accumulators (row tile 0/1 x panel 0/1), tmm4-5 A's two row tiles, tmm6-7 B's two panels.
+struct RowBlock {
+  int rows0 = 0, rows1 = 0;  // rows of the block's first and second row tile (rows1 0: one row tile)
+
+  // The block of C's rows from m (of M).
+  static RowBlock at(int64_t m, int64_t M) {
+    return {static_cast<int>(std::min<int64_t>(kTileRows, M - m)),
+            static_cast<int>(std::clamp<int64_t>(M - m - kTileRows, 0, kTileRows))};
+  }
+  // Its tile configuration: A tiles `a_row_bytes` wide, B tiles `b_rows` rows of 64 bytes. A lone last
+  // row tile keeps the pair's shape for the tiles it leaves unused: often no new configuration.
+  TileConfig config(int a_row_bytes, int b_rows) const {
+    const int second = rows1 > 0 ? rows1 : kTileRows;
+    return TileConfig()
+        .shape(0, rows0, 64)
+        .shape(1, rows0, 64)
+        .shape(2, second, 64)
+        .shape(3, second, 64)
+        .shape(4, rows0, a_row_bytes)
+        .shape(5, second, a_row_bytes)
+        .shape(6, b_rows, 64)
+        .shape(7, b_rows, 64);
+  }
+  // kernel.block<two_rows, two_panels>(args...), the flags as template arguments.
+  template <class Kernel, class... Args>
+  void run(Kernel& kernel, bool two_panels, Args... args) const {
+    if (rows1 > 0)
+      two_panels ? kernel.template block<true, true>(args...) : kernel.template block<true, false>(args...);
+    else
+      two_panels ? kernel.template block<false, true>(args...) : kernel.template block<false, false>(args...);
+  }
 };
 
 }  // namespace moe_onnx::amx

@@ -71,28 +71,10 @@ void bf16_gemm_tiles(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const
                      int64_t p1, float* C, int64_t ldc) {
   const Bf16PairTiles<Tiles> k{A, lda, static_cast<const char*>(B_packed), K * kPanel * 2, K / kBf16StepK, p0, C, ldc};
   amx::ReleaseTiles<Tiles> release;
-  constexpr int kRows = amx::kTileRows;
-  for (int64_t m = 0; m < M; m += 2 * kRows) {
-    const int rows0 = static_cast<int>(std::min<int64_t>(kRows, M - m));
-    const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m - kRows, 0, kRows));
-    // A lone last row tile keeps the pair's shape for the unused tiles: often no new configuration.
-    const int shape1 = rows1 > 0 ? rows1 : kRows;
-    Tiles::configure(amx::TileConfig()
-                         .shape(0, rows0, 64)
-                         .shape(1, rows0, 64)
-                         .shape(2, shape1, 64)
-                         .shape(3, shape1, 64)
-                         .shape(4, rows0, 64)
-                         .shape(5, shape1, 64)
-                         .shape(6, kRows, 64)
-                         .shape(7, kRows, 64));
-    for (int64_t p = p0; p < p1; p += 2) {
-      const bool two_panels = p + 1 < p1;
-      if (rows1 > 0)
-        two_panels ? k.template block<true, true>(m, p) : k.template block<true, false>(m, p);
-      else
-        two_panels ? k.template block<false, true>(m, p) : k.template block<false, false>(m, p);
-    }
+  for (int64_t m = 0; m < M; m += 2 * amx::kTileRows) {
+    const amx::RowBlock rows = amx::RowBlock::at(m, M);
+    Tiles::configure(rows.config(64, amx::kTileRows));
+    for (int64_t p = p0; p < p1; p += 2) rows.run(k, p + 1 < p1, m, p);
   }
 }
 

@@ -158,23 +158,9 @@ void quant_dots_tiles(const QuantTileSteps& steps, const QuantPanels& layout, co
     const bool two_panels = p + 1 < p1;
     k.sign_codes(p, two_panels ? 2 : 1);
     for (int64_t m = 0; m < M; m += 2 * kRows) {
-      const int rows0 = static_cast<int>(std::min<int64_t>(kRows, M - m));
-      const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m - kRows, 0, kRows));
-      const int shape1 = rows1 > 0 ? rows1 : kRows;  // a lone last row tile keeps the pair's configuration
-      Tiles::configure(amx::TileConfig()
-                           .shape(0, rows0, 64)
-                           .shape(1, rows0, 64)
-                           .shape(2, shape1, 64)
-                           .shape(3, shape1, 64)
-                           .shape(4, rows0, kDepth)
-                           .shape(5, shape1, kDepth)
-                           .shape(6, kDepth / 4, 64)
-                           .shape(7, kDepth / 4, 64));
-      const int64_t rows = rows0 + rows1;
-      if (rows1 > 0)
-        two_panels ? k.template block<true, true>(m, rows, p) : k.template block<true, false>(m, rows, p);
-      else
-        two_panels ? k.template block<false, true>(m, rows, p) : k.template block<false, false>(m, rows, p);
+      const amx::RowBlock rows = amx::RowBlock::at(m, M);
+      Tiles::configure(rows.config(kDepth, kDepth / 4));
+      rows.run(k, two_panels, m, int64_t{rows.rows0 + rows.rows1}, p);
     }
   }
 }
