@@ -33,6 +33,8 @@ from cases import moe as moe_cases
 from cases import qmoe as qmoe_cases
 from cases import row_parallel_linear as linear_cases
 
+pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_BOUND = 6 * 2.0**-9  # MOE/QMOE: the largest |error| relative to the largest |output| (three bf16 roundings)
 G2 = dict(expert_type=moe_cases.GEMM2, expert_alpha=1.702, expert_beta=7.0)

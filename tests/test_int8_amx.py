@@ -31,6 +31,7 @@ from cases.moe import GEMM2, GEMM2_ACT, GEMM3
 
 from moe_onnx.runtime import kernel_report
 
+pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
 
 ROWS = (0, 1, 7, 8, 16, 17, 33)  # rows per expert
 
