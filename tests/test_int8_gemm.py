@@ -105,7 +105,8 @@ from test_int8_gemm import EDGE_CASES, int8_gemm_isa, run_exact
 assert int8_gemm_isa() == {_kernel_for(level)!r}, int8_gemm_isa()
 print(run_exact(EDGE_CASES))
 """
-    env = {**os.environ, "MOE_ONNX_GEMM": level}
+    inherited = {k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}  # the level's own kernel, no model
+    env = {**inherited, "MOE_ONNX_GEMM": level}
     out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
