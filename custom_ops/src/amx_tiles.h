@@ -123,4 +123,33 @@ struct RowBlock {
   }
 };
 
+// The inner step of a RowBlock kernel: A's row tile at a0 (and, kTwoRows, at a1), rows `a_stride` bytes
+// apart, times B's panel at b0 (and, kTwoPanels, at b1), rows 64 bytes apart, accumulated by `dot` (a
+// Tiles product, dpbusd or dpbf16ps, as a callable) into tmm0-3 (row tile x panel).
+template <class Tiles, bool kTwoRows, bool kTwoPanels, class Dot>
+void block_step(const void* a0, const void* a1, int64_t a_stride, const void* b0, const void* b1, Dot dot) {
+  Tiles::load(tmm<4>, a0, a_stride);
+  Tiles::load(tmm<6>, b0, kTileRowBytes);
+  dot(tmm<0>, tmm<4>, tmm<6>);
+  if (kTwoPanels) {
+    Tiles::load(tmm<7>, b1, kTileRowBytes);
+    dot(tmm<1>, tmm<4>, tmm<7>);
+  }
+  if (kTwoRows) {
+    Tiles::load(tmm<5>, a1, a_stride);
+    dot(tmm<2>, tmm<5>, tmm<6>);
+    if (kTwoPanels) dot(tmm<3>, tmm<5>, tmm<7>);
+  }
+}
+
+// A RowBlock kernel's accumulators tmm0-3 stored: row tile r's panel j at c + r * row_tile + j * panel
+// (elements of T), rows `stride` bytes apart.
+template <class Tiles, bool kTwoRows, bool kTwoPanels, class T>
+void store_block(T* c, int64_t row_tile, int64_t panel, int64_t stride) {
+  Tiles::store(tmm<0>, c, stride);
+  if (kTwoPanels) Tiles::store(tmm<1>, c + panel, stride);
+  if (kTwoRows) Tiles::store(tmm<2>, c + row_tile, stride);
+  if (kTwoRows && kTwoPanels) Tiles::store(tmm<3>, c + row_tile + panel, stride);
+}
+
 }  // namespace moe_onnx::amx

@@ -42,26 +42,12 @@ struct Bf16PairTiles {
     const int64_t a_stride = lda * 2;
     const char* b0 = B + p * panel_bytes;
     const char* b1 = b0 + panel_bytes;
-    for (int64_t s = 0; s < steps; ++s) {
-      Tiles::load(tmm<4>, a + s * kBf16StepK, a_stride);
-      Tiles::load(tmm<6>, b0 + s * kStepBytes, amx::kTileRowBytes);
-      Tiles::dpbf16ps(tmm<0>, tmm<4>, tmm<6>);
-      if (kTwoPanels) {
-        Tiles::load(tmm<7>, b1 + s * kStepBytes, amx::kTileRowBytes);
-        Tiles::dpbf16ps(tmm<1>, tmm<4>, tmm<7>);
-      }
-      if (kTwoRows) {
-        Tiles::load(tmm<5>, a + amx::kTileRows * lda + s * kBf16StepK, a_stride);
-        Tiles::dpbf16ps(tmm<2>, tmm<5>, tmm<6>);
-        if (kTwoPanels) Tiles::dpbf16ps(tmm<3>, tmm<5>, tmm<7>);
-      }
-    }
-    float* c = C + m * ldc + (p - p0) * kPanel;
-    const int64_t stride = ldc * 4;
-    Tiles::store(tmm<0>, c, stride);
-    if (kTwoPanels) Tiles::store(tmm<1>, c + kPanel, stride);
-    if (kTwoRows) Tiles::store(tmm<2>, c + amx::kTileRows * ldc, stride);
-    if (kTwoRows && kTwoPanels) Tiles::store(tmm<3>, c + amx::kTileRows * ldc + kPanel, stride);
+    const auto dot = [](auto c, auto x, auto y) { Tiles::dpbf16ps(c, x, y); };
+    for (int64_t s = 0; s < steps; ++s)
+      amx::block_step<Tiles, kTwoRows, kTwoPanels>(a + s * kBf16StepK, a + amx::kTileRows * lda + s * kBf16StepK,
+                                                   a_stride, b0 + s * kStepBytes, b1 + s * kStepBytes, dot);
+    amx::store_block<Tiles, kTwoRows, kTwoPanels>(C + m * ldc + (p - p0) * kPanel, amx::kTileRows * ldc, kPanel,
+                                                  ldc * 4);
   }
 };
 

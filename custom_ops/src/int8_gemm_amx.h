@@ -54,18 +54,8 @@ struct Int8QuadTiles {
     w0 += kInt8QuadHeader;
     w1 += kInt8QuadHeader;
     auto step = [&](const uint8_t* a0, int64_t a_stride, const void* b0, const void* b1) {
-      Tiles::load(tmm<4>, a0, a_stride);
-      Tiles::load(tmm<6>, b0, 64);
-      Tiles::dpbusd(tmm<0>, tmm<4>, tmm<6>);
-      if (kTwoPanels) {
-        Tiles::load(tmm<7>, b1, 64);
-        Tiles::dpbusd(tmm<1>, tmm<4>, tmm<7>);
-      }
-      if (kTwoRows) {
-        Tiles::load(tmm<5>, a0 + amx::kTileRows * a_stride, a_stride);
-        Tiles::dpbusd(tmm<2>, tmm<5>, tmm<6>);
-        if (kTwoPanels) Tiles::dpbusd(tmm<3>, tmm<5>, tmm<7>);
-      }
+      amx::block_step<Tiles, kTwoRows, kTwoPanels>(a0, a0 + amx::kTileRows * a_stride, a_stride, b0, b1,
+                                                   [](auto c, auto x, auto y) { Tiles::dpbusd(c, x, y); });
     };
     for (int64_t s = 0; s < steps; ++s) {
       const char* next0 = w0 + (s + kPrefetchSteps) * kStepBytes;
@@ -77,12 +67,8 @@ struct Int8QuadTiles {
       const int8_t* b = b_tail + (p - p0) * kStepBytes;
       step(a_tail + m * 64, 64, b, b + kStepBytes);
     }
-    int32_t* c = C + m * ldc + (p - p0) * kInt8Panel;
-    const int64_t stride = ldc * 4;
-    Tiles::store(tmm<0>, c, stride);
-    if (kTwoPanels) Tiles::store(tmm<1>, c + kInt8Panel, stride);
-    if (kTwoRows) Tiles::store(tmm<2>, c + amx::kTileRows * ldc, stride);
-    if (kTwoRows && kTwoPanels) Tiles::store(tmm<3>, c + amx::kTileRows * ldc + kInt8Panel, stride);
+    amx::store_block<Tiles, kTwoRows, kTwoPanels>(C + m * ldc + (p - p0) * kInt8Panel, amx::kTileRows * ldc,
+                                                  kInt8Panel, ldc * 4);
   }
 };
 

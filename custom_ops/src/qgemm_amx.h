@@ -70,24 +70,11 @@ struct QuantTiles {
       const uint8_t* a1 = a0 + step_count * kTileBytes;
       const int8_t* b0 = codes[0] + b * block_k * kPanel;
       const int8_t* b1 = codes[1] + b * block_k * kPanel;
-      for (int64_t s = 0; s < per_block; ++s) {
-        Tiles::load(tmm<4>, a0 + s * kTileBytes, kDepth);
-        Tiles::load(tmm<6>, b0 + s * kDepth * kPanel, 64);
-        Tiles::dpbusd(tmm<0>, tmm<4>, tmm<6>);
-        if (kTwoPanels) {
-          Tiles::load(tmm<7>, b1 + s * kDepth * kPanel, 64);
-          Tiles::dpbusd(tmm<1>, tmm<4>, tmm<7>);
-        }
-        if (kTwoRows) {
-          Tiles::load(tmm<5>, a1 + s * kTileBytes, kDepth);
-          Tiles::dpbusd(tmm<2>, tmm<5>, tmm<6>);
-          if (kTwoPanels) Tiles::dpbusd(tmm<3>, tmm<5>, tmm<7>);
-        }
-      }
-      Tiles::store(tmm<0>, out, 64);
-      if (kTwoPanels) Tiles::store(tmm<1>, out + kPanelInts, 64);
-      if (kTwoRows) Tiles::store(tmm<2>, out + kRows * kPanel, 64);
-      if (kTwoRows && kTwoPanels) Tiles::store(tmm<3>, out + kPanelInts + kRows * kPanel, 64);
+      for (int64_t s = 0; s < per_block; ++s)
+        amx::block_step<Tiles, kTwoRows, kTwoPanels>(a0 + s * kTileBytes, a1 + s * kTileBytes, kDepth,
+                                                     b0 + s * kDepth * kPanel, b1 + s * kDepth * kPanel,
+                                                     [](auto c, auto x, auto y) { Tiles::dpbusd(c, x, y); });
+      amx::store_block<Tiles, kTwoRows, kTwoPanels>(out, kRows * kPanel, kPanelInts, 64);
     };
     // Rows r0..r1 (of rows m..) of blocks b0.. (count) from `group` into C.
     auto finish = [&](int64_t b0, int64_t count, const int32_t* group, int64_t r0, int64_t r1) {
