@@ -40,8 +40,9 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
     path holds every weight, its external data read into memory, so it saves anywhere (``onnx.save``, or
     ``onnx.save_model(..., save_as_external_data=True)`` for data of its own); the whole model is then in memory:
     for models over 2 GB use ``moe-onnx optimize`` (:func:`moe_onnx.pipeline.optimize_file`), which streams the
-    weights from file to file. A ModelProto or ``onnx_ir.Model`` keeps its tensors as they are (external ones
-    still name their files). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
+    weights from file to file. A ModelProto or ``onnx_ir.Model`` keeps its tensors as they are: external ones
+    still name their files (``onnx_ir.save(model, path, external_data=NAME)`` writes an ``onnx_ir.Model``'s
+    anew, anywhere). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
     MoeInitRouting -> MoeRowParallelLinear -> activation -> MoeRowParallelLinear -> MoeFinalizeRouting,
     ``"ort"`` onnxruntime's com.microsoft::MoE where it expresses the block (our MOE stays where it does
     not; the report's near-misses say why), so the model runs on onnxruntime without our library.
