@@ -34,7 +34,15 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
     """Fuse the MoE blocks of an exported model; returns ``(optimized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` (a path or ModelProto gives a
-    ModelProto back). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
+    ModelProto back). A path is read as ``moe-onnx optimize`` reads it: a file the command refuses (unreadable,
+    external data missing or short, a model ``moe-onnx check`` finds invalid) raises
+    :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError) with the command's message. The ModelProto of a
+    path holds every weight, its external data read into memory, so it saves anywhere (``onnx.save``, or
+    ``onnx.save_model(..., save_as_external_data=True)`` for data of its own); the whole model is then in memory:
+    for models over 2 GB use ``moe-onnx optimize`` (:func:`moe_onnx.pipeline.optimize_file`), which streams the
+    weights from file to file. A ModelProto or ``onnx_ir.Model`` keeps its tensors as they are: external ones
+    still name their files (``onnx_ir.save(model, path, external_data=NAME)`` writes an ``onnx_ir.Model``'s
+    anew, anywhere). ``target="moe"`` makes one MOE node per block, ``"grouped"`` the chain
     MoeInitRouting -> MoeRowParallelLinear -> activation -> MoeRowParallelLinear -> MoeFinalizeRouting,
     ``"ort"`` onnxruntime's com.microsoft::MoE where it expresses the block (our MOE stays where it does
     not; the report's near-misses say why), so the model runs on onnxruntime without our library.
@@ -50,7 +58,7 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
     (:mod:`moe_onnx.rewrite.compute`; ``"fp32"``, the default, keeps them exact). The report
     (:class:`moe_onnx.rewrite.OptimizeReport`) lists fused blocks per rule, near-misses with the check
     that failed, notes, the compute, and nodes and parameters before and after. Raises ValueError for an
-    unknown target or compute.
+    unknown target or compute (before reading the file).
     """
     from .rewrite import optimize as _optimize  # onnxscript is imported only when needed
 
@@ -64,9 +72,11 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
     (target "moe"; run it first: a model without MOE nodes is refused); the result has the same kind
-    (a path gives a ModelProto). Every MOE node becomes a QMOE node whose weights are ``bits`` 4 or 8
-    integers with one scale per output column (``block_size`` 0) or per block of ``block_size`` inputs
-    (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
+    (a path gives a ModelProto). A path is read as ``moe-onnx quantize`` reads it (a file the command refuses
+    raises :class:`moe_onnx._ir.model_files.ModelFileError` with its message) and loaded whole, external data
+    included: the ModelProto holds every weight and saves anywhere. Every MOE node becomes a QMOE node whose
+    weights are ``bits`` 4 or 8 integers with one scale per output column (``block_size`` 0) or per block of
+    ``block_size`` inputs (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
     ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
     activations; None, the default: each MOE's own, 3 after ``optimize(..., compute="bf16")``, else 0). An
     MOE whose weights are exactly MXFP4 (GPT-OSS's format) is repacked as quant_type mxfp4 without

@@ -1,8 +1,10 @@
 """Model validation: the onnx checker, strict shape inference and the moe_onnx ops' own rules.
 
 ``check_model`` reports every problem it finds as a readable line that names the node and the
-input or attribute; an empty list means the model is valid. Models with external data are read
-without loading their weights, except the few constants a rule needs (such as expert offsets).
+input or attribute; an empty list means the model is valid (a file that cannot be read is a problem too,
+never an exception). ``read_valid`` is the input check of ``moe-onnx optimize`` and ``quantize``, from the
+command line and from Python alike. Models with external data are read without loading their weights,
+except the few constants a rule needs (such as expert offsets).
 A model is checked as onnxruntime reads it: a domain onnxruntime registers that the model uses without
 importing it counts as imported at the version onnxruntime assumes (``check_file`` prints a note).
 """
@@ -29,11 +31,30 @@ INT64_MAX = 2**63 - 1
 
 
 def check_model(model: str | os.PathLike | onnx.ModelProto) -> list[str]:
-    """Validate a model (path or ModelProto); returns the problems found, empty when valid.
-    Raises :class:`moe_onnx._ir.model_files.ModelFileError` when the path cannot be read as a model."""
+    """Validate a model (path or ModelProto); returns the problems found, empty when valid. Never raises: a path
+    that cannot be read as a model (missing, a folder, empty, truncated, not ONNX) is one problem, "cannot read
+    the model: ...", and external data that is missing or short is one problem per tensor, as ``moe-onnx check``
+    prints them."""
     if isinstance(model, onnx.ModelProto):
         return check_loaded(model)
-    return check_loaded(model_files.read_proto(model), Path(model))
+    return _read_and_check(model)[1]
+
+
+def read_valid(path: str | os.PathLike) -> onnx.ModelProto:
+    """The model at ``path`` (without its external data) once it passes the check: what ``moe-onnx optimize``
+    and ``quantize`` and their Python functions read. Raises :class:`moe_onnx._ir.model_files.ModelFileError`
+    when it cannot be read or is invalid (:func:`require_valid`)."""
+    proto = model_files.read_proto(path)
+    require_valid(path, proto)
+    return proto
+
+
+def require_valid(path: str | os.PathLike, proto: onnx.ModelProto) -> None:
+    """ModelFileError "the input model is invalid: ..." with the first problem the check finds in ``proto``, read
+    from ``path``, if any."""
+    problems = check_loaded(proto, Path(path))
+    if problems:
+        raise model_files.invalid_input(path, problems)
 
 
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
@@ -64,18 +85,22 @@ def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
-    then one per problem). Nothing raises: an unreadable file is a problem too."""
-    try:
-        proto = model_files.read_proto(path)
-        problems = check_loaded(proto, Path(path))
-        notes = with_runtime_domains(proto)[1]
-    except model_files.ModelFileError as error:
-        problems, notes = [f"cannot read the model: {error}"], []
-    notes = [f"  note: {note}" for note in notes]
+    then one per problem of :func:`check_model`). Nothing raises."""
+    proto, problems = _read_and_check(path)
+    notes = [f"  note: {note}" for note in ([] if proto is None else with_runtime_domains(proto)[1])]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
         return False, "\n".join([heading] + [f"  {problem}" for problem in problems] + notes)
     return True, "\n".join([f"{path}: OK ({summarize(proto)})"] + notes)
+
+
+def _read_and_check(path: str | os.PathLike) -> tuple[onnx.ModelProto | None, list[str]]:
+    """The model at ``path`` without its external data (None when it cannot be read) and its problems."""
+    try:
+        proto = model_files.read_proto(path)
+    except model_files.ModelFileError as error:
+        return None, [f"cannot read the model: {error}"]
+    return proto, check_loaded(proto, Path(path))
 
 
 def summarize(model: onnx.ModelProto) -> str:

@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from ._ir import model_files
-from .check import check_loaded, check_model
+from .check import check_model, require_valid
 from .distributed.manifest import Manifest, source_fingerprint
 from .distributed.shard import ShardError, has_blocks, write_ranks
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
@@ -203,7 +203,7 @@ def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: 
     proto = model_files.read_proto(source)
     _refuse_overwriting_input(source, destination, proto)
     say(f"checking {source}")
-    _require_valid_input(source, proto)
+    require_valid(source, proto)
     return model_files.load(source, proto)
 
 
@@ -226,12 +226,3 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist
         return False
-
-
-def _require_valid_input(source: str | os.PathLike, proto: onnx.ModelProto) -> None:
-    """ModelFileError with the first problem `moe-onnx check` finds in the input, if any."""
-    problems = check_loaded(proto, Path(source))
-    if problems:
-        lines = [line for problem in problems for line in problem.splitlines()]
-        more = f" (and more: see `moe-onnx check {source}`)" if len(lines) > 1 else ""
-        raise model_files.ModelFileError(f"{source}: the input model is invalid: {lines[0]}{more}")

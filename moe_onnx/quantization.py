@@ -28,9 +28,11 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
+from ._ir import model_files
 from ._ir.builder import TapeBuilder, replace
 from ._ir.nodes import attribute_value
 from ._ir.weights import initializer_expert, release_external, streamed_initializer
+from .check import read_valid
 from .compare import Difference, compare_arrays, worst
 from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
 from .ops._common import EXACT
@@ -411,20 +413,22 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
 def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
              sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
              progress: Callable[[str], None] | None = None):
-    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, loaded whole with its external data,
-    an ``onnx.ModelProto`` or an ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
+    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, read as ``moe-onnx quantize`` reads it
+    (:func:`moe_onnx.check.read_valid`) and loaded whole with its external data, an ``onnx.ModelProto`` or an
+    ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
     and, with ``measure``, put its error against the model as it was into the report (:func:`measure_error`
     on ``backend`` at ``sizes``, inputs seeded by ``seed``). Returns ``(quantized, report)``: an
     ``onnx_ir.Model`` for one, else a ModelProto. Both models are serialized to protos, so the model must be
     under 2 GB; ``moe_onnx.pipeline.quantize_file`` streams larger ones to disk. Raises QuantizeError as
-    :func:`quantize_ir` does, and what onnxruntime raises when the error cannot be measured."""
+    :func:`quantize_ir` does, :class:`moe_onnx._ir.model_files.ModelFileError` for a path the command line
+    refuses (with its message), and what onnxruntime raises when the error cannot be measured."""
     settings.check()
     if isinstance(model, ir.Model):
         ir_model = model
     elif isinstance(model, onnx.ModelProto):
         ir_model = ir.serde.deserialize_model(model)
     else:  # loaded whole (external data included), so that both models run from memory
-        ir_model = ir.serde.deserialize_model(onnx.load(model))
+        ir_model = ir.serde.deserialize_model(model_files.with_data(read_valid(model), model))
     original = ir.serde.serialize_model(ir_model) if measure else None
     report = quantize_ir(ir_model, settings, progress=progress)
     quantized = ir.serde.serialize_model(ir_model)

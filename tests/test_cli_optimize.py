@@ -1,10 +1,12 @@
 """`moe-onnx optimize`: report, verification, JSON, external data, refusal to overwrite its input's files,
-no partial output, one-line errors, --verify on trace-bound exports."""
+no partial output, one-line errors, --verify on trace-bound exports; the Python API's files: the inputs the
+command line refuses, a result that saves anywhere."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,8 @@ import onnx
 import pytest
 from cases.moe import CASES
 from fixture_models import FIXTURES, TARGETS
+
+import moe_onnx
 from moe_onnx._ir import model_files
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
@@ -189,6 +193,16 @@ def _other_opset(folder):
     return folder / "opset2.onnx"
 
 
+def _invalid_moe_node(folder):
+    """A model that fails `moe-onnx check` already: refused, not blamed on the optimization."""
+    model = BASE_CASE.model(symbolic=True)
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "expert_beta":
+            attr.f = 0.0
+    onnx.save(model, str(folder / "bad.onnx"))
+    return folder / "bad.onnx"
+
+
 BAD_INPUTS = {
     "random_bytes": (_random_bytes, "is not an ONNX model"),
     "truncated_protobuf": (_truncated, "is not an ONNX model"),
@@ -198,6 +212,7 @@ BAD_INPUTS = {
     "missing_external_data": (_missing_data, "external data file 'a.onnx.data' does not exist"),
     "short_external_data": (_short_data, "is past the end of 'a.onnx.data'"),
     "other_moe_onnx_opset": (_other_opset, "opset_import for domain 'moe_onnx' is 2; expected 1"),
+    "invalid_moe_node": (_invalid_moe_node, "the input model is invalid: MOE node"),
 }
 
 
@@ -230,17 +245,63 @@ def test_bad_option_is_a_usage_error(option, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_invalid_input_is_reported_as_such(tmp_path, capsys):
-    """A model that fails `moe-onnx check` already is refused, not blamed on the optimization."""
-    model = BASE_CASE.model(symbolic=True)
-    for attr in model.graph.node[0].attribute:
-        if attr.name == "expert_beta":
-            attr.f = 0.0
-    onnx.save(model, str(tmp_path / "bad.onnx"))
-    assert main(["optimize", str(tmp_path / "bad.onnx"), "-o", str(tmp_path / "o.onnx"), "--verify"]) == 1
+# ----------------------------------------------------------------------------- the API reads files as the CLI does
+
+#: the inputs that cannot be read as a model (the others of BAD_INPUTS are read, then found invalid)
+UNREADABLE = [name for name in BAD_INPUTS if name not in ("other_moe_onnx_opset", "invalid_moe_node")]
+
+
+@pytest.mark.parametrize("command", ["optimize", "quantize"])
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_the_api_refuses_what_the_command_line_refuses(name, command, tmp_path, capsys):
+    source = BAD_INPUTS[name][0](tmp_path)
+    settings = ["--bits", "8"] if command == "quantize" else []
+    assert main([command, str(source), "-o", str(tmp_path / "out.onnx"), *settings]) == 1
     (line,) = _error_lines(capsys.readouterr().err)
-    assert line.startswith(f"moe-onnx optimize: {tmp_path / 'bad.onnx'}: the input model is invalid: MOE node"), line
-    assert not (tmp_path / "o.onnx").exists()
+    with pytest.raises(model_files.ModelFileError) as raised:
+        getattr(moe_onnx, command)(source)
+    assert line == f"moe-onnx {command}: {raised.value}"
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_a_session_refuses_an_unreadable_file_as_the_command_line_does(name, tmp_path, capsys):
+    source = BAD_INPUTS[name][0](tmp_path)
+    assert main(["optimize", str(source), "-o", str(tmp_path / "out.onnx")]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    with pytest.raises(model_files.ModelFileError) as raised:
+        moe_onnx.session(source)
+    assert line == f"moe-onnx optimize: {raised.value}"
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_check_model_lists_an_unreadable_file_as_moe_onnx_check_prints_it(name, tmp_path, capsys):
+    make, message = BAD_INPUTS[name]
+    source = make(tmp_path)
+    problems = check_model(source)
+    assert problems and message in problems[0], problems
+    assert main(["check", str(source)]) == 1
+    assert capsys.readouterr().out.splitlines()[1:] == [f"  {problem}" for problem in problems]
+
+
+def test_the_optimized_model_saves_anywhere(tmp_path):
+    """moe_onnx.optimize of a file with external data gives a ModelProto that holds every weight: saved in
+    another folder, inline or with external data of its own, it runs there with the input's folder gone."""
+    inputs, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
+    inputs.mkdir()
+    elsewhere.mkdir()
+    source, _ = _external_copy(inputs)
+    model, report = moe_onnx.optimize(source)
+    assert report.fused_blocks == 1
+    onnx.save(model, str(elsewhere / "inline.onnx"))
+    onnx.save_model(model, str(elsewhere / "external.onnx"), save_as_external_data=True,
+                    location="external.onnx.data")  # tensors of 1 KiB or more
+    hidden = np.random.default_rng(0).standard_normal((2, 5, 32), dtype=np.float32)
+    (expected,) = moe_onnx.session(source).run(None, {"hidden_states": hidden})
+    shutil.rmtree(inputs)
+    assert (elsewhere / "external.onnx.data").stat().st_size > 0
+    for name in ("inline.onnx", "external.onnx"):
+        (got,) = moe_onnx.session(elsewhere / name).run(None, {"hidden_states": hidden})
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 # ----------------------------------------------------------------------------- --verify on trace-bound exports

@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import onnx
@@ -46,6 +46,32 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelFileError(f"{path}: is not an ONNX model (protobuf: {error})") from None
     except OSError as error:
         raise ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
+
+
+def read_complete(path: str | os.PathLike) -> onnx.ModelProto:
+    """:func:`read_proto` of ``path`` once the external data it names is all there (:func:`external_data_problems`);
+    raises ModelFileError as read_proto does, or :func:`invalid_input`'s error for data that is missing or short."""
+    proto = read_proto(path)
+    problems = external_data_problems(proto, os.path.dirname(path))
+    if problems:
+        raise invalid_input(path, problems)
+    return proto
+
+
+def invalid_input(path: str | os.PathLike, problems: Sequence[str]) -> ModelFileError:
+    """The error for an input model with these problems (``moe-onnx check``'s lines): the first, and where the
+    others are."""
+    lines = [line for problem in problems for line in problem.splitlines()]
+    more = f" (and more: see `moe-onnx check {path}`)" if len(lines) > 1 else ""
+    return ModelFileError(f"{path}: the input model is invalid: {lines[0]}{more}")
+
+
+def with_data(proto: onnx.ModelProto, path: str | os.PathLike) -> onnx.ModelProto:
+    """``proto`` (read from the model file ``path``, its external data checked) with every external tensor's data
+    read into it, in place: all of the model in memory, and a model that saves anywhere (an external location is
+    relative to the model file's folder, the only kind onnx and onnxruntime take, so it breaks elsewhere)."""
+    onnx.load_external_data_for_model(proto, os.path.dirname(path))
+    return proto
 
 
 def load(path: str | os.PathLike, proto: onnx.ModelProto | None = None) -> ir.Model:

@@ -12,7 +12,9 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
+from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
+from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
 from . import (batched_mm, compute as compute_pass, gating, grouped, loop, loop_dynamo, ort_export, ort_import,
@@ -114,9 +116,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
     adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`);
     ``compute`` sets the accuracy_level of our expert nodes (:mod:`moe_onnx.rewrite.compute`)."""
-    if target not in TARGETS:
-        raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
-    compute_pass.check_compute(compute)
+    _check_settings(target, compute)
     say = progress or (lambda message: None)
     if portable:
         require_opset(model)  # before the work, not after it
@@ -199,6 +199,12 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                           parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
 
 
+def _check_settings(target: str, compute: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
+    compute_pass.check_compute(compute)
+
+
 def _infer_shapes(model: ir.Model) -> None:
     """onnx shape inference, copied onto the IR values that lack a static shape.
 
@@ -224,7 +230,10 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, port
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
-    (a path gives a ModelProto) and comes with an :class:`OptimizeReport`. ``target="moe"`` makes one
+    and comes with an :class:`OptimizeReport`. A path is read as ``moe-onnx optimize`` reads it
+    (:func:`moe_onnx.check.read_valid`) and gives a ModelProto that holds every weight, those of its external data
+    included (:func:`moe_onnx._ir.model_files.with_data`), so it saves anywhere; a ModelProto or ``onnx_ir.Model``
+    keeps its tensors as they were, external ones included. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
     MoeRowParallelLinear -> MoeFinalizeRouting; ``"ort"`` onnxruntime's com.microsoft::MoE/QMoE where they
     express the block (ort_export.py; shared experts are not folded). ``fuse_routers`` (default) makes each block's
@@ -236,15 +245,18 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, port
     importing it is imported at the version onnxruntime assumes, and an IR version or opset newer than the
     installed onnxruntime loads is lowered where the model means the same with it (a note in the report for
     each; :mod:`moe_onnx._ir.inference`). Raises ValueError for an unknown target or compute, or for ``portable``
-    on a model whose default opset is below 18, and :class:`moe_onnx._ir.inference.ShapeInferenceError` (a
-    ValueError, one line) for a model onnx shape inference rejects.
+    on a model whose default opset is below 18; :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError)
+    for a path the command line refuses, with its message; and :class:`moe_onnx._ir.inference.ShapeInferenceError`
+    (a ValueError, one line) for a ModelProto or ``onnx_ir.Model`` onnx shape inference rejects.
     """
     options = dict(fuse_routers=fuse_routers, portable=portable, compute=compute)
     if isinstance(model, ir.Model):
         return model, optimize_ir(model, target, **options)
     if isinstance(model, (str, os.PathLike)):
-        ir_model = ir.load(model)
-    else:
-        ir_model = ir.serde.deserialize_model(model)
+        _check_settings(target, compute)  # before reading the file
+        ir_model = model_files.load(model, read_valid(model))  # weights stay on disk while the rules run
+        report = optimize_ir(ir_model, target, **options)
+        return model_files.with_data(ir.serde.serialize_model(ir_model), model), report
+    ir_model = ir.serde.deserialize_model(model)
     report = optimize_ir(ir_model, target, **options)
     return ir.serde.serialize_model(ir_model), report

@@ -47,19 +47,26 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     ``sess_options`` is used as given (the library is registered on it once, its other settings
     are kept; one SessionOptions serves one backend); ``providers`` (default
     ``["CPUExecutionProvider"]``) and other keyword arguments go to ``InferenceSession``.
-    Raises ValueError for an unknown backend, FileNotFoundError when the library is not built and
-    MoeOpError for a moe_onnx node with an attribute its op does not have (onnxruntime does not show
-    kernels the names of a node's attributes, so the kernels cannot report it);
-    onnxruntime's exceptions come through unchanged.
+    Raises ValueError for an unknown backend; :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError)
+    for a path that cannot be read as a model (missing, a folder, empty, not ONNX) or whose external data is
+    missing or short, with the message ``moe-onnx optimize`` gives; FileNotFoundError when the library is not
+    built and MoeOpError for a moe_onnx node with an attribute its op does not have (onnxruntime does not show
+    kernels the names of a node's attributes, so the kernels cannot report it); onnxruntime's exceptions come
+    through unchanged.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    proto = None
+    if isinstance(model, (str, os.PathLike)):
+        from .._ir import model_files  # onnx_ir is imported only when a session reads a file
+
+        proto = model_files.read_complete(model)
     library = custom_ops_library() if backend == "cpp" else python_host_library()
     options = sess_options if sess_options is not None else ort.SessionOptions()
     _register(options, backend, library)
     if backend == "python":
-        if isinstance(model, (str, os.PathLike)):
-            model = onnx.load(os.fspath(model))
+        if proto is not None:
+            model = model_files.with_data(proto, model)
         elif isinstance(model, bytes):
             model = onnx.ModelProto.FromString(model)
         else:  # the caller's model: rewrite a copy
@@ -67,7 +74,7 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
         _check_attribute_names(model)
         model = python_model(model)
     else:
-        proto = structure(model)
+        proto = structure(model) if proto is None else proto
         _check_attribute_names(proto)
         model = cpp_model(model, proto)
     if isinstance(model, onnx.ModelProto):
