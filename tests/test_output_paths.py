@@ -71,15 +71,21 @@ def test_out_that_is_not_a_file_is_refused(command, name, tmp_path, capsys):
     assert _kind(out) == kind and _listing(tmp_path) == [out.name]
 
 
+@pytest.mark.parametrize("through_a_link", [False, True], ids=["named", "linked"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_device_is_never_replaced(device, tmp_path, capsys):
+def test_a_device_is_never_replaced(device, through_a_link, tmp_path, capsys):
     before = os.stat(device)
-    assert main(["optimize", str(TINY), "-o", device, "--report", str(tmp_path / "r.json")]) == 2
+    out, named = device, device
+    if through_a_link:
+        out = tmp_path / "link.onnx"
+        out.symlink_to(device)
+        named = f"{out} (a symbolic link to {device})"
+    assert main(["optimize", str(TINY), "-o", str(out), "--report", str(tmp_path / "r.json")]) == 2
     (line,) = _error_lines(capsys.readouterr().err)
-    assert line == f"moe-onnx optimize: {device}: is a character device; expected a regular file or a new path"
+    assert line == f"moe-onnx optimize: {named}: is a character device; expected a regular file or a new path"
     after = os.stat(device)
     assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
-    assert _listing(tmp_path) == []
+    assert _listing(tmp_path) == (["link.onnx"] if through_a_link else [])
 
 
 def test_the_data_file_that_is_not_a_file_is_refused(tmp_path, capsys):
