@@ -136,7 +136,8 @@ def integer_input_ranges(model: onnx.ModelProto) -> dict[str, int]:
     GatherBlockQuantized) over an initializer (an embedding table): that table's size along the gather axis."""
     inputs = {i.name for i in model.graph.input}
     tables = {t.name: list(t.dims) for t in model.graph.initializer if t.name not in inputs}
-    gathers = {("", "Gather"): "axis", ("ai.onnx", "Gather"): "axis", ("com.microsoft", "GatherBlockQuantized"): "gather_axis"}
+    gathers = {("", "Gather"): "axis", ("ai.onnx", "Gather"): "axis",
+               ("com.microsoft", "GatherBlockQuantized"): "gather_axis"}
     ranges: dict[str, int] = {}
     for node in model.graph.node:
         axis_name = gathers.get((node.domain, node.op_type))

@@ -116,7 +116,8 @@ def test_out_and_report_write_through_symbolic_links(external, tmp_path, monkeyp
     report_target.write_text("old")
     (tmp_path / "link.onnx").symlink_to(target.name)
     (tmp_path / "link.json").symlink_to(report_target)
-    assert main(["optimize", str(TINY), "-o", str(tmp_path / "link.onnx"), "--report", str(tmp_path / "link.json")]) == 0
+    assert main(["optimize", str(TINY), "-o", str(tmp_path / "link.onnx"),
+                 "--report", str(tmp_path / "link.json")]) == 0
     assert os.readlink(tmp_path / "link.onnx") == target.name and (tmp_path / "link.json").is_symlink()
     assert check_model(target) == [] and json.loads(report_target.read_text())["fused"]["BatchedMmSwiglu"] == 1
     written = ["model.onnx", "report.json"] + (["model.onnx.data"] if external else [])
@@ -131,8 +132,9 @@ def test_a_dangling_link_writes_its_target(tmp_path, capsys):
     (tmp_path / "lost.onnx").symlink_to(tmp_path / "missing" / "model.onnx")
     assert main(["optimize", str(TINY), "-o", str(tmp_path / "lost.onnx")]) == 2
     (line,) = _error_lines(capsys.readouterr().err)
-    assert line == (f"moe-onnx optimize: {tmp_path / 'lost.onnx'} (a symbolic link to {tmp_path / 'missing' / 'model.onnx'}):"
-                    " the folder of its target does not exist")
+    missing = tmp_path / "missing" / "model.onnx"
+    assert line == (f"moe-onnx optimize: {tmp_path / 'lost.onnx'} (a symbolic link to {missing}): "
+                    "the folder of its target does not exist")
     assert not (tmp_path / "missing").exists()
 
 

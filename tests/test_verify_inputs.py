@@ -38,7 +38,8 @@ def decoder(dtype=np.float32) -> onnx.ModelProto:
                "wq": weight(HIDDEN, HIDDEN, fan_in=HIDDEN), "wk": weight(HIDDEN, KV_HEADS * HEAD, fan_in=HIDDEN),
                "wv": weight(HIDDEN, KV_HEADS * HEAD, fan_in=HIDDEN), "wo": weight(HIDDEN, HIDDEN, fan_in=HIDDEN),
                "router": weight(HIDDEN, EXPERTS, fan_in=HIDDEN), "lm_head": weight(HIDDEN, VOCAB, fan_in=HIDDEN),
-               "fc1": weight(EXPERTS, 2 * INTER, HIDDEN, fan_in=HIDDEN), "fc2": weight(EXPERTS, HIDDEN, INTER, fan_in=INTER),
+               "fc1": weight(EXPERTS, 2 * INTER, HIDDEN, fan_in=HIDDEN),
+               "fc2": weight(EXPERTS, HIDDEN, INTER, fan_in=INTER),
                "rows_shape": np.array([-1, HIDDEN], np.int64), "one": np.array([1], np.int64)}
     node = helper.make_node
     nodes = [
@@ -78,8 +79,8 @@ def decoder(dtype=np.float32) -> onnx.ModelProto:
         helper.make_tensor_value_info("present.0.key", element, present),
         helper.make_tensor_value_info("present.0.value", element, present)],
         [numpy_helper.from_array(array, name) for name, array in weights.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
-                             ir_version=10)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 def _drawer(model: onnx.ModelProto) -> InputDrawer:
