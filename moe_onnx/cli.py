@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from ._ir.inference import ShapeInferenceError
-from ._ir.model_files import ModelFileError
+from ._ir.model_files import ModelFileError, OutputPathError, output_file
 from .check import check_file
 from .rewrite.targets import COMPUTES, TARGETS
 from .runtime import BACKENDS
@@ -59,15 +59,17 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
-    that would overwrite the input or bad settings, 1 for a file error, a model onnx shape inference rejects or
-    a result that is not ok."""
+    that would overwrite the input or is not a regular file (OUT or --report) and bad settings, 1 for a file
+    error, a model onnx shape inference rejects or a result that is not ok."""
     from .pipeline import SameFileError
     from .quantization import QuantizeError
     from .rewrite.portable import PortableError
 
     try:
+        if args.report:
+            output_file(args.report)
         result = run()
-    except (SameFileError, QuantizeError, PortableError) as error:
+    except (SameFileError, QuantizeError, PortableError, OutputPathError) as error:
         print(f"moe-onnx {command}: {error}", file=sys.stderr)
         return 2
     except (ModelFileError, ShapeInferenceError) as error:
@@ -77,9 +79,8 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     if args.report:
         try:
             result.write_json(args.report)
-        except OSError as error:
-            print(f"moe-onnx {command}: {args.report}: cannot write the report: {error.strerror or error}",
-                  file=sys.stderr)
+        except ModelFileError as error:
+            print(f"moe-onnx {command}: the report {error}", file=sys.stderr)
             return 1
     return 0 if result.ok else 1
 
@@ -90,7 +91,7 @@ def _shard(args: argparse.Namespace) -> int:
 
     try:
         manifest = shard_file(args.input, args.output, args.tp, args.ep, progress=_stage_printer())
-    except ShardError as error:
+    except (ShardError, OutputPathError) as error:
         print(f"moe-onnx shard: {error}", file=sys.stderr)
         return 2
     except ModelFileError as error:
@@ -110,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         status = launch(args.directory, args.ranks, args.inputs, args.output, backend=args.backend,
                         threads=args.threads, timeout=args.timeout)
-    except LaunchError as error:
+    except (LaunchError, OutputPathError) as error:
         print(f"moe-onnx run: {error}", file=sys.stderr)
         return 2
     if status != 0:

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from ._ir import model_files
 from .check import check_model, require_valid
-from .distributed.manifest import Manifest, source_fingerprint
+from .distributed.manifest import MANIFEST_NAME, Manifest, rank_file, source_fingerprint
 from .distributed.shard import ShardError, has_blocks, write_ranks
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
@@ -63,7 +63,8 @@ class OptimizeResult:
             v = self.verified
             document["verify"] = {"ok": v.ok, "backend": v.backend, "sizes": [dataclasses.asdict(r) for r in v.results],
                                   "original_ms": v.original_ms, "optimized_ms": v.optimized_ms, "error": v.error,
-                                  "bf16_tolerance": v.bf16_tolerance}
+                                  "bf16_tolerance": v.bf16_tolerance, "tolerance": v.tolerance,
+                                  "precision": v.precision}
         return document
 
     def write_json(self, path: str | os.PathLike) -> None:
@@ -71,8 +72,9 @@ class OptimizeResult:
 
 
 def _write_json(document: dict, path: str | os.PathLike) -> None:
-    with open(path, "w") as handle:
-        json.dump(document, handle, indent=2)
+    """Write ``document`` to ``path`` through :func:`moe_onnx._ir.model_files.replacing`."""
+    with model_files.replacing(path) as staged:
+        staged.write_text(json.dumps(document, indent=2))
 
 
 def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, target: str = "moe", *,
@@ -97,11 +99,11 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable,
                          compute=compute)
     say(f"saving {destination}")
-    model_files.save(model, destination, progress=progress)
-    result = OptimizeResult(report, check_model(destination))
+    written = _save(model, destination, progress)
+    result = OptimizeResult(report, check_model(written))
     if verify_backend is not None:
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
-        result.verified = verify(source, destination, backend=verify_backend, sizes=sizes, threads=threads,
+        result.verified = verify(source, written, backend=verify_backend, sizes=sizes, threads=threads,
                                  bf16_blocks=report.bf16_blocks)
     return result
 
@@ -150,12 +152,12 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     model = _load_input(source, destination, say)
     report = quantize_ir(model, settings, progress=progress)
     say(f"saving {destination}")
-    model_files.save(model, destination, progress=progress)
-    result = QuantizeResult(report, check_model(destination))
+    written = _save(model, destination, progress)
+    result = QuantizeResult(report, check_model(written))
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
         try:
-            report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
+            report.error = measure_error(source, written, report.layers, backend=backend, sizes=sizes, seed=seed)
         except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
             text = str(error).strip()
             result.problems.append(f"the error could not be measured on the {backend} backend: "
@@ -171,18 +173,19 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     blocks is optimized first (target moe, :func:`optimize_file`), once, into a temporary file in
     ``out_dir``. Raises :class:`moe_onnx.distributed.shard.ShardError` (see
     :func:`moe_onnx.distributed.shard.shard_ir`; no rank file is written then) and
-    :class:`moe_onnx._ir.model_files.ModelFileError` for a file that cannot be read or written."""
+    :class:`moe_onnx._ir.model_files.ModelFileError` for a file that cannot be read or written
+    (:class:`~moe_onnx._ir.model_files.OutputPathError`, before anything is written, for an ``out_dir`` that is
+    not a directory or a rank file that is not a regular file)."""
     say = progress or (lambda message: None)
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
     say(f"loading {source}")
     proto = model_files.read_proto(source)
     fingerprint = source_fingerprint(source)
-    out_dir = Path(out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise model_files.ModelFileError(f"{out_dir}: cannot write it: {error.strerror or error}") from None
+    out_dir = model_files.output_directory(out_dir)
+    for rank in range(tp * ep):  # refuse a rank file that is not a regular file before writing any
+        model_files.model_output_files(out_dir / rank_file(rank))
+    model_files.output_file(out_dir / MANIFEST_NAME)
     with tempfile.TemporaryDirectory(prefix=".fused.", dir=out_dir) as staging:
         fused = source
         if not has_blocks(proto.graph.node):
@@ -194,6 +197,13 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
                                fingerprint=fingerprint, progress=progress)
     manifest.write(out_dir)
     return manifest
+
+
+def _save(model: ir.Model, destination: str | os.PathLike, progress: Callable[[str], None] | None) -> Path:
+    """Save ``model`` to ``destination`` (:func:`moe_onnx._ir.model_files.save`); returns the file written (the
+    target of a symbolic link: its external data, named after it, lies beside it)."""
+    model_files.save(model, destination, progress=progress)
+    return model_files.output_file(destination)
 
 
 def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: Callable[[str], None]) -> ir.Model:
@@ -209,11 +219,13 @@ def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: 
 
 def _refuse_overwriting_input(source: str | os.PathLike, destination: str | os.PathLike,
                               proto: onnx.ModelProto) -> None:
-    """SameFileError when a file the output writes is one the input (``proto``, read from ``source``) reads."""
+    """SameFileError when a file the output writes is one the input (``proto``, read from ``source``) reads;
+    OutputPathError when ``destination`` or its data file is not a regular file."""
     read = [(Path(source), "the input")]
     read += [(file, f"the external data of the input {source}")
              for file in sorted(model_files.external_data_files(proto, Path(source).parent))]
-    written = [(Path(destination), "the output"), (model_files.data_file(destination), "the output's data file")]
+    target, data = model_files.model_output_files(destination)
+    written = [(target, "the output"), (data, "the output's data file")]
     for out_file, out_role in written:
         for in_file, in_role in read:
             if _same_file(out_file, in_file):

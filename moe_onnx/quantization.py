@@ -51,7 +51,7 @@ from .ops.qmoe import (
     quantize as quantize_weight,
 )
 from .runtime import session
-from .verify import DEFAULT_SIZES, format_sizes, integer_input_ranges, random_feeds, symbolic_dims
+from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
 
 __all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
            "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
@@ -442,21 +442,22 @@ def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend
 def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, backend: str = "cpp",
                   sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
     """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
-    (values of the symbolic input dims, in order; integer inputs that index an embedding table are drawn
-    from its rows) on ``backend``: the error of every floating-point graph output and of each of
-    ``layers``' outputs, and the tokens each layer routes to other experts than the original, over all sizes."""
+    (values of the symbolic input dims, in order; drawn by :class:`moe_onnx.verify.InputDrawer`: a model with a
+    cache runs each size as a prompt and as the next token) on ``backend``: the error of every floating-point
+    graph output and of each of ``layers``' outputs, and the tokens each layer routes to other experts than the
+    original, over all sizes."""
     proto = _proto_without_data(original)
     graph_outputs = [o.name for o in proto.graph.output]
     extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
     with _with_outputs(original, extra) as original_model, _with_outputs(quantized, extra) as quantized_model:
         reference_sess = session(original_model, backend=backend)
         quantized_sess = session(quantized_model, backend=backend)
-        int_ranges = integer_input_ranges(proto)
-        dims = symbolic_dims(reference_sess)
+        drawer = InputDrawer.of(reference_sess, proto)
         names = list(dict.fromkeys(graph_outputs + extra))
         errors = {name: _Error(name) for name in names}
-        for index, size in enumerate(sizes):
-            feeds = random_feeds(reference_sess, dict(zip(dims, size)), seed=seed + index, int_ranges=int_ranges)
+        runs = [dims for size in sizes for dims in drawer.runs(size)]
+        for index, dims in enumerate(runs):
+            feeds = drawer.feeds(dims, seed=seed + index)
             expected = dict(zip(names, reference_sess.run(names, feeds)))
             got = dict(zip(names, quantized_sess.run(names, feeds)))
             for name in names:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -33,10 +34,17 @@ BF16_ROUNDING = 2.0 ** -9
 #: grows like the output (not like the sum of |terms|): verify holds each output's max |difference| to it
 #: times the output's largest |value|, times the blocks computed so (docs/cli.md).
 BF16_COMPUTE_TOLERANCE = 6 * BF16_ROUNDING
+#: the tolerance (rtol = atol) of the comparison by the original's precision (:func:`model_precision`): float32's
+#: 1e-4; a float16 or bfloat16 model rounds every tensor it computes (by up to 2^-11, 2^-8 of a value), and a
+#: kernel that sums in another order or keeps float32 intermediates differs from onnxruntime's by several such
+#: roundings (float16 fixtures: up to 4 of them measured), so 16 of them
+PRECISION_TOLERANCE = {"float64": 1e-4, "float32": 1e-4, "float16": 16 * 2.0 ** -11, "bfloat16": 16 * 2.0 ** -8}
+_NARROWEST_FIRST = ((onnx.TensorProto.BFLOAT16, "bfloat16"), (onnx.TensorProto.FLOAT16, "float16"),
+                    (onnx.TensorProto.FLOAT, "float32"), (onnx.TensorProto.DOUBLE, "float64"))
 #: random inputs tried at a size before deciding the original cannot run at it: a TorchScript loop
 #: export runs only inputs routed to the experts its trace reached (its Split sizes are constants)
 ATTEMPTS = 8
-#: integer inputs that index no embedding table (masks, flags) are drawn from [0, DEFAULT_INT_HIGH)
+#: integer inputs of no known role that index no embedding table (flags) are drawn from [0, DEFAULT_INT_HIGH)
 DEFAULT_INT_HIGH = 2
 
 
@@ -87,6 +95,8 @@ class VerifyResult:
     timed_sizes: dict[str, int] | None = None
     error: str | None = None
     bf16_tolerance: float | None = None  # of each output's peak, when blocks compute with bf16 operands
+    tolerance: float = PRECISION_TOLERANCE["float32"]  # rtol = atol of the comparison
+    precision: str = "float32"  # the original's (model_precision), which chose the tolerance
 
     @property
     def ok(self) -> bool:
@@ -96,8 +106,11 @@ class VerifyResult:
     def summary(self) -> str:
         lines = [r.summary() for r in self.results]
         if self.bf16_tolerance is not None:
-            lines.append(f"  bf16 compute: each output within {self.bf16_tolerance:.2e} of its peak |value| "
-                         "(BF16_COMPUTE_TOLERANCE per block, docs/cli.md)")
+            lines.append(f"  bf16 compute: each output within {self.bf16_tolerance:.2e} of its peak |value| + "
+                         f"{self.tolerance:.2e} (BF16_COMPUTE_TOLERANCE per block, docs/cli.md)")
+        elif any(r.compared for r in self.results):
+            lines.append(f"  tolerance: |a - b| <= {self.tolerance:.2e} + {self.tolerance:.2e} * |b| "
+                         f"(a {self.precision} model)")
         if self.original_ms is not None:
             dims = ", ".join(f"{k}={v}" for k, v in (self.timed_sizes or {}).items())
             lines.append(f"  time ({dims}, median): original {self.original_ms:.2f} ms, optimized "
@@ -109,56 +122,107 @@ class VerifyResult:
         return "\n".join(lines)
 
 
-def symbolic_dims(sess: ort.InferenceSession) -> list[str]:
-    """Names of the symbolic input dims, in order of first appearance."""
-    names: list[str] = []
-    for info in sess.get_inputs():
-        for dim in info.shape:
-            if not isinstance(dim, int) and dim not in names:
-                names.append(str(dim))
-    return names
-
-
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
                 "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+#: inputs drawn by their role, known by name (case-insensitive): an attention mask gets ones (every token
+#: attends), a past key/value cache the past length's random values, position ids past .. past + sequence - 1
+ATTENTION_MASK = re.compile(r"attention_mask|(^|[._])mask$", re.IGNORECASE)
+PAST = re.compile(r"^past[._]", re.IGNORECASE)
+POSITIONS = re.compile(r"position_ids|cache_position", re.IGNORECASE)
 
 
 def integer_input_ranges(model: onnx.ModelProto) -> dict[str, int]:
-    """The vocabulary of each graph input used as the indices of a Gather over an initializer (an
-    embedding table): that table's size along the gather axis."""
+    """The vocabulary of each graph input used as the indices of a Gather (or com.microsoft's
+    GatherBlockQuantized) over an initializer (an embedding table): that table's size along the gather axis."""
     inputs = {i.name for i in model.graph.input}
     tables = {t.name: list(t.dims) for t in model.graph.initializer if t.name not in inputs}
+    gathers = {("", "Gather"): "axis", ("ai.onnx", "Gather"): "axis",
+               ("com.microsoft", "GatherBlockQuantized"): "gather_axis"}
     ranges: dict[str, int] = {}
     for node in model.graph.node:
-        if (node.op_type == "Gather" and node.domain in ("", "ai.onnx") and len(node.input) == 2
-                and node.input[1] in inputs and node.input[0] in tables):
+        axis_name = gathers.get((node.domain, node.op_type))
+        if axis_name and len(node.input) >= 2 and node.input[1] in inputs and node.input[0] in tables:
             dims = tables[node.input[0]]
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            axis = next((a.i for a in node.attribute if a.name == axis_name), 0)
             if dims and -len(dims) <= axis < len(dims):
                 ranges.setdefault(node.input[1], dims[axis])
     return ranges
 
 
-def random_feeds(sess: ort.InferenceSession, sizes: dict[str, int], seed: int = 0,
-                 int_ranges: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """Random inputs with the symbolic dims set to ``sizes`` (unnamed or unknown dims: 1). Integer
-    inputs are drawn from ``[0, int_ranges[name])`` (see :func:`integer_input_ranges`), else from
-    ``[0, DEFAULT_INT_HIGH)``."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for info in sess.get_inputs():
-        shape = [d if isinstance(d, int) else sizes.get(str(d), 1) for d in info.shape]
-        dtype = _NUMPY_TYPES.get(info.type)
-        if dtype is None:
-            raise ValueError(f"verify: input '{info.name}' has type {info.type}, which verify cannot generate")
-        if np.issubdtype(dtype, np.floating):
-            feeds[info.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype == np.bool_:
-            feeds[info.name] = np.ones(shape, dtype=dtype)
-        else:
-            high = max(1, (int_ranges or {}).get(info.name, DEFAULT_INT_HIGH))
-            feeds[info.name] = rng.integers(0, high, size=shape).astype(dtype)
-    return feeds
+@dataclasses.dataclass
+class InputDrawer:
+    """How verify and quantize's error measurement draw a model's inputs (:meth:`of`), by name and role.
+
+    ``size_dims``, the symbolic dims of the other inputs in order of first appearance, take a size's values
+    (batch x sequence ...). A model with a cache (inputs named ``past_*``, ``past.*``) runs each size twice, as
+    a generation does: the prompt (past length 0) and the next token after it (sequence 1, past length the
+    size's sequence); the dims only the cache has are the past length, those only an attention mask has
+    the past plus the sequence."""
+
+    inputs: list[tuple[str, list, type]]  # name, shape (ints and dim names), numpy type
+    size_dims: list[str]
+    past_dims: list[str]
+    total_dims: list[str]
+    int_ranges: dict[str, int]
+
+    @classmethod
+    def of(cls, sess: ort.InferenceSession, model: onnx.ModelProto) -> InputDrawer:
+        """The drawer for ``sess``'s inputs; ``model`` (the same model) tells the embedding tables' sizes.
+        Raises ValueError naming an input of a type it cannot draw."""
+        inputs = []
+        for info in sess.get_inputs():
+            if info.type not in _NUMPY_TYPES:
+                raise ValueError(f"verify: input '{info.name}' has type {info.type}, which verify cannot generate")
+            inputs.append((info.name, [d if isinstance(d, int) else str(d) for d in info.shape],
+                           _NUMPY_TYPES[info.type]))
+
+        def dims(role) -> list[str]:
+            return list(dict.fromkeys(d for name, shape, _ in inputs if role(name) for d in shape
+                                      if isinstance(d, str)))
+
+        size_dims = dims(lambda name: not PAST.search(name) and not ATTENTION_MASK.search(name))
+        past_dims = [d for d in dims(PAST.search) if d not in size_dims]
+        total_dims = [d for d in dims(ATTENTION_MASK.search) if d not in size_dims and d not in past_dims]
+        return cls(inputs, size_dims, past_dims, total_dims, integer_input_ranges(model))
+
+    def runs(self, size: Sequence[int]) -> list[dict[str, int]]:
+        """The values of the symbolic dims for each run at ``size``: the prompt, and for a model with a cache
+        the next token after it (see the class)."""
+        sizes = dict(zip(self.size_dims, size))
+        sequence = size[1] if len(size) > 1 else 1
+        steps = [(0, sequence)]
+        if any(PAST.search(name) for name, _, _ in self.inputs):
+            steps.append((sequence, 1))
+        runs = []
+        for past, tokens in steps:
+            dims = dict(sizes)
+            if len(self.size_dims) > 1:
+                dims[self.size_dims[1]] = tokens
+            dims.update({d: past for d in self.past_dims})
+            dims.update({d: past + tokens for d in self.total_dims})
+            runs.append(dims)
+        return runs
+
+    def feeds(self, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+        """Random inputs with the symbolic dims set to ``dims`` (one of :meth:`runs`; unknown dims: 1): an
+        attention mask all ones, position ids from the past length on, integer inputs that index an embedding
+        table within it (:func:`integer_input_ranges`), other integer inputs in ``[0, DEFAULT_INT_HIGH)``, booleans
+        true, floats standard normal."""
+        rng = np.random.default_rng(seed)
+        past = next((dims[d] for d in self.past_dims if d in dims), 0)
+        feeds = {}
+        for name, shape, dtype in self.inputs:
+            shape = [d if isinstance(d, int) else dims.get(d, 1) for d in shape]
+            if ATTENTION_MASK.search(name) or dtype == np.bool_:
+                feeds[name] = np.ones(shape, dtype=dtype)
+            elif POSITIONS.search(name) and shape:
+                feeds[name] = np.broadcast_to(np.arange(past, past + shape[-1]), shape).astype(dtype)
+            elif np.issubdtype(dtype, np.floating):
+                feeds[name] = rng.standard_normal(shape).astype(dtype)
+            else:
+                high = max(1, self.int_ranges.get(name, DEFAULT_INT_HIGH))
+                feeds[name] = rng.integers(0, high, size=shape).astype(dtype)
+        return feeds
 
 
 def _median_ms(sess: ort.InferenceSession, feeds: dict, repeat: int) -> float:
@@ -177,46 +241,58 @@ def bf16_tolerance(blocks: int) -> float | None:
     return blocks * BF16_COMPUTE_TOLERANCE if blocks > 0 else None
 
 
+def model_precision(model: onnx.ModelProto) -> str:
+    """The narrowest floating-point type among the graph's inputs, outputs and initializers ("float32" when
+    it has none): a key of :data:`PRECISION_TOLERANCE`."""
+    graph = model.graph
+    types = {v.type.tensor_type.elem_type for v in (*graph.input, *graph.output)}
+    types |= {t.data_type for t in graph.initializer}
+    return next((name for element, name in _NARROWEST_FIRST if element in types), "float32")
+
+
 def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
-           rtol: float = 1e-4, atol: float = 1e-4, time_it: bool = True, repeat: int = 10,
+           tolerance: float | None = None, time_it: bool = True, repeat: int = 10,
            threads: int | None = None, bf16_blocks: int = 0) -> VerifyResult:
     """Run both models (paths or ModelProtos) on random inputs at each size; compare every output.
 
-    ``sizes`` gives values for the symbolic input dims in order (batch, sequence, ...). Where the
-    original fails on :data:`ATTEMPTS` different random inputs, the size is reported as not
+    ``sizes`` gives values for the symbolic input dims in order (batch, sequence, ...); the inputs are drawn
+    by :class:`InputDrawer` (a model with a cache runs each size as a prompt and as the next token). Where the
+    original fails on :data:`ATTEMPTS` different random inputs, the run is reported as not
     compared (a trace-bound export); a model that cannot be loaded, or an optimized model that
     fails where the original ran, is reported in the result, not raised. With ``time_it`` both
     models are also timed at the largest size compared (median of ``repeat`` runs).
 
-    An output matches when every element is within ``atol + rtol * |expected|``; when ``bf16_blocks`` of the
+    An output matches when every element is within ``tolerance + tolerance * |expected|`` (None: the
+    :data:`PRECISION_TOLERANCE` of the original's :func:`model_precision`); when ``bf16_blocks`` of the
     optimized model's expert blocks compute with bfloat16 operands (accuracy_level 3), when its max
-    |difference| is within ``atol`` + :func:`bf16_tolerance` of its largest |expected| instead.
+    |difference| is within ``tolerance`` + :func:`bf16_tolerance` of its largest |expected| instead.
     """
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
     try:
         original_sess = ort.InferenceSession(_as_input(original), options, providers=["CPUExecutionProvider"])
-        int_ranges = integer_input_ranges(_proto(original))
+        proto = _proto(original)
     except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
         return VerifyResult(backend, [], error=f"the input model is invalid: onnxruntime cannot load it: "
                                                f"{_first_line(error)}")
+    precision = model_precision(proto)
+    tolerance = PRECISION_TOLERANCE[precision] if tolerance is None else tolerance
     try:
         optimized_sess = session(optimized, backend=backend, sess_options=options)
     except Exception as error:  # noqa: BLE001
         return VerifyResult(backend, [], error=f"the optimized model cannot be loaded on the {backend} backend: "
                                                f"{_first_line(error)}")
-    unsupported = [i for i in original_sess.get_inputs() if i.type not in _NUMPY_TYPES]
-    if unsupported:
-        return VerifyResult(backend, [], error=f"verify: input '{unsupported[0].name}' has type "
-                                               f"{unsupported[0].type}, which verify cannot generate")
-    names = symbolic_dims(original_sess)
+    try:
+        drawer = InputDrawer.of(original_sess, proto)
+    except ValueError as error:
+        return VerifyResult(backend, [], error=str(error))
     output_names = [o.name for o in original_sess.get_outputs()]
+    runs = [dims for size in sizes for dims in drawer.runs(size)]
     results, ran = [], []
-    for index, size in enumerate(sizes):
-        dims = dict(zip(names, size))
-        seeds = [index + attempt * len(sizes) for attempt in range(ATTEMPTS)]
-        feeds, expected, failure = _run_original(original_sess, dims, seeds, int_ranges)
+    for index, dims in enumerate(runs):
+        seeds = [index + attempt * len(runs) for attempt in range(ATTEMPTS)]
+        feeds, expected, failure = _run_original(original_sess, drawer, dims, seeds)
         if expected is None:
             results.append(SizeResult(dims, note=f"the original model cannot run at this size ({ATTEMPTS} random "
                                                  f"inputs tried; a trace-bound export?): {failure}"))
@@ -226,24 +302,25 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
         except Exception as error:  # noqa: BLE001
             results.append(SizeResult(dims, ok=False, note=f"the optimized model failed: {_first_line(error)}"))
             continue
-        results.append(_compare(dims, output_names, expected, got, rtol, atol, bf16_tolerance(bf16_blocks)))
+        results.append(_compare(dims, output_names, expected, got, tolerance, bf16_tolerance(bf16_blocks)))
         ran.append((dims, feeds))
-    result = VerifyResult(backend, results, bf16_tolerance=bf16_tolerance(bf16_blocks))
+    result = VerifyResult(backend, results, bf16_tolerance=bf16_tolerance(bf16_blocks), tolerance=tolerance,
+                          precision=precision)
     if time_it and ran:
-        result.timed_sizes, feeds = max(ran, key=lambda run: math.prod(run[0].values()))
+        result.timed_sizes, feeds = max(ran, key=lambda run: math.prod(run[0].get(d, 1) for d in drawer.size_dims))
         result.original_ms = _median_ms(original_sess, feeds, repeat)
         result.optimized_ms = _median_ms(optimized_sess, feeds, repeat)
     return result
 
 
-def _run_original(sess: ort.InferenceSession, dims: dict[str, int], seeds: Sequence[int],
-                  int_ranges: dict[str, int]) -> tuple[dict | None, list | None, str | None]:
+def _run_original(sess: ort.InferenceSession, drawer: InputDrawer, dims: dict[str, int],
+                  seeds: Sequence[int]) -> tuple[dict | None, list | None, str | None]:
     """The first random inputs (one per seed) the original runs on, with its outputs; else the first error."""
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a failed attempt is expected here; the result says so
     failure = None
     for seed in seeds:
-        feeds = random_feeds(sess, dims, seed=seed, int_ranges=int_ranges)
+        feeds = drawer.feeds(dims, seed=seed)
         try:
             return feeds, sess.run(None, feeds, quiet), None
         except Exception as error:  # noqa: BLE001
@@ -251,19 +328,19 @@ def _run_original(sess: ort.InferenceSession, dims: dict[str, int], seeds: Seque
     return None, None, failure
 
 
-def _compare(dims: dict[str, int], names: Sequence[str], expected: list, got: list, rtol: float,
-             atol: float, peak_tolerance: float | None = None) -> SizeResult:
-    """Every output at one size (:mod:`moe_onnx.compare`); outputs that cannot be compared fail the size.
-    With ``peak_tolerance`` (bf16 compute) an output matches when its max |difference| is at most ``atol +
-    peak_tolerance * its largest |expected|``."""
+def _compare(dims: dict[str, int], names: Sequence[str], expected: list, got: list, tolerance: float,
+             peak_tolerance: float | None = None) -> SizeResult:
+    """Every output at one size (:mod:`moe_onnx.compare`, rtol = atol = ``tolerance``); outputs that cannot
+    be compared fail the size. With ``peak_tolerance`` (bf16 compute) an output matches when its max
+    |difference| is at most ``tolerance + peak_tolerance * its largest |expected|``."""
     try:
-        differences = compare_outputs(names, expected, got, rtol=rtol, atol=atol).values()
+        differences = compare_outputs(names, expected, got, rtol=tolerance, atol=tolerance).values()
     except OutputMismatch as error:
         return SizeResult(dims, ok=False, note=f"the optimized model's outputs differ from the original's: {error}")
     difference = worst(differences)
     if peak_tolerance is None:
         return SizeResult(dims, difference.max_abs, difference.max_rel, difference.within_tolerance, compared=True)
-    ok = all(d.max_abs <= atol + peak_tolerance * d.reference_peak for d in differences)
+    ok = all(d.max_abs <= tolerance + peak_tolerance * d.reference_peak for d in differences)
     return SizeResult(dims, difference.max_abs, difference.max_rel, ok, compared=True,
                       peak_rel_diff=max((d.relative_to_peak for d in differences), default=0.0))
 

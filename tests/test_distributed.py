@@ -421,9 +421,12 @@ def assert_failed(done: subprocess.CompletedProcess, seconds: float, *messages: 
 @pytest.mark.slow
 @pytest.mark.mpi
 def test_the_runner_writes_rank_0s_outputs(fault_root):
-    done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out.npz")
+    """Through a symbolic link, to its target (docs/cli.md: what OUT may be)."""
+    (fault_root / "out_link.npz").symlink_to("out.npz")
+    done, _ = run_module(2, fault_root / "shard", fault_root / "in.npz", fault_root / "out_link.npz")
     assert done.returncode == 0, done.stderr
     expected = expected_outputs(fault_root / "model.onnx", dict(np.load(fault_root / "in.npz")))
+    assert (fault_root / "out_link.npz").is_symlink()
     np.testing.assert_allclose(np.load(fault_root / "out.npz")["y"], expected["y"], rtol=0, atol=TOLERANCE)
 
 

@@ -1,14 +1,17 @@
 """Reading and writing model files of any size: weights stay on disk until they are written out.
 
-Every failure is a :class:`ModelFileError` whose message names the file and what is wrong; a write
-goes to temporary files beside the destination, renamed into place only once complete.
+Every failure is a :class:`ModelFileError` whose message names the file and what is wrong. Every file the
+package writes goes through :func:`replacing`: to temporary files beside the destination, renamed into place
+only once complete, and never onto anything but a regular file (:func:`output_file`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -29,6 +32,85 @@ _PACKED_4BIT = {getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "F
 class ModelFileError(ValueError):
     """A model file that cannot be read, is not a valid model, or cannot be written; the message
     names the file and what is wrong."""
+
+
+class OutputPathError(ModelFileError):
+    """An output path that names something a write must not replace: a device (``/dev/null``), a FIFO, a
+    socket or a directory, or a symbolic link to one (or into a missing folder). The command line exits 2."""
+
+
+_NOT_A_FILE = {stat.S_ISDIR: "a directory", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+               stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
+
+
+def output_file(path: str | os.PathLike) -> Path:
+    """The regular file a write to ``path`` creates or replaces: ``path`` itself, or, where ``path`` is a
+    symbolic link, the file it points to (a dangling link's target is created). Raises OutputPathError when
+    that exists and is not a regular file, or when a link's target folder does not exist; ModelFileError when
+    it cannot be looked at (a file where a folder should be, a loop of links)."""
+    path = Path(path)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    link = f" (a symbolic link to {target})" if target != path else ""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        if link and not target.parent.is_dir():
+            raise OutputPathError(f"{path}{link}: the folder of its target does not exist") from None
+        return target
+    except OSError as error:  # a file where a folder is expected, a loop of links, a folder that cannot be searched
+        raise ModelFileError(f"{path}{link}: cannot write it: {error.strerror or error}") from None
+    kind = next((name for test, name in _NOT_A_FILE.items() if test(mode)), None)
+    if kind is not None:
+        raise OutputPathError(f"{path}{link}: is {kind}; expected a regular file or a new path")
+    return target
+
+
+def output_directory(path: str | os.PathLike) -> Path:
+    """``path`` as a folder to write files into (a symbolic link to one is followed), created when missing.
+    Raises OutputPathError when it exists and is not a folder, ModelFileError when it cannot be created."""
+    path = Path(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
+        raise OutputPathError(f"{path}: is {kind}; expected a directory or a new path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    return path
+
+
+def model_output_files(path: str | os.PathLike) -> tuple[Path, Path]:
+    """The regular files a model written to ``path`` by :func:`save` creates or replaces: the model file and its
+    :func:`data_file` (each through :func:`output_file`: OutputPathError for one that is not a regular file)."""
+    target = output_file(path)
+    return target, output_file(data_file(target))
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike, *, with_data: bool = False) -> Iterator[Path]:
+    """A path to write the file for ``path`` at: in a temporary folder beside :func:`output_file` (``path``),
+    with its name; when the block completes, the file is renamed onto that target (with ``with_data``, the
+    :func:`data_file` written beside it too, first, onto its own target). The temporary folder is removed in
+    every case, so a failed write leaves nothing and an existing file unchanged. Raises OutputPathError (before
+    the block runs) for a target that is not a regular file, ModelFileError naming ``path`` for an OSError
+    (a full disk, no permission)."""
+    files = model_output_files(path) if with_data else (output_file(path),)
+    target = files[0]
+    targets = dict(zip((target.name, data_file(target).name), files))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    try:
+        yield staging / target.name
+        # the data first: the model file names it
+        for name in sorted(os.listdir(staging), key=lambda name: name == target.name):
+            os.replace(staging / name, targets[name])
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
@@ -151,31 +233,20 @@ def data_file(path: str | os.PathLike) -> Path:
 
 def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], None] | None = None) -> None:
     """Write a model; with external data (:func:`data_file`) when its weights are large or already
-    external. Lazy tensors are computed one at a time as they are written. The files are written
-    in a temporary folder beside ``path`` and renamed into place when complete: a failed write
-    leaves no partial file. Raises ModelFileError naming ``path`` when it cannot be written."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
-    except OSError as error:
-        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
-    try:
-        written = _write(model, staging / path.name, progress)
-        for file in written:  # the data first: the model file names it
-            os.replace(file, path.parent / file.name)
-    except OSError as error:
-        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    external. Lazy tensors are computed one at a time as they are written. The files are written through
+    :func:`replacing`: a failed write leaves no partial file; a symbolic link is written through. Raises
+    OutputPathError for a path that is not a regular file, ModelFileError naming ``path`` when it cannot be
+    written."""
+    with replacing(path, with_data=True) as staged:
+        _write(model, staged, progress)
 
 
-def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None) -> list[Path]:
-    """Write the model to ``path``; returns the files written, the model file last."""
+def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None) -> None:
+    """Write the model to ``path`` (and its external data beside it)."""
     external = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
     if not external and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         ir.save(model, path)
-        return [path]
+        return
     step = 0
 
     def report(tensor, info) -> None:
@@ -185,4 +256,3 @@ def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None) 
             progress(f"  wrote {step}/{info.total} tensors")
 
     ir.save(model, path, external_data=data_file(path).name, callback=report, max_workers=1)
-    return [file for file in (data_file(path), path) if file.exists()]

@@ -111,7 +111,8 @@ class Manifest:
 
     def write(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / MANIFEST_NAME
-        path.write_text(json.dumps(self.document(), indent=2) + "\n")
+        with model_files.replacing(path) as staged:
+            staged.write_text(json.dumps(self.document(), indent=2) + "\n")
         return path
 
     @classmethod

@@ -153,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sess = open_rank(args.directory, comm, args.backend, args.threads)
         outputs = run_session(sess, read_inputs(args.inputs))
         if comm.Get_rank() == 0:
-            np.savez(args.output, **outputs)
+            with model_files.replacing(args.output) as staged, open(staged, "wb") as handle:
+                np.savez(handle, **outputs)
         return 0
 
     return guarded(comm, work)
@@ -189,7 +190,10 @@ def package_environment() -> dict[str, str]:
 def launch(directory: str | os.PathLike, ranks: int, inputs: str | os.PathLike, output: str | os.PathLike, *,
            backend: str = "cpp", threads: int = 1, timeout: float | None = None) -> int:
     """Run the shard in ``directory`` on ``ranks`` local processes (mpirun --oversubscribe); returns mpirun's
-    exit status (0: ``output`` written). Raises LaunchError when mpirun is not found."""
+    exit status (0: ``output`` written). Raises LaunchError when mpirun is not found,
+    :class:`moe_onnx._ir.model_files.OutputPathError` when ``output`` is not a regular file (a device, a FIFO,
+    a directory; a symbolic link is written through)."""
+    model_files.output_file(output)
     arguments = [os.fspath(directory), "--inputs", os.fspath(inputs), "-o", os.fspath(output), "--backend", backend,
                  "--threads", str(threads)]
     if timeout is not None:

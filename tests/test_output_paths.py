@@ -1,0 +1,194 @@
+"""Output paths that are not regular files (docs/cli.md, "What OUT may be"): every command that writes
+refuses a device, a FIFO, a socket or a directory as its file (exit 2, one line, the thing untouched), and
+writes through a symbolic link to its target; a write that fails midway leaves no partial file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixture_models import FIXTURES
+
+from moe_onnx._ir import model_files
+from moe_onnx.check import check_model
+from moe_onnx.cli import main
+
+TINY = FIXTURES / "mixtral_batched_mm_tiny.onnx"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fifo(folder: Path) -> Path:
+    os.mkfifo(folder / "fifo")
+    return folder / "fifo"
+
+
+def _directory(folder: Path) -> Path:
+    (folder / "dir.onnx").mkdir()
+    return folder / "dir.onnx"
+
+
+def _socket(folder: Path) -> Path:
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(folder / "sock"))
+    server.close()  # the socket file stays
+    return folder / "sock"
+
+
+NOT_FILES = {"fifo": (_fifo, "is a FIFO"), "directory": (_directory, "is a directory"),
+             "socket": (_socket, "is a socket")}
+DEVICES = ["/dev/null", "/dev/full"]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the progress lines."""
+    return [line for line in stderr.splitlines() if not line.startswith("[")]
+
+
+def _kind(path) -> int:
+    return stat.S_IFMT(os.lstat(path).st_mode)
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("command", ["optimize", "quantize"])
+@pytest.mark.parametrize("name", NOT_FILES)
+def test_out_that_is_not_a_file_is_refused(command, name, tmp_path, capsys):
+    make, message = NOT_FILES[name]
+    out = make(tmp_path)
+    kind = _kind(out)
+    arguments = ["--bits", "8"] if command == "quantize" else []
+    assert main([command, str(TINY), "-o", str(out), *arguments]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"moe-onnx {command}: {out}: {message}; expected a regular file or a new path"
+    assert _kind(out) == kind and _listing(tmp_path) == [out.name]
+
+
+@pytest.mark.parametrize("through_a_link", [False, True], ids=["named", "linked"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_device_is_never_replaced(device, through_a_link, tmp_path, capsys):
+    before = os.stat(device)
+    out, named = device, device
+    if through_a_link:
+        out = tmp_path / "link.onnx"
+        out.symlink_to(device)
+        named = f"{out} (a symbolic link to {device})"
+    assert main(["optimize", str(TINY), "-o", str(out), "--report", str(tmp_path / "r.json")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"moe-onnx optimize: {named}: is a character device; expected a regular file or a new path"
+    after = os.stat(device)
+    assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
+    assert _listing(tmp_path) == (["link.onnx"] if through_a_link else [])
+
+
+def test_the_data_file_that_is_not_a_file_is_refused(tmp_path, capsys):
+    os.mkfifo(tmp_path / "o.onnx.data")
+    assert main(["optimize", str(TINY), "-o", str(tmp_path / "o.onnx")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.endswith("o.onnx.data: is a FIFO; expected a regular file or a new path")
+    assert _listing(tmp_path) == ["o.onnx.data"] and stat.S_ISFIFO(os.lstat(tmp_path / "o.onnx.data").st_mode)
+
+
+@pytest.mark.parametrize("name", ["fifo", "directory"])
+def test_report_that_is_not_a_file_is_refused_before_any_work(name, tmp_path, capsys):
+    make, message = NOT_FILES[name]
+    report = make(tmp_path)
+    out = tmp_path / "o.onnx"
+    assert main(["optimize", str(TINY), "-o", str(out), "--report", str(report)]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"moe-onnx optimize: {report}: {message}; expected a regular file or a new path"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["inline", "external_data"])
+def test_out_and_report_write_through_symbolic_links(external, tmp_path, monkeypatch):
+    if external:
+        monkeypatch.setattr(model_files, "EXTERNAL_DATA_THRESHOLD", 0)
+    target, report_target = tmp_path / "model.onnx", tmp_path / "report.json"
+    target.write_bytes(b"old")
+    report_target.write_text("old")
+    (tmp_path / "link.onnx").symlink_to(target.name)
+    (tmp_path / "link.json").symlink_to(report_target)
+    assert main(["optimize", str(TINY), "-o", str(tmp_path / "link.onnx"),
+                 "--report", str(tmp_path / "link.json")]) == 0
+    assert os.readlink(tmp_path / "link.onnx") == target.name and (tmp_path / "link.json").is_symlink()
+    assert check_model(target) == [] and json.loads(report_target.read_text())["fused"]["BatchedMmSwiglu"] == 1
+    written = ["model.onnx", "report.json"] + (["model.onnx.data"] if external else [])
+    assert _listing(tmp_path) == sorted(["link.json", "link.onnx", *written])
+
+
+def test_a_dangling_link_writes_its_target(tmp_path, capsys):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.onnx").symlink_to(tmp_path / "sub" / "model.onnx")
+    assert main(["optimize", str(TINY), "-o", str(tmp_path / "link.onnx")]) == 0
+    assert check_model(tmp_path / "sub" / "model.onnx") == [] and (tmp_path / "link.onnx").is_symlink()
+    (tmp_path / "lost.onnx").symlink_to(tmp_path / "missing" / "model.onnx")
+    assert main(["optimize", str(TINY), "-o", str(tmp_path / "lost.onnx")]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    missing = tmp_path / "missing" / "model.onnx"
+    assert line == (f"moe-onnx optimize: {tmp_path / 'lost.onnx'} (a symbolic link to {missing}): "
+                    "the folder of its target does not exist")
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("out", ["file", "/dev/null"])
+def test_shard_out_that_is_not_a_directory_is_refused(out, tmp_path, capsys):
+    kind = "a character device"
+    if out == "file":
+        out, kind = tmp_path / "file", "a file"
+        out.write_text("a file")
+    assert main(["shard", str(TINY), "-o", str(out)]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"moe-onnx shard: {out}: is {kind}; expected a directory or a new path"
+    assert _listing(tmp_path) == (["file"] if out == tmp_path / "file" else [])
+
+
+def test_shard_refuses_a_rank_file_that_is_not_a_file_before_writing_any(tmp_path, capsys):
+    os.mkfifo(tmp_path / "rank1.onnx")
+    assert main(["shard", str(TINY), "-o", str(tmp_path), "--tp", "2"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == f"moe-onnx shard: {tmp_path / 'rank1.onnx'}: is a FIFO; expected a regular file or a new path"
+    assert _listing(tmp_path) == ["rank1.onnx"]
+
+
+@pytest.mark.parametrize("name", ["fifo", "directory"])
+def test_run_out_that_is_not_a_file_is_refused_before_mpirun(name, tmp_path, capsys):
+    make, message = NOT_FILES[name]
+    out = make(tmp_path)
+    assert main(["run", str(tmp_path), "-n", "1", "--inputs", str(tmp_path / "in.npz"), "-o", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"moe-onnx run: {out}: {message}; expected a regular file or a new path"
+
+
+WRITE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+from moe_onnx._ir import model_files
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    with model_files.replacing(sys.argv[1]) as staged:
+        staged.write_text("x" * 5000)
+except model_files.ModelFileError as error:
+    print(error)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_write_that_fills_the_disk_leaves_the_old_file(tmp_path):
+    """The writer every output goes through (reports, manifests, run's outputs, models) under a file-size limit."""
+    (tmp_path / "report.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("report.json")
+    child = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_SIZE_LIMIT, str(tmp_path / "link.json")],
+                           capture_output=True, text=True,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+                                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert child.returncode == 1, child.stderr
+    assert child.stdout.strip() == f"{tmp_path / 'link.json'}: cannot write it: File too large"
+    assert (tmp_path / "report.json").read_text() == "old" and _listing(tmp_path) == ["link.json", "report.json"]
