@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from ._ir.inference import ShapeInferenceError
-from ._ir.model_files import ModelFileError, OutputPathError, output_file
+from ._ir.model_files import ModelFileError, OutputPathError, output_file, read_complete
 from .check import check_file
 from .rewrite.targets import COMPUTES, TARGETS
 from .runtime import BACKENDS
@@ -108,6 +108,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.check and not args.reference:
         print("moe-onnx run: --check needs --reference MODEL (the unsharded model)", file=sys.stderr)
         return 2
+    if args.check:  # before the ranks run: a reference that cannot be read is one line, as for every input
+        try:
+            read_complete(args.reference)
+        except ModelFileError as error:
+            print(f"moe-onnx run: --reference: {error}", file=sys.stderr)
+            return 1
     try:
         status = launch(args.directory, args.ranks, args.inputs, args.output, backend=args.backend,
                         threads=args.threads, timeout=args.timeout)

@@ -387,3 +387,16 @@ def test_verify_names_an_output_whose_shape_differs():
     assert not result.ok and not result.results[0].compared
     assert result.summary() == ("  batch=2, seq=3: FAILED: the optimized model's outputs differ from the original's: "
                                 "output 'y' has shape [2, 6]; expected [2, 3]")
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_run_refuses_an_unreadable_reference_before_starting_the_ranks(name, tmp_path, capsys):
+    source = BAD_INPUTS[name][0](tmp_path)
+    status = main(["run", str(tmp_path / "no_shard"), "-n", "2", "--inputs", str(tmp_path / "in.npz"),
+                   "-o", str(tmp_path / "out.npz"), "--check", "--reference", str(source)])
+    assert status == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    with pytest.raises(model_files.ModelFileError) as raised:
+        model_files.read_complete(source)
+    assert line == f"moe-onnx run: --reference: {raised.value}"
+    assert not (tmp_path / "out.npz").exists()
