@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from ._ir import model_files
-from .check import check_model, require_valid
+from .check import check_model, read_valid, require_valid
 from .distributed.manifest import MANIFEST_NAME, Manifest, rank_file, source_fingerprint
 from .distributed.shard import ShardError, has_blocks, write_ranks
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
@@ -173,14 +173,15 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     blocks is optimized first (target moe, :func:`optimize_file`), once, into a temporary file in
     ``out_dir``. Raises :class:`moe_onnx.distributed.shard.ShardError` (see
     :func:`moe_onnx.distributed.shard.shard_ir`; no rank file is written then) and
-    :class:`moe_onnx._ir.model_files.ModelFileError` for a file that cannot be read or written
+    :class:`moe_onnx._ir.model_files.ModelFileError` for a file that cannot be read or written, or an input
+    ``moe-onnx check`` finds invalid (:func:`moe_onnx.check.read_valid`)
     (:class:`~moe_onnx._ir.model_files.OutputPathError`, before anything is written, for an ``out_dir`` that is
     not a directory or a rank file that is not a regular file)."""
     say = progress or (lambda message: None)
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
-    say(f"loading {source}")
-    proto = model_files.read_proto(source)
+    say(f"loading and checking {source}")
+    proto = read_valid(source)
     fingerprint = source_fingerprint(source)
     out_dir = model_files.output_directory(out_dir)
     for rank in range(tp * ep):  # refuse a rank file that is not a regular file before writing any

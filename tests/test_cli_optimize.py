@@ -400,3 +400,14 @@ def test_run_refuses_an_unreadable_reference_before_starting_the_ranks(name, tmp
         model_files.read_complete(source)
     assert line == f"moe-onnx run: --reference: {raised.value}"
     assert not (tmp_path / "out.npz").exists()
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_shard_refuses_what_optimize_refuses(name, tmp_path, capsys):
+    source = BAD_INPUTS[name][0](tmp_path)
+    assert main(["optimize", str(source), "-o", str(tmp_path / "out.onnx")]) == 1
+    (optimize_line,) = _error_lines(capsys.readouterr().err)
+    assert main(["shard", str(source), "--tp", "2", "-o", str(tmp_path / "shard")]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == optimize_line.replace("moe-onnx optimize:", "moe-onnx shard:", 1)
+    assert not list((tmp_path / "shard").glob("rank*.onnx"))
