@@ -39,7 +39,7 @@ VOCAB_SIZE = 64
 
 def gpt_oss_model() -> transformers.PreTrainedModel:
     config = transformers.GptOssConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=4,
         num_key_value_heads=2, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
         sliding_window=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -48,7 +48,7 @@ def gpt_oss_model() -> transformers.PreTrainedModel:
 
 def lfm2_moe_model() -> transformers.PreTrainedModel:
     config = transformers.Lfm2MoeConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
         num_dense_layers=0, layer_types=["conv", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
         eos_token_id=2)
@@ -71,7 +71,7 @@ def mxfp4_experts(shape_enk: tuple[int, int, int]) -> tuple[torch.Tensor, torch.
     and the float weights they decode to."""
     experts, n, k = shape_enk
     codes = torch.randint(0, 16, (experts, n, k // 32, 32), dtype=torch.uint8)
-    scales = torch.randint(124, 128, (experts, n, k // 32), dtype=torch.uint8)
+    scales = torch.randint(119, 122, (experts, n, k // 32), dtype=torch.uint8)  # 2^-8..2^-6: |w| < 0.1
     values = FP4_MAGNITUDES[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
     weights = (values * torch.pow(2.0, scales.float() - 127.0).unsqueeze(-1)).reshape(experts, n, k)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
