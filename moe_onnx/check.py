@@ -19,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 from onnx import numpy_helper
 
 from ._ir import model_files
 from ._ir.graph import Scope, graphs, walk
-from ._ir.inference import ShapeInferenceError, infer_shapes, with_runtime_domains
+from ._ir.inference import (RUNTIME_DOMAINS, ShapeInferenceError, for_onnx_checks, infer_shapes, onnx_registers,
+                            runtime_registers, with_runtime_domains)
 from .ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .ops._common import Dim, GraphView, fmt_shape
 
@@ -60,47 +62,64 @@ def require_valid(path: str | os.PathLike, proto: onnx.ModelProto) -> None:
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
     """check_model of a model already loaded (without its external data) from `path`, if any.
     Never raises: a failure of the checks themselves (a model no rule foresaw) is a problem too."""
+    return _review(proto, path)[0]
+
+
+def _review(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], list[str]]:
+    """The problems of the model (check_loaded), and the notes on what onnxruntime reads differently from onnx:
+    the domains it imports (:func:`moe_onnx._ir.inference.with_runtime_domains`), the defects it tolerates."""
     try:
-        return _problems(proto, path)
+        problems, tolerated = _problems(proto, path)
     except Exception as error:  # noqa: BLE001 -- still one line naming what went wrong
-        return [f"cannot check the model: {type(error).__name__}: {error}"]
+        return [f"cannot check the model: {type(error).__name__}: {error}"], []
+    return problems, with_runtime_domains(proto)[1] + tolerated
 
 
-def _problems(proto: onnx.ModelProto, path: Path | None) -> list[str]:
+def _problems(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], list[str]]:
+    """The problems, and the defects onnxruntime tolerates (each a note)."""
     base_dir = "" if path is None else str(path.parent)
     if path is not None:
         problems = model_files.external_data_problems(proto, base_dir)
         if problems:  # the rules below read constants from that data
-            return problems
-    proto, declared = with_runtime_domains(proto)
-    # the checker reads external data files itself when given the path (models over 2 GB included; the file
-    # lacks the imports onnxruntime assumes, so a model without them is checked in memory)
+            return problems, []
+    checked = for_onnx_checks(proto)
+    # the checker reads external data files itself when given the path (models over 2 GB included). A model that
+    # for_onnx_checks changes (imports onnxruntime assumes, ops only onnxruntime defines) is checked in memory,
+    # where the checker would look for its data files from the working directory: external_data_problems has
+    # checked those already, so it sees the tensors emptied
     external = next(model_files.external_tensors(proto), None) is not None
-    checkable = path if path is not None and external and not declared else proto
-    problems = _check_opset(proto) + _check_declared_sizes(proto) + _check_our_nodes(proto, base_dir)
+    if not external:
+        checkable = checked
+    else:
+        checkable = path if path is not None and checked is proto else _without_external_data(checked)
+    proto = with_runtime_domains(proto)[0]
+    problems = (_check_opset(proto) + _check_declared_sizes(proto) + _check_registered(proto)
+                + _check_our_nodes(proto, base_dir))
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
-        return problems
-    return _check_structure(checkable) or _check_full(proto)
+        return problems, []
+    structural = _check_structure(checkable)
+    return (structural, []) if structural else _check_full(proto)
 
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
     """``moe-onnx check`` of one model file: whether it is valid, and the verdict to print (a line,
-    then one per problem of :func:`check_model`). Nothing raises."""
-    proto, problems = _read_and_check(path)
-    notes = [f"  note: {note}" for note in ([] if proto is None else with_runtime_domains(proto)[1])]
+    then one per problem of :func:`check_model`, then the notes). Nothing raises."""
+    proto, problems, notes = _read_and_check(path)
+    notes = [f"  note: {note}" for note in notes]
     if problems:
         heading = f"{path}: INVALID ({len(problems)} problem{'s' if len(problems) > 1 else ''})"
         return False, "\n".join([heading] + [f"  {problem}" for problem in problems] + notes)
     return True, "\n".join([f"{path}: OK ({summarize(proto)})"] + notes)
 
 
-def _read_and_check(path: str | os.PathLike) -> tuple[onnx.ModelProto | None, list[str]]:
-    """The model at ``path`` without its external data (None when it cannot be read) and its problems."""
+def _read_and_check(path: str | os.PathLike) -> tuple[onnx.ModelProto | None, list[str], list[str]]:
+    """The model at ``path`` without its external data (None when it cannot be read), its problems and the
+    notes (:func:`_review`)."""
     try:
         proto = model_files.read_proto(path)
     except model_files.ModelFileError as error:
-        return None, [f"cannot read the model: {error}"]
-    return proto, check_loaded(proto, Path(path))
+        return None, [f"cannot read the model: {error}"], []
+    return (proto, *_review(proto, Path(path)))
 
 
 def summarize(model: onnx.ModelProto) -> str:
@@ -116,6 +135,18 @@ def _check_structure(model: onnx.ModelProto | Path) -> list[str]:
     except (onnx.checker.ValidationError, MoeOpError) as error:
         return [f"onnx checker: {error}"]
     return []
+
+
+def _without_external_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``proto`` whose external tensors are empty (shape [0]): what the structural checker may read."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for tensor in model_files.external_tensors(copy):
+        tensor.ClearField("external_data")
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.ClearField("dims")
+        tensor.dims.append(0)
+    return copy
 
 
 def _check_opset(model: onnx.ModelProto) -> list[str]:
@@ -196,14 +227,46 @@ def _check_arity(op, node: onnx.NodeProto) -> list[str]:
     return []  # attribute names and types: the op's own check (check_node_attributes)
 
 
-def _check_full(proto: onnx.ModelProto) -> list[str]:
+def _check_full(proto: onnx.ModelProto) -> tuple[list[str], list[str]]:
     """Strict shape inference with type checks, standard ops included (what the full checker adds
-    to the structural check, which has run already)."""
+    to the structural check, which has run already). A value_info shape that differs from the one inferred is a
+    defect onnxruntime tolerates (it warns and merges them leniently: Graph::InferAndVerifyTypeMatch), so when
+    inference passes without the value_info shapes (their element types kept; the graphs' inputs and outputs
+    keep theirs), onnx's complaint is a note, not a problem."""
     try:
         infer_shapes(proto, strict_mode=True, check_type=True)
     except ShapeInferenceError as error:
-        return [str(error)]
-    return []
+        try:
+            infer_shapes(_without_declared_shapes(proto), strict_mode=True, check_type=True)
+        except ShapeInferenceError as undeclared_error:
+            return [str(undeclared_error)], []
+        return [], [f"a declared shape differs from the inferred one, which onnxruntime tolerates (it warns): {error}"]
+    return [], []
+
+
+def _without_declared_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for graph in graphs(copy.graph):
+        for info in graph.value_info:
+            if info.type.HasField("tensor_type"):
+                info.type.tensor_type.ClearField("shape")
+    return copy
+
+
+def _check_registered(model: onnx.ModelProto) -> list[str]:
+    """Nodes of onnxruntime's domains (com.microsoft, ...) whose op neither onnx nor onnxruntime defines (the
+    default domain's: the onnx checker's own "No Op registered")."""
+    versions = {o.domain: o.version for o in model.opset_import}
+    problems = []
+    for node, _ in walk(model.graph):
+        version = versions.get(node.domain, 0)
+        if (node.domain in RUNTIME_DOMAINS and not onnx_registers(node.domain, node.op_type, version)
+                and not runtime_registers(node.domain, node.op_type, version)):
+            problems.append(f"node '{node.name}': op '{node.op_type}' of domain '{node.domain}' (version {version}) "
+                            f"is not defined by onnx or onnxruntime {onnxruntime.__version__}; expected an op "
+                            "onnxruntime registers")
+    return problems
 
 
 def _types(scope: Scope) -> dict[str, onnx.TypeProto]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from .distributed.manifest import MANIFEST_NAME, Manifest, rank_file, source_fin
 from .distributed.shard import ShardError, has_blocks, write_ranks
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
+from .runtime import custom_ops_library
 from .verify import DEFAULT_SIZES, VerifyResult, format_sizes, verify
 
 __all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file", "shard_file"]
@@ -89,17 +91,31 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     (:func:`moe_onnx.verify.verify`; with bf16 compute, within the tolerance of its bf16 blocks).
     ``progress`` receives stage messages.
 
+    A ``source`` that is an onnxruntime-genai model folder (one holding ``genai_config.json``) makes
+    ``destination`` a folder that onnxruntime-genai runs: the decoder that genai_config.json names, optimized,
+    beside copies of the folder's other files and, when the model keeps moe_onnx ops, of our C++ library, which
+    genai_config.json then names as the decoder's ``custom_ops_library`` (:func:`write_genai_folder`).
+
     Raises SameFileError when ``destination`` or its data file is a file the input reads (the
     weights are read from them lazily while the output is written);
     :class:`moe_onnx._ir.model_files.ModelFileError` when ``source`` cannot be read or fails ``moe-onnx check`` ("the input model is invalid"), or
     ``destination`` cannot be written (nothing is left there); ValueError for an unknown target.
     """
     say = progress or (lambda message: None)
+    genai_folder, genai_destination = None, None
+    if (Path(source) / GENAI_CONFIG).is_file():
+        genai_folder, genai_destination = Path(source), Path(destination)
+        source, destination = genai_decoder(genai_folder), genai_destination / genai_decoder(genai_folder).name
     model = _load_input(source, destination, say)
+    if genai_folder is not None:  # once the input is known to be valid
+        model_files.output_directory(genai_destination)
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable,
                          compute=compute)
     say(f"saving {destination}")
     written = _save(model, destination, progress)
+    if genai_folder is not None:
+        say(f"copying the rest of the onnxruntime-genai folder {genai_folder}")
+        write_genai_folder(genai_folder, genai_destination, with_library=bool(report.our_ops_left()))
     result = OptimizeResult(report, check_model(written))
     if verify_backend is not None:
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
@@ -205,6 +221,52 @@ def _save(model: ir.Model, destination: str | os.PathLike, progress: Callable[[s
     target of a symbolic link: its external data, named after it, lies beside it)."""
     model_files.save(model, destination, progress=progress)
     return model_files.output_file(destination)
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def genai_decoder(folder: Path) -> Path:
+    """The decoder model of the onnxruntime-genai folder ``folder`` (``model.decoder.filename`` of its
+    genai_config.json); ModelFileError when the folder has no such config."""
+    config_file = folder / GENAI_CONFIG
+    try:
+        config = json.loads(config_file.read_text())
+        return folder / config["model"]["decoder"]["filename"]
+    except OSError as error:
+        raise model_files.ModelFileError(f"{config_file}: cannot read it: {error.strerror or error}") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise model_files.ModelFileError(f"{config_file}: expected JSON with model.decoder.filename "
+                                         f"(onnxruntime-genai's config): {type(error).__name__}: {error}") from None
+
+
+def write_genai_folder(source: Path, destination: Path, with_library: bool) -> None:
+    """Complete the onnxruntime-genai folder ``destination``, whose decoder is written already: the other files
+    of ``source`` (tokenizer, configs; not the decoder and its data), and with ``with_library`` our C++ library,
+    named in genai_config.json as the decoder's ``session_options.custom_ops_library`` (onnxruntime-genai loads a
+    library only from inside the model folder)."""
+    decoder = genai_decoder(source)
+    skipped = {GENAI_CONFIG, decoder.name, model_files.data_file(decoder).name} | {
+        file.name for file in model_files.external_data_files(model_files.read_proto(decoder), source)}
+    try:
+        for file in sorted(source.iterdir()):
+            if file.is_file() and file.name not in skipped:
+                with model_files.replacing(destination / file.name) as copy:
+                    shutil.copyfile(file, copy)
+        config = json.loads((source / GENAI_CONFIG).read_text())
+        options = config["model"]["decoder"].setdefault("session_options", {})
+        if with_library:
+            library = Path(custom_ops_library())
+            with model_files.replacing(destination / library.name) as copy:
+                shutil.copyfile(library, copy)
+            options["custom_ops_library"] = library.name
+        else:
+            options.pop("custom_ops_library", None)
+        with model_files.replacing(destination / GENAI_CONFIG) as written:
+            written.write_text(json.dumps(config, indent=4) + "\n")
+    except OSError as error:
+        raise model_files.ModelFileError(f"{destination}: cannot write the onnxruntime-genai folder: "
+                                         f"{error.strerror or error}") from None
 
 
 def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: Callable[[str], None]) -> ir.Model:

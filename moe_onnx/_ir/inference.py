@@ -11,10 +11,12 @@ checker and shape inference refuse it ("No opset import for domain com.microsoft
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Container, Iterable
 
 import onnx
 import onnx_ir as ir
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from .graph import walk
 
@@ -35,6 +37,11 @@ _TYPES_SINCE_IR = {
     11: {"FLOAT4E2M1"},
     10: {"UINT4", "INT4"},
 }
+
+
+#: the domain that stands, in the copy onnx checks, for the default domain of the ops only onnxruntime defines
+#: (SimplifiedLayerNormalization, ...): onnx treats an op of a domain it does not know as a custom op
+CONTRIB_STANDIN_DOMAIN = "moe_onnx.onnxruntime_contrib"
 
 
 class ShapeInferenceError(ValueError):
@@ -76,10 +83,62 @@ def with_runtime_domains(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, list[
     return copy, [declaration_note(domain, version) for domain, version in added.items()]
 
 
-def infer_shapes(proto: onnx.ModelProto, **options) -> onnx.ModelProto:
-    """``onnx.shape_inference.infer_shapes(proto, **options)`` of ``proto`` read as onnxruntime reads it
-    (:func:`with_runtime_domains`); any failure is a ShapeInferenceError with onnx's first line."""
+@functools.cache
+def runtime_op_versions() -> dict[tuple[str, str], int]:
+    """Every op the installed onnxruntime defines, standard and contrib ops alike, as (domain, op type) -> the
+    oldest version of the domain that has it ("" for the default domain)."""
+    versions: dict[tuple[str, str], int] = {}
+    for schema in ort_state.get_all_operator_schema():
+        key = (schema.domain, schema.name)
+        versions[key] = min(versions.get(key, schema.since_version), schema.since_version)
+    return versions
+
+
+def runtime_registers(domain: str, op_type: str, version: int) -> bool:
+    """Whether onnxruntime defines ``domain::op_type`` at version ``version`` of that domain."""
+    since = runtime_op_versions().get(("" if domain == "ai.onnx" else domain, op_type))
+    return since is not None and since <= version
+
+
+def onnx_registers(domain: str, op_type: str, version: int) -> bool:
+    """Whether onnx itself (or a schema registered with it, such as the moe_onnx ops) defines the op there."""
+    try:
+        onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+def for_onnx_checks(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` read as onnxruntime reads it (:func:`with_runtime_domains`), in a form onnx's checker and shape
+    inference judge as onnxruntime does: the default-domain ops that only onnxruntime defines (its contrib ops
+    SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, ...) moved to CONTRIB_STANDIN_DOMAIN, where
+    onnx leaves them to their runtime as it does com.microsoft's ops (their outputs keep the declared types)."""
     proto, _ = with_runtime_domains(proto)
+    default_version = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+    def runtime_only(node: onnx.NodeProto) -> bool:
+        return (node.domain in ("", "ai.onnx") and not onnx_registers("", node.op_type, default_version)
+                and runtime_registers("", node.op_type, default_version))
+
+    nodes = [node for node, _ in walk(proto.graph)] + [n for function in proto.functions for n in function.node]
+    if not any(runtime_only(node) for node in nodes):
+        return proto
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    nodes = [node for node, _ in walk(copy.graph)] + [n for function in copy.functions for n in function.node]
+    for node in nodes:
+        if runtime_only(node):
+            node.domain = CONTRIB_STANDIN_DOMAIN
+    copy.opset_import.append(onnx.helper.make_opsetid(CONTRIB_STANDIN_DOMAIN, 1))
+    return copy
+
+
+def infer_shapes(proto: onnx.ModelProto, **options) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes(proto, **options)`` of ``proto`` as onnxruntime reads it
+    (:func:`for_onnx_checks`; the result's nodes keep their domains only where onnx defines their ops); any failure
+    is a ShapeInferenceError with onnx's first line."""
+    proto = for_onnx_checks(proto)
     try:
         return onnx.shape_inference.infer_shapes(proto, **options)
     except Exception as error:  # noqa: BLE001 -- onnx raises InferenceError, ValidationError, RuntimeError, ...

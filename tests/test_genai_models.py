@@ -1,0 +1,153 @@
+"""Models as onnxruntime-genai 0.18's model builder writes them (models/fixtures/genai, made by
+models/export_genai_fixtures.py: GPT-OSS and LFM2-MoE at fp32, fp16 and int4) through the command line: check,
+optimize (target moe and ort), quantize, the numbers of the optimized model against the builder's, and the
+optimized folder in onnxruntime-genai itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxruntime_genai as og
+import pytest
+
+import moe_onnx
+from moe_onnx.cli import main as cli
+
+FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "genai"
+NAMES = sorted(folder.name for folder in FIXTURES.iterdir())
+#: max |ours - builder's| / max |builder's| of every output, per precision: fp32 and int4 as float32 rounding gives
+#: (int4: both sides dequantize the same codes), fp16 as its rounding of the activations between ops gives
+RELATIVE_TOLERANCE = {"fp32": 1e-5, "int4": 1e-5, "fp16": 5e-3}
+PAST, NEW = 0, 6  # tokens in the past KV cache (the builder's fp16 models fail on onnxruntime with a past), of the step
+
+
+def _ops(path: Path) -> set[str]:
+    model = onnx.load(path, load_external_data=False)
+    return {f"{node.domain}::{node.op_type}" for node in model.graph.node}
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory) -> dict[str, Path]:
+    """Each builder folder optimized (target moe) by `moe-onnx optimize FOLDER -o OUT`."""
+    out = tmp_path_factory.mktemp("genai")
+    for name in NAMES:
+        assert cli(["optimize", str(FIXTURES / name), "-o", str(out / name)]) == 0
+    return {name: out / name for name in NAMES}
+
+
+def test_check_takes_builder_models(capsys):
+    """Contrib ops (SimplifiedLayerNormalization in the default domain, com.microsoft's GroupQueryAttention, ...)
+    are onnxruntime's, not errors; the builder's constant declared as a scalar holding [1] is a note."""
+    assert cli(["check", *(str(FIXTURES / name / "model.onnx") for name in NAMES)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": OK (") == len(NAMES)
+    assert "note: a declared shape differs from the inferred one, which onnxruntime tolerates" in out
+
+
+def test_check_still_refuses_unregistered_ops(tmp_path, capsys):
+    model = onnx.load(FIXTURES / "gpt_oss_fp32" / "model.onnx", load_external_data=False)
+    moe = next(node for node in model.graph.node if node.op_type == "MoE")
+    moe.op_type = "NoSuchMoE"
+    onnx.save(model, tmp_path / "model.onnx")
+    (tmp_path / "model.onnx.data").symlink_to(FIXTURES / "gpt_oss_fp32" / "model.onnx.data")
+    assert cli(["check", str(tmp_path / "model.onnx")]) == 1
+    assert (f"node '{moe.name}': op 'NoSuchMoE' of domain 'com.microsoft' (version 1) is not defined by onnx or "
+            f"onnxruntime {ort.__version__}") in capsys.readouterr().out
+
+
+def test_optimize_fuses_every_block_and_passes_check(optimized, capsys):
+    for name, folder in optimized.items():
+        ops = _ops(folder / "model.onnx")
+        quantized = name.endswith("int4")
+        assert "com.microsoft::MoE" not in ops and "com.microsoft::QMoE" not in ops, name
+        assert f"moe_onnx::{'QMOE' if quantized else 'MOE'}" in ops, name
+        assert cli(["check", str(folder / "model.onnx")]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_optimized_logits_match_the_builders(optimized, name):
+    """One step: the builder's model on onnxruntime, ours on our kernels, every output (the builder 0.18 feeds
+    lm_head from layer 0's norm in these two-layer models, so the logits do not see the MoE layers; layer 1's
+    present keys and values see layer 0's MoE)."""
+    config = json.loads((FIXTURES / name / "genai_config.json").read_text())["model"]["decoder"]
+    builder = ort.InferenceSession(FIXTURES / name / "model.onnx", providers=["CPUExecutionProvider"])
+    gqa = "com.microsoft::GroupQueryAttention" in _ops(FIXTURES / name / "model.onnx")
+    feeds = _step_inputs(builder, config, gqa)
+    names = [output.name for output in builder.get_outputs()]
+    expected = dict(zip(names, builder.run(names, feeds), strict=True))
+    ours = dict(zip(names, moe_onnx.session(optimized[name] / "model.onnx").run(names, feeds), strict=True))
+    relative = max(_relative_error(ours[output], expected[output], output) for output in names)
+    print(f"{name}: max |ours - builder's| / max |builder's| = {relative:.3g}")
+    assert relative <= RELATIVE_TOLERANCE[name.rsplit("_", 1)[1]], (name, relative)
+
+
+def _relative_error(ours: np.ndarray, expected: np.ndarray, output: str) -> float:
+    if output.startswith("present"):  # a sliding window's buffer: the slots past the step's tokens are not written
+        ours, expected = ours[:, :, :PAST + NEW], expected[:, :, :PAST + NEW]
+    ours, expected = ours.astype(np.float32), expected.astype(np.float32)
+    return float(np.abs(ours - expected).max() / np.abs(expected).max())
+
+
+def _step_inputs(session: ort.InferenceSession, config: dict, gqa: bool) -> dict[str, np.ndarray]:
+    """The first step's inputs: NEW tokens, an empty past (GroupQueryAttention's sliding-window layers take a
+    cache buffer of the window's size, as onnxruntime-genai gives them: its values are masked)."""
+    rng = np.random.default_rng(0)
+    sizes = {"batch_size": 1, "sequence_length": NEW, "total_sequence_length": PAST + NEW,
+             "kv_cache_dim": config["head_size"], "past_sliding_length": config.get("sliding_window", {}).get(
+                 "window_size", PAST) if gqa else PAST}
+    feeds = {}
+    for value in session.get_inputs():
+        shape = [sizes.get(d, PAST if "past" in str(d) else d) for d in value.shape]
+        if value.name == "input_ids":
+            feeds[value.name] = rng.integers(4, 64, shape).astype(np.int64)
+        elif value.name == "attention_mask":
+            feeds[value.name] = np.ones(shape, np.int64)
+        elif value.name == "position_ids":
+            feeds[value.name] = np.arange(PAST, PAST + NEW, dtype=np.int64)[None]
+        else:  # the past keys, values and convolution states
+            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def test_target_ort_gives_the_contrib_ops_back(optimized, tmp_path):
+    for name in ("gpt_oss_fp32", "lfm2_moe_int4"):
+        out = tmp_path / f"{name}.onnx"
+        assert cli(["optimize", str(optimized[name] / "model.onnx"), "-o", str(out), "--target", "ort"]) == 0
+        ops = _ops(out)
+        assert f"com.microsoft::{'QMoE' if name.endswith('int4') else 'MoE'}" in ops, name
+        assert not any(op.startswith("moe_onnx::") for op in ops), name
+
+
+def test_quantize_the_optimized_fp32_model(optimized, tmp_path, capsys):
+    for name in ("gpt_oss_fp32", "lfm2_moe_fp32"):
+        out = tmp_path / f"{name}.onnx"
+        assert cli(["quantize", str(optimized[name] / "model.onnx"), "-o", str(out), "--bits", "4", "--no-measure"]) == 0
+        assert "moe_onnx::QMOE" in _ops(out), name
+        assert cli(["check", str(out)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if not name.endswith("fp16")])
+def test_genai_generates_the_builders_tokens(optimized, name):
+    """The optimized folder runs in onnxruntime-genai (our library copied in, named by genai_config.json) and
+    greedy generation gives the builder's tokens. (The builder's fp16 models do not run in onnxruntime-genai on
+    CPU, which the builder does not list as an fp16 target.)"""
+    config = json.loads((optimized[name] / "genai_config.json").read_text())
+    library = config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    assert (optimized[name] / library).is_file()
+    assert _generate(FIXTURES / name) == _generate(optimized[name])
+
+
+def _generate(folder: Path) -> list[int]:
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=16, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([[5, 9, 17, 33, 4]], dtype=np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(token) for token in generator.get_sequence(0)]
