@@ -34,7 +34,7 @@ KEPT_FILES = ("model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.j
               "special_tokens_map.json", "chat_template.jinja")
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
-VOCAB_SIZE = 64
+VOCAB_SIZE = 96  # unlike every projection width: the builder takes any Linear with vocab_size outputs for lm_head
 
 
 def gpt_oss_model() -> transformers.PreTrainedModel:

@@ -128,6 +128,7 @@ _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "ten
 #: attends), a past key/value cache the past length's random values, position ids past .. past + sequence - 1
 ATTENTION_MASK = re.compile(r"attention_mask|(^|[._])mask$", re.IGNORECASE)
 PAST = re.compile(r"^past[._]", re.IGNORECASE)
+PRESENT = re.compile(r"^present[._]", re.IGNORECASE)
 POSITIONS = re.compile(r"position_ids|cache_position", re.IGNORECASE)
 
 
@@ -149,6 +150,52 @@ def integer_input_ranges(model: onnx.ModelProto) -> dict[str, int]:
     return ranges
 
 
+def fixed_cache_dims(model: onnx.ModelProto, output_shapes: Sequence[Sequence]) -> dict[str, int]:
+    """The sizes a model fixes for symbolic dims of its cache inputs (``past*``), which are then no past length:
+    the size one of its ``present*`` outputs (``output_shapes``: name and shape as onnxruntime infers them) of the
+    same rank has at that place, and for a com.microsoft
+    GroupQueryAttention that reads the cache, the head size (onnxruntime-genai's ``kv_cache_dim``: its query's
+    declared width over its heads, the key and value heads too where the query input packs all three) and, with
+    ``sliding_window_cache``, the capacity ``local_window_size`` of the cache's sequence axis."""
+    graph = model.graph
+    declared = {v.name: v.type.tensor_type.shape.dim for v in (*graph.input, *graph.value_info)}
+    sizes: dict[str, int] = {}
+    caches = [i for i in graph.input if PAST.search(i.name)]
+    presents = [shape for name, shape in output_shapes if PRESENT.search(name)]
+    for cache in caches:  # a present of the same rank with an int where the cache has a name
+        dims = cache.type.tensor_type.shape.dim
+        for present in (p for p in presents if len(p) == len(dims)):
+            for mine, theirs in zip(dims, present):
+                if mine.dim_param and isinstance(theirs, int):
+                    sizes.setdefault(mine.dim_param, theirs)
+    for node in graph.node:
+        if (node.domain, node.op_type) != ("com.microsoft", "GroupQueryAttention") or len(node.input) < 5:
+            continue
+        attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+        query = declared.get(node.input[0])
+        width = query[-1].dim_value if query else 0
+        packed = not node.input[1]
+        heads = attrs.get("num_heads", 0) + (2 * attrs.get("kv_num_heads", 0) if packed else 0)
+        for cache in node.input[3:5]:
+            dims = declared.get(cache)
+            if not dims or len(dims) < 2:
+                continue
+            if width and heads and width % heads == 0 and dims[-1].dim_param:
+                sizes.setdefault(dims[-1].dim_param, width // heads)
+            if attrs.get("sliding_window_cache") and attrs.get("local_window_size", 0) > 0 and dims[-2].dim_param:
+                sizes.setdefault(dims[-2].dim_param, attrs["local_window_size"])
+    return sizes
+
+
+def sliding_window_presents(model: onnx.ModelProto) -> set[str]:
+    """The present key/value outputs of com.microsoft GroupQueryAttention nodes with ``sliding_window_cache``: a
+    buffer of the window's capacity whose slots past the tokens seen so far are never written (not compared)."""
+    return {name for node in model.graph.node
+            if (node.domain, node.op_type) == ("com.microsoft", "GroupQueryAttention")
+            and any(a.name == "sliding_window_cache" and a.i for a in node.attribute)
+            for name in node.output[1:3] if name}
+
+
 @dataclasses.dataclass
 class InputDrawer:
     """How verify and quantize's error measurement draw a model's inputs (:meth:`of`), by name and role.
@@ -156,14 +203,15 @@ class InputDrawer:
     ``size_dims``, the symbolic dims of the other inputs in order of first appearance, take a size's values
     (batch x sequence ...). A model with a cache (inputs named ``past_*``, ``past.*``) runs each size twice, as
     a generation does: the prompt (past length 0) and the next token after it (sequence 1, past length the
-    size's sequence); the dims only the cache has are the past length, those only an attention mask has
-    the past plus the sequence."""
+    size's sequence); the dims only the cache has are the past length (but those the model fixes:
+    :func:`fixed_cache_dims`), those only an attention mask has the past plus the sequence."""
 
     inputs: list[tuple[str, list, type]]  # name, shape (ints and dim names), numpy type
     size_dims: list[str]
     past_dims: list[str]
     total_dims: list[str]
     int_ranges: dict[str, int]
+    fixed_dims: dict[str, int]
 
     @classmethod
     def of(cls, sess: ort.InferenceSession, model: onnx.ModelProto) -> InputDrawer:
@@ -181,9 +229,10 @@ class InputDrawer:
                                       if isinstance(d, str)))
 
         size_dims = dims(lambda name: not PAST.search(name) and not ATTENTION_MASK.search(name))
-        past_dims = [d for d in dims(PAST.search) if d not in size_dims]
+        fixed_dims = fixed_cache_dims(model, [(o.name, o.shape) for o in sess.get_outputs()])
+        past_dims = [d for d in dims(PAST.search) if d not in size_dims and d not in fixed_dims]
         total_dims = [d for d in dims(ATTENTION_MASK.search) if d not in size_dims and d not in past_dims]
-        return cls(inputs, size_dims, past_dims, total_dims, integer_input_ranges(model))
+        return cls(inputs, size_dims, past_dims, total_dims, integer_input_ranges(model), fixed_dims)
 
     def runs(self, size: Sequence[int]) -> list[dict[str, int]]:
         """The values of the symbolic dims for each run at ``size``: the prompt, and for a model with a cache
@@ -195,13 +244,18 @@ class InputDrawer:
             steps.append((sequence, 1))
         runs = []
         for past, tokens in steps:
-            dims = dict(sizes)
+            dims = {**sizes, **self.fixed_dims}
             if len(self.size_dims) > 1:
                 dims[self.size_dims[1]] = tokens
             dims.update({d: past for d in self.past_dims})
             dims.update({d: past + tokens for d in self.total_dims})
             runs.append(dims)
         return runs
+
+    def tokens_seen(self, dims: dict[str, int]) -> int:
+        """The past length plus the step's sequence in the run ``dims``."""
+        past = next((dims[d] for d in self.past_dims if d in dims), 0)
+        return past + (dims.get(self.size_dims[1], 1) if len(self.size_dims) > 1 else 1)
 
     def feeds(self, dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
         """Random inputs with the symbolic dims set to ``dims`` (one of :meth:`runs`; unknown dims: 1): an
@@ -288,6 +342,7 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
     except ValueError as error:
         return VerifyResult(backend, [], error=str(error))
     output_names = [o.name for o in original_sess.get_outputs()]
+    sliding = sliding_window_presents(proto)
     runs = [dims for size in sizes for dims in drawer.runs(size)]
     results, ran = [], []
     for index, dims in enumerate(runs):
@@ -302,6 +357,10 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
         except Exception as error:  # noqa: BLE001
             results.append(SizeResult(dims, ok=False, note=f"the optimized model failed: {_first_line(error)}"))
             continue
+        for index, name in enumerate(output_names):  # a sliding window's unwritten slots hold anything
+            if name in sliding and expected[index].ndim >= 2:
+                seen = drawer.tokens_seen(dims)
+                expected[index], got[index] = expected[index][..., :seen, :], got[index][..., :seen, :]
         results.append(_compare(dims, output_names, expected, got, tolerance, bf16_tolerance(bf16_blocks)))
         ran.append((dims, feeds))
     result = VerifyResult(backend, results, bf16_tolerance=bf16_tolerance(bf16_blocks), tolerance=tolerance,

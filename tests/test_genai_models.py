@@ -22,6 +22,7 @@ NAMES = sorted(folder.name for folder in FIXTURES.iterdir())
 #: max |ours - builder's| / max |builder's| of every output, per precision: fp32 and int4 as float32 rounding gives
 #: (int4: both sides dequantize the same codes), fp16 as its rounding of the activations between ops gives
 RELATIVE_TOLERANCE = {"fp32": 1e-5, "int4": 1e-5, "fp16": 5e-3}
+VOCAB_SIZE = json.loads((FIXTURES / "gpt_oss_fp32" / "genai_config.json").read_text())["model"]["vocab_size"]
 PAST, NEW = 0, 6  # tokens in the past KV cache (the builder's fp16 models fail on onnxruntime with a past), of the step
 
 
@@ -70,9 +71,8 @@ def test_optimize_fuses_every_block_and_passes_check(optimized, capsys):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_optimized_logits_match_the_builders(optimized, name):
-    """One step: the builder's model on onnxruntime, ours on our kernels, every output (the builder 0.18 feeds
-    lm_head from layer 0's norm in these two-layer models, so the logits do not see the MoE layers; layer 1's
-    present keys and values see layer 0's MoE)."""
+    """One step: the builder's model on onnxruntime, ours on our kernels, every output (the logits see both MoE
+    layers, layer 1's present keys and values layer 0's)."""
     config = json.loads((FIXTURES / name / "genai_config.json").read_text())["model"]["decoder"]
     builder = ort.InferenceSession(FIXTURES / name / "model.onnx", providers=["CPUExecutionProvider"])
     gqa = "com.microsoft::GroupQueryAttention" in _ops(FIXTURES / name / "model.onnx")
@@ -103,7 +103,7 @@ def _step_inputs(session: ort.InferenceSession, config: dict, gqa: bool) -> dict
     for value in session.get_inputs():
         shape = [sizes.get(d, PAST if "past" in str(d) else d) for d in value.shape]
         if value.name == "input_ids":
-            feeds[value.name] = rng.integers(4, 64, shape).astype(np.int64)
+            feeds[value.name] = rng.integers(4, VOCAB_SIZE, shape).astype(np.int64)
         elif value.name == "attention_mask":
             feeds[value.name] = np.ones(shape, np.int64)
         elif value.name == "position_ids":
@@ -124,11 +124,35 @@ def test_target_ort_gives_the_contrib_ops_back(optimized, tmp_path):
 
 
 def test_quantize_the_optimized_fp32_model(optimized, tmp_path, capsys):
+    """With the error measured on inputs a decoder takes (a prompt, then the next token after it)."""
     for name in ("gpt_oss_fp32", "lfm2_moe_fp32"):
-        out = tmp_path / f"{name}.onnx"
-        assert cli(["quantize", str(optimized[name] / "model.onnx"), "-o", str(out), "--bits", "4", "--no-measure"]) == 0
+        out, report = tmp_path / f"{name}.onnx", tmp_path / f"{name}.json"
+        assert cli(["quantize", str(optimized[name] / "model.onnx"), "-o", str(out), "--bits", "4", "--sizes", "1x6",
+                    "--report", str(report)]) == 0, capsys.readouterr()
         assert "moe_onnx::QMOE" in _ops(out), name
         assert cli(["check", str(out)]) == 0, capsys.readouterr().out
+        error = json.loads(report.read_text())["error"]
+        logits = next(output for output in error["outputs"] if output["name"] == "logits")
+        if name.startswith("gpt_oss"):  # the checkpoint's experts are MXFP4: repacked as they are, exact
+            assert logits["max_abs"] == 0, (name, logits)
+        else:  # int4 codes of K = 32 or 64 inputs per column move the logits
+            assert 0 < logits["relative"] < 1, (name, logits)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_runs_the_builders_models_with_their_cache(name, tmp_path):
+    """`--verify` draws what the builder's decoders take: ones for the mask, the GroupQueryAttention head size
+    and sliding window capacity, a prompt and a next token after it. The builder's own fp16 models fail on
+    onnxruntime with a past cache (an fp16 Cast onnxruntime inserts), so only their prompts are compared."""
+    report = tmp_path / "report.json"
+    assert cli(["optimize", str(FIXTURES / name), "-o", str(tmp_path / "out"), "--verify", "--sizes", "1x1,2x5",
+                "--report", str(report)]) == 0
+    verified = json.loads(report.read_text())["verify"]
+    compared = [size["sizes"] for size in verified["sizes"] if size["compared"]]
+    prompts = [size for size in compared if not any(v for d, v in size.items() if d.startswith("past_sequence"))]
+    assert verified["ok"] and len(prompts) == 2, verified
+    assert len(compared) == (2 if name.endswith("fp16") else 4), verified
+    assert verified["precision"] == ("float16" if name.endswith("fp16") else "float32")
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if not name.endswith("fp16")])
