@@ -155,7 +155,8 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
         try:
-            report.error = measure_error(source, destination, report.layers, backend=backend, sizes=sizes, seed=seed)
+            report.error = measure_error(source, destination, report.layers, linears=report.linears, backend=backend,
+                                         sizes=sizes, seed=seed)
         except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
             text = str(error).strip()
             result.problems.append(f"the error could not be measured on the {backend} backend: "
