@@ -662,8 +662,9 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     linears, left_float = _plan_linears(model.graph, settings) if settings.linears else ([], [])
     if not nodes and not linears:
         if settings.linears:
+            why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
             raise QuantizeError("the model has no MOE node and no linear layer (MatMul or Gemm with a constant "
-                                f"weight matrix) to quantize{f' ({len(left_float)} left float)' if left_float else ''}")
+                                f"weight matrix) to quantize{why}")
         raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
                             "model fused by `moe-onnx optimize` (target moe): run that first")
     say("reading the expert weights")
