@@ -193,21 +193,28 @@ class _QuantizedParts:
 
 
 @dataclasses.dataclass
-class LayerReport:
-    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+class _QuantizedLayer:
+    """What the report gives of every quantized node: its name and output, the format of its weights, and
+    their bytes before and after."""
 
     node: str
     output: str
-    routing_weights: str  # the node's routing_weights
-    indices: str  # the node's router_topk_output_indices
-    expert_type: str
-    quant_type: str
     bits: int
     block_size: int
     zero_points: bool
     accuracy_level: int
     weight_bytes_before: int
     weight_bytes_after: int
+
+
+@dataclasses.dataclass
+class LayerReport(_QuantizedLayer):
+    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+
+    routing_weights: str  # the node's routing_weights
+    indices: str  # the node's router_topk_output_indices
+    expert_type: str
+    quant_type: str
 
     def describe(self) -> str:
         if self.quant_type == QUANT_MXFP4:
@@ -346,23 +353,15 @@ class _Linear:
 
 
 @dataclasses.dataclass
-class LinearReport:
+class LinearReport(_QuantizedLayer):
     """One MatMul or Gemm with a constant weight made a com.microsoft::MatMulNBits: its weight's bytes before
     and after. A weight value several layers read is quantized once: the others name that layer in
     ``shares_weight_of`` and count 0 bytes. ``float_kept``: other nodes read the float weight too (a tied
     embedding's Gather), so it stays in the model beside the quantized one."""
 
-    node: str
-    output: str
     op: str
     k: int
     n: int
-    bits: int
-    block_size: int
-    zero_points: bool
-    accuracy_level: int
-    weight_bytes_before: int
-    weight_bytes_after: int
     shares_weight_of: str | None = None
     float_kept: bool = False
 
