@@ -71,7 +71,8 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     """Quantize the expert weights of a fused model; returns ``(quantized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
-    (target "moe"; run it first: a model without MOE nodes is refused); the result has the same kind
+    (target "moe"; run it first: a model without MOE nodes is refused, unless ``linears`` finds layers to
+    quantize); the result has the same kind
     (a path gives a ModelProto). A path is read as ``moe-onnx quantize`` reads it (a file the command refuses
     raises :class:`moe_onnx._ir.model_files.ModelFileError` with its message) and loaded whole, external data
     included: the ModelProto holds every weight and saves anywhere. Every MOE node becomes a QMOE node whose
@@ -91,7 +92,7 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
 
     The report is a :class:`moe_onnx.quantization.QuantizeReport` (``summary()``, ``document()``).
     Raises :class:`moe_onnx.quantization.QuantizeError` (a ValueError) for bad settings, a model
-    without MOE nodes, or weights the settings cannot quantize (a block size that does not divide K).
+    with nothing to quantize, or weights the settings cannot quantize (a block size that does not divide K).
     For models over 2 GB use ``moe-onnx quantize`` (:func:`moe_onnx.pipeline.quantize_file`), which
     streams the weights to disk.
     """

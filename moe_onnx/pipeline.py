@@ -135,14 +135,14 @@ class QuantizeResult:
 def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, settings: QuantizeSettings, *,
                   measure: bool = True, backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   seed: int = 0, progress: Callable[[str], None] | None = None) -> QuantizeResult:
-    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (``settings``, see
-    :func:`moe_onnx.quantization.quantize_ir`) and write it to ``destination`` (the quantized weights
+    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (with ``settings.linears``, its
+    other linear layers into MatMulNBits; see :func:`moe_onnx.quantization.quantize_ir`) and write it to ``destination`` (the quantized weights
     are computed one expert at a time while writing; external data when large); then check it and,
     with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at
     ``sizes`` and put the error of every output and every quantized layer in the report.
 
     Raises what :func:`optimize_file` raises for the files, and
-    :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model without MOE nodes
+    :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model with nothing to quantize
     (nothing is written then).
     """
     settings.check()

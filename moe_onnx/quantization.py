@@ -465,9 +465,11 @@ class _LinearRows:
     def expert(self, chunk: int) -> np.ndarray:
         rows = slice(chunk * _ROWS_PER_CHUNK, (chunk + 1) * _ROWS_PER_CHUNK)
         whole = self._linear.weight.array()
-        matrix = np.asarray(whole[rows] if self._linear.transposed else whole[:, rows].T, dtype=np.float32)
+        matrix = np.zeros((len(range(self._linear.n)[rows]), self.padded_k), np.float32)
+        matrix[:, :self._linear.k] = whole[rows] if self._linear.transposed else whole[:, rows].T
+        del whole  # a view of the memory-mapped source, which is unmapped next
         release_external([self._linear.weight.source])
-        return np.pad(matrix, ((0, 0), (0, self.padded_k - self._linear.k)))
+        return matrix
 
 
 def _row_slices(parts: _QuantizedParts, part: int) -> Callable[[int], np.ndarray]:
@@ -599,8 +601,9 @@ class QuantizeReport:
         return sum(layer.weight_bytes_after for layer in self.layers)
 
     def summary(self) -> str:
+        experts = bool(self.layers) or not self.settings.linears  # a dense model's linears alone: no MOE lines
         lines = [f"quantize: {len(self.layers)} MOE node{'s' if len(self.layers) != 1 else ''} -> QMOE "
-                 f"({self.settings.describe()})"]
+                 f"({self.settings.describe()})"] if experts else []
         lines += [f"  {layer.describe()}" for layer in self.layers]
         if self.settings.linears:
             s = self.settings
@@ -613,7 +616,8 @@ class QuantizeReport:
                       for skipped in self.linears_float]
         lines += [f"  note: {note}" for note in self.notes]
         before, after = self.weight_bytes_before, self.weight_bytes_after
-        lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
+        if experts:
+            lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
         if self.settings.linears:
             before = sum(linear.weight_bytes_before for linear in self.linears)
             after = sum(linear.weight_bytes_after for linear in self.linears)
@@ -666,7 +670,8 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
                                 f"weight matrix) to quantize{why}")
         raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
                             "model fused by `moe-onnx optimize` (target moe): run that first")
-    say("reading the expert weights")
+    if nodes:
+        say("reading the expert weights")
     plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
     report = QuantizeReport(settings, [], linears_float=left_float)
     for node, weights, mxfp4 in plans:

@@ -237,6 +237,7 @@ def test_dense_model_linears_padded_transposed_gemm_shared_and_float16(bits, blo
     feeds = {"x": rng.standard_normal((2, 3, 40)).astype(np.float32), "ids": rng.integers(0, 96, (2, 3))}
     assert check_against_numpy(original, result, feeds, zero_points) == 7
     assert check_model(result) == []
+    assert report.summary().startswith("quantize: 7 linear layers -> com.microsoft::MatMulNBits")  # no MOE lines
 
 
 # ----------------------------------------------------------------------------- the command line
