@@ -255,6 +255,18 @@ def test_cli_quantize_linears_writes_a_checked_model_and_report(tmp_path, capsys
     assert check_model(out) == [] and op_counts(onnx.load(out))["MatMulNBits"] == 9
 
 
+def test_cli_quantize_linears_of_external_data_reads_the_weights_chunk_by_chunk(tmp_path, capsys):
+    source, out = tmp_path / "dense.onnx", tmp_path / "q.onnx"
+    onnx.save(dense_model(), source, save_as_external_data=True, location="dense.data", size_threshold=64)
+    assert main(["quantize", str(source), "-o", str(out), "--bits", "4", "--block-size", "16", "--linears",
+                 "--no-measure"]) == 0, capsys.readouterr()
+    assert check_model(out) == [] and op_counts(onnx.load(out))["MatMulNBits"] == 7
+    expected, _ = quantized_dense(4, 16, False)
+    got = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    for tensor in expected.graph.initializer:
+        np.testing.assert_array_equal(got[tensor.name], numpy_helper.to_array(tensor), err_msg=tensor.name)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bits", "4", "--linears"], "moe-onnx quantize: linears: MatMulNBits quantizes in blocks along K; block_size 0 "
                                    "(per column) is not available: give a block size (a power of two in [16, 256])"),
