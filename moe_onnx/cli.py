@@ -51,7 +51,7 @@ def _quantize(args: argparse.Namespace) -> int:
     from .quantization import QuantizeSettings
 
     settings = QuantizeSettings(args.bits, args.block_size, args.zero_points, args.accuracy_level,
-                                repack_mxfp4=not args.no_mxfp4)
+                                repack_mxfp4=not args.no_mxfp4, linears=args.linears)
     return _run_pipeline("quantize", args, lambda: quantize_file(
         args.input, args.output, settings, measure=not args.no_measure, backend=args.backend, sizes=args.sizes,
         seed=args.seed, progress=_stage_printer()))
@@ -196,12 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt.set_defaults(run=_optimize)
 
     quant = commands.add_parser(
-        "quantize", help="quantize the expert weights of a fused model (MOE -> QMOE) and report the error",
+        "quantize", help="quantize the expert weights of a fused model (MOE -> QMOE; --linears: the other "
+                         "linear layers too, -> MatMulNBits) and report the error",
         description="Turn every MOE node of MODEL (a model fused by `moe-onnx optimize`) into a QMOE node with "
                     "int8 or int4 expert weights, write OUT (weights quantized one expert at a time; external "
                     "data when large), then run both models on random inputs and print the error of every output "
                     "and every layer. MOE weights that are exactly MXFP4 (GPT-OSS) are repacked as mxfp4, "
-                    "without error.")
+                    "without error. With --linears, the other linear layers (attention projections, dense MLPs, "
+                    "lm_head: MatMul/Gemm with a constant weight) become onnxruntime's com.microsoft::MatMulNBits "
+                    "too (routers stay float).")
     quant.add_argument("input", metavar="MODEL", help="a model fused by `moe-onnx optimize` (target moe)")
     quant.add_argument("-o", "--output", metavar="OUT", required=True, help="where to write the quantized model")
     quant.add_argument("--bits", type=int, required=True, help="4 or 8")
@@ -214,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="QMOE's accuracy_level: 0 (float activations), 3 (bf16 GEMM operands in prefill, float32 "
                             "accumulation) or 4 (int8 activations); default: each MOE's own (3 after `optimize "
                             "--compute bf16`, else 0)")
+    quant.add_argument("--linears", action="store_true",
+                       help="also quantize every MatMul/Gemm with a constant float32/float16 weight matrix (not the "
+                            "routers) to com.microsoft::MatMulNBits with the same bits, block size (required) and "
+                            "zero points; accuracy_level: --accuracy-level, else the MOE nodes' shared one, else 0")
     quant.add_argument("--no-mxfp4", action="store_true",
                        help="requantize MXFP4 weights too (default: repack them exactly as quant_type mxfp4)")
     quant.add_argument("--no-measure", action="store_true", help="skip running both models for the error")

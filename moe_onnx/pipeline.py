@@ -153,14 +153,14 @@ class QuantizeResult:
 def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, settings: QuantizeSettings, *,
                   measure: bool = True, backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   seed: int = 0, progress: Callable[[str], None] | None = None) -> QuantizeResult:
-    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (``settings``, see
-    :func:`moe_onnx.quantization.quantize_ir`) and write it to ``destination`` (the quantized weights
+    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (with ``settings.linears``, its
+    other linear layers into MatMulNBits; see :func:`moe_onnx.quantization.quantize_ir`) and write it to ``destination`` (the quantized weights
     are computed one expert at a time while writing; external data when large); then check it and,
     with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at
     ``sizes`` and put the error of every output and every quantized layer in the report.
 
     Raises what :func:`optimize_file` raises for the files, and
-    :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model without MOE nodes
+    :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model with nothing to quantize
     (nothing is written then).
     """
     settings.check()
@@ -173,7 +173,8 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
         try:
-            report.error = measure_error(source, written, report.layers, backend=backend, sizes=sizes, seed=seed)
+            report.error = measure_error(source, written, report.layers, linears=report.linears, backend=backend,
+                                         sizes=sizes, seed=seed)
         except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
             text = str(error).strip()
             result.problems.append(f"the error could not be measured on the {backend} backend: "

@@ -31,7 +31,8 @@ import onnx_ir.passes.common as common_passes
 from ._ir import model_files
 from ._ir.builder import TapeBuilder, replace
 from ._ir.nodes import attribute_value
-from ._ir.weights import initializer_expert, release_external, streamed_initializer
+from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
+from ._ir.weights import weight as constant_weight
 from .check import read_valid
 from .compare import Difference, compare_arrays, worst
 from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
@@ -53,8 +54,8 @@ from .ops.qmoe import (
 from .runtime import session
 from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
 
-__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "QuantizeError", "QuantizeReport", "QuantizeSettings",
-           "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
+__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped", "QuantizeError",
+           "QuantizeReport", "QuantizeSettings", "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
 
 BITS = (4, 8)
 
@@ -68,13 +69,16 @@ class QuantizeSettings:
     """How to quantize: ``bits`` 4 or 8; ``block_size`` 0 (one scale per output column) or a power of
     two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level`` (None: each
     MOE's own, 3 after ``optimize --compute bf16``, else 0); ``repack_mxfp4``: an MOE whose weights are
-    exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked for."""
+    exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked for; ``linears``: the other linear layers
+    (MatMul and Gemm with a constant weight matrix) become com.microsoft::MatMulNBits too, with the same
+    bits, block size (required: MatMulNBits has no per-column scales) and zero points."""
 
     bits: int = 8
     block_size: int = 0
     zero_points: bool = False
     accuracy_level: int | None = None
     repack_mxfp4: bool = True
+    linears: bool = False
 
     def check(self) -> None:
         """QuantizeError naming the first setting out of range."""
@@ -87,6 +91,9 @@ class QuantizeSettings:
         if self.accuracy_level is not None and self.accuracy_level not in ACCURACY_LEVELS:
             raise QuantizeError(f"accuracy_level is {self.accuracy_level}; expected one of "
                                 f"{', '.join(map(str, ACCURACY_LEVELS))}")
+        if self.linears and block == 0:
+            raise QuantizeError("linears: MatMulNBits quantizes in blocks along K; block_size 0 (per column) is "
+                                "not available: give a block size (a power of two in [16, 256])")
 
     def describe(self) -> str:
         block = "per column" if self.block_size == 0 else f"block {self.block_size}"
@@ -186,21 +193,28 @@ class _QuantizedParts:
 
 
 @dataclasses.dataclass
-class LayerReport:
-    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+class _QuantizedLayer:
+    """What the report gives of every quantized node: its name and output, the format of its weights, and
+    their bytes before and after."""
 
     node: str
     output: str
-    routing_weights: str  # the node's routing_weights
-    indices: str  # the node's router_topk_output_indices
-    expert_type: str
-    quant_type: str
     bits: int
     block_size: int
     zero_points: bool
     accuracy_level: int
     weight_bytes_before: int
     weight_bytes_after: int
+
+
+@dataclasses.dataclass
+class LayerReport(_QuantizedLayer):
+    """One MOE node made a QMOE: how its weights were stored and their bytes before and after."""
+
+    routing_weights: str  # the node's routing_weights
+    indices: str  # the node's router_topk_output_indices
+    expert_type: str
+    quant_type: str
 
     def describe(self) -> str:
         if self.quant_type == QUANT_MXFP4:
@@ -302,6 +316,238 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
     return layer
 
 
+# ----------------------------------------------------------------------------- linear layers
+
+#: onnxruntime's contrib domain, where MatMulNBits lives
+ORT_DOMAIN = "com.microsoft"
+#: the weight types MatMulNBits' CPU kernel takes (its scales have the activations' type)
+_LINEAR_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+#: the ops that end the search for a router's consumer: another layer starts there
+_LAYER_OPS = {"MatMul", "Gemm", "MOE", "QMOE", "MatMulNBits"}
+#: rows of a linear's weight quantized at a time while the model is written
+_ROWS_PER_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+    """A MatMul or Gemm whose weight ``weight`` is a constant matrix (an initializer, possibly through layout
+    ops such as a Transpose): [K, N], or [N, K] when ``transposed`` (Gemm's transB); ``bias``: a Gemm's C."""
+
+    node: ir.Node
+    weight: Weight
+    transposed: bool
+    bias: ir.Value | None = None
+
+    @property
+    def k(self) -> int:
+        return self.weight.shape[1 if self.transposed else 0]
+
+    @property
+    def n(self) -> int:
+        return self.weight.shape[0 if self.transposed else 1]
+
+    @property
+    def how(self) -> str:
+        through = "".join(f" <- {step.kind}" for step in self.weight.steps)
+        return f"{self.node.op_type} (weight {self.weight.source.name}{through})"
+
+
+@dataclasses.dataclass
+class LinearReport(_QuantizedLayer):
+    """One MatMul or Gemm with a constant weight made a com.microsoft::MatMulNBits: its weight's bytes before
+    and after. A weight value several layers read is quantized once: the others name that layer in
+    ``shares_weight_of`` and count 0 bytes. ``float_kept``: other nodes read the float weight too (a tied
+    embedding's Gather), so it stays in the model beside the quantized one."""
+
+    op: str
+    k: int
+    n: int
+    shares_weight_of: str | None = None
+    float_kept: bool = False
+
+    def describe(self) -> str:
+        padded = f", K padded to {-(-self.k // self.block_size) * self.block_size}" if self.k % self.block_size else ""
+        if self.shares_weight_of is not None:
+            stored = f"reads the quantized weight of {self.shares_weight_of}"
+        else:
+            stored = f"weight {self.weight_bytes_before:,} -> {self.weight_bytes_after:,} bytes"
+        kept = " (the float weight stays for its other readers)" if self.float_kept else ""
+        return f"{self.node}: {self.op}, K {self.k}, N {self.n}{padded}: {stored}{kept}"
+
+
+@dataclasses.dataclass
+class LinearSkipped:
+    """A MatMul or Gemm with a constant weight left in float, and why."""
+
+    node: str
+    weight: str
+    reason: str
+
+
+def _linear_candidate(graph: ir.Graph, node: ir.Node) -> _Linear | None:
+    """``node`` as a linear layer when it is a MatMul or Gemm of the default domain whose weight is a matrix
+    held by an initializer of ``graph`` (directly or through layout ops); None for any other node."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+        return None
+    weight = constant_weight(node.inputs[1])
+    if (weight is None or len(weight.shape) != 2 or graph.initializers.get(weight.source.name) is not weight.source
+            or weight.source.is_graph_input()):
+        return None
+    if node.op_type == "Gemm":
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        return _Linear(node, weight, attribute_value(node, "transB", 0) == 1, bias)
+    return _Linear(node, weight, transposed=False)
+
+
+def _feeds_router(node: ir.Node, depth: int = 8) -> bool:
+    """Whether ``node``'s output reaches a MoeGatingTopK, or an MOE/QMOE's routing inputs, before another layer
+    (a MatMul, Gemm, MOE) starts: the node is a router."""
+    frontier, seen = [node], {id(node)}
+    for _ in range(depth):
+        following = []
+        for current in frontier:
+            for output in current.outputs:
+                for reader, index in output.uses():
+                    if reader.op_type == "MoeGatingTopK" or (reader.op_type in ("MOE", "QMOE") and index in (1, 2)):
+                        return True
+                    if reader.op_type not in _LAYER_OPS and id(reader) not in seen:
+                        seen.add(id(reader))
+                        following.append(reader)
+        frontier = following
+    return False
+
+
+def _why_float(linear: _Linear, settings: QuantizeSettings) -> str | None:
+    """Why ``linear`` stays float (None: it is quantized)."""
+    node, dtype = linear.node, linear.weight.dtype
+    if dtype not in _LINEAR_TYPES:
+        return f"its weight is {dtype.name.lower()} (MatMulNBits on onnxruntime's CPU takes float32 or float16)"
+    if node.op_type == "Gemm":
+        if attribute_value(node, "alpha", 1.0) != 1.0 or attribute_value(node, "transA", 0) != 0:
+            return "a Gemm with alpha != 1 or transA (MatMulNBits computes A @ B)"
+        bias = linear.bias
+        if bias is not None and (bias.const_value is None or attribute_value(node, "beta", 1.0) != 1.0
+                                 or tuple(bias.const_value.shape) != (linear.n,) or bias.dtype != dtype):
+            return "a Gemm whose C is not a constant bias [N] with beta 1 (MatMulNBits' bias)"
+    if _feeds_router(node):
+        return "a router (its scores choose the experts: kept float, as llama.cpp keeps ffn_gate_inp)"
+    if linear.k < settings.block_size:
+        return f"K = {linear.k} is below the block size {settings.block_size} (the block would be mostly padding)"
+    return None
+
+
+def _plan_linears(graph: ir.Graph, settings: QuantizeSettings) -> tuple[list[_Linear], list[LinearSkipped]]:
+    """The linear layers of ``graph`` (not its subgraphs) that MatMulNBits takes, and those left float."""
+    linears, skipped = [], []
+    for node in graph:
+        linear = _linear_candidate(graph, node)
+        if linear is None:
+            continue
+        reason = _why_float(linear, settings)
+        if reason is None:
+            linears.append(linear)
+        else:
+            skipped.append(LinearSkipped(node.name or node.outputs[0].name, linear.weight.source.name, reason))
+    return linears, skipped
+
+
+class _LinearRows:
+    """A linear's weight as MatMulNBits quantizes it, [N, K] padded with zeros to whole blocks along K (zeros
+    change no block's scale or zero point), ``_ROWS_PER_CHUNK`` rows at a time: a chunk is an "expert" of
+    :class:`_QuantizedParts`."""
+
+    def __init__(self, linear: _Linear, block_size: int):
+        self._linear = linear
+        self.blocks = -(-linear.k // block_size)
+        self.padded_k = self.blocks * block_size
+        self.shape = (-(-linear.n // _ROWS_PER_CHUNK), _ROWS_PER_CHUNK, self.padded_k)
+
+    def expert(self, chunk: int) -> np.ndarray:
+        rows = slice(chunk * _ROWS_PER_CHUNK, (chunk + 1) * _ROWS_PER_CHUNK)
+        whole = self._linear.weight.array()
+        matrix = np.zeros((len(range(self._linear.n)[rows]), self.padded_k), np.float32)
+        matrix[:, :self._linear.k] = whole[rows] if self._linear.transposed else whole[:, rows].T
+        del whole  # a view of the memory-mapped source, which is unmapped next
+        release_external([self._linear.weight.source])
+        return matrix
+
+
+def _row_slices(parts: _QuantizedParts, part: int) -> Callable[[int], np.ndarray]:
+    """Row ``r`` of part ``part`` of a linear's quantized weight: its chunk is quantized once and held while
+    its rows are written (the writer asks for the rows in order)."""
+    held: dict[int, np.ndarray] = {}
+
+    def row(r: int) -> np.ndarray:
+        chunk, offset = divmod(r, _ROWS_PER_CHUNK)
+        if chunk not in held:
+            held.clear()
+            held[chunk] = parts.slice(part, chunk)
+        return held[chunk][offset]
+
+    return row
+
+
+def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSettings) -> list[ir.Value | None]:
+    """MatMulNBits' initializers for ``linear``'s weight, computed while the model is written: B [N, blocks,
+    block_size * bits / 8] uint8, scales [N, blocks] of the weight's type, zero points [N, ceil(blocks * bits
+    / 8)] uint8 (None when symmetric), packed low bits first as QMOE's."""
+    rows = _LinearRows(linear, settings.block_size)
+    blob = settings.block_size * settings.bits // 8
+
+    def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
+        packed, scales, zero_points = quantize_weight(matrix, bits=settings.bits, block_size=settings.block_size,
+                                                      symmetric=not settings.zero_points)
+        return packed.reshape(len(matrix), rows.blocks, blob), scales, zero_points
+
+    parts = _QuantizedParts(rows, encode)
+    shapes = [(linear.n, rows.blocks, blob), (linear.n, rows.blocks),
+              (linear.n, -(-rows.blocks * settings.bits // 8)) if settings.zero_points else None]
+    dtypes = [ir.DataType.UINT8, linear.weight.dtype, ir.DataType.UINT8]
+    return [None if shape is None else streamed_initializer(
+                graph, f"{linear.weight.source.name}.{name}", _row_slices(parts, part), dtype, shape,
+                sources=[linear.weight.source])
+            for part, (name, shape, dtype) in enumerate(zip(("B", "scales", "zero_points"), shapes, dtypes))]
+
+
+def _linear_level(settings: QuantizeSettings, layers: Sequence[LayerReport]) -> int:
+    """MatMulNBits' accuracy_level: the one asked for, else the one every QMOE got, else 0 (float activations)."""
+    if settings.accuracy_level is not None:
+        return settings.accuracy_level
+    levels = {layer.accuracy_level for layer in layers}
+    return levels.pop() if len(levels) == 1 else EXACT
+
+
+def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: QuantizeSettings,
+                      level: int) -> list[LinearReport]:
+    """Replace each of ``linears`` by a com.microsoft::MatMulNBits (the same output); a weight value several
+    of them read is quantized once, its bytes counted on the first."""
+    made: dict[int, tuple[str, list[ir.Value | None]]] = {}  # id of a weight value -> (its first layer, parts)
+    reports = []
+    for linear in linears:
+        node, key = linear.node, id(linear.node.inputs[1])
+        report = LinearReport(
+            node=node.name or node.outputs[0].name, output=node.outputs[0].name, op=linear.how, k=linear.k,
+            n=linear.n, bits=settings.bits, block_size=settings.block_size, zero_points=settings.zero_points,
+            accuracy_level=level, weight_bytes_before=0, weight_bytes_after=0)
+        if key in made:
+            report.shares_weight_of = made[key][0]
+        else:
+            made[key] = (report.node, _linear_initializers(graph, linear, settings))
+            report.weight_bytes_before = linear.weight.source.const_value.nbytes
+            report.weight_bytes_after = sum(math.prod(v.shape.numpy()) * int(v.dtype.itemsize)
+                                            for v in made[key][1] if v is not None)
+        packed, scales, zero_points = made[key][1]
+        reports.append(report)
+        inputs = [node.inputs[0], packed, scales, zero_points, None, linear.bias]
+        while inputs[-1] is None:
+            inputs.pop()
+        op = TapeBuilder()
+        matmul = op.MatMulNBits(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, K=linear.k, N=linear.n,
+                                bits=settings.bits, block_size=settings.block_size, accuracy_level=level)
+        replace(node, matmul, op)
+    return reports
+
+
 # ----------------------------------------------------------------------------- the model
 
 @dataclasses.dataclass
@@ -323,23 +569,28 @@ class ErrorStat:
 
 @dataclasses.dataclass
 class ErrorReport:
-    """:func:`measure_error`'s result: every output's error, and every quantized layer's output's."""
+    """:func:`measure_error`'s result: every output's error, and every quantized layer's output's (MOE
+    nodes in ``layers``, linear layers in ``linears``)."""
 
     backend: str
     sizes: list[list[int]]
     seed: int
     outputs: list[ErrorStat]
     layers: list[ErrorStat]
+    linears: list[ErrorStat] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class QuantizeReport:
-    """What quantization did: the settings, each MOE node made a QMOE, notes, and (when measured) the error."""
+    """What quantization did: the settings, each MOE node made a QMOE, each linear layer made a MatMulNBits
+    and those left float (with ``settings.linears``), notes, and (when measured) the error."""
 
     settings: QuantizeSettings
     layers: list[LayerReport]
     notes: list[str] = dataclasses.field(default_factory=list)
     error: ErrorReport | None = None
+    linears: list[LinearReport] = dataclasses.field(default_factory=list)
+    linears_float: list[LinearSkipped] = dataclasses.field(default_factory=list)
 
     @property
     def weight_bytes_before(self) -> int:
@@ -350,12 +601,27 @@ class QuantizeReport:
         return sum(layer.weight_bytes_after for layer in self.layers)
 
     def summary(self) -> str:
+        experts = bool(self.layers) or not self.settings.linears  # a dense model's linears alone: no MOE lines
         lines = [f"quantize: {len(self.layers)} MOE node{'s' if len(self.layers) != 1 else ''} -> QMOE "
-                 f"({self.settings.describe()})"]
+                 f"({self.settings.describe()})"] if experts else []
         lines += [f"  {layer.describe()}" for layer in self.layers]
+        if self.settings.linears:
+            s = self.settings
+            lines.append(f"quantize: {len(self.linears)} linear layer{'s' if len(self.linears) != 1 else ''} -> "
+                         f"com.microsoft::MatMulNBits (int{s.bits}, block {s.block_size}, "
+                         f"{'with zero points' if s.zero_points else 'symmetric'}, accuracy_level "
+                         f"{self.linears[0].accuracy_level if self.linears else '-'})")
+            lines += [f"  {linear.describe()}" for linear in self.linears]
+            lines += [f"  left float: {skipped.node} (weight {skipped.weight}): {skipped.reason}"
+                      for skipped in self.linears_float]
         lines += [f"  note: {note}" for note in self.notes]
         before, after = self.weight_bytes_before, self.weight_bytes_after
-        lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
+        if experts:
+            lines.append(f"expert weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
+        if self.settings.linears:
+            before = sum(linear.weight_bytes_before for linear in self.linears)
+            after = sum(linear.weight_bytes_after for linear in self.linears)
+            lines.append(f"linear weights: {before:,} -> {after:,} bytes ({after / max(before, 1):.3f}x)")
         if self.error is not None:
             e = self.error
             lines.append(f"error vs the unquantized model ({e.backend} backend, sizes {format_sizes(e.sizes)}, "
@@ -364,6 +630,8 @@ class QuantizeReport:
             lines += [f"  layer '{layer.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative "
                       f"{s.relative:.3g}, tokens rerouted {s.rerouted}/{s.tokens}, routing weights moved by up to "
                       f"{s.routing_weight_change:.3g}" for layer, s in zip(self.layers, e.layers)]
+            lines += [f"  linear '{linear.node}' (output '{s.name}'): max abs {s.max_abs:.3g}, relative "
+                      f"{s.relative:.3g}" for linear, s in zip(self.linears, e.linears)]
             if any(s.rerouted or s.routing_weight_change for s in e.layers):
                 lines.append("  (the router is not quantized, but its input is an earlier layer's output: a rerouted "
                              "token, or a routing weight that moves, changes a layer's output by more than its "
@@ -382,23 +650,37 @@ def _is_moe(node: ir.Node) -> bool:
 def quantize_ir(model: ir.Model, settings: QuantizeSettings,
                 progress: Callable[[str], None] | None = None) -> QuantizeReport:
     """Replace every MOE node of ``model``'s main graph by a QMOE, in place (MOE nodes inside subgraphs
-    are left as they are, with a note); the quantized weights are computed when the model is written
-    (or read). Raises QuantizeError for bad settings, a model
-    without MOE nodes, or a node whose weights the settings cannot quantize (nothing is changed then)."""
+    are left as they are, with a note), and with ``settings.linears`` every MatMul and Gemm of the main
+    graph whose weight is a constant float32/float16 matrix by a com.microsoft::MatMulNBits (K padded with
+    zeros to whole blocks), except routers (they choose the experts) and weights with K below the block
+    size, which stay float and are listed with the reason. The quantized weights are computed when the
+    model is written (or read). Raises QuantizeError for bad settings, a model with nothing to quantize
+    (no MOE node; with ``linears``, no linear layer either), or a node whose weights the settings cannot
+    quantize (nothing is changed then)."""
     say = progress or (lambda message: None)
     settings.check()
     nodes = [node for node in model.graph if _is_moe(node)]
     nested = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_moe(node)
               and node.graph is not model.graph]
-    if not nodes:
+    linears, left_float = _plan_linears(model.graph, settings) if settings.linears else ([], [])
+    if not nodes and not linears:
+        if settings.linears:
+            why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
+            raise QuantizeError("the model has no MOE node and no linear layer (MatMul or Gemm with a constant "
+                                f"weight matrix) to quantize{why}")
         raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
                             "model fused by `moe-onnx optimize` (target moe): run that first")
-    say("reading the expert weights")
+    if nodes:
+        say("reading the expert weights")
     plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
-    report = QuantizeReport(settings, [])
+    report = QuantizeReport(settings, [], linears_float=left_float)
     for node, weights, mxfp4 in plans:
         say(f"quantizing MOE node '{node.name}'")
         report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    if linears:
+        say(f"quantizing {len(linears)} linear layers")
+        report.linears = _quantize_linears(model.graph, linears, settings, _linear_level(settings, report.layers))
+        model.opset_imports.setdefault(ORT_DOMAIN, 1)
     if nested:
         report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
                             + ", ".join(f"'{node.name}'" for node in nested))
@@ -407,6 +689,8 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
         report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
                             f"({', '.join(repacked)}): they keep their MOE's")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
+    for linear, report_line in zip(linears, report.linears):
+        report_line.float_kept = linear.weight.source.name in model.graph.initializers
     return report
 
 
@@ -433,22 +717,24 @@ def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend
     report = quantize_ir(ir_model, settings, progress=progress)
     quantized = ir.serde.serialize_model(ir_model)
     if measure:
-        report.error = measure_error(original, quantized, report.layers, backend=backend, sizes=sizes, seed=seed)
+        report.error = measure_error(original, quantized, report.layers, linears=report.linears, backend=backend,
+                                     sizes=sizes, seed=seed)
     return (ir_model if isinstance(model, ir.Model) else quantized), report
 
 
 # ----------------------------------------------------------------------------- the error
 
-def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, backend: str = "cpp",
-                  sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
+def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, linears: Sequence[LinearReport] = (),
+                  backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
     """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
     (values of the symbolic input dims, in order; drawn by :class:`moe_onnx.verify.InputDrawer`: a model with a
     cache runs each size as a prompt and as the next token) on ``backend``: the error of every floating-point
-    graph output and of each of ``layers``' outputs, and the tokens each layer routes to other experts than the
-    original, over all sizes."""
+    graph output, of each of ``layers``' and ``linears``' outputs, and the tokens each layer routes to other
+    experts than the original, over all sizes."""
     proto = _proto_without_data(original)
     graph_outputs = [o.name for o in proto.graph.output]
     extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
+    extra += [linear.output for linear in linears]
     with _with_outputs(original, extra) as original_model, _with_outputs(quantized, extra) as quantized_model:
         reference_sess = session(original_model, backend=backend)
         quantized_sess = session(quantized_model, backend=backend)
@@ -467,7 +753,8 @@ def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, ba
                                                  expected[layer.routing_weights], got[layer.routing_weights])
     float_outputs = [name for name in graph_outputs if errors[name].floating]
     return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat() for name in float_outputs],
-                       [errors[layer.output].stat() for layer in layers])
+                       [errors[layer.output].stat() for layer in layers],
+                       [errors[linear.output].stat() for linear in linears])
 
 
 class _Error:
