@@ -151,6 +151,7 @@ def shard_root(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.xdist_group("sharded_world_launches")  # one worker: world_results' launches run once
 @pytest.mark.parametrize("case", [c for world in CONFIGS for c in _cases(world)],
                          ids=lambda c: f"tp{c[0]}_ep{c[1]}_{c[2]}_{c[3]}")
 def test_sharded_outputs_equal_the_unsharded_model(case, shard_root):
