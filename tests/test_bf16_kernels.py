@@ -33,9 +33,7 @@ from cases import moe as moe_cases
 from cases import qmoe as qmoe_cases
 from cases import row_parallel_linear as linear_cases
 
-# Each kernel path runs in a child process (the ISA table is filled once); the module's tests run on one
-# xdist worker, which runs those children once (the module fixture `paths`).
-pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("bf16_kernel_paths")]
+pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_BOUND = 6 * 2.0**-9  # MOE/QMOE: the largest |error| relative to the largest |output| (three bf16 roundings)

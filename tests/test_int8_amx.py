@@ -31,9 +31,7 @@ from cases.moe import GEMM2, GEMM2_ACT, GEMM3
 
 from moe_onnx.runtime import kernel_report
 
-# Each kernel path runs in a child process (the ISA table is filled once); the module's tests run on one
-# xdist worker, which runs the children of the module fixture `without_amx` once.
-pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("int8_kernel_paths")]
+pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
 
 ROWS = (0, 1, 7, 8, 16, 17, 33)  # rows per expert
 
