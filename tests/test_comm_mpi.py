@@ -29,10 +29,11 @@ from moe_onnx.ops import MoeOpError
 ROOT = Path(__file__).resolve().parents[1]
 DRIVERS = ROOT / "tests" / "mpi"
 
-# A 2-rank TP MOE node (this process as TP rank 0), created and run in a fresh interpreter; prints
-# the error, or "ran", then the MPI libraries the process has loaded.
+# A 2-rank TP MOE node (this process as TP rank 0), created and run in a fresh interpreter, once per value
+# of MOE_ONNX_COMM_TIMEOUT_S given after the tests dir and tp ("-": the environment's own); prints, per value,
+# the error, or "ran", then the MPI libraries the process has loaded by then.
 TWO_RANK_SESSION = textwrap.dedent("""
-    import sys
+    import os, sys
     sys.path.insert(0, sys.argv[1])
     from cases import Case
     from cases import moe as moe_cases
@@ -41,29 +42,33 @@ TWO_RANK_SESSION = textwrap.dedent("""
     inputs = moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3)
     case = Case(op="MOE", name="tp", inputs=inputs, constant=(3, 5, 7),
                 attrs={"expert_type": moe_cases.GEMM3, "tp_world_size": tp, "tp_rank_id": 0})
-    try:
-        run(session(case.model(), backend="cpp"), case.feeds())
-        print("ran")
-    except Exception as error:
-        print(str(error).split("Status Message: ")[-1])
-    print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps")
-                  if "libmpi" in line or "moe_onnx_mpi" in line}), "mpi4py" in sys.modules)
+    for timeout in sys.argv[3:] or ["-"]:
+        if timeout != "-":
+            os.environ["MOE_ONNX_COMM_TIMEOUT_S"] = timeout
+        try:
+            run(session(case.model(), backend="cpp"), case.feeds())
+            print("ran")
+        except Exception as error:
+            print(str(error).split("Status Message: ")[-1])
+        print(sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps")
+                      if "libmpi" in line or "moe_onnx_mpi" in line}), "mpi4py" in sys.modules)
 """)
 
 
-def one_process(tp: int, **env: str) -> tuple[str, str]:
-    """(the node's error or "ran", the MPI libraries loaded and whether mpi4py was imported)."""
-    result = subprocess.run([sys.executable, "-c", TWO_RANK_SESSION, str(ROOT / "tests"), str(tp)],
+def one_process(tp: int, timeouts: tuple[str, ...] = (), **env: str) -> list[tuple[str, str]]:
+    """Per value of ``timeouts`` (none: the environment's MOE_ONNX_COMM_TIMEOUT_S), in one fresh process: (the
+    node's error or "ran", the MPI libraries loaded and whether mpi4py was imported)."""
+    result = subprocess.run([sys.executable, "-c", TWO_RANK_SESSION, str(ROOT / "tests"), str(tp), *timeouts],
                             env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    return lines[0], lines[1]
+    return list(zip(lines[::2], lines[1::2]))
 
 
 @pytest.mark.subprocess
 def test_one_rank_layout_loads_no_mpi():
-    outcome, loaded = one_process(1)
+    [(outcome, loaded)] = one_process(1)
     assert outcome == "ran"
     assert loaded == "[] False"
 
@@ -73,7 +78,7 @@ def test_one_rank_layout_loads_no_mpi():
 def test_missing_mpi_library_is_named(tmp_path):
     copy = tmp_path / "libmoe_onnx_ops.so"
     shutil.copy(moe_onnx.custom_ops_library(), copy)
-    outcome, loaded = one_process(2, MOE_ONNX_CUSTOM_OPS_LIBRARY=str(copy))
+    [(outcome, loaded)] = one_process(2, MOE_ONNX_CUSTOM_OPS_LIBRARY=str(copy))
     assert outcome == (f"MOE node 'MOE_node': needs 2 MPI ranks (ep_world_size 1 x tp_world_size 2), but this build "
                        f"has no MPI support (libmoe_onnx_mpi.so not found beside {copy.resolve()}); rebuild with MPI "
                        "(docs/building.md)")
@@ -82,18 +87,19 @@ def test_missing_mpi_library_is_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "inf", "0x10"])
-def test_bad_timeout_is_refused_before_mpi_is_loaded(value):
-    outcome, loaded = one_process(2, MOE_ONNX_COMM_TIMEOUT_S=value)
-    assert outcome == (f"MOE node 'MOE_node': environment variable MOE_ONNX_COMM_TIMEOUT_S is '{value}'; expected a "
-                       "number of seconds > 0 (default 300)")
-    assert loaded == "[] False"
+def test_bad_timeout_is_refused_before_mpi_is_loaded():
+    """Each bad value, one after another in one process (the kernel reads the variable at each node's creation):
+    refused, and MPI still not loaded after it."""
+    values = ("abc", "0", "-2", "inf", "0x10")
+    got = dict(zip(values, one_process(2, values)))
+    assert got == {value: (f"MOE node 'MOE_node': environment variable MOE_ONNX_COMM_TIMEOUT_S is '{value}'; "
+                           "expected a number of seconds > 0 (default 300)", "[] False") for value in values}
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_world_of_one_rank_refuses_as_the_reference():
-    outcome, _ = one_process(2)  # MPI starts as a singleton: a world of 1
+    [(outcome, _)] = one_process(2)  # MPI starts as a singleton: a world of 1
     case = Case(op="MOE", name="tp", inputs=moe_cases.make_inputs(tokens=3, inter=4, expert_type=moe_cases.GEMM3),
                 attrs={"expert_type": moe_cases.GEMM3, "tp_world_size": 2, "tp_rank_id": 0})
     with pytest.raises(MoeOpError) as reference:
