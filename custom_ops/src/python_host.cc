@@ -2,7 +2,11 @@
 //
 // RegisterCustomOps asks moe_onnx.runtime.python_host.op_specs() for the ops (variant name, op name,
 // optional flags of the inputs and outputs, output element types, attribute names and kinds) and
-// registers one generic kernel per variant in the private domain "moe_onnx.python". A variant is an
+// registers one generic kernel per variant in the private domain "moe_onnx.python": those the session
+// config entry "moe_onnx.python.variants" names (comma-separated; the variants of the model the session
+// runs, which moe_onnx.runtime.session writes), else all of them. onnxruntime builds a schema and a kernel
+// definition per registered op for every session, so a session of a few variants starts some 20x faster
+// than one of all ~260. A variant is an
 // op with concrete output types (onnxruntime must know them before running, and they may depend on
 // attributes); moe_onnx.runtime.session(backend="python") rewrites the model's nodes to the variant
 // that shape inference gives them. At kernel creation the node's attributes are read into a dict and
@@ -18,7 +22,9 @@
 #include <Python.h>
 
 #include <deque>
+#include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +36,7 @@ namespace {
 
 const char* kDomain = "moe_onnx.python";
 const char* kHostModule = "moe_onnx.runtime.python_host";  // op_specs, compute, MoeOpError
+const char* kVariantsKey = "moe_onnx.python.variants";      // VARIANTS_KEY in moe_onnx/runtime/__init__.py
 
 struct Gil {
   PyGILState_STATE state;
@@ -319,6 +326,42 @@ std::deque<PyOp>& load_ops() {
   return ops;
 }
 
+// The session config entry `key` of `options`; empty when it is not set.
+std::string config_entry(const OrtApi* api, const OrtSessionOptions* options, const char* key) {
+  int has = 0;
+  Ort::ThrowOnError(api->HasSessionConfigEntry(options, key, &has));
+  if (!has) return {};
+  size_t size = 0;
+  Ort::ThrowOnError(api->GetSessionConfigEntry(options, key, nullptr, &size));
+  std::string value(size, '\0');
+  Ort::ThrowOnError(api->GetSessionConfigEntry(options, key, value.data(), &size));
+  value.resize(size > 0 ? size - 1 : 0);  // the size counts the terminating NUL
+  return value;
+}
+
+// The comma-separated names of `variants` (empty: every op), each checked against `ops`.
+std::vector<const PyOp*> chosen_ops(const std::deque<PyOp>& ops, const std::string& variants) {
+  std::vector<const PyOp*> chosen;
+  if (variants.empty()) {
+    for (const PyOp& op : ops) chosen.push_back(&op);
+    return chosen;
+  }
+  std::set<std::string> wanted;
+  for (size_t start = 0; start <= variants.size();) {
+    size_t end = variants.find(',', start);
+    if (end == std::string::npos) end = variants.size();
+    if (end > start) wanted.insert(variants.substr(start, end - start));
+    start = end + 1;
+  }
+  for (const PyOp& op : ops)
+    if (wanted.erase(op.spec.name)) chosen.push_back(&op);
+  if (!wanted.empty())
+    throw Ort::Exception(std::string("moe_onnx python host: session config entry ") + kVariantsKey +
+                             " names an op the host does not have: " + *wanted.begin(),
+                         ORT_INVALID_ARGUMENT);
+  return chosen;
+}
+
 }  // namespace
 
 extern "C" {
@@ -333,18 +376,21 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   try {
     static std::mutex mutex;
     std::lock_guard<std::mutex> lock(mutex);
-    // One domain for every registration (onnxruntime keeps a pointer to it: it lives until the
-    // process ends), made with the ops on the first.
-    static OrtCustomOpDomain* domain = nullptr;
+    // One domain per set of variants (onnxruntime keeps a pointer to it: it lives until the process
+    // ends), made on the first registration that asks for that set.
+    static std::map<std::string, OrtCustomOpDomain*> domains;
+    const std::string variants = config_entry(api, options, kVariantsKey);
+    OrtCustomOpDomain*& domain = domains[variants];
     if (!domain) {
       std::deque<PyOp>* ops = nullptr;
       {
         Gil gil;
         ops = &load_ops();
       }
+      const std::vector<const PyOp*> chosen = chosen_ops(*ops, variants);
       OrtCustomOpDomain* made = nullptr;
       Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &made));
-      for (const PyOp& op : *ops) Ort::ThrowOnError(api->CustomOpDomain_Add(made, &op));
+      for (const PyOp* op : chosen) Ort::ThrowOnError(api->CustomOpDomain_Add(made, op));
       domain = made;
     }
     Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));

@@ -28,6 +28,7 @@ from ..ops import DOMAIN, OPS
 from ..ops._common import check_attribute_names
 from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, kernel_report, python_host_library
 from .private_domain import cpp_model, python_model, structure
+from .python_host import PYTHON_DOMAIN
 
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "kernel_report", "BACKENDS",
@@ -45,7 +46,8 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     (the C++ kernels, the default) or ``"python"`` (the numpy references run as kernels; the model
     is copied with its moe_onnx nodes moved to the host's domain, external data must be loadable).
     ``sess_options`` is used as given (the library is registered on it once, its other settings
-    are kept; one SessionOptions serves one backend); ``providers`` (default
+    are kept; one SessionOptions serves one backend, and for ``"python"`` the Python kernels of the first
+    model's ops: a model with other ops needs a new one); ``providers`` (default
     ``["CPUExecutionProvider"]``) and other keyword arguments go to ``InferenceSession``.
     Raises ValueError for an unknown backend; :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError)
     for a path that cannot be read as a model (missing, a folder, empty, not ONNX) or whose external data is
@@ -61,9 +63,7 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
         from .._ir import model_files  # onnx_ir is imported only when a session reads a file
 
         proto = model_files.read_complete(model)
-    library = custom_ops_library() if backend == "cpp" else python_host_library()
     options = sess_options if sess_options is not None else ort.SessionOptions()
-    _register(options, backend, library)
     if backend == "python":
         if proto is not None:
             model = model_files.with_data(proto, model)
@@ -73,10 +73,12 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
             model = onnx.ModelProto.FromString(model.SerializeToString())
         _check_attribute_names(model)
         model = python_model(model)
+        _register_python_host(options, _variants(model))
     else:
         proto = structure(model) if proto is None else proto
         _check_attribute_names(proto)
         model = cpp_model(model, proto)
+        _register(options, backend, custom_ops_library())
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif isinstance(model, os.PathLike):
@@ -109,6 +111,31 @@ def _register(options: ort.SessionOptions, backend: str, library: str) -> None:
                          f"use a new SessionOptions for backend={backend!r}")
     options.register_custom_ops_library(library)
     options.add_session_config_entry(_REGISTERED_KEY, backend)
+
+
+VARIANTS_KEY = "moe_onnx.python.variants"  # kVariantsKey in custom_ops/src/python_host.cc
+
+
+def _variants(model: onnx.ModelProto) -> set[str]:
+    """The Python host's variants that ``model`` (moved to its domain) runs."""
+    return {node.op_type for node, _ in walk(model.graph) if node.domain == PYTHON_DOMAIN}
+
+
+def _register_python_host(options: ort.SessionOptions, variants: set[str]) -> None:
+    """Registers the Python-kernel host on ``options`` with the ``variants`` a model runs: onnxruntime builds a
+    schema and a kernel definition per registered op for every session, so a session of a few variants starts
+    some 20x faster than one of all of them. The first registration fixes the set: a later session on the same
+    options whose model runs other variants raises ValueError."""
+    try:
+        registered = set(filter(None, options.get_session_config_entry(VARIANTS_KEY).split(",")))
+    except RuntimeError:  # not registered for the Python host yet
+        registered = None
+    if registered is not None and not variants <= registered:
+        raise ValueError(f"these SessionOptions carry the Python kernels of another model (not "
+                         f"{', '.join(sorted(variants - registered))}); use a new SessionOptions for this model")
+    if registered is None:
+        options.add_session_config_entry(VARIANTS_KEY, ",".join(sorted(variants)))
+    _register(options, "python", python_host_library())
 
 
 def run(sess: ort.InferenceSession, feeds: dict[str, np.ndarray],
