@@ -17,7 +17,7 @@ decoder takes is read from the config, as onnxruntime-genai reads it, not from a
 
 Prefill is one run over the prompt; each later token is one run of that token, the presents fed back as the pasts
 (onnxruntime values, never copied out); ``attention_mask`` is ones over every token so far, ``position_ids`` the
-new tokens' positions. Generation stops at an eos token (kept, as onnxruntime-genai keeps it), after
+new tokens' positions. Generation stops at an eos token (left out of the tokens, as onnxruntime-genai leaves it), after
 ``max_new_tokens`` or when the sequence fills the context. The times are measured around ``session.run`` only.
 """
 
@@ -38,6 +38,7 @@ from .runtime import session as moe_session
 
 CONFIG_FILE = "genai_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+_STOPS = {"eos": "an eos token", "max_new_tokens": "-n tokens", "context": "the context length"}
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -67,9 +68,10 @@ class Sampling:
 
 @dataclass
 class Generation:
-    """What :func:`generate` did: the prompt's and the generated token ids, the text of the generated ones (None
-    without a tokenizer), why it stopped (``"eos"``, ``"max_new_tokens"``, ``"context"``) and the seconds spent in
-    ``session.run`` for the prefill (one run) and the decode (one run per token after the first)."""
+    """What :func:`generate` did: the prompt's and the generated token ids (an eos token that ended generation not
+    among them, as onnxruntime-genai leaves it out), the text of the generated ones (None without a tokenizer), why
+    it stopped (``"eos"``, ``"max_new_tokens"``, ``"context"``) and the seconds spent in ``session.run`` for the
+    prefill (one run, giving the first token) and the decode (``decode_runs``: one run per later token)."""
 
     prompt_ids: list[int]
     tokens: list[int]
@@ -77,10 +79,7 @@ class Generation:
     stop: str
     prefill_seconds: float
     decode_seconds: float
-
-    @property
-    def decode_runs(self) -> int:
-        return len(self.tokens) - 1
+    decode_runs: int
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -94,7 +93,7 @@ class Generation:
 
     def summary(self) -> str:
         lines = [] if self.text is None else [self.text]
-        lines.append(f"tokens: {' '.join(map(str, self.tokens))} (stopped: {self.stop})")
+        lines.append(f"tokens: {' '.join(map(str, self.tokens))} (stopped: {_STOPS[self.stop]})")
         lines.append(f"prefill: {len(self.prompt_ids)} tokens in {self.prefill_seconds * 1e3:.2f} ms, "
                      f"{self.prefill_tokens_per_second:.1f} tokens/s")
         if self.decode_runs:
@@ -256,9 +255,9 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     if threads is not None:
         options.intra_op_num_threads = threads
     decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)
-    tokens, stop, prefill, decode = _Decoder(genai, decoder).run(prompt_ids, max_new_tokens, sampling)
+    tokens, stop, seconds = _Decoder(genai, decoder).run(prompt_ids, max_new_tokens, sampling)
     text = tokenizer.decode(tokens) if tokenizer is not None else None
-    return Generation(prompt_ids, tokens, text, stop, prefill, decode)
+    return Generation(prompt_ids, tokens, text, stop, seconds[0], sum(seconds[1:]), len(seconds) - 1)
 
 
 class _Decoder:
@@ -276,7 +275,7 @@ class _Decoder:
         self.output_names = [self.logits] + [cache.present for cache in self.caches]
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None):
-        """(generated tokens, stop reason, prefill seconds, decode seconds)."""
+        """(generated tokens, stop reason, seconds of each run)."""
         rng = np.random.default_rng(sampling.seed) if sampling else None
         pasts = {cache.past: ort.OrtValue.ortvalue_from_numpy(np.zeros(cache.initial_shape, cache.dtype))
                  for cache in self.caches}
@@ -289,19 +288,16 @@ class _Decoder:
             seconds.append(time.perf_counter() - start)
             logits = outputs[0].numpy()[0, -1].astype(np.float64)
             token = _sample(logits, sampling, rng) if sampling else int(np.argmax(logits))
-            tokens.append(token)
             past_length += len(step)
             if token in self.genai.eos:
-                stop = "eos"
-            elif len(tokens) == max_new_tokens:
-                stop = "max_new_tokens"
-            elif past_length + 1 >= self.genai.context_length:
-                stop = "context"
-            else:
-                pasts = {cache.past: value for cache, value in zip(self.caches, outputs[1:], strict=True)}
-                step = [token]
-                continue
-            return tokens, stop, seconds[0], sum(seconds[1:])
+                return tokens, "eos", seconds
+            tokens.append(token)
+            if len(tokens) == max_new_tokens:
+                return tokens, "max_new_tokens", seconds
+            if past_length + 1 >= self.genai.context_length:  # the sequence, the new token included, fills it
+                return tokens, "context", seconds
+            pasts = {cache.past: value for cache, value in zip(self.caches, outputs[1:], strict=True)}
+            step = [token]
 
     def _token_feeds(self, step: list[int], past_length: int) -> dict[str, ort.OrtValue]:
         total = past_length + len(step)
