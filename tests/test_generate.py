@@ -24,15 +24,6 @@ PROMPT = [7, 19, 33, 4, 61, 12, 70, 8, 41, 23, 50, 88]  # longer than GPT-OSS's 
 NEW_TOKENS = 20  # the sequence passes the window again and again
 
 
-@pytest.fixture(scope="module")
-def optimized(tmp_path_factory) -> dict[str, Path]:
-    """Each folder optimized (target moe) by `moe-onnx optimize FOLDER -o OUT`."""
-    out = tmp_path_factory.mktemp("generate")
-    for name in NAMES:
-        assert cli(["optimize", str(FIXTURES / name), "-o", str(out / name)]) == 0
-    return {name: out / name for name in NAMES}
-
-
 def _genai_tokens(folder: Path, prompt: list[int], new_tokens: int) -> list[int]:
     """onnxruntime-genai's greedy tokens after ``prompt``."""
     model = og.Model(str(folder))
@@ -46,21 +37,21 @@ def _genai_tokens(folder: Path, prompt: list[int], new_tokens: int) -> list[int]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_tokens_equal_genais(optimized, name):
+def test_greedy_tokens_equal_genais(genai_optimized, name):
     """The builder's folder (onnxruntime's MoE/QMoE) and the optimized one (our MOE/QMOE) give onnxruntime-genai's
     tokens, one decode run per token after the prefill."""
     expected = _genai_tokens(FIXTURES / name, PROMPT, NEW_TOKENS)
     assert len(set(expected)) > 3, expected  # a real sequence, not one token repeated
-    for folder in (FIXTURES / name, optimized[name]):
+    for folder in (FIXTURES / name, genai_optimized[name]):
         result = moe_onnx.generate(folder, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS)
         assert result.tokens == expected, (folder, result.tokens, expected)
         assert result.stop == "max_new_tokens" and result.decode_runs == NEW_TOKENS - 1
         assert result.prefill_seconds > 0 and result.decode_seconds > 0
-    assert _genai_tokens(optimized[name], PROMPT, NEW_TOKENS) == expected
+    assert _genai_tokens(genai_optimized[name], PROMPT, NEW_TOKENS) == expected
 
 
-def test_python_backend_gives_the_same_tokens(optimized):
-    folder = optimized["lfm2_moe_int4"]
+def test_python_backend_gives_the_same_tokens(genai_optimized):
+    folder = genai_optimized["lfm2_moe_int4"]
     cpp = moe_onnx.generate(folder, prompt_ids=PROMPT[:5], max_new_tokens=6)
     python = moe_onnx.generate(folder, prompt_ids=PROMPT[:5], max_new_tokens=6, backend="python")
     assert python.tokens == cpp.tokens
