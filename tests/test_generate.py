@@ -10,8 +10,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime_genai as og
 import pytest
+from onnx import TensorProto, helper
 
 import moe_onnx
 from moe_onnx.cli import main as cli
@@ -146,3 +148,71 @@ def test_command_refuses_ids_that_are_not_ids(capsys):
         cli(["generate", str(FIXTURES / "gpt_oss_fp32"), "--prompt-ids", "5,x", "-n", "2"])
     assert exited.value.code == 2
     assert "argument --prompt-ids: '5,x' is not token ids like 5,9,17" in capsys.readouterr().err
+
+
+def test_reads_the_names_and_feeds_positions_from_the_config(tmp_path):
+    """A decoder of other names, with position_ids: its logits pick token (sum of the cached positions + the mask's
+    length) mod V, so each step's token checks that the positions continue, that the cache is fed back whole and
+    that the mask covers the whole sequence."""
+    vocab = 100
+    _write_counting_decoder(tmp_path, vocab)
+    prompt = [4, 8, 15]
+    result = moe_onnx.generate(tmp_path, prompt_ids=prompt, max_new_tokens=6)
+    lengths = range(len(prompt), len(prompt) + 6)  # the tokens each run has seen
+    assert result.tokens == [(total * (total - 1) // 2 + total) % vocab for total in lengths]
+    assert result.stop == "max_new_tokens" and result.decode_runs == 5
+
+
+def test_command_refuses_a_decoder_input_the_config_does_not_name(tmp_path, capsys):
+    _write_counting_decoder(tmp_path, 100)
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    del config["model"]["decoder"]["inputs"]["position_ids"]
+    (tmp_path / "genai_config.json").write_text(json.dumps(config))
+    assert cli(["generate", str(tmp_path), "--prompt-ids", "4", "-n", "2"]) == 2
+    assert capsys.readouterr().err == (f"moe-onnx generate: {tmp_path / 'model.onnx'}: inputs ['pos'] are neither the "
+                                       f"token inputs nor a cache that genai_config.json names\n")
+
+
+def _write_counting_decoder(folder: Path, vocab: int) -> None:
+    """genai_config.json and model.onnx of a decoder named ids/mask/pos -> scores, caches past.%d.k/v ->
+    present.%d.k/v (one layer, head and head size 1) holding each token's position."""
+    def tensor(name, elem_type, dims):
+        return helper.make_tensor_value_info(name, elem_type, dims)
+
+    nodes = [
+        helper.make_node("Cast", ["pos"], ["pos_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["pos_f", "axes_1_3"], ["new"]),
+        helper.make_node("Concat", ["past.0.k", "new"], ["present.0.k"], axis=2),
+        helper.make_node("Concat", ["past.0.v", "new"], ["present.0.v"], axis=2),
+        helper.make_node("ReduceSum", ["present.0.k"], ["positions"], keepdims=0),
+        helper.make_node("Shape", ["mask"], ["total"], start=1),
+        helper.make_node("Cast", ["total"], ["total_f"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["positions", "total_f"], ["index_f"]),
+        helper.make_node("Cast", ["index_f"], ["index"], to=TensorProto.INT64),
+        helper.make_node("Mod", ["index", "vocab"], ["token"]),
+        helper.make_node("OneHot", ["token", "vocab", "off_on"], ["one_hot"]),
+        helper.make_node("Shape", ["ids"], ["ids_shape"]),
+        helper.make_node("Concat", ["ids_shape", "vocab"], ["scores_shape"], axis=0),
+        helper.make_node("Expand", ["one_hot", "scores_shape"], ["scores"]),
+    ]
+    constants = [helper.make_tensor("axes_1_3", TensorProto.INT64, [2], [1, 3]),
+                 helper.make_tensor("vocab", TensorProto.INT64, [1], [vocab]),
+                 helper.make_tensor("off_on", TensorProto.FLOAT, [2], [0, 1])]
+    cache = ["batch", 1, "past", 1]
+    graph = helper.make_graph(
+        nodes, "counting", [tensor("ids", TensorProto.INT64, ["batch", "seq"]),
+                            tensor("mask", TensorProto.INT64, ["batch", "total"]),
+                            tensor("pos", TensorProto.INT64, ["batch", "seq"]),
+                            tensor("past.0.k", TensorProto.FLOAT, cache), tensor("past.0.v", TensorProto.FLOAT, cache)],
+        [tensor("scores", TensorProto.FLOAT, ["batch", "seq", vocab]),
+         tensor("present.0.k", TensorProto.FLOAT, None), tensor("present.0.v", TensorProto.FLOAT, None)],
+        constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # onnxruntime's
+    onnx.save(model, folder / "model.onnx")
+    decoder = {"filename": "model.onnx", "head_size": 1, "num_hidden_layers": 1, "num_key_value_heads": 1,
+               "inputs": {"input_ids": "ids", "attention_mask": "mask", "position_ids": "pos",
+                          "past_key_names": "past.%d.k", "past_value_names": "past.%d.v"},
+               "outputs": {"logits": "scores", "present_key_names": "present.%d.k",
+                           "present_value_names": "present.%d.v"}}
+    config = {"model": {"decoder": decoder, "context_length": 64, "eos_token_id": vocab - 1}}
+    (folder / "genai_config.json").write_text(json.dumps(config))
