@@ -252,6 +252,7 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
         raise GenerateError(f"the prompt's {len(prompt_ids)} tokens leave no room in the context of "
                             f"{genai.context_length} tokens ({CONFIG_FILE}'s context_length)")
     options = ort.SessionOptions()
+    options.log_severity_level = 4  # a failing run's error is raised with its message, not logged as well
     if threads is not None:
         options.intra_op_num_threads = threads
     decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)

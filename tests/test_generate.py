@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +145,17 @@ def test_command_errors_are_one_line(tmp_path, capsys, case):
     assert capsys.readouterr().err == f"moe-onnx generate: {message}\n"
 
 
+@pytest.mark.subprocess  # onnxruntime's logger, which the tests' conftest silences, left as a user has it
+def test_a_run_onnxruntime_fails_is_one_line():
+    """The builder's fp16 LFM2-MoE fails in onnxruntime on CPU once it has a past (an fp16 Cast onnxruntime
+    inserts): its message in one line, nothing logged besides."""
+    done = subprocess.run([sys.executable, "-m", "moe_onnx.cli", "generate", str(FIXTURES / "lfm2_moe_fp16"),
+                           "--prompt-ids", "5,9,17", "-n", "4"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("moe-onnx generate: Fail: [ONNXRuntimeError] : 1 : FAIL : Non-zero status code "
+                                  "returned while running Cast node.") and done.stderr.count("\n") == 1, done.stderr
+
+
 def test_command_refuses_ids_that_are_not_ids(capsys):
     with pytest.raises(SystemExit) as exited:
         cli(["generate", str(FIXTURES / "gpt_oss_fp32"), "--prompt-ids", "5,x", "-n", "2"])
@@ -207,7 +220,7 @@ def _write_counting_decoder(folder: Path, vocab: int) -> None:
         [tensor("scores", TensorProto.FLOAT, ["batch", "seq", vocab]),
          tensor("present.0.k", TensorProto.FLOAT, None), tensor("present.0.v", TensorProto.FLOAT, None)],
         constants)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # onnxruntime's
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # one onnxruntime reads
     onnx.save(model, folder / "model.onnx")
     decoder = {"filename": "model.onnx", "head_size": 1, "num_hidden_layers": 1, "num_key_value_heads": 1,
                "inputs": {"input_ids": "ids", "attention_mask": "mask", "position_ids": "pos",
