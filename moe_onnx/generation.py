@@ -17,8 +17,9 @@ decoder takes is read from the config, as onnxruntime-genai reads it, not from a
 
 Prefill is one run over the prompt; each later token is one run of that token, the presents fed back as the pasts
 (onnxruntime values, never copied out); ``attention_mask`` is ones over every token so far, ``position_ids`` the
-new tokens' positions. Generation stops at an eos token (left out of the tokens, as onnxruntime-genai leaves it), after
-``max_new_tokens`` or when the sequence fills the context. The times are measured around ``session.run`` only.
+new tokens' positions. Generation stops at an eos token (left out of the tokens, as onnxruntime-genai leaves it),
+after ``max_new_tokens`` or when the sequence fills the context. The times are measured around ``session.run``
+only.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ class _Decoder:
         self.attention_mask = genai.name("attention_mask", "attention_mask")
         self.position_ids = genai.name("position_ids", "position_ids")
         self.has_mask, self.has_positions = self.attention_mask in inputs, self.position_ids in inputs
-        self.logits = genai.outputs.get("logits", "logits")
+        self.logits = genai.name("logits", "logits")
         self.output_names = [self.logits] + [cache.present for cache in self.caches]
 
     def run(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None):

@@ -156,6 +156,16 @@ def test_a_run_onnxruntime_fails_is_one_line():
                                   "returned while running Cast node.") and done.stderr.count("\n") == 1, done.stderr
 
 
+def test_without_the_tokenizers_package_ids_still_generate(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    folder = str(FIXTURES / "gpt_oss_fp32")
+    assert cli(["generate", folder, "--prompt", "w5 w9", "-n", "2"]) == 2
+    assert capsys.readouterr().err == ("moe-onnx generate: a text prompt needs the tokenizers package: pip install "
+                                       "'moe-onnx[generate]' (or give the prompt's token ids)\n")
+    assert cli(["generate", folder, "--prompt-ids", "5,9", "-n", "2"]) == 0
+    assert capsys.readouterr().out.startswith("tokens: ")  # no text line
+
+
 def test_command_refuses_ids_that_are_not_ids(capsys):
     with pytest.raises(SystemExit) as exited:
         cli(["generate", str(FIXTURES / "gpt_oss_fp32"), "--prompt-ids", "5,x", "-n", "2"])
@@ -220,7 +230,7 @@ def _write_counting_decoder(folder: Path, vocab: int) -> None:
         [tensor("scores", TensorProto.FLOAT, ["batch", "seq", vocab]),
          tensor("present.0.k", TensorProto.FLOAT, None), tensor("present.0.v", TensorProto.FLOAT, None)],
         constants)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # one onnxruntime reads
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)  # ORT 1.31 reads
     onnx.save(model, folder / "model.onnx")
     decoder = {"filename": "model.onnx", "head_size": 1, "num_hidden_layers": 1, "num_key_value_heads": 1,
                "inputs": {"input_ids": "ids", "attention_mask": "mask", "position_ids": "pos",
