@@ -9,13 +9,15 @@ Public API:
   the forms it can make.
 * :func:`quantize`: turn a fused model's MOE nodes into QMOE nodes (int8/int4 weights, MXFP4
   repacked) and measure the error against the fp32 model.
+* :func:`generate`: generate tokens (and text) from a model folder in onnxruntime-genai's format, with its KV
+  cache, on these sessions.
 """
 
 from .ops import DOMAIN, OPSET_VERSION, MoeOpError
 from .runtime import custom_ops_library, session
 
 __all__ = ["COMPUTES", "DOMAIN", "OPSET_VERSION", "OUR_OPS_TARGETS", "TARGETS", "MoeOpError", "custom_ops_library",
-           "optimize", "quantize", "session"]
+           "generate", "optimize", "quantize", "session"]
 __version__ = "0.1.0"
 
 
@@ -102,3 +104,25 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears)
     return quantization.quantize(model, settings, measure=measure, backend=backend,
                                  sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
+
+
+def generate(folder, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int, threads: int | None = None,
+             sample: bool = False, seed: int | None = None, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, backend: str = "cpp"):
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text: the folder's tokenizer.json, read by the
+    ``tokenizers`` package of the ``generate`` extra) or ``prompt_ids``, as ``moe-onnx generate`` does; returns a
+    :class:`moe_onnx.generation.Generation` (``tokens``, ``text``, ``stop``, prefill and decode tokens/s,
+    ``summary()``).
+
+    ``folder`` is in onnxruntime-genai's format (genai_config.json, the decoder, tokenizer.json): the decoder runs
+    on :func:`session` (``backend``, ``threads`` intra-op threads) with its KV cache, one run over the prompt and
+    one per new token, until an eos token, ``max_new_tokens`` or the context length. Greedy, or with ``sample``
+    drawn by ``seed`` (default 0) after ``temperature``, ``top_k`` and ``top_p`` (those not given: the config's
+    search section). Raises :class:`moe_onnx.generation.GenerateError` (a ValueError) for bad settings or a prompt
+    that leaves no room in the context, :class:`moe_onnx._ir.model_files.ModelFileError` for a folder, config,
+    decoder or tokenizer that cannot be read; onnxruntime's exceptions come through unchanged.
+    """
+    from .generation import generate as _generate
+
+    return _generate(folder, prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, threads=threads,
+                     sample=sample, seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, backend=backend)

@@ -1,7 +1,7 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
 ``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.pipeline.shard_file`;
-``run``: :func:`moe_onnx.distributed.run.launch`)."""
+``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,38 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if worst <= args.tolerance else 1
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """Exit 2 for settings generation cannot take (GenerateError), 1 for a folder, config, decoder or tokenizer that
+    cannot be read and for a run onnxruntime fails."""
+    from .generation import GenerateError, generate
+
+    try:
+        result = generate(args.folder, args.prompt, prompt_ids=args.prompt_ids, max_new_tokens=args.max_new_tokens,
+                          threads=args.threads, sample=args.sample, seed=args.seed, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, backend=args.backend)
+    except GenerateError as error:
+        print(f"moe-onnx generate: {error}", file=sys.stderr)
+        return 2
+    except ModelFileError as error:
+        print(f"moe-onnx generate: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+        print(f"moe-onnx generate: {type(error).__name__}: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(token) for token in text.replace(",", " ").split()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not token ids like 5,9,17")
+    return ids
+
+
 def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
     try:
         return parse_sizes(text)
@@ -263,6 +295,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reference", metavar="MODEL", help="the unsharded model, for --check")
     run.add_argument("--tolerance", type=float, default=1e-5, help="--check fails above this max error (1e-5)")
     run.set_defaults(run=_run)
+
+    gen = commands.add_parser(
+        "generate", help="generate text from a model folder in onnxruntime-genai's format (KV cache, our ops)",
+        description="Run DIR's decoder (genai_config.json names it and its caches) on our sessions: one run over "
+                    "the prompt (prefill), then one run per new token with the cache fed back (decode), until an eos "
+                    "token, -n tokens or the context length. Prints the text (when DIR has tokenizer.json and the "
+                    "tokenizers package is installed), the token ids, and the prefill and decode tokens/s (timed "
+                    "around session.run only). Greedy unless --sample.")
+    gen.add_argument("folder", metavar="DIR", help="a folder in onnxruntime-genai's format (genai_config.json, the "
+                                                   "decoder, tokenizer.json)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs DIR/tokenizer.json and the "
+                                                         "tokenizers package: pip install 'moe-onnx[generate]')")
+    prompt.add_argument("--prompt-ids", type=_token_ids, metavar="IDS", help="the prompt as token ids: 5,9,17")
+    gen.add_argument("-n", "--max-new-tokens", type=_positive_int, required=True, help="tokens to generate at most")
+    gen.add_argument("--threads", type=_positive_int, default=None, help="intra-op threads (default: onnxruntime's)")
+    gen.add_argument("--sample", action="store_true",
+                     help="draw each token (temperature, then top-k, then top-p) instead of taking the largest "
+                          "logit; the settings not given come from genai_config.json's search section")
+    gen.add_argument("--seed", type=int, default=None, help="with --sample: the draw's seed (default 0)")
+    gen.add_argument("--temperature", type=float, default=None, help="with --sample: divides the logits")
+    gen.add_argument("--top-k", type=int, default=None, help="with --sample: keep the k largest logits (0: all)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="with --sample: keep the fewest tokens whose probabilities sum to p (1: all)")
+    gen.add_argument("--backend", choices=BACKENDS, default="cpp", help="the kernels of our ops (default cpp)")
+    gen.set_defaults(run=_generate)
     return parser
 
 

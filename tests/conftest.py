@@ -14,6 +14,9 @@ module imports another:
   process; ``ort_contrib_reference.py``: onnxruntime's contrib MoE/QMoE in numpy;
 * ``mpi/``: the drivers :func:`mpirun` launches.
 
+Fixtures: ``mpirun``; ``genai_optimized``, the onnxruntime-genai builder folders (models/fixtures/genai) optimized
+once per run (test_genai_models.py, test_generate.py).
+
 Markers (pyproject.toml): ``slow`` (left out of the fast lane ``pytest -m "not slow"``), ``mpi``,
 ``subprocess``, ``fuzz``.
 """
@@ -60,3 +63,17 @@ def mpirun() -> Callable[..., subprocess.CompletedProcess]:
                               capture_output=True, text=True, timeout=timeout)
 
     return launch
+
+
+@pytest.fixture(scope="session")
+def genai_optimized(tmp_path_factory) -> dict[str, Path]:
+    """Each onnxruntime-genai builder folder of models/fixtures/genai optimized (target moe) by `moe-onnx optimize
+    FOLDER -o OUT`, by name; shared: copy a folder before changing it."""
+    from moe_onnx.cli import main as cli
+
+    fixtures, out = ROOT / "models" / "fixtures" / "genai", tmp_path_factory.mktemp("genai_optimized")
+    names = sorted(folder.name for folder in fixtures.iterdir())
+    for name in names:
+        assert cli(["optimize", str(fixtures / name), "-o", str(out / name)]) == 0
+    return {name: out / name for name in names}
+

@@ -31,15 +31,6 @@ def _ops(path: Path) -> set[str]:
     return {f"{node.domain}::{node.op_type}" for node in model.graph.node}
 
 
-@pytest.fixture(scope="module")
-def optimized(tmp_path_factory) -> dict[str, Path]:
-    """Each builder folder optimized (target moe) by `moe-onnx optimize FOLDER -o OUT`."""
-    out = tmp_path_factory.mktemp("genai")
-    for name in NAMES:
-        assert cli(["optimize", str(FIXTURES / name), "-o", str(out / name)]) == 0
-    return {name: out / name for name in NAMES}
-
-
 def test_check_takes_builder_models(capsys):
     """Contrib ops (SimplifiedLayerNormalization in the default domain, com.microsoft's GroupQueryAttention, ...)
     are onnxruntime's, not errors; the builder's constant declared as a scalar holding [1] is a note."""
@@ -60,8 +51,8 @@ def test_check_still_refuses_unregistered_ops(tmp_path, capsys):
             f"onnxruntime {ort.__version__}") in capsys.readouterr().out
 
 
-def test_optimize_fuses_every_block_and_passes_check(optimized, capsys):
-    for name, folder in optimized.items():
+def test_optimize_fuses_every_block_and_passes_check(genai_optimized, capsys):
+    for name, folder in genai_optimized.items():
         ops = _ops(folder / "model.onnx")
         quantized = name.endswith("int4")
         assert "com.microsoft::MoE" not in ops and "com.microsoft::QMoE" not in ops, name
@@ -70,7 +61,7 @@ def test_optimize_fuses_every_block_and_passes_check(optimized, capsys):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_optimized_logits_match_the_builders(optimized, name):
+def test_optimized_logits_match_the_builders(genai_optimized, name):
     """One step: the builder's model on onnxruntime, ours on our kernels, every output (the logits see both MoE
     layers, layer 1's present keys and values layer 0's)."""
     config = json.loads((FIXTURES / name / "genai_config.json").read_text())["model"]["decoder"]
@@ -79,7 +70,7 @@ def test_optimized_logits_match_the_builders(optimized, name):
     feeds = _step_inputs(builder, config, gqa)
     names = [output.name for output in builder.get_outputs()]
     expected = dict(zip(names, builder.run(names, feeds), strict=True))
-    ours = dict(zip(names, moe_onnx.session(optimized[name] / "model.onnx").run(names, feeds), strict=True))
+    ours = dict(zip(names, moe_onnx.session(genai_optimized[name] / "model.onnx").run(names, feeds), strict=True))
     relative = max(_relative_error(ours[output], expected[output], output) for output in names)
     print(f"{name}: max |ours - builder's| / max |builder's| = {relative:.3g}")
     assert relative <= RELATIVE_TOLERANCE[name.rsplit("_", 1)[1]], (name, relative)
@@ -114,21 +105,21 @@ def _step_inputs(session: ort.InferenceSession, config: dict, gqa: bool) -> dict
     return feeds
 
 
-def test_target_ort_gives_the_contrib_ops_back(optimized, tmp_path):
+def test_target_ort_gives_the_contrib_ops_back(genai_optimized, tmp_path):
     for name in ("gpt_oss_fp32", "lfm2_moe_int4"):
         out = tmp_path / f"{name}.onnx"
-        assert cli(["optimize", str(optimized[name] / "model.onnx"), "-o", str(out), "--target", "ort"]) == 0
+        assert cli(["optimize", str(genai_optimized[name] / "model.onnx"), "-o", str(out), "--target", "ort"]) == 0
         ops = _ops(out)
         assert f"com.microsoft::{'QMoE' if name.endswith('int4') else 'MoE'}" in ops, name
         assert not any(op.startswith("moe_onnx::") for op in ops), name
 
 
-def test_quantize_the_optimized_fp32_model(optimized, tmp_path, capsys):
+def test_quantize_the_optimized_fp32_model(genai_optimized, tmp_path, capsys):
     """With the error measured on inputs a decoder takes (a prompt, then the next token after it)."""
     for name in ("gpt_oss_fp32", "lfm2_moe_fp32"):
         out, report = tmp_path / f"{name}.onnx", tmp_path / f"{name}.json"
-        assert cli(["quantize", str(optimized[name] / "model.onnx"), "-o", str(out), "--bits", "4", "--sizes", "1x6",
-                    "--report", str(report)]) == 0, capsys.readouterr()
+        assert cli(["quantize", str(genai_optimized[name] / "model.onnx"), "-o", str(out), "--bits", "4",
+                    "--sizes", "1x6", "--report", str(report)]) == 0, capsys.readouterr()
         assert "moe_onnx::QMOE" in _ops(out), name
         assert cli(["check", str(out)]) == 0, capsys.readouterr().out
         error = json.loads(report.read_text())["error"]
@@ -156,14 +147,14 @@ def test_verify_runs_the_builders_models_with_their_cache(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", [name for name in NAMES if not name.endswith("fp16")])
-def test_genai_generates_the_builders_tokens(optimized, name):
+def test_genai_generates_the_builders_tokens(genai_optimized, name):
     """The optimized folder runs in onnxruntime-genai (our library copied in, named by genai_config.json) and
     greedy generation gives the builder's tokens. (The builder's fp16 models do not run in onnxruntime-genai on
     CPU, which the builder does not list as an fp16 target.)"""
-    config = json.loads((optimized[name] / "genai_config.json").read_text())
+    config = json.loads((genai_optimized[name] / "genai_config.json").read_text())
     library = config["model"]["decoder"]["session_options"]["custom_ops_library"]
-    assert (optimized[name] / library).is_file()
-    assert _generate(FIXTURES / name) == _generate(optimized[name])
+    assert (genai_optimized[name] / library).is_file()
+    assert _generate(FIXTURES / name) == _generate(genai_optimized[name])
 
 
 def _generate(folder: Path) -> list[int]:
