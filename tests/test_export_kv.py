@@ -1,7 +1,8 @@
 """`moe-onnx export`'s decoders with a KV cache: the committed exports of models/fixtures/kv (made by
 models/export_kv_fixtures.py: a tiny random checkpoint per family, exported and fused) generate transformers'
 greedy tokens step by step, feeding each step's presents back as the next step's pasts, with logits within 1e-4
-of torch's at every step; the folder is what onnxruntime-genai reads; the command's refusals. Where torch and
+of torch's at every step, on our kernels, after `--target ort` on plain onnxruntime, and in onnxruntime-genai; the
+folder is what onnxruntime-genai reads; the command's refusals. Where torch and
 transformers are installed, the export itself runs too (test_export_from_checkpoint)."""
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def test_fixture_generates_torch_tokens(family):
     ops = [node.op_type for node in model.graph.node if node.domain == "moe_onnx"]
     assert sorted(ops) == ["MOE", "MOE", "MoeGatingTopK", "MoeGatingTopK"]
     _assert_generates_torch_tokens(moe_onnx.session(folder / "model.onnx"), folder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fixture_with_target_ort_generates_torch_tokens(family, tmp_path):
+    """`moe-onnx optimize FOLDER --target ort`: every MoE layer becomes onnxruntime's com.microsoft::MoE, and plain
+    onnxruntime (no library of ours) generates the same tokens with the cache, logits within 1e-4."""
+    out = tmp_path / family
+    assert cli(["optimize", str(FIXTURES / family), "-o", str(out), "--target", "ort"]) == 0
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    assert sorted(node.op_type for node in model.graph.node if node.domain) == ["MoE", "MoE"]
+    _assert_generates_torch_tokens(ort.InferenceSession(out / "model.onnx", providers=["CPUExecutionProvider"]),
+                                   FIXTURES / family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
