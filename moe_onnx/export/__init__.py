@@ -54,8 +54,8 @@ class ExportResult:
         return self.optimized is None or self.optimized.ok
 
     def summary(self) -> str:
-        lines = [f"exported {self.family.model_type} ({self.family.exporter} exporter, experts "
-                 f"{self.family.experts_implementation}) to {self.out_dir}"]
+        lines = [f"exported {self.family.model_type} (dynamo exporter, experts {self.family.experts_implementation}) "
+                 f"to {self.out_dir}"]
         if self.optimized is not None:
             lines.append(self.optimized.summary())
             if not self.optimized.report.fused_blocks:
@@ -92,8 +92,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         stage = Path(staging) if optimize else out
         say(f"loading {checkpoint} ({dtype})")
         model = _attempt(f"transformers cannot load {checkpoint}", _torch.load_model, checkpoint, family, dtype)
-        say(f"exporting the decoder with its KV cache ({family.exporter} exporter)")
-        _attempt(f"torch.onnx cannot export {checkpoint}", _torch.export_decoder, model, family, stage / DECODER)
+        say("exporting the decoder with its KV cache (dynamo exporter)")
+        _attempt(f"torch.onnx cannot export {checkpoint}", _torch.export_decoder, model, stage / DECODER)
         del model
         gc.collect()
         generation = _read_json(checkpoint / "generation_config.json") if (

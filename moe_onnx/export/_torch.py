@@ -72,19 +72,22 @@ def trace_inputs(config, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return input_ids, attention_mask, position_ids, tuple(cache)
 
 
-def export_decoder(model: transformers.PreTrainedModel, family: ExportFamily, path: Path) -> None:
-    """Export ``model``'s decoder with a flat KV cache to ``path`` (its weights in ``path``.data), with dynamic
-    batch_size, sequence_length, past_sequence_length and total_sequence_length."""
+def export_decoder(model: transformers.PreTrainedModel, path: Path) -> None:
+    """Export ``model``'s decoder with a flat KV cache through the dynamo exporter to ``path`` (its weights in
+    ``path``.data), with dynamic batch_size, sequence_length, past_sequence_length and total_sequence_length."""
     config = model.config
     decoder = FlatCacheDecoder(model).eval()
     inputs = trace_inputs(config, model.dtype)
     input_names, output_names = io_names(config.num_hidden_layers)
+    dynamic = torch.export.Dim.DYNAMIC  # torch.export relates the dims itself (total = past + sequence)
+    pair, cache = {0: dynamic, 1: dynamic}, {0: dynamic, 2: dynamic}
+    shapes = (pair, pair, pair, (cache,) * len(inputs[3]))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        if family.exporter == "dynamo":
-            _export_dynamo(decoder, inputs, path, input_names, output_names)
-        else:
-            _export_torchscript(decoder, inputs, path, input_names, output_names)
+        program = torch.onnx.export(decoder, inputs, dynamo=True, opset_version=OPSET, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=shapes, verbose=False)
+    _tidy(program.model, _dim_names(input_names, output_names))
+    program.save(str(path), external_data=True)
 
 
 def _dim_names(input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
@@ -96,21 +99,6 @@ def _dim_names(input_names: list[str], output_names: list[str]) -> dict[str, dic
     names.update({name: cache for name in input_names[3:]})
     names.update({name: {0: "batch_size", 2: "total_sequence_length"} for name in output_names[1:]})
     return names
-
-
-def _export_torchscript(decoder, inputs, path: Path, input_names, output_names) -> None:
-    torch.onnx.export(decoder, inputs, str(path), dynamo=False, opset_version=OPSET, input_names=input_names,
-                      output_names=output_names, dynamic_axes=_dim_names(input_names, output_names))
-
-
-def _export_dynamo(decoder, inputs, path: Path, input_names, output_names) -> None:
-    dynamic = torch.export.Dim.DYNAMIC  # torch.export relates the dims itself (total = past + sequence)
-    pair, cache = {0: dynamic, 1: dynamic}, {0: dynamic, 2: dynamic}
-    shapes = (pair, pair, pair, (cache,) * len(inputs[3]))
-    program = torch.onnx.export(decoder, inputs, dynamo=True, opset_version=OPSET, input_names=input_names,
-                                output_names=output_names, dynamic_shapes=shapes, verbose=False)
-    _tidy(program.model, _dim_names(input_names, output_names))
-    program.save(str(path), external_data=True)
 
 
 def _tidy(model: ir.Model, names: dict[str, dict[int, str]]) -> None:
