@@ -1,7 +1,8 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
 ``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.pipeline.shard_file`;
-``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`)."""
+``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`; ``export``:
+:func:`moe_onnx.export.export_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,22 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
         except ModelFileError as error:
             print(f"moe-onnx {command}: the report {error}", file=sys.stderr)
             return 1
+    return 0 if result.ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import ExportError, ExportFailure, export_checkpoint
+
+    try:
+        result = export_checkpoint(args.checkpoint, args.output, args.dtype, optimize=not args.no_optimize,
+                                   progress=_stage_printer())
+    except (ExportError, OutputPathError) as error:
+        print(f"moe-onnx export: {error}", file=sys.stderr)
+        return 2
+    except (ExportFailure, ModelFileError, ShapeInferenceError) as error:
+        print(f"moe-onnx export: {error}", file=sys.stderr)
+        return 1
+    print(result.summary())
     return 0 if result.ok else 1
 
 
@@ -263,6 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     quant.add_argument("--report", metavar="FILE.json", help="write the report (with the error) as JSON")
     quant.set_defaults(run=_quantize)
+
+    export = commands.add_parser(
+        "export", help="a Hugging Face checkpoint folder -> a decoder with a KV cache, fused, in an onnxruntime-genai "
+                       "folder (needs torch and transformers: the export extra)",
+        description="Load CHECKPOINT (config.json, safetensors, tokenizer files) with transformers and export its "
+                    "decoder with a KV cache to OUT_DIR/model.onnx (inputs input_ids, attention_mask, position_ids, "
+                    "past_key_values.N.key/value; outputs logits, present.N.key/value; external data), fuse it as "
+                    "`moe-onnx optimize` does, and write genai_config.json and the tokenizer files beside it. Exit 2 "
+                    "for a model family or setting it refuses, 1 when the checkpoint cannot be read or exported.")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a local Hugging Face checkpoint folder")
+    export.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="the folder to write")
+    export.add_argument("--dtype", default="fp32", help="the weights' and activations' type: fp32 (default), fp16 "
+                                                        "or bf16")
+    export.add_argument("--no-optimize", action="store_true", help="write the export as it is, unfused")
+    export.set_defaults(run=_export)
 
     shard = commands.add_parser(
         "shard", help="split a model over tp x ep ranks (tensor and expert parallelism over MPI)",

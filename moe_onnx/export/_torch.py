@@ -1,0 +1,117 @@
+"""The torch side of ``moe-onnx export``: load a checkpoint with transformers and export its decoder with a flat
+KV cache through torch.onnx. Imported only by :func:`moe_onnx.export.export_checkpoint`, after it has checked
+that torch and transformers are installed."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+import transformers
+
+from .families import ExportFamily
+from .genai_config import INPUT_NAMES, OUTPUT_NAMES
+
+OPSET = 18
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# the trace's sizes: distinct and above 1, so that no dim is taken for a constant
+_TRACE_BATCH, _TRACE_SEQUENCE, _TRACE_PAST = 2, 3, 5
+
+
+def load_model(checkpoint: Path, family: ExportFamily, dtype: str) -> transformers.PreTrainedModel:
+    """The checkpoint's causal LM in eval mode at ``dtype``, with the family's experts implementation and
+    eager attention (the plain matmul-softmax-matmul the exporters write for any dtype)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=DTYPES[dtype], attn_implementation="eager",
+        experts_implementation=family.experts_implementation)
+    return model.eval()
+
+
+class FlatCacheDecoder(torch.nn.Module):
+    """A causal LM as a function of flat tensors: (input_ids, attention_mask, position_ids, past key 0,
+    past value 0, past key 1, ...) -> (logits, present key 0, present value 0, ...), each past and present
+    [batch, kv heads, length, head size]; the presents are the pasts with this step's keys and values appended."""
+
+    def __init__(self, model: transformers.PreTrainedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, past):
+        cache = transformers.DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2], strict=True)))
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True)
+        presents = []
+        for layer in output.past_key_values.layers:
+            presents += [layer.keys, layer.values]
+        return (output.logits, *presents)
+
+
+def io_names(layers: int) -> tuple[list[str], list[str]]:
+    """The decoder's input and output names (genai_config.json's, layer by layer)."""
+    inputs = [INPUT_NAMES["input_ids"], INPUT_NAMES["attention_mask"], INPUT_NAMES["position_ids"]]
+    outputs = [OUTPUT_NAMES["logits"]]
+    for layer in range(layers):
+        inputs += [INPUT_NAMES["past_key_names"] % layer, INPUT_NAMES["past_value_names"] % layer]
+        outputs += [OUTPUT_NAMES["present_key_names"] % layer, OUTPUT_NAMES["present_value_names"] % layer]
+    return inputs, outputs
+
+
+def trace_inputs(config, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Example inputs of the trace: a batch of 2, 3 new tokens after 5 cached ones."""
+    generator = torch.Generator().manual_seed(0)
+    batch, sequence, past = _TRACE_BATCH, _TRACE_SEQUENCE, _TRACE_PAST
+    input_ids = torch.randint(0, config.vocab_size, (batch, sequence), generator=generator)
+    attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
+    position_ids = torch.arange(past, past + sequence).expand(batch, sequence)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = [torch.randn(batch, kv_heads, past, head, generator=generator).to(dtype)
+             for _ in range(2 * config.num_hidden_layers)]
+    return input_ids, attention_mask, position_ids, tuple(cache)
+
+
+def export_decoder(model: transformers.PreTrainedModel, path: Path) -> None:
+    """Export ``model``'s decoder with a flat KV cache through the dynamo exporter to ``path`` (its weights in
+    ``path``.data), with dynamic batch_size, sequence_length, past_sequence_length and total_sequence_length."""
+    config = model.config
+    decoder = FlatCacheDecoder(model).eval()
+    inputs = trace_inputs(config, model.dtype)
+    input_names, output_names = io_names(config.num_hidden_layers)
+    dynamic = torch.export.Dim.DYNAMIC  # torch.export relates the dims itself (total = past + sequence)
+    pair, cache = {0: dynamic, 1: dynamic}, {0: dynamic, 2: dynamic}
+    shapes = (pair, pair, pair, (cache,) * len(inputs[3]))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(decoder, inputs, dynamo=True, opset_version=OPSET, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=shapes, verbose=False)
+    _tidy(program.model, _dim_names(input_names, output_names))
+    program.save(str(path), external_data=True)
+
+
+def _dim_names(input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
+    cache = {0: "batch_size", 2: "past_sequence_length"}
+    names = {"input_ids": {0: "batch_size", 1: "sequence_length"},
+             "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+             "position_ids": {0: "batch_size", 1: "sequence_length"},
+             "logits": {0: "batch_size", 1: "sequence_length"}}
+    names.update({name: cache for name in input_names[3:]})
+    names.update({name: {0: "batch_size", 2: "total_sequence_length"} for name in output_names[1:]})
+    return names
+
+
+def _tidy(model: ir.Model, names: dict[str, dict[int, str]]) -> None:
+    """Give the graph's inputs' and outputs' symbolic dims the names genai and verify read (the dynamo exporter
+    names them after its symbols: s0, s1 + s0, ...), and drop the nodes' doc strings and metadata (the
+    exporter's source locations: most of a small model's bytes)."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        node.doc_string = None
+        node.metadata_props.clear()
+    for value in (*model.graph.inputs, *model.graph.outputs):
+        if value.shape is None:
+            continue
+        dims = list(value.shape)
+        for axis, name in names.get(value.name, {}).items():
+            dims[axis] = ir.SymbolicDim(name)
+        value.shape = ir.Shape(dims)
