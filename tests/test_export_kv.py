@@ -79,6 +79,21 @@ def test_fixture_generates_torch_tokens(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_moe_onnx_generate_gives_torch_tokens(family):
+    """`moe_onnx.generate` on the exported folder: torch's greedy tokens, up to the first eos token (which ends
+    generation there, as in onnxruntime-genai)."""
+    folder = FIXTURES / family
+    reference = np.load(folder / "reference.npz")
+    eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    expected = reference["tokens"].tolist()
+    stop = next((i for i, token in enumerate(expected) if token in eos), len(expected))
+    generated = moe_onnx.generate(folder, prompt_ids=reference["prompt_ids"].ravel().tolist(), max_new_tokens=len(expected))
+    assert generated.tokens == expected[:stop]
+    assert generated.stop == ("eos" if stop < len(expected) else "max_new_tokens")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_with_target_ort_generates_torch_tokens(family, tmp_path):
     """`moe-onnx optimize FOLDER --target ort`: every MoE layer becomes onnxruntime's com.microsoft::MoE, and plain
     onnxruntime (no library of ours) generates the same tokens with the cache, logits within 1e-4."""
