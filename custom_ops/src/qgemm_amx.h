@@ -33,6 +33,9 @@ struct QuantTiles {
   // group's products are on the tiles while the group before goes into C (two buffers).
   static constexpr int64_t kGroup = 4;
   static constexpr int64_t kDotInts = 2 * 2 * kRows * kPanel;  // a block's dots: [2 panels][32 rows][16]
+  // The B tile (and header) of the step this many steps on is fetched into the cache ahead: the first
+  // row block of a pair of panels reads them from memory.
+  static constexpr int64_t kPrefetchSteps = 4;
 
   const QuantTileSteps& steps;
   const QuantPanels& layout;
@@ -80,10 +83,18 @@ struct QuantTiles {
       const int8_t* a1 = a0 + kRows * ldq;
       const uint8_t* b0 = codes[0] + b * code_block_stride;
       const uint8_t* b1 = codes[kTwoPanels ? 1 : 0] + b * code_block_stride;
-      for (int64_t s = 0; s < per_block; ++s)
+      for (int64_t s = 0; s < per_block; ++s) {
+        // (here, not in a function of its own: GCC drops a call that only prefetches)
+        if (const int64_t ahead = b * per_block + s + kPrefetchSteps, next = ahead / per_block; next < blocks)
+          for (int j = 0; j < (kTwoPanels ? 2 : 1); ++j) {
+            const uint8_t* tile = codes[j] + next * code_block_stride + ahead % per_block * kStepBytes;
+            for (int64_t line = 0; line < kStepBytes; line += 64) __builtin_prefetch(tile + line, 0, 3);
+            __builtin_prefetch(B + (p + j) * layout.panel_bytes() + next * layout.block_bytes(), 0, 3);  // header
+          }
         amx::block_step<Tiles, kTwoRows, kTwoPanels>(a0 + s * kDepth, a1 + s * kDepth, ldq, b0 + s * kStepBytes,
                                                      b1 + s * kStepBytes,
                                                      [](auto c, auto x, auto y) { Tiles::dpbsud(c, x, y); });
+      }
       amx::store_block<Tiles, kTwoRows, kTwoPanels>(out, kRows * kPanel, kPanelInts, 64);
     };
     // Rows r0..r1 (of rows m..) of blocks b0.. (count) from `group` into C.
