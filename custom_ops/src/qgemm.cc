@@ -109,7 +109,8 @@ void quant_add_dots_portable(const QuantBlockDots& d, float* out, int64_t ldc) {
       const float sa = d.sa[m * d.stride + i];
       for (int64_t c = 0; c < kPanel; ++c) {
         const uint32_t zero_point = d.zero_points ? header[64 + c] : static_cast<uint32_t>(d.default_zero_point);
-        const uint32_t dot = static_cast<uint32_t>(dots[c]) - zero_point * static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        const uint32_t sum = static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        const uint32_t dot = static_cast<uint32_t>(dots[c]) - zero_point * sum;
         out[m * ldc + c] += (sa * scales[c]) * static_cast<float>(static_cast<int32_t>(dot));
       }
     }

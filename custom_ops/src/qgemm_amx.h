@@ -140,12 +140,13 @@ void quant_dots_tiles(const QuantTileSteps& steps, const QuantPanels& layout, co
   constexpr int kRows = Kernel::kRows;
   const int64_t blocks = layout.blocks(), block_k = layout.activation_block();
   const bool in_place = layout.code == QuantCode::kInt8 && layout.block % Kernel::kDepth == 0;
-  Kernel k{steps, layout, blocks, block_k, qa,       ldq, qa_sums, sa,        B,
-           p0,    C,      ldc,    in_place, in_place ? layout.block_bytes() : block_k * kPanel,
-           {},    {},     nullptr};
+  const int64_t code_block_stride = in_place ? layout.block_bytes() : block_k * kPanel;
+  Kernel k{steps, layout, blocks,   block_k,           qa, ldq, qa_sums, sa, B, p0, C, ldc,
+           in_place, code_block_stride, {}, {}, nullptr};
   Scratch scratch;
   if (!in_place)
-    for (int j = 0; j < 2; ++j) k.rows[j] = scratch.take<uint8_t>(blocks * block_k * kPanel, "the level-4 tiles' codes");
+    for (int j = 0; j < 2; ++j)
+      k.rows[j] = scratch.take<uint8_t>(blocks * block_k * kPanel, "the level-4 tiles' codes");
   k.dots = scratch.take<int32_t>(2 * Kernel::kGroup * Kernel::kDotInts, "the level-4 tiles' dots");
   for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
 

@@ -197,7 +197,8 @@ void add_dots(const QuantBlockDots& d, float* out, int64_t ldc) {
   constexpr int64_t kRows = 8;  // rows whose sums stay in registers while the blocks pass
   const auto zero_point_times = [&](const uint8_t* header, int32_t sum) {  // zp * sum per column, wrapping
     if (!kZeroPoints)
-      return _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(d.default_zero_point) * static_cast<uint32_t>(sum)));
+      return _mm512_set1_epi32(
+          static_cast<int32_t>(static_cast<uint32_t>(d.default_zero_point) * static_cast<uint32_t>(sum)));
     return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64))),
                               _mm512_set1_epi32(sum));
   };
