@@ -1,8 +1,8 @@
 """The tile layer the AMX kernels are written against (custom_ops/src/amx_tiles.h), through its test hook
-MoeOnnxTileDots (custom_ops/src/tile_dot.h): one TDPBUSD or TDPBF16PS per dot, on the model of the
+MoeOnnxTileDots (custom_ops/src/tile_dot.h): one TDPBUSD, TDPBSUD or TDPBF16PS per dot, on the model of the
 instructions or on the AMX hardware.
 
-On every machine the model must be: TDPBUSD numpy's exact int32 (wrapping); TDPBF16PS the instruction's
+On every machine the model must be: TDPBUSD and TDPBSUD numpy's exact int32 (wrapping); TDPBF16PS the instruction's
 pseudocode (two chains of fp32 fused multiply-adds, DAZ, FTZ after rounding, x86's NaN rules), computed
 here independently in exact rational arithmetic, and within that summation's error bound of the exact
 result; for partial configurations (fewer rows, narrower rows) and on several threads at once. Where
@@ -31,7 +31,7 @@ import pytest
 import moe_onnx
 from moe_onnx.runtime import kernel_report
 
-TDPBUSD, TDPBF16PS = 0, 1
+TDPBUSD, TDPBF16PS, TDPBSUD = 0, 1, 2
 
 
 class TileDot(ctypes.Structure):
@@ -157,8 +157,9 @@ def int8_dots(rng, count_per_shape: int = 2) -> list[Dot]:
 
 
 def int8_extreme_dots(rng) -> list[Dot]:
-    """All 255 x -128 (the most negative products), 255 x 127, 0 x anything, onto accumulators at the
-    ends of int32 so that the sums wrap."""
+    """All 255 x -128 (TDPBUSD's most negative products; TDPBSUD reads the same bytes as -1 x 128),
+    255 x 127, 0 x anything, 128 x -1 (TDPBSUD's -128 x 255), onto accumulators at the ends of int32
+    so that the sums wrap."""
     dots = []
     for a_value, b_value in ((255, -128), (255, 127), (0, -128), (128, -1)):
         for c_value in (-2**31, 2**31 - 1, 0, -1):
@@ -170,10 +171,12 @@ def int8_extreme_dots(rng) -> list[Dot]:
 
 # ----------------------------------------------------------------------------- the oracles
 
-def tdpbusd_reference(dot: Dot) -> np.ndarray:
-    """C + sum of uint8 A x int8 B, exactly, wrapped to int32 (as bits)."""
-    a = dot.a.astype(np.int64).reshape(dot.rows, -1, 4)
-    b = dot.b.view(np.int8).astype(np.int64).reshape(dot.a_colsb // 4, -1, 4)
+def int8_reference(dot: Dot, instruction: int = TDPBUSD) -> np.ndarray:
+    """C + sum of A x B, exactly, wrapped to int32 (as bits): uint8 A x int8 B (TDPBUSD) or int8 A x
+    uint8 B (TDPBSUD)."""
+    signed_a = instruction == TDPBSUD
+    a = dot.a.view(np.int8 if signed_a else np.uint8).astype(np.int64).reshape(dot.rows, -1, 4)
+    b = dot.b.view(np.uint8 if signed_a else np.int8).astype(np.int64).reshape(dot.a_colsb // 4, -1, 4)
     c = dot.c_before[1:dot.rows + 1, :dot.c_colsb].copy().view(np.uint32).astype(np.int64)
     return ((c + np.einsum("mki,kni->mn", a, b)) & 0xFFFFFFFF).astype(np.uint32)
 
@@ -290,11 +293,14 @@ def assert_same_bits(got: np.ndarray, expected: np.ndarray, what: str):
 
 # ----------------------------------------------------------------------------- the model, everywhere
 
-def test_model_tdpbusd_is_exact():
+@pytest.mark.parametrize("instruction", [TDPBUSD, TDPBSUD], ids=["tdpbusd", "tdpbsud"])
+def test_model_int8_products_are_exact(instruction):
+    """The same bytes read as u8 A x s8 B (TDPBUSD) or s8 A x u8 B (TDPBSUD): 255 x -128 is the one,
+    -1 x 128 the other."""
     rng = np.random.default_rng(1)
     dots = int8_dots(rng, count_per_shape=3) + int8_extreme_dots(rng)
-    for i, (dot, got) in enumerate(zip(dots, run_dots(TDPBUSD, dots))):
-        assert_same_bits(got, tdpbusd_reference(dot), f"dot {i} {dot.rows}x{dot.a_colsb}x{dot.c_colsb}")
+    for i, (dot, got) in enumerate(zip(dots, run_dots(instruction, dots))):
+        assert_same_bits(got, int8_reference(dot, instruction), f"dot {i} {dot.rows}x{dot.a_colsb}x{dot.c_colsb}")
 
 
 # The exact-arithmetic pseudocode takes about a second a kind: the fast lane checks any-bits data (NaN,
@@ -394,7 +400,7 @@ def test_model_on_several_threads(instruction):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("instruction", 2, "dot 0: instruction must be 0 (TDPBUSD) or 1 (TDPBF16PS)"),
+    ("instruction", 3, "dot 0: instruction must be 0 (TDPBUSD), 1 (TDPBF16PS) or 2 (TDPBSUD)"),
     ("rows", 17, "dot 0: rows must be in 1..16"),
     ("a_colsb", 6, "dot 0: a_colsb and c_colsb must be multiples of 4 in 4..64"),
     ("c_colsb", 68, "dot 0: a_colsb and c_colsb must be multiples of 4 in 4..64"),
@@ -418,10 +424,11 @@ def _hardware_or_skip():
                     f"({report['amx_reason']})")
 
 
-def test_hardware_tdpbusd_is_the_model():
+@pytest.mark.parametrize("instruction", [TDPBUSD, TDPBSUD], ids=["tdpbusd", "tdpbsud"])
+def test_hardware_int8_products_are_the_model(instruction):
     _hardware_or_skip()
     make = lambda: int8_dots(np.random.default_rng(20), count_per_shape=4) + int8_extreme_dots(np.random.default_rng(21))  # noqa: E731
-    for i, (h, m) in enumerate(zip(run_on(TDPBUSD, make, hardware=True), run_on(TDPBUSD, make, hardware=False))):
+    for i, (h, m) in enumerate(zip(run_on(instruction, make, hardware=True), run_on(instruction, make, hardware=False))):
         assert_same_bits(h, m, f"dot {i}")
 
 

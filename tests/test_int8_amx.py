@@ -1,6 +1,6 @@
-"""AMX's TDPBUSD kernels (int8 MoeRowParallelLinear, QMOE accuracy_level 4) give the bits of the
-kernels they stand in for: on the model of the tile instructions (MOE_ONNX_AMX=model) on any CPU, and
-on the instructions where AMX is usable.
+"""AMX's kernels (int8 MoeRowParallelLinear on TDPBUSD, QMOE accuracy_level 4 on TDPBSUD, its rows
+quantized once per run) give the bits of the kernels they stand in for: on the model of the tile
+instructions (MOE_ONNX_AMX=model) on any CPU, and on the instructions where AMX is usable.
 
 The ISA table is filled once per process, so each configuration runs the cases in a child process,
 at 1 and 2 threads (the same bits), and writes their outputs; the parent compares them bit for bit with
@@ -9,8 +9,8 @@ int32 (wrapping) products. The cases cross the tile kernels' edges: int8 experts
 (int8's tile threshold), 16, 17 and 33 rows (row tiles of 16, a lone last tile), QMOE experts with
 1, 7, 8, 17 (past level 4's threshold of 16), 33 and 66 rows and one with none, K not a multiple
 of 64 (a tail step) or of 4, an odd number of 16-column panels, sums that wrap modulo 2^32, QMOE
-blocks of 64 to 256 k and per column (K = 100, 102: blocks padded to whole tile rows), zero points
-or none, and no rows at all.
+blocks of 64 to 256 k (8-bit ones read in place) and per column (K = 100, 102: blocks padded to
+whole tile rows, the codes copied), zero points or none, and no rows at all.
 """
 
 from __future__ import annotations

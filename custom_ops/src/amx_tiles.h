@@ -22,6 +22,8 @@
 //   dpbusd(tmm<C>, tmm<A>, tmm<B>)        TDPBUSD, int32 C += u8 A x s8 B:
 //       C[m][n] += sum over k < A.colsb / 4, i < 4 of uint8(A[m][4k + i]) * int8(B[k][4n + i]),
 //       wrapping modulo 2^32: exact, so the model and the hardware agree bitwise.
+//   dpbsud(tmm<C>, tmm<A>, tmm<B>)        TDPBSUD, int32 C += s8 A x u8 B: as dpbusd with A's bytes signed
+//       and B's unsigned (exact, wrapping).
 //   dpbf16ps(tmm<C>, tmm<A>, tmm<B>)      TDPBF16PS, fp32 C += bf16 A x bf16 B, as the instruction's
 //       pseudocode specifies it: for each C[m][n], the products A[m][2k] * B[k][2n] in one chain of
 //       fp32 fused multiply-adds and A[m][2k + 1] * B[k][2n + 1] in another, both from +0 in

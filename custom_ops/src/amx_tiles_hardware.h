@@ -54,6 +54,10 @@ struct HardwareTiles {
     __asm__ volatile("tdpbusd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
   }
   template <int C, int A, int B>
+  static void dpbsud(Tile<C>, Tile<A>, Tile<B>) {
+    __asm__ volatile("tdpbsud %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+  }
+  template <int C, int A, int B>
   static void dpbf16ps(Tile<C>, Tile<A>, Tile<B>) {
     __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
   }

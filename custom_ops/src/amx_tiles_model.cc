@@ -206,6 +206,16 @@ void dpbusd(int c, int a, int b) {
   });
 }
 
+void dpbsud(int c, int a, int b) {
+  product("TDPBSUD", c, a, b, [](uint32_t sum, const uint8_t* a_row, const TileRows* B, int n, int quads) {
+    for (int k = 0; k < quads; ++k)
+      for (int i = 0; i < 4; ++i)  // unsigned: wraps modulo 2^32 as the instruction does
+        sum += static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(a_row[4 * k + i])) *
+                                     static_cast<int32_t>(B[k][4 * n + i]));
+    return sum;
+  });
+}
+
 void dpbf16ps(int c, int a, int b) {
   product("TDPBF16PS", c, a, b, [](uint32_t acc, const uint8_t* a_row, const TileRows* B, int n, int pairs) {
     uint16_t row[2 * kTileRows], column[2 * kTileRows];  // A's row m and B's column n, pair after pair

@@ -18,6 +18,7 @@ void zero(int tile);
 void load(int tile, const void* base, int64_t stride);
 void store(int tile, void* base, int64_t stride);
 void dpbusd(int c, int a, int b);
+void dpbsud(int c, int a, int b);
 void dpbf16ps(int c, int a, int b);
 }  // namespace model
 
@@ -39,6 +40,10 @@ struct ModelTiles {
   template <int C, int A, int B>
   static void dpbusd(Tile<C>, Tile<A>, Tile<B>) {
     model::dpbusd(C, A, B);
+  }
+  template <int C, int A, int B>
+  static void dpbsud(Tile<C>, Tile<A>, Tile<B>) {
+    model::dpbsud(C, A, B);
   }
   template <int C, int A, int B>
   static void dpbf16ps(Tile<C>, Tile<A>, Tile<B>) {

@@ -46,7 +46,8 @@ void write_zeros(ElemType type, const MoeDims& d, char* out) {
 // Steps 2-5 of one Compute on checked inputs, each a parallel pass over the run buffers. The GEMMs'
 // rows (xs, act) are fp32, or bf16 when the weights are bf16 pair panels (accuracy_level 3,
 // bf16_gemm.h): then gather_rows rounds hidden_states' rows to bf16 and gate_up its activations, each
-// value once.
+// value once. QMOE's level 4 (int8 activations, qgemm.h) quantizes each row of xs and act once
+// (xq, actq), and every panel task of the row reads it.
 struct MoeRun {
   Ort::KernelContext& ctx;
   const MoeDims& d;
@@ -56,6 +57,7 @@ struct MoeRun {
   int64_t ldx = 0, ldact = 0;  // row strides of xs and act (elements)
   float *xs = nullptr, *act = nullptr, *y = nullptr;
   uint16_t *xs16 = nullptr, *act16 = nullptr;  // bf16 rows in place of xs, act
+  Int8Rows xq, actq;                           // level 4: xs and act quantized
 
   bool bf16_rows() const { return weights.matrices[GATE_UP].takes_bf16_rows(); }
 
@@ -77,15 +79,28 @@ struct MoeRun {
     const FloatType x_type = float_type(x.type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
+    const PackedWeights& w = weights.matrices[GATE_UP];
+    if (w.takes_int8_rows()) xq = w.int8_rows(slots(), ws);
     parallel_for(ctx, n_chunks, [&](size_t c) {
+      const int64_t begin = static_cast<int64_t>(c * chunk);
       const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
-      for (int64_t pos = static_cast<int64_t>(c * chunk); pos < end; ++pos) {
+      for (int64_t pos = begin; pos < end; ++pos) {
         const char* row = static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes;
         if (bf16)
           bf16_row(x_type, row, d.H, xs16 + pos * ldx);
         else
           widen_row(x_type, row, xs + pos * ldx, d.H);
       }
+      if (xq.qa) w.quantize_rows(xs + begin * ldx, ldx, end - begin, xq.from(begin));
+    });
+  }
+
+  // Level 4: act's rows quantized for down (actq).
+  void quantize_activations() {
+    const PackedWeights& w = weights.matrices[DOWN];
+    actq = w.int8_rows(slots(), ws);
+    parallel_chunks(ctx, slots(), 16, [&](int64_t begin, int64_t end) {
+      w.quantize_rows(act + begin * ldact, ldact, end - begin, actq.from(begin));
     });
   }
 
@@ -111,6 +126,8 @@ struct MoeRun {
       float* C = scratch.take<float>(t.rows * ldc, "a task's gate/up tile");
       if (bf16)
         w.multiply(slot, xs16 + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
+      else if (xq.qa)
+        w.multiply(slot, xq.from(t.row0), t.rows, t.p0, t.p1, C, ldc);
       else
         w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
       const float* bias = w.bias_at(slot);
@@ -139,6 +156,7 @@ struct MoeRun {
     const int64_t H = d.H;
     y = ws.take<float>(slots() * H, "the weighted expert outputs");
     const FloatType routing_type = float_type(routing.type);
+    if (w.takes_int8_rows()) quantize_activations();
     const std::vector<Task> plan = tasks(w);
     parallel_for(ctx, plan.size(), [&](size_t ti) {
       const Task& t = plan[ti];
@@ -148,6 +166,8 @@ struct MoeRun {
       float* C = scratch.take<float>(t.rows * ldc, "a task's down tile");
       if (bf16_rows())
         w.multiply(slot, act16 + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
+      else if (actq.qa)
+        w.multiply(slot, actq.from(t.row0), t.rows, t.p0, t.p1, C, ldc);
       else
         w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
       const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);

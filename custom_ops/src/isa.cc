@@ -156,7 +156,7 @@ void fill_portable(KernelTable& t) {
   t.quant_decode = {detail::quant_decode_portable, "portable"};
   t.quant_activations = {detail::quant_activations_portable, "portable"};
   t.quant_dots = {detail::quant_dots_portable, "portable"};
-  t.quant_tile_steps = {detail::quant_signed_codes_portable, detail::quant_add_dots_portable, "portable"};
+  t.quant_tile_steps = {detail::quant_code_rows_portable, detail::quant_add_dots_portable, "portable"};
   t.gated_activation = {detail::gated_activation_portable, "portable"};
   t.pointwise_activation = {detail::pointwise_activation_portable, "portable"};
 }
@@ -180,7 +180,7 @@ void fill_avx512(KernelTable& t) {
   t.quant_fused = {detail::quant_fused_avx512, "avx512"};
   t.quant_decode = {detail::quant_decode_avx512, "avx512"};
   t.quant_activations = {detail::quant_activations_avx512, "avx512"};
-  t.quant_tile_steps = {detail::quant_signed_codes_avx512, detail::quant_add_dots_avx512, "avx512"};
+  t.quant_tile_steps = {detail::quant_code_rows_avx512, detail::quant_add_dots_avx512, "avx512"};
   t.gated_activation = {detail::gated_activation_avx512, "avx512"};
   t.pointwise_activation = {detail::pointwise_activation_avx512, "avx512"};
 #endif

@@ -108,7 +108,7 @@ __attribute__((visibility("default"))) const char* MoeOnnxKernelReport() {
   return text.c_str();
 }
 
-// The tile layer's test hook (tile_dot.h; tests/test_amx_tiles.py): runs `count` TDPBUSD / TDPBF16PS
+// The tile layer's test hook (tile_dot.h; tests/test_amx_tiles.py): runs `count` TDPBUSD / TDPBF16PS / TDPBSUD
 // dots on `threads` threads, on the model of the tile instructions (hardware = 0) or on the AMX
 // instructions (hardware = 1). Returns 0, or 1 with the reason, nothing run, in `error` (a string of at
 // most error_size bytes).

@@ -229,6 +229,12 @@ void PackedWeights::multiply(int64_t slot, const float* A, int64_t lda, int64_t 
   gemm_panels(panel_type(format_), A, lda, M, K_, at(slot), p0, p1, C, ldc);
 }
 
+void PackedWeights::multiply(int64_t slot, const Int8Rows& rows, int64_t M, int64_t p0, int64_t p1, float* C,
+                             int64_t ldc) const {
+  if (!takes_int8_rows()) throw std::logic_error("internal: quantized rows multiply level-4 panels only");
+  quant_gemm_int8_rows(quant_, rows, M, at(slot), p0, p1, C, ldc);
+}
+
 void PackedWeights::multiply(int64_t slot, const uint16_t* A, int64_t lda, int64_t M, int64_t p0, int64_t p1, float* C,
                              int64_t ldc) const {
   if (format_ != WeightFormat::kBF16Pairs) throw std::logic_error("internal: bf16 rows multiply bf16 pair panels only");

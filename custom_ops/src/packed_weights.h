@@ -20,6 +20,7 @@
 #include "parallel.h"
 #include "qgemm.h"
 #include "tensor.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -138,6 +139,22 @@ class PackedWeights {
                 int64_t ldc) const;
   // Whether multiply takes bf16 rows (kBF16Pairs) rather than fp32 ones.
   bool takes_bf16_rows() const { return format_ == WeightFormat::kBF16Pairs; }
+  // Quantized panels of accuracy level 4 (qgemm.h): multiply takes rows quantized once by
+  // quantize_rows, which every panel task of them reads.
+  bool takes_int8_rows() const { return format_ == WeightFormat::kQuantized && quant_.int8_activations; }
+  // Level 4: room for `rows` quantized rows, taken from `ws`.
+  Int8Rows int8_rows(int64_t rows, Workspace& ws) const {
+    const int64_t ldq = quant_.activation_row_bytes(), blocks = quant_.blocks();
+    return {ws.take<int8_t>(rows * ldq, "the int8 activation rows"), ldq,
+            ws.take<float>(rows * blocks, "the int8 activations' scales"),
+            ws.take<int32_t>(rows * blocks, "the int8 activations' sums"), blocks};
+  }
+  // Level 4: fp32 rows m < M of A (stride lda, K valid elements) quantized into `rows`.
+  void quantize_rows(const float* A, int64_t lda, int64_t M, const Int8Rows& rows) const {
+    quantize_int8_rows(quant_, A, lda, M, rows);
+  }
+  // Level 4: C as multiply's, from M rows quantized by quantize_rows.
+  void multiply(int64_t slot, const Int8Rows& rows, int64_t M, int64_t p0, int64_t p1, float* C, int64_t ldc) const;
 
  private:
   PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes, int64_t slots,

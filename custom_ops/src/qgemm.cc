@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "bf16_gemm.h"
 #include "isa.h"
@@ -60,7 +61,7 @@ void quantize_activation_block(const float* a, int64_t block, int64_t padded, in
 
 void quant_activations_portable(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, int8_t* qa,
                                 int64_t ldq, float* sa, int32_t* sums) {
-  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  const int64_t blocks = layout.blocks(), padded = layout.activation_block();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b)
       quantize_activation_block(A + m * lda + b * layout.block, layout.block, padded, qa + m * ldq + b * padded,
@@ -69,7 +70,7 @@ void quant_activations_portable(const QuantPanels& layout, const float* A, int64
 
 void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums,
                          const float* sa, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  const int64_t blocks = layout.blocks(), padded = layout.activation_block();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p = p0; p < p1; ++p) {
       float* out = C + m * ldc + (p - p0) * kPanel;
@@ -89,21 +90,13 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
     }
 }
 
-void quant_signed_codes_portable(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, int8_t* rows,
-                                 int32_t* terms) {
-  const int32_t o = layout.default_zero_point();
+void quant_code_rows_portable(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, uint8_t* rows) {
   for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    for (int64_t c = 0; c < kPanel; ++c) {
-      uint32_t sum = 0;  // wraps like the int32 lanes
-      for (int64_t k = 0; k < block_k; ++k) {
-        const int32_t value = k < layout.block ? code_at(layout, block + layout.header_bytes(), k, c) - o : 0;
-        rows[b * block_k * kPanel + (k / 4) * 4 * kPanel + c * 4 + k % 4] = static_cast<int8_t>(value);
-        sum += static_cast<uint32_t>(value);
-      }
-      terms[32 * b + c] = static_cast<int32_t>(0u - 128u * sum);
-      terms[32 * b + kPanel + c] = o - zero_point_at(layout, block, c);
-    }
+    const uint8_t* codes = panel + b * layout.block_bytes() + layout.header_bytes();
+    for (int64_t c = 0; c < kPanel; ++c)
+      for (int64_t k = 0; k < block_k; ++k)
+        rows[b * block_k * kPanel + (k / 4) * 4 * kPanel + c * 4 + k % 4] =
+            static_cast<uint8_t>(k < layout.block ? code_at(layout, codes, k, c) : 0);
   }
 }
 
@@ -111,12 +104,13 @@ void quant_add_dots_portable(const QuantBlockDots& d, float* out, int64_t ldc) {
   for (int64_t m = 0; m < d.rows; ++m)
     for (int64_t i = 0; i < d.count; ++i) {
       const int32_t* dots = d.dots + i * d.block_stride + m * kPanel;
-      const float* scales = reinterpret_cast<const float*>(d.headers + i * d.header_stride);
+      const uint8_t* header = d.headers + i * d.header_stride;
+      const float* scales = reinterpret_cast<const float*>(header);
       const float sa = d.sa[m * d.stride + i];
       for (int64_t c = 0; c < kPanel; ++c) {
-        uint32_t dot = static_cast<uint32_t>(dots[c]);
-        if (d.zero_terms)
-          dot += static_cast<uint32_t>(d.zero_terms[32 * i + c]) * static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        const uint32_t zero_point = d.zero_points ? header[64 + c] : static_cast<uint32_t>(d.default_zero_point);
+        const uint32_t sum = static_cast<uint32_t>(d.sums[m * d.stride + i]);
+        const uint32_t dot = static_cast<uint32_t>(dots[c]) - zero_point * sum;
         out[m * ldc + c] += (sa * scales[c]) * static_cast<float>(static_cast<int32_t>(dot));
       }
     }
@@ -173,34 +167,35 @@ void decode_then_bf16_gemm(const QuantPanels& layout, const float* A, int64_t ld
   }
 }
 
-// Level 4: the rows quantized per block (qa, zero padded to whole groups), their scales sa and the
-// sums of their qa; then the kernel's dots and sums over the blocks.
-void int8_activation_gemm(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B,
-                          int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
-  const int64_t ldq = blocks * padded;
-  Scratch scratch;
-  int8_t* qa = scratch.take<int8_t>(M * ldq, "the int8 activations");
-  float* sa = scratch.take<float>(M * blocks, "the int8 activations' scales");
-  int32_t* sums = scratch.take<int32_t>(M * blocks, "the int8 activations' sums");
-  const KernelTable& table = kernels();
-  table.quant_activations(layout, A, lda, M, qa, ldq, sa, sums);
-  if (table.quant_tiles && M >= kQuantTileRows && layout.block >= kQuantTileBlock)
-    return table.quant_tiles(table.quant_tile_steps, layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
-  table.quant_dots(layout, qa, ldq, sums, sa, M, B, p0, p1, C, ldc);
+// C's rows m < M, `panels` panels wide: zero (K = 0).
+void zero_panels(int64_t M, int64_t panels, float* C, int64_t ldc) {
+  for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>(panels * kPanel) * sizeof(float));
 }
 
 }  // namespace
+
+void quantize_int8_rows(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const Int8Rows& rows) {
+  if (M > 0 && layout.K > 0) kernels().quant_activations(layout, A, lda, M, rows.qa, rows.ldq, rows.sa, rows.sums);
+}
+
+void quant_gemm_int8_rows(const QuantPanels& layout, const Int8Rows& rows, int64_t M, const void* B_packed, int64_t p0,
+                          int64_t p1, float* C, int64_t ldc) {
+  if (M <= 0 || p1 <= p0) return;
+  if (layout.K <= 0) return zero_panels(M, p1 - p0, C, ldc);
+  const auto* B = static_cast<const uint8_t*>(B_packed);
+  const KernelTable& table = kernels();
+  if (table.quant_tiles && M >= kQuantTileRows && layout.block >= kQuantTileBlock)
+    return table.quant_tiles(table.quant_tile_steps, layout, rows.qa, rows.ldq, rows.sums, rows.sa, M, B, p0, p1, C,
+                             ldc);
+  table.quant_dots(layout, rows.qa, rows.ldq, rows.sums, rows.sa, M, B, p0, p1, C, ldc);
+}
 
 void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const void* B_packed,
                        int64_t p0, int64_t p1, float* C, int64_t ldc) {
   if (M <= 0 || p1 <= p0) return;
   const auto* B = static_cast<const uint8_t*>(B_packed);
-  if (layout.K <= 0) {
-    for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
-    return;
-  }
-  if (layout.int8_activations) return int8_activation_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
+  if (layout.K <= 0) return zero_panels(M, p1 - p0, C, ldc);
+  if (layout.int8_activations) throw std::logic_error("internal: level-4 panels multiply quantized rows");
   if (layout.bf16_prefill && M > kFusedRows) return decode_then_bf16_gemm(layout, A, lda, M, B, p0, p1, C, ldc);
   if (M <= kFusedRows && kernels().quant_fused) return kernels().quant_fused(layout, A, lda, M, B, p0, p1, C, ldc);
   decode_then_gemm(layout, A, lda, M, B, p0, p1, C, ldc);

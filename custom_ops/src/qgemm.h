@@ -33,16 +33,15 @@
 //
 // accuracy level 4 (int only): every row of A is quantized per block to int8 (sa = max|a| / 127,
 // qa = round-half-even(a / sa) clipped to +-127), dot = sum qa * (q - zp) in int32 (exact, computed
-// as sum q * qa - zp * sum qa), C = sum over blocks in order of (sa * scale) * dot. AVX512-VNNI
-// (vpdpbusd, unsigned codes x signed activations) where the CPU has it; the portable loops give the
-// same integers and the same sums. Where the ISA table has AMX's int8 tiles, calls of kQuantTileRows
-// rows or more on blocks of kQuantTileBlock k or more run on TDPBUSD (qgemm_amx.h), which takes
-// unsigned A and signed B: A = qa + 128 and
-// B = q - o per block (o the default zero point, 128 or 8: signed bytes), so that
-//   TDPBUSD's sum = sum (qa + 128)(q - o) = sum qa (q - o) + 128 sum (q - o), and
-//   dot = sum qa (q - zp) = TDPBUSD's sum - 128 sum_k (q - o) + (o - zp) sum qa,
-// every term modulo 2^32 (the dot itself fits int32), so the dots are the VNNI kernel's integers and
-// C gets the same bits. Which kernel a call takes depends on its rows only (the task plan's).
+// as sum q * qa - zp * sum qa), C = sum over blocks in order of (sa * scale) * dot. The rows are
+// quantized once (quantize_int8_rows: the ops do it once per run for every row, and every panel task
+// of the rows reads them: Int8Rows), then quant_gemm_int8_rows takes the dots. AVX512-VNNI (vpdpbusd,
+// unsigned codes x signed activations) where the CPU has it; the portable loops give the same
+// integers and the same sums. Where the ISA table has AMX's int8 tiles, calls of kQuantTileRows rows
+// or more on blocks of kQuantTileBlock k or more run on TDPBSUD (qgemm_amx.h: signed A x unsigned B,
+// the quantized rows and the codes as they are, 8-bit codes of whole tile rows read in place), whose
+// int32 sums are vpdpbusd's: the same dots, and C gets the same bits. Which kernel a call takes
+// depends on its rows only (the task plan's).
 #pragma once
 
 #include <cstdint>
@@ -53,6 +52,9 @@
 namespace moe_onnx {
 
 enum class QuantCode { kInt4, kInt8, kE2M1 };
+
+// Level 4's tiles take blocks of kQuantTileBlock k or more (below, qgemm.cc's threshold).
+constexpr int64_t kQuantTileBlock = 64;
 
 // The layout of one expert's quantized panels.
 struct QuantPanels {
@@ -70,6 +72,13 @@ struct QuantPanels {
   int64_t header_bytes() const { return 64 + (zero_points ? 16 : 0); }
   int64_t block_bytes() const { return header_bytes() + groups_per_block() * 64; }
   int64_t panel_bytes() const { return blocks() * block_bytes(); }
+  // Level 4: a block's k in the quantized activation rows, zero padded: whole groups, and for blocks
+  // the tiles take (kQuantTileBlock k or more) whole tile rows of 64 k.
+  int64_t activation_block() const {
+    const int64_t whole = block >= kQuantTileBlock ? 64 : group_rows();
+    return (block + whole - 1) / whole * whole;
+  }
+  int64_t activation_row_bytes() const { return blocks() * activation_block(); }
   // The default zero point of int codes.
   int32_t default_zero_point() const { return code == QuantCode::kInt8 ? 128 : 8; }
 };
@@ -78,17 +87,11 @@ constexpr int64_t kQuantGroupBytes = 64;
 // Rows up to which the micro-kernels decode in registers (more: decode a panel once, fp32 GEMM).
 constexpr int64_t kFusedRows = 4;
 // Accuracy level 4 runs on AMX's tiles, where the ISA table has them, for calls of kQuantTileRows rows
-// or more on blocks of kQuantTileBlock k or more; the other calls on the quant_dots kernel. Each call
-// first turns its panels' codes into B rows (weight-sized work whatever the rows), and each block's
-// dots leave the tiles for the vector units (the scales): on blocks of 16 and 32 k that costs as much
-// as VNNI's whole dot. Measured on a 2-core Xeon with AMX (QMOE level 4, int8 block 64, one expert,
-// 2 threads, load ~9; microseconds AMX / VNNI): H=2048 I=768: 1 row 450-551 / 235-298, 8 rows
-// 769-855 / 556-741, 16 rows 1031-1383 / 997-1283, 32 rows 1634-3199 / 1880-2476; H=1024 I=384:
-// 8 rows 175-183 / 132-151, 16 rows 253-267 / 242-271, 32 rows 427-430 / 480-539. AMX breaks even
-// at 16 rows and gains from there (docs/building.md, "int8 and level-4 dots on AMX"); the model of
-// the tiles takes the same calls.
+// or more on blocks of kQuantTileBlock k or more; the other calls on the quant_dots kernel. Each
+// block's dots leave the tiles for the vector units (the scales): on blocks of 16 and 32 k that costs
+// as much as VNNI's whole dot. The model of the tiles takes the same calls (docs/building.md, "int8
+// and level-4 dots on AMX", has the measurements).
 constexpr int64_t kQuantTileRows = 16;
-constexpr int64_t kQuantTileBlock = 64;
 
 // The values of the 16 4-bit codes: int (q itself, and q - 8 for the default zero point) and E2M1 (FP4).
 constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -97,9 +100,29 @@ constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * W_p[k, c] for m < M, p in [p0, p1), c < 16 (the layout's
-// accuracy level decides how). A: fp32 rows of stride lda (K valid elements); C row stride ldc.
+// accuracy level decides how; level 4 takes quantized rows: quant_gemm_int8_rows). A: fp32 rows of
+// stride lda (K valid elements); C row stride ldc.
 void quant_gemm_panels(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const void* B_packed,
                        int64_t p0, int64_t p1, float* C, int64_t ldc);
+
+// Level 4's activation rows quantized per block: row m's codes at qa + m * ldq (ldq =
+// activation_row_bytes(): block b at b * activation_block(), zero padded), its blocks' scales and
+// sums of codes at sa and sums + m * blocks + b.
+struct Int8Rows {
+  int8_t* qa = nullptr;
+  int64_t ldq = 0;
+  float* sa = nullptr;
+  int32_t* sums = nullptr;
+  int64_t blocks = 0;
+
+  // The rows from row m on.
+  Int8Rows from(int64_t m) const { return {qa + m * ldq, ldq, sa + m * blocks, sums + m * blocks, blocks}; }
+};
+// Rows m < M of A (fp32, stride lda, K valid elements) quantized into `rows` (room for M rows).
+void quantize_int8_rows(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const Int8Rows& rows);
+// Level 4: C[m, 16 * (p - p0) + c] for m < M, p in [p0, p1) from M quantized rows.
+void quant_gemm_int8_rows(const QuantPanels& layout, const Int8Rows& rows, int64_t M, const void* B_packed,
+                          int64_t p0, int64_t p1, float* C, int64_t ldc);
 
 namespace detail {
 // The kernels of quant_gemm_panels: the ISA table's quant_fused, quant_decode and quant_dots slots.
@@ -112,14 +135,14 @@ using QuantDecodeFn = void (*)(const QuantPanels&, const uint8_t* block, float* 
 // Level 4's int8 activations: rows m < M of A, each block b's K values quantized as the op defines
 // them (sa = max |a| / 127, qa = round-half-even(a / sa) clipped to +-127, 0 where sa is 0 or a / sa
 // NaN; a NaN in the block makes sa NaN) into qa + m * ldq + b * padded (zero past the block's values,
-// padded = the block's codes rounded up to whole groups), with sa[m * blocks + b] and the sums of the
-// block's qa in sums[m * blocks + b]. Every kernel gives the same bits.
+// padded = activation_block()), with sa[m * blocks + b] and the sums of the block's qa in
+// sums[m * blocks + b]. Every kernel gives the same bits.
 using QuantActivationsFn = void (*)(const QuantPanels&, const float* A, int64_t lda, int64_t M, int8_t* qa,
                                     int64_t ldq, float* sa, int32_t* sums);
 // One block of QuantActivationsFn (the portable kernel's, and the others' for blocks with a NaN).
 void quantize_activation_block(const float* a, int64_t block, int64_t padded, int8_t* qa, float* sa, int32_t* sum);
-// Level 4: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) from the rows quantized per block (qa, zero
-// padded to whole groups, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
+// Level 4: C[m, 16 (p - p0) + c] for m < M, p in [p0, p1) from the rows quantized per block (qa, blocks
+// activation_block() apart, row stride ldq; their sums qa_sums and scales sa, [M][blocks]): per block the
 // exact int32 dot, then C += (sa * scale) * float(dot) over the blocks in order (products and sums
 // each rounded once, no FMA: the portable and VNNI kernels give the same bits).
 using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
@@ -127,16 +150,16 @@ using QuantDotFn = void (*)(const QuantPanels&, const int8_t* qa, int64_t ldq, c
 
 // AMX's level-4 kernel (qgemm_amx.h), with its steps outside the tiles (on AVX-512 where the level has
 // it: the AMX files take the AMX flags only):
-//   signed_codes: a panel's blocks as TDPBUSD's B rows, block b's at rows + 16 * block_k * b: block_k / 4
-//     rows of 16 columns x 4 int8 holding q - o for k < block and zero past it; and its terms at
-//     terms + 32 * b: [c] = -128 * sum_k (q - o) (wrapping), [16 + c] = o - zp[c] (0 without zero points).
+//   code_rows: a panel's blocks as TDPBSUD's B rows, block b's at rows + 16 * block_k * b: block_k / 4
+//     rows of 16 columns x 4 uint8 holding q for k < block and zero past it (the codes the tiles cannot
+//     read in place: 4-bit ones, and blocks not of whole tile rows).
 //   add_dots: `count` consecutive blocks' dots of one panel into C (QuantBlockDots).
-using QuantSignedCodesFn = void (*)(const QuantPanels&, const uint8_t* panel, int64_t block_k, int8_t* rows,
-                                    int32_t* terms);
+using QuantCodeRowsFn = void (*)(const QuantPanels&, const uint8_t* panel, int64_t block_k, uint8_t* rows);
 // For m < rows, c < 16 and the blocks i < count in order: out[m * ldc + c] += (sa[m * stride + i] *
-// scale_i[c]) * float(dot_i[m][c] + zero_term_i[c] * sums[m * stride + i]), products and sums rounded
-// once (quant_dots' order); dot_i[m] at dots + i * block_stride + 16 * m, scale_i the 16 fp32 at
-// headers + i * header_stride, zero_term_i at zero_terms + 32 * i (null: no zero points).
+// scale_i[c]) * float(dot_i[m][c] - zp_i[c] * sums[m * stride + i]) (int32, wrapping), products and
+// sums rounded once (quant_dots' order); dot_i[m] at dots + i * block_stride + 16 * m, scale_i the 16
+// fp32 at headers + i * header_stride, zp_i the 16 uint8 64 bytes on (zero_points) or
+// default_zero_point.
 struct QuantBlockDots {
   int64_t rows, count;
   const int32_t* dots;
@@ -146,11 +169,12 @@ struct QuantBlockDots {
   int64_t stride;
   const uint8_t* headers;
   int64_t header_stride;
-  const int32_t* zero_terms;
+  bool zero_points;
+  int32_t default_zero_point;
 };
 using QuantAddDotsFn = void (*)(const QuantBlockDots&, float* out, int64_t ldc);
 struct QuantTileSteps {
-  QuantSignedCodesFn signed_codes = nullptr;
+  QuantCodeRowsFn code_rows = nullptr;
   QuantAddDotsFn add_dots = nullptr;
   const char* name = "none";
 };
@@ -175,7 +199,7 @@ void with_decoder(const QuantPanels& layout, Body&& body) {
 
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
 void quant_activations_portable(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
-void quant_signed_codes_portable(const QuantPanels&, const uint8_t*, int64_t, int8_t*, int32_t*);
+void quant_code_rows_portable(const QuantPanels&, const uint8_t*, int64_t, uint8_t*);
 void quant_add_dots_portable(const QuantBlockDots&, float*, int64_t);
 void quant_dots_amx_model(const QuantTileSteps&, const QuantPanels&, const int8_t*, int64_t, const int32_t*,
                           const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -195,7 +219,7 @@ void quant_fused_avx512(const QuantPanels&, const float*, int64_t, int64_t, cons
                         int64_t);
 void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
 void quant_activations_avx512(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
-void quant_signed_codes_avx512(const QuantPanels&, const uint8_t*, int64_t, int8_t*, int32_t*);
+void quant_code_rows_avx512(const QuantPanels&, const uint8_t*, int64_t, uint8_t*);
 void quant_add_dots_avx512(const QuantBlockDots&, float*, int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)

@@ -191,15 +191,34 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   }
 }
 
-// The bytes of a quad row (4 k of each column) that hold k < `valid` of the row's 4.
-inline __mmask64 valid_bytes(int64_t valid) {
-  if (valid >= 4) return ~__mmask64{0};
-  return valid <= 0 ? 0 : 0x1111111111111111ull * ((1ull << valid) - 1);
-}
-
-// The sum of each 32-bit lane's 4 signed bytes (|sum| <= 512: the int16 pair sums do not saturate).
-inline __m512i lane_sums(__m512i bytes) {
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), bytes), _mm512_set1_epi16(1));
+// QuantAddDotsFn with (kZeroPoints) or without zero points in the headers.
+template <bool kZeroPoints>
+void add_dots(const QuantBlockDots& d, float* out, int64_t ldc) {
+  constexpr int64_t kRows = 8;  // rows whose sums stay in registers while the blocks pass
+  const auto zero_point_times = [&](const uint8_t* header, int32_t sum) {  // zp * sum per column, wrapping
+    if (!kZeroPoints)
+      return _mm512_set1_epi32(
+          static_cast<int32_t>(static_cast<uint32_t>(d.default_zero_point) * static_cast<uint32_t>(sum)));
+    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64))),
+                              _mm512_set1_epi32(sum));
+  };
+  for (int64_t m0 = 0; m0 < d.rows; m0 += kRows) {
+    const int64_t rows = d.rows - m0 < kRows ? d.rows - m0 : kRows;
+    __m512 acc[kRows];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(out + (m0 + r) * ldc);
+    for (int64_t i = 0; i < d.count; ++i) {
+      const uint8_t* header = d.headers + i * d.header_stride;
+      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(d.dots + i * d.block_stride + m * kPanel),
+                                             zero_point_times(header, d.sums[m * d.stride + i]));
+        const __m512 factor = _mm512_mul_ps(_mm512_set1_ps(d.sa[m * d.stride + i]), scale);
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(factor, _mm512_cvtepi32_ps(dot)));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * ldc, acc[r]);
+  }
 }
 
 }  // namespace
@@ -207,7 +226,7 @@ inline __m512i lane_sums(__m512i bytes) {
 void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, int8_t* qa,
                               int64_t ldq, float* sa, int32_t* sums) {
   const int64_t blocks = layout.blocks(), block = layout.block;
-  const int64_t padded = layout.groups_per_block() * layout.group_rows();
+  const int64_t padded = layout.activation_block();
   auto mask_of = [](int64_t n) {  // the first n of 16 lanes
     return static_cast<__mmask16>(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1);
   };
@@ -246,59 +265,29 @@ void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t
     }
 }
 
-void quant_signed_codes_avx512(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, int8_t* rows,
-                               int32_t* terms) {
+void quant_code_rows_avx512(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, uint8_t* rows) {
+  // The codes' padding (past the block, to whole groups) is zero; past the groups, to block_k, too.
   const int64_t groups = layout.groups_per_block(), header_bytes = layout.header_bytes();
-  const __m512i o = _mm512_set1_epi32(layout.default_zero_point());
   for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + header_bytes;
-    int8_t* out = rows + b * block_k * kPanel;
-    __m512i sum = _mm512_setzero_si512();
+    const uint8_t* codes = panel + b * layout.block_bytes() + header_bytes;
+    uint8_t* out = rows + b * block_k * kPanel;
     int64_t r = 0;
-    auto put = [&](__m512i values) {  // quad row r, its k past the block zeroed
-      values = _mm512_maskz_mov_epi8(valid_bytes(layout.block - 4 * r), values);
-      _mm512_storeu_si512(out + 64 * r++, values);
-      sum = _mm512_add_epi32(sum, lane_sums(values));
-    };
     if (layout.code == QuantCode::kInt8) {
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q ^ 0x80 read as signed: q - 128
-      for (int64_t g = 0; g < groups; ++g) put(_mm512_xor_si512(_mm512_loadu_si512(codes + g * kQuantGroupBytes), flip));
+      for (; r < groups; ++r) _mm512_storeu_si512(out + 64 * r, _mm512_loadu_si512(codes + r * kQuantGroupBytes));
     } else {
-      const __m512i nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
-      for (int64_t g = 0; g < groups; ++g) {
+      const __m512i nibble = _mm512_set1_epi8(0x0f);
+      for (int64_t g = 0; g < groups; ++g, r += 2) {
         const __m512i group = _mm512_loadu_si512(codes + g * kQuantGroupBytes);
-        put(_mm512_sub_epi8(_mm512_and_si512(group, nibble), eight));                         // rows 0-3
-        put(_mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(group, 4), nibble), eight));  // rows 4-7
+        _mm512_storeu_si512(out + 64 * r, _mm512_and_si512(group, nibble));                             // rows 0-3
+        _mm512_storeu_si512(out + 64 * (r + 1), _mm512_and_si512(_mm512_srli_epi16(group, 4), nibble));  // 4-7
       }
     }
     for (; r < block_k / 4; ++r) _mm512_storeu_si512(out + 64 * r, _mm512_setzero_si512());
-    _mm512_storeu_si512(terms + 32 * b, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
-    const __m512i zero_point =
-        layout.zero_points ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64))) : o;
-    _mm512_storeu_si512(terms + 32 * b + kPanel, _mm512_sub_epi32(o, zero_point));
   }
 }
 
 void quant_add_dots_avx512(const QuantBlockDots& d, float* out, int64_t ldc) {
-  constexpr int64_t kRows = 8;  // rows whose sums stay in registers while the blocks pass
-  for (int64_t m0 = 0; m0 < d.rows; m0 += kRows) {
-    const int64_t rows = d.rows - m0 < kRows ? d.rows - m0 : kRows;
-    __m512 acc[kRows];
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(out + (m0 + r) * ldc);
-    for (int64_t i = 0; i < d.count; ++i) {
-      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(d.headers + i * d.header_stride));
-      const __m512i zero_term = d.zero_terms ? _mm512_loadu_si512(d.zero_terms + 32 * i) : _mm512_setzero_si512();
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = m0 + r;
-        __m512i dot = _mm512_loadu_si512(d.dots + i * d.block_stride + m * kPanel);
-        if (d.zero_terms) dot = _mm512_add_epi32(dot, _mm512_mullo_epi32(zero_term, _mm512_set1_epi32(d.sums[m * d.stride + i])));
-        const __m512 factor = _mm512_mul_ps(_mm512_set1_ps(d.sa[m * d.stride + i]), scale);
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(factor, _mm512_cvtepi32_ps(dot)));
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * ldc, acc[r]);
-  }
+  d.zero_points ? add_dots<true>(d, out, ldc) : add_dots<false>(d, out, ldc);
 }
 
 void quant_fused_avx512(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,

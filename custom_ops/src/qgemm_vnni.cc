@@ -27,7 +27,7 @@ inline __m512i broadcast_quad(const int8_t* a) {
 template <int MR>
 void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* sums, const float* sa,
                 const uint8_t* panel, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks(), padded = layout.groups_per_block() * layout.group_rows();
+  const int64_t blocks = layout.blocks(), padded = layout.activation_block();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 out[MR];
   for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();

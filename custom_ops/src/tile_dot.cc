@@ -9,8 +9,8 @@ namespace moe_onnx::amx {
 namespace {
 
 const char* shape_error(const TileDot& dot) {
-  if (dot.instruction != kTdpbusd && dot.instruction != kTdpbf16ps)
-    return "instruction must be 0 (TDPBUSD) or 1 (TDPBF16PS)";
+  if (dot.instruction != kTdpbusd && dot.instruction != kTdpbf16ps && dot.instruction != kTdpbsud)
+    return "instruction must be 0 (TDPBUSD), 1 (TDPBF16PS) or 2 (TDPBSUD)";
   if (dot.rows < 1 || dot.rows > kTileRows) return "rows must be in 1..16";
   for (int32_t colsb : {dot.a_colsb, dot.c_colsb})
     if (colsb < 4 || colsb > kTileRowBytes || colsb % 4 != 0) return "a_colsb and c_colsb must be multiples of 4 in 4..64";
@@ -30,8 +30,8 @@ TileDotsPart hardware_part(const TileDot* dots, int64_t count, std::string& erro
     return nullptr;
   }
   for (int64_t i = 0; i < count; ++i)
-    if (!(dots[i].instruction == kTdpbusd ? table.amx_int8 : table.amx_bf16)) {
-      error = dots[i].instruction == kTdpbusd ? "this CPU has no AMX-INT8" : "this CPU has no AMX-BF16";
+    if (const bool int8 = dots[i].instruction != kTdpbf16ps; !(int8 ? table.amx_int8 : table.amx_bf16)) {
+      error = int8 ? "this CPU has no AMX-INT8" : "this CPU has no AMX-BF16";
       return nullptr;
     }
 #if defined(MOE_ONNX_HAVE_AMX)

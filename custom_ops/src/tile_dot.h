@@ -1,4 +1,4 @@
-// TDPBUSD or TDPBF16PS on given buffers, through either build of the tile layer (amx_tiles.h): the
+// TDPBUSD, TDPBSUD or TDPBF16PS on given buffers, through either build of the tile layer (amx_tiles.h): the
 // tile layer's test hook (ops.cc's MoeOnnxTileDots, tests/test_amx_tiles.py), and the smallest kernel
 // written as the AMX kernels are: a template over Tiles (detail::tile_dots) instantiated in
 // tile_dot_amx.cc (the instructions) and tile_dot_amx_model.cc (the model); tile_dot.cc checks the
@@ -12,13 +12,14 @@
 
 namespace moe_onnx::amx {
 
-enum TileInstruction : int32_t { kTdpbusd = 0, kTdpbf16ps = 1 };
+enum TileInstruction : int32_t { kTdpbusd = 0, kTdpbf16ps = 1, kTdpbsud = 2 };
 
 // C += A x B by one instruction, each operand row-major with its row stride in bytes (a C struct:
 // the tests fill it through ctypes):
-//   C  rows x c_colsb bytes: int32 (TDPBUSD) or fp32 (TDPBF16PS)
-//   A  rows x a_colsb bytes: uint8 or bf16
-//   B  a_colsb / 4 rows x c_colsb bytes: int8 or bf16, in the VNNI layout (amx_tiles.h)
+//   C  rows x c_colsb bytes: int32 (TDPBUSD, TDPBSUD) or fp32 (TDPBF16PS)
+//   A  rows x a_colsb bytes: uint8 (TDPBUSD), int8 (TDPBSUD) or bf16
+//   B  a_colsb / 4 rows x c_colsb bytes: int8 (TDPBUSD), uint8 (TDPBSUD) or bf16, in the VNNI layout
+//      (amx_tiles.h)
 struct TileDot {
   int32_t instruction;  // TileInstruction
   int32_t rows;         // 1..16
@@ -60,6 +61,8 @@ void tile_dots(const TileDot* dots, int64_t count, int64_t first, int64_t step) 
     Tiles::load(tmm<2>, dot.b, dot.b_stride);
     if (dot.instruction == kTdpbusd)
       Tiles::dpbusd(tmm<0>, tmm<1>, tmm<2>);
+    else if (dot.instruction == kTdpbsud)
+      Tiles::dpbsud(tmm<0>, tmm<1>, tmm<2>);
     else
       Tiles::dpbf16ps(tmm<0>, tmm<1>, tmm<2>);
     Tiles::store(tmm<0>, dot.c, dot.c_stride);
