@@ -37,7 +37,7 @@ import onnxruntime as ort
 from ._ir.model_files import ModelFileError
 from .runtime import session as moe_session
 
-CONFIG_FILE = "genai_config.json"
+GENAI_CONFIG = "genai_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 _STOPS = {"eos": "an eos token", "max_new_tokens": "-n tokens", "context": "the context length"}
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -123,9 +123,9 @@ class GenaiFolder:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        config_path = self.folder / CONFIG_FILE
+        config_path = self.folder / GENAI_CONFIG
         if not config_path.is_file():
-            raise ModelFileError(f"{self.folder}: no {CONFIG_FILE} (a folder in onnxruntime-genai's format)")
+            raise ModelFileError(f"{self.folder}: no {GENAI_CONFIG} (a folder in onnxruntime-genai's format)")
         try:
             config = json.loads(config_path.read_text())
             model = config["model"]
@@ -170,7 +170,7 @@ class GenaiFolder:
                     continue
                 if present not in outputs:
                     raise GenerateError(f"{self.decoder_path}: input {past!r} has no output {present!r} "
-                                        f"({CONFIG_FILE}'s {present_key})")
+                                        f"({GENAI_CONFIG}'s {present_key})")
                 value = inputs.pop(past)
                 shape = self._initial_shape(value, layer, conv=past_key == "past_conv_names")
                 dtype = _NUMPY_TYPES.get(value.type)
@@ -183,7 +183,7 @@ class GenaiFolder:
         unknown = sorted(set(inputs) - known)
         if unknown:
             raise GenerateError(f"{self.decoder_path}: inputs {unknown} are neither the token inputs nor a cache "
-                                f"that {CONFIG_FILE} names")
+                                f"that {GENAI_CONFIG} names")
         return caches
 
     def _initial_shape(self, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
@@ -198,7 +198,7 @@ class GenaiFolder:
         shape[0] = 1
         if not all(isinstance(dim, int) for dim in shape):
             raise GenerateError(f"{self.decoder_path}: cache input {value.name!r} has dims {value.shape} that "
-                                f"{CONFIG_FILE} does not give")
+                                f"{GENAI_CONFIG} does not give")
         return tuple(shape)
 
 
@@ -251,7 +251,7 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
         raise GenerateError("the prompt has no tokens")
     if len(prompt_ids) >= genai.context_length:
         raise GenerateError(f"the prompt's {len(prompt_ids)} tokens leave no room in the context of "
-                            f"{genai.context_length} tokens ({CONFIG_FILE}'s context_length)")
+                            f"{genai.context_length} tokens ({GENAI_CONFIG}'s context_length)")
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a failing run's error is raised with its message, not logged as well
     if threads is not None:

@@ -21,6 +21,7 @@ from ._ir import model_files
 from .check import check_model, read_valid, require_valid
 from .distributed.manifest import MANIFEST_NAME, Manifest, rank_file, source_fingerprint
 from .distributed.shard import ShardError, has_blocks, write_ranks
+from .generation import GENAI_CONFIG
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
 from .runtime import custom_ops_library
@@ -222,9 +223,6 @@ def _save(model: ir.Model, destination: str | os.PathLike, progress: Callable[[s
     target of a symbolic link: its external data, named after it, lies beside it)."""
     model_files.save(model, destination, progress=progress)
     return model_files.output_file(destination)
-
-
-GENAI_CONFIG = "genai_config.json"
 
 
 def genai_decoder(folder: Path) -> Path:
