@@ -125,6 +125,18 @@ struct RowBlock {
   }
 };
 
+// C's rows [0, M) by RowBlock times B's panels [p0, p1) in pairs: kernel.block<...>(m, p) for each, with A
+// tiles 64 bytes wide and B tiles kTileRows rows (the bf16 and int8 GEMMs); the tiles released at the end.
+template <class Tiles, class Kernel>
+void run_row_blocks(Kernel& kernel, int64_t M, int64_t p0, int64_t p1) {
+  ReleaseTiles<Tiles> release;
+  for (int64_t m = 0; m < M; m += 2 * kTileRows) {
+    const RowBlock rows = RowBlock::at(m, M);
+    Tiles::configure(rows.config(64, kTileRows));
+    for (int64_t p = p0; p < p1; p += 2) rows.run(kernel, p + 1 < p1, m, p);
+  }
+}
+
 // The inner step of a RowBlock kernel: A's row tile at a0 (and, kTwoRows, at a1), rows `a_stride` bytes
 // apart, times B's panel at b0 (and, kTwoPanels, at b1), rows 64 bytes apart, accumulated by `dot` (a
 // Tiles product, dpbusd or dpbf16ps, as a callable) into tmm0-3 (row tile x panel).

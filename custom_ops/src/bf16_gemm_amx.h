@@ -56,12 +56,7 @@ template <class Tiles>
 void bf16_gemm_tiles(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                      int64_t p1, float* C, int64_t ldc) {
   const Bf16PairTiles<Tiles> k{A, lda, static_cast<const char*>(B_packed), K * kPanel * 2, K / kBf16StepK, p0, C, ldc};
-  amx::ReleaseTiles<Tiles> release;
-  for (int64_t m = 0; m < M; m += 2 * amx::kTileRows) {
-    const amx::RowBlock rows = amx::RowBlock::at(m, M);
-    Tiles::configure(rows.config(64, amx::kTileRows));
-    for (int64_t p = p0; p < p1; p += 2) rows.run(k, p + 1 < p1, m, p);
-  }
+  amx::run_row_blocks<Tiles>(k, M, p0, p1);
 }
 
 }  // namespace moe_onnx::detail

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "bf16_gemm.h"
+#include "row_dispatch.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -80,21 +81,9 @@ void panels(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t
       const int64_t rows = base + (t < extra ? 1 : 0);
       const uint16_t* At = A + m * lda + 2 * j0;
       float* Ct = C + m * ldc;
-      switch (rows) {
-        case 12: micro<12, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 11: micro<11, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 10: micro<10, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 9: micro<9, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 8: micro<8, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 7: micro<7, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 6: micro<6, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 5: micro<5, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 4: micro<4, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 3: micro<3, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 2: micro<2, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        case 1: micro<1, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc); break;
-        default: break;
-      }
+      with_rows<kMaxRows>(rows, [&](auto r) {
+        micro<decltype(r)::value, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc);
+      });
       m += rows;
     }
   }

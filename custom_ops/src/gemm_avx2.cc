@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include "gemm.h"
+#include "row_dispatch.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -209,15 +210,7 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
         const char* pf = next + t * share * 64;
         const float* At = Ak + m * lda;
         float* Ct = Cp + m * ldc;
-        switch (rows) {
-          case 6: micro<W, 6>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          case 5: micro<W, 5>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          case 4: micro<W, 4>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          case 3: micro<W, 3>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          case 2: micro<W, 2>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          case 1: micro<W, 1>(At, lda, kb, B, Ct, ldc, acc, pf, every); break;
-          default: break;
-        }
+        with_rows<6>(rows, [&](auto r) { micro<W, decltype(r)::value>(At, lda, kb, B, Ct, ldc, acc, pf, every); });
         m += rows;
       }
     }

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "gemm.h"
+#include "row_dispatch.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -117,21 +118,9 @@ void panels(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, fl
       const char* pf = next + t * share * 64;
       const int64_t pfs = stride * elem_bytes<W>();
       const bool acc = k0 > 0;
-      switch (rows) {
-        case 12: micro<W, 12, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 11: micro<W, 11, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 10: micro<W, 10, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 9: micro<W, 9, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 8: micro<W, 8, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 7: micro<W, 7, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 6: micro<W, 6, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 5: micro<W, 5, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 4: micro<W, 4, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 3: micro<W, 3, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 2: micro<W, 2, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        case 1: micro<W, 1, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every); break;
-        default: break;
-      }
+      with_rows<kMaxRows>(rows, [&](auto r) {
+        micro<W, decltype(r)::value, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every);
+      });
       m += rows;
     }
   }

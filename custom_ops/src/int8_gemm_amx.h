@@ -97,12 +97,7 @@ void int8_gemm_quads_tiles(const void* A_rows, int64_t lda, int64_t M, int64_t K
     k.a_tail = a_tail;
     k.b_tail = b_tail;
   }
-  amx::ReleaseTiles<Tiles> release;
-  for (int64_t m = 0; m < M; m += 2 * amx::kTileRows) {
-    const amx::RowBlock rows = amx::RowBlock::at(m, M);
-    Tiles::configure(rows.config(64, amx::kTileRows));
-    for (int64_t p = p0; p < p1; p += 2) rows.run(k, p + 1 < p1, m, p);
-  }
+  amx::run_row_blocks<Tiles>(k, M, p0, p1);
 }
 
 }  // namespace moe_onnx::detail
