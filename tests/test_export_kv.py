@@ -205,3 +205,37 @@ def test_export_from_checkpoint(family, tmp_path, capsys):
     saved = np.load(reference / "reference.npz")
     assert tokens == saved["tokens"].tolist()
     assert np.abs(logits - saved["logits"]).max() <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="the export needs torch and transformers (the export extra)")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_fp16_fuses(family, tmp_path, capsys):
+    """Where torch is installed: `moe-onnx export --dtype fp16` of the fixture's checkpoint fuses every MoE layer
+    (the float32 sum and routing casts of the fp16 export) and its first step's logits are torch's float32 ones
+    within float16's rounding (the logits reach about 5: one float16 step there is 0.004)."""
+    import export_kv_fixtures
+
+    checkpoint = tmp_path / "checkpoint"
+    export_kv_fixtures.save_checkpoint(family, checkpoint)
+    out = tmp_path / "out"
+    assert cli(["export", str(checkpoint), "-o", str(out), "--dtype", "fp16"]) == 0
+    summary = capsys.readouterr().out
+    assert "Float32Sum: 2 blocks fused" in summary and "RouterToMoeGatingTopK: 2 blocks fused" in summary
+    assert "near-miss" not in summary
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    assert sorted(node.op_type for node in model.graph.node if node.domain == "moe_onnx") == [
+        "MOE", "MOE", "MoeGatingTopK", "MoeGatingTopK"]
+    reference = np.load(FIXTURES / family / "reference.npz")
+    config = _config(out)
+    decoder = config["model"]["decoder"]
+    past = {decoder["inputs"][key] % layer: np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]),
+                                                     np.float16)
+            for layer in range(decoder["num_hidden_layers"]) for key in ("past_key_names", "past_value_names")}
+    prompt = reference["prompt_ids"]
+    logits = moe_onnx.session(out / "model.onnx").run([decoder["outputs"]["logits"]], {
+        "input_ids": prompt, "attention_mask": np.ones_like(prompt),
+        "position_ids": np.arange(prompt.shape[1], dtype=np.int64)[None], **past})[0]
+    assert logits.dtype == np.float16
+    np.testing.assert_allclose(logits[0, -1].astype(np.float32), reference["logits"][0], atol=1.5e-2)

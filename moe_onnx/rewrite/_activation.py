@@ -46,9 +46,11 @@ def swiglu(op, a, b):
 
 
 def clamped_swiglu(op, gate_up):
-    """GPT-OSS's activation of ``gate_up``: Slice and Clip each half, ``(up + 1) * gate * Sigmoid(...)``
+    """GPT-OSS's activation of ``gate_up``: Slice and Clip each half (the gate's upper clamp may be a
+    ``Min(gate, limit)``, as the float16/bfloat16 exports write it), ``(up + 1) * gate * Sigmoid(...)``
     in either association; output named ``act``."""
-    gate = op.Clip(op.Slice(gate_up, _allow_other_inputs=True), _allow_other_inputs=True)
+    gate_half = op.Slice(gate_up, _allow_other_inputs=True)
+    gate = pattern.OrValue([op.Clip(gate_half, _allow_other_inputs=True), op.Min(gate_half, pattern.Var("gate_max"))])
     up = op.Clip(op.Slice(gate_up, _allow_other_inputs=True), _allow_other_inputs=True)
     up_plus_one = op.Add(up, pattern.Var("one"))
     sigmoid = op.Sigmoid(pattern.OrValue([op.Mul(gate, pattern.Var("alpha")), gate]))
@@ -166,9 +168,10 @@ def read_swiglu(act: ir.Value) -> Swiglu:
 
 
 def _clip_bounds(clip: ir.Node, role: str) -> tuple[float, float]:
-    """[min, max] of a Clip, -inf and inf where absent."""
+    """[min, max] of a Clip (-inf and inf where absent), or of ``Min(x, max)`` (-inf, max)."""
     bounds = []
-    for value, absent, which in zip((list(clip.inputs) + [None, None])[1:3], (-math.inf, math.inf), ("min", "max")):
+    limits = [None, clip.inputs[1]] if clip.op_type == "Min" else (list(clip.inputs) + [None, None])[1:3]
+    for value, absent, which in zip(limits, (-math.inf, math.inf), ("min", "max")):
         bound = absent if value is None else constant_scalar(value)
         require(bound is not None, f"the {role} clamp {which} is {constant_text(value)}; expected a scalar constant")
         bounds.append(bound)
@@ -199,12 +202,12 @@ def _interleaved_start(half: ir.Node, width: int, role: str) -> int:
 
 
 def read_clamped_swiglu(act: ir.Value, width: int) -> ClampedSwiglu:
-    """``act = (Clip(up, -limit, limit) + 1) * swish(Clip(gate, max=limit))``, gate and up interleaved
-    Slices of one projection of ``width`` = 2I columns."""
+    """``act = (Clip(up, -limit, limit) + 1) * swish(Clip(gate, max=limit))`` (or ``Min(gate, limit)``), gate
+    and up interleaved Slices of one projection of ``width`` = 2I columns."""
     gate, alpha, up_plus_one = _gated(act, "(up + 1) * swish(gate)")
     add = up_plus_one.producer()
     gate_clip = gate.producer()
-    require(standard(add, "Add") and standard(gate_clip, "Clip"),
+    require(standard(add, "Add") and (standard(gate_clip, "Clip") or standard(gate_clip, "Min")),
             "the activation is not (up + 1) * swish(gate) with a clamped gate")
     up, one = add.inputs if standard(add.inputs[0].producer(), "Clip") else reversed(add.inputs)
     up_clip = up.producer()

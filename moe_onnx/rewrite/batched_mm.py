@@ -14,7 +14,9 @@ are multiplied by the routing weights and summed over k. Each exporter writes th
 Each rule replaces that block, from the repeated tokens to the ``ReduceSum`` over k, by one MOE node
 fed by the router's TopK indices and by the exact tensor the slots were multiplied by (renormalized or
 not). The router, the shared expert of Qwen2-MoE and the reshape back to [B, S, H] stay as they are
-(passes over the fused graph may fold them: gating.py, shared_expert.py). Weights come
+(passes over the fused graph may fold them: gating.py, shared_expert.py). At float16 and bfloat16 transformers
+sums the slots in float32 and casts the sum back: each rule has a ``...Float32Sum`` twin for that frame
+(:func:`_weighted_sum`). Weights come
 [E, out, in] (``MatMul(GatherND(W), column)``) or, with transformers' ``is_transposed=True`` (AriaText,
 and GPT-OSS's own layout), [E, in, out] (``MatMul(row, GatherND(W))``).
 
@@ -29,6 +31,7 @@ import dataclasses
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from .._ir.builder import typed
 from .._ir.weights import Weight, weight, weight_value
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ._activation import clamped_swiglu, pointwise, read_clamped_swiglu, read_pointwise, read_swiglu, swiglu
@@ -122,13 +125,24 @@ def _per_slot(op, weights, expert, gathered: str, torchscript: bool):
     return gather(weights, expert, _outputs=[gathered])
 
 
-def _weighted_sum(op, experts_TkH, routing_TK):
-    """sum over k of routing_weights * expert outputs: [Tk, H] -> [T, k, H] -> [T, H]."""
+def _weighted_sum(op, experts_TkH, routing_TK, float32_sum: bool):
+    """sum over k of routing_weights * expert outputs: [Tk, H] -> [T, k, H] -> [T, H]. With ``float32_sum``
+    (float16/bfloat16 exports: transformers sums in float32 and casts the sum back, ``.to(hidden_states.dtype)``)
+    ``Cast(ReduceSum(...))``, the products widened before the ReduceSum (``Cast(Reshape(Mul(...)))``) or, where
+    the routing weights are float32 (Mixtral's router), the expert outputs widened before the Mul
+    (``Mul(Cast(experts_TkH), routing)``)."""
     routing_Tk1 = op.Unsqueeze(op.Reshape(routing_TK, pattern.Var("routing_flat_shape")),
                                pattern.Var("routing_axis"))
-    weighted_TkH = op.Mul(experts_TkH, routing_Tk1)
-    return op.ReduceSum(op.Reshape(weighted_TkH, pattern.Var("sum_shape")), pattern.Var("sum_axis"),
-                        _outputs=["out_TH"])
+    if not float32_sum:
+        weighted_TkH = op.Mul(experts_TkH, routing_Tk1)
+        return op.ReduceSum(op.Reshape(weighted_TkH, pattern.Var("sum_shape")), pattern.Var("sum_axis"),
+                            _outputs=["sum_TH"])
+    weighted_TkH = op.Mul(pattern.OrValue([op.Cast(experts_TkH, _outputs=["widened_experts"]), experts_TkH]),
+                          routing_Tk1)
+    slots_TkH = op.Reshape(weighted_TkH, pattern.Var("sum_shape"))
+    sum_TH = op.ReduceSum(pattern.OrValue([op.Cast(slots_TkH, _outputs=["widened_slots"]), slots_TkH]),
+                          pattern.Var("sum_axis"), _outputs=["sum_TH"])
+    return op.Cast(sum_TH, _outputs=["out_TH"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +152,18 @@ class _Slots:
     tokens_TH: ir.Value
     route: Route
     hidden: int
+
+    def routing_weights(self, op, notes: list[str]) -> ir.Value:
+        """MOE's routing weights: the router's, cast to the tokens' type where the block multiplied by float32
+        ones (MOE takes them in the tokens' type, docs/ops/MOE.md; ``notes`` says so once)."""
+        weights, dtype = self.route.weights, self.tokens_TH.dtype
+        if weights.dtype == dtype:
+            return weights
+        note = (f"the export multiplies the {dtype.name} expert outputs by float32 routing weights; MOE takes "
+                f"them rounded to {dtype.name}")
+        if note not in notes:
+            notes.append(note)
+        return typed(op.Cast(weights, to=dtype), dtype, weights.shape)
 
 
 def _shown(dims: list | None) -> str:
@@ -186,9 +212,26 @@ def _check_slots(b: dict, torchscript: bool) -> _Slots:
     require(len(sum_shape) == 3 and _token_count(sum_shape[0], tokens) and sum_shape[1:] == [k, hidden],
             f"the weighted slots are reshaped to {_shown(sum_shape)}, expected [-1 or T, {k}, {hidden}]")
     require(_ints(b["sum_axis"], "ReduceSum axes") in ([1], [-2]), "ReduceSum is not over the k axis")
-    require(b["out_TH"].producer().attributes.get_int("keepdims", 1) == 0, "ReduceSum keeps the k axis")
-    require(routing.dtype == tokens.dtype, "the routing weights and the tokens have different types")
+    require(b["sum_TH"].producer().attributes.get_int("keepdims", 1) == 0, "ReduceSum keeps the k axis")
+    _check_sum_types(b, tokens.dtype)
     return _Slots(tokens, found, hidden)
+
+
+def _check_sum_types(b: dict, dtype: ir.DataType) -> None:
+    """The weighted sum's Casts (see :func:`_weighted_sum`) compute what MOE does at the tokens' type ``dtype``:
+    Casts before the sum widen to float32, the sum is cast back to ``dtype`` (MOE accumulates in float32 and
+    rounds once), and the routing weights are ``dtype``, or float32 where the products are (rounded to
+    ``dtype`` for MOE: :meth:`_Slots.routing_weights`)."""
+    widened = [name for name in ("widened_experts", "widened_slots") if b.get(name) is not None]
+    for name in widened:
+        require(b[name].dtype == ir.DataType.FLOAT, f"the weighted sum casts {name.split('_')[1]} to {b[name].dtype}, "
+                f"expected FLOAT (a sum of {dtype} values widened to float32)")
+    out = b.get("out_TH") or b["sum_TH"]
+    require(out.dtype == dtype, f"the weighted sum is {out.dtype}, the tokens are {dtype}")
+    routing = b["routing_TK"].dtype
+    allowed = (dtype, ir.DataType.FLOAT) if "widened_experts" in widened else (dtype,)
+    require(routing in allowed, f"the routing weights are {routing}, the tokens {dtype}"
+            + (" and the products float32" if len(allowed) > 1 else ""))
 
 
 # ----------------------------------------------------------------------------- GPT-OSS
@@ -222,6 +265,7 @@ class BatchedMmGptOss(MoeFusion):
     """
 
     torchscript = False  # the exporter's frame (module docstring)
+    float32_sum = False  # the weighted sum in float32, cast back (_weighted_sum)
 
     def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, gate_up_EH2I, gate_up_bias_E2I,
                 down_EIH, down_bias_EH, gate_up_row_axis, down_row_axis, gate_up_row_squeeze, down_row_squeeze):
@@ -241,7 +285,7 @@ class BatchedMmGptOss(MoeFusion):
                                   gate_up_row_axis, gate_up_row_squeeze, "gate_up_noop_axis")
         down_TkH = biased_bmm(clamped_swiglu(op, gate_up_Tk2I), down_EIH, down_bias_EH, "down_TkIH", "down_bias_TkH",
                               down_row_axis, down_row_squeeze, "down_noop_axis")
-        return _weighted_sum(op, down_TkH, routing_TK)
+        return _weighted_sum(op, down_TkH, routing_TK, self.float32_sum)
 
     def read(self, context, **b) -> _GptOssBlock:
         slots = _check_slots(b, self.torchscript)
@@ -260,7 +304,8 @@ class BatchedMmGptOss(MoeFusion):
 
     def emit(self, op, block: _GptOssBlock) -> ir.Value:
         route = block.slots.route
-        return emit_moe(op, block.slots.tokens_TH, route.weights, route.indices, expert_type=GEMM2_BIAS_SWIGLU_CLAMP,
+        return emit_moe(op, block.slots.tokens_TH, block.slots.routing_weights(op, self.notes), route.indices,
+                        expert_type=GEMM2_BIAS_SWIGLU_CLAMP,
                         weight_0=weight_value(op, block.gate_up, "moe_gate_up_EH2I"),
                         bias_0=weight_value(op, block.gate_up_bias, "moe_gate_up_bias_E2I"),
                         weight_1=weight_value(op, block.down, "moe_down_EIH"),
@@ -310,6 +355,7 @@ class BatchedMmSwiglu(MoeFusion):
     # the weights' layout: [E, out, in] (MatMul(weights, column)), or [E, in, out] (MatMul(row, weights))
     transposed = False
     torchscript = False  # the exporter's frame (module docstring)
+    float32_sum = False  # the weighted sum in float32, cast back (_weighted_sum)
 
     def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, gate_up_weights, down_weights,
                 gate_up_axis, down_axis, gate_up_squeeze, down_squeeze):
@@ -322,7 +368,7 @@ class BatchedMmSwiglu(MoeFusion):
             first, second = op.Split(gate_up_Tk2I, _allow_other_inputs=True, _outputs=["first_half", "second_half"])
         down_TkH = _bmm(op, swiglu(op, first, second), down_weights, expert, down_axis, down_squeeze, "down_per_slot",
                         self.transposed, self.torchscript)
-        return _weighted_sum(op, down_TkH, routing_TK)
+        return _weighted_sum(op, down_TkH, routing_TK, self.float32_sum)
 
     def read(self, context, **b) -> _SwigluBlock:
         slots = _check_slots(b, self.torchscript)
@@ -352,7 +398,8 @@ class BatchedMmSwiglu(MoeFusion):
         # an expert's [out, in] matrix (MOE's layout) from its slice of the weights
         out_in = (lambda a: a.T) if self.transposed else (lambda a: a)
         route = block.slots.route
-        return emit_moe(op, block.slots.tokens_TH, route.weights, route.indices, expert_type=GEMM3_SWIGLU,
+        return emit_moe(op, block.slots.tokens_TH, block.slots.routing_weights(op, self.notes), route.indices,
+                        expert_type=GEMM3_SWIGLU,
                         weight_0=weight_value(op, block.gate_up, "moe_gate_EIH", lambda a: out_in(a)[gate_rows],
                                               (experts, i, hidden)),
                         weight_1=weight_value(op, block.gate_up, "moe_up_EIH", lambda a: out_in(a)[up_rows],
@@ -397,6 +444,7 @@ class BatchedMmNonGated(MoeFusion):
     """
 
     torchscript = False  # the exporter's frame (module docstring)
+    float32_sum = False  # the weighted sum in float32, cast back (_weighted_sum)
 
     def pattern(self, op, tokens_TH, topk_indices_TK, routing_TK, up_EIH, down_EHI, up_col_axis, down_col_axis,
                 up_col_squeeze, down_col_squeeze):
@@ -407,7 +455,7 @@ class BatchedMmNonGated(MoeFusion):
         down_TkH = op.Squeeze(op.MatMul(_per_slot(op, down_EHI, expert, "down_TkHI", self.torchscript),
                                         op.Unsqueeze(pointwise(op, up_TkI), down_col_axis)),
                               down_col_squeeze)
-        return _weighted_sum(op, down_TkH, routing_TK)
+        return _weighted_sum(op, down_TkH, routing_TK, self.float32_sum)
 
     def read(self, context, **b) -> _NonGatedBlock:
         slots = _check_slots(b, self.torchscript)
@@ -423,7 +471,8 @@ class BatchedMmNonGated(MoeFusion):
 
     def emit(self, op, block: _NonGatedBlock) -> ir.Value:
         route = block.slots.route
-        return emit_moe(op, block.slots.tokens_TH, route.weights, route.indices, expert_type=GEMM2_ACT,
+        return emit_moe(op, block.slots.tokens_TH, block.slots.routing_weights(op, self.notes), route.indices,
+                        expert_type=GEMM2_ACT,
                         weight_0=weight_value(op, block.up, "moe_up_EIH"),
                         weight_1=weight_value(op, block.down, "moe_down_EHI"), activation=block.activation)
 
@@ -454,6 +503,14 @@ class BatchedMmNonGatedTorchScript(BatchedMmNonGated):
     torchscript = True
 
 
-FUSIONS = [BatchedMmGptOss, BatchedMmSwiglu, BatchedMmSwigluTransposed, BatchedMmNonGated,
-           BatchedMmGptOssTorchScript, BatchedMmSwigluTorchScript, BatchedMmSwigluTransposedTorchScript,
-           BatchedMmNonGatedTorchScript]
+def _summing_in_float32(rule: type[MoeFusion]) -> type[MoeFusion]:
+    """``rule`` for the float16 and bfloat16 exports, which sum the weighted slots in float32 and cast the sum
+    back to the tokens' type (:func:`_weighted_sum`)."""
+    doc = f":class:`{rule.__name__}` with the weighted slots summed in float32 and cast back (float16, bfloat16)."
+    return type(f"{rule.__name__}Float32Sum", (rule,), {"float32_sum": True, "__doc__": doc, "__module__": __name__})
+
+
+_AT_THE_TOKENS_TYPE = [BatchedMmGptOss, BatchedMmSwiglu, BatchedMmSwigluTransposed, BatchedMmNonGated,
+                       BatchedMmGptOssTorchScript, BatchedMmSwigluTorchScript, BatchedMmSwigluTransposedTorchScript,
+                       BatchedMmNonGatedTorchScript]
+FUSIONS = _AT_THE_TOKENS_TYPE + [_summing_in_float32(rule) for rule in _AT_THE_TOKENS_TYPE]
