@@ -69,7 +69,7 @@ def _per_row_constant(value: ir.Value) -> bool:
     return array is not None and all(d == 1 for d in array.shape[:-1])
 
 
-def unreshaped(value: ir.Value) -> ir.Value:
+def _unreshaped(value: ir.Value) -> ir.Value:
     """``value`` before the Reshapes that made it."""
     node = value.producer()
     while _standard(node, "Reshape"):
@@ -88,7 +88,7 @@ class LocalRows:
         count = op.Shape(tokens, start=0, end=1)
         self._start = op.Div(op.Mul(count, int64s(op, [layout.global_rank])), int64s(op, [layout.world_size]))
         self._end = op.Div(op.Mul(count, int64s(op, [layout.global_rank + 1])), int64s(op, [layout.world_size]))
-        self._source, self._width = unreshaped(tokens), last_dim(tokens)
+        self._source, self._width = _unreshaped(tokens), last_dim(tokens)
         self.tokens = self.sliced(tokens)
         self._rows: dict[ir.Value, ir.Value | None] = {}
         self.rebuilt: list[str] = []  # the op types of the nodes rebuilt on this rank's rows, in order
@@ -111,7 +111,7 @@ class LocalRows:
 
     def _rebuild(self, value: ir.Value) -> ir.Value | None:
         width = last_dim(value)
-        if width is not None and width == self._width and unreshaped(value) is self._source:
+        if width is not None and width == self._width and _unreshaped(value) is self._source:
             return self.tokens
         node = value.producer()
         if node is None or constant(value) is not None:

@@ -37,7 +37,7 @@ from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.layout import Layout
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.signatures import QMOE
-from .local_rows import LocalRows, constant, last_dim, unreshaped
+from .local_rows import LocalRows, constant, last_dim
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
 
 class ShardError(ValueError):
@@ -130,30 +130,49 @@ def _where(node: ir.Node) -> str:
 
 # ----------------------------------------------------------------------------- MOE, ep == 1
 
-def _moe_tensor_parallel(node: ir.Node, layout: Layout) -> None:
-    """Give an MOE node its I-slice of the weights and its TP attributes (docs/distributed.md's table)."""
-    graph = node.graph
-    where = _where(node)
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """How TP rank q cuts one per-expert input of an MOE or QMOE node: ``columns`` of ``axis`` (an axis of one
+    expert's slice); ``bits`` 4: that axis packs two 4-bit elements a byte."""
+
+    axis: int
+    columns: slice
+    bits: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """An MOE or QMOE node's sizes, and its TP cuts for a slice of I's columns (inputs not named stay whole)."""
+
+    experts: int
+    hidden: int
+    intermediate: int
+    cuts: Callable[[slice], dict[int, _Cut]]
+    down_bias: int | None  # bias_1's input index (GEMM2 and GEMM2_ACT), counted once over the TP group
+
+
+def _moe_block(node: ir.Node) -> _Block:
+    """An MOE node's cuts: docs/distributed.md's table (GEMM2's gate/up pairs stay together; bias_1 stays whole)."""
     expert_type = attribute_value(node, "expert_type", "")
-    w0 = node.inputs[3]
-    _, _, w0_shape = _per_expert(w0, f"{where}: weight_0")
-    experts = w0_shape[0]
-    intermediate = w0_shape[2] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else w0_shape[1]
-    _check_split(layout, where, experts, intermediate)
-    columns = _i_slice(intermediate, layout.tp_size, layout.tp_rank)
-    everyone = range(experts)
-    # (input index, axis of an expert's slice, columns) per expert type; bias_1 stays whole
-    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-        cuts = [(3, 1, _pairs(columns)), (4, 0, _pairs(columns)), (5, 0, columns)]
-    elif expert_type == GEMM2_ACT:
-        cuts = [(3, 0, columns), (4, 0, columns), (5, 1, columns)]
-    else:
-        cuts = [(3, 0, columns), (5, 0, columns), (7, 1, columns)]
-    names = ("hidden_states", "routing_weights", "indices", "weight_0", "bias_0", "weight_1", "bias_1", "weight_2")
-    for index, axis, cut in cuts:
+    _, _, shape = _per_expert(node.inputs[3], f"{_where(node)}: weight_0")
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:  # weight_0 [E, H, 2I]
+        return _Block(shape[0], shape[1], shape[2] // 2, lambda c: {3: _Cut(1, _pairs(c)), 4: _Cut(0, _pairs(c)),
+                                                                    5: _Cut(0, c)}, 6)
+    if expert_type == GEMM2_ACT:  # weight_0 [E, I, H]
+        return _Block(shape[0], shape[2], shape[1], lambda c: {3: _Cut(0, c), 4: _Cut(0, c), 5: _Cut(1, c)}, 6)
+    return _Block(shape[0], shape[2], shape[1], lambda c: {3: _Cut(0, c), 5: _Cut(0, c), 7: _Cut(1, c)}, None)
+
+
+def _moe_tensor_parallel(node: ir.Node, layout: Layout) -> None:
+    """ep == 1: give an MOE node its I-slice of the weights and its TP attributes."""
+    where, block = _where(node), _moe_block(node)
+    _check_split(layout, where, block.experts, block.intermediate)
+    cuts = block.cuts(_i_slice(block.intermediate, layout.tp_size, layout.tp_rank))
+    names = _input_names(node)
+    for index, cut in cuts.items():
         if index < len(node.inputs) and node.inputs[index] is not None:
-            node.replace_input_with(index, _sliced(graph, node.inputs[index], f"{where}: {names[index]}", everyone,
-                                                   axis, cut))
+            node.replace_input_with(index, _sliced(node.graph, node.inputs[index], f"{where}: {names[index]}",
+                                                   range(block.experts), cut.axis, cut.columns))
     _set_attributes(node, dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank))
 
 
@@ -264,10 +283,9 @@ def _chain_tensor_parallel(chain: _Chain, layout: Layout) -> None:
     _set_attributes(chain.down, tensor_parallel)
 
 
-def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str, shared: _SharedExperts | None) -> None:
+def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     """ep > 1: this rank's tokens -> MoeDistributeDispatch -> the local experts' linears (I-sliced) and the
-    activation -> MoeDistributeCombine(gather_tokens=1), in place of the routing and finalize nodes; the shared
-    experts split off the block (``shared``) computed on this rank's tokens go to the combine's x2."""
+    activation -> MoeDistributeCombine(gather_tokens=1), in place of the routing and finalize nodes."""
     init, final = chain.init, chain.final
     x, expert_ids = init.inputs[0], init.inputs[1]
     _, _, x1, x2, bias, scales = (list(final.inputs) + [None] * 6)[:6]
@@ -287,8 +305,6 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str, shared: _Sh
     else:
         local_scales = rows.of(scales)
     extras = [rows.of(v) if v is not None else None for v in (x1, x2)]
-    if shared is not None:
-        extras[1] = _shared_rows(op, rows, shared, extras[1])
     insert(init, op)
 
     experts = _local_experts(layout, chain.experts)
@@ -359,21 +375,21 @@ def _split_shared(node: ir.Node) -> _SharedExperts | None:
     return _SharedExperts(node.op_type, attributes, shared_inputs, weights_expand.inputs[0], count)
 
 
-def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts, x2: ir.Value | None) -> ir.Value:
-    """The shared experts on this rank's tokens (each token takes all of them, with the shared scale), added to
-    ``x2`` when the block has one: the combine's x2."""
+def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts) -> ir.Value:
+    """The shared experts on this rank's tokens (each token takes all of them, with the shared scale): the
+    combine's x2."""
     ids_dtype = ir.DataType.INT64
     shape = op.Concat(op.Shape(rows.tokens, start=0, end=1), int64s(op, [shared.count]), axis=0)
     ids = op.Expand(const(op, np.arange(shared.count)[None, :], ids_dtype), shape)
     scale = shared.scale if constant(shared.scale) is not None else rows.of(shared.scale)
     y = op.op(shared.op_type, rows.tokens, op.Expand(scale, shape), ids, *shared.inputs, _domain=DOMAIN,
               **shared.attributes)
-    return y if x2 is None else op.Add(x2, y)
+    return y
 
 
 # ----------------------------------------------------------------------------- QMOE
 
-# (weight_i, its bias, scales, zero points) per projection; the first ones' outputs N are I (GEMM2: the
+# (weight_i, its bias, scales, zero points) per projection: the first ones' outputs N are I (GEMM2: the
 # interleaved gate/up pairs 2I), the down projection's inputs K are I
 _QMOE_PROJECTIONS = {
     GEMM2_BIAS_SWIGLU_CLAMP: ([(3, 4, 8, 11)], (5, 6, 9, 12)),
@@ -385,6 +401,31 @@ _QMOE_PROJECTIONS = {
 def _input_names(node: ir.Node) -> list[str]:
     return [spec.name for spec in QMOE.inputs] if node.op_type == "QMOE" else \
         ["hidden_states", "routing_weights", "indices", "weight_0", "bias_0", "weight_1", "bias_1", "weight_2"]
+
+
+def _qmoe_block(node: ir.Node) -> _Block:
+    """A QMOE node's cuts: the first projections' rows (with their biases, scales and zero points: per column,
+    packed along N) and the down projection's bytes of K with their blocks' scales and zero points."""
+    expert_type = attribute_value(node, "expert_type", "")
+    bits, block_size = int(attribute_value(node, "bits", 8)), int(attribute_value(node, "block_size", 0))
+    firsts, (down, _, down_scales, down_zero_points) = _QMOE_PROJECTIONS[expert_type]
+    _, _, first_shape = _per_expert(node.inputs[3], f"{_where(node)}: weight_0")
+    _, _, down_shape = _per_expert(node.inputs[down], f"{_where(node)}: {QMOE.inputs[down].name}")
+
+    def cuts(columns: slice) -> dict[int, _Cut]:
+        rows = _pairs(columns) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else columns
+        result = {}
+        for weight, bias, scales, zero_points in firsts:
+            result.update({index: _Cut(0, rows) for index in (weight, bias, scales) if index is not None})
+            result[zero_points] = _Cut(0, rows, bits if block_size == 0 else 8)
+        result[down] = _Cut(1, slice(columns.start * bits // 8, columns.stop * bits // 8))
+        if block_size:
+            blocks = slice(columns.start // block_size, columns.stop // block_size)
+            result.update({down_scales: _Cut(1, blocks), down_zero_points: _Cut(1, blocks, bits)})
+        return result
+
+    intermediate = first_shape[1] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else first_shape[1]
+    return _Block(first_shape[0], down_shape[1], intermediate, cuts, _QMOE_PROJECTIONS[expert_type][1][1])
 
 
 def _qmoe_columns(node: ir.Node, intermediate: int, layout: Layout) -> slice:
@@ -407,63 +448,43 @@ def _qmoe_columns(node: ir.Node, intermediate: int, layout: Layout) -> slice:
     return slice(part.start * unit, part.stop * unit)
 
 
-def _qmoe_sharded(node: ir.Node, layout: Layout, name: str) -> None:
-    """A QMOE node of a world of more than one rank (any tp and ep): this rank's tokens -> MoeDistributeDispatch
-    -> QMOE on the rows, one local expert each (its experts, I-sliced; the down bias on TP rank 0 only) ->
-    MoeDistributeCombine(gather_tokens=1), which sums the TP partials and gives back every token."""
+def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
+    """An MOE node under ep, or a QMOE node of more than one rank (any tp and ep): this rank's tokens ->
+    MoeDistributeDispatch -> the node on the dispatched rows, one local expert each (its experts, I-sliced; the
+    down bias on TP rank 0 only) -> MoeDistributeCombine(gather_tokens=1), which sums the TP partials and gives
+    back every token; shared experts folded into the node are split off and run on this rank's tokens."""
     graph, where = node.graph, _where(node)
-    expert_type = attribute_value(node, "expert_type", "")
-    bits, block = int(attribute_value(node, "bits", 8)), int(attribute_value(node, "block_size", 0))
     shared = _split_shared(node) if layout.ep_size > 1 else None
-    firsts, down = _QMOE_PROJECTIONS[expert_type]
-    _, _, first_shape = _per_expert(node.inputs[3], f"{where}: weight_0")
-    _, _, down_shape = _per_expert(node.inputs[down[0]], f"{where}: {QMOE.inputs[down[0]].name}")
-    experts, hidden_size = first_shape[0], down_shape[1]
-    intermediate = first_shape[1] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else first_shape[1]
-    _check_split(layout, where, experts, intermediate)
-    local = _local_experts(layout, experts)
-    inputs = (list(node.inputs) + [None] * len(QMOE.inputs))[:len(QMOE.inputs)]
+    block = _qmoe_block(node) if node.op_type == "QMOE" else _moe_block(node)
+    _check_split(layout, where, block.experts, block.intermediate)
+    columns = _qmoe_columns(node, block.intermediate, layout) if node.op_type == "QMOE" else \
+        _i_slice(block.intermediate, layout.tp_size, layout.tp_rank)
+    cuts = block.cuts(columns) if layout.tp_size > 1 else {}
+    local, names = _local_experts(layout, block.experts), _input_names(node)
+    weights = list(node.inputs[3:])
+    for index, value in enumerate(weights, start=3):
+        if value is None:
+            continue
+        cut = cuts.get(index)
+        weights[index - 3] = None if index == block.down_bias and layout.tp_rank != 0 else _sliced(
+            graph, value, f"{where}: {names[index]}", local, *((cut.axis, cut.columns, cut.bits) if cut else ()))
 
-    def cut(index: int | None, axis: int | None = None, columns: slice | None = None, packed_bits: int = 8) -> None:
-        if index is not None and inputs[index] is not None:
-            inputs[index] = _sliced(graph, inputs[index], f"{where}: {QMOE.inputs[index].name}", local,
-                                    axis if layout.tp_size > 1 else None, columns, packed_bits)
-
-    columns = _qmoe_columns(node, intermediate, layout)
-    for weight, bias, scales, zero_points in firsts:
-        outputs = _pairs(columns) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else columns
-        for index in (weight, bias, scales):
-            cut(index, 0, outputs)
-        cut(zero_points, 0, outputs, bits if block == 0 else 8)  # per column: packed along N
-    weight, bias, scales, zero_points = down
-    cut(weight, 1, slice(columns.start * bits // 8, columns.stop * bits // 8))
-    if block:
-        blocks = slice(columns.start // block, columns.stop // block)
-        cut(scales, 1, blocks)
-        cut(zero_points, 1, blocks, bits)
-    else:
-        cut(scales)
-        cut(zero_points)
-    cut(bias)
-    if bias is not None and layout.tp_rank != 0:  # the combine's reduce-scatter sums the TP partials
-        inputs[bias] = None
-
-    hidden, routing, indices = inputs[:3]
+    hidden, routing, indices = node.inputs[:3]
     op = TapeBuilder()
-    rows = LocalRows(op, op.Reshape(hidden, int64s(op, [-1, hidden_size])), layout)
+    rows = LocalRows(op, op.Reshape(hidden, int64s(op, [-1, block.hidden])), layout)
     local_ids, local_scales = rows.of(_token_rows(op, indices)), rows.of(_token_rows(op, routing))
     groups = layout.attributes()
     expand_x, offsets, assist = op.MoeDistributeDispatch(
-        rows.tokens, local_ids, num_experts=experts, expert_capacity=0, **groups, _outputs=3,
+        rows.tokens, local_ids, num_experts=block.experts, expert_capacity=0, **groups, _outputs=3,
         _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
     row_experts = _row_experts(op, expand_x, offsets, len(local))
     ones = op.Expand(const(op, [[1]], hidden.dtype), op.Shape(row_experts))
     attributes = {attr_name: attr.value for attr_name, attr in node.attributes.items()}
-    expand_y = op.QMOE(expand_x, ones, row_experts, *inputs[3:], _name=f"{name}/QMOE", **attributes,
-                       **IN_OUR_DOMAIN)
-    x2 = _shared_rows(op, rows, shared, None) if shared is not None else None
+    expand_y = op.op(node.op_type, expand_x, ones, row_experts, *weights, _name=f"{name}/{node.op_type}",
+                     **attributes, **IN_OUR_DOMAIN)
+    x2 = _shared_rows(op, rows, shared) if shared is not None else None
     out = op.MoeDistributeCombine(expand_y, assist, local_scales, *([None, x2] if x2 is not None else []),
-                                  num_experts=experts, gather_tokens=1, _name=f"{name}/MoeDistributeCombine",
+                                  num_experts=block.experts, gather_tokens=1, _name=f"{name}/MoeDistributeCombine",
                                   **groups, **IN_OUR_DOMAIN)
     replace(node, op.Reshape(out, op.Shape(hidden), allowzero=1), op)
 
@@ -517,39 +538,22 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
             raise ShardError(f"{_where(node)}: the model is already sharded")
         if node.graph is not graph and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting"):
             raise ShardError(f"{_where(node)} is inside a subgraph; only the main graph's MoE blocks can be sharded")
-    moe_nodes = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
-    qmoe_nodes = [node for node in graph if node.domain == DOMAIN and node.op_type == "QMOE"]
-    shared_of = {}  # the shared experts split off an MOE node, by its routing weights (before any Reshape)
-    if ep > 1 and moe_nodes:
-        from ..rewrite.grouped import expand_moe_nodes  # one activation code for both forms
-
-        for node in moe_nodes:
-            shared = _split_shared(node)
-            if shared is not None:
-                shared_of[unreshaped(node.inputs[1])] = shared
-        expand_moe_nodes(model)
-        left = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
-        if left:
-            raise ShardError(f"{_where(left[0])}: its weights are computed at run time; only constant weights "
-                             "can be sharded")
-    else:
-        for node in moe_nodes:
-            _moe_tensor_parallel(node, layout)
+    blocks = [node for node in graph if node.domain == DOMAIN and node.op_type in ("MOE", "QMOE")]
     chains = [_read_chain(node) for node in graph if node.domain == DOMAIN and node.op_type == "MoeFinalizeRouting"]
-    if not moe_nodes and not qmoe_nodes and not chains:
+    if not blocks and not chains:
         raise ShardError("the model has no MoE block to shard (no MOE or QMOE node or MoeInitRouting -> "
                          "MoeFinalizeRouting chain after `moe-onnx optimize`)")
+    for index, node in enumerate(blocks):
+        if node.op_type == "MOE" and ep == 1:
+            _moe_tensor_parallel(node, layout)
+        elif layout.world_size > 1:
+            _block_on_rows(node, layout, node.name or f"moe_block_{index}")
     for index, chain in enumerate(chains):
-        scales = chain.final.inputs[5] if len(chain.final.inputs) > 5 else None
-        shared = shared_of.get(unreshaped(scales)) if scales is not None else None
         _check_split(layout, _where(chain.final), chain.experts, chain.intermediate)
         if ep > 1:
-            _chain_expert_parallel(chain, layout, chain.final.name or f"moe_block_{index}", shared)
+            _chain_expert_parallel(chain, layout, chain.final.name or f"moe_chain_{index}")
         else:
             _chain_tensor_parallel(chain, layout)
-    if layout.world_size > 1:
-        for index, node in enumerate(qmoe_nodes):
-            _qmoe_sharded(node, layout, node.name or f"qmoe_block_{index}")
     common_passes.RemoveUnusedNodesPass()(model)
     graph.sort()  # the rebuilt router reads this rank's tokens, which a block's first nodes take
     model.opset_imports[DOMAIN] = OPSET_VERSION
