@@ -382,8 +382,8 @@ def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts) -> ir
     shape = op.Concat(op.Shape(rows.tokens, start=0, end=1), int64s(op, [shared.count]), axis=0)
     ids = op.Expand(const(op, np.arange(shared.count)[None, :], ids_dtype), shape)
     scale = shared.scale if constant(shared.scale) is not None else rows.of(shared.scale)
-    y = op.op(shared.op_type, rows.tokens, op.Expand(scale, shape), ids, *shared.inputs, _domain=DOMAIN,
-              **shared.attributes)
+    y = op.op(shared.op_type, rows.tokens, _expanded(op, scale, shape, shared.scale), ids, *shared.inputs,
+              _domain=DOMAIN, **shared.attributes)
     return y
 
 
@@ -478,7 +478,7 @@ def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
         rows.tokens, local_ids, num_experts=block.experts, expert_capacity=0, **groups, _outputs=3,
         _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
     row_experts = _row_experts(op, expand_x, offsets, len(local))
-    ones = op.Expand(const(op, [[1]], hidden.dtype), op.Shape(row_experts))
+    ones = _expanded(op, const(op, [[1]], ir.DataType.FLOAT), op.Shape(row_experts), routing)
     attributes = {attr_name: attr.value for attr_name, attr in node.attributes.items()}
     expand_y = op.op(node.op_type, expand_x, ones, row_experts, *weights, _name=f"{name}/{node.op_type}",
                      **attributes, **IN_OUR_DOMAIN)
@@ -487,6 +487,13 @@ def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
                                   num_experts=block.experts, gather_tokens=1, _name=f"{name}/MoeDistributeCombine",
                                   **groups, **IN_OUR_DOMAIN)
     replace(node, op.Reshape(out, op.Shape(hidden), allowzero=1), op)
+
+
+def _expanded(op: TapeBuilder, value: ir.Value, shape: ir.Value, like: ir.Value) -> ir.Value:
+    """``value`` expanded to ``shape`` in float32 and cast to ``like``'s type (onnxruntime's CPU provider has no
+    bfloat16 Expand; CastLike where the graph does not say the type)."""
+    filled = op.Expand(op.Cast(value, to=ir.DataType.FLOAT), shape)
+    return op.Cast(filled, to=like.dtype) if like.dtype is not None else op.CastLike(filled, like)
 
 
 def _token_rows(op: TapeBuilder, value: ir.Value) -> ir.Value:
