@@ -6,10 +6,11 @@ What each MoE block becomes on rank ``g``:
 - ``ep == 1``: an MOE node keeps its place with its I-slice of the weights and ``tp_world_size``/``tp_rank_id``;
   a grouped chain keeps its MoeInitRouting and MoeFinalizeRouting, its linears get their I-slices and the
   down linear all-reduces over the TP group (``input_is_parallel = 1``);
-- ``ep > 1``: the block becomes this rank's token range ``[T*g//W, T*(g+1)//W)`` (standard ops from the run
-  time T) -> MoeDistributeDispatch -> the chain's linears on the local experts (I-sliced) and its activation
-  -> MoeDistributeCombine(gather_tokens=1), which gives back every token. An MOE node is first expanded into
-  the grouped chain (``rewrite/grouped.py``: one activation code), so both forms are sharded the same way.
+- ``ep > 1``, and a QMOE node of any ``W > 1``: the block becomes this rank's tokens (the router rebuilt on them:
+  ``local_rows.py``) -> MoeDistributeDispatch -> the MOE or QMOE node on the dispatched rows (its local experts,
+  I-sliced; QMOE's at whole quantization blocks) -> MoeDistributeCombine(gather_tokens=1), which gives back every
+  token; shared experts folded into the node are split off, kept whole on every rank and run on its tokens
+  (the combine's x2). A grouped chain's linears and activation take the node's place between the two.
 
 The rest of the graph is replicated. Weights are sliced lazily, one expert at a time, when a rank's
 model is written (as ``optimize`` streams them), so a multi-GB model is sharded without loading it.
