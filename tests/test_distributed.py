@@ -390,6 +390,36 @@ def _router_rows(ranks: list[onnx.ModelProto], feeds: dict[str, np.ndarray]) -> 
     return [[len(v) for v in outputs[1:]] for outputs in run_world(exposed, feeds)]
 
 
+def _softmax_topk_model() -> onnx.ModelProto:
+    """:func:`moe_model` (GEMM3, rank-3 hidden states [B, S, 8]) whose routing is its own router: MatMul ->
+    Softmax(axis=2) -> TopK(2, axis=2), the unfused form of a rank-3 router."""
+    model = moe_model(GEMM3_SWIGLU, experts=EXPERTS, rank3=True)
+    router = onnx.numpy_helper.from_array(np.random.default_rng(7).standard_normal((8, EXPERTS)).astype(np.float32),
+                                          "router")
+    model.graph.initializer.extend([router, onnx.numpy_helper.from_array(np.array([2], np.int64), "k")])
+    model.graph.node.insert(0, onnx.helper.make_node("MatMul", ["hidden", "router"], ["logits"]))
+    model.graph.node.insert(1, onnx.helper.make_node("Softmax", ["logits"], ["probs"], axis=2))
+    model.graph.node.insert(2, onnx.helper.make_node("TopK", ["probs", "k"], ["routing", "indices"], axis=2))
+    del model.graph.input[1:]
+    return model
+
+
+def test_a_rank_3_router_is_rebuilt_on_the_ranks_rows():
+    """Softmax and TopK on the last axis of [B, S, E] become the same ops on this rank's [T_local, E] rows."""
+    model = _softmax_topk_model()
+    feeds = {"hidden": np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)}
+    expected = run_session(cached_session(model), feeds)["y"]
+    ranks = shard(model, tp=1, ep=4)
+    for got in run_world(ranks, feeds):
+        np.testing.assert_allclose(got[0], expected, rtol=0, atol=TOLERANCE)
+    for rank in ranks:
+        exposed = onnx.ModelProto.FromString(rank.SerializeToString())
+        exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n.output[0])
+                                    for n in exposed.graph.node if n.op_type == "Softmax")
+        ranks[ranks.index(rank)] = exposed
+    assert [outputs[1].shape for outputs in run_world(ranks, feeds)] == [(2, 8), (3, 8), (2, 8), (3, 8)]
+
+
 @pytest.mark.parametrize("model", ["mixtral__tf5__torchscript", "qmoe"])
 def test_each_rank_routes_only_its_tokens(model):
     """Slice first: under ep each rank's router runs on its own rows [T * g // W, T * (g + 1) // W) of the T = 10

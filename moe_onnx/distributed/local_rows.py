@@ -13,8 +13,10 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, int64s
+from .._ir.nodes import standard
 from ..ops import DOMAIN
 from ..ops.layout import Layout
+from ..rewrite._match import constant, skip_reshapes
 
 _UNARY = {"Identity", "Cast", "Sigmoid", "Relu", "Tanh", "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Softplus",
           "Erf"}
@@ -24,16 +26,12 @@ _LAST_AXIS = {"Softmax", "LogSoftmax"}
 _OURS = {"MoeGatingTopK": (0,)}
 
 
-def _standard(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
 def last_dim(value: ir.Value) -> int | None:
     """The static last dim of ``value``: from its shape, or the shape a Reshape made it (None: unknown)."""
     if value.shape is not None and len(value.shape) > 0 and isinstance(value.shape[-1], int):
         return value.shape[-1]
     node = value.producer()
-    return _last_entry(node.inputs[1]) if _standard(node, "Reshape") else None
+    return _last_entry(node.inputs[1]) if standard(node, "Reshape") else None
 
 
 def _last_entry(shape: ir.Value) -> int | None:
@@ -41,41 +39,43 @@ def _last_entry(shape: ir.Value) -> int | None:
     array = constant(shape)
     if array is not None:
         return int(array[-1]) if array.ndim == 1 and array.size and array[-1] > 0 else None
+    source = _last_dim_source(shape)
+    return last_dim(source) if source is not None else None
+
+
+def _last_dim_source(shape: ir.Value) -> ir.Value | None:
+    """x when the last entry of the shape ``shape`` is x's last dim: ``[Concat(..., ]Slice(Shape(x), -1)[)]``."""
     node = shape.producer()
-    if _standard(node, "Concat"):
-        return _last_entry(node.inputs[-1])
-    if _standard(node, "Slice") and _standard(node.inputs[0].producer(), "Shape"):
+    if standard(node, "Concat"):
+        node = node.inputs[-1].producer()
+    if standard(node, "Slice") and standard(node.inputs[0].producer(), "Shape"):
         starts, source = constant(node.inputs[1]), node.inputs[0].producer()
         if starts is not None and starts.tolist() == [-1] and not source.attributes:
-            return last_dim(source.inputs[0])
+            return source.inputs[0]
     return None
 
 
-def constant(value: ir.Value | None):
-    """``value``'s array when it is an initializer or a Constant node's output, else None."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
+def _keeps_last_dim(reshape: ir.Node) -> bool:
+    """Whether the Reshape ``reshape`` keeps its input's last dim (and so the rows of its flattened input)."""
+    width = last_dim(reshape.outputs[0])
+    return (width is not None and width == last_dim(reshape.inputs[0])) or \
+        _last_dim_source(reshape.inputs[1]) is reshape.inputs[0]
+
+
+def _rank(value: ir.Value) -> int | None:
+    """``value``'s rank: from its shape, or through the row-by-row ops that keep their first input's rank."""
+    if value.shape is not None:
+        return len(value.shape)
     node = value.producer()
-    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx") and "value" in node.attributes:
-        return node.attributes["value"].as_tensor().numpy()
-    return None
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _UNARY | _LAST_AXIS | {"MatMul", "TopK"}:
+        return None
+    return _rank(node.inputs[0])
 
 
 def _per_row_constant(value: ir.Value) -> bool:
     """A constant that broadcasts along the last axis only (every other dim 1)."""
     array = constant(value)
     return array is not None and all(d == 1 for d in array.shape[:-1])
-
-
-def _unreshaped(value: ir.Value) -> ir.Value:
-    """``value`` before the Reshapes that made it."""
-    node = value.producer()
-    while _standard(node, "Reshape"):
-        value = node.inputs[0]
-        node = value.producer()
-    return value
 
 
 class LocalRows:
@@ -88,12 +88,11 @@ class LocalRows:
         count = op.Shape(tokens, start=0, end=1)
         self._start = op.Div(op.Mul(count, int64s(op, [layout.global_rank])), int64s(op, [layout.world_size]))
         self._end = op.Div(op.Mul(count, int64s(op, [layout.global_rank + 1])), int64s(op, [layout.world_size]))
-        self._source, self._width = _unreshaped(tokens), last_dim(tokens)
-        self.tokens = self.sliced(tokens)
+        self._source, self._width = skip_reshapes(tokens), last_dim(tokens)
+        self.tokens = self._sliced(tokens)
         self._rows: dict[ir.Value, ir.Value | None] = {}
-        self.rebuilt: list[str] = []  # the op types of the nodes rebuilt on this rank's rows, in order
 
-    def sliced(self, value: ir.Value) -> ir.Value:
+    def _sliced(self, value: ir.Value) -> ir.Value:
         """``value``'s rows of this rank (``value`` has the tokens on its first axis)."""
         return self._op.Slice(value, self._start, self._end, int64s(self._op, [0]))
 
@@ -101,7 +100,7 @@ class LocalRows:
         """``value`` ([T, c], a row per token) on this rank's rows: rebuilt from them when it is computed from
         the tokens row by row, else sliced."""
         rows = self._rebuilt(value)
-        return rows if rows is not None else self.sliced(value)
+        return rows if rows is not None else self._sliced(value)
 
     def _rebuilt(self, value: ir.Value) -> ir.Value | None:
         """``value``'s flattened rows ``[T_local, c]`` computed from this rank's tokens, or None."""
@@ -110,17 +109,16 @@ class LocalRows:
         return self._rows[value]
 
     def _rebuild(self, value: ir.Value) -> ir.Value | None:
+        """:meth:`_rebuilt` before its memo: the tokens themselves, or a copy of ``value``'s node on rebuilt inputs."""
         width = last_dim(value)
-        if width is not None and width == self._width and _unreshaped(value) is self._source:
+        if width is not None and width == self._width and skip_reshapes(value) is self._source:
             return self.tokens
         node = value.producer()
         if node is None or constant(value) is not None:
             return None
-        standard = node.domain in ("", "ai.onnx")
-        if _standard(node, "Reshape"):  # keeping the last dim keeps the flattened rows
-            rows = self._rebuilt(node.inputs[0])
-            return rows if rows is not None and width is not None and width == last_dim(node.inputs[0]) else None
-        if standard and node.op_type in _UNARY | _BINARY | _LAST_AXIS | {"MatMul", "Gemm", "TopK"}:
+        if standard(node, "Reshape"):
+            return self._rebuilt(node.inputs[0]) if _keeps_last_dim(node) else None
+        if node.domain in ("", "ai.onnx") and node.op_type in _UNARY | _BINARY | _LAST_AXIS | {"MatMul", "Gemm", "TopK"}:
             inputs = self._standard_inputs(node)
         elif node.domain == DOMAIN and node.op_type in _OURS:
             inputs = self._our_inputs(node)
@@ -128,10 +126,11 @@ class LocalRows:
             return None
         if inputs is None:
             return None
-        outputs = self._op.op(node.op_type, *inputs, _domain=node.domain, _outputs=len(node.outputs),
-                              **{name: attr.value for name, attr in node.attributes.items()})
+        attributes = {name: attr.value for name, attr in node.attributes.items()}
+        if node.op_type in _LAST_AXIS | {"TopK"}:
+            attributes["axis"] = -1  # the rebuilt rows are [T_local, c]
+        outputs = self._op.op(node.op_type, *inputs, _domain=node.domain, _outputs=len(node.outputs), **attributes)
         outputs = [outputs] if isinstance(outputs, ir.Value) else list(outputs)
-        self.rebuilt.append(node.op_type)
         for old, new in zip(node.outputs, outputs):
             self._rows[old] = new
         return self._rows[value]
@@ -142,9 +141,8 @@ class LocalRows:
         if node.op_type in _UNARY:
             return [first] if first is not None and len(node.inputs) == 1 else None
         if node.op_type in _LAST_AXIS | {"TopK"}:
-            rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
             axis = node.attributes.get_int("axis", -1)
-            last = axis == -1 or (rank is not None and axis == rank - 1)
+            last = axis == -1 or axis == (_rank(node.inputs[0]) or 0) - 1
             if first is None or not last or any(constant(v) is None for v in node.inputs[1:]):
                 return None
             return [first, *node.inputs[1:]]

@@ -38,7 +38,8 @@ from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.layout import Layout
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.signatures import QMOE
-from .local_rows import LocalRows, constant, last_dim
+from ..rewrite._match import constant
+from .local_rows import LocalRows, last_dim
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
 
 class ShardError(ValueError):
@@ -376,14 +377,14 @@ def _split_shared(node: ir.Node) -> _SharedExperts | None:
     return _SharedExperts(node.op_type, attributes, shared_inputs, weights_expand.inputs[0], count)
 
 
-def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts) -> ir.Value:
-    """The shared experts on this rank's tokens (each token takes all of them, with the shared scale): the
-    combine's x2."""
+def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts, hidden: ir.Value) -> ir.Value:
+    """The shared experts on this rank's tokens (each token takes all of them, with the shared scale, of the type
+    of the block's ``hidden`` states): the combine's x2."""
     ids_dtype = ir.DataType.INT64
     shape = op.Concat(op.Shape(rows.tokens, start=0, end=1), int64s(op, [shared.count]), axis=0)
     ids = op.Expand(const(op, np.arange(shared.count)[None, :], ids_dtype), shape)
     scale = shared.scale if constant(shared.scale) is not None else rows.of(shared.scale)
-    y = op.op(shared.op_type, rows.tokens, _expanded(op, scale, shape, shared.scale), ids, *shared.inputs,
+    y = op.op(shared.op_type, rows.tokens, _expanded(op, scale, shape, hidden), ids, *shared.inputs,
               _domain=DOMAIN, **shared.attributes)
     return y
 
@@ -479,11 +480,11 @@ def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
         rows.tokens, local_ids, num_experts=block.experts, expert_capacity=0, **groups, _outputs=3,
         _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
     row_experts = _row_experts(op, expand_x, offsets, len(local))
-    ones = _expanded(op, const(op, [[1]], ir.DataType.FLOAT), op.Shape(row_experts), routing)
+    ones = _expanded(op, const(op, [[1]], ir.DataType.FLOAT), op.Shape(row_experts), hidden)
     attributes = {attr_name: attr.value for attr_name, attr in node.attributes.items()}
     expand_y = op.op(node.op_type, expand_x, ones, row_experts, *weights, _name=f"{name}/{node.op_type}",
                      **attributes, **IN_OUR_DOMAIN)
-    x2 = _shared_rows(op, rows, shared) if shared is not None else None
+    x2 = _shared_rows(op, rows, shared, hidden) if shared is not None else None
     out = op.MoeDistributeCombine(expand_y, assist, local_scales, *([None, x2] if x2 is not None else []),
                                   num_experts=block.experts, gather_tokens=1, _name=f"{name}/MoeDistributeCombine",
                                   **groups, **IN_OUR_DOMAIN)
@@ -492,7 +493,8 @@ def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
 
 def _expanded(op: TapeBuilder, value: ir.Value, shape: ir.Value, like: ir.Value) -> ir.Value:
     """``value`` expanded to ``shape`` in float32 and cast to ``like``'s type (onnxruntime's CPU provider has no
-    bfloat16 Expand; CastLike where the graph does not say the type)."""
+    bfloat16 Expand; CastLike where the graph does not say the type: ``like`` must be a value the rank computes
+    anyway, never the unsharded router's)."""
     filled = op.Expand(op.Cast(value, to=ir.DataType.FLOAT), shape)
     return op.Cast(filled, to=like.dtype) if like.dtype is not None else op.CastLike(filled, like)
 
