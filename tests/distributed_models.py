@@ -8,6 +8,7 @@ SwiGLU -> MoeRowParallelLinear -> MoeFinalizeRouting chain with a residual input
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -110,3 +111,34 @@ def routing_feeds(tokens: int, experts: int = 4, hidden: int = 8, k: int = 2, se
              "routing": rng.random((tokens, k)).astype(np.float32),
              "indices": indices.astype(np.int64)}
     return {name: value[None] for name, value in feeds.items()} if rank3 else feeds
+
+
+def with_bfloat16_blocks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A fused ``model`` whose MOE blocks compute in bfloat16: their hidden states and routing weights cast to
+    bfloat16, their weights stored so, their outputs cast back (onnxruntime's CPU provider runs few other ops in
+    bfloat16, a rotary embedding's Sin not among them)."""
+    blocks = onnx.ModelProto()
+    blocks.CopyFrom(model)
+    graph = blocks.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        if node.domain != DOMAIN or node.op_type != "MOE":
+            nodes.append(node)
+            continue
+        for index in (0, 1):
+            cast = f"{node.input[index]}_{node.name}_bf16"
+            nodes.append(helper.make_node("Cast", [node.input[index]], [cast], to=TensorProto.BFLOAT16))
+            node.input[index] = cast
+        for name in node.input[3:]:
+            if name in initializers:
+                bits = numpy_helper.to_array(initializers[name]).astype(ml_dtypes.bfloat16).view(np.uint16)
+                initializers[name].CopyFrom(helper.make_tensor(name, TensorProto.BFLOAT16, bits.shape, bits.tobytes(),
+                                                               raw=True))
+        output = node.output[0]
+        node.output[0] = f"{output}_bf16"
+        nodes += [node, helper.make_node("Cast", [node.output[0]], [output], to=TensorProto.FLOAT)]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.value_info[:]
+    return blocks

@@ -298,3 +298,28 @@ def assert_numbers_on_both_backends(name: str) -> None:
             inputs = scaled_random_feeds(name, batch, seq)
             np.testing.assert_allclose(session.run(["output"], inputs)[0], ort_output(original(name), inputs),
                                        **TOL)
+
+
+def as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The float32 export with every float tensor, Cast and graph input/output in float16."""
+    half = onnx.ModelProto()
+    half.CopyFrom(model)
+    graph = half.graph
+
+    def to_half(tensor: onnx.TensorProto) -> None:
+        if tensor.data_type == onnx.TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+
+    for tensor in graph.initializer:
+        to_half(tensor)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                to_half(attribute.t)
+            elif node.op_type == "Cast" and attribute.name == "to" and attribute.i == onnx.TensorProto.FLOAT:
+                attribute.i = onnx.TensorProto.FLOAT16
+    for value in [*graph.input, *graph.output]:
+        if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    del graph.value_info[:]
+    return half

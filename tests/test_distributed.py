@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -19,12 +20,12 @@ import numpy as np
 import onnx
 import pytest
 from backends import cached_session
-from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds
-from fixture_models import FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, random_feeds, whole_reference_data
+from distributed_models import drop_pad_model, grouped_model, moe_model, routing_feeds, with_bfloat16_blocks
+from fixture_models import FIXTURES, WHOLE_FIXTURES, WHOLE_MANIFEST, as_float16, random_feeds, whole_reference_data
 from moe_export.fixtures import whole_feeds
 from world_simulation import run_world
 
-from moe_onnx import session
+from moe_onnx import quantize, session
 from moe_onnx._ir import model_files
 from moe_onnx.check import check_model
 from moe_onnx.cli import main as cli_main
@@ -33,15 +34,30 @@ from moe_onnx.distributed.run import LaunchError, mpirun_command, package_enviro
 from moe_onnx.distributed.shard import ShardError, shard
 from moe_onnx.ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from moe_onnx.pipeline import optimize_file, shard_file
+from moe_onnx.rewrite import optimize
+from moe_onnx.verify import PRECISION_TOLERANCE
 
 DRIVER = Path(__file__).with_name("distributed_driver.py")
-TOLERANCE = 1e-5  # the largest absolute difference (docs/distributed.md, `moe-onnx run --check`)
+TOLERANCE = 1e-5  # the largest absolute difference (docs/distributed.md, `moe-onnx run --check`), per unit of |y|
 EXPERTS = 8  # 2 local experts at ep = 4
 # (tp, ep) per world size
 CONFIGS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
 BACKENDS = ("cpp", "python")
 FIXTURE_MODELS = ("mixtral_batched_mm_tiny", "gpt_oss_batched_mm_tiny")
-WHOLE_MODELS = ("mixtral__tf5__torchscript", "gpt_oss__tf457__torchscript")  # tiny LMs: input_ids -> logits
+# tiny LMs: input_ids -> logits; aria_text folds a shared expert into its 4 routed ones
+WHOLE_MODELS = ("mixtral__tf5__torchscript", "gpt_oss__tf457__torchscript", "aria_text__tf5__dynamo")
+# Mixtral in half precision: float16 throughout (the export converted), or its MOE blocks in bfloat16
+# (onnxruntime's CPU provider runs few other ops in bfloat16: not the rotary embedding's Sin)
+HALF_MODELS = {"mixtral_fp16": "float16", "mixtral_bf16_blocks": "bfloat16"}
+HALF_SOURCE = "mixtral__tf5__torchscript"
+QMOE_HIDDEN = 32  # the QMOE models' H and I = 64: 4 blocks of 16, one per TP rank at tp = 4
+
+
+def _quantized(expert_type: str, seed: int, **settings) -> onnx.ModelProto:
+    model = moe_model(expert_type, experts=EXPERTS, hidden=QMOE_HIDDEN, inter=64, seed=seed)
+    return quantize(model, measure=False, **settings)[0]
+
+
 # routing-input models: GPT-OSS-like GEMM2 (biases, clamp), Mixtral/Qwen-like GEMM3 and Nemotron-like GEMM2_ACT, as
 # MOE nodes and grouped chains, and a drop/pad chain with capacity 2 (most rows dropped at 13 tokens)
 MODELS = {
@@ -51,6 +67,9 @@ MODELS = {
     "gemm2_grouped": lambda: grouped_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=EXPERTS, seed=1),
     "gemm3_grouped": lambda: grouped_model(GEMM3_SWIGLU, experts=EXPERTS, seed=2),
     "drop_pad": lambda: drop_pad_model(capacity=2, experts=EXPERTS),
+    # QMOE: int4 blocks of 16 with zero points (their nibbles repacked at tp = 4), and int8 per column
+    "qmoe_gemm3_int4": lambda: _quantized(GEMM3_SWIGLU, 4, bits=4, block_size=16, zero_points=True),
+    "qmoe_gemm2_int8": lambda: _quantized(GEMM2_BIAS_SWIGLU_CLAMP, 5, bits=8),
 }
 # T = 0 and 1 (fewer tokens than ranks), 13 (uneven split, random loads), every slot on the first or the last
 # EP rank's experts (the other EP ranks receive no rows)
@@ -81,21 +100,41 @@ def expected_outputs(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[st
 
 
 def _cases(world: int) -> list[tuple[int, int, str, str]]:
+    whole = [*WHOLE_MODELS, *HALF_MODELS]  # the whole LMs' other ops: slow on the python host
     return [(tp, ep, model, backend) for tp, ep in CONFIGS[world]
-            for model in [*MODELS, *FIXTURE_MODELS, *WHOLE_MODELS] for backend in BACKENDS
-            if backend == "cpp" or model not in WHOLE_MODELS]  # the whole LMs' other ops: slow on the python host
+            for model in [*MODELS, *FIXTURE_MODELS, *whole] for backend in BACKENDS
+            if backend == "cpp" or model not in whole]
 
 
 def _inputs(model: str) -> dict[str, dict[str, np.ndarray]]:
-    if model in WHOLE_MODELS:
-        names = [i.name for i in onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[model]["file"]).graph.input]
-        data = whole_reference_data(model)
+    if model in WHOLE_MODELS or model in HALF_MODELS:
+        source = HALF_SOURCE if model in HALF_MODELS else model
+        names = [i.name for i in onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[source]["file"]).graph.input]
+        data = whole_reference_data(source)
         return {key: whole_feeds(names, data[key]) for key in data if key.startswith("input_ids")}
     if model in FIXTURE_MODELS:
         return {"b1s1": random_feeds(model, 1, 1), "b2s3": random_feeds(model, 2, 3)}
     rank3 = model == "gemm3_moe"
-    return {name: routing_feeds(experts=EXPERTS, rank3=rank3, seed=i, **spec)
+    hidden = QMOE_HIDDEN if model.startswith("qmoe") else 8
+    return {name: routing_feeds(experts=EXPERTS, hidden=hidden, rank3=rank3, seed=i, **spec)
             for i, (name, spec) in enumerate(ROUTINGS.items())}
+
+
+def _half_model(precision: str) -> onnx.ModelProto:
+    """:data:`HALF_SOURCE` in ``precision`` (:data:`HALF_MODELS`): float16 as exported, bfloat16 blocks fused."""
+    model = onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[HALF_SOURCE]["file"])
+    return as_float16(model) if precision == "float16" else with_bfloat16_blocks(optimize(model)[0])
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray, model: str, where: str) -> None:
+    """Within :data:`TOLERANCE` per unit of the largest |y| (at least 1); a half-precision model within its
+    precision's rounding (verify's PRECISION_TOLERANCE, relative and absolute)."""
+    if model in HALF_MODELS:
+        tolerance = PRECISION_TOLERANCE[HALF_MODELS[model]]
+        np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance, err_msg=where)
+    else:
+        scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+        np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE * scale, err_msg=where)
 
 
 def world_results(world: int, root: str) -> dict:
@@ -110,8 +149,13 @@ def world_results(world: int, root: str) -> dict:
         sources[name] = FIXTURES / f"{name}.onnx"
     for name in WHOLE_MODELS:
         sources[name] = WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]
+    for name, precision in HALF_MODELS.items():
+        sources[name] = root / f"{name}.onnx"
+        if not sources[name].exists():
+            onnx.save(_half_model(precision), sources[name])
     fused = dict(sources)
-    for name in [*FIXTURE_MODELS, *WHOLE_MODELS]:  # exports: fused once here, not by every shard_file
+    exports = [*FIXTURE_MODELS, *WHOLE_MODELS, *(name for name, p in HALF_MODELS.items() if p == "float16")]
+    for name in exports:  # fused once here, not by every shard_file
         fused[name] = root / f"{name}.fused.onnx"
         if not fused[name].exists():
             optimize_file(sources[name], fused[name])
@@ -169,7 +213,7 @@ def test_sharded_outputs_equal_the_unsharded_model(world, shard_root):
                     problems.append(f"{where}: {name} is {got[name].shape}, expected {value.shape}")
                     continue
                 try:
-                    np.testing.assert_allclose(got[name], value, rtol=0, atol=TOLERANCE, err_msg=where)
+                    assert_close(got[name], value, model, where)
                 except AssertionError as error:
                     problems.append(str(error))
     assert not problems, "\n".join(problems)
@@ -193,8 +237,7 @@ def test_simulated_ranks_equal_the_unsharded_model(model, tp, ep):
         expected = run_session(sess, feeds)["y"]
         for rank, (got,) in enumerate(run_world(ranks, feeds)):
             assert got.shape == expected.shape
-            np.testing.assert_allclose(got, expected, rtol=0, atol=TOLERANCE,
-                                       err_msg=f"{input_name} rank {rank}")
+            assert_close(got, expected, model, f"{input_name} rank {rank}")
 
 
 def test_grouped_chain_keeps_an_empty_batch_empty():
@@ -231,12 +274,13 @@ def test_gate_up_pairs_stay_together_on_their_tp_rank():
 
 
 def test_expert_parallel_moe_becomes_dispatch_experts_combine():
+    """The MOE node runs on the dispatched rows (each its local expert, weight 1) with its 4 local experts' I-slice."""
     ranks = shard(moe_model(GEMM3_SWIGLU, experts=8), tp=2, ep=2)
     ops = _ops(ranks[3])
-    assert "MOE" not in ops and "MoeInitRouting" not in ops and "MoeFinalizeRouting" not in ops
-    assert ops.count("MoeDistributeDispatch") == ops.count("MoeDistributeCombine") == 1
-    assert ops.count("MoeRowParallelLinear") == 3
-    assert sorted(_weights(ranks[3]).values()) == [[4, 3, 8], [4, 3, 8], [4, 8, 3]]  # 4 local experts, I 6 / 2
+    assert ops.count("MoeDistributeDispatch") == ops.count("MoeDistributeCombine") == ops.count("MOE") == 1
+    (moe,) = [n for n in ranks[3].graph.node if n.op_type == "MOE"]
+    assert moe.input[0] == next(n for n in ranks[3].graph.node if n.op_type == "MoeDistributeDispatch").output[0]
+    assert sorted(_weights(ranks[3]).values())[-3:] == [[4, 3, 8], [4, 3, 8], [4, 8, 3]]  # 4 local experts, I 6 / 2
     dispatch = next(n for n in ranks[3].graph.node if n.op_type == "MoeDistributeDispatch")
     attrs = {a.name: a.i for a in dispatch.attribute}
     assert attrs == dict(num_experts=8, expert_capacity=0, ep_world_size=2, ep_rank_id=1, tp_world_size=2,
@@ -245,8 +289,8 @@ def test_expert_parallel_moe_becomes_dispatch_experts_combine():
 
 def test_down_bias_only_on_tp_rank_zero_with_expert_parallelism():
     ranks = shard(moe_model(GEMM2_BIAS_SWIGLU_CLAMP, experts=8), tp=2, ep=2)
-    downs = [[n for n in r.graph.node if n.op_type == "MoeRowParallelLinear"][-1] for r in ranks]
-    assert [len([i for i in d.input if i]) for d in downs] == [4, 3, 4, 3]
+    moes = [next(n for n in r.graph.node if n.op_type == "MOE") for r in ranks]
+    assert [len([i for i in m.input[3:] if i]) for m in moes] == [4, 3, 4, 3]
 
 
 def test_drop_pad_capacity_goes_to_dispatch():
@@ -277,12 +321,118 @@ def test_refusals_name_the_reason(model, tp, ep, message):
         shard(model(), tp=tp, ep=ep)
 
 
-def test_quantized_experts_are_refused():
-    from moe_onnx import quantize
+@pytest.mark.parametrize("settings, tp, message", [
+    (dict(bits=8, block_size=32), 4, "QMOE node 'moe': I = 64 holds 2 quantization blocks of block_size 32, "
+                                     "fewer than tp = 4 (a TP slice may not split a block)"),
+    (dict(bits=4, accuracy_level=4), 2, "accuracy_level 4 with per-column scales (block_size 0) quantizes the down "
+                                        "projection's activations over all of I = 64, which tp = 2 would split"),
+])
+def test_quantized_slices_that_would_split_a_block_are_refused(settings, tp, message):
+    with pytest.raises(ShardError, match=re.escape(message)):
+        shard(_quantized(GEMM3_SWIGLU, 0, **settings), tp=tp)
 
-    quantized, _ = quantize(moe_model(GEMM3_SWIGLU, hidden=32, inter=32), bits=8, measure=False)
-    with pytest.raises(ShardError, match="QMOE.*not supported"):
-        shard(quantized, tp=2)
+
+def test_quantized_experts_hold_their_blocks_and_experts():
+    """tp 2 x ep 2 of int4 codes in blocks of 16 with zero points (I = 64: 2 blocks per TP rank): rank 3 (EP rank 1,
+    TP rank 1) holds experts 4-7, the gate/up rows [32, 64) and the down codes' bytes [16, 32) with their blocks."""
+    model = _quantized(GEMM3_SWIGLU, 0, bits=4, block_size=16, zero_points=True)
+    whole = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    rank3 = shard(model, tp=2, ep=2)[3]
+    (node,) = [n for n in rank3.graph.node if n.op_type == "QMOE"]
+    held = {t.name: onnx.numpy_helper.to_array(t) for t in rank3.graph.initializer}
+    (source,) = [n for n in model.graph.node if n.op_type == "QMOE"]
+    gate, down, down_scales, down_zero_points = (3, 7, 10, 13)
+    np.testing.assert_array_equal(held[node.input[gate]], whole[source.input[gate]][4:, 32:])
+    np.testing.assert_array_equal(held[node.input[down]], whole[source.input[down]][4:, :, 16:])
+    np.testing.assert_array_equal(held[node.input[down_scales]], whole[source.input[down_scales]][4:, :, 2:])
+    np.testing.assert_array_equal(held[node.input[down_zero_points]], whole[source.input[down_zero_points]][4:, :, 1:])
+
+
+def test_odd_blocks_of_4_bit_zero_points_are_repacked():
+    """tp 4: TP rank 1 takes block 1 of 4 (the high nibble of the first zero-point byte) as its low nibble."""
+    model = _quantized(GEMM3_SWIGLU, 0, bits=4, block_size=16, zero_points=True)
+    (source,) = [n for n in model.graph.node if n.op_type == "QMOE"]
+    packed = onnx.numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == source.input[13]))
+    rank1 = shard(model, tp=4)[1]
+    (node,) = [n for n in rank1.graph.node if n.op_type == "QMOE"]
+    held = onnx.numpy_helper.to_array(next(t for t in rank1.graph.initializer if t.name == node.input[13]))
+    np.testing.assert_array_equal(held, packed[:, :, :1] >> 4)
+
+
+def test_shared_experts_stay_replicated_under_expert_parallelism():
+    """aria_text folds 1 shared expert into its 4 routed ones: at ep = 2 and 4 every rank holds E / ep routed experts
+    and the whole shared expert, which it runs on its own tokens; the ranks give the unsharded logits."""
+    name = "aria_text__tf5__dynamo"
+    fused = optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST[name]["file"]))[0]
+    feeds = next(iter(_inputs(name).values()))
+    expected = run_session(cached_session(fused), feeds)
+    for tp, ep in [(1, 2), (2, 2), (1, 4)]:
+        ranks = shard(fused, tp=tp, ep=ep)
+        for rank in ranks:
+            dispatch = [n for n in rank.graph.node if n.op_type == "MoeDistributeDispatch"]
+            assert [a.i for n in dispatch for a in n.attribute if a.name == "num_experts"] == [4, 4]
+            rows = {n.output[0] for n in dispatch}
+            held = sorted((n.input[0] in rows, _weights(rank)[n.input[3]][0]) for n in rank.graph.node
+                          if n.op_type == "MOE")
+            assert held == [(False, 1), (False, 1), (True, 4 // ep), (True, 4 // ep)]  # shared, local routed
+        for rank, outputs in enumerate(run_world(ranks, feeds)):
+            assert_close(outputs[0], expected["logits"], name, f"tp {tp} ep {ep} rank {rank}")
+
+
+def _router_rows(ranks: list[onnx.ModelProto], feeds: dict[str, np.ndarray]) -> list[list[int]]:
+    """The rows each rank's routers (MoeGatingTopK nodes) take, from a run with their outputs exposed."""
+    exposed = []
+    for rank in ranks:
+        rank = onnx.ModelProto.FromString(rank.SerializeToString())
+        gates = [n.output[0] for n in rank.graph.node if n.op_type == "MoeGatingTopK"]
+        rank.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in gates)
+        exposed.append(rank)
+    return [[len(v) for v in outputs[1:]] for outputs in run_world(exposed, feeds)]
+
+
+def _softmax_topk_model() -> onnx.ModelProto:
+    """:func:`moe_model` (GEMM3, rank-3 hidden states [B, S, 8]) whose routing is its own router: MatMul ->
+    Softmax(axis=2) -> TopK(2, axis=2), the unfused form of a rank-3 router."""
+    model = moe_model(GEMM3_SWIGLU, experts=EXPERTS, rank3=True)
+    router = onnx.numpy_helper.from_array(np.random.default_rng(7).standard_normal((8, EXPERTS)).astype(np.float32),
+                                          "router")
+    model.graph.initializer.extend([router, onnx.numpy_helper.from_array(np.array([2], np.int64), "k")])
+    model.graph.node.insert(0, onnx.helper.make_node("MatMul", ["hidden", "router"], ["logits"]))
+    model.graph.node.insert(1, onnx.helper.make_node("Softmax", ["logits"], ["probs"], axis=2))
+    model.graph.node.insert(2, onnx.helper.make_node("TopK", ["probs", "k"], ["routing", "indices"], axis=2))
+    del model.graph.input[1:]
+    return model
+
+
+def test_a_rank_3_router_is_rebuilt_on_the_ranks_rows():
+    """Softmax and TopK on the last axis of [B, S, E] become the same ops on this rank's [T_local, E] rows."""
+    model = _softmax_topk_model()
+    feeds = {"hidden": np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)}
+    expected = run_session(cached_session(model), feeds)["y"]
+    ranks = shard(model, tp=1, ep=4)
+    for got in run_world(ranks, feeds):
+        np.testing.assert_allclose(got[0], expected, rtol=0, atol=TOLERANCE)
+    for rank in ranks:
+        exposed = onnx.ModelProto.FromString(rank.SerializeToString())
+        exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n.output[0])
+                                    for n in exposed.graph.node if n.op_type == "Softmax")
+        ranks[ranks.index(rank)] = exposed
+    assert [outputs[1].shape for outputs in run_world(ranks, feeds)] == [(2, 8), (3, 8), (2, 8), (3, 8)]
+
+
+@pytest.mark.parametrize("model", ["mixtral__tf5__torchscript", "qmoe"])
+def test_each_rank_routes_only_its_tokens(model):
+    """Slice first: under ep each rank's router runs on its own rows [T * g // W, T * (g + 1) // W) of the T = 10
+    tokens (2 x 5), not on all of them; a QMOE model's too."""
+    fused = optimize(onnx.load(WHOLE_FIXTURES / WHOLE_MANIFEST["mixtral__tf5__torchscript"]["file"]))[0]
+    if model == "qmoe":
+        fused = quantize(fused, bits=8, measure=False)[0]
+    feeds = next(iter(_inputs("mixtral__tf5__torchscript").values()))
+    tokens = feeds["input_ids"].size
+    for tp, ep in [(1, 2), (2, 2)]:
+        world = tp * ep
+        shares = [tokens * (g + 1) // world - tokens * g // world for g in range(world)]
+        assert _router_rows(shard(fused, tp=tp, ep=ep), feeds) == [[share, share] for share in shares]
 
 
 def test_a_model_without_moe_blocks_is_refused(tmp_path):

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 from backends import PLAIN, cached_session
-from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, fixture_lanes, optimized, original,
-                            reference_data, whole_reference_data)
+from fixture_models import (MANIFEST, TOL, WHOLE_FIXTURES, WHOLE_MANIFEST, as_float16, fixture_lanes, optimized,
+                            original, reference_data, whole_reference_data)
 from moe_export.fixtures import whole_feeds
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
@@ -137,31 +137,6 @@ def test_every_attribute_written(name):
     else:
         assert (attributes["activation_alpha"], attributes["activation_beta"], attributes["swiglu_limit"]) == \
             (1.0, 0.0, np.inf)
-
-
-def as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The float32 export with every float tensor, Cast and graph input/output in float16."""
-    half = onnx.ModelProto()
-    half.CopyFrom(model)
-    graph = half.graph
-
-    def to_half(tensor: onnx.TensorProto) -> None:
-        if tensor.data_type == TensorProto.FLOAT:
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
-
-    for tensor in graph.initializer:
-        to_half(tensor)
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
-                to_half(attribute.t)
-            elif node.op_type == "Cast" and attribute.name == "to" and attribute.i == TensorProto.FLOAT:
-                attribute.i = TensorProto.FLOAT16
-    for value in [*graph.input, *graph.output]:
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    del graph.value_info[:]
-    return half
 
 
 @pytest.mark.slow

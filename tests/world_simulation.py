@@ -18,7 +18,7 @@ from onnx.reference.op_run import OpRun
 from moe_onnx.ops.layout import Layout
 from moe_onnx.ops import DOMAIN, REFERENCE_OPS
 from moe_onnx.ops.distribute import combine_all_ranks, dispatch_all_ranks
-from moe_onnx.ops.moe import moe_tensor_parallel
+from moe_onnx.ops.moe import moe as moe_reference, moe_tensor_parallel
 from moe_onnx.ops.row_parallel_linear import row_parallel_linear, row_parallel_linear_tensor_parallel
 
 TIMEOUT_S = 60
@@ -71,6 +71,8 @@ def _rank_ops(world: World, rank: int) -> list[type[OpRun]]:
 
     def moe(self, *inputs, **attrs):
         attrs = {k: v for k, v in attrs.items() if v is not None}
+        if _layout(attrs).tp_size == 1:  # a rank's own node (a shared expert on its tokens): no exchange
+            return moe_reference(*inputs, **attrs)
         group = tp_group(_layout(attrs), list(inputs) + [None] * (8 - len(inputs)))
         attrs.pop("tp_rank_id", None)
         return moe_tensor_parallel(group, **attrs)

@@ -6,10 +6,11 @@ What each MoE block becomes on rank ``g``:
 - ``ep == 1``: an MOE node keeps its place with its I-slice of the weights and ``tp_world_size``/``tp_rank_id``;
   a grouped chain keeps its MoeInitRouting and MoeFinalizeRouting, its linears get their I-slices and the
   down linear all-reduces over the TP group (``input_is_parallel = 1``);
-- ``ep > 1``: the block becomes this rank's token range ``[T*g//W, T*(g+1)//W)`` (standard ops from the run
-  time T) -> MoeDistributeDispatch -> the chain's linears on the local experts (I-sliced) and its activation
-  -> MoeDistributeCombine(gather_tokens=1), which gives back every token. An MOE node is first expanded into
-  the grouped chain (``rewrite/grouped.py``: one activation code), so both forms are sharded the same way.
+- ``ep > 1``, and a QMOE node of any ``W > 1``: the block becomes this rank's tokens (the router rebuilt on them:
+  ``local_rows.py``) -> MoeDistributeDispatch -> the MOE or QMOE node on the dispatched rows (its local experts,
+  I-sliced; QMOE's at whole quantization blocks) -> MoeDistributeCombine(gather_tokens=1), which gives back every
+  token; shared experts folded into the node are split off, kept whole on every rank and run on its tokens
+  (the combine's x2). A grouped chain's linears and activation take the node's place between the two.
 
 The rest of the graph is replicated. Weights are sliced lazily, one expert at a time, when a rank's
 model is written (as ``optimize`` streams them), so a multi-GB model is sharded without loading it.
@@ -35,7 +36,10 @@ from .._ir.nodes import attribute_value
 from .._ir.weights import initializer_expert, streamed_initializer, weight
 from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.layout import Layout
-from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP
+from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
+from ..ops.signatures import QMOE
+from ..rewrite._match import constant
+from .local_rows import LocalRows, last_dim
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
 
 class ShardError(ValueError):
@@ -55,20 +59,34 @@ def _per_expert(value: ir.Value, where: str) -> tuple[Callable[[int], np.ndarray
 
 
 def _sliced(graph: ir.Graph, value: ir.Value, where: str, experts: range, axis: int | None = None,
-            columns: slice | None = None) -> ir.Value:
+            columns: slice | None = None, bits: int = 8) -> ir.Value:
     """A lazy initializer holding ``value``'s ``experts`` (first axis), and ``columns`` of ``axis`` (an axis of
-    one expert's slice) when given."""
+    one expert's slice) when given; ``bits`` 4: ``axis`` packs two 4-bit elements a byte (QMOE's zero points)
+    and ``columns`` counts elements."""
     read, source, shape = _per_expert(value, where)
 
     def expert(local: int) -> np.ndarray:
         part = read(experts[local])
-        return part if axis is None else part[(slice(None),) * axis + (columns,)]
+        if axis is None:
+            return part
+        return part[(slice(None),) * axis + (columns,)] if bits == 8 else _nibbles(part, axis, columns)
 
     new_shape = [len(experts), *shape[1:]]
     if axis is not None:
-        new_shape[axis + 1] = len(range(shape[axis + 1])[columns])
+        count = len(range(shape[axis + 1] * 8 // bits)[columns])
+        new_shape[axis + 1] = -(-count * bits // 8)
     dtype = value.dtype if value.dtype is not None else source.const_value.dtype
     return streamed_initializer(graph, f"{value.name or 'weight'}_shard", expert, dtype, new_shape, [source])
+
+
+def _nibbles(packed: np.ndarray, axis: int, columns: slice) -> np.ndarray:
+    """The 4-bit elements ``columns`` of ``axis`` (two a byte, the even one in the low nibble), packed again
+    from the low nibble of the first byte; an odd count leaves the last high nibble 0."""
+    moved = np.moveaxis(packed, axis, -1)
+    codes = np.stack([moved & 0xF, moved >> 4], axis=-1).reshape(*moved.shape[:-1], -1)[..., columns]
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros_like(codes[..., :1])], axis=-1)
+    return np.moveaxis((codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), -1, axis)
 
 
 def _i_slice(intermediate: int, tp: int, tp_rank: int) -> slice:
@@ -114,30 +132,49 @@ def _where(node: ir.Node) -> str:
 
 # ----------------------------------------------------------------------------- MOE, ep == 1
 
-def _moe_tensor_parallel(node: ir.Node, layout: Layout) -> None:
-    """Give an MOE node its I-slice of the weights and its TP attributes (docs/distributed.md's table)."""
-    graph = node.graph
-    where = _where(node)
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """How TP rank q cuts one per-expert input of an MOE or QMOE node: ``columns`` of ``axis`` (an axis of one
+    expert's slice); ``bits`` 4: that axis packs two 4-bit elements a byte."""
+
+    axis: int
+    columns: slice
+    bits: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """An MOE or QMOE node's sizes, and its TP cuts for a slice of I's columns (inputs not named stay whole)."""
+
+    experts: int
+    hidden: int
+    intermediate: int
+    cuts: Callable[[slice], dict[int, _Cut]]
+    down_bias: int | None  # bias_1's input index (GEMM2 and GEMM2_ACT), counted once over the TP group
+
+
+def _moe_block(node: ir.Node) -> _Block:
+    """An MOE node's cuts: docs/distributed.md's table (GEMM2's gate/up pairs stay together; bias_1 stays whole)."""
     expert_type = attribute_value(node, "expert_type", "")
-    w0 = node.inputs[3]
-    _, _, w0_shape = _per_expert(w0, f"{where}: weight_0")
-    experts = w0_shape[0]
-    intermediate = w0_shape[2] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else w0_shape[1]
-    _check_split(layout, where, experts, intermediate)
-    columns = _i_slice(intermediate, layout.tp_size, layout.tp_rank)
-    everyone = range(experts)
-    # (input index, axis of an expert's slice, columns) per expert type; bias_1 stays whole
-    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:
-        cuts = [(3, 1, _pairs(columns)), (4, 0, _pairs(columns)), (5, 0, columns)]
-    elif expert_type == GEMM2_ACT:
-        cuts = [(3, 0, columns), (4, 0, columns), (5, 1, columns)]
-    else:
-        cuts = [(3, 0, columns), (5, 0, columns), (7, 1, columns)]
-    names = ("hidden_states", "routing_weights", "indices", "weight_0", "bias_0", "weight_1", "bias_1", "weight_2")
-    for index, axis, cut in cuts:
+    _, _, shape = _per_expert(node.inputs[3], f"{_where(node)}: weight_0")
+    if expert_type == GEMM2_BIAS_SWIGLU_CLAMP:  # weight_0 [E, H, 2I]
+        return _Block(shape[0], shape[1], shape[2] // 2, lambda c: {3: _Cut(1, _pairs(c)), 4: _Cut(0, _pairs(c)),
+                                                                    5: _Cut(0, c)}, 6)
+    if expert_type == GEMM2_ACT:  # weight_0 [E, I, H]
+        return _Block(shape[0], shape[2], shape[1], lambda c: {3: _Cut(0, c), 4: _Cut(0, c), 5: _Cut(1, c)}, 6)
+    return _Block(shape[0], shape[2], shape[1], lambda c: {3: _Cut(0, c), 5: _Cut(0, c), 7: _Cut(1, c)}, None)
+
+
+def _moe_tensor_parallel(node: ir.Node, layout: Layout) -> None:
+    """ep == 1: give an MOE node its I-slice of the weights and its TP attributes."""
+    where, block = _where(node), _moe_block(node)
+    _check_split(layout, where, block.experts, block.intermediate)
+    cuts = block.cuts(_i_slice(block.intermediate, layout.tp_size, layout.tp_rank))
+    names = _input_names(node)
+    for index, cut in cuts.items():
         if index < len(node.inputs) and node.inputs[index] is not None:
-            node.replace_input_with(index, _sliced(graph, node.inputs[index], f"{where}: {names[index]}", everyone,
-                                                   axis, cut))
+            node.replace_input_with(index, _sliced(node.graph, node.inputs[index], f"{where}: {names[index]}",
+                                                   range(block.experts), cut.axis, cut.columns))
     _set_attributes(node, dict(tp_world_size=layout.tp_size, tp_rank_id=layout.tp_rank))
 
 
@@ -260,17 +297,16 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     groups = layout.attributes()
 
     op = TapeBuilder()
-    tokens = op.Shape(x, start=0, end=1)
-    start = op.Div(op.Mul(tokens, int64s(op, [layout.global_rank])), int64s(op, [layout.world_size]))
-    end = op.Div(op.Mul(tokens, int64s(op, [layout.global_rank + 1])), int64s(op, [layout.world_size]))
-
-    def mine(value: ir.Value, tape) -> ir.Value:
-        return tape.Slice(value, start, end, int64s(tape, [0]))
-
-    local_ids = mine(expert_ids, op)
+    rows = LocalRows(op, x, layout)
+    local_ids = rows.of(expert_ids)
     expand_x, offsets, assist = op.MoeDistributeDispatch(
-        mine(x, op), local_ids, num_experts=chain.experts, expert_capacity=chain.capacity, **groups,
+        rows.tokens, local_ids, num_experts=chain.experts, expert_capacity=chain.capacity, **groups,
         _outputs=3, _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
+    if scales is None:  # absent scales count as 1
+        local_scales = op.Expand(const(op, 1, final.inputs[0].dtype), op.Shape(local_ids))
+    else:
+        local_scales = rows.of(scales)
+    extras = [rows.of(v) if v is not None else None for v in (x1, x2)]
     insert(init, op)
 
     experts = _local_experts(layout, chain.experts)
@@ -283,18 +319,204 @@ def _chain_expert_parallel(chain: _Chain, layout: Layout, name: str) -> None:
     _shard_linear(chain.down, experts, chain.intermediate, columns, inputs_axis=True, keep_bias=layout.tp_rank == 0)
     chain.down.replace_input_with(1, offsets)
 
-    tail = TapeBuilder()
-    if scales is None:  # absent scales count as 1
-        one = const(tail, 1, final.inputs[0].dtype)
-        local_scales = tail.Expand(one, tail.Shape(local_ids))
-    else:
-        local_scales = mine(scales, tail)
-    extras = [mine(v, tail) if v is not None else None for v in (x1, x2)]
     while extras and extras[-1] is None:
         extras.pop()
+    tail = TapeBuilder()
     out = tail.MoeDistributeCombine(final.inputs[0], assist, local_scales, *extras, num_experts=chain.experts,
                                     gather_tokens=1, _name=f"{name}/MoeDistributeCombine", **groups, **IN_OUR_DOMAIN)
     replace(final, out, tail)
+
+
+# ----------------------------------------------------------------------------- shared experts under ep
+
+@dataclasses.dataclass
+class _SharedExperts:
+    """The ``count`` shared experts ``optimize`` folded into an MOE or QMOE node (the last ``count`` experts, which
+    every token selects with the weight ``scale``), split off it: under ep they are not spread over the EP
+    ranks but replicated, and every rank computes them for its own tokens (docs/distributed.md)."""
+
+    op_type: str
+    attributes: dict
+    inputs: list[ir.Value | None]  # the node's inputs from weight_0 on, holding the shared experts only
+    scale: ir.Value  # [T, 1] per token, or a constant
+    count: int
+
+
+def _split_shared(node: ir.Node) -> _SharedExperts | None:
+    """The shared experts of a folded MOE or QMOE ``node`` (shared_expert.py: its routing is the router's,
+    then ``Expand`` of the ids ``[E_routed, E)`` and of the shared scale), or None when none were folded.
+    The node is left with its routed experts and the router's weights and indices."""
+    ids_concat, weights_concat = node.inputs[2].producer(), node.inputs[1].producer()
+    if any(n is None or n.op_type != "Concat" or len(n.inputs) != 2 for n in (ids_concat, weights_concat)):
+        return None
+    ids_expand, weights_expand = ids_concat.inputs[1].producer(), weights_concat.inputs[1].producer()
+    if any(n is None or n.op_type != "Expand" for n in (ids_expand, weights_expand)):
+        return None
+    ids = constant(ids_expand.inputs[0])
+    _, _, shape = _per_expert(node.inputs[3], f"{_where(node)}: weight_0")
+    experts = shape[0]
+    if ids is None or ids.ndim != 2 or ids.shape[0] != 1:
+        return None
+    count = ids.shape[1]
+    if ids[0].tolist() != list(range(experts - count, experts)):
+        return None
+    graph, where = node.graph, _where(node)
+    names = _input_names(node)
+    routed, shared = range(experts - count), range(experts - count, experts)
+    shared_inputs = []
+    for index in range(3, len(node.inputs)):
+        value = node.inputs[index]
+        if value is None:
+            shared_inputs.append(None)
+            continue
+        shared_inputs.append(_sliced(graph, value, f"{where}: {names[index]}", shared))
+        node.replace_input_with(index, _sliced(graph, value, f"{where}: {names[index]}", routed))
+    node.replace_input_with(1, weights_concat.inputs[0])
+    node.replace_input_with(2, ids_concat.inputs[0])
+    attributes = {name: attr.value for name, attr in node.attributes.items()}
+    return _SharedExperts(node.op_type, attributes, shared_inputs, weights_expand.inputs[0], count)
+
+
+def _shared_rows(op: TapeBuilder, rows: LocalRows, shared: _SharedExperts, hidden: ir.Value) -> ir.Value:
+    """The shared experts on this rank's tokens (each token takes all of them, with the shared scale, of the type
+    of the block's ``hidden`` states): the combine's x2."""
+    ids_dtype = ir.DataType.INT64
+    shape = op.Concat(op.Shape(rows.tokens, start=0, end=1), int64s(op, [shared.count]), axis=0)
+    ids = op.Expand(const(op, np.arange(shared.count)[None, :], ids_dtype), shape)
+    scale = shared.scale if constant(shared.scale) is not None else rows.of(shared.scale)
+    y = op.op(shared.op_type, rows.tokens, _expanded(op, scale, shape, hidden), ids, *shared.inputs,
+              _domain=DOMAIN, **shared.attributes)
+    return y
+
+
+# ----------------------------------------------------------------------------- QMOE
+
+# (weight_i, its bias, scales, zero points) per projection: the first ones' outputs N are I (GEMM2: the
+# interleaved gate/up pairs 2I), the down projection's inputs K are I
+_QMOE_PROJECTIONS = {
+    GEMM2_BIAS_SWIGLU_CLAMP: ([(3, 4, 8, 11)], (5, 6, 9, 12)),
+    GEMM3_SWIGLU: ([(3, None, 8, 11), (5, None, 9, 12)], (7, None, 10, 13)),
+    GEMM2_ACT: ([(3, 4, 8, 11)], (5, 6, 9, 12)),
+}
+
+
+def _input_names(node: ir.Node) -> list[str]:
+    return [spec.name for spec in QMOE.inputs] if node.op_type == "QMOE" else \
+        ["hidden_states", "routing_weights", "indices", "weight_0", "bias_0", "weight_1", "bias_1", "weight_2"]
+
+
+def _qmoe_block(node: ir.Node) -> _Block:
+    """A QMOE node's cuts: the first projections' rows (with their biases, scales and zero points: per column,
+    packed along N) and the down projection's bytes of K with their blocks' scales and zero points."""
+    expert_type = attribute_value(node, "expert_type", "")
+    bits, block_size = int(attribute_value(node, "bits", 8)), int(attribute_value(node, "block_size", 0))
+    firsts, (down, _, down_scales, down_zero_points) = _QMOE_PROJECTIONS[expert_type]
+    _, _, first_shape = _per_expert(node.inputs[3], f"{_where(node)}: weight_0")
+    _, _, down_shape = _per_expert(node.inputs[down], f"{_where(node)}: {QMOE.inputs[down].name}")
+
+    def cuts(columns: slice) -> dict[int, _Cut]:
+        rows = _pairs(columns) if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else columns
+        result = {}
+        for weight, bias, scales, zero_points in firsts:
+            result.update({index: _Cut(0, rows) for index in (weight, bias, scales) if index is not None})
+            result[zero_points] = _Cut(0, rows, bits if block_size == 0 else 8)
+        result[down] = _Cut(1, slice(columns.start * bits // 8, columns.stop * bits // 8))
+        if block_size:
+            blocks = slice(columns.start // block_size, columns.stop // block_size)
+            result.update({down_scales: _Cut(1, blocks), down_zero_points: _Cut(1, blocks, bits)})
+        return result
+
+    intermediate = first_shape[1] // 2 if expert_type == GEMM2_BIAS_SWIGLU_CLAMP else first_shape[1]
+    return _Block(first_shape[0], down_shape[1], intermediate, cuts, _QMOE_PROJECTIONS[expert_type][1][1])
+
+
+def _qmoe_columns(node: ir.Node, intermediate: int, layout: Layout) -> slice:
+    """TP rank q's columns of I for a QMOE node: whole quantization blocks of the down projection's K (whole
+    bytes of 4-bit codes per column), ``unit * [n * q // tp, n * (q + 1) // tp)`` of the ``n = I / unit`` units."""
+    where = _where(node)
+    bits, block = int(attribute_value(node, "bits", 8)), int(attribute_value(node, "block_size", 0))
+    if block == 0 and attribute_value(node, "accuracy_level", 0) == 4 and layout.tp_size > 1:
+        raise ShardError(f"{where}: accuracy_level 4 with per-column scales (block_size 0) quantizes the down "
+                         f"projection's activations over all of I = {intermediate}, which tp = {layout.tp_size} "
+                         "would split; quantize block-wise or shard with tp = 1")
+    unit = block or (2 if bits == 4 else 1)
+    units = intermediate // unit
+    if units < layout.tp_size:
+        what = f"{units} quantization blocks of block_size {block}" if block else \
+            f"{units} byte{'s' if units != 1 else ''} of 4-bit codes"
+        raise ShardError(f"{where}: I = {intermediate} holds {what}, fewer than tp = {layout.tp_size} "
+                         "(a TP slice may not split a block)")
+    part = _i_slice(units, layout.tp_size, layout.tp_rank)
+    return slice(part.start * unit, part.stop * unit)
+
+
+def _block_on_rows(node: ir.Node, layout: Layout, name: str) -> None:
+    """An MOE node under ep, or a QMOE node of more than one rank (any tp and ep): this rank's tokens ->
+    MoeDistributeDispatch -> the node on the dispatched rows, one local expert each (its experts, I-sliced; the
+    down bias on TP rank 0 only) -> MoeDistributeCombine(gather_tokens=1), which sums the TP partials and gives
+    back every token; shared experts folded into the node are split off and run on this rank's tokens."""
+    graph, where = node.graph, _where(node)
+    shared = _split_shared(node) if layout.ep_size > 1 else None
+    block = _qmoe_block(node) if node.op_type == "QMOE" else _moe_block(node)
+    _check_split(layout, where, block.experts, block.intermediate)
+    columns = _qmoe_columns(node, block.intermediate, layout) if node.op_type == "QMOE" else \
+        _i_slice(block.intermediate, layout.tp_size, layout.tp_rank)
+    cuts = block.cuts(columns) if layout.tp_size > 1 else {}
+    local, names = _local_experts(layout, block.experts), _input_names(node)
+    weights = list(node.inputs[3:])
+    for index, value in enumerate(weights, start=3):
+        if value is None:
+            continue
+        cut = cuts.get(index)
+        weights[index - 3] = None if index == block.down_bias and layout.tp_rank != 0 else _sliced(
+            graph, value, f"{where}: {names[index]}", local, *((cut.axis, cut.columns, cut.bits) if cut else ()))
+
+    hidden, routing, indices = node.inputs[:3]
+    op = TapeBuilder()
+    rows = LocalRows(op, op.Reshape(hidden, int64s(op, [-1, block.hidden])), layout)
+    local_ids, local_scales = rows.of(_token_rows(op, indices)), rows.of(_token_rows(op, routing))
+    groups = layout.attributes()
+    expand_x, offsets, assist = op.MoeDistributeDispatch(
+        rows.tokens, local_ids, num_experts=block.experts, expert_capacity=0, **groups, _outputs=3,
+        _name=f"{name}/MoeDistributeDispatch", **IN_OUR_DOMAIN)
+    row_experts = _row_experts(op, expand_x, offsets, len(local))
+    ones = _expanded(op, const(op, [[1]], ir.DataType.FLOAT), op.Shape(row_experts), hidden)
+    attributes = {attr_name: attr.value for attr_name, attr in node.attributes.items()}
+    expand_y = op.op(node.op_type, expand_x, ones, row_experts, *weights, _name=f"{name}/{node.op_type}",
+                     **attributes, **IN_OUR_DOMAIN)
+    x2 = _shared_rows(op, rows, shared, hidden) if shared is not None else None
+    out = op.MoeDistributeCombine(expand_y, assist, local_scales, *([None, x2] if x2 is not None else []),
+                                  num_experts=block.experts, gather_tokens=1, _name=f"{name}/MoeDistributeCombine",
+                                  **groups, **IN_OUR_DOMAIN)
+    replace(node, op.Reshape(out, op.Shape(hidden), allowzero=1), op)
+
+
+def _expanded(op: TapeBuilder, value: ir.Value, shape: ir.Value, like: ir.Value) -> ir.Value:
+    """``value`` expanded to ``shape`` in float32 and cast to ``like``'s type (onnxruntime's CPU provider has no
+    bfloat16 Expand; CastLike where the graph does not say the type: ``like`` must be a value the rank computes
+    anyway, never the unsharded router's)."""
+    filled = op.Expand(op.Cast(value, to=ir.DataType.FLOAT), shape)
+    return op.Cast(filled, to=like.dtype) if like.dtype is not None else op.CastLike(filled, like)
+
+
+def _token_rows(op: TapeBuilder, value: ir.Value) -> ir.Value:
+    """``value`` ([..., k], a row per token) as [T, k]."""
+    k = last_dim(value)
+    if k is not None:
+        return op.Reshape(value, int64s(op, [-1, k]))
+    last = op.Slice(op.Shape(value), int64s(op, [-1]), int64s(op, [np.iinfo(np.int64).max]))
+    return op.Reshape(value, op.Concat(int64s(op, [-1]), last, axis=0))
+
+
+def _row_experts(op: TapeBuilder, rows: ir.Value, offsets: ir.Value, experts: int) -> ir.Value:
+    """[A, 1] int64: the local expert of each row of dispatch's ``rows`` (expert l owns rows
+    ``[offsets[l], offsets[l + 1])``): how many of ``offsets[1:experts]`` are at most the row's index."""
+    count = op.Squeeze(op.Shape(rows, start=0, end=1))
+    index = op.Unsqueeze(op.Range(const(op, 0, ir.DataType.INT64), count, const(op, 1, ir.DataType.INT64)),
+                         int64s(op, [1]))
+    starts = op.Slice(offsets, int64s(op, [1]), int64s(op, [experts]))
+    passed = op.Cast(op.GreaterOrEqual(index, op.Unsqueeze(starts, int64s(op, [0]))), to=ir.DataType.INT64)
+    return op.ReduceSum(passed, int64s(op, [1]), keepdims=1)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -308,9 +530,9 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
     """Make ``model`` (in place) rank ``rank``'s model of a ``tp`` x ``ep`` shard (see the module's doc).
 
     Raises ShardError for tp/ep < 1, a rank outside the world, a model without fused MoE blocks (run
-    ``optimize`` first; :func:`shard` and :func:`moe_onnx.pipeline.shard_file` do), QMOE nodes, an expert count
-    not divisible by ep, an intermediate size below tp, or a block not in a form this pass knows (the message
-    names the node).
+    ``optimize`` first; :func:`shard` and :func:`moe_onnx.pipeline.shard_file` do), an expert count not divisible
+    by ep, an intermediate size below tp (for QMOE: fewer quantization blocks than tp), or a block not in a form
+    this pass knows (the message names the node).
     """
     if tp < 1 or ep < 1:
         raise ShardError(f"tp = {tp}, ep = {ep}: both must be >= 1")
@@ -321,37 +543,29 @@ def shard_ir(model: ir.Model, tp: int, ep: int, rank: int) -> None:
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.domain != DOMAIN:
             continue
-        if node.op_type == "QMOE":
-            raise ShardError(f"{_where(node)}: sharding quantized experts (QMOE) is not supported; shard the float "
-                             "model")
         if node.op_type in ("MoeDistributeDispatch", "MoeDistributeCombine") or \
                 any(attribute_value(node, name, 1) > 1 for name in ("tp_world_size", "ep_world_size")):
             raise ShardError(f"{_where(node)}: the model is already sharded")
-        if node.graph is not graph and node.op_type in ("MOE", "MoeFinalizeRouting"):
+        if node.graph is not graph and node.op_type in ("MOE", "QMOE", "MoeFinalizeRouting"):
             raise ShardError(f"{_where(node)} is inside a subgraph; only the main graph's MoE blocks can be sharded")
-    moe_nodes = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
-    if ep > 1 and moe_nodes:
-        from ..rewrite.grouped import expand_moe_nodes  # one activation code for both forms
-
-        expand_moe_nodes(model)
-        left = [node for node in graph if node.domain == DOMAIN and node.op_type == "MOE"]
-        if left:
-            raise ShardError(f"{_where(left[0])}: its weights are computed at run time; only constant weights "
-                             "can be sharded")
-    else:
-        for node in moe_nodes:
-            _moe_tensor_parallel(node, layout)
+    blocks = [node for node in graph if node.domain == DOMAIN and node.op_type in ("MOE", "QMOE")]
     chains = [_read_chain(node) for node in graph if node.domain == DOMAIN and node.op_type == "MoeFinalizeRouting"]
-    if not moe_nodes and not chains:
-        raise ShardError("the model has no MoE block to shard (no MOE node or MoeInitRouting -> "
+    if not blocks and not chains:
+        raise ShardError("the model has no MoE block to shard (no MOE or QMOE node or MoeInitRouting -> "
                          "MoeFinalizeRouting chain after `moe-onnx optimize`)")
+    for index, node in enumerate(blocks):
+        if node.op_type == "MOE" and ep == 1:
+            _moe_tensor_parallel(node, layout)
+        elif layout.world_size > 1:
+            _block_on_rows(node, layout, node.name or f"moe_block_{index}")
     for index, chain in enumerate(chains):
         _check_split(layout, _where(chain.final), chain.experts, chain.intermediate)
         if ep > 1:
-            _chain_expert_parallel(chain, layout, chain.final.name or f"moe_block_{index}")
+            _chain_expert_parallel(chain, layout, chain.final.name or f"moe_chain_{index}")
         else:
             _chain_tensor_parallel(chain, layout)
     common_passes.RemoveUnusedNodesPass()(model)
+    graph.sort()  # the rebuilt router reads this rank's tokens, which a block's first nodes take
     model.opset_imports[DOMAIN] = OPSET_VERSION
 
 
