@@ -134,7 +134,7 @@ PackedExperts empty_pack(const Input& w, int64_t accuracy_level, ExpertSlots slo
 }
 
 void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
-  p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
+  p.matrices[0].pack(slot, {transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2])});
 }
 
 // The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
@@ -344,9 +344,9 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
-  auto packed = std::make_unique<PackedExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])));
-  pack_on_own_threads(packed->slots.count(), [&](int64_t slot) { pack_slot(w, *packed, slot); });
-  constant = std::move(packed);
+  constant = std::make_unique<ConstantExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])),
+                                               [w](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); },
+                                               std::vector<Input>{w});
 }
 
 OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
