@@ -377,6 +377,19 @@ ConstantExperts::ConstantExperts(PackedExperts empty, PackSlot pack_slot, const 
   }
 }
 
+void ConstantExperts::map_pages(int64_t expert) const {
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+  const auto experts = static_cast<size_t>(experts_.slots.count());
+  for (const MappedWeight& w : mapped_) {
+    const size_t per_expert = w.bytes / experts;
+    const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
+    const uintptr_t start = first / kPage * kPage;
+    madvise(reinterpret_cast<void*>(start), first + per_expert - start, MADV_POPULATE_READ);
+  }
+#endif
+  (void)expert;
+}
+
 void ConstantExperts::reclaim_mapped_pages(int64_t expert) const {
 #if defined(__linux__)
   const auto experts = static_cast<size_t>(experts_.slots.count());
@@ -405,6 +418,7 @@ const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, con
                                [&](int64_t e) { return packed_[e].load(std::memory_order_acquire); }),
                 missing.end());
   parallel_for(ctx, missing.size(), [&](size_t i) {
+    map_pages(missing[i]);
     pack_slot_(experts_, missing[i]);
     reclaim_mapped_pages(missing[i]);
   });

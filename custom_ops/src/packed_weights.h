@@ -176,8 +176,8 @@ class PackedWeights {
   std::vector<float> bias_;
 };
 
-// The experts that have slots: all of them (weights packed once at kernel creation) or those that
-// have rows in a run (packed per run).
+// The experts that have slots: all of them (initializer weights: ConstantExperts) or those that have
+// rows in a run (packed per run).
 struct ExpertSlots {
   std::vector<int64_t> slot_of_expert;  // -1: not packed
   std::vector<int64_t> expert_of_slot;
@@ -216,6 +216,7 @@ class ConstantExperts {
     const char* data;
     size_t bytes;
   };
+  void map_pages(int64_t expert) const;
   void reclaim_mapped_pages(int64_t expert) const;
 
   PackedExperts experts_;
