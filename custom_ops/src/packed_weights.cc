@@ -108,6 +108,24 @@ void store_quad_corrections(int8_t* panel, int64_t K) {
   std::memcpy(panel, corrections, sizeof corrections);
 }
 
+// One lane of a quantized block's code groups (qgemm.h) from `rows` codes that start at a byte:
+// 8-bit codes are copied 4 to a group; 4-bit codes (rows a multiple of 8) go from the source's pairs
+// (byte j: rows 2j low, 2j + 1 high) to the group's order (byte i: rows i low, 4 + i high).
+void place_group_codes(const uint8_t* in, int64_t rows, int bits, uint8_t* lane) {
+  if (bits == 8) {
+    for (int64_t g = 0; g * 4 < rows; ++g)
+      std::memcpy(lane + g * kQuantGroupBytes, in + g * 4, static_cast<size_t>(std::min<int64_t>(4, rows - g * 4)));
+    return;
+  }
+  for (int64_t g = 0; g < rows / 8; ++g, in += 4) {
+    uint8_t* out = lane + g * kQuantGroupBytes;
+    out[0] = static_cast<uint8_t>((in[0] & 15) | (in[2] & 15) << 4);
+    out[1] = static_cast<uint8_t>(in[0] >> 4 | (in[2] & 0xF0));
+    out[2] = static_cast<uint8_t>((in[1] & 15) | (in[3] & 15) << 4);
+    out[3] = static_cast<uint8_t>(in[1] >> 4 | (in[3] & 0xF0));
+  }
+}
+
 // Where each lane of one panel comes from: the first element of its column (k = 0) and the stride
 // of k, or no column (a zero lane).
 struct PanelLanes {
@@ -272,6 +290,10 @@ void PackedWeights::pack_quantized(int64_t slot, std::initializer_list<Quantized
                                 : 1 << (bits - 1));
           uint8_t* codes = block + q.header_bytes() + lane * 4;
           const int64_t first = src.codes_first + c * src.codes_stride + b * q.block;
+          if (bits == 8 || (first % 2 == 0 && q.block % 8 == 0)) {
+            place_group_codes(src.codes + first * bits / 8, q.block, bits, codes);
+            continue;
+          }
           for (int64_t kk = 0; kk < q.block; ++kk) {
             const int code = element(src.codes, first + kk);
             const int64_t i = kk % q.group_rows();
