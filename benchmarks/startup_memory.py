@@ -4,10 +4,11 @@ on the same weights.
 `build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4, block 32) nodes of
 GEMM3_SWIGLU experts with random weights, streamed to its external data file expert by expert (so
 building a 5 GB model needs little memory), or inline (--inline: the weights inside the .onnx, < 2 GB),
-and beside it a plain-onnxruntime model on the same weights (Gather one expert of each weight, Cast, ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
-child process of its own and prints, per model: session creation time, resident memory (VmRSS =
-RssAnon + RssFile, MB) after creation and after each run, and each run's time (the first prefill
-run packs the experts the run uses, so its time less the second's is the packing).
+and beside it a plain-onnxruntime model on the same weights (Gather one expert of each weight, Cast,
+ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
+child process of its own and prints, per model: session creation time, resident memory (MiB: VmRSS =
+RssAnon + RssFile) after creation and after each run, and each run's time (a run packs the experts
+it is the first to use, so the first prefill's time less the next one's is the packing).
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2

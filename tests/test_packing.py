@@ -139,7 +139,8 @@ def _external_data_moe(tmp_path, E: int, H: int, I: int) -> tuple[str, float]:
             offset = data.tell()
             data.write((rng.standard_normal(shape, dtype=np.float32) * 0.05).tobytes())
             t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
-            for key, value in (("location", "moe.data"), ("offset", str(offset)), ("length", str(data.tell() - offset))):
+            length = data.tell() - offset
+            for key, value in (("location", "moe.data"), ("offset", str(offset)), ("length", str(length))):
                 t.external_data.add(key=key, value=value)
             inits.append(t)
     node = helper.make_node("MOE", ["x", "routing", "indices", "gate", "", "up", "", "down"], ["y"],
@@ -165,7 +166,8 @@ def test_external_data_weights_are_resident_once(tmp_path):
     child = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, path, str(E), str(H)], capture_output=True,
                            text=True, check=True)
     rss = json.loads(child.stdout)
-    grown = {stage: {key: value - rss["start"][key] for key, value in figures.items()} for stage, figures in rss.items()}
+    grown = {stage: {key: value - rss["start"][key] for key, value in figures.items()}
+             for stage, figures in rss.items()}
     code = 16  # MB: onnxruntime's and our libraries' pages first touched by a session and a run
     assert grown["created"]["RssAnon"] < 0.05 * weight_mb, grown
     assert grown["created"]["VmRSS"] < 0.05 * weight_mb + code, grown
