@@ -133,9 +133,9 @@ struct PanelLanes {
   int64_t k_stride[kPanel];
   bool full;  // every lane has a column
 
-  template <class Sources>
-  PanelLanes(const Sources& sources, int64_t panel, size_t element_bytes) : column{}, k_stride{}, full(true) {
-    for (const auto& src : sources)
+  PanelLanes(std::initializer_list<ColumnSource> sources, int64_t panel, size_t element_bytes)
+      : column{}, k_stride{}, full(true) {
+    for (const ColumnSource& src : sources)
       for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
         const int64_t c = panel * src.width + lane - src.lane0;
         if (c < src.columns) {
