@@ -21,9 +21,9 @@
 // max(H, 2I))) are kept by the kernel between runs (MoeWorkspace).
 //
 // Weights are packed into the GEMM's panels (packed_weights.h), in their own type (fp16/bf16 stay
-// 16-bit and are widened in the micro-kernel): once at kernel creation when they are initializers
-// (KernelInfo::GetTensorConstantInput, API 15+; a few threads) and pass Compute's checks of the
-// weights (validate_weights), else per Compute for the experts in use. accuracy_level 3, where the
+// 16-bit and are widened in the micro-kernel): when they are initializers (KernelInfo::
+// GetTensorConstantInput, API 15+) and pass Compute's checks of the weights (validate_weights), each
+// expert once, by the first run that uses it (ConstantExperts), else per Compute for the experts in use. accuracy_level 3, where the
 // ISA table has a bf16 GEMM: in bf16 pair panels (weights rounded to bf16), the rows of both GEMMs
 // rounded to bf16 (bf16_gemm.h); elsewhere level 0's kernels.
 //
@@ -98,38 +98,39 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
   const int64_t H = down.N(), I = down.K();
   if (type == ExpertType::kGemm2BiasSwigluClamp) {
     // weight_0 [E, H, 2I] and bias_0 [E, 2I]: gate column c is 2c + parity, up column c is 2c + 1 - parity.
-    for (const int64_t lane0 : {int64_t{0}, kHalfPanel}) {
-      const int64_t column0 = lane0 == 0 ? parity : 1 - parity;
-      gate_up.pack(slot, {in[W0].data, e * H * 2 * I + column0, 2 * I, 2, I, kHalfPanel, lane0});
-      if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * 2 * I + column0, 0, 2, I, kHalfPanel, lane0});
-    }
+    const int64_t gate0 = parity, up0 = 1 - parity;
+    gate_up.pack(slot, {{in[W0].data, e * H * 2 * I + gate0, 2 * I, 2, I, kHalfPanel, 0},
+                        {in[W0].data, e * H * 2 * I + up0, 2 * I, 2, I, kHalfPanel, kHalfPanel}});
+    if (in[B0].present)
+      for (const int64_t lane0 : {int64_t{0}, kHalfPanel})
+        gate_up.pack_bias(slot, in[B0].type,
+                          {in[B0].data, e * 2 * I + (lane0 == 0 ? gate0 : up0), 0, 2, I, kHalfPanel, lane0});
     // weight_1 [E, I, H] is already [K, N].
-    down.pack(slot, plain_columns(in[W1].data, e, I, H));
+    down.pack(slot, {plain_columns(in[W1].data, e, I, H)});
     if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
   } else if (type == ExpertType::kGemm2Act) {
     // up = weight_0 [E, I, H] with bias_0 [E, I], down = weight_1 [E, H, I] with bias_1 [E, H] (x @ W^T).
-    gate_up.pack(slot, transposed_columns(in[W0].data, e, I, H));
+    gate_up.pack(slot, {transposed_columns(in[W0].data, e, I, H)});
     if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * I, 0, 1, I});
-    down.pack(slot, transposed_columns(in[W1].data, e, H, I));
+    down.pack(slot, {transposed_columns(in[W1].data, e, H, I)});
     if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
   } else {
     // gate = weight_0 [E, I, H], up = weight_1 [E, I, H] (x @ W^T), down = weight_2 [E, H, I].
     ColumnSource gate = transposed_columns(in[W0].data, e, I, H), up = transposed_columns(in[W1].data, e, I, H);
     gate.width = up.width = kHalfPanel;
     up.lane0 = kHalfPanel;
-    gate_up.pack(slot, gate);
-    gate_up.pack(slot, up);
-    down.pack(slot, transposed_columns(in[W2].data, e, H, I));
+    gate_up.pack(slot, {gate, up});
+    down.pack(slot, {transposed_columns(in[W2].data, e, H, I)});
   }
 }
 
-// All experts packed at kernel creation when every weight input is an initializer and passes
-// Compute's checks of the weights (their types as validate_tokens checks them, against weight_0's;
-// validate_weights), and the matrices have elements (H, I > 0: the pack is then in proportion to the
-// weights' data, whatever E is); else null (Compute packs per run and reports any error in the
-// reference's order).
-std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const std::string& where,
-                                                     const ExpertConfig& config, int64_t accuracy_level) {
+// Room for every expert, packed on first use (ConstantExperts), when every weight input is an
+// initializer and passes Compute's checks of the weights (their types as validate_tokens checks them,
+// against weight_0's; validate_weights), and the matrices have elements (H, I > 0: the pack is then
+// in proportion to the weights' data, whatever E is); else null (Compute packs per run and reports
+// any error in the reference's order).
+std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const std::string& where,
+                                                  const ExpertConfig& config, int64_t accuracy_level) {
   std::vector<Input> inputs(N_INPUTS);
   for (int i : {W0, B0, W1, B1, W2}) {
     if (!node_has_input(kinfo, i)) continue;
@@ -151,10 +152,11 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   }
   const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
   if (H == 0 || I == 0) return nullptr;
-  auto packed =
-      std::make_unique<PackedExperts>(empty_pack(config.type, accuracy_level, inputs, H, I, ExpertSlots::all(E)));
-  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(config.type, config.parity, inputs, *packed, slot); });
-  return packed;
+  const ExpertType type = config.type;
+  const int64_t parity = config.parity;
+  return std::make_unique<ConstantExperts>(
+      empty_pack(type, accuracy_level, inputs, H, I, ExpertSlots::all(E)),
+      [type, parity, inputs](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); }, inputs);
 }
 
 }  // namespace
@@ -173,7 +175,7 @@ MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   accuracy_level = attrs.choice("accuracy_level", {0, 3});
-  constant = pack_constant_weights(kinfo, where, config, accuracy_level);
+  constant = constant_experts(kinfo, where, config, accuracy_level);
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {

@@ -9,8 +9,9 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
-#include <system_error>
-#include <thread>
+#include <fstream>
+#include <sstream>
+#include <string>
 
 #include "allocation.h"
 #include "int8_gemm.h"
@@ -19,8 +20,9 @@
 namespace moe_onnx {
 namespace {
 
-// A zeroed buffer for panels: large ones 2 MB aligned and marked for transparent huge pages (Linux),
-// so streaming hundreds of MB of panels does not miss the TLB every 4 KB. Freed with std::free.
+// A buffer for panels, not touched here (pack writes every byte of a slot): large ones 2 MB aligned
+// and marked for transparent huge pages (Linux), so streaming hundreds of MB of panels does not miss
+// the TLB every 4 KB. Freed with std::free.
 char* allocate_panels(size_t bytes) {
   constexpr size_t kHuge = size_t{2} << 20;
   void* p = nullptr;
@@ -35,7 +37,6 @@ char* allocate_panels(size_t bytes) {
 #endif
   }
   if (!p) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
   return static_cast<char*>(p);
 }
 
@@ -51,15 +52,26 @@ int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
   return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
 }
 
-// The placement of each format: the offset of lane `lane` of panel `panel` at k = 0, and of row k
-// from there, in elements of one expert's panels (K rows).
+// The placement of each format, in elements of one expert's panels (K rows): where panel `panel`
+// starts, where its rows start (after the quad panels' corrections), lane `lane` at k = 0 from
+// there, and row k of a lane from there.
 template <WeightFormat F>
-int64_t column_offset(int64_t K, int64_t panel, int64_t lane) {
-  if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel + lane * 2;
-  if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K) + kInt8QuadHeader + lane * 4;
-  if (F == WeightFormat::kBF16Pairs) return panel * bf16_pair_panel_elements(K) + lane * 2;
-  if (F == WeightFormat::kBF16) return panel * K * kPanel + bf16_lane(lane);
-  return panel * K * kPanel + lane;
+int64_t panel_offset(int64_t K, int64_t panel) {
+  if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel;
+  if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K);
+  if (F == WeightFormat::kBF16Pairs) return panel * bf16_pair_panel_elements(K);
+  return panel * K * kPanel;
+}
+template <WeightFormat F>
+constexpr int64_t header_elements() {
+  return F == WeightFormat::kInt8Quads ? kInt8QuadHeader : 0;
+}
+template <WeightFormat F>
+int64_t lane_offset(int64_t lane) {
+  if (F == WeightFormat::kInt8Quads) return lane * 4;
+  if (F == WeightFormat::kInt8 || F == WeightFormat::kBF16Pairs) return lane * 2;
+  if (F == WeightFormat::kBF16) return bf16_lane(lane);
+  return lane;
 }
 template <WeightFormat F>
 int64_t row_offset(int64_t k) {
@@ -85,53 +97,110 @@ float e8m0_to_float(uint8_t s) {
   return std::ldexp(1.0f, static_cast<int>(s) - 127);
 }
 
-// Writes each quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
+// Writes a quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
 // GEMM's int32 sums.
-void store_quad_corrections(int8_t* panels, int64_t count, int64_t K) {
-  for (int64_t p = 0; p < count; ++p) {
-    int8_t* panel = panels + p * int8_quad_panel_bytes(K);
-    const int8_t* weights = panel + kInt8QuadHeader;
-    uint32_t corrections[kPanel] = {};
-    for (int64_t q = 0; q < int8_quads(K); ++q)
-      for (int64_t c = 0; c < kPanel; ++c)
-        for (int64_t i = 0; i < 4; ++i)
-          corrections[c] -= 128u * static_cast<uint32_t>(weights[(q * kPanel + c) * 4 + i]);
-    std::memcpy(panel, corrections, sizeof corrections);
+void store_quad_corrections(int8_t* panel, int64_t K) {
+  const int8_t* weights = panel + kInt8QuadHeader;
+  uint32_t corrections[kPanel] = {};
+  for (int64_t q = 0; q < int8_quads(K); ++q)
+    for (int64_t c = 0; c < kPanel; ++c)
+      for (int64_t i = 0; i < 4; ++i) corrections[c] -= 128u * static_cast<uint32_t>(weights[(q * kPanel + c) * 4 + i]);
+  std::memcpy(panel, corrections, sizeof corrections);
+}
+
+// One lane of a quantized block's code groups (qgemm.h) from `rows` codes that start at a byte:
+// 8-bit codes are copied 4 to a group; 4-bit codes (rows a multiple of 8) go from the source's pairs
+// (byte j: rows 2j low, 2j + 1 high) to the group's order (byte i: rows i low, 4 + i high).
+void place_group_codes(const uint8_t* in, int64_t rows, int bits, uint8_t* lane) {
+  if (bits == 8) {
+    for (int64_t g = 0; g * 4 < rows; ++g)
+      std::memcpy(lane + g * kQuantGroupBytes, in + g * 4, static_cast<size_t>(std::min<int64_t>(4, rows - g * 4)));
+    return;
+  }
+  for (int64_t g = 0; g < rows / 8; ++g, in += 4) {
+    uint8_t* out = lane + g * kQuantGroupBytes;
+    out[0] = static_cast<uint8_t>((in[0] & 15) | (in[2] & 15) << 4);
+    out[1] = static_cast<uint8_t>(in[0] >> 4 | (in[2] & 0xF0));
+    out[2] = static_cast<uint8_t>((in[1] & 15) | (in[3] & 15) << 4);
+    out[3] = static_cast<uint8_t>(in[1] >> 4 | (in[3] & 0xF0));
   }
 }
 
-// Copies the columns of src into dst (one expert's panels of format F, K rows); Src is the weight
-// tensor's element, Dst the panels', `convert` one to the other (by default int8 is widened to int16,
-// the others are copied as bits).
-template <WeightFormat F, class Src, class Dst, class Convert>
-void place(const ColumnSource& src, int64_t K, Dst* dst, Convert&& convert) {
-  const Src* in = static_cast<const Src*>(src.data) + src.first;
-  std::vector<int64_t> column(static_cast<size_t>(src.columns));
-  for (int64_t c = 0; c < src.columns; ++c) column[c] = column_offset<F>(K, c / src.width, src.lane0 + c % src.width);
-  auto put = [&](int64_t k, int64_t c) {
-    dst[column[c] + row_offset<F>(k)] = convert(in[k * src.k_stride + c * src.c_stride]);
-  };
-  if (src.c_stride == 1) {  // read the source in its memory order
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < src.columns; ++c) put(k, c);
-  } else {
-    for (int64_t c = 0; c < src.columns; ++c)
-      for (int64_t k = 0; k < K; ++k) put(k, c);
+// Where each lane of one panel comes from: the first element of its column (k = 0) and the stride
+// of k, or no column (a zero lane).
+struct PanelLanes {
+  const void* column[kPanel];
+  int64_t k_stride[kPanel];
+  bool full;  // every lane has a column
+
+  PanelLanes(std::initializer_list<ColumnSource> sources, int64_t panel, size_t element_bytes)
+      : column{}, k_stride{}, full(true) {
+    for (const ColumnSource& src : sources)
+      for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
+        const int64_t c = panel * src.width + lane - src.lane0;
+        if (c < src.columns) {
+          column[lane] = column_start(src, c, element_bytes);
+          k_stride[lane] = src.k_stride;
+        }
+      }
+    for (const void* c : column) full = full && c;
   }
+  static const void* column_start(const ColumnSource& src, int64_t c, size_t element_bytes) {
+    return static_cast<const char*>(src.data) + (src.first + c * src.c_stride) * static_cast<int64_t>(element_bytes);
+  }
+};
+
+// Rows of k a panel of format F holds for K weights (padding rows are zero).
+template <WeightFormat F>
+int64_t padded_rows(int64_t K) {
+  if (F == WeightFormat::kInt8) return 2 * int8_pairs(K);
+  if (F == WeightFormat::kInt8Quads) return 4 * int8_quads(K);
+  if (F == WeightFormat::kBF16Pairs) return bf16_padded_k(K);
+  return K;
+}
+
+// Writes one panel of format F (K rows) at `panel`, from `lanes` of Src elements, `convert` one to
+// Dst: in tiles of 16 k, so each tile's reads are 16 short runs of each column and its writes stay
+// in L1. A panel with zero lanes or padding rows is zeroed first, while it is in cache.
+template <WeightFormat F, class Src, class Dst, class Convert>
+void place_panel(const PanelLanes& lanes, int64_t K, Dst* panel, Convert&& convert) {
+  constexpr int64_t kTile = 16;
+  Dst* body = panel + header_elements<F>();
+  if (!lanes.full || padded_rows<F>(K) != K)
+    std::memset(body, 0, static_cast<size_t>(padded_rows<F>(K) * kPanel) * sizeof(Dst));
+  for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+    const int64_t k1 = std::min(K, k0 + kTile);
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      const Src* in = static_cast<const Src*>(lanes.column[lane]);
+      if (!in) continue;
+      const int64_t ks = lanes.k_stride[lane];
+      Dst* out = body + lane_offset<F>(lane);
+      for (int64_t k = k0; k < k1; ++k) out[row_offset<F>(k)] = convert(in[k * ks]);
+    }
+  }
+  if (F == WeightFormat::kInt8Quads) store_quad_corrections(reinterpret_cast<int8_t*>(panel), K);
+}
+
+// Writes one expert's panels of format F (K rows, N columns) from `sources`.
+template <WeightFormat F, class Src, class Dst, class Convert>
+void place(std::initializer_list<ColumnSource> sources, int64_t N, int64_t K, Dst* dst, Convert&& convert) {
+  for (int64_t p = 0; p < panel_count(N); ++p)
+    place_panel<F, Src>(PanelLanes(sources, p, sizeof(Src)), K, dst + panel_offset<F>(K, p), convert);
 }
 template <WeightFormat F, class Src, class Dst>
-void place(const ColumnSource& src, int64_t K, Dst* dst) {
-  place<F, Src>(src, K, dst, [](Src value) { return static_cast<Dst>(value); });
+void place(std::initializer_list<ColumnSource> sources, int64_t N, int64_t K, Dst* dst) {
+  place<F, Src>(sources, N, K, dst, [](Src value) { return static_cast<Dst>(value); });
 }
 
 // Weights of `source` type into bf16 pair panels, rounded to nearest even.
-void place_bf16_pairs(FloatType source, const ColumnSource& src, int64_t K, uint16_t* dst) {
+void place_bf16_pairs(FloatType source, std::initializer_list<ColumnSource> sources, int64_t N, int64_t K,
+                      uint16_t* dst) {
   constexpr WeightFormat F = WeightFormat::kBF16Pairs;
   switch (source) {
-    case FloatType::kF32: return place<F, float>(src, K, dst, float_to_bf16);
+    case FloatType::kF32: return place<F, float>(sources, N, K, dst, float_to_bf16);
     case FloatType::kF16:
-      return place<F, uint16_t>(src, K, dst, [](uint16_t h) { return float_to_bf16(half_to_float(h)); });
-    case FloatType::kBF16: return place<F, uint16_t>(src, K, dst);
+      return place<F, uint16_t>(sources, N, K, dst, [](uint16_t h) { return float_to_bf16(half_to_float(h)); });
+    case FloatType::kBF16: return place<F, uint16_t>(sources, N, K, dst);
   }
 }
 
@@ -174,50 +243,65 @@ PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int
   if (with_bias) allocate(bias_, slots * panels() * kPanel, 0.0f, "packed biases");
 }
 
-void PackedWeights::pack(int64_t slot, const ColumnSource& src) {
+void PackedWeights::pack(int64_t slot, std::initializer_list<ColumnSource> sources) {
   char* dst = panels_.get() + slot * slot_bytes_;
+  const int64_t N = N_, K = K_;
   switch (format_) {
-    case WeightFormat::kF32: return place<WeightFormat::kF32, float>(src, K_, reinterpret_cast<float*>(dst));
-    case WeightFormat::kF16: return place<WeightFormat::kF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
-    case WeightFormat::kBF16: return place<WeightFormat::kBF16, uint16_t>(src, K_, reinterpret_cast<uint16_t*>(dst));
-    case WeightFormat::kInt8: return place<WeightFormat::kInt8, int8_t>(src, K_, reinterpret_cast<int16_t*>(dst));
+    case WeightFormat::kF32: return place<WeightFormat::kF32, float>(sources, N, K, reinterpret_cast<float*>(dst));
+    case WeightFormat::kF16:
+      return place<WeightFormat::kF16, uint16_t>(sources, N, K, reinterpret_cast<uint16_t*>(dst));
+    case WeightFormat::kBF16:
+      return place<WeightFormat::kBF16, uint16_t>(sources, N, K, reinterpret_cast<uint16_t*>(dst));
+    case WeightFormat::kInt8:
+      return place<WeightFormat::kInt8, int8_t>(sources, N, K, reinterpret_cast<int16_t*>(dst));
     case WeightFormat::kInt8Quads:
-      place<WeightFormat::kInt8Quads, int8_t>(src, K_, reinterpret_cast<int8_t*>(dst));
-      return store_quad_corrections(reinterpret_cast<int8_t*>(dst), panels(), K_);
-    case WeightFormat::kBF16Pairs: return place_bf16_pairs(source_, src, K_, reinterpret_cast<uint16_t*>(dst));
+      return place<WeightFormat::kInt8Quads, int8_t>(sources, N, K, reinterpret_cast<int8_t*>(dst));
+    case WeightFormat::kBF16Pairs:
+      return place_bf16_pairs(source_, sources, N, K, reinterpret_cast<uint16_t*>(dst));
     case WeightFormat::kQuantized: throw std::logic_error("internal: quantized panels are packed by pack_quantized");
   }
 }
 
-void PackedWeights::pack_quantized(int64_t slot, const QuantizedColumns& src) {
-  uint8_t* dst = reinterpret_cast<uint8_t*>(panels_.get() + slot * slot_bytes_);
+void PackedWeights::pack_quantized(int64_t slot, std::initializer_list<QuantizedColumns> sources) {
   const QuantPanels& q = quant_;
   const int bits = q.bits();
   // Element i of a tensor of `bits`-bit elements (4: the low nibble of a byte first).
   const auto element = [bits](const uint8_t* data, int64_t i) -> int {
     return bits == 8 ? data[i] : (data[i / 2] >> (4 * (i % 2))) & 15;
   };
-  for (int64_t c = 0; c < src.columns; ++c) {
-    const int64_t panel = c / src.width, lane = src.lane0 + c % src.width;
-    for (int64_t b = 0; b < q.blocks(); ++b) {
-      uint8_t* block = dst + panel * q.panel_bytes() + b * q.block_bytes();
-      const int64_t s = src.scales_first + c * src.scales_stride + b;
-      const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
-                                                     : load_float(float_type(src.scale_type), src.scales, s);
-      std::memcpy(block + 4 * lane, &scale, 4);
-      if (q.zero_points)  // a linear without zero points sharing the panels with one that has them: 2^(bits-1)
-        block[64 + lane] = static_cast<uint8_t>(
-            src.zero_points ? element(src.zero_points,
-                                      src.zero_points_first + c * src.zero_points_stride + b * src.zero_points_block_stride)
-                            : 1 << (bits - 1));
-      uint8_t* codes = block + q.header_bytes();
-      for (int64_t kk = 0; kk < q.block; ++kk) {
-        const int code = element(src.codes, src.codes_first + c * src.codes_stride + b * q.block + kk);
-        const int64_t i = kk % q.group_rows();
-        uint8_t& byte = codes[(kk / q.group_rows()) * kQuantGroupBytes + lane * 4 + (bits == 8 ? i : i % 4)];
-        byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
+  for (int64_t p = 0; p < panels(); ++p) {
+    // the panel is zeroed while in cache: lanes without a column and padding rows stay zero
+    uint8_t* panel = reinterpret_cast<uint8_t*>(panels_.get() + slot * slot_bytes_) + p * q.panel_bytes();
+    std::memset(panel, 0, static_cast<size_t>(q.panel_bytes()));
+    for (const QuantizedColumns& src : sources)
+      for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
+        const int64_t c = p * src.width + lane - src.lane0;
+        if (c >= src.columns) break;
+        for (int64_t b = 0; b < q.blocks(); ++b) {
+          uint8_t* block = panel + b * q.block_bytes();
+          const int64_t s = src.scales_first + c * src.scales_stride + b;
+          const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
+                                                         : load_float(float_type(src.scale_type), src.scales, s);
+          std::memcpy(block + 4 * lane, &scale, 4);
+          if (q.zero_points)  // a linear without zero points sharing the panels with one that has them: 2^(bits-1)
+            block[64 + lane] = static_cast<uint8_t>(
+                src.zero_points ? element(src.zero_points, src.zero_points_first + c * src.zero_points_stride +
+                                                               b * src.zero_points_block_stride)
+                                : 1 << (bits - 1));
+          uint8_t* codes = block + q.header_bytes() + lane * 4;
+          const int64_t first = src.codes_first + c * src.codes_stride + b * q.block;
+          if (bits == 8 || (first % 2 == 0 && q.block % 8 == 0)) {
+            place_group_codes(src.codes + first * bits / 8, q.block, bits, codes);
+            continue;
+          }
+          for (int64_t kk = 0; kk < q.block; ++kk) {
+            const int code = element(src.codes, first + kk);
+            const int64_t i = kk % q.group_rows();
+            uint8_t& byte = codes[(kk / q.group_rows()) * kQuantGroupBytes + (bits == 8 ? i : i % 4)];
+            byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
+          }
+        }
       }
-    }
   }
 }
 
@@ -274,21 +358,94 @@ ExpertSlots ExpertSlots::with_rows(const int64_t* offsets, int64_t experts) {
   return s;
 }
 
-void pack_on_own_threads(int64_t slots, const std::function<void(int64_t)>& pack_slot) {
-  const int64_t n_threads =
-      std::min<int64_t>({slots, 8, std::max<int64_t>(1, std::thread::hardware_concurrency())});
-  auto pack_some = [&](int64_t first) {
-    for (int64_t s = first; s < slots; s += n_threads) pack_slot(s);
-  };
-  std::vector<std::thread> threads;
-  int64_t started = 1;
-  try {
-    for (; started < n_threads; ++started) threads.emplace_back(pack_some, started);
-  } catch (const std::system_error&) {  // no threads to be had: this thread packs their share too
+namespace {
+
+// Whether [data, data + bytes) lies in one mapping of a file (/proc/self/maps): onnxruntime's mapping
+// of external data.
+bool in_file_mapping(const void* data, size_t bytes) {
+#if defined(__linux__)
+  std::ifstream maps("/proc/self/maps");
+  const auto first = reinterpret_cast<uintptr_t>(data), last = first + bytes;
+  std::string line;
+  while (std::getline(maps, line)) {
+    // start-end perms offset dev inode path
+    std::istringstream fields(line);
+    uintptr_t start = 0, end = 0;
+    char dash = 0;
+    std::string perms, offset, dev;
+    uint64_t inode = 0;
+    if (!(fields >> std::hex >> start >> dash >> end >> perms >> offset >> dev >> std::dec >> inode)) continue;
+    if (first >= start && first < end) return last <= end && inode != 0;
   }
-  pack_some(0);
-  for (int64_t i = started; i < n_threads; ++i) pack_some(i);
-  for (auto& t : threads) t.join();
+#endif
+  (void)data;
+  (void)bytes;
+  return false;
+}
+
+constexpr uintptr_t kPage = 4096;
+
+}  // namespace
+
+ConstantExperts::ConstantExperts(PackedExperts empty, PackSlot pack_slot, const std::vector<Input>& weights)
+    : experts_(std::move(empty)),
+      pack_slot_(std::move(pack_slot)),
+      packed_(new std::atomic<bool>[static_cast<size_t>(experts_.slots.count())]) {
+  for (int64_t e = 0; e < experts_.slots.count(); ++e) packed_[e].store(false, std::memory_order_relaxed);
+  for (const Input& w : weights) {
+    const size_t bytes = static_cast<size_t>(w.count) * elem_size(w.type);
+    if (w.present && w.data && in_file_mapping(w.data, bytes))
+      mapped_.push_back({static_cast<const char*>(w.data), bytes});
+  }
+}
+
+void ConstantExperts::map_pages(int64_t expert) const {
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+  const auto experts = static_cast<size_t>(experts_.slots.count());
+  for (const MappedWeight& w : mapped_) {
+    const size_t per_expert = w.bytes / experts;
+    const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
+    const uintptr_t start = first / kPage * kPage;
+    madvise(reinterpret_cast<void*>(start), first + per_expert - start, MADV_POPULATE_READ);
+  }
+#endif
+  (void)expert;
+}
+
+void ConstantExperts::reclaim_mapped_pages(int64_t expert) const {
+#if defined(__linux__)
+  const auto experts = static_cast<size_t>(experts_.slots.count());
+  for (const MappedWeight& w : mapped_) {
+    const size_t per_expert = w.bytes / experts;
+    const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
+    const uintptr_t start = (first + kPage - 1) / kPage * kPage, end = (first + per_expert) / kPage * kPage;
+#ifdef MADV_PAGEOUT
+    // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
+    // written (copy on write) would only go to swap. A hint: failing (Linux < 5.4) keeps them.
+    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_PAGEOUT);
+#endif
+  }
+#endif
+  (void)expert;
+}
+
+const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, const int64_t* offsets) {
+  const int64_t experts = experts_.slots.count();
+  std::vector<int64_t> missing;
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] > offsets[e] && !packed_[e].load(std::memory_order_acquire)) missing.push_back(e);
+  if (missing.empty()) return experts_;
+  std::lock_guard<std::mutex> lock(packing_);  // one run packs; a concurrent run waits, then finds them packed
+  missing.erase(std::remove_if(missing.begin(), missing.end(),
+                               [&](int64_t e) { return packed_[e].load(std::memory_order_acquire); }),
+                missing.end());
+  parallel_for(ctx, missing.size(), [&](size_t i) {
+    map_pages(missing[i]);
+    pack_slot_(experts_, missing[i]);
+    reclaim_mapped_pages(missing[i]);
+  });
+  for (int64_t e : missing) packed_[e].store(true, std::memory_order_release);
+  return experts_;
 }
 
 }  // namespace moe_onnx

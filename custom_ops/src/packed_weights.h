@@ -10,8 +10,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <atomic>
 #include <functional>
+#include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -98,8 +101,9 @@ struct QuantizedColumns {
   int64_t width = kPanel, lane0 = 0;
 };
 
-// One weight matrix B [K, N] per packed expert (a slot), in one format, in a zeroed huge-page
-// buffer; optionally an fp32 bias per slot in the panels' column order (natural lanes).
+// One weight matrix B [K, N] per packed expert (a slot), in one format, in a huge-page buffer whose
+// pages are first touched by pack (a slot never packed costs no memory); optionally an fp32 bias per
+// slot in the panels' column order (natural lanes).
 class PackedWeights {
  public:
   // `source`: the element type of the weights pack() reads, for kBF16Pairs (the other float formats
@@ -118,13 +122,14 @@ class PackedWeights {
   // The slot's bias (panels() * 16 floats), or null without one.
   const float* bias_at(int64_t slot) const { return bias_.empty() ? nullptr : bias_.data() + slot * panels() * kPanel; }
 
-  // Writes the columns of `src` into the slot's panels.
-  void pack(int64_t slot, const ColumnSource& src);
+  // Writes the slot's panels from the columns of `sources` (MOE's gate/up panels: the gate and the up
+  // columns), panel by panel, each panel whole: lanes no source fills and padding rows are zero.
+  void pack(int64_t slot, std::initializer_list<ColumnSource> sources);
   // Writes a bias (`type` float32/float16/bfloat16; k_stride unused) into the slot's bias, as fp32
   // (a matrix made with_bias).
   void pack_bias(int64_t slot, ElemType type, const ColumnSource& src);
-  // Writes quantized columns into the slot's panels (format kQuantized).
-  void pack_quantized(int64_t slot, const QuantizedColumns& src);
+  // As pack, from quantized columns (format kQuantized).
+  void pack_quantized(int64_t slot, std::initializer_list<QuantizedColumns> sources);
 
   // C[m, 16 * (p - p0) + c] = (A @ B)[m, 16 p + c] for m < M, p in [p0, p1), C's row stride ldc.
   // Float and quantized formats: A fp32 rows of stride lda, C fp32 (gemm.h; qgemm.h).
@@ -171,8 +176,8 @@ class PackedWeights {
   std::vector<float> bias_;
 };
 
-// The experts that have slots: all of them (weights packed once at kernel creation) or those that
-// have rows in a run (packed per run).
+// The experts that have slots: all of them (initializer weights: ConstantExperts) or those that have
+// rows in a run (packed per run).
 struct ExpertSlots {
   std::vector<int64_t> slot_of_expert;  // -1: not packed
   std::vector<int64_t> expert_of_slot;
@@ -190,23 +195,49 @@ struct PackedExperts {
   std::vector<PackedWeights> matrices;
 };
 
-// The packed experts a run reads: `constant` when the weights are initializers (packed at kernel
-// creation, after their checks: a run that passes its own checks has the same weights); else
-// `local`, made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and
-// filled by pack_slot(local, slot) on the intra-op pool.
+// The packed experts of initializer weights, made at kernel creation with room for every expert:
+// each expert is packed by the first run that routes rows to it (on that run's intra-op pool), then
+// kept, so creating a session reads no weights and a model holds packed only the experts it uses.
+// Then the pages of that expert's weights that onnxruntime mapped from an external data file are
+// reclaimed (MADV_PAGEOUT: clean file pages, a later read maps them again from the file), so the
+// weights are resident once, packed.
+class ConstantExperts {
+ public:
+  using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
+  // `weights`: the initializers pack_slot reads, each with the experts as its first dim.
+  ConstantExperts(PackedExperts empty, PackSlot pack_slot, const std::vector<Input>& weights);
+
+  // The experts e with offsets[e + 1] > offsets[e] packed (offsets: experts + 1 row offsets).
+  const PackedExperts& for_run(const Ort::KernelContext& ctx, const int64_t* offsets);
+
+ private:
+  // One weight tensor's bytes, when its pages are reclaimed after packing (mapped from a file).
+  struct MappedWeight {
+    const char* data;
+    size_t bytes;
+  };
+  void map_pages(int64_t expert) const;
+  void reclaim_mapped_pages(int64_t expert) const;
+
+  PackedExperts experts_;
+  PackSlot pack_slot_;
+  std::vector<MappedWeight> mapped_;
+  std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert
+  std::mutex packing_;
+};
+
+// The packed experts a run reads: `constant`'s when the weights are initializers (after their
+// checks at kernel creation: a run that passes its own checks has the same weights); else `local`,
+// made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and filled by
+// pack_slot(local, slot) on the intra-op pool.
 template <class Empty, class PackSlot>
-const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, const PackedExperts* constant,
-                                     const int64_t* offsets, int64_t experts, PackedExperts& local, Empty&& empty,
-                                     PackSlot&& pack_slot) {
-  if (constant) return *constant;
+const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, ConstantExperts* constant, const int64_t* offsets,
+                                     int64_t experts, PackedExperts& local, Empty&& empty, PackSlot&& pack_slot) {
+  if (constant) return constant->for_run(ctx, offsets);
   local = empty(ExpertSlots::with_rows(offsets, experts));
   parallel_for(ctx, static_cast<size_t>(local.slots.count()),
                [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });
   return local;
 }
-
-// Runs pack_slot(s) for every slot s on a few threads of our own (kernel creation has no intra-op
-// pool), each slot on one thread: the result does not depend on the split.
-void pack_on_own_threads(int64_t slots, const std::function<void(int64_t)>& pack_slot);
 
 }  // namespace moe_onnx

@@ -1,9 +1,9 @@
 // QMOE kernel: MOE's steps (expert_block.h) on quantized panels. Per Compute:
 // 1. check_inputs: validate every input as moe_onnx/ops/qmoe.py does, with the same messages, and the
 //    indices' range, before anything is indexed.
-// 2. The packed experts: from kernel creation when every weight, scale and zero point is an
-//    initializer and passes Compute's checks of them (validate_weights; one pack for the life of the
-//    session), else packed per run for the experts in use.
+// 2. The packed experts: when every weight, scale and zero point is an initializer and passes
+//    Compute's checks of them (validate_weights), each expert once, by the first run that uses it (for
+//    the life of the session: ConstantExperts), else packed per run for the experts in use.
 //    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
 //    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
 // 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels (accuracy_level
@@ -220,6 +220,13 @@ QuantizedColumns columns_of(const Quantization& q, const std::vector<Input>& in,
   return c;
 }
 
+// Columns into half of each gate/up panel, from lane lane0.
+QuantizedColumns half_panel_columns(QuantizedColumns c, int64_t lane0) {
+  c.width = kHalfPanel;
+  c.lane0 = lane0;
+  return c;
+}
+
 // Packs the weights of the expert of `slot`.
 void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vector<Input>& in, PackedExperts& p,
                int64_t slot) {
@@ -231,35 +238,31 @@ void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vec
   const Linear& down_linear = used.back();
   if (config.type == ExpertType::kGemm2BiasSwigluClamp) {
     // weight_0 [E, 2I, H]: gate column c is row 2c + parity, up column c is row 2c + 1 - parity.
-    for (const int64_t lane0 : {int64_t{0}, kHalfPanel}) {
-      const int64_t row0 = lane0 == 0 ? config.parity : 1 - config.parity;
-      QuantizedColumns c = columns_of(q, in, used[0], e, 2 * I, H, row0, 2, I);
-      c.width = kHalfPanel;
-      c.lane0 = lane0;
-      gate_up.pack_quantized(slot, c);
-      if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * 2 * I + row0, 0, 2, I, kHalfPanel, lane0});
-    }
+    const int64_t gate0 = config.parity, up0 = 1 - config.parity;
+    gate_up.pack_quantized(slot, {half_panel_columns(columns_of(q, in, used[0], e, 2 * I, H, gate0, 2, I), 0),
+                                  half_panel_columns(columns_of(q, in, used[0], e, 2 * I, H, up0, 2, I), kHalfPanel)});
+    if (in[B0].present)
+      for (const int64_t lane0 : {int64_t{0}, kHalfPanel})
+        gate_up.pack_bias(slot, in[B0].type,
+                          {in[B0].data, e * 2 * I + (lane0 == 0 ? gate0 : up0), 0, 2, I, kHalfPanel, lane0});
   } else if (config.type == ExpertType::kGemm2Act) {
-    gate_up.pack_quantized(slot, columns_of(q, in, used[0], e, I, H, 0, 1, I));
+    gate_up.pack_quantized(slot, {columns_of(q, in, used[0], e, I, H, 0, 1, I)});
     if (in[B0].present) gate_up.pack_bias(slot, in[B0].type, {in[B0].data, e * I, 0, 1, I});
   } else {
     // gate = weight_0 [E, I, H] in lanes 0-7, up = weight_1 [E, I, H] in lanes 8-15.
-    for (int half = 0; half < 2; ++half) {
-      QuantizedColumns c = columns_of(q, in, used[half], e, I, H, 0, 1, I);
-      c.width = kHalfPanel;
-      c.lane0 = half * kHalfPanel;
-      gate_up.pack_quantized(slot, c);
-    }
+    gate_up.pack_quantized(slot, {half_panel_columns(columns_of(q, in, used[0], e, I, H, 0, 1, I), 0),
+                                  half_panel_columns(columns_of(q, in, used[1], e, I, H, 0, 1, I), kHalfPanel)});
   }
-  down.pack_quantized(slot, columns_of(q, in, down_linear, e, H, I, 0, 1, H));
+  down.pack_quantized(slot, {columns_of(q, in, down_linear, e, H, I, 0, 1, H)});
   if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
 }
 
-// All experts packed at kernel creation when every input of the weights is an initializer and passes
+// Room for every expert, packed on first use (ConstantExperts), when every input of the weights is
+// an initializer and passes
 // Compute's checks of them (the biases' types; validate_weights, the scales' types against
 // `hidden_type`, the type of hidden_states this kernel is registered for) and the matrices have
 // elements (H, I > 0); else null (Compute packs per run and reports any error in the reference's order).
-std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo& kinfo, const QMoeKernel& kernel,
+std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const QMoeKernel& kernel,
                                                      ElemType hidden_type) {
   if (!signatures::QMOE.inputs[HIDDEN].allows(hidden_type)) return nullptr;
   std::vector<Input> inputs(N_INPUTS);
@@ -279,10 +282,11 @@ std::unique_ptr<PackedExperts> pack_constant_weights(const Ort::ConstKernelInfo&
   }
   const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
   if (H == 0 || I == 0) return nullptr;
-  auto packed =
-      std::make_unique<PackedExperts>(empty_pack(kernel.config, kernel.quant, inputs, H, I, ExpertSlots::all(E)));
-  pack_on_own_threads(E, [&](int64_t slot) { pack_slot(kernel.config, kernel.quant, inputs, *packed, slot); });
-  return packed;
+  const ExpertConfig config = kernel.config;
+  const Quantization quant = kernel.quant;
+  return std::make_unique<ConstantExperts>(
+      empty_pack(config, quant, inputs, H, I, ExpertSlots::all(E)),
+      [config, quant, inputs](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); }, inputs);
 }
 
 // The quantization attributes after qmoe.py's checks (_validate_quant_attrs).
@@ -322,7 +326,7 @@ QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type) {
   const Attributes attrs(info, signatures::QMOE, where);
   config = ExpertConfig::read(attrs);
   quant = read_quantization(attrs);
-  constant = pack_constant_weights(kinfo, *this, hidden_type);
+  constant = constant_experts(kinfo, *this, hidden_type);
 }
 
 OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {

@@ -31,7 +31,7 @@ struct QMoeKernel {
   std::string where;
   ExpertConfig config;
   Quantization quant;
-  std::unique_ptr<PackedExperts> constant;  // packed at kernel creation when the weights are initializers
+  std::unique_ptr<ConstantExperts> constant;  // when the weights are initializers: packed on first use
   WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 

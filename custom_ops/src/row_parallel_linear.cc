@@ -3,8 +3,8 @@
 // 1. Validate every input as row_parallel_linear.py's _validate does (same order and words), then
 //    the offsets' values (0 <= o_0 <= ... <= o_E <= rows) before any row is touched.
 // 2. W is packed per expert into the GEMM's panels (packed_weights.h), multiplied through
-//    PackedWeights::multiply: once at kernel creation when it is an initializer, else per Compute for
-//    the experts that own rows. Float types use the fp32 GEMM (gemm.h; float16/bfloat16 panels stay
+//    PackedWeights::multiply: each expert once, by the first run that uses it, when W is an initializer
+//    (ConstantExperts), else per Compute for the experts that own rows. Float types use the fp32 GEMM (gemm.h; float16/bfloat16 panels stay
 //    16-bit, accumulation in fp32, rounded once at the end), or with accuracy_level 3, where the ISA
 //    table has one, the bf16 GEMM (bf16_gemm.h: W in bf16 pair panels, X's rows rounded to bf16);
 //    int8 uses the exact int32 GEMM (int8_gemm.h; its kernel fixes the layout of X's rows and W's
@@ -116,7 +116,7 @@ void check_offsets(const Checker& v, const int64_t* o, int64_t E, int64_t rows) 
                std::to_string(rows));
 }
 
-// Whether W can be packed at kernel creation: valid, and with elements (the pack is then in
+// Whether W is packed for the session (ConstantExperts): valid, and with elements (the pack is then in
 // proportion to W's data, whatever E is).
 bool is_packable(const Input& w) {
   return w.present && w.count > 0 && w.shape.size() == 3 && signatures::MoeRowParallelLinear.inputs[W].allows(w.type);
@@ -134,7 +134,7 @@ PackedExperts empty_pack(const Input& w, int64_t accuracy_level, ExpertSlots slo
 }
 
 void pack_slot(const Input& w, PackedExperts& p, int64_t slot) {
-  p.matrices[0].pack(slot, transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2]));
+  p.matrices[0].pack(slot, {transposed_columns(w.data, p.slots.expert_of_slot[slot], w.shape[1], w.shape[2])});
 }
 
 // The covered rows of X as the GEMM reads them, K columns from column k0 of X's x_width: int8
@@ -344,9 +344,9 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
-  auto packed = std::make_unique<PackedExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])));
-  pack_on_own_threads(packed->slots.count(), [&](int64_t slot) { pack_slot(w, *packed, slot); });
-  constant = std::move(packed);
+  constant = std::make_unique<ConstantExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])),
+                                               [w](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); },
+                                               std::vector<Input>{w});
 }
 
 OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {

@@ -24,7 +24,7 @@ struct RowParallelLinearKernel {
   // num_experts, in_features, out_features as given (has_size false: absent)
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
-  std::unique_ptr<PackedExperts> constant;  // W packed at kernel creation when it is an initializer
+  std::unique_ptr<ConstantExperts> constant;  // when W is an initializer: packed on first use
   WorkspacePool workspaces{1};              // for the runs' rows of X (float32 or int8) and TP partials
   bool input_is_parallel = false;
   int64_t accuracy_level = 0;  // 3 (float X): the bf16 GEMM where the ISA table has one

@@ -1,0 +1,217 @@
+"""Session start and resident memory of fused expert models at any size, against plain onnxruntime
+on the same weights.
+
+`build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4, block 32) nodes of
+GEMM3_SWIGLU experts with random weights, streamed to its external data file expert by expert (so
+building a 5 GB model needs little memory), or inline (--inline: the weights inside the .onnx, < 2 GB),
+and beside it a plain-onnxruntime model on the same weights (Gather one expert of each weight, Cast,
+ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
+child process of its own and prints, per model: session creation time, resident memory (MiB: VmRSS =
+RssAnon + RssFile) after creation and after each run, and each run's time (a run packs the experts
+it is the first to use, so the first prefill's time less the next one's is the packing).
+
+    python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
+    flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from _timing import session_options
+
+TOP_K = 8
+BLOCK = 32  # int4 scales' block size
+ALIGN = 4096  # external data offsets, page aligned as onnxruntime maps them
+
+
+class _ExternalData:
+    """Appends arrays to one external data file and names them as initializers that point there."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = path.open("wb")
+
+    def tensor(self, name: str, elem: int, shape: list[int], chunks) -> TensorProto:
+        """An initializer of `shape` whose bytes are the arrays `chunks` yields, written in order."""
+        offset = self.file.tell()
+        pad = -offset % ALIGN
+        self.file.write(b"\0" * pad)
+        offset += pad
+        for chunk in chunks:
+            self.file.write(np.ascontiguousarray(chunk).tobytes())
+        t = TensorProto(name=name, data_type=elem, dims=shape, data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", self.path.name), ("offset", str(offset)),
+                           ("length", str(self.file.tell() - offset))):
+            t.external_data.add(key=key, value=value)
+        return t
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _weights(fmt: str, E: int, H: int, I: int, layer: int):
+    """(name, elem type, shape, chunks per expert) of one layer's weight inputs in QMOE/MOE order."""
+    rng = np.random.default_rng(layer)
+
+    def floats(n, k):
+        return lambda: (rng.standard_normal((n, k), dtype=np.float32) * k ** -0.5 for _ in range(E))
+
+    def codes(n, k):
+        return lambda: (rng.integers(0, 256, (n, k // 2), dtype=np.uint8) for _ in range(E))
+
+    def scales(n, k):
+        return lambda: (rng.uniform(0.5, 1.5, (n, k // BLOCK)).astype(np.float32) * 0.1 * k ** -0.5
+                        for _ in range(E))
+
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    if fmt == "fp32":
+        return [(f"l{layer}.{w}", TensorProto.FLOAT, [E, n, k], floats(n, k)) for w, (n, k) in shapes.items()]
+    return ([(f"l{layer}.{w}", TensorProto.UINT8, [E, n, k // 2], codes(n, k)) for w, (n, k) in shapes.items()]
+            + [(f"l{layer}.{w}.scales", TensorProto.FLOAT, [E, n, k // BLOCK], scales(n, k))
+               for w, (n, k) in shapes.items()])
+
+
+def build(out_dir: Path, fmt: str, E: int, H: int, I: int, layers: int, inline: bool) -> tuple[Path, Path]:
+    """Writes the fused model and its plain-onnxruntime twin on the same weights (one data file)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"moe_{fmt}{'_inline' if inline else ''}"
+    data = None if inline else _ExternalData(out_dir / f"{stem}.data")
+    inits, fused_nodes, plain_nodes, x = [], [], [], "x"
+    for layer in range(layers):
+        names = []
+        for name, elem, shape, chunks in _weights(fmt, E, H, I, layer):
+            if data:
+                inits.append(data.tensor(name, elem, shape, chunks()))
+            else:
+                array = np.concatenate([c[None] for c in chunks()])
+                inits.append(onnx.numpy_helper.from_array(array, name))
+            names.append(name)
+            plain_nodes += [helper.make_node("Gather", [name, "expert"], [f"{name}.one"], axis=0),
+                            helper.make_node("Cast", [f"{name}.one"], [f"{name}.f"], to=TensorProto.FLOAT),
+                            helper.make_node("ReduceSum", [f"{name}.f"], [f"{name}.sum"], keepdims=0)]
+        y = f"y{layer}"
+        if fmt == "fp32":
+            fused_nodes.append(helper.make_node("MOE", [x, "routing", "indices", names[0], "", names[1], "", names[2]],
+                                                [y], domain="moe_onnx", expert_type="GEMM3_SWIGLU"))
+        else:
+            fused_nodes.append(helper.make_node(
+                "QMOE", [x, "routing", "indices", names[0], "", names[1], "", names[2], *names[3:]], [y],
+                domain="moe_onnx", expert_type="GEMM3_SWIGLU", bits=4, block_size=BLOCK))
+        x = y
+    if data:
+        data.close()
+    sums = [n.output[0] for n in plain_nodes if n.op_type == "ReduceSum"]
+    plain_nodes.append(helper.make_node("Sum", sums, ["total"]))
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("moe_onnx", 1)]
+    fused = helper.make_graph(
+        fused_nodes, "fused",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
+         helper.make_tensor_value_info("routing", TensorProto.FLOAT, ["T", TOP_K]),
+         helper.make_tensor_value_info("indices", TensorProto.INT64, ["T", TOP_K])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["T", H])], inits)
+    plain = helper.make_graph(plain_nodes, "plain", [helper.make_tensor_value_info("expert", TensorProto.INT64, [])],
+                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], inits)
+    paths = out_dir / f"{stem}.onnx", out_dir / f"{stem}.plain.onnx"
+    for graph, path in zip((fused, plain), paths):
+        onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=10), path)
+    return paths
+
+
+def status_mb() -> dict[str, float]:
+    """VmRSS, RssAnon, RssFile and VmHWM of this process, in MB."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = round(int(line.split()[1]) / 1024)
+    return out
+
+
+def feeds(H: int, E: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """`tokens` tokens whose slots cycle through every expert (prefill: each expert gets rows)."""
+    rng = np.random.default_rng(seed)
+    slots = (np.arange(tokens * TOP_K) * 7 + seed) % E
+    return {"x": rng.standard_normal((tokens, H), dtype=np.float32),
+            "routing": np.full((tokens, TOP_K), 1 / TOP_K, np.float32),
+            "indices": slots.reshape(tokens, TOP_K).astype(np.int64)}
+
+
+def child(path: str, threads: int, runs: list[int]) -> dict:
+    """Creates a session on `path` and runs it on each token count in `runs` (a plain model: once)."""
+    import onnxruntime as ort
+
+    import moe_onnx
+    from moe_onnx._ir import model_files  # noqa: F401  (imported here: its import is not the session's time)
+    report = {"start": status_mb()}
+    t0 = time.perf_counter()
+    opts = session_options(threads)
+    plain = path.endswith(".plain.onnx")
+    sess = (ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]) if plain
+            else moe_onnx.session(path, backend="cpp", sess_options=opts))
+    report["create_s"] = round(time.perf_counter() - t0, 3)
+    report["created"] = status_mb()
+    if plain:
+        t0 = time.perf_counter()
+        sess.run(None, {"expert": np.array(0, np.int64)})
+        report["run"] = {"s": round(time.perf_counter() - t0, 4), **status_mb()}
+        return report
+    shape = {i.name: i.shape for i in sess.get_inputs()}
+    H = shape["x"][1]
+    E = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
+    for n, tokens in enumerate(runs):
+        f = feeds(H, E, tokens, seed=n)
+        t0 = time.perf_counter()
+        sess.run(None, f)
+        report[f"run{n}_T{tokens}"] = {"s": round(time.perf_counter() - t0, 4), **status_mb()}
+    return report
+
+
+def measure(models: list[str], threads: int, runs: list[int]) -> None:
+    for path in models:
+        for p in (path, path.replace(".onnx", ".plain.onnx")):
+            cmd = [sys.executable, __file__, "child", p, "--threads", str(threads), "--runs", *map(str, runs)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                print(f"{p}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+                continue
+            print(f"{Path(p).name}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--format", choices=("fp32", "int4"), default="fp32")
+    b.add_argument("--experts", type=int, default=128)
+    b.add_argument("--hidden", type=int, default=2048)
+    b.add_argument("--inter", type=int, default=768)
+    b.add_argument("--layers", type=int, default=2)
+    b.add_argument("--inline", action="store_true")
+    for name in ("measure", "child"):
+        m = sub.add_parser(name)
+        m.add_argument("models", nargs="+")
+        m.add_argument("--threads", type=int, default=2)
+        m.add_argument("--runs", type=int, nargs="+", default=[1, 1, 512, 512])
+    args = parser.parse_args()
+    if args.command == "build":
+        for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline):
+            print(p)
+    elif args.command == "measure":
+        measure(args.models, args.threads, args.runs)
+    else:
+        print(json.dumps(child(args.models[0], args.threads, args.runs)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Initializer weights packed on first use (packed_weights.h, ConstantExperts): each expert is packed by
+the first run that routes rows to it, in every weight format, with the bits of per-run packing whatever
+experts earlier runs packed and whatever the thread count; creating a session packs nothing, and the
+weights of an external-data model are resident once (the pages onnxruntime mapped are reclaimed as
+their experts are packed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from backends import options
+from cases import Case
+from cases import moe as moe_cases
+from cases import qmoe as qmoe_cases
+from cases import row_parallel_linear as linear_cases
+from cases.moe import BF16, GEMM2, GEMM2_ACT, GEMM3
+from onnx import TensorProto, helper
+
+import moe_onnx
+from moe_onnx.runtime import run
+
+
+def _moe(name, expert_type, dtype, **attrs):
+    inputs = moe_cases.make_inputs(tokens=9, hidden=40, inter=24, experts=5, k=2, expert_type=expert_type, dtype=dtype,
+                                   seed=len(name))
+    attrs = {"expert_type": expert_type, **attrs}
+    if expert_type == GEMM2:
+        attrs.setdefault("expert_beta", 7.0)
+    if expert_type == GEMM2_ACT:
+        attrs["activation"] = "silu"
+    return Case("MOE", name, inputs, attrs, constant=moe_cases.WEIGHTS)
+
+
+def _qmoe(name, expert_type, **kw):
+    quant = {key: kw[key] for key in ("bits", "block_size", "quant_type") if key in kw}
+    inputs = qmoe_cases.make_inputs(tokens=9, hidden=64, inter=32, experts=5, k=2, expert_type=expert_type,
+                                    seed=len(name), **kw)
+    attrs = {"expert_type": expert_type, **quant}
+    if expert_type == GEMM2:
+        attrs["expert_beta"] = 7.0
+    if expert_type == GEMM2_ACT:
+        attrs["activation"] = "silu"
+    return Case("QMOE", name, inputs, attrs, constant=qmoe_cases.CONSTANT)
+
+
+def _linear(name, dtype, **attrs):
+    inputs = linear_cases.make_inputs(offsets=(0, 3, 3, 8, 11), lead=(11,), k=37, n=21, dtype=dtype, seed=len(name))
+    return Case("MoeRowParallelLinear", name, inputs, attrs, constant=(linear_cases.W, linear_cases.B))
+
+
+# One case per weight format (packed_weights.h's WeightFormat) and way of filling its panels: float
+# panels (gate/up from two sources, interleaved gate/up columns, plain [K, N] columns), bf16 pair panels
+# (accuracy_level 3: where the CPU has no bf16 GEMM, level 0's panels), int8 pairs or quads, quantized
+# panels (int4/int8, per column or block-wise, zero points, E2M1).
+CASES = [
+    _moe("moe_f32_gemm3", GEMM3, np.float32),
+    _moe("moe_f16_gemm2_parity1", GEMM2, np.float16, gate_parity=1),
+    _moe("moe_bf16_gemm2_act", GEMM2_ACT, BF16),
+    _moe("moe_f32_gemm2_level3", GEMM2, np.float32, accuracy_level=3),
+    _moe("moe_f16_gemm3_level3", GEMM3, np.float16, accuracy_level=3),
+    _qmoe("qmoe_int4_block16_zp_gemm3", GEMM3, bits=4, block_size=16, zero_points=True),
+    _qmoe("qmoe_int8_per_column_zp_gemm2", GEMM2, bits=8, zero_points=True),
+    _qmoe("qmoe_mxfp4_gemm2_act", GEMM2_ACT, bits=4, block_size=32, quant_type="mxfp4"),
+    _linear("linear_int8", np.int8),
+    _linear("linear_bf16", BF16),
+    _linear("linear_f32_level3", np.float32, accuracy_level=3),
+]
+
+
+def _one_expert_feeds(case: Case) -> dict[str, np.ndarray]:
+    """The case's runtime inputs with every row routed to expert 1 (a run that packs only it)."""
+    feeds = case.feeds()
+    if case.op == "MoeRowParallelLinear":
+        offsets = feeds["expert_offset"]
+        feeds["expert_offset"] = np.array([0, 0] + [offsets[-1]] * (len(offsets) - 2), np.int64)
+    else:
+        feeds["router_topk_output_indices"] = np.ones_like(feeds["router_topk_output_indices"])
+    return feeds
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_first_use_packing_gives_per_run_bits(case):
+    """Whatever experts earlier runs packed (none, or only expert 1) and on 1, 2 or 3 threads, a run on
+    initializer weights gives the bits of the same node packing its weights per run."""
+    per_run = dataclasses.replace(case, constant=())
+    expected = run(moe_onnx.session(per_run.model().SerializeToString(), sess_options=options(2)), per_run.feeds())
+    model = case.model().SerializeToString()
+    for threads in (1, 2, 3):
+        for first in ("all", "one expert"):
+            sess = moe_onnx.session(model, sess_options=options(threads))
+            if first == "one expert":
+                run(sess, _one_expert_feeds(case))
+            for _ in range(2):  # packing, then packed
+                got = run(sess, case.feeds())
+                for g, e in zip(got, expected):
+                    np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8), err_msg=f"{threads} {first}")
+
+
+# Resident memory of a child process, in MB (/proc/self/status): before and after creating a session on
+# an external-data MOE model, after a run that routes rows to one expert and after one that routes
+# rows to every expert.
+_MEMORY_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import moe_onnx
+    from moe_onnx._ir import model_files
+
+    def status():
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "RssAnon", "RssFile")}
+
+    path, E, H = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    x = np.random.default_rng(0).standard_normal((4 * E, H), dtype=np.float32)
+    routing = np.full((4 * E, 2), 0.5, np.float32)
+    out = {"start": status()}
+    sess = moe_onnx.session(path)
+    out["created"] = status()
+    sess.run(None, {"x": x, "routing": routing, "indices": np.ones((4 * E, 2), np.int64)})
+    out["one expert"] = status()
+    sess.run(None, {"x": x, "routing": routing, "indices": (np.arange(8 * E) % E).reshape(4 * E, 2)})
+    out["every expert"] = status()
+    print(json.dumps(out))
+""")
+
+
+def _external_data_moe(tmp_path, E: int, H: int, I: int) -> tuple[str, float]:
+    """A GEMM3_SWIGLU MOE model with float32 weights in an external data file; its path and weight MB."""
+    rng = np.random.default_rng(0)
+    inits = []
+    with open(tmp_path / "moe.data", "wb") as data:
+        for name, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+            data.write(b"\0" * (-data.tell() % 4096))
+            offset = data.tell()
+            data.write((rng.standard_normal(shape, dtype=np.float32) * 0.05).tobytes())
+            t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
+            length = data.tell() - offset
+            for key, value in (("location", "moe.data"), ("offset", str(offset)), ("length", str(length))):
+                t.external_data.add(key=key, value=value)
+            inits.append(t)
+    node = helper.make_node("MOE", ["x", "routing", "indices", "gate", "", "up", "", "down"], ["y"],
+                            domain=moe_onnx.DOMAIN, expert_type=GEMM3)
+    graph = helper.make_graph(
+        [node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H]),
+                        helper.make_tensor_value_info("routing", TensorProto.FLOAT, ["T", 2]),
+                        helper.make_tensor_value_info("indices", TensorProto.INT64, ["T", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(moe_onnx.DOMAIN, moe_onnx.OPSET_VERSION)],
+                              ir_version=10)
+    (tmp_path / "moe.onnx").write_bytes(model.SerializeToString())
+    return str(tmp_path / "moe.onnx"), 3 * E * I * H * 4 / 2**20
+
+
+def test_external_data_weights_are_resident_once(tmp_path):
+    """Creating the session packs nothing; a run packs the experts it uses; after every expert is packed,
+    the process holds the weights once (packed, anonymous; onnxruntime's file pages reclaimed): within
+    1.15x the weights plus the run's buffers."""
+    E, H, I = 8, 1024, 1024
+    path, weight_mb = _external_data_moe(tmp_path, E, H, I)
+    child = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, path, str(E), str(H)], capture_output=True,
+                           text=True, check=True)
+    rss = json.loads(child.stdout)
+    grown = {stage: {key: value - rss["start"][key] for key, value in figures.items()}
+             for stage, figures in rss.items()}
+    code = 16  # MB: onnxruntime's and our libraries' pages first touched by a session and a run
+    assert grown["created"]["RssAnon"] < 0.05 * weight_mb, grown
+    assert grown["created"]["VmRSS"] < 0.05 * weight_mb + code, grown
+    one_expert = weight_mb / E
+    assert 0.9 * one_expert < grown["one expert"]["RssAnon"] < 1.15 * one_expert + code, grown
+    activations = 4 * E * 2 * (H + 2 * I) * 4 / 2**20  # the run's rows, activations and outputs
+    assert grown["every expert"]["VmRSS"] < 1.15 * weight_mb + activations + code, grown
+    assert grown["every expert"]["RssFile"] < 0.05 * weight_mb + code, grown
