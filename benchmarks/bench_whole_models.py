@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 import moe_onnx  # noqa: E402
+from moe_onnx.export.families import FAMILIES as EXPORT_FAMILIES  # noqa: E402
+from moe_onnx.export.families import REFUSED  # noqa: E402
 from _timing import Timer, runner, session_options  # noqa: E402
 from moe_export.fixtures import whole_feeds  # noqa: E402 (no torch in there)
 
@@ -174,7 +176,18 @@ def _survey_export(row: Row, record: dict, directory: Path, threads: int, rounds
 
 
 HEADER = ["family", "transformers", "exporter", "MoE layers", "fused moe", "fused grouped",
-          "original vs torch", "fused vs torch", "speed-up", "why not fused / notes"]  # fmt: skip
+          "original vs torch", "fused vs torch", "speed-up", "KV cache", "why not fused / notes"]  # fmt: skip
+
+
+def kv_cache(row: Row) -> str:
+    """Whether `moe-onnx export` (transformers 5.23, dynamo) exports the family with a KV cache, or why not."""
+    if not (row.transformers.startswith("5") and row.exporter == "dynamo"):
+        return "-"
+    if row.family in EXPORT_FAMILIES:
+        return "yes"
+    if row.family in REFUSED:
+        return f"no: {REFUSED[row.family]}"
+    return "no: the export fails" if row.moe_layers is None else "no: not fused"
 
 
 def cells(row: Row) -> list[str]:
@@ -188,7 +201,7 @@ def cells(row: Row) -> list[str]:
     return [
         row.family, row.transformers, row.exporter, "-" if row.moe_layers is None else str(row.moe_layers),
         str(row.fused.get("moe", "-")), str(row.fused.get("grouped", "-")), diff(row.original_diff), verdict,
-        "-" if row.speedup is None else f"{row.speedup:.2f}x", "; ".join(row.notes + row.near_misses),
+        "-" if row.speedup is None else f"{row.speedup:.2f}x", kv_cache(row), "; ".join(row.notes + row.near_misses),
     ]  # fmt: skip
 
 

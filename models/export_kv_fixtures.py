@@ -16,55 +16,41 @@ import argparse
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
 from export_genai_fixtures import save_tokenizer
+from moe_export import whole
 
+from moe_onnx.export import FAMILIES as EXPORT_FAMILIES
 from moe_onnx.export import export_checkpoint
 from moe_onnx.pipeline import GENAI_CONFIG
 
 NEW_TOKENS = 32
 PROMPT_IDS = [[1, 17, 42, 5, 88, 23, 61]]  # <s> and six words
 VOCAB_SIZE = 96  # save_tokenizer's vocabulary
-_SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, tie_word_embeddings=False)
-
-
-def qwen3_moe_model() -> transformers.PreTrainedModel:
-    config = transformers.Qwen3MoeConfig(**_SMALL, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
-                                         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                                         mlp_only_layers=[])
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def mixtral_model() -> transformers.PreTrainedModel:
-    config = transformers.MixtralConfig(**_SMALL, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
-    return transformers.MixtralForCausalLM(config)
-
-
-def gpt_oss_model() -> transformers.PreTrainedModel:
-    config = transformers.GptOssConfig(**_SMALL, intermediate_size=24, layer_types=["sliding_attention",
-                                       "full_attention"], sliding_window=4, num_local_experts=4,
-                                       num_experts_per_tok=2)
-    return transformers.GptOssForCausalLM(config)
-
-
-FAMILIES: dict[str, Callable[[], transformers.PreTrainedModel]] = {
-    "qwen3_moe": qwen3_moe_model,
-    "mixtral": mixtral_model,
-    "gpt_oss": gpt_oss_model,
+# the fixtures' changes to moe_export.whole's tiny configs (whose cache-less exports docs/whole_models.md surveys)
+_CACHE_CONFIG = dict(vocab_size=VOCAB_SIZE, use_cache=True)
+_FAMILY_CONFIG = {
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+    # attention layers only: moe-onnx export refuses the Mamba and convolution layers of these hybrids
+    "granitemoehybrid": dict(layer_types=["attention", "attention"], shared_intermediate_size=24),
+    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"]),
 }
+
+
+def tiny_model(family: str) -> transformers.PreTrainedModel:
+    """The family's tiny causal LM (moe_export.whole's config with the tokenizer's vocabulary and a cache)."""
+    config = whole.tiny_config(family, _CACHE_CONFIG | _FAMILY_CONFIG.get(family, {}))
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def save_checkpoint(family: str, directory: Path, seed: int = 0) -> None:
     """The family's tiny model with seeded random weights (float32) and the word-level tokenizer."""
     torch.manual_seed(seed)
-    model = FAMILIES[family]()
+    model = tiny_model(family)
     with torch.no_grad():  # random norms too: the default init leaves them at one
         for name, parameter in model.named_parameters():
             parameter.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(parameter))
@@ -76,7 +62,6 @@ def reference(checkpoint: Path, family: str) -> dict[str, np.ndarray]:
     """transformers' greedy generation of NEW_TOKENS tokens after PROMPT_IDS (no stop at the end token),
     with the model as moe-onnx export loads it."""
     from moe_onnx.export import _torch
-    from moe_onnx.export.families import FAMILIES as EXPORT_FAMILIES
 
     model = _torch.load_model(checkpoint, EXPORT_FAMILIES[family], "fp32")
     prompt = torch.tensor(PROMPT_IDS)
@@ -93,9 +78,9 @@ def reference(checkpoint: Path, family: str) -> dict[str, np.ndarray]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "fixtures" / "kv")
-    parser.add_argument("--family", choices=FAMILIES, action="append", help="default: every family")
+    parser.add_argument("--family", choices=EXPORT_FAMILIES, action="append", help="default: every family")
     args = parser.parse_args()
-    for family in args.family or FAMILIES:
+    for family in args.family or EXPORT_FAMILIES:
         out = args.out_dir / family
         with tempfile.TemporaryDirectory() as work:
             checkpoint = Path(work) / family

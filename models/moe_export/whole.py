@@ -243,14 +243,16 @@ def _flat_keys(config: dict) -> set[str]:
     return keys
 
 
-def tiny_config(family: str):
-    """The family's config: GENERIC_CONFIG keys that its default config has, then the family's overrides."""
+def tiny_config(family: str, changes: dict | None = None):
+    """The family's config: GENERIC_CONFIG keys that its default config has, then the family's overrides, then
+    ``changes``."""
     from transformers import AutoConfig
 
     recipe = FAMILIES[family]
     defaults = AutoConfig.for_model(recipe.model_type).to_dict()
     kwargs = {key: value for key, value in GENERIC_CONFIG.items() if key in defaults}
     kwargs.update(recipe.overrides)
+    kwargs.update(changes or {})
     config = AutoConfig.for_model(recipe.model_type, **kwargs)
     config._attn_implementation = "eager"
     return config

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .._ir import model_files
 from ..pipeline import GENAI_CONFIG, OptimizeResult, optimize_file
-from .families import FAMILIES, ExportFamily
+from .families import FAMILIES, REFUSED, ExportFamily
 from .genai_config import genai_config
 
 __all__ = ["DTYPES", "FAMILIES", "DECODER", "ExportError", "ExportFailure", "ExportResult", "export_checkpoint"]
@@ -32,8 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class ExportError(ValueError):
-    """A checkpoint or setting ``moe-onnx export`` refuses (exit 2): a family it does not know, an unknown
-    dtype, torch or transformers missing."""
+    """A checkpoint or setting ``moe-onnx export`` refuses (exit 2): a family it does not know or does not export
+    with a KV cache, a cache of other state than keys and values, an unknown dtype, torch or transformers missing."""
 
 
 class ExportFailure(RuntimeError):
@@ -70,7 +70,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     is false the decoder is fused by :func:`moe_onnx.pipeline.optimize_file`, which also copies our C++ library
     into the folder and names it in genai_config.json (onnxruntime-genai loads it from there).
 
-    Raises ExportError for a family :data:`FAMILIES` lacks, an unknown dtype or torch/transformers missing;
+    Raises ExportError for a family :data:`FAMILIES` lacks (with the reason for those :data:`REFUSED` names), a
+    checkpoint whose layers cache other state than keys and values, an unknown dtype or torch/transformers missing;
     ModelFileError when the checkpoint's config cannot be read or ``out_dir`` cannot be written;
     OutputPathError when ``out_dir`` is not a folder.
     """
@@ -80,6 +81,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     config = _read_json(checkpoint / "config.json")
     family = FAMILIES.get(config.get("model_type"))
+    if config.get("model_type") in REFUSED:
+        raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
+                          f"{REFUSED[config['model_type']]}")
     if family is None:
         raise ExportError(f"{checkpoint}: model_type {config.get('model_type')!r} is not a family moe-onnx export "
                           f"knows (it knows {', '.join(sorted(FAMILIES))})")
@@ -92,13 +96,15 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         stage = Path(staging) if optimize else out
         say(f"loading {checkpoint} ({dtype})")
         model = _attempt(f"transformers cannot load {checkpoint}", _torch.load_model, checkpoint, family, dtype)
+        _torch.refuse_states(model)
         say("exporting the decoder with its KV cache (dynamo exporter)")
-        _attempt(f"torch.onnx cannot export {checkpoint}", _torch.export_decoder, model, stage / DECODER)
+        cache = _attempt(f"torch.onnx cannot export {checkpoint}", _torch.export_decoder, model, stage / DECODER)
         del model
         gc.collect()
         generation = _read_json(checkpoint / "generation_config.json") if (
             checkpoint / "generation_config.json").is_file() else {}
-        _write_folder_files(checkpoint, stage, genai_config(config, generation, family.genai_type, DECODER))
+        config_json = genai_config(config, generation, family.genai_type, DECODER, cache)
+        _write_folder_files(checkpoint, stage, config_json)
         optimized = None
         if optimize:
             say("optimizing")

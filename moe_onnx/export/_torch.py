@@ -10,9 +10,11 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 import transformers
+from transformers.cache_utils import DummyLayer, DynamicLayer
 
+from . import ExportError
 from .families import ExportFamily
-from .genai_config import INPUT_NAMES, OUTPUT_NAMES
+from .genai_config import INPUT_NAMES, OUTPUT_NAMES, CacheShape
 
 OPSET = 18
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -29,56 +31,103 @@ def load_model(checkpoint: Path, family: ExportFamily, dtype: str) -> transforme
     return model.eval()
 
 
-class FlatCacheDecoder(torch.nn.Module):
-    """A causal LM as a function of flat tensors: (input_ids, attention_mask, position_ids, past key 0,
-    past value 0, past key 1, ...) -> (logits, present key 0, present value 0, ...), each past and present
-    [batch, kv heads, length, head size]; the presents are the pasts with this step's keys and values appended."""
+def refuse_states(model: transformers.PreTrainedModel) -> None:
+    """ExportError when a layer caches anything but keys and values (transformers' cache layer types: a Mamba,
+    convolution or linear-attention state, the indexer keys of sparse attention): the decoder's inputs and
+    genai_config.json name keys and values only. Layers that cache nothing (a MoE-only layer) are fine."""
+    cache = transformers.DynamicCache(config=model.config)
+    kinds = {type(layer).__name__ for layer in cache.layers} - {"DynamicLayer", "DynamicSlidingWindowLayer",
+                                                                 "DummyLayer"}
+    if kinds:
+        raise ExportError(f"{model.config.model_type}: its cache holds {', '.join(sorted(kinds))} layers (state "
+                          f"other than keys and values, layer_types {getattr(model.config, 'layer_types', None)}); "
+                          f"moe-onnx export writes a decoder with a KV cache only")
 
-    def __init__(self, model: transformers.PreTrainedModel):
+
+class FlatCacheDecoder(torch.nn.Module):
+    """A causal LM as a function of flat tensors: (input_ids, attention_mask, position_ids, past key, past value,
+    ... of each layer in ``cache_layers``) -> (logits, present key, present value, ...), each past and present
+    [batch, kv heads, length, key or value head size]; the presents are the pasts with this step's keys and values
+    appended. Layers without attention (a decoder layer that is only a MoE block) hold no cache and are left out."""
+
+    def __init__(self, model: transformers.PreTrainedModel, cache_class: type[transformers.DynamicCache],
+                 cache_layers: list[int]):
         super().__init__()
         self.model = model
+        self.cache_class = cache_class
+        self.cache_layers = cache_layers
 
     def forward(self, input_ids, attention_mask, position_ids, past):
-        cache = transformers.DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2], strict=True)))
+        cache = empty_cache(self.model, self.cache_class)
+        for layer, key, value in zip(self.cache_layers, past[0::2], past[1::2], strict=True):
+            cache.layers[layer].update(key, value)
         output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=cache, use_cache=True)
         presents = []
-        for layer in output.past_key_values.layers:
-            presents += [layer.keys, layer.values]
+        for layer in self.cache_layers:
+            presents += [output.past_key_values.layers[layer].keys, output.past_key_values.layers[layer].values]
         return (output.logits, *presents)
 
 
-def io_names(layers: int) -> tuple[list[str], list[str]]:
+def io_names(cache_layers: list[int]) -> tuple[list[str], list[str]]:
     """The decoder's input and output names (genai_config.json's, layer by layer)."""
     inputs = [INPUT_NAMES["input_ids"], INPUT_NAMES["attention_mask"], INPUT_NAMES["position_ids"]]
     outputs = [OUTPUT_NAMES["logits"]]
-    for layer in range(layers):
+    for layer in cache_layers:
         inputs += [INPUT_NAMES["past_key_names"] % layer, INPUT_NAMES["past_value_names"] % layer]
         outputs += [OUTPUT_NAMES["present_key_names"] % layer, OUTPUT_NAMES["present_value_names"] % layer]
     return inputs, outputs
 
 
-def trace_inputs(config, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Example inputs of the trace: a batch of 2, 3 new tokens after 5 cached ones."""
+def cache_class(model: transformers.PreTrainedModel) -> type[transformers.DynamicCache]:
+    """The cache class ``model`` makes for itself: DynamicCache, or a subclass of it that the family insists on
+    (MiniMax's, for its linear-attention states)."""
+    with torch.no_grad():
+        output = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    return type(output.past_key_values)
+
+
+def empty_cache(model: transformers.PreTrainedModel, cache_class: type[transformers.DynamicCache]
+                ) -> transformers.DynamicCache:
+    """An empty ``cache_class`` with a layer per decoder layer: transformers' DummyLayer where the layer caches
+    nothing (a MoE-only layer), else a full DynamicLayer (a sliding window is masked, never cut from the cache)."""
+    cache = cache_class()
+    cache.layers = [DummyLayer() if isinstance(layer, DummyLayer) else DynamicLayer()
+                    for layer in transformers.DynamicCache(config=model.config).layers]
+    return cache
+
+
+def trace_inputs(model: transformers.PreTrainedModel, cache_class: type[transformers.DynamicCache]
+                 ) -> tuple[tuple[torch.Tensor, ...], list[CacheShape]]:
+    """Example inputs of the trace (a batch of 2, 3 new tokens after 5 cached ones) and the cache's shape per
+    layer. The cache is the model's own, of a 5-token prefill into :func:`empty_cache`: so its layers, kv
+    heads and key and value sizes are the family's, whatever its attention (multi-head latent attention's keys
+    are wider than its values, sliding-window layers may have other heads)."""
     generator = torch.Generator().manual_seed(0)
     batch, sequence, past = _TRACE_BATCH, _TRACE_SEQUENCE, _TRACE_PAST
-    input_ids = torch.randint(0, config.vocab_size, (batch, sequence), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch, past + sequence), generator=generator)
+    positions = torch.arange(past + sequence).expand(batch, past + sequence)
+    with torch.no_grad():
+        prefill = model(input_ids=input_ids[:, :past], attention_mask=torch.ones(batch, past, dtype=torch.int64),
+                        position_ids=positions[:, :past], past_key_values=empty_cache(model, cache_class),
+                        use_cache=True)
+    cache, shapes = [], []
+    for layer, entry in enumerate(prefill.past_key_values.layers):
+        if not isinstance(entry, DummyLayer):
+            cache += [entry.keys, entry.values]
+            shapes.append(CacheShape(layer, entry.keys.shape[1], entry.keys.shape[3]))
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
-    position_ids = torch.arange(past, past + sequence).expand(batch, sequence)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = [torch.randn(batch, kv_heads, past, head, generator=generator).to(dtype)
-             for _ in range(2 * config.num_hidden_layers)]
-    return input_ids, attention_mask, position_ids, tuple(cache)
+    return (input_ids[:, past:], attention_mask, positions[:, past:], tuple(cache)), shapes
 
 
-def export_decoder(model: transformers.PreTrainedModel, path: Path) -> None:
+def export_decoder(model: transformers.PreTrainedModel, path: Path) -> list[CacheShape]:
     """Export ``model``'s decoder with a flat KV cache through the dynamo exporter to ``path`` (its weights in
-    ``path``.data), with dynamic batch_size, sequence_length, past_sequence_length and total_sequence_length."""
-    config = model.config
-    decoder = FlatCacheDecoder(model).eval()
-    inputs = trace_inputs(config, model.dtype)
-    input_names, output_names = io_names(config.num_hidden_layers)
+    ``path``.data), with dynamic batch_size, sequence_length, past_sequence_length and total_sequence_length.
+    Returns the cache's shape per layer that has one."""
+    cache_type = cache_class(model)
+    inputs, cache_shapes = trace_inputs(model, cache_type)
+    decoder = FlatCacheDecoder(model, cache_type, [shape.layer for shape in cache_shapes]).eval()
+    input_names, output_names = io_names(decoder.cache_layers)
     dynamic = torch.export.Dim.DYNAMIC  # torch.export relates the dims itself (total = past + sequence)
     pair, cache = {0: dynamic, 1: dynamic}, {0: dynamic, 2: dynamic}
     shapes = (pair, pair, pair, (cache,) * len(inputs[3]))
@@ -88,6 +137,7 @@ def export_decoder(model: transformers.PreTrainedModel, path: Path) -> None:
                                     output_names=output_names, dynamic_shapes=shapes, verbose=False)
     _tidy(program.model, _dim_names(input_names, output_names))
     program.save(str(path), external_data=True)
+    return cache_shapes
 
 
 def _dim_names(input_names: list[str], output_names: list[str]) -> dict[str, dict[int, str]]:
