@@ -79,12 +79,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "fixtures" / "kv")
     parser.add_argument("--family", choices=EXPORT_FAMILIES, action="append", help="default: every family")
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="also keep each tiny checkpoint there, as <dir>/<family> (models/fixtures/checkpoints "
+                             "holds qwen3_moe's: the README's quick start exports it)")
     args = parser.parse_args()
     for family in args.family or EXPORT_FAMILIES:
         out = args.out_dir / family
         with tempfile.TemporaryDirectory() as work:
             checkpoint = Path(work) / family
             save_checkpoint(family, checkpoint)
+            if args.checkpoint_dir:
+                shutil.copytree(checkpoint, args.checkpoint_dir / family, dirs_exist_ok=True)
             if out.exists():
                 shutil.rmtree(out)
             result = export_checkpoint(checkpoint, out)

@@ -23,6 +23,7 @@ from moe_onnx.pipeline import write_genai_folder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "kv"
 FAMILIES = sorted(folder.name for folder in FIXTURES.iterdir())
+CHECKPOINTS = FIXTURES.parent / "checkpoints"  # qwen3_moe's tiny checkpoint, which the README's quick start exports
 TOLERANCE = 1e-4  # max |logits - torch's| at every step (fp32)
 
 
@@ -245,17 +246,29 @@ def _moe_ops(path: Path) -> list[str]:
     return sorted(node.op_type for node in onnx.load(path, load_external_data=False).graph.node if node.domain)
 
 
+def test_committed_checkpoint_is_the_fixtures():
+    """The quick start's checkpoint is the one the qwen3_moe fixture was exported from: its config and tokenizer
+    are the fixture's (the slow export test below checks its weights give the fixture's tokens)."""
+    checkpoint = CHECKPOINTS / "qwen3_moe"
+    assert json.loads((checkpoint / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert (checkpoint / "tokenizer.json").read_bytes() == (FIXTURES / "qwen3_moe" / "tokenizer.json").read_bytes()
+    assert (checkpoint / "model.safetensors").stat().st_size < 200_000
+
+
 @pytest.mark.slow
 @_NEEDS_TORCH
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "nemotron_h"])
 def test_export_from_checkpoint(family, tmp_path):
-    """Where torch is installed: `moe-onnx export` of the fixture's checkpoint (remade by the fixture script)
-    writes a folder fused as the committed one that generates the committed torch tokens: a plain cache, DeepSeek's
-    latent attention (keys wider than values) and a layer without attention (Nemotron-H's MoE layer)."""
+    """Where torch is installed: `moe-onnx export` of the fixture's checkpoint (qwen3_moe's as committed for the
+    README's quick start, the others remade by the fixture script) writes a folder fused as the committed one that
+    generates the committed torch tokens: a plain cache, DeepSeek's latent attention (keys wider than values) and a
+    layer without attention (Nemotron-H's MoE layer)."""
     import export_kv_fixtures
 
-    checkpoint = tmp_path / "checkpoint"
-    export_kv_fixtures.save_checkpoint(family, checkpoint)
+    checkpoint = CHECKPOINTS / family
+    if not checkpoint.is_dir():
+        checkpoint = tmp_path / "checkpoint"
+        export_kv_fixtures.save_checkpoint(family, checkpoint)
     out = tmp_path / "out"
     assert cli(["export", str(checkpoint), "-o", str(out)]) == 0
     config = _config(out)
