@@ -7,8 +7,8 @@ MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as
 checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
 requantization, no error. The quantized initializers are computed while the model is written, one
 expert at a time, like the rewriter's (``_ir/weights.py``). :func:`measure_error` runs the fp32
-and the quantized model on the same random inputs and reports the error of every output and of
-every quantized layer's output.
+and the quantized model on the same random inputs, one session after the other, and reports the error of every
+output and of every quantized layer's output.
 
 The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onnx/ops/qmoe.py``.
 """
@@ -730,22 +730,25 @@ def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, li
     (values of the symbolic input dims, in order; drawn by :class:`moe_onnx.verify.InputDrawer`: a model with a
     cache runs each size as a prompt and as the next token) on ``backend``: the error of every floating-point
     graph output, of each of ``layers``' and ``linears``' outputs, and the tokens each layer routes to other
-    experts than the original, over all sizes."""
+    experts than the original, over all sizes. One session at a time: ``original`` runs on every input first
+    (its outputs kept) and is released before ``quantized`` is loaded, so the peak memory is the larger model's."""
     proto = _proto_without_data(original)
     graph_outputs = [o.name for o in proto.graph.output]
     extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
     extra += [linear.output for linear in linears]
-    with _with_outputs(original, extra) as original_model, _with_outputs(quantized, extra) as quantized_model:
+    names = list(dict.fromkeys(graph_outputs + extra))
+    with _with_outputs(original, extra) as original_model:
         reference_sess = session(original_model, backend=backend)
-        quantized_sess = session(quantized_model, backend=backend)
         drawer = InputDrawer.of(reference_sess, proto)
-        names = list(dict.fromkeys(graph_outputs + extra))
-        errors = {name: _Error(name) for name in names}
         runs = [dims for size in sizes for dims in drawer.runs(size)]
-        for index, dims in enumerate(runs):
-            feeds = drawer.feeds(dims, seed=seed + index)
-            expected = dict(zip(names, reference_sess.run(names, feeds)))
-            got = dict(zip(names, quantized_sess.run(names, feeds)))
+        feeds = [drawer.feeds(dims, seed=seed + index) for index, dims in enumerate(runs)]
+        references = [dict(zip(names, reference_sess.run(names, run_feeds))) for run_feeds in feeds]
+        del reference_sess  # one session at a time: the unquantized weights are freed before the quantized load
+    errors = {name: _Error(name) for name in names}
+    with _with_outputs(quantized, extra) as quantized_model:
+        quantized_sess = session(quantized_model, backend=backend)
+        for run_feeds, expected in zip(feeds, references):
+            got = dict(zip(names, quantized_sess.run(names, run_feeds)))
             for name in names:
                 errors[name].add(expected[name], got[name])
             for layer in layers:

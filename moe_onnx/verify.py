@@ -1,7 +1,8 @@
 """Check that an optimized model computes what the original does, and time both.
 
 The original runs in plain onnxruntime, the optimized model in a moe_onnx session on the chosen
-backend, on the same random inputs at several (batch, sequence) sizes. An optimized model whose expert
+backend, on the same random inputs at several (batch, sequence) sizes, one session after the other (never both
+models' weights at once). An optimized model whose expert
 blocks compute with bfloat16 operands (``accuracy_level`` 3, ``moe-onnx optimize --compute bf16``) is
 judged against :data:`BF16_COMPUTE_TOLERANCE` per block instead of float32's tolerance.
 """
@@ -314,7 +315,11 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
     original fails on :data:`ATTEMPTS` different random inputs, the run is reported as not
     compared (a trace-bound export); a model that cannot be loaded, or an optimized model that
     fails where the original ran, is reported in the result, not raised. With ``time_it`` both
-    models are also timed at the largest size compared (median of ``repeat`` runs).
+    models are also timed at the largest size the original ran (median of ``repeat`` runs; not timed when the
+    optimized model fails there).
+
+    One session at a time: the original runs at every size (its outputs kept) and is released before the
+    optimized model's session is created, so the peak memory is the larger model's, not both.
 
     An output matches when every element is within ``tolerance + tolerance * |expected|`` (None: the
     :data:`PRECISION_TOLERANCE` of the original's :func:`model_precision`); when ``bf16_blocks`` of the
@@ -333,21 +338,27 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
     precision = model_precision(proto)
     tolerance = PRECISION_TOLERANCE[precision] if tolerance is None else tolerance
     try:
-        optimized_sess = session(optimized, backend=backend, sess_options=options)
-    except Exception as error:  # noqa: BLE001
-        return VerifyResult(backend, [], error=f"the optimized model cannot be loaded on the {backend} backend: "
-                                               f"{_first_line(error)}")
-    try:
         drawer = InputDrawer.of(original_sess, proto)
     except ValueError as error:
         return VerifyResult(backend, [], error=str(error))
     output_names = [o.name for o in original_sess.get_outputs()]
-    sliding = sliding_window_presents(proto)
     runs = [dims for size in sizes for dims in drawer.runs(size)]
-    results, ran = [], []
-    for index, dims in enumerate(runs):
-        seeds = [index + attempt * len(runs) for attempt in range(ATTEMPTS)]
-        feeds, expected, failure = _run_original(original_sess, drawer, dims, seeds)
+    seeds = [[index + attempt * len(runs) for attempt in range(ATTEMPTS)] for index in range(len(runs))]
+    originals = [_run_original(original_sess, drawer, dims, run_seeds) for dims, run_seeds in zip(runs, seeds)]
+    timed = max((index for index, (feeds, _, _) in enumerate(originals) if feeds is not None),
+                key=lambda index: math.prod(runs[index].get(d, 1) for d in drawer.size_dims), default=None)
+    original_ms = _median_ms(original_sess, originals[timed][0], repeat) if time_it and timed is not None else None
+    del original_sess  # one session at a time: the original's weights are freed before the optimized model loads
+    try:
+        optimized_sess = session(optimized, backend=backend, sess_options=options)
+    except Exception as error:  # noqa: BLE001
+        return VerifyResult(backend, [], error=f"the optimized model cannot be loaded on the {backend} backend: "
+                                               f"{_first_line(error)}")
+    sliding = sliding_window_presents(proto)
+    results = []
+    result = VerifyResult(backend, results, bf16_tolerance=bf16_tolerance(bf16_blocks), tolerance=tolerance,
+                          precision=precision)
+    for index, (dims, (feeds, expected, failure)) in enumerate(zip(runs, originals)):
         if expected is None:
             results.append(SizeResult(dims, note=f"the original model cannot run at this size ({ATTEMPTS} random "
                                                  f"inputs tried; a trace-bound export?): {failure}"))
@@ -357,18 +368,14 @@ def verify(original, optimized, *, backend: str = "cpp", sizes: Sequence[Sequenc
         except Exception as error:  # noqa: BLE001
             results.append(SizeResult(dims, ok=False, note=f"the optimized model failed: {_first_line(error)}"))
             continue
-        for index, name in enumerate(output_names):  # a sliding window's unwritten slots hold anything
-            if name in sliding and expected[index].ndim >= 2:
+        for position, name in enumerate(output_names):  # a sliding window's unwritten slots hold anything
+            if name in sliding and expected[position].ndim >= 2:
                 seen = drawer.tokens_seen(dims)
-                expected[index], got[index] = expected[index][..., :seen, :], got[index][..., :seen, :]
+                expected[position], got[position] = expected[position][..., :seen, :], got[position][..., :seen, :]
         results.append(_compare(dims, output_names, expected, got, tolerance, bf16_tolerance(bf16_blocks)))
-        ran.append((dims, feeds))
-    result = VerifyResult(backend, results, bf16_tolerance=bf16_tolerance(bf16_blocks), tolerance=tolerance,
-                          precision=precision)
-    if time_it and ran:
-        result.timed_sizes, feeds = max(ran, key=lambda run: math.prod(run[0].get(d, 1) for d in drawer.size_dims))
-        result.original_ms = _median_ms(original_sess, feeds, repeat)
-        result.optimized_ms = _median_ms(optimized_sess, feeds, repeat)
+        if index == timed and original_ms is not None:
+            result.timed_sizes, result.original_ms = dims, original_ms
+            result.optimized_ms = _median_ms(optimized_sess, feeds, repeat)
     return result
 
 

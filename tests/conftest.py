@@ -14,7 +14,8 @@ module imports another:
   process; ``ort_contrib_reference.py``: onnxruntime's contrib MoE/QMoE in numpy;
 * ``mpi/``: the drivers :func:`mpirun` launches.
 
-Fixtures: ``mpirun``; ``genai_optimized``, the onnxruntime-genai builder folders (models/fixtures/genai) optimized
+Fixtures: ``mpirun``; ``sessions_alive_at_creation`` (how many sessions made during a test were alive when each next
+one was created); ``genai_optimized``, the onnxruntime-genai builder folders (models/fixtures/genai) optimized
 once per run (test_genai_models.py, test_generate.py).
 
 Markers (pyproject.toml): ``slow`` (left out of the fast lane ``pytest -m "not slow"``), ``mpi``,
@@ -27,6 +28,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +65,24 @@ def mpirun() -> Callable[..., subprocess.CompletedProcess]:
                               capture_output=True, text=True, timeout=timeout)
 
     return launch
+
+
+@pytest.fixture
+def sessions_alive_at_creation(monkeypatch) -> list[int]:
+    """For each onnxruntime session created during the test (every ``onnxruntime.InferenceSession``, those of
+    ``moe_onnx.session`` included), in order: how many of those created before it were still alive (not yet
+    freed) at that moment. A tool that holds one session at a time gives all zeros."""
+    made: list[weakref.ref] = []
+    alive_at_creation: list[int] = []
+
+    class Tracked(ort.InferenceSession):
+        def __init__(self, *args, **kwargs):
+            alive_at_creation.append(sum(ref() is not None for ref in made))
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(ort, "InferenceSession", Tracked)
+    return alive_at_creation
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,17 @@ def test_optimize_verify_and_report(target, tmp_path, capsys):
     assert check_model(out) == []
 
 
+def test_verify_holds_one_session_at_a_time(tmp_path, sessions_alive_at_creation, capsys):
+    """--verify runs the original at every size and frees it before the optimized model loads: the peak is the
+    larger model's, not both (docs/cli.md); the verdict and the timings are still given."""
+    out = tmp_path / "out.onnx"
+    status = main(["optimize", str(FIXTURES / "qwen3_moe_batched_mm_tiny.onnx"), "-o", str(out), "--verify",
+                   "--sizes", "1x1,2x3"])
+    printed = capsys.readouterr().out
+    assert status == 0 and printed.count(" OK") == 2 and "speed-up" in printed, printed
+    assert sessions_alive_at_creation == [0, 0]  # the original's, then the optimized model's, the first freed
+
+
 def test_external_data_is_written_slice_by_slice(tmp_path, monkeypatch):
     """Lazy (transposed) weights streamed into external data give the same numbers."""
     monkeypatch.setattr(model_files, "EXTERNAL_DATA_THRESHOLD", 0)

@@ -292,6 +292,20 @@ def test_file_quantized_one_expert_at_a_time_with_external_data(tmp_path, monkey
     assert 0 < result.report.error.outputs[0].relative < CONFIGS["int4_block32_zp"][1]
 
 
+def test_error_measured_one_session_at_a_time(tmp_path, sessions_alive_at_creation):
+    """The unquantized model runs on every input and is freed before the quantized one loads: the peak is the
+    larger model's, not both (docs/cli.md); the error is the one both models give on the same inputs."""
+    name = FAMILY_FIXTURES["mixtral"]
+    source = tmp_path / "fused.onnx"
+    onnx.save(fused(name), source)
+    before = len(sessions_alive_at_creation)  # those of optimizing the fixture, when not cached yet
+    result = quantize_file(source, tmp_path / "q.onnx", QuantizeSettings(bits=8), backend=BACKEND, sizes=SIZES)
+    assert result.ok and sessions_alive_at_creation[before:] == [0, 0]  # the unquantized session, then the quantized
+    output = next(s for s in result.report.error.outputs if s.name == "output")
+    error, peak = max_errors(fused(name), onnx.load(tmp_path / "q.onnx"), name)
+    assert (output.max_abs, output.reference_max) == (error, peak) and 0 < output.relative < CONFIGS["int8_column"][1]
+
+
 def test_cli_quantize_prints_the_error_and_writes_the_report(tmp_path, capsys):
     source, out, report = tmp_path / "fused.onnx", tmp_path / "q.onnx", tmp_path / "report.json"
     onnx.save(fused(FAMILY_FIXTURES["olmoe"]), source)
