@@ -191,12 +191,13 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
   const ElemType type = y.type;
   const int64_t esize = static_cast<int64_t>(elem_size(type)), row_floats = H * static_cast<int64_t>(sizeof(float));
   const FloatType values = float_type(type);
-  // The arrival rows in float32; with TP, summed over the group into this rank's own block.
-  // The rows of this rank's own EP rank (without TP) stay here; MPI moves the others back.
+  // The arrival rows in float32, widened into the all-to-all-v's send buffer (with TP: into the arrival
+  // rows, then summed over the group into it); those of this rank's own EP rank (without TP) stay here.
   const OwnRows own = own_rows(r, a.send_counts, a.recv_counts);
   const WorkspacePool::Lease buffers = exchange_workspaces().lease();
-  const std::unique_ptr<comm::AllToAll> exchange = groups.ep->all_to_all_v(
-      sum(own.arrived) * row_floats, sum(own.sent) * row_floats, where.c_str(), "the expert outputs back to their tokens");
+  const std::unique_ptr<comm::AllToAll> exchange =
+      groups.ep->all_to_all_v(sum(own.arrived) * row_floats, sum(own.sent) * row_floats, where.c_str(),
+                              "the expert outputs back to their tokens");
   float* to_send = reinterpret_cast<float*>(exchange->send());
   float* own_rows_out = buffers->take<float>(own.rows * H, "the rows of this rank's own EP rank");
   float* arrival = r.tp_size > 1 ? buffers->take<float>(a.arrivals * H, "the arrival rows") : nullptr;

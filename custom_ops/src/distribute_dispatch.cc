@@ -107,7 +107,8 @@ Plan make_plan(const ExpertLayout& layout, int64_t capacity, const std::vector<i
   for (size_t b = 0; b < plan.block_sources.size(); ++b) {  // a source sends its rows by local expert
     const int64_t g = plan.block_sources[b];
     for (int64_t l = 0; l < L; ++l)
-      for (int64_t n = 0; n < plan.kept_of(g, p * L + l); ++n) plan.arrival_to_row.push_back(plan.first_row[l * W + g] + n);
+      for (int64_t n = 0; n < plan.kept_of(g, p * L + l); ++n)
+        plan.arrival_to_row.push_back(plan.first_row[l * W + g] + n);
   }
   return plan;
 }
