@@ -151,13 +151,17 @@ def test_tensor_parallel_kernels_match_one_process(ranks, tmp_path, mpirun):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_a_rank_that_never_comes_fails_the_collective_within_the_timeout(tmp_path, mpirun):
-    launch = mpirun(2, sys.executable, str(DRIVERS / "timeout_driver.py"), str(tmp_path), timeout=90,
+@pytest.mark.parametrize("node,collective", [
+    ("moe", "MOE node 'MOE_node': the all-reduce of the partial outputs over the TP group"),
+    ("combine", "MoeDistributeCombine node 'MoeDistributeCombine_node': the all-to-all-v of the expert outputs "
+                "back to their tokens over the EP group")])
+def test_a_rank_that_never_comes_fails_the_collective_within_the_timeout(node, collective, tmp_path, mpirun):
+    launch = mpirun(2, sys.executable, str(DRIVERS / "timeout_driver.py"), str(tmp_path), node, timeout=90,
                     MOE_ONNX_COMM_TIMEOUT_S="3")
     assert launch.returncode != 0  # rank 0 aborts the job
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["error"] is not None
     assert result["error"].endswith(
-        "MOE node 'MOE_node': the all-reduce of the partial outputs over the TP group (world ranks [0, 1]) did not "
-        "complete within 3 s (MOE_ONNX_COMM_TIMEOUT_S): a rank of the group failed or never reached it")
+        f"{collective} (world ranks [0, 1]) did not complete within 3 s (MOE_ONNX_COMM_TIMEOUT_S): a rank of the "
+        "group failed or never reached it")
     assert 3 <= result["seconds"] < 10

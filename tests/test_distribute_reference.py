@@ -193,6 +193,21 @@ def test_assist_info_layout_as_documented():
     assert a[3]["header"].tolist() == [2, 2, 4, 0, 1, 3, 3, 0] and a[3]["slot_to_send"].size == 0
 
 
+def test_rows_travel_by_expert_without_their_ids():
+    """A rank sends its rows by expert (destination EP rank, local expert, slot), so the receiver places them
+    from the counts alone: rank 0's slots (t0: e1, e0; t1: e0, e1) leave as e0 (slots 1, 2), e1 (0, 3)."""
+    ids = [np.array([[1, 0], [0, 1]]), np.array([[3, 0], [2, 1]])]
+    xs = [np.arange(2, dtype=np.float32)[:, None] + 10 * g + np.zeros((1, 3), np.float32) for g in range(2)]
+    out = dispatch_all_ranks(xs, ids, num_experts=4, ep_world_size=2)
+    a = [read_assist(info, 2, 1, 2, 2) for _, _, info in out]
+    assert a[0]["slot_to_send"].tolist() == [2, 0, 1, 3] and a[0]["send_counts"].tolist() == [4, 0]
+    assert a[1]["slot_to_send"].tolist() == [3, 0, 2, 1] and a[1]["send_counts"].tolist() == [2, 2]
+    # EP rank 0 gets rank 0's e0, e0, e1, e1 then rank 1's e0, e1: expand_x by (expert, rank, token)
+    assert a[0]["arrival_to_row"].tolist() == [0, 1, 3, 4, 2, 5]
+    np.testing.assert_array_equal(out[0][0][:, 0], [0, 1, 10, 0, 1, 11])
+    assert out[0][1].tolist() == [0, 3, 6]
+
+
 def test_assist_info_with_drops():
     """Capacity 1: each expert keeps its first slot over the world; rank 2's two slots are both dropped."""
     out = dispatch_all_ranks(LAYOUT_XS, LAYOUT_IDS, num_experts=4, expert_capacity=1, ep_world_size=2,

@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <climits>
@@ -21,6 +22,7 @@
 
 #include "comm_mpi_abi.h"
 #include "status.h"
+#include "workspace.h"
 
 namespace moe_onnx {
 namespace comm {
@@ -51,6 +53,27 @@ double timeout_seconds(const std::string& op) {
   return value;
 }
 
+// The all-to-all-v of a group of one rank: what it sends is what it receives, in one buffer.
+class SoloAllToAll : public AllToAll {
+ public:
+  SoloAllToAll(int64_t bytes, const char* op, const char* what) : lease_(pool().lease()), op_(op), what_(what) {
+    send_ = recv_ = lease_->take<char>(bytes, "an all-to-all-v's buffer");
+  }
+  void run(const int64_t* send_counts, const int64_t* recv_counts) override {
+    if (send_counts[0] != recv_counts[0])
+      throw_invalid(op_ + ": the all-to-all-v of " + what_ + " sends " + std::to_string(send_counts[0]) +
+                    " bytes to its own rank but receives " + std::to_string(recv_counts[0]));
+  }
+
+ private:
+  static WorkspacePool& pool() {
+    static auto* buffers = new WorkspacePool(2);  // never destroyed: a lease may end during exit
+    return *buffers;
+  }
+  WorkspacePool::Lease lease_;
+  std::string op_, what_;
+};
+
 // A group of one rank: every collective is a copy.
 class SoloGroup : public Group {
  public:
@@ -61,12 +84,9 @@ class SoloGroup : public Group {
   void all_gather(const int64_t* send, int64_t count, int64_t* recv, const char*, const char*) const override {
     copy(send, recv, count * static_cast<int64_t>(sizeof(int64_t)));
   }
-  void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
-                    const char* op, const char* what) const override {
-    if (send_counts[0] != recv_counts[0])
-      throw_invalid(std::string(op) + ": the all-to-all-v of " + what + " sends " + std::to_string(send_counts[0]) +
-                    " bytes to its own rank but receives " + std::to_string(recv_counts[0]));
-    copy(send, recv, send_counts[0]);
+  std::unique_ptr<AllToAll> all_to_all_v(int64_t send_bytes, int64_t recv_bytes, const char* op,
+                                         const char* what) const override {
+    return std::make_unique<SoloAllToAll>(std::max(send_bytes, recv_bytes), op, what);
   }
   void all_gather_v(const void* send, int64_t send_count, void* recv, const int64_t* recv_counts, const char* op,
                     const char* what) const override {
@@ -88,6 +108,35 @@ class SoloGroup : public Group {
 
 // A group of several ranks over an MPI communicator of libmoe_onnx_mpi.
 class MpiGroup : public Group {
+  // Its all-to-all-v, over buffers of libmoe_onnx_mpi.
+  class MpiAllToAll : public AllToAll {
+   public:
+    MpiAllToAll(const MpiGroup& group, const char* op, const char* what) : group_(group), op_(op), what_(what) {}
+    ~MpiAllToAll() override {
+      if (handle_) group_.mpi_.close_all_to_all_v(handle_);
+    }
+    void run(const int64_t* send_counts, const int64_t* recv_counts) override {
+      group_.call(op_, "all-to-all-v", what_, [&](double timeout, char* error) {
+        return group_.mpi_.run_all_to_all_v(handle_, send_counts, recv_counts, timeout, error);
+      });
+    }
+    // Its buffers, from libmoe_onnx_mpi.
+    void open(int64_t send_bytes, int64_t recv_bytes) {
+      void *send = nullptr, *recv = nullptr;
+      group_.call(op_, "all-to-all-v", what_, [&](double, char* error) {
+        return group_.mpi_.open_all_to_all_v(group_.comm_, send_bytes, recv_bytes, &handle_, &send, &recv, error);
+      });
+      send_ = static_cast<char*>(send);
+      recv_ = static_cast<char*>(recv);
+    }
+
+   private:
+    MoeOnnxMpiAllToAll* handle_ = nullptr;
+    const MpiGroup& group_;
+    const char* op_;
+    const char* what_;
+  };
+
  public:
   MpiGroup(const MoeOnnxMpiTable& mpi, MoeOnnxMpiComm* comm, const char* name, std::vector<int64_t> world_ranks,
            int64_t rank)
@@ -112,11 +161,11 @@ class MpiGroup : public Group {
       return mpi_.all_gather_v(comm_, send, bytes[0], recv, bytes.data(), timeout, error);
     });
   }
-  void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
-                    const char* op, const char* what) const override {
-    call(op, "all-to-all-v", what, [&](double timeout, char* error) {
-      return mpi_.all_to_all_v(comm_, send, send_counts, recv, recv_counts, timeout, error);
-    });
+  std::unique_ptr<AllToAll> all_to_all_v(int64_t send_bytes, int64_t recv_bytes, const char* op,
+                                         const char* what) const override {
+    auto exchange = std::make_unique<MpiAllToAll>(*this, op, what);
+    exchange->open(send_bytes, recv_bytes);
+    return exchange;
   }
   void all_gather_v(const void* send, int64_t send_count, void* recv, const int64_t* recv_counts, const char* op,
                     const char* what) const override {

@@ -25,6 +25,23 @@ struct Layout {
   int64_t global_rank() const { return ep_rank * tp_size + tp_rank; }
 };
 
+// An all-to-all-v whose buffers the communication layer holds: the caller writes what it sends into
+// send() and reads what arrived from recv(), so the bytes are copied neither in nor out (over MPI the
+// buffers stay MPI's after a timeout, as the other collectives' own copies do). Reused between calls.
+class AllToAll {
+ public:
+  virtual ~AllToAll() = default;
+  char* send() const { return send_; }
+  const char* recv() const { return recv_; }
+  // Bytes: send_counts[r] bytes of send() (consecutive, rank order) go to rank r; recv_counts[r] arrive
+  // from it (consecutive in recv(), rank order). Errors as the group's collectives.
+  virtual void run(const int64_t* send_counts, const int64_t* recv_counts) = 0;
+
+ protected:
+  char* send_ = nullptr;
+  char* recv_ = nullptr;
+};
+
 // The ranks of one group (the world, a TP group or an EP group), in group-rank order. Every call is a
 // collective of the whole group, waits at most the timeout (MOE_ONNX_COMM_TIMEOUT_S, default 300 s)
 // and throws an invalid-argument error naming `op`, the collective, `what` and the group's world
@@ -40,9 +57,9 @@ class Group {
   // recv[r * count .. (r + 1) * count) = rank r's send[0 .. count).
   virtual void all_gather(const int64_t* send, int64_t count, int64_t* recv, const char* op,
                           const char* what) const = 0;
-  // Bytes: send_counts[r] bytes go to rank r (consecutive in send), recv_counts[r] come from rank r.
-  virtual void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
-                            const char* op, const char* what) const = 0;
+  // An all-to-all-v of `what` with room for send_bytes to send and recv_bytes to receive (not zero-filled).
+  virtual std::unique_ptr<AllToAll> all_to_all_v(int64_t send_bytes, int64_t recv_bytes, const char* op,
+                                                 const char* what) const = 0;
   // Bytes: recv is every rank's send concatenated in rank order; recv_counts[r] bytes from rank r.
   virtual void all_gather_v(const void* send, int64_t send_count, void* recv, const int64_t* recv_counts,
                             const char* op, const char* what) const = 0;

@@ -3,7 +3,8 @@
 //
 // Every collective is MPI's non-blocking form (MPI_Iallreduce, MPI_Ialltoallv, ...) polled with
 // MPI_Test until it completes or its timeout passes, yielding the CPU between polls so that ranks
-// sharing cores keep progressing. The buffers MPI works on are this library's own copies: after a
+// sharing cores keep progressing. The buffers MPI works on are this library's own: copies of the
+// caller's, or (the all-to-all-v of the exchanges) buffers the caller fills and reads in place. After a
 // timeout the request stays pending (MPI cannot cancel a collective), so they are left allocated
 // and the caller's buffers are never written late; the communicator is then marked broken, and the
 // process does not call MPI_Finalize (it would wait for the lost collective): mpirun ends the job.
@@ -164,6 +165,16 @@ int run(MoeOnnxMpiComm* comm, std::unique_ptr<Pending>& pending, double timeout_
   return status;
 }
 
+}  // namespace
+
+// An all-to-all-v whose buffers the caller fills and reads (open/run/close_all_to_all_v).
+struct MoeOnnxMpiAllToAll {
+  MoeOnnxMpiComm* comm = nullptr;
+  std::unique_ptr<Pending> pending;  // null once a run timed out: MPI keeps it
+};
+
+namespace {
+
 int world(int64_t* size, int64_t* rank, char* error) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -247,23 +258,43 @@ int all_reduce_sum(MoeOnnxMpiComm* comm, void* data, int64_t count, int element,
   return status;
 }
 
-int all_to_all_v(MoeOnnxMpiComm* comm, const void* send, const int64_t* send_bytes, void* recv,
-                 const int64_t* recv_bytes, double timeout_s, char* error) {
-  auto pending = std::make_unique<Pending>();
-  Pending& p = *pending;
+int open_all_to_all_v(MoeOnnxMpiComm* comm, int64_t send_size, int64_t recv_size, MoeOnnxMpiAllToAll** exchange,
+                      void** send, void** recv, char* error) {
+  auto made = std::make_unique<MoeOnnxMpiAllToAll>();
+  made->comm = comm;
+  made->pending = std::make_unique<Pending>();
+  try {
+    made->pending->send = made->pending->stage(static_cast<size_t>(send_size));
+    made->pending->recv = made->pending->stage(static_cast<size_t>(recv_size));
+  } catch (const std::exception& failure) {  // no exception crosses the table
+    return fail(error, "%s", failure.what());
+  }
+  *send = made->pending->send.data;
+  *recv = made->pending->recv.data;
+  *exchange = made.release();
+  return MOE_ONNX_MPI_OK;
+}
+
+int run_all_to_all_v(MoeOnnxMpiAllToAll* exchange, const int64_t* send_bytes, const int64_t* recv_bytes,
+                     double timeout_s, char* error) {
+  MoeOnnxMpiComm* comm = exchange->comm;
+  if (!exchange->pending) return fail(error, "an earlier run of this all-to-all-v did not complete");
+  Pending& p = *exchange->pending;
   int64_t send_total = 0, recv_total = 0;
   if (!rank_counts(send_bytes, comm->size, "the bytes sent", p.send_counts, p.send_displs, &send_total, error) ||
       !rank_counts(recv_bytes, comm->size, "the bytes received", p.recv_counts, p.recv_displs, &recv_total, error))
     return MOE_ONNX_MPI_ERROR;
-  p.send = p.stage(static_cast<size_t>(send_total), send);
-  p.recv = p.stage(static_cast<size_t>(recv_total));
-  const int status = run(comm, pending, timeout_s, "MPI_Ialltoallv", error, [&](Pending& q) {
+  if (static_cast<size_t>(send_total) > p.send.size || static_cast<size_t>(recv_total) > p.recv.size)
+    return fail(error, "the all-to-all-v moves %lld bytes out and %lld in; its buffers hold %zu and %zu",
+                static_cast<long long>(send_total), static_cast<long long>(recv_total), p.send.size, p.recv.size);
+  p.request = MPI_REQUEST_NULL;
+  return run(comm, exchange->pending, timeout_s, "MPI_Ialltoallv", error, [&](Pending& q) {
     return MPI_Ialltoallv(q.send.data, q.send_counts.data(), q.send_displs.data(), MPI_BYTE, q.recv.data,
                           q.recv_counts.data(), q.recv_displs.data(), MPI_BYTE, comm->comm, &q.request);
   });
-  if (status == MOE_ONNX_MPI_OK && recv_total > 0) std::memcpy(recv, pending->recv.data, pending->recv.size);
-  return status;
 }
+
+void close_all_to_all_v(MoeOnnxMpiAllToAll* exchange) { delete exchange; }
 
 int all_gather_v(MoeOnnxMpiComm* comm, const void* send, int64_t send_bytes, void* recv, const int64_t* recv_bytes,
                  double timeout_s, char* error) {
@@ -303,7 +334,8 @@ int reduce_scatter_v_sum(MoeOnnxMpiComm* comm, const float* send, float* recv, c
   return status;
 }
 
-const MoeOnnxMpiTable kTable = {MOE_ONNX_MPI_ABI_VERSION, world, split, all_reduce_sum, all_to_all_v, all_gather_v,
+const MoeOnnxMpiTable kTable = {MOE_ONNX_MPI_ABI_VERSION, world, split, all_reduce_sum, open_all_to_all_v,
+                                run_all_to_all_v, close_all_to_all_v, all_gather_v,
                                 reduce_scatter_v_sum};
 
 }  // namespace

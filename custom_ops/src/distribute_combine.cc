@@ -5,7 +5,9 @@
 //    (read_assist_info in _exchange.py): a corrupted handle is an error, never a read out of bounds.
 // 2. Gather the arrival rows of expand_y (arrival_to_row) in float32; with TP, reduce-scatter-v them
 //    over the TP group (tp_blocks); all-to-all-v this rank's block back in the EP group (recv_counts
-//    out, send_counts in): the rows come back in this rank's send order.
+//    out, send_counts in): the rows come back in this rank's send order. The rows are widened (or
+//    reduced) straight into the all-to-all-v's own buffer and summed from it in place; without TP the
+//    rows of this rank's own EP rank skip MPI.
 // 3. Per token, in float32: out[t] = ((sum over kept j ascending of scales[t, j] * y(t, j)) + x1[t])
 //    + x2[t], rounded once; with gather_tokens, all-gather-v of every rank's tokens over the world.
 // Tasks write disjoint rows in a fixed order: the result does not depend on the thread count.
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "checker.h"
 #include "parallel.h"
@@ -105,10 +108,11 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
     fail(" section tp_blocks does not add up", "sum = R = " + std::to_string(a.arrivals) + " and tp_blocks[" +
                                                   std::to_string(r.tp_rank) + "] = the sum of recv_counts (" +
                                                   std::to_string(received) + ")");
-  if (r.ep_size == 1 && a.send_counts[0] != a.recv_counts[0])  // the all-to-all of one EP rank is a copy
-    fail(" sections send_counts and recv_counts differ (" + std::to_string(a.send_counts[0]) + " and " +
-             std::to_string(a.recv_counts[0]) + ")",
-         "equal counts on one EP rank (it sends its rows to itself)");
+  const int64_t own = r.ep_rank;
+  if (a.send_counts[own] != a.recv_counts[own])  // the rows a rank sends its own EP rank come back to it
+    fail(" sections send_counts and recv_counts differ at [" + std::to_string(own) + "] (" +
+             std::to_string(a.send_counts[own]) + " and " + std::to_string(a.recv_counts[own]) + ")",
+         "equal counts for this rank's own EP rank (it sends those rows to itself)");
   const int64_t sent = wrapping_sum(a.send_counts);
   std::vector<char> used(static_cast<size_t>(std::max<int64_t>({slots, rows, 0})), 0);
   int64_t kept = 0;
@@ -187,24 +191,33 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
   const ElemType type = y.type;
   const int64_t esize = static_cast<int64_t>(elem_size(type)), row_floats = H * static_cast<int64_t>(sizeof(float));
   const FloatType values = float_type(type);
-  // The arrival rows in float32; with TP, summed over the group into this rank's own block.
+  // The arrival rows in float32, widened into the all-to-all-v's send buffer (with TP: into the arrival
+  // rows, then summed over the group into it); those of this rank's own EP rank (without TP) stay here.
+  const OwnRows own = own_rows(r, a.send_counts, a.recv_counts);
   const WorkspacePool::Lease buffers = exchange_workspaces().lease();
-  float* arrival = buffers->take<float>(a.arrivals * H, "the arrival rows");
+  const std::unique_ptr<comm::AllToAll> exchange =
+      groups.ep->all_to_all_v(sum(own.arrived) * row_floats, sum(own.sent) * row_floats, where.c_str(),
+                              "the expert outputs back to their tokens");
+  float* to_send = reinterpret_cast<float*>(exchange->send());
+  float* own_rows_out = buffers->take<float>(own.rows * H, "the rows of this rank's own EP rank");
+  float* arrival = r.tp_size > 1 ? buffers->take<float>(a.arrivals * H, "the arrival rows") : nullptr;
+  auto arrival_target = [&](int64_t i) {  // where arrival row i is widened to
+    if (arrival) return arrival + i * H;
+    return own.is_arrival(i) ? own_rows_out + (i - own.arrival_first) * H : to_send + own.arrived_at(i) * H;
+  };
   if (H)
     parallel_chunks(ctx, a.arrivals, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        widen_row(values, static_cast<const char*>(y.data) + a.arrival_to_row[i] * H * esize, arrival + i * H, H);
+        widen_row(values, static_cast<const char*>(y.data) + a.arrival_to_row[i] * H * esize, arrival_target(i), H);
     });
-  float* own_block = nullptr;
-  if (r.tp_size > 1) {
-    own_block = buffers->take<float>(a.tp_blocks[r.tp_rank] * H, "the received rows");
-    groups.tp->reduce_scatter_v_sum(arrival, own_block, scaled(a.tp_blocks, H).data(), where.c_str(),
+  if (arrival)
+    groups.tp->reduce_scatter_v_sum(arrival, to_send, scaled(a.tp_blocks, H).data(), where.c_str(),
                                     "the partial expert outputs");
-  }
-  float* back = buffers->take<float>(sum(a.send_counts) * H, "the expert outputs sent back");
-  groups.ep->all_to_all_v(r.tp_size > 1 ? own_block : arrival, scaled(a.recv_counts, row_floats).data(), back,
-                          scaled(a.send_counts, row_floats).data(), where.c_str(),
-                          "the expert outputs back to their tokens");
+  exchange->run(scaled(own.arrived, row_floats).data(), scaled(own.sent, row_floats).data());
+  const float* back = reinterpret_cast<const float*>(exchange->recv());
+  auto returned_row = [&](int64_t s) -> const float* {  // the expert output of send position s
+    return own.is_sent(s) ? own_rows_out + (s - own.send_first) * H : back + own.sent_at(s) * H;
+  };
 
   const int64_t out_tokens = gather_tokens ? sum(a.tokens_per_rank) : tokens;
   try {
@@ -226,7 +239,7 @@ void DistributeCombineKernel::Compute(OrtKernelContext* context) {
         const int64_t s = a.slot_to_send[t * k + j];
         if (s < 0) continue;
         const float weight = load_float(values, scales.data, t * k + j);
-        const float* row = back + s * H;
+        const float* row = returned_row(s);
         for (int64_t h = 0; h < H; ++h) acc[h] += weight * row[h];
       }
       for (int i : {X1, X2})

@@ -4,10 +4,12 @@
 //    order and words), the expert ids (in range, distinct in a row) before anything indexes with them.
 // 2. All-gather every rank's [Bs, slots per expert] over the world; from that table alone every rank
 //    plans the same drops and every count of the exchange (Plan).
-// 3. Send buffer: the kept slots' rows, stably by destination EP rank (slot order inside), each with
-//    its local expert; all-to-all-v of both in the EP group, all-gather-v of both in the TP group.
-// 4. Each arrival row goes to its row of expand_x, by (local expert, global token): its source rank
-//    is known from its place in the arrival buffer, its expert travelled with it.
+// 3. Send order: the kept slots by expert (destination EP rank, then local expert), slot order inside, so
+//    that a receiver knows each row's expert from the counts alone. The rows are written straight into
+//    the all-to-all-v's own buffer (comm::AllToAll); without TP the rows this rank keeps for its own EP
+//    rank skip MPI and go straight to expand_x. All-to-all-v in the EP group, all-gather-v in the TP group.
+// 4. Each arrival row goes to its row of expand_x, by (local expert, global token), read in place from
+//    the all-to-all-v's buffer (or, with TP, from the all-gathered arrival buffer).
 // The row copies are split into tasks writing disjoint rows: the result does not depend on the threads.
 #include "distribute_dispatch.h"
 
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "checker.h"
 #include "parallel.h"
@@ -35,9 +38,9 @@ struct Plan {
   std::vector<int64_t> recv_counts;      // [ep]: rows this rank receives from each EP rank
   std::vector<int64_t> send_counts;      // [ep]: rows this rank sends to each EP rank
   std::vector<int64_t> block_sources;    // [tp * ep]: the global rank of each block of the arrival buffer
-  std::vector<int64_t> block_rows;       // [tp * ep]: its rows
   std::vector<int64_t> first_row;        // [E_local * W]: expand_x's first row of local expert l from rank g'
   std::vector<int64_t> expert_offset;    // [E_local + 1]
+  std::vector<int64_t> arrival_to_row;   // [R]: each arrival row's row of expand_x
   int64_t rows = 0;                      // of expand_x
 
   int64_t kept_of(int64_t g, int64_t e) const { return kept[g * experts + e]; }
@@ -85,7 +88,6 @@ Plan make_plan(const ExpertLayout& layout, int64_t capacity, const std::vector<i
     for (int64_t p2 = 0; p2 < r.ep_size; ++p2) {  // the arrival buffer: TP block q2, then source EP rank p2
       const int64_t g = p2 * r.tp_size + q2, n = kept_to(g, p);
       plan.block_sources.push_back(g);
-      plan.block_rows.push_back(n);
       plan.tp_blocks[q2] += n;
       if (q2 == q) plan.recv_counts[p2] = n;
     }
@@ -102,6 +104,12 @@ Plan make_plan(const ExpertLayout& layout, int64_t capacity, const std::vector<i
     }
   }
   plan.rows = plan.expert_offset[L] = capacity ? L * capacity : row;
+  for (size_t b = 0; b < plan.block_sources.size(); ++b) {  // a source sends its rows by local expert
+    const int64_t g = plan.block_sources[b];
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t n = 0; n < plan.kept_of(g, p * L + l); ++n)
+        plan.arrival_to_row.push_back(plan.first_row[l * W + g] + n);
+  }
   return plan;
 }
 
@@ -130,37 +138,17 @@ void check_expert_ids(const Input& ids, int64_t experts, const std::string& wher
   }
 }
 
-// slot t * K + j -> its row of the send buffer (kept slots, stably by destination EP rank), -1 if dropped.
+// slot t * K + j -> its row of the send buffer (kept slots by expert, slot order inside), -1 if dropped.
 std::vector<int64_t> send_positions(const Input& ids, const Plan& plan, int64_t g) {
-  const int64_t E = plan.experts, L = plan.local_experts;
-  std::vector<int64_t> next(plan.send_counts.size(), 0), seen(E, 0);
-  for (size_t p = 1; p < next.size(); ++p) next[p] = next[p - 1] + plan.send_counts[p - 1];
+  const int64_t E = plan.experts;
+  std::vector<int64_t> next(E, 0), seen(E, 0);
+  for (int64_t e = 1; e < E; ++e) next[e] = next[e - 1] + plan.kept_of(g, e - 1);
   std::vector<int64_t> position(static_cast<size_t>(ids.count), -1);
   for (int64_t f = 0; f < ids.count; ++f) {  // a slot is kept when its expert keeps its rank's first slots
     const int64_t e = load_index(ids, f);
-    if (seen[e]++ < plan.kept_of(g, e)) position[f] = next[e / L]++;
+    if (seen[e]++ < plan.kept_of(g, e)) position[f] = next[e]++;
   }
   return position;
-}
-
-// Arrival row -> its row of expand_x, from each row's source (its block) and local expert; an expert
-// outside [0, E_local) or more rows than the source's counts said is an error (a peer of another model).
-std::vector<int64_t> place_arrivals(const Plan& plan, const std::vector<int64_t>& arrival_experts,
-                                    const std::string& where) {
-  const int64_t W = plan.world, L = plan.local_experts;
-  std::vector<int64_t> next(plan.first_row), to_row(arrival_experts.size());
-  size_t i = 0;
-  for (size_t b = 0; b < plan.block_sources.size(); ++b) {
-    const int64_t g = plan.block_sources[b];
-    for (int64_t n = 0; n < plan.block_rows[b]; ++n, ++i) {
-      const int64_t l = arrival_experts[i];
-      if (l < 0 || l >= L || next[l * W + g] >= plan.first_row[l * W + g] + plan.kept_of(g, plan.first_expert + l))
-        throw_invalid(where + ": rank " + std::to_string(g) + " sent a row of local expert " + std::to_string(l) +
-                      " that its counts do not announce (do all ranks run the same model?)");
-      to_row[i] = next[l * W + g]++;
-    }
-  }
-  return to_row;
 }
 
 // With a capacity, expand_x's rows past each local expert's kept rows (its padding) are zeros; the
@@ -247,53 +235,50 @@ void DistributeDispatchKernel::Compute(OrtKernelContext* context) {
     throw_invalid(where + ": " + failure.what());
   }
 
-  // The send buffer: rows and their local experts.
   const std::vector<int64_t> slot_to_send = send_positions(ids, plan, r.global_rank());
-  const int64_t row_bytes = H * static_cast<int64_t>(elem_size(x.type)), id_bytes = sizeof(int64_t);
-  const int64_t sent = sum(plan.send_counts), received = plan.tp_blocks[r.tp_rank], arrivals = sum(plan.tp_blocks);
-  const WorkspacePool::Lease buffers = exchange_workspaces().lease();
-  char* send = buffers->take<char>(sent * row_bytes, "the rows to send");
-  int64_t* send_experts = buffers->take<int64_t>(sent, "the experts of the rows to send");
-  for (int64_t f = 0; f < ids.count; ++f)
-    if (slot_to_send[f] >= 0) send_experts[slot_to_send[f]] = load_index(ids, f) % L;
-  if (row_bytes)
-    parallel_chunks(ctx, tokens, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t f = begin * k; f < end * k; ++f)
-        if (slot_to_send[f] >= 0)
-          std::memcpy(&send[slot_to_send[f] * row_bytes], static_cast<const char*>(x.data) + (f / k) * row_bytes,
-                      static_cast<size_t>(row_bytes));
-    });
-
-  // The exchange: all-to-all-v in the EP group, then all-gather-v in the TP group.
-  char* arrival = buffers->take<char>(arrivals * row_bytes, "the arrival rows");
-  std::vector<int64_t> arrival_experts = buffer<int64_t>(arrivals, "the experts of the arrival rows");
-  const bool tp = r.tp_size > 1;
-  char* mine = tp ? buffers->take<char>(received * row_bytes, "the received rows") : nullptr;
-  int64_t* mine_experts = tp ? buffers->take<int64_t>(received, "the experts of the received rows") : nullptr;
-  groups.ep->all_to_all_v(send, scaled(plan.send_counts, row_bytes).data(), tp ? mine : arrival,
-                          scaled(plan.recv_counts, row_bytes).data(), where.c_str(), "the rows to their experts");
-  groups.ep->all_to_all_v(send_experts, scaled(plan.send_counts, id_bytes).data(),
-                          tp ? mine_experts : arrival_experts.data(), scaled(plan.recv_counts, id_bytes).data(),
-                          where.c_str(), "the experts of the rows");
-  if (tp) {
-    groups.tp->all_gather_v(mine, received * row_bytes, arrival, scaled(plan.tp_blocks, row_bytes).data(),
-                            where.c_str(), "the received rows");
-    groups.tp->all_gather_v(mine_experts, received * id_bytes, arrival_experts.data(),
-                            scaled(plan.tp_blocks, id_bytes).data(), where.c_str(), "the experts of the received rows");
-  }
-  const std::vector<int64_t> arrival_to_row = place_arrivals(plan, arrival_experts, where);
-
+  const int64_t row_bytes = H * static_cast<int64_t>(elem_size(x.type));
+  const int64_t received = plan.tp_blocks[r.tp_rank], arrivals = sum(plan.tp_blocks);
   char* expand_x = static_cast<char*>(ctx.GetOutput(EXPAND_X, {plan.rows, H}).GetTensorMutableRawData());
   auto* offsets = ctx.GetOutput(EXPERT_OFFSET, {L + 1}).GetTensorMutableData<int64_t>();
   std::copy(plan.expert_offset.begin(), plan.expert_offset.end(), offsets);
   const int64_t info_length = kHeaderLength + W + r.tp_size + 2 * r.ep_size + tokens * k + arrivals;
-  write_assist_info(plan, layout, capacity, tokens, k, slot_to_send, arrival_to_row,
+  write_assist_info(plan, layout, capacity, tokens, k, slot_to_send, plan.arrival_to_row,
                     ctx.GetOutput(ASSIST_INFO, {info_length}).GetTensorMutableData<int64_t>());
+  if (capacity && row_bytes) zero_padding_rows(plan, expand_x, row_bytes);
+
+  // The rows this rank keeps for its own EP rank (without TP) go from x to expand_x; MPI moves the others.
+  const OwnRows own = own_rows(r, plan.send_counts, plan.recv_counts);
+  const std::unique_ptr<comm::AllToAll> exchange =
+      groups.ep->all_to_all_v(sum(own.sent) * row_bytes, sum(own.arrived) * row_bytes, where.c_str(),
+                              "the rows to their experts");
+  auto send_target = [&](int64_t s) {  // where the row of send position s goes
+    if (!own.is_sent(s)) return exchange->send() + own.sent_at(s) * row_bytes;
+    return expand_x + plan.arrival_to_row[own.arrival_first + s - own.send_first] * row_bytes;
+  };
+  if (row_bytes)
+    parallel_chunks(ctx, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin * k; f < end * k; ++f)
+        if (slot_to_send[f] >= 0)
+          std::memcpy(send_target(slot_to_send[f]), static_cast<const char*>(x.data) + (f / k) * row_bytes,
+                      static_cast<size_t>(row_bytes));
+    });
+  exchange->run(scaled(own.sent, row_bytes).data(), scaled(own.arrived, row_bytes).data());
+
+  const char* arrival = exchange->recv();  // without TP: the arrival rows but this rank's own
+  const WorkspacePool::Lease buffers = exchange_workspaces().lease();
+  if (r.tp_size > 1) {  // every TP rank's received rows, in TP rank order
+    char* gathered = buffers->take<char>(arrivals * row_bytes, "the arrival rows");
+    groups.tp->all_gather_v(exchange->recv(), received * row_bytes, gathered, scaled(plan.tp_blocks, row_bytes).data(),
+                            where.c_str(), "the received rows");
+    arrival = gathered;
+  }
   if (row_bytes == 0) return;
-  if (capacity) zero_padding_rows(plan, expand_x, row_bytes);
   parallel_chunks(ctx, arrivals, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      std::memcpy(expand_x + arrival_to_row[i] * row_bytes, &arrival[i * row_bytes], static_cast<size_t>(row_bytes));
+    for (int64_t i = begin; i < end; ++i) {
+      if (!own.is_arrival(i))
+        std::memcpy(expand_x + plan.arrival_to_row[i] * row_bytes, arrival + own.arrived_at(i) * row_bytes,
+                    static_cast<size_t>(row_bytes));
+    }
   });
 }
 

@@ -26,6 +26,22 @@ ExpertLayout read_layout(const Attributes& a) {
   return layout;
 }
 
+OwnRows own_rows(const comm::Layout& layout, const std::vector<int64_t>& send_counts,
+                 const std::vector<int64_t>& recv_counts) {
+  OwnRows own;
+  own.sent = send_counts;
+  own.arrived = recv_counts;
+  if (layout.tp_size > 1) return own;
+  const int64_t p = layout.ep_rank;
+  for (int64_t p2 = 0; p2 < p; ++p2) {
+    own.send_first += send_counts[p2];
+    own.arrival_first += recv_counts[p2];
+  }
+  own.rows = send_counts[p];
+  own.sent[p] = own.arrived[p] = 0;
+  return own;
+}
+
 std::vector<int64_t> scaled(const std::vector<int64_t>& counts, int64_t unit) {
   std::vector<int64_t> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * unit;

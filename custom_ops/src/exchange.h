@@ -29,6 +29,23 @@ enum AssistHeader { H_EP, H_TP, H_EXPERTS, H_TOKENS, H_K, H_ROWS, H_ARRIVALS, H_
 // The header entries' names, as messages say them.
 extern const char* const kHeaderNames[kHeaderLength];
 
+// Without TP, the rows a rank's dispatch sends to its own EP rank (and its combine sends back) skip
+// MPI: its send positions [send_first, send_first + rows) and arrival rows [arrival_first, + rows). The
+// all-to-all-v leaves them out of its counts and its buffers, which hold the others in the same order.
+// With TP (every received row goes to the TP group too) none are left out.
+struct OwnRows {
+  int64_t send_first = 0, arrival_first = 0, rows = 0;
+  std::vector<int64_t> sent, arrived;  // dispatch's send_counts and recv_counts (rows) without them
+
+  bool is_sent(int64_t s) const { return s >= send_first && s < send_first + rows; }
+  bool is_arrival(int64_t i) const { return i >= arrival_first && i < arrival_first + rows; }
+  // The row of the all-to-all-v's buffer of send position s / arrival row i (one that is not left out).
+  int64_t sent_at(int64_t s) const { return s < send_first ? s : s - rows; }
+  int64_t arrived_at(int64_t i) const { return i < arrival_first ? i : i - rows; }
+};
+OwnRows own_rows(const comm::Layout& layout, const std::vector<int64_t>& send_counts,
+                 const std::vector<int64_t>& recv_counts);
+
 // counts[i] * unit: the byte or element counts of a collective.
 std::vector<int64_t> scaled(const std::vector<int64_t>& counts, int64_t unit);
 int64_t sum(const std::vector<int64_t>& values);

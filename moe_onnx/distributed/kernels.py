@@ -12,25 +12,23 @@ from __future__ import annotations
 import numpy as np
 
 from ..ops import distribute_combine, distribute_dispatch, moe, row_parallel_linear
-from ..ops._exchange import arrange_arrivals, plan_dispatch, send_buffers, slot_counts, weighted_sum
+from ..ops._exchange import arrange_arrivals, plan_dispatch, send_rows, slot_counts, weighted_sum
 from ..ops.layout import several_ranks
 from . import comm
 
 
 def dispatch_rank(x, expert_ids, *, _node_name="", _named_outputs=None, **attrs):
-    """MoeDistributeDispatch on this rank: the counts all-gathered over the world, the rows and their
-    experts all-to-all in the EP group, then all-gathered in the TP group, arranged into expand_x."""
+    """MoeDistributeDispatch on this rank: the counts all-gathered over the world, the rows all-to-all in the
+    EP group (by expert: the counts say each row's expert), then all-gathered in the TP group, arranged
+    into expand_x."""
     view, layout, num_experts, capacity = distribute_dispatch.validated([x, expert_ids], attrs, _node_name,
                                                                         _named_outputs)
     op = view.where()
     groups = comm.groups(layout, op)
     counts = groups.world.all_gather(slot_counts(expert_ids, num_experts), op, "the slot counts")
     plan = plan_dispatch(expert_ids, counts, layout, num_experts, capacity)
-    arrival = []
-    for buffer, what in zip(send_buffers(x, expert_ids, plan), ("the token rows", "the rows' experts")):
-        received = groups.ep.all_to_all_v(buffer, plan.send_counts, plan.recv_counts, op, what)
-        arrival.append(groups.tp.all_gather_v(received, plan.tp_blocks, op, what))
-    return arrange_arrivals(*arrival, plan)
+    received = groups.ep.all_to_all_v(send_rows(x, plan), plan.send_counts, plan.recv_counts, op, "the token rows")
+    return arrange_arrivals(groups.tp.all_gather_v(received, plan.tp_blocks, op, "the token rows"), plan)
 
 
 def combine_rank(expand_y, assist_info, scales, x1=None, x2=None, *, _node_name="", _named_outputs=None, **attrs):

@@ -74,12 +74,14 @@ class DispatchPlan:
     capacity: int
     k: int
     tokens_per_rank: np.ndarray  # [W]: Bs of every rank
-    send_slots: np.ndarray  # this rank's kept slots t * K + j, in send order (by destination EP rank)
+    send_slots: np.ndarray  # this rank's kept slots t * K + j, in send order (by expert: destination EP rank,
+    #                          local expert, slot)
     send_counts: np.ndarray  # [ep]: rows sent to each EP rank
     slot_to_send: np.ndarray  # [Bs * K]: slot -> its position in the send buffer, -1 if dropped
     recv_counts: np.ndarray  # [ep]: rows this rank receives from each EP rank (its all-to-all)
     tp_blocks: np.ndarray  # [tp]: rows each TP rank of the group receives in its all-to-all
     arrival_sources: np.ndarray  # [R]: the global rank each arrival row comes from
+    arrival_experts: np.ndarray  # [R]: the local expert of each arrival row (known from the counts)
 
     @property
     def local_experts(self) -> int:
@@ -112,35 +114,40 @@ def plan_dispatch(expert_ids: np.ndarray, counts: np.ndarray, layout: Layout, nu
     else:
         is_kept = np.ones(flat.size, dtype=bool)
     kept_slots = np.flatnonzero(is_kept)
-    send_slots = kept_slots[np.argsort(flat[kept_slots] // local, kind="stable")]
+    send_slots = kept_slots[np.argsort(flat[kept_slots], kind="stable")]
     slot_to_send = np.full(flat.size, -1, dtype=np.int64)
     slot_to_send[send_slots] = np.arange(send_slots.size)
 
-    def received(q: int) -> np.ndarray:  # [ep]: rows rank (this EP rank, q) receives from each EP rank
-        return kept_by_ep[[layout.global_rank_of(p, q) for p in range(ep)], layout.ep_rank]
+    def sources(q: int) -> list[int]:  # the global ranks of the EP group of TP rank q, by EP rank
+        return [layout.global_rank_of(p, q) for p in range(ep)]
 
-    sources = [np.repeat([layout.global_rank_of(p, q) for p in range(ep)], received(q)) for q in range(tp)]
+    def received(q: int) -> np.ndarray:  # [ep]: rows rank (this EP rank, q) receives from each EP rank
+        return kept_by_ep[sources(q), layout.ep_rank]
+
+    mine = slice(layout.ep_rank * local, (layout.ep_rank + 1) * local)  # this EP rank's experts
+    arrival_sources = [np.repeat(sources(q), received(q)) for q in range(tp)]
+    arrival_experts = [np.repeat(np.tile(np.arange(local), ep), kept[sources(q), mine].reshape(-1))
+                       for q in range(tp)]  # each source sends its rows by local expert
     return DispatchPlan(
         layout=layout, num_experts=num_experts, capacity=capacity, k=expert_ids.shape[1],
         tokens_per_rank=counts[:, 0].copy(), send_slots=send_slots,
         send_counts=np.bincount(flat[send_slots] // local, minlength=ep).astype(np.int64),
         slot_to_send=slot_to_send, recv_counts=received(layout.tp_rank).astype(np.int64),
-        tp_blocks=np.array([s.size for s in sources], dtype=np.int64),
-        arrival_sources=np.concatenate(sources).astype(np.int64))
+        tp_blocks=np.array([s.size for s in arrival_sources], dtype=np.int64),
+        arrival_sources=np.concatenate(arrival_sources).astype(np.int64),
+        arrival_experts=np.concatenate(arrival_experts).astype(np.int64))
 
 
-def send_buffers(x: np.ndarray, expert_ids: np.ndarray, plan: DispatchPlan) -> tuple[np.ndarray, np.ndarray]:
-    """The rows this rank sends and the local expert of each (int64), in send order. The expert travels with
-    its row: the receiver needs it to sort its arrivals."""
-    experts = expert_ids.reshape(-1).astype(np.int64)[plan.send_slots]
-    return x[plan.send_slots // plan.k], experts % plan.local_experts
+def send_rows(x: np.ndarray, plan: DispatchPlan) -> np.ndarray:
+    """The rows this rank sends, in send order. Their experts do not travel: the receiver knows from the
+    counts how many rows of each of its local experts a source sends, in that order."""
+    return x[plan.send_slots // plan.k]
 
 
-def arrange_arrivals(arrival_rows: np.ndarray, arrival_experts: np.ndarray,
-                     plan: DispatchPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def arrange_arrivals(arrival_rows: np.ndarray, plan: DispatchPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """expand_x, expert_offset and assist_info from the arrival buffer (every TP rank's received rows,
-    TP rank 0 first, each block by source EP rank) and the local expert of each row."""
-    local, capacity = plan.local_experts, plan.capacity
+    TP rank 0 first, each block by source EP rank, each source's rows by local expert)."""
+    local, capacity, arrival_experts = plan.local_experts, plan.capacity, plan.arrival_experts
     order = np.lexsort((plan.arrival_sources, arrival_experts))  # by (local expert, global token); stable
     per_expert = np.bincount(arrival_experts, minlength=local)
     starts = np.cumsum(per_expert) - per_expert
@@ -221,9 +228,10 @@ def read_assist_info(assist_info: np.ndarray, layout: Layout, num_experts: int, 
     if tp_blocks.sum() != arrivals or tp_blocks[layout.tp_rank] != recv_counts.sum():
         fail(" section tp_blocks does not add up", f"sum = R = {arrivals} and tp_blocks[{layout.tp_rank}] = the sum "
              f"of recv_counts ({int(recv_counts.sum())})")
-    if ep == 1 and send_counts[0] != recv_counts[0]:  # the all-to-all of one EP rank is a copy
-        fail(f" sections send_counts and recv_counts differ ({int(send_counts[0])} and {int(recv_counts[0])})",
-             "equal counts on one EP rank (it sends its rows to itself)")
+    own = layout.ep_rank
+    if send_counts[own] != recv_counts[own]:  # the rows a rank sends its own EP rank come back to it
+        fail(f" sections send_counts and recv_counts differ at [{own}] ({int(send_counts[own])} and "
+             f"{int(recv_counts[own])})", "equal counts for this rank's own EP rank (it sends those rows to itself)")
     sent = int(send_counts.sum())
     kept = slot_to_send[slot_to_send >= 0]
     if (slot_to_send < -1).any() or (kept >= sent).any() or np.unique(kept).size != kept.size or kept.size != sent:

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import distribute_combine, distribute_dispatch
 from ._common import MoeOpError
-from ._exchange import arrange_arrivals, plan_dispatch, send_buffers, slot_counts, weighted_sum
+from ._exchange import arrange_arrivals, plan_dispatch, send_rows, slot_counts, weighted_sum
 from .layout import Layout
 
 DISPATCH = distribute_dispatch.MOE_DISTRIBUTE_DISPATCH.name
@@ -65,18 +65,13 @@ def dispatch_all_ranks(xs: Sequence[np.ndarray], expert_ids: Sequence[np.ndarray
     counts = np.stack([slot_counts(ids, num_experts) for ids in expert_ids])  # the world's all-gather
     plans = [plan_dispatch(expert_ids[g], counts, world.of_rank(g), num_experts, expert_capacity)
              for g in range(world.world_size)]
-    sent = [[split_rows(buffer, plan.send_counts) for buffer in send_buffers(xs[g], expert_ids[g], plan)]
-            for g, plan in enumerate(plans)]
+    sent = [split_rows(send_rows(xs[g], plan), plan.send_counts) for g, plan in enumerate(plans)]
 
-    def received(p: int, q: int, part: int) -> np.ndarray:  # rank (p, q)'s all-to-all in the EP group of q
-        return np.concatenate([sent[world.global_rank_of(source, q)][part][p] for source in range(world.ep_size)])
+    def received(p: int, q: int) -> np.ndarray:  # rank (p, q)'s all-to-all in the EP group of q
+        return np.concatenate([sent[world.global_rank_of(source, q)][p] for source in range(world.ep_size)])
 
-    outputs = []
-    for g, plan in enumerate(plans):
-        p = plan.layout.ep_rank
-        arrival = [np.concatenate([received(p, q, part) for q in range(world.tp_size)]) for part in (0, 1)]
-        outputs.append(arrange_arrivals(arrival[0], arrival[1], plan))
-    return outputs
+    return [arrange_arrivals(np.concatenate([received(plan.layout.ep_rank, q) for q in range(world.tp_size)]), plan)
+            for plan in plans]
 
 
 def combine_all_ranks(expand_ys: Sequence[np.ndarray], assist_infos: Sequence[np.ndarray],

@@ -32,7 +32,7 @@ from ._exchange import (
     check_expert_ids,
     plan_dispatch,
     read_layout,
-    send_buffers,
+    send_rows,
     slot_counts,
 )
 from .layout import Layout
@@ -100,7 +100,7 @@ def moe_distribute_dispatch(x, expert_ids, *, num_experts=None, expert_capacity=
     view, layout, experts, capacity = validated([x, expert_ids], attrs, _node_name, _named_outputs)
     refuse_without_group(view, layout)
     plan = plan_dispatch(expert_ids, slot_counts(expert_ids, experts)[None], layout, experts, capacity)
-    return arrange_arrivals(*send_buffers(x, expert_ids, plan), plan)  # one rank: it sends to itself
+    return arrange_arrivals(send_rows(x, plan), plan)  # one rank: it sends to itself
 
 
 MOE_DISTRIBUTE_DISPATCH = OpDef.of(

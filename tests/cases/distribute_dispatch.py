@@ -30,7 +30,8 @@ def oracle(x, expert_ids, *, num_experts, expert_capacity=0, **_layout):
             rows += [np.zeros_like(x[0]) if tokens else np.zeros(x.shape[1], x.dtype)] * (expert_capacity - len(kept))
         offsets.append(len(rows))
     expand_x = np.array(rows, dtype=x.dtype).reshape(len(rows), x.shape[1])
-    sent = sorted(slot_rows)  # one rank: the send buffer is the kept slots in slot order, and so are the arrivals
+    sent = list(slot_rows)  # one rank: the send buffer is the kept slots by expert (slot order inside), and so are
+    #                         the arrivals
     slot_to_send = [sent.index(s) if s in slot_rows else -1 for s in range(tokens * k)]
     arrival_to_row = [slot_rows[s] for s in sent]
     header = [1, 1, num_experts, tokens, k, len(rows), len(sent), expert_capacity]
