@@ -11,13 +11,14 @@ after it): a checkpoint saved by transformers (torch needed), then
 
 * ours: `moe_onnx.export.export_checkpoint` fused (fp32); `moe-onnx quantize` of it at int4, block 32:
   experts only (QMOE) and whole-model (`--linears`: attention, lm_head as MatMulNBits);
-* unfused: the same export with optimize=False (fp32 only: quantize needs fused MOE nodes);
+* unfused (with --unfused): the same export with optimize=False (fp32 only: quantize needs fused MOE
+  nodes);
 * genai: `python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu` where it builds (GPT-OSS);
 * llama.cpp (when llama_cpp imports and --llama-cpp-source names llama.cpp's source, e.g. the
   vendor/llama.cpp of the llama-cpp-python source package, with the `gguf` package installed): the
   checkpoint converted by its convert_hf_to_gguf.py to f32, then its default Q4_0 mix
   (llama_model_quantize; attention, embeddings and output quantized too). The checkpoint's tokenizer is a
-  word-level one built here that the converter's pre-tokenizer table cannot know, so the conversion is
+  BPE one built here that the converter's table of known pre-tokenizers cannot know, so the conversion is
   told it is "default": token ids are fed directly, never text.
 
 Timing, per precision and thread count: our reference model (fused fp32; whole-model int4) is loaded
@@ -27,8 +28,8 @@ tokens (tokens/s of each). Ratios are ours / theirs in tokens/s (above 1: ours f
 rounds of each round's ratio, so a slow spell of a shared machine slows both sides. Ours and the unfused
 export run through moe_onnx.generation's decoder loop (session.run time only; eos never stops it),
 onnxruntime-genai through its Generator (append_tokens, generate_next_token), llama.cpp through
-llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; set OMP_WAIT_POLICY=passive on shared
-cores: its default spin collapses decode). Every onnxruntime session has idle pool threads that do not
+llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; OMP_WAIT_POLICY=passive unless set: its
+default spin collapses decode on shared cores). Every onnxruntime session has idle pool threads that do not
 spin. A benchmark, not a test: the figures depend on the machine and its load.
 """
 
@@ -58,8 +59,10 @@ from _timing import session_options  # noqa: E402
 from moe_onnx.cli import main as cli  # noqa: E402
 from moe_onnx.generation import GenaiFolder, _Decoder  # noqa: E402
 from moe_onnx.pipeline import genai_decoder, write_genai_folder  # noqa: E402
-from moe_onnx.quantization import QuantizeSettings  # noqa: E402
 
+# llama.cpp's OpenMP pool otherwise spins between runs, taking the shared cores from the contender beside it
+# (libgomp reads this when llama_cpp loads it)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 REPO = Path(__file__).resolve().parents[1]
 KV_FIXTURES = REPO / "models" / "fixtures" / "kv"
 VOCAB = 8192
@@ -114,10 +117,10 @@ class Models:
     def _say(self, message: str) -> None:
         print(f"[{self.shape.name}] {message}", flush=True)
 
-    def _run(self, what: str, command: list[str], **kwargs) -> bool:
+    def _run(self, what: str, command: list[str]) -> bool:
         self._say(f"{what} ...")
         start = time.perf_counter()
-        completed = subprocess.run(command, capture_output=True, text=True, **kwargs)
+        completed = subprocess.run(command, capture_output=True, text=True)
         if completed.returncode != 0:
             tail = (completed.stderr.strip() or completed.stdout.strip()).splitlines()[-3:]
             self._say(f"{what} failed (exit {completed.returncode}): {' | '.join(tail)}")
@@ -126,7 +129,8 @@ class Models:
         return True
 
     def make_checkpoint(self) -> bool:
-        """A checkpoint with random weights (std 0.02, norms 1) and a word-level tokenizer over the vocabulary."""
+        """A checkpoint with random weights (std 0.02, norms 1, GPT-OSS's sinks 0) and a tokenizer over the
+        vocabulary (`_save_tokenizer`)."""
         if (self.checkpoint / "config.json").is_file():
             return True
         try:
@@ -151,8 +155,9 @@ class Models:
         _save_tokenizer(self.checkpoint, self.shape.vocab)
         return True
 
-    def ours(self, precision: str) -> dict[str, Path]:
-        """Our contenders at `precision`: name -> genai folder (the reference one first)."""
+    def ours(self, precision: str, unfused: bool = False) -> dict[str, Path]:
+        """Our contenders at `precision`: name -> genai folder (the reference one first); the unfused export
+        too with `unfused`."""
         fused = self.folder / "fused"
         if self.shape.fixture:
             fused = KV_FIXTURES / self.shape.fixture
@@ -161,10 +166,10 @@ class Models:
                 return {}
         if precision == "fp32":
             out = {"ours fused": fused}
-            unfused = self.folder / "unfused"
-            if not self.shape.fixture and ((unfused / "genai_config.json").is_file()
-                                           or self._export(unfused, optimize=False)):
-                out["unfused export"] = unfused
+            folder = self.folder / "unfused"
+            if unfused and not self.shape.fixture and ((folder / "genai_config.json").is_file()
+                                                       or self._export(folder, optimize=False)):
+                out["unfused export"] = folder
             return out
         out = {}
         for name, linears in (("ours int4 whole", True), ("ours int4 experts", False)):
@@ -176,6 +181,7 @@ class Models:
         return out
 
     def _export(self, out: Path, optimize: bool) -> bool:
+        """export_checkpoint in a child process: torch's export peaks at ~2.3x the weights, given back on exit."""
         script = ("import sys; from moe_onnx.export import export_checkpoint; "
                   "r = export_checkpoint(sys.argv[1], sys.argv[2], optimize=sys.argv[3] == '1'); "
                   "print(r.summary()); sys.exit(0 if r.ok else 1)")
@@ -190,7 +196,7 @@ class Models:
                    "--block-size", str(self.shape.block), "--no-measure"] + (["--linears"] if linears else [])
         self._say(f"moe-onnx {shlex.join(command)}")
         start = time.perf_counter()
-        if cli([*command]) != 0:
+        if cli(command) != 0:
             return False
         self._say(f"quantized in {time.perf_counter() - start:.0f} s")
         write_genai_folder(fused, out, with_library=True)
@@ -202,11 +208,13 @@ class Models:
         if (folder / "genai_config.json").is_file():
             return folder
         if self.shape.fixture or self.shape.model_type != "gpt_oss" or not self.make_checkpoint():
-            return None  # the builder lacks Qwen3-MoE (docs/whole_models.md)
+            return None  # onnxruntime-genai 0.18's builder has no Qwen3-MoE
         ok = self._run(f"onnxruntime-genai builder -p {precision}", [
             sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(self.checkpoint), "-o", str(folder),
             "-p", precision, "-e", "cpu", "-c", str(self.folder / "genai_cache")])
         shutil.rmtree(self.folder / "genai_cache", ignore_errors=True)
+        if not ok:
+            shutil.rmtree(folder, ignore_errors=True)
         return folder if ok else None
 
     def gguf(self, precision: str) -> Path | None:
@@ -217,6 +225,7 @@ class Models:
         if not f32.is_file():
             if not self.make_checkpoint():
                 return None
+            # the converter run as its command line, told the pre-tokenizer of our made-up tokenizer (see the top)
             script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
                       "import conversion.base as base; "
                       "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
@@ -243,12 +252,14 @@ class Models:
 
 
 def _save_tokenizer(folder: Path, vocab: int) -> None:
-    """A word-level tokenizer over `vocab` tokens (<pad> <s> </s> <unk>, then w4, w5, ...)."""
+    """A BPE tokenizer over `vocab` tokens (<pad> <s> </s> <unk> a b ab, then w7, w8, ...) with the one merge
+    "a b": llama.cpp's converter writes a BPE ("gpt2") vocabulary, which llama.cpp loads only with merges."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, vocab)]
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    words = ["<pad>", "<s>", "</s>", "<unk>", "a", "b", "ab"]
+    words += [f"w{i}" for i in range(len(words), vocab)]
+    tokenizer = Tokenizer(models.BPE({word: i for i, word in enumerate(words)}, [("a", "b")], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
                                          eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
@@ -356,8 +367,13 @@ class LlamaContender:
         self.llm.reset()
         prefill, decode = self._eval(ids), 0.0
         for _ in range(new_tokens):
-            decode += self._eval([int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))])
+            decode += self._eval([int(np.argmax(self._last_logits()))])
         return prefill, decode
+
+    def _last_logits(self) -> np.ndarray:
+        import llama_cpp
+
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -416,9 +432,11 @@ def run_pairs(shape: Shape, reference: tuple[str, Path], others: list[tuple[str,
     return {"speeds": speeds, "ratios": ratios}
 
 
-def contenders(models: Models, precision: str) -> tuple[tuple[str, Path] | None, list[tuple[str, str, Path]]]:
-    """(our reference (name, folder), the others (name, kind, path)) at `precision`."""
-    ours = models.ours(precision)
+def contenders(models: Models, precision: str, unfused: bool = False
+                ) -> tuple[tuple[str, Path] | None, list[tuple[str, str, Path]]]:
+    """(our reference (name, folder), the others (name, kind, path)) at `precision`; `unfused`: with the unfused
+    export."""
+    ours = models.ours(precision, unfused)
     if not ours:
         return None, []
     (ref_name, ref_path), *rest = ours.items()
@@ -526,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama.cpp's source (convert_hf_to_gguf.py; default: $LLAMA_CPP_SOURCE)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile our reference model (op types, slowest nodes; prefill and decode)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also the unfused export (fp32; beside the fused session it needs ~3.5x the fp32 "
+                             "weights' memory, and minutes a round)")
     parser.add_argument("--prepare", action="store_true", help="make the models only (no timing)")
     parser.add_argument("--clean", action="store_true", help="delete each shape's files once it is timed")
     parser.add_argument("--smoke", action="store_true",
@@ -539,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         models = Models(shape, folder, args.llama_cpp_source)
         results = {}
         for precision in args.precision:
-            reference, others = contenders(models, precision)
+            reference, others = contenders(models, precision, args.unfused)
             if reference is None:
                 print(f"[{shape.name}] {precision}: no model of ours (see above)", flush=True)
                 continue
