@@ -1,0 +1,585 @@
+"""Generation with the KV cache on real-shape MoE models: prefill and decode tokens/s of the decoder
+`moe-onnx export` makes, against the unfused export, onnxruntime-genai's model builder and llama.cpp.
+
+  flock /work/wt/bigmem.lock python benchmarks/bench_generation.py --shape qwen3 --precision fp32 int4
+  python benchmarks/bench_generation.py --smoke     # seconds: the committed tiny KV fixtures, no torch
+
+Each shape is a 2-layer model with random weights at a real model's sizes, vocabulary cut to 8192:
+Qwen3-30B-A3B (E=128, k=8, H=2048, I=768, 32/4 heads of 128, ~4.8 GB fp32) and GPT-OSS-20B (E=32, k=4,
+H=I=2880, 64/8 heads of 64, ~6.5 GB). Made once in --work-dir (kept; --clean deletes each shape's files
+after it): a checkpoint saved by transformers (torch needed), then
+
+* ours: `moe_onnx.export.export_checkpoint` fused (fp32); `moe-onnx quantize` of it at int4, block 32:
+  experts only (QMOE) and whole-model (`--linears`: attention, lm_head as MatMulNBits);
+* unfused (with --unfused): the same export with optimize=False (fp32 only: quantize needs fused MOE
+  nodes);
+* genai: `python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu` where it builds (GPT-OSS);
+* llama.cpp (when llama_cpp imports and --llama-cpp-source names llama.cpp's source, e.g. the
+  vendor/llama.cpp of the llama-cpp-python source package, with the `gguf` package installed): the
+  checkpoint converted by its convert_hf_to_gguf.py to f32, then its default Q4_0 mix
+  (llama_model_quantize; attention, embeddings and output quantized too). The checkpoint's tokenizer is a
+  BPE one built here that the converter's table of known pre-tokenizers cannot know, so the conversion is
+  told it is "default": token ids are fed directly, never text.
+
+Timing, per precision and thread count: our reference model (fused fp32; whole-model int4) is loaded
+once and each other contender beside it in turn (two models in memory at most); each round runs
+both, back to back: a prefill of T = 128 tokens, then a 512-token prompt followed by 32 greedy decode
+tokens (tokens/s of each). Ratios are ours / theirs in tokens/s (above 1: ours faster), the median over
+rounds of each round's ratio, so a slow spell of a shared machine slows both sides. Ours and the unfused
+export run through moe_onnx.generation's decoder loop (session.run time only; eos never stops it),
+onnxruntime-genai through its Generator (append_tokens, generate_next_token), llama.cpp through
+llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; OMP_WAIT_POLICY=passive unless set: its
+default spin collapses decode on shared cores). Every onnxruntime session has idle pool threads that do not
+spin. A benchmark, not a test: the figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moe_onnx  # noqa: E402
+from _timing import session_options  # noqa: E402
+from moe_onnx.cli import main as cli  # noqa: E402
+from moe_onnx.generation import GenaiFolder, _Decoder  # noqa: E402
+from moe_onnx.pipeline import genai_decoder, write_genai_folder  # noqa: E402
+
+# llama.cpp's OpenMP pool otherwise spins between runs, taking the shared cores from the contender beside it
+# (libgomp reads this when llama_cpp loads it)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+REPO = Path(__file__).resolve().parents[1]
+KV_FIXTURES = REPO / "models" / "fixtures" / "kv"
+VOCAB = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmarked model: a transformers config (2 layers) and the token counts it is timed at."""
+
+    name: str
+    model_type: str
+    config: dict
+    prefill_tokens: int = 128
+    prompt_tokens: int = 512
+    decode_tokens: int = 32
+    unfused_chunk: int | None = None  # the unfused export's prompt runs this many tokens a run
+    block: int = 32  # int4 block size: llama.cpp's Q4_0 block; 0 (per column): experts only, no whole-model int4
+    fixture: str | None = None  # --smoke: the committed KV fixture used as the fused fp32 model
+
+    @property
+    def vocab(self) -> int:
+        return self.config.get("vocab_size", VOCAB)
+
+
+_COMMON = dict(num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0, tie_word_embeddings=False)
+SHAPES = {
+    "qwen3": Shape("qwen3", "qwen3_moe", dict(
+        _COMMON, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+        num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[]), unfused_chunk=16),
+    "gpt_oss": Shape("gpt_oss", "gpt_oss", dict(
+        _COMMON, hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"]), unfused_chunk=8),
+}
+SMOKE_SHAPES = {name: Shape(f"{name} (smoke)", SHAPES[name].model_type, {"vocab_size": 96}, prefill_tokens=8,
+                            prompt_tokens=16, decode_tokens=4, block=0, fixture=fixture)
+                for name, fixture in (("qwen3", "qwen3_moe"), ("gpt_oss", "gpt_oss"))}
+
+
+# ----------------------------------------------------------------------------- making the models
+
+class Models:
+    """The model files of one shape in its work folder, each made when missing."""
+
+    def __init__(self, shape: Shape, folder: Path, llama_source: Path | None):
+        self.shape, self.folder, self.llama_source = shape, folder, llama_source
+        folder.mkdir(parents=True, exist_ok=True)
+        self.checkpoint = folder / "checkpoint"
+
+    def _say(self, message: str) -> None:
+        print(f"[{self.shape.name}] {message}", flush=True)
+
+    def _run(self, what: str, command: list[str]) -> bool:
+        self._say(f"{what} ...")
+        start = time.perf_counter()
+        completed = subprocess.run(command, capture_output=True, text=True)
+        if completed.returncode != 0:
+            tail = (completed.stderr.strip() or completed.stdout.strip()).splitlines()[-3:]
+            self._say(f"{what} failed (exit {completed.returncode}): {' | '.join(tail)}")
+            return False
+        self._say(f"{what}: {time.perf_counter() - start:.0f} s")
+        return True
+
+    def make_checkpoint(self) -> bool:
+        """A checkpoint with random weights (std 0.02, norms 1, GPT-OSS's sinks 0) and a tokenizer over the
+        vocabulary (`_save_tokenizer`)."""
+        if (self.checkpoint / "config.json").is_file():
+            return True
+        try:
+            import torch
+            import transformers
+        except ImportError:
+            self._say("no torch/transformers: cannot make the checkpoint")
+            return False
+        self._say("making the random checkpoint")
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(self.shape.model_type, **self.shape.config)
+        with torch.no_grad():
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            for name, parameter in model.named_parameters():
+                if "norm" in name or "sinks" in name:
+                    parameter.fill_(1.0 if "norm" in name else 0.0)
+                else:
+                    parameter.normal_(0.0, 0.02)
+        model.save_pretrained(self.checkpoint)
+        del model
+        gc.collect()
+        _save_tokenizer(self.checkpoint, self.shape.vocab)
+        return True
+
+    def ours(self, precision: str, unfused: bool = False) -> dict[str, Path]:
+        """Our contenders at `precision`: name -> genai folder (the reference one first); the unfused export
+        too with `unfused`."""
+        fused = self.folder / "fused"
+        if self.shape.fixture:
+            fused = KV_FIXTURES / self.shape.fixture
+        elif not (fused / "genai_config.json").is_file():
+            if not self.make_checkpoint() or not self._export(fused, optimize=True):
+                return {}
+        if precision == "fp32":
+            out = {"ours fused": fused}
+            folder = self.folder / "unfused"
+            if unfused and not self.shape.fixture and ((folder / "genai_config.json").is_file()
+                                                       or self._export(folder, optimize=False)):
+                out["unfused export"] = folder
+            return out
+        out = {}
+        for name, linears in (("ours int4 whole", True), ("ours int4 experts", False)):
+            if linears and not self.shape.block:
+                continue  # MatMulNBits needs blocks
+            folder = self.folder / name.replace(" ", "_")
+            if (folder / "genai_config.json").is_file() or self._quantize(fused, folder, linears):
+                out[name] = folder
+        return out
+
+    def _export(self, out: Path, optimize: bool) -> bool:
+        """export_checkpoint in a child process: torch's export peaks at ~2.3x the weights, given back on exit."""
+        script = ("import sys; from moe_onnx.export import export_checkpoint; "
+                  "r = export_checkpoint(sys.argv[1], sys.argv[2], optimize=sys.argv[3] == '1'); "
+                  "print(r.summary()); sys.exit(0 if r.ok else 1)")
+        return self._run(f"export_checkpoint(optimize={optimize}) -> {out.name}",
+                         [sys.executable, "-c", script, str(self.checkpoint), str(out), "1" if optimize else "0"])
+
+    def _quantize(self, fused: Path, out: Path, linears: bool) -> bool:
+        """`moe-onnx quantize` of the fused decoder at int4 (block `shape.block`) into a genai folder beside the
+        fused folder's other files."""
+        out.mkdir(parents=True, exist_ok=True)
+        command = ["quantize", str(genai_decoder(fused)), "-o", str(out / "model.onnx"), "--bits", "4",
+                   "--block-size", str(self.shape.block), "--no-measure"] + (["--linears"] if linears else [])
+        self._say(f"moe-onnx {shlex.join(command)}")
+        start = time.perf_counter()
+        if cli(command) != 0:
+            return False
+        self._say(f"quantized in {time.perf_counter() - start:.0f} s")
+        write_genai_folder(fused, out, with_library=True)
+        return True
+
+    def genai(self, precision: str) -> Path | None:
+        """onnxruntime-genai's builder model of the checkpoint at `precision` (None where it does not build)."""
+        folder = self.folder / f"genai_{precision}"
+        if (folder / "genai_config.json").is_file():
+            return folder
+        if self.shape.fixture or self.shape.model_type != "gpt_oss" or not self.make_checkpoint():
+            return None  # onnxruntime-genai 0.18's builder has no Qwen3-MoE
+        ok = self._run(f"onnxruntime-genai builder -p {precision}", [
+            sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(self.checkpoint), "-o", str(folder),
+            "-p", precision, "-e", "cpu", "-c", str(self.folder / "genai_cache")])
+        shutil.rmtree(self.folder / "genai_cache", ignore_errors=True)
+        if not ok:
+            shutil.rmtree(folder, ignore_errors=True)
+        return folder if ok else None
+
+    def gguf(self, precision: str) -> Path | None:
+        """The checkpoint as GGUF: f32 (fp32) or llama.cpp's default Q4_0 mix (int4); None without llama.cpp."""
+        if self.shape.fixture or self.llama_source is None:
+            return None
+        f32 = self.folder / "model-f32.gguf"
+        if not f32.is_file():
+            if not self.make_checkpoint():
+                return None
+            # the converter run as its command line, told the pre-tokenizer of our made-up tokenizer (see the top)
+            script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
+                      "import conversion.base as base; "
+                      "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
+                      "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
+                      "runpy.run_path(source + '/convert_hf_to_gguf.py', run_name='__main__')")
+            if not self._run("convert_hf_to_gguf.py --outtype f32", [
+                    sys.executable, "-c", script, str(self.llama_source), str(self.checkpoint), "--outtype", "f32",
+                    "--outfile", str(f32)]):
+                return None
+        if precision == "fp32":
+            return f32
+        q4 = self.folder / "model-q4_0.gguf"
+        if not q4.is_file():
+            if not _llama_cpp_available():
+                return None
+            import llama_cpp
+            self._say("llama_model_quantize Q4_0 ...")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+            if llama_cpp.llama_model_quantize(str(f32).encode(), str(q4).encode(), params) != 0:
+                self._say("llama_model_quantize failed")
+                return None
+        return q4
+
+
+def _save_tokenizer(folder: Path, vocab: int) -> None:
+    """A BPE tokenizer over `vocab` tokens (<pad> <s> </s> <unk> a b ab, then w7, w8, ...) with the one merge
+    "a b": llama.cpp's converter writes a BPE ("gpt2") vocabulary, which llama.cpp loads only with merges."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "a", "b", "ab"]
+    words += [f"w{i}" for i in range(len(words), vocab)]
+    tokenizer = Tokenizer(models.BPE({word: i for i, word in enumerate(words)}, [("a", "b")], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                         eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+
+
+def _llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- contenders
+
+class OrtContender:
+    """A genai folder run through moe_onnx.generation's decoder loop on our session (any decoder: fused or not).
+    With `chunk`, the prompt runs `chunk` tokens a run, each run's presents fed back (the unfused export: its
+    experts gather every (token, expert) pair's weights, T * k expert matrices at once, more memory than the
+    machine has at T = 128)."""
+
+    def __init__(self, folder: Path, threads: int, chunk: int | None = None):
+        genai = GenaiFolder(folder)
+        genai.eos = set()  # random weights: never stop early
+        self.decoder = _Decoder(genai, moe_onnx.session(genai.decoder_path, sess_options=session_options(threads)))
+        self.chunk = chunk
+
+    def prefill(self, ids: list[int]) -> float:
+        return self.generate(ids, 0)[0]
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        if self.chunk is None:
+            seconds = self.decoder.run(ids, new_tokens + 1, None)[2]
+            return seconds[0], sum(seconds[1:])
+        d = self.decoder
+        pasts = {c.past: ort.OrtValue.ortvalue_from_numpy(np.zeros(c.initial_shape, c.dtype)) for c in d.caches}
+        chunks = [ids[i:i + self.chunk] for i in range(0, len(ids), self.chunk)]
+        seconds, length, outputs = [], 0, None
+        for run in range(len(chunks) + new_tokens):
+            step = chunks[run] if run < len(chunks) else [int(np.argmax(outputs[0].numpy()[0, -1]))]
+            feeds = {**pasts, **d._token_feeds(step, length)}
+            start = time.perf_counter()
+            outputs = d.decoder.run_with_ort_values(d.output_names, feeds)
+            seconds.append(time.perf_counter() - start)
+            pasts = {c.past: value for c, value in zip(d.caches, outputs[1:], strict=True)}
+            length += len(step)
+        return sum(seconds[:len(chunks)]), sum(seconds[len(chunks):])
+
+
+class GenaiContender:
+    """An onnxruntime-genai model folder through its Generator (greedy; min_length keeps eos from stopping it)."""
+
+    def __init__(self, folder: Path, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(folder))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))  # no key to stop its pool spinning
+        self.model = og.Model(config)
+
+    def _generator(self, length: int):
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=length, min_length=length)
+        return self.og.Generator(self.model, params)
+
+    def prefill(self, ids: list[int]) -> float:
+        generator = self._generator(len(ids) + 1)
+        start = time.perf_counter()
+        generator.append_tokens(np.array([ids], np.int32))
+        generator.generate_next_token()
+        return time.perf_counter() - start
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        generator = self._generator(len(ids) + new_tokens + 1)
+        start = time.perf_counter()
+        generator.append_tokens(np.array([ids], np.int32))
+        generator.generate_next_token()
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            generator.generate_next_token()
+        return prefill, time.perf_counter() - start
+
+
+class LlamaContender:
+    """A GGUF through llama_cpp.Llama: eval of the prompt, then one eval per greedy token."""
+
+    def __init__(self, path: Path, threads: int, context: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                                   n_batch=512, n_ubatch=512, verbose=False)
+
+    def _eval(self, ids: list[int]) -> float:
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - start
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        return self._eval(ids)
+
+    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
+        self.llm.reset()
+        prefill, decode = self._eval(ids), 0.0
+        for _ in range(new_tokens):
+            decode += self._eval([int(np.argmax(self._last_logits()))])
+        return prefill, decode
+
+    def _last_logits(self) -> np.ndarray:
+        import llama_cpp
+
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
+
+
+# ----------------------------------------------------------------------------- timing
+
+METRICS = ("prefill_short", "prefill_long", "decode")
+
+
+def measure(contender, shape: Shape, prompt: list[int]) -> dict[str, float]:
+    """One round of a contender: tokens/s of each metric."""
+    short = shape.prefill_tokens
+    prefill_short = contender.prefill(prompt[:short])
+    prefill_long, decode = contender.generate(prompt, shape.decode_tokens)
+    return {"prefill_short": short / prefill_short, "prefill_long": len(prompt) / prefill_long,
+            "decode": shape.decode_tokens / decode}
+
+
+def load(kind: str, path: Path, threads: int, shape: Shape):
+    if kind == "unfused":
+        return OrtContender(path, threads, chunk=shape.unfused_chunk)
+    if kind == "llama.cpp":
+        return LlamaContender(path, threads, context=shape.prompt_tokens + shape.decode_tokens + 16)
+    if kind == "genai":
+        return GenaiContender(path, threads)
+    return OrtContender(path, threads)
+
+
+def run_pairs(shape: Shape, reference: tuple[str, Path], others: list[tuple[str, str, Path]], threads: int,
+              rounds: int) -> dict:
+    """The reference (ours) and each other contender in turn beside it, `rounds` alternating rounds per pair.
+    Returns {name: {metric: median tokens/s}} and {name: {metric: median of the rounds' ours/theirs}}."""
+    prompt = [int(t) for t in np.random.default_rng(0).integers(4, shape.vocab, shape.prompt_tokens)]
+    ref_name, ref_path = reference
+    ours = load("ours", ref_path, threads, shape)
+    measure(ours, shape, prompt)  # warm-up
+    ours_rounds, speeds, ratios = [], {}, {}
+    for name, kind, path in others:
+        print(f"  {threads} thread(s): {ref_name} vs {name}", flush=True)
+        try:
+            theirs = load(kind, path, threads, shape)
+            measure(theirs, shape, prompt)
+        except Exception as error:  # noqa: BLE001 - a contender that does not run is a row, not a crash
+            print(f"  {name} does not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+            continue
+        pair_ours, pair_theirs = [], []
+        for _ in range(rounds):
+            pair_ours.append(measure(ours, shape, prompt))
+            pair_theirs.append(measure(theirs, shape, prompt))
+        del theirs
+        gc.collect()
+        ours_rounds += pair_ours
+        speeds[name] = {m: statistics.median(r[m] for r in pair_theirs) for m in METRICS}
+        ratios[name] = {m: statistics.median(a[m] / b[m] for a, b in zip(pair_ours, pair_theirs)) for m in METRICS}
+    if not ours_rounds:
+        ours_rounds = [measure(ours, shape, prompt) for _ in range(rounds)]
+    speeds = {ref_name: {m: statistics.median(r[m] for r in ours_rounds) for m in METRICS}, **speeds}
+    return {"speeds": speeds, "ratios": ratios}
+
+
+def contenders(models: Models, precision: str, unfused: bool = False
+                ) -> tuple[tuple[str, Path] | None, list[tuple[str, str, Path]]]:
+    """(our reference (name, folder), the others (name, kind, path)) at `precision`; `unfused`: with the unfused
+    export."""
+    ours = models.ours(precision, unfused)
+    if not ours:
+        return None, []
+    (ref_name, ref_path), *rest = ours.items()
+    others = [(name, "unfused" if name == "unfused export" else "ours", path) for name, path in rest]
+    if precision == "int4":  # what int4 gains over our fp32
+        others += [(f"{name} fp32", "ours", path) for name, path in list(models.ours("fp32").items())[:1]]
+    genai = models.genai("int4" if precision == "int4" else "fp32")
+    if genai is not None:
+        others.append((f"genai builder {precision}", "genai", genai))
+    gguf = models.gguf(precision)
+    if gguf is not None:
+        others.append(("llama.cpp " + ("f32" if precision == "fp32" else "Q4_0"), "llama.cpp", gguf))
+    return (ref_name, ref_path), others
+
+
+# ----------------------------------------------------------------------------- where the time goes
+
+def profile(folder: Path, shape: Shape, threads: int, top: int = 6) -> list[str]:
+    """onnxruntime's profile of one generation (a `prompt_tokens` prefill, then `decode_tokens` decode runs) of the
+    decoder in `folder`: per phase, the share of each op type's kernel time and the slowest nodes."""
+    options = session_options(threads)
+    options.enable_profiling = True
+    options.profile_file_prefix = str(folder.parent / f"profile_{folder.name}")
+    genai = GenaiFolder(folder)
+    genai.eos = set()
+    session = moe_onnx.session(genai.decoder_path, sess_options=options)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(4, shape.vocab, shape.prompt_tokens)]
+    _Decoder(genai, session).run(prompt, shape.decode_tokens + 1, None)
+    trace = Path(session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    out = [f"profile of {folder.name}, {threads} thread(s); kernels: "
+           + ", ".join(f"{k}={v}" for k, v in moe_onnx.runtime.kernel_report().items() if k in (
+               "level", "gemm_panels", "quant_dots", "amx"))]
+    for phase, (first, last) in (("prefill", (0, 1)), ("decode", (1, len(runs)))):
+        spans = runs[first:last]
+        picked = [e for e in nodes if any(a <= e["ts"] <= b for a, b in spans)]
+        total = sum(e["dur"] for e in picked) or 1
+        wall = sum(b - a for a, b in spans) / len(spans) / 1e3
+        by_op: dict[str, float] = {}
+        by_node: dict[str, float] = {}
+        for e in picked:
+            by_op[e["args"]["op_name"]] = by_op.get(e["args"]["op_name"], 0) + e["dur"]
+            name = f"{e['name'].removesuffix('_kernel_time')} ({e['args']['op_name']})"
+            by_node[name] = by_node.get(name, 0) + e["dur"]
+        ops = sorted(by_op.items(), key=lambda kv: -kv[1])
+        slow = sorted(by_node.items(), key=lambda kv: -kv[1])[:top]
+        out.append(f"  {phase}: {wall:.2f} ms a run; kernel time by op: "
+                   + ", ".join(f"{op} {100 * t / total:.0f}%" for op, t in ops[:top]))
+        out.append("    slowest nodes: " + ", ".join(f"{n} {100 * t / total:.0f}%" for n, t in slow))
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def table(shape: Shape, precision: str, threads: int, result: dict) -> list[str]:
+    head = (f"| {shape.name} {precision}, {threads} thread(s) | prefill T={shape.prefill_tokens} tok/s | "
+            f"prefill T={shape.prompt_tokens} tok/s | decode tok/s ({shape.decode_tokens} after "
+            f"{shape.prompt_tokens}) | ours / it: prefill T={shape.prefill_tokens}, T={shape.prompt_tokens}, decode |")
+    lines = [head, "|---|---|---|---|---|"]
+    for name, speed in result["speeds"].items():
+        ratio = result["ratios"].get(name)
+        ratio_cell = ", ".join(f"{ratio[m]:.2f}x" for m in METRICS) if ratio else "(reference)"
+        lines.append(f"| {name} | " + " | ".join(f"{speed[m]:.1f}" for m in METRICS) + f" | {ratio_cell} |")
+    return lines
+
+
+def targets(shape: Shape, results: dict) -> list[str]:
+    """The issue's targets: with the KV cache, prefill and decode tokens/s at least llama.cpp's at the same
+    precision and set of quantized tensors (fp32 vs f32, whole-model int4 vs its Q4_0 mix), 1 and 2 threads."""
+    out = []
+    for (precision, threads), result in results.items():
+        for name, ratio in result["ratios"].items():
+            if not name.startswith("llama.cpp"):
+                continue
+            ok = all(ratio[m] >= 1 for m in METRICS)
+            figures = ", ".join(f"{m} {ratio[m]:.2f}x" for m in METRICS)
+            out.append(f"- [{'met' if ok else 'NOT met'}] {shape.name} {precision} {threads} thread(s): ours >= "
+                       f"{name} (tokens/s ours / its): {figures}")
+    return out
+
+
+def machine() -> str:
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["qwen3", "gpt_oss"])
+    parser.add_argument("--precision", nargs="+", choices=("fp32", "int4"), default=["fp32", "int4"])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per pair")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/moe-bench-generation"))
+    parser.add_argument("--llama-cpp-source", type=Path, default=os.environ.get("LLAMA_CPP_SOURCE"),
+                        help="llama.cpp's source (convert_hf_to_gguf.py; default: $LLAMA_CPP_SOURCE)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile our reference model (op types, slowest nodes; prefill and decode)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also the unfused export (fp32; beside the fused session it needs ~3.5x the fp32 "
+                             "weights' memory, and minutes a round)")
+    parser.add_argument("--prepare", action="store_true", help="make the models only (no timing)")
+    parser.add_argument("--clean", action="store_true", help="delete each shape's files once it is timed")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the committed tiny KV fixtures at a few tokens, 1 round: a check of the script")
+    args = parser.parse_args(argv)
+    shapes = [SMOKE_SHAPES[name] if args.smoke else SHAPES[name] for name in args.shape]
+    rounds = 1 if args.smoke else args.rounds
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}", flush=True)
+    for shape in shapes:
+        folder = args.work_dir / shape.name.split()[0] if not args.smoke else args.work_dir / f"smoke_{shape.fixture}"
+        models = Models(shape, folder, args.llama_cpp_source)
+        results = {}
+        for precision in args.precision:
+            reference, others = contenders(models, precision, args.unfused)
+            if reference is None:
+                print(f"[{shape.name}] {precision}: no model of ours (see above)", flush=True)
+                continue
+            if args.prepare:
+                print(f"[{shape.name}] {precision}: {reference[0]}, " + ", ".join(o[0] for o in others), flush=True)
+                continue
+            for threads in args.threads:
+                if args.profile:
+                    print("\n".join(profile(reference[1], shape, threads)), flush=True)
+                results[precision, threads] = run_pairs(shape, reference, others, threads, rounds)
+                print("\n".join(table(shape, precision, threads, results[precision, threads])) + "\n", flush=True)
+        if args.prepare:
+            continue
+        lines = targets(shape, results)
+        print("\n".join(lines or [f"- {shape.name}: no llama.cpp figures (llama_cpp not installed or no source)"]))
+        if args.clean:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
