@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -330,3 +331,40 @@ def test_export_fp16_fuses(family, tmp_path, capsys):
         "position_ids": np.arange(prompt.shape[1], dtype=np.int64)[None], **past})[0]
     assert logits.dtype == np.float16
     np.testing.assert_allclose(logits[0, -1].astype(np.float32), reference["logits"][0], atol=1.5e-2)
+
+
+def _resident_kib_of_mappings(path: Path) -> int:
+    """The resident KiB of this process's memory maps of ``path`` (/proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header: address range, perms, ..., path
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1])
+    return resident
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="the export needs torch and transformers (the export extra)")
+def test_load_hands_back_the_checkpoint_pages(tmp_path):
+    """transformers keeps the checkpoint memory-mapped after the load and every page it read resident (the
+    experts it stacked into new tensors: their size again); `moe-onnx export`'s load hands those pages back,
+    and the weights still read the checkpoint's values."""
+    import export_kv_fixtures
+    import torch
+    from safetensors.torch import load_file
+
+    from moe_onnx.export import _torch
+
+    checkpoint = tmp_path / "checkpoint"
+    export_kv_fixtures.save_checkpoint("qwen3_moe", checkpoint)
+    weights = checkpoint / "model.safetensors"
+    with open(weights, "rb") as file:  # written back, so that its pages can be reclaimed at once
+        os.fsync(file.fileno())
+    model = _torch.load_model(checkpoint, EXPORT_FAMILIES["qwen3_moe"], "fp32")
+    assert _resident_kib_of_mappings(weights.resolve()) == 0
+    saved = load_file(weights)
+    assert torch.equal(model.lm_head.weight, saved["lm_head.weight"])
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj[3], saved["model.layers.1.mlp.experts.3.down_proj.weight"])

@@ -4,6 +4,8 @@ that torch and transformers are installed."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import warnings
 from pathlib import Path
 
@@ -28,6 +30,7 @@ def load_model(checkpoint: Path, family: ExportFamily, dtype: str) -> transforme
     model = transformers.AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=DTYPES[dtype], attn_implementation="eager",
         experts_implementation=family.experts_implementation)
+    _page_out_checkpoint(checkpoint)
     return model.eval()
 
 
@@ -42,6 +45,31 @@ def refuse_states(model: transformers.PreTrainedModel) -> None:
         raise ExportError(f"{model.config.model_type}: its cache holds {', '.join(sorted(kinds))} layers (state "
                           f"other than keys and values, layer_types {getattr(model.config, 'layer_types', None)}); "
                           f"moe-onnx export writes a decoder with a KV cache only")
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+
+
+
+def _page_out_checkpoint(checkpoint: Path) -> None:
+    """Hand back the pages of the checkpoint's memory-mapped safetensors files that the load touched (Linux).
+
+    transformers reads the checkpoint through a memory map and keeps it mapped after the load (the weights it
+    did not convert are views into it), so every page it read stays resident: for the experts, which it stacks
+    into new tensors, about their size again. ``madvise(MADV_PAGEOUT)`` reclaims those pages now, before the
+    export; the views read their pages back when the weights are written. The hint changes no data (a page
+    that was written to, or that the kernel cannot reclaim, just stays), so an older kernel only keeps the pages.
+    """
+    maps = Path("/proc/self/maps")
+    if not sys.platform.startswith("linux") or not maps.is_file():
+        return
+    folder = str(checkpoint.resolve())
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for line in maps.read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(folder + "/") and fields[5].endswith(".safetensors"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            madvise(start, end - start, _MADV_PAGEOUT)
 
 
 class FlatCacheDecoder(torch.nn.Module):
