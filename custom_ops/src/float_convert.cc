@@ -39,7 +39,9 @@ void narrow_row_from(FloatType type, const float* src, int64_t done, void* dst, 
   }
 }
 
-void narrow_row_portable(FloatType type, const float* src, void* dst, int64_t n) { narrow_row_from(type, src, 0, dst, n); }
+void narrow_row_portable(FloatType type, const float* src, void* dst, int64_t n) {
+  narrow_row_from(type, src, 0, dst, n);
+}
 
 }  // namespace detail
 
