@@ -65,10 +65,7 @@ void round_to_bf16(FloatType type, const void* src, int64_t n, uint16_t* dst) {
       for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(half_to_float(in[i]));
       break;
     }
-    default: {
-      const auto* in = static_cast<const float*>(src);
-      for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(in[i]);
-    }
+    default: narrow_row(FloatType::kBF16, static_cast<const float*>(src), dst, n);
   }
 }
 

@@ -12,9 +12,9 @@ void widen_elements(const void* src, int64_t done, float* dst, int64_t n) {
 }
 
 template <class Narrow>
-void narrow_elements(const float* src, void* dst, int64_t n, Narrow narrow) {
+void narrow_elements(const float* src, int64_t done, void* dst, int64_t n, Narrow narrow) {
   auto* d = static_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = narrow(src[i]);
+  for (int64_t i = done; i < n; ++i) d[i] = narrow(src[i]);
 }
 
 }  // namespace
@@ -30,6 +30,19 @@ void widen_row_from(FloatType type, const void* src, int64_t done, float* dst, i
 
 void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n) { widen_row_from(type, src, 0, dst, n); }
 
+void narrow_row_from(FloatType type, const float* src, int64_t done, void* dst, int64_t n) {
+  switch (type) {
+    case FloatType::kF16: return narrow_elements(src, done, dst, n, float_to_half);
+    case FloatType::kBF16: return narrow_elements(src, done, dst, n, float_to_bf16);
+    default:
+      if (n > done) std::memcpy(static_cast<float*>(dst) + done, src + done, static_cast<size_t>(n - done) * 4);
+  }
+}
+
+void narrow_row_portable(FloatType type, const float* src, void* dst, int64_t n) {
+  narrow_row_from(type, src, 0, dst, n);
+}
+
 }  // namespace detail
 
 void widen_row(FloatType type, const void* src, float* dst, int64_t n) {
@@ -37,12 +50,7 @@ void widen_row(FloatType type, const void* src, float* dst, int64_t n) {
 }
 
 void narrow_row(FloatType type, const float* src, void* dst, int64_t n) {
-  switch (type) {
-    case FloatType::kF16: return detail::narrow_elements(src, dst, n, float_to_half);
-    case FloatType::kBF16: return detail::narrow_elements(src, dst, n, float_to_bf16);
-    default:
-      if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * 4);
-  }
+  if (n > 0) kernels().narrow_row(type, src, dst, n);
 }
 
 }  // namespace moe_onnx

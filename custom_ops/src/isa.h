@@ -86,6 +86,7 @@ struct KernelTable {
   // The slots.
   Slot<detail::GemmFn> gemm_panels;        // gemm.h
   Slot<detail::WidenRowFn> widen_row;      // float_convert.h
+  Slot<detail::NarrowRowFn> narrow_row;
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
   Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
   Slot<detail::QuantDecodeFn> quant_decode;

@@ -7,6 +7,7 @@
 // per row of A adds it into the block's dots; at the block's end the scale applies once.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <type_traits>
 #include <utility>
@@ -191,33 +192,54 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   }
 }
 
-// QuantAddDotsFn with (kZeroPoints) or without zero points in the headers.
+// add_dots on kCount blocks (the first kCount of d's): their scales (and zero points) held in registers,
+// then row after row, the row's 16 sums in one register over the blocks in order.
+template <bool kZeroPoints, int kCount>
+void add_block_dots(const QuantBlockDots& d, float* out, int64_t ldc) {
+  __m512 scale[kCount];
+  __m512i zero_point[kCount];
+  for (int i = 0; i < kCount; ++i) {
+    const uint8_t* header = d.headers + i * d.header_stride;
+    scale[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+    if (kZeroPoints)
+      zero_point[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64)));
+  }
+  for (int64_t m = 0; m < d.rows; ++m) {
+    __m512 acc = _mm512_loadu_ps(out + m * ldc);
+    const int32_t* sums = d.sums + m * d.stride;
+    const float* sa = d.sa + m * d.stride;
+#pragma GCC unroll 4
+    for (int i = 0; i < kCount; ++i) {
+      const __m512i correction =  // zp * sum per column, wrapping
+          kZeroPoints ? _mm512_mullo_epi32(zero_point[i], _mm512_set1_epi32(sums[i]))
+                      : _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(d.default_zero_point) *
+                                                               static_cast<uint32_t>(sums[i])));
+      const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(d.dots + i * d.block_stride + m * kPanel), correction);
+      const __m512 factor = _mm512_mul_ps(_mm512_set1_ps(sa[i]), scale[i]);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(factor, _mm512_cvtepi32_ps(dot)));
+    }
+    _mm512_storeu_ps(out + m * ldc, acc);
+  }
+}
+
+// QuantAddDotsFn with (kZeroPoints) or without zero points in the headers: four blocks at a time (each
+// element still takes the blocks in order).
 template <bool kZeroPoints>
 void add_dots(const QuantBlockDots& d, float* out, int64_t ldc) {
-  constexpr int64_t kRows = 8;  // rows whose sums stay in registers while the blocks pass
-  const auto zero_point_times = [&](const uint8_t* header, int32_t sum) {  // zp * sum per column, wrapping
-    if (!kZeroPoints)
-      return _mm512_set1_epi32(
-          static_cast<int32_t>(static_cast<uint32_t>(d.default_zero_point) * static_cast<uint32_t>(sum)));
-    return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(header + 64))),
-                              _mm512_set1_epi32(sum));
-  };
-  for (int64_t m0 = 0; m0 < d.rows; m0 += kRows) {
-    const int64_t rows = d.rows - m0 < kRows ? d.rows - m0 : kRows;
-    __m512 acc[kRows];
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_loadu_ps(out + (m0 + r) * ldc);
-    for (int64_t i = 0; i < d.count; ++i) {
-      const uint8_t* header = d.headers + i * d.header_stride;
-      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = m0 + r;
-        const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(d.dots + i * d.block_stride + m * kPanel),
-                                             zero_point_times(header, d.sums[m * d.stride + i]));
-        const __m512 factor = _mm512_mul_ps(_mm512_set1_ps(d.sa[m * d.stride + i]), scale);
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(factor, _mm512_cvtepi32_ps(dot)));
-      }
+  constexpr int64_t kHeld = 4;
+  for (int64_t i = 0; i < d.count; i += kHeld) {
+    QuantBlockDots part = d;
+    part.count = std::min(kHeld, d.count - i);
+    part.dots += i * d.block_stride;
+    part.sums += i;
+    part.sa += i;
+    part.headers += i * d.header_stride;
+    switch (part.count) {
+      case 1: add_block_dots<kZeroPoints, 1>(part, out, ldc); break;
+      case 2: add_block_dots<kZeroPoints, 2>(part, out, ldc); break;
+      case 3: add_block_dots<kZeroPoints, 3>(part, out, ldc); break;
+      default: add_block_dots<kZeroPoints, 4>(part, out, ldc);
     }
-    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * ldc, acc[r]);
   }
 }
 
