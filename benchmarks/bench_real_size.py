@@ -6,7 +6,7 @@ plain onnxruntime on the original export (not a test: it needs torch and minutes
 
 Each shape is a causal LM with random weights at a real model's sizes, vocabulary cut to 8192, with enough
 layers for >= 8 GB of fp32 weights: Qwen3-30B-A3B (4 layers of E=128, k=8, H=2048, I=768, 32/4 heads of 128;
-9.3 GiB) and GPT-OSS-20B (3 layers of E=32, k=4, H=I=2880, 64/8 heads of 64; 9.3 GiB). In --work-dir, one
+9.4 GiB) and GPT-OSS-20B (3 layers of E=32, k=4, H=I=2880, 64/8 heads of 64; 9.4 GiB). In --work-dir, one
 shape at a time, each file deleted once no later step reads it (at most two models on disk, ~20 GB):
 
 1. a checkpoint saved by transformers (std 0.02 weights, norms 1);
