@@ -193,3 +193,21 @@ def linear_model(w: np.ndarray) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", out, ["R", N])], [numpy_helper.from_array(w, "w")])
     return helper.make_model(graph, opset_imports=_PROBE_OPSET + [helper.make_opsetid(moe_onnx.DOMAIN, 1)],
                              ir_version=10)
+
+
+def save_random_checkpoint(model_type: str, config: dict, folder: Path, **save_options) -> None:
+    """A transformers checkpoint of ``model_type`` with ``config`` and random weights (std 0.02, norms 1, attention
+    sinks 0, seed 0) saved in ``folder`` (needs torch and transformers; ``save_options`` go to save_pretrained)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(model_type, **config), dtype=torch.float32)
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "sinks" in name:
+                parameter.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                parameter.normal_(0.0, 0.02)
+    model.save_pretrained(folder, **save_options)

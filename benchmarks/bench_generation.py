@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -55,6 +56,7 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_onnx  # noqa: E402
+from _models import save_random_checkpoint  # noqa: E402
 from _timing import session_options  # noqa: E402
 from moe_onnx.cli import main as cli  # noqa: E402
 from moe_onnx.generation import GenaiFolder, _Decoder  # noqa: E402
@@ -133,25 +135,11 @@ class Models:
         vocabulary (`_save_tokenizer`)."""
         if (self.checkpoint / "config.json").is_file():
             return True
-        try:
-            import torch
-            import transformers
-        except ImportError:
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
             self._say("no torch/transformers: cannot make the checkpoint")
             return False
         self._say("making the random checkpoint")
-        torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(self.shape.model_type, **self.shape.config)
-        with torch.no_grad():
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            for name, parameter in model.named_parameters():
-                if "norm" in name or "sinks" in name:
-                    parameter.fill_(1.0 if "norm" in name else 0.0)
-                else:
-                    parameter.normal_(0.0, 0.02)
-        model.save_pretrained(self.checkpoint)
-        del model
-        gc.collect()
+        save_random_checkpoint(self.shape.model_type, self.shape.config, self.checkpoint)
         _save_tokenizer(self.checkpoint, self.shape.vocab)
         return True
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _models import save_random_checkpoint
 from startup_memory import status_mb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,19 +91,8 @@ SMOKE_SHAPES = {
 
 def make_checkpoint(shape: Shape, folder: Path) -> None:
     """A checkpoint of `shape` with random weights (std 0.02, norms 1, sinks 0) and a tokenizer beside it."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(shape.model_type, **shape.config)
-    with torch.no_grad():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        for name, parameter in model.named_parameters():
-            if "norm" in name or "sinks" in name:
-                parameter.fill_(1.0 if "norm" in name else 0.0)
-            else:
-                parameter.normal_(0.0, 0.02)
-    model.save_pretrained(folder, max_shard_size="2GB")  # safetensors holds a shard's bytes while writing it
+    save_random_checkpoint(shape.model_type, shape.config, folder,
+                           max_shard_size="2GB")  # safetensors holds a shard's bytes while writing it
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / name, folder / name)
 
