@@ -58,30 +58,32 @@ def measure_rss(shape: Shape, models: dict[str, onnx.ModelProto], models_dir: Pa
     return out
 
 
-def _status_mb(key: str) -> float:
-    """A figure of /proc/self/status (kB there), in MB."""
+def status_mb(keys: tuple[str, ...] = ("VmRSS", "RssAnon", "RssFile", "VmHWM")) -> dict[str, float]:
+    """Figures of /proc/self/status (kB there), in MB."""
+    figures = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        key = line.split(":")[0]
+        if key in keys:
+            figures[key] = int(line.split()[1]) / 1024
+    return figures
 
 
 def child(path: str, backend: str, tokens: int, hidden: int, threads: int) -> dict[str, float | bool]:
     """Create one variant's session, run it once on `tokens` tokens; VmRSS and VmHWM (MB) around it."""
-    base = _status_mb("VmRSS")
+    base = status_mb()["VmRSS"]
     opts = session_options(threads)
     sess = (ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]) if backend == "ort"
             else moe_onnx.session(path, backend=backend, sess_options=opts))
     x = random_hidden_states(hidden, 1, tokens)
-    created = _status_mb("VmRSS")
-    created_hwm = _status_mb("VmHWM")
+    created = status_mb()["VmRSS"]
+    created_hwm = status_mb()["VmHWM"]
     try:  # reset VmHWM to the current RSS (Linux >= 4.0), so the peak below is the run's own
         Path("/proc/self/clear_refs").write_text("5")
         reset = True
     except OSError:
         reset = False
     sess.run(None, {sess.get_inputs()[0].name: x})
-    return {"base": base, "created": created, "created_hwm": created_hwm, "hwm": _status_mb("VmHWM"),
+    return {"base": base, "created": created, "created_hwm": created_hwm, "hwm": status_mb()["VmHWM"],
             "reset": reset, "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+import _memory
 from _timing import session_options
 
 TOP_K = 8
@@ -128,13 +129,8 @@ def build(out_dir: Path, fmt: str, E: int, H: int, I: int, layers: int, inline: 
 
 
 def status_mb() -> dict[str, float]:
-    """VmRSS, RssAnon, RssFile and VmHWM of this process, in MB."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key = line.split(":")[0]
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = round(int(line.split()[1]) / 1024)
-    return out
+    """VmRSS, RssAnon, RssFile and VmHWM of this process, in whole MB."""
+    return {key: round(value) for key, value in _memory.status_mb().items()}
 
 
 def feeds(H: int, E: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
