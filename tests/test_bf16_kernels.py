@@ -1,6 +1,6 @@
 """The bf16 GEMM's kernel paths (accuracy_level 3, custom_ops/src/bf16_gemm.h) through the ops, on a few
 shapes with edges: one row, row counts that fill a tile partly (and several tiles), K and N that are not
-multiples of the pair panel's 32 k and 16 columns, K longer than the AMX kernel's pass (256 k), an expert
+multiples of the pair panel's 32 k and 16 columns, K of several AMX steps (32 k each), an expert
 with no tokens, QMOE's decode and prefill.
 
 Each path runs in a fresh process (the ISA table is filled once per process):
@@ -60,7 +60,7 @@ def cases() -> list[Case]:
     rng = np.random.default_rng(7)
     no_expert_3 = np.stack([rng.permutation(3)[:2] for _ in range(37)])  # experts 0-2: ~25 rows each, 3: none
     linear = linear_cases.make_inputs(offsets=(0, 3, 3, 7, 58), lead=(60,), k=70, n=40)
-    long_k = linear_cases.make_inputs(offsets=(0, 20, 37), lead=(37,), k=300, n=40)  # the tiles' K in two passes
+    long_k = linear_cases.make_inputs(offsets=(0, 20, 37), lead=(37,), k=300, n=40)  # K of 10 tile steps
     return [
         _moe("gemm2_one_row", G2, tokens=1, hidden=40, inter=24, experts=4),
         _moe("gemm2_k_and_n_tails_idle_expert", G2, tokens=37, hidden=40, inter=24, experts=4, indices=no_expert_3),

@@ -156,15 +156,6 @@ void block_step(const void* a0, const void* a1, int64_t a_stride, const void* b0
   }
 }
 
-// A RowBlock kernel's accumulators tmm0-3 loaded from where store_block puts them (same arguments).
-template <class Tiles, bool kTwoRows, bool kTwoPanels, class T>
-void load_block(const T* c, int64_t row_tile, int64_t panel, int64_t stride) {
-  Tiles::load(tmm<0>, c, stride);
-  if (kTwoPanels) Tiles::load(tmm<1>, c + panel, stride);
-  if (kTwoRows) Tiles::load(tmm<2>, c + row_tile, stride);
-  if (kTwoRows && kTwoPanels) Tiles::load(tmm<3>, c + row_tile + panel, stride);
-}
-
 // A RowBlock kernel's accumulators tmm0-3 stored: row tile r's panel j at c + r * row_tile + j * panel
 // (elements of T), rows `stride` bytes apart.
 template <class Tiles, bool kTwoRows, bool kTwoPanels, class T>
