@@ -6,10 +6,11 @@
 // block's k zero padded to whole tile rows of 64 k: a row tile of one step is 16 rows of 64 bytes, ldq
 // apart) and B the codes q: 8-bit codes of blocks of whole tile rows are the B tiles in place (a group
 // of 4 k x 16 columns is a tile row; the block's groups one after the other); other codes (4-bit ones,
-// per-column blocks of K % 64 != 0) go through the `code_rows` step once per pair of panels and call.
-// Per pair of row tiles and pair of panels, block after block: the C tiles start from zero, take the
-// block's TDPBSUDs, one per step, and go to memory, from where the `add_dots` step adds
-// (sa * scale) * float(sum - zp * sum qa) to C: sum qa (q - zp), the VNNI kernel's integers.
+// per-column blocks of K % 64 != 0) go through the `code_rows` step once per panel and call.
+// Per pair of row tiles (the outer loop: one tile configuration each) and pair of panels (the inner
+// loop), block after block: the C tiles start from zero, take the block's TDPBSUDs, one per step, and
+// go to memory, from where the `add_dots` step adds (sa * scale) * float(sum - zp * sum qa) to C:
+// sum qa (q - zp), the VNNI kernel's integers.
 //
 // Tiles: C tmm0-3 (two row tiles x two panels), A tmm4-5, B tmm6-7; a configuration per pair of row
 // tiles (16 rows each, the last tile the rows left).
@@ -33,8 +34,8 @@ struct QuantTiles {
   // group's products are on the tiles while the group before goes into C (two buffers).
   static constexpr int64_t kGroup = 4;
   static constexpr int64_t kDotInts = 2 * 2 * kRows * kPanel;  // a block's dots: [2 panels][32 rows][16]
-  // The B tile (and header) of the step this many steps on is fetched into the cache ahead: the first
-  // row block of a pair of panels reads them from memory.
+  // The B tile (and header) of the step this many steps on, past a pair's last block the next pair's,
+  // is fetched into the cache ahead: the first row block reads them from memory.
   static constexpr int64_t kPrefetchSteps = 4;
 
   const QuantTileSteps& steps;
