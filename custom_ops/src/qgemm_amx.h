@@ -57,7 +57,8 @@ struct QuantTiles {
 
   // Panel p's B rows (code_rows' done).
   const uint8_t* codes_of(int64_t p) const {
-    return in_place ? B + p * layout.panel_bytes() + layout.header_bytes() : rows + (p - p0) * code_block_stride * blocks;
+    return in_place ? B + p * layout.panel_bytes() + layout.header_bytes()
+                    : rows + (p - p0) * code_block_stride * blocks;
   }
   void find_codes(int64_t p, int panels) {
     for (int j = 0; j < panels; ++j) codes[j] = codes_of(p + j);

@@ -281,16 +281,10 @@ void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t
       for (int64_t k = 0; k < padded; k += 16) {
         const __mmask16 valid = s != 0.0f ? mask_of(block - k) : 0;
         // a / s rounded half to even (nearbyint); NaN (inf / inf) to 0, the rest clipped to +-127
-        const __m512 x = _mm512_maskz_loadu_ps(valid, a + k);
-        __m512 v;
-        if (by_product) {
-          const __m512 y = _mm512_mul_ps(x, reciprocal);
-          v = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          if (_mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(y, v), abs_bits), near_half, _CMP_GT_OQ))
-            v = _mm512_roundscale_ps(_mm512_div_ps(x, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        } else {
+        const __m512 x = _mm512_maskz_loadu_ps(valid, a + k), y = _mm512_mul_ps(x, reciprocal);
+        __m512 v = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (!by_product || _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(y, v), abs_bits), near_half, _CMP_GT_OQ))
           v = _mm512_roundscale_ps(_mm512_div_ps(x, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        }
         const __mmask16 number = valid & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
         const __m512i values = _mm512_maskz_cvtps_epi32(number, v);
