@@ -7,7 +7,7 @@ at 1 and 2 threads (the same bits), and writes their outputs; the parent compare
 the outputs of the same ISA level without AMX (MOE_ONNX_AMX=off), and the int8 outputs with numpy's
 int32 (wrapping) products. The cases cross the tile kernels' edges: int8 experts with 0, 1, 7, 8
 (int8's tile threshold), 16, 17 and 33 rows (row tiles of 16, a lone last tile), QMOE experts with
-1, 3, 4 (level 4's tile threshold), 17, 33 and 66 rows and one with none, K not a multiple
+1, 3, 4 (level 4's tile threshold), 17, 33 and 58 rows and one with none, K not a multiple
 of 64 (a tail step) or of 4, an odd number of 16-column panels, sums that wrap modulo 2^32, QMOE
 blocks of 64 to 256 k (8-bit ones read in place) and per column (K = 100, 102: blocks padded to
 whole tile rows, the codes copied), zero points or none, no rows at all, and activations whose
@@ -75,7 +75,7 @@ def _near_halves(amax: float, count: int) -> np.ndarray:
     """amax, then count - 1 values a of |a| <= amax with a / s (s = amax / 127, float32) on a half or
     an ulp beside it, where a * (1 / s) rounds to a different integer from a / s in a few of them."""
     s = np.float32(amax) / np.float32(127)
-    halves = (np.arange(count // 3 + 1, dtype=np.float32) * 2.5 - 60.5) * s
+    halves = (np.arange(count // 3 + 1, dtype=np.float32) * 5 - 60.5) * s
     near = np.stack([np.nextafter(halves, -np.inf), halves, np.nextafter(halves, np.inf)], axis=1).ravel()
     return np.concatenate([[np.float32(amax)], near[: count - 1]]).astype(np.float32)
 
