@@ -7,10 +7,11 @@ at 1 and 2 threads (the same bits), and writes their outputs; the parent compare
 the outputs of the same ISA level without AMX (MOE_ONNX_AMX=off), and the int8 outputs with numpy's
 int32 (wrapping) products. The cases cross the tile kernels' edges: int8 experts with 0, 1, 7, 8
 (int8's tile threshold), 16, 17 and 33 rows (row tiles of 16, a lone last tile), QMOE experts with
-1, 7, 8, 17 (past level 4's threshold of 16), 33 and 66 rows and one with none, K not a multiple
+1, 3, 4 (level 4's tile threshold), 17, 33 and 58 rows and one with none, K not a multiple
 of 64 (a tail step) or of 4, an odd number of 16-column panels, sums that wrap modulo 2^32, QMOE
 blocks of 64 to 256 k (8-bit ones read in place) and per column (K = 100, 102: blocks padded to
-whole tile rows, the codes copied), zero points or none, and no rows at all.
+whole tile rows, the codes copied), zero points or none, no rows at all, and activations whose
+quantized value a / s lies within an ulp of a half (where a * (1 / s) can round to the other integer).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _wrapping(k: int) -> Case:
 
 
 def _qmoe(name: str, bits: int, block_size: int, hidden: int, inter: int, **kw) -> Case:
-    """Experts 0-4 with 1, 7, 8, 17 and 33 rows, expert 5 every token's second (66 rows), 6 none."""
-    indices = [[e, 5] for e, n in enumerate((1, 7, 8, 17, 33)) for _ in range(n)]
+    """Experts 0-4 with 1, 3, 4, 17 and 33 rows, expert 5 every token's second (58 rows), 6 none."""
+    indices = [[e, 5] for e, n in enumerate((1, 3, 4, 17, 33)) for _ in range(n)]
     return qmoe_cases._case(name, kw.pop("attrs", {"expert_type": GEMM3}), bits=bits, block_size=block_size,
                             accuracy_level=4, hidden=hidden, inter=inter, tokens=len(indices), experts=7, k=2,
                             indices=np.array(indices), scale=0.3, **kw)
@@ -70,10 +71,21 @@ QMOE_CASES = [
 ]
 
 
+def _near_halves(amax: float, count: int) -> np.ndarray:
+    """amax, then count - 1 values a of |a| <= amax with a / s (s = amax / 127, float32) on a half or
+    an ulp beside it, where a * (1 / s) rounds to a different integer from a / s in a few of them."""
+    s = np.float32(amax) / np.float32(127)
+    halves = (np.arange(count // 3 + 1, dtype=np.float32) * 5 - 60.5) * s
+    near = np.stack([np.nextafter(halves, -np.inf), halves, np.nextafter(halves, np.inf)], axis=1).ravel()
+    return np.concatenate([[np.float32(amax)], near[: count - 1]]).astype(np.float32)
+
+
 def _special_rows(case: Case) -> Case:
-    """Row 0 with a NaN, row 1 with an infinity, row 2 all zero (the quantization's special blocks)."""
+    """Row 0 with a NaN, row 1 with an infinity, row 2 all zero (the quantization's special blocks), row
+    3's blocks near halves."""
     x = case.inputs[0].copy()
     x[0, 5], x[1, 70], x[2] = np.nan, np.inf, 0.0
+    x[3] = np.tile(_near_halves(1.91089547, 64), x.shape[1] // 64)
     return dataclasses.replace(case, inputs=[x, *case.inputs[1:]])
 
 

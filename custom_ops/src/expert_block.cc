@@ -67,11 +67,15 @@ struct MoeRun {
   }
 
   // xs[position] = the hidden_states row of the slot at that sorted position, as fp32.
-  // (bf16 rows: xs16, zero padded to bf16_padded_k(H).)
+  // (bf16 rows: xs16, zero padded to bf16_padded_k(H); level 4: only xq, each row quantized from
+  // hidden_states' row, fp32 as it is, else widened into a scratch row first.)
   void gather_rows(const Input& x) {
     const bool bf16 = bf16_rows();
+    const PackedWeights& w = weights.matrices[GATE_UP];
     ldx = bf16 ? bf16_row_stride(d.H) : gemm_row_stride(d.H);
-    if (bf16)
+    if (w.takes_int8_rows())
+      xq = w.int8_rows(slots(), ws);
+    else if (bf16)
       xs16 = ws.take<uint16_t>(slots() * ldx, "the gathered rows");
     else
       xs = ws.take<float>(slots() * ldx, "the gathered rows");
@@ -79,19 +83,22 @@ struct MoeRun {
     const FloatType x_type = float_type(x.type);
     size_t chunk = 1;
     const size_t n_chunks = chunk_count(static_cast<size_t>(slots()), 16, 64, &chunk);
-    const PackedWeights& w = weights.matrices[GATE_UP];
-    if (w.takes_int8_rows()) xq = w.int8_rows(slots(), ws);
     parallel_for(ctx, n_chunks, [&](size_t c) {
       const int64_t begin = static_cast<int64_t>(c * chunk);
       const int64_t end = std::min<int64_t>(slots(), static_cast<int64_t>((c + 1) * chunk));
+      Scratch scratch;
+      float* widened = xq.qa && x_type != FloatType::kF32 ? scratch.take<float>(d.H, "a widened row") : nullptr;
       for (int64_t pos = begin; pos < end; ++pos) {
         const char* row = static_cast<const char*>(x.data) + (sorted.order[pos] / d.k) * row_bytes;
-        if (bf16)
+        if (xq.qa) {
+          if (widened) widen_row(x_type, row, widened, d.H);
+          w.quantize_rows(widened ? widened : reinterpret_cast<const float*>(row), d.H, 1, xq.from(pos));
+        } else if (bf16) {
           bf16_row(x_type, row, d.H, xs16 + pos * ldx);
-        else
+        } else {
           widen_row(x_type, row, xs + pos * ldx, d.H);
+        }
       }
-      if (xq.qa) w.quantize_rows(xs + begin * ldx, ldx, end - begin, xq.from(begin));
     });
   }
 

@@ -89,9 +89,10 @@ constexpr int64_t kFusedRows = 4;
 // Accuracy level 4 runs on AMX's tiles, where the ISA table has them, for calls of kQuantTileRows rows
 // or more on blocks of kQuantTileBlock k or more; the other calls on the quant_dots kernel. Each
 // block's dots leave the tiles for the vector units (the scales): on blocks of 16 and 32 k that costs
-// as much as VNNI's whole dot. The model of the tiles takes the same calls (docs/building.md, "int8
-// and level-4 dots on AMX", has the measurements).
-constexpr int64_t kQuantTileRows = 16;
+// as much as VNNI's whole dot. From 4 rows the tiles are faster than VNNI (at 1 row slower, at 2
+// even: one thread, every expert with the same rows). The model of the tiles takes the same calls
+// (docs/building.md, "int8 and level-4 dots on AMX", has the measurements).
+constexpr int64_t kQuantTileRows = 4;
 
 // The values of the 16 4-bit codes: int (q itself, and q - 8 for the default zero point) and E2M1 (FP4).
 constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};

@@ -6,10 +6,11 @@
 // block's k zero padded to whole tile rows of 64 k: a row tile of one step is 16 rows of 64 bytes, ldq
 // apart) and B the codes q: 8-bit codes of blocks of whole tile rows are the B tiles in place (a group
 // of 4 k x 16 columns is a tile row; the block's groups one after the other); other codes (4-bit ones,
-// per-column blocks of K % 64 != 0) go through the `code_rows` step once per pair of panels and call.
-// Per pair of row tiles and pair of panels, block after block: the C tiles start from zero, take the
-// block's TDPBSUDs, one per step, and go to memory, from where the `add_dots` step adds
-// (sa * scale) * float(sum - zp * sum qa) to C: sum qa (q - zp), the VNNI kernel's integers.
+// per-column blocks of K % 64 != 0) go through the `code_rows` step once per panel and call.
+// Per pair of row tiles (the outer loop: one tile configuration each) and pair of panels (the inner
+// loop), block after block: the C tiles start from zero, take the block's TDPBSUDs, one per step, and
+// go to memory, from where the `add_dots` step adds (sa * scale) * float(sum - zp * sum qa) to C:
+// sum qa (q - zp), the VNNI kernel's integers.
 //
 // Tiles: C tmm0-3 (two row tiles x two panels), A tmm4-5, B tmm6-7; a configuration per pair of row
 // tiles (16 rows each, the last tile the rows left).
@@ -33,8 +34,8 @@ struct QuantTiles {
   // group's products are on the tiles while the group before goes into C (two buffers).
   static constexpr int64_t kGroup = 4;
   static constexpr int64_t kDotInts = 2 * 2 * kRows * kPanel;  // a block's dots: [2 panels][32 rows][16]
-  // The B tile (and header) of the step this many steps on is fetched into the cache ahead: the first
-  // row block of a pair of panels reads them from memory.
+  // The B tile (and header) of the step this many steps on, past a pair's last block the next pair's,
+  // is fetched into the cache ahead: the first row block reads them from memory.
   static constexpr int64_t kPrefetchSteps = 4;
 
   const QuantTileSteps& steps;
@@ -45,26 +46,22 @@ struct QuantTiles {
   const int32_t* sums;
   const float* sa;
   const uint8_t* B;
-  int64_t p0;
+  int64_t p0, p1;
   float* C;
   int64_t ldc;
   bool in_place;              // the codes are the B tiles as they are
   int64_t code_block_stride;  // bytes from a block's B rows to the next block's
   const uint8_t* codes[2];    // the pair's B rows (block b's at codes[j] + b * code_block_stride)
-  uint8_t* rows[2];           // code_rows' scratch, [blocks][block_k / 4][64] (not in place)
+  uint8_t* rows;              // code_rows' scratch, panel p's [blocks][block_k / 4][64] at (p - p0) (not in place)
   int32_t* dots;              // [2 buffers][kGroup][kDotInts]
 
-  // Panel p's (and p + 1's) B rows.
+  // Panel p's B rows (code_rows' done).
+  const uint8_t* codes_of(int64_t p) const {
+    return in_place ? B + p * layout.panel_bytes() + layout.header_bytes()
+                    : rows + (p - p0) * code_block_stride * blocks;
+  }
   void find_codes(int64_t p, int panels) {
-    for (int j = 0; j < panels; ++j) {
-      const uint8_t* panel = B + (p + j) * layout.panel_bytes();
-      if (in_place) {
-        codes[j] = panel + layout.header_bytes();
-      } else {
-        steps.code_rows(layout, panel, block_k, rows[j]);
-        codes[j] = rows[j];
-      }
-    }
+    for (int j = 0; j < panels; ++j) codes[j] = codes_of(p + j);
   }
 
   // Rows m.. (rows in all: one row tile, or two when kTwoRows) x panels p.. (one or two).
@@ -84,12 +81,15 @@ struct QuantTiles {
       const uint8_t* b0 = codes[0] + b * code_block_stride;
       const uint8_t* b1 = codes[kTwoPanels ? 1 : 0] + b * code_block_stride;
       for (int64_t s = 0; s < per_block; ++s) {
+        // The step kPrefetchSteps on, in this pair of panels or past its end in the next pair's.
         // (here, not in a function of its own: GCC drops a call that only prefetches)
-        if (const int64_t ahead = b * per_block + s + kPrefetchSteps, next = ahead / per_block; next < blocks)
-          for (int j = 0; j < (kTwoPanels ? 2 : 1); ++j) {
-            const uint8_t* tile = codes[j] + next * code_block_stride + ahead % per_block * kStepBytes;
+        const int64_t ahead = b * per_block + s + kPrefetchSteps, next = ahead / per_block;
+        const int64_t pair = next < blocks ? p : p + 2, next_block = next < blocks ? next : next - blocks;
+        if (next_block < blocks)
+          for (int64_t q = pair; q < std::min(pair + 2, p1); ++q) {
+            const uint8_t* tile = codes_of(q) + next_block * code_block_stride + ahead % per_block * kStepBytes;
             for (int64_t line = 0; line < kStepBytes; line += 64) __builtin_prefetch(tile + line, 0, 3);
-            __builtin_prefetch(B + (p + j) * layout.panel_bytes() + next * layout.block_bytes(), 0, 3);  // header
+            __builtin_prefetch(B + q * layout.panel_bytes() + next_block * layout.block_bytes(), 0, 3);  // header
           }
         amx::block_step<Tiles, kTwoRows, kTwoPanels>(a0 + s * kDepth, a1 + s * kDepth, ldq, b0 + s * kStepBytes,
                                                      b1 + s * kStepBytes,
@@ -141,22 +141,26 @@ void quant_dots_tiles(const QuantTileSteps& steps, const QuantPanels& layout, co
   const int64_t blocks = layout.blocks(), block_k = layout.activation_block();
   const bool in_place = layout.code == QuantCode::kInt8 && layout.block % Kernel::kDepth == 0;
   const int64_t code_block_stride = in_place ? layout.block_bytes() : block_k * kPanel;
-  Kernel k{steps, layout, blocks,   block_k,           qa, ldq, qa_sums, sa, B, p0, C, ldc,
-           in_place, code_block_stride, {}, {}, nullptr};
+  Kernel k{steps, layout, blocks,   block_k,           qa, ldq, qa_sums, sa, B, p0, p1, C, ldc,
+           in_place, code_block_stride, {}, nullptr, nullptr};
   Scratch scratch;
-  if (!in_place)
-    for (int j = 0; j < 2; ++j)
-      k.rows[j] = scratch.take<uint8_t>(blocks * block_k * kPanel, "the level-4 tiles' codes");
+  if (!in_place) {
+    k.rows = scratch.take<uint8_t>((p1 - p0) * blocks * code_block_stride, "the level-4 tiles' codes");
+    for (int64_t p = p0; p < p1; ++p)
+      steps.code_rows(layout, B + p * layout.panel_bytes(), block_k, k.rows + (p - p0) * blocks * code_block_stride);
+  }
   k.dots = scratch.take<int32_t>(2 * Kernel::kGroup * Kernel::kDotInts, "the level-4 tiles' dots");
   for (int64_t m = 0; m < M; ++m) std::memset(C + m * ldc, 0, static_cast<size_t>((p1 - p0) * kPanel) * sizeof(float));
 
+  // Row blocks outside, pairs of panels inside: one tile configuration per row block (LDTILECFG is
+  // slow; a last, shorter row block has its own); the later row blocks read the panels from the cache.
   amx::ReleaseTiles<Tiles> release;
-  for (int64_t p = p0; p < p1; p += 2) {
-    const bool two_panels = p + 1 < p1;
-    k.find_codes(p, two_panels ? 2 : 1);
-    for (int64_t m = 0; m < M; m += 2 * kRows) {
-      const amx::RowBlock rows = amx::RowBlock::at(m, M);
-      Tiles::configure(rows.config(Kernel::kDepth, Kernel::kDepth / 4));
+  for (int64_t m = 0; m < M; m += 2 * kRows) {
+    const amx::RowBlock rows = amx::RowBlock::at(m, M);
+    Tiles::configure(rows.config(Kernel::kDepth, Kernel::kDepth / 4));
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool two_panels = p + 1 < p1;
+      k.find_codes(p, two_panels ? 2 : 1);
       rows.run(k, two_panels, m, int64_t{rows.rows0 + rows.rows1}, p);
     }
   }

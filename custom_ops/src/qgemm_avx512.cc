@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -270,12 +271,20 @@ void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t
       }
       const float s = _mm512_reduce_max_ps(amax) / 127.0f;
       const __m512 scale = _mm512_set1_ps(s);
+      // a / s rounded to an integer from the product a * (1 / s) where that gives the same integer (s
+      // normal and finite): with |a / s| < 128 the product is within 2^-16 of a / s, and a / s
+      // rounded to fp32 within 2^-18 of it, so both round to one integer unless the product lies
+      // within 2^-14 of a half: those 16 values take the division.
+      const bool by_product = s >= std::numeric_limits<float>::min() && s <= std::numeric_limits<float>::max();
+      const __m512 reciprocal = _mm512_set1_ps(1.0f / s), near_half = _mm512_set1_ps(0.5f - 0x1p-14f);
       __m512i total = _mm512_setzero_si512();
       for (int64_t k = 0; k < padded; k += 16) {
         const __mmask16 valid = s != 0.0f ? mask_of(block - k) : 0;
         // a / s rounded half to even (nearbyint); NaN (inf / inf) to 0, the rest clipped to +-127
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(valid, a + k), scale),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 x = _mm512_maskz_loadu_ps(valid, a + k), y = _mm512_mul_ps(x, reciprocal);
+        __m512 v = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (!by_product || _mm512_cmp_ps_mask(_mm512_and_ps(_mm512_sub_ps(y, v), abs_bits), near_half, _CMP_GT_OQ))
+          v = _mm512_roundscale_ps(_mm512_div_ps(x, scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __mmask16 number = valid & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
         const __m512i values = _mm512_maskz_cvtps_epi32(number, v);
