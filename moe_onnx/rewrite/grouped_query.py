@@ -12,7 +12,9 @@ products come from the unrepeated cache with the query's G heads of a kv head ta
 Each Reshape only renames the dims of contiguous data, so nothing is copied, and what lies between the two
 MatMuls (scaling, mask, soft-capping, sinks, softmax) is untouched. Standard ONNX ops only: every target and
 onnxruntime-genai run the result. A repeat this pass does not recognize (another layout, shapes it cannot read)
-stays as exported.
+stays as exported. The kv heads, groups and head size are checked on the inferred shapes; the Expand's batch and
+length dims are taken to be the kv's own, as repeat_kv reads them from the kv's shape (the exporter's symbols
+cannot tell them apart statically).
 """
 
 from __future__ import annotations
