@@ -70,8 +70,9 @@ class QuantizeSettings:
     two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level`` (None: 4 with
     ``linears``, see :attr:`level`, else each MOE's own, 3 after ``optimize --compute bf16``, else 0);
     ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked
-    for; ``linears``: the other linear layers (MatMul and Gemm with a constant weight matrix) become com.microsoft::MatMulNBits too, with the same
-    bits, block size (required: MatMulNBits has no per-column scales) and zero points."""
+    for; ``linears``: the other linear layers (MatMul and Gemm with a constant weight matrix) become
+    com.microsoft::MatMulNBits too, with the same bits, block size (required: MatMulNBits has no per-column
+    scales) and zero points."""
 
     bits: int = 8
     block_size: int = 0
@@ -98,8 +99,9 @@ class QuantizeSettings:
     @property
     def level(self) -> int | None:
         """The accuracy_level asked for; with ``linears`` and none given, 4 (int8 activations) for the QMOE and
-        MatMulNBits nodes, the multiply llama.cpp's Q4_0 mix does: on the Qwen3-30B-A3B shape its decode is 1.06-1.23x
-        level 0's tokens/s with the logits' error unchanged (docs/benchmarks.md, generation); None: each MOE's own."""
+        MatMulNBits nodes, the multiply llama.cpp's Q4_0 mix does: on the Qwen3-30B-A3B shape its decode is
+        1.06-1.23x level 0's tokens/s, the logits' error unchanged (docs/benchmarks.md, generation); None: each
+        MOE's own."""
         if self.accuracy_level is None and self.linears:
             return INT8_ACTIVATIONS
         return self.accuracy_level
@@ -224,15 +226,6 @@ class LayerReport(_QuantizedLayer):
     indices: str  # the node's router_topk_output_indices
     expert_type: str
     quant_type: str
-
-    @property
-    def level(self) -> int | None:
-        """The accuracy_level asked for; with ``linears`` and none given, 4 (int8 activations) for the QMOE and
-        MatMulNBits nodes, the multiply llama.cpp's Q4_0 mix does: on the Qwen3-30B-A3B shape its decode is 1.06-1.23x
-        level 0's tokens/s with the logits' error unchanged (docs/benchmarks.md, generation); None: each MOE's own."""
-        if self.accuracy_level is None and self.linears:
-            return INT8_ACTIVATIONS
-        return self.accuracy_level
 
     def describe(self) -> str:
         if self.quant_type == QUANT_MXFP4:
@@ -382,15 +375,6 @@ class LinearReport(_QuantizedLayer):
     n: int
     shares_weight_of: str | None = None
     float_kept: bool = False
-
-    @property
-    def level(self) -> int | None:
-        """The accuracy_level asked for; with ``linears`` and none given, 4 (int8 activations) for the QMOE and
-        MatMulNBits nodes, the multiply llama.cpp's Q4_0 mix does: on the Qwen3-30B-A3B shape its decode is 1.06-1.23x
-        level 0's tokens/s with the logits' error unchanged (docs/benchmarks.md, generation); None: each MOE's own."""
-        if self.accuracy_level is None and self.linears:
-            return INT8_ACTIVATIONS
-        return self.accuracy_level
 
     def describe(self) -> str:
         padded = f", K padded to {-(-self.k // self.block_size) * self.block_size}" if self.k % self.block_size else ""
