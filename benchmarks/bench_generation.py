@@ -10,7 +10,8 @@ H=I=2880, 64/8 heads of 64, ~6.5 GB). Made once in --work-dir (kept; --clean del
 after it): a checkpoint saved by transformers (torch needed), then
 
 * ours: `moe_onnx.export.export_checkpoint` fused (fp32); `moe-onnx quantize` of it at int4, block 32:
-  experts only (QMOE) and whole-model (`--linears`: attention, lm_head as MatMulNBits);
+  experts only (QMOE, float activations) and whole-model (`--linears`: attention, lm_head as MatMulNBits;
+  int8 activations, its default accuracy_level 4, as Q4_0's);
 * unfused (with --unfused): the same export with optimize=False (fp32 only: quantize needs fused MOE
   nodes);
 * genai: `python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu` where it builds (GPT-OSS);

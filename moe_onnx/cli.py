@@ -264,12 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: symmetric, zero point 2^(bits-1))")
     quant.add_argument("--accuracy-level", type=int, default=None,
                        help="QMOE's accuracy_level: 0 (float activations), 3 (bf16 GEMM operands in prefill, float32 "
-                            "accumulation) or 4 (int8 activations); default: each MOE's own (3 after `optimize "
-                            "--compute bf16`, else 0)")
+                            "accumulation) or 4 (int8 activations); default: 4 with --linears, else each MOE's own "
+                            "(3 after `optimize --compute bf16`, else 0)")
     quant.add_argument("--linears", action="store_true",
                        help="also quantize every MatMul/Gemm with a constant float32/float16 weight matrix (not the "
                             "routers) to com.microsoft::MatMulNBits with the same bits, block size (required) and "
-                            "zero points; accuracy_level: --accuracy-level, else the MOE nodes' shared one, else 0")
+                            "zero points; accuracy_level: --accuracy-level, else 4 (int8 activations)")
     quant.add_argument("--no-mxfp4", action="store_true",
                        help="requantize MXFP4 weights too (default: repack them exactly as quant_type mxfp4)")
     quant.add_argument("--no-measure", action="store_true", help="skip running both models for the error")

@@ -67,11 +67,12 @@ class QuantizeError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class QuantizeSettings:
     """How to quantize: ``bits`` 4 or 8; ``block_size`` 0 (one scale per output column) or a power of
-    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level`` (None: each
-    MOE's own, 3 after ``optimize --compute bf16``, else 0); ``repack_mxfp4``: an MOE whose weights are
-    exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked for; ``linears``: the other linear layers
-    (MatMul and Gemm with a constant weight matrix) become com.microsoft::MatMulNBits too, with the same
-    bits, block size (required: MatMulNBits has no per-column scales) and zero points."""
+    two in [16, 256]; ``zero_points`` (asymmetric) or symmetric; the QMOE ``accuracy_level`` (None: 4 with
+    ``linears``, see :attr:`level`, else each MOE's own, 3 after ``optimize --compute bf16``, else 0);
+    ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked
+    for; ``linears``: the other linear layers (MatMul and Gemm with a constant weight matrix) become
+    com.microsoft::MatMulNBits too, with the same bits, block size (required: MatMulNBits has no per-column
+    scales) and zero points."""
 
     bits: int = 8
     block_size: int = 0
@@ -95,18 +96,28 @@ class QuantizeSettings:
             raise QuantizeError("linears: MatMulNBits quantizes in blocks along K; block_size 0 (per column) is "
                                 "not available: give a block size (a power of two in [16, 256])")
 
+    @property
+    def level(self) -> int | None:
+        """The accuracy_level asked for; with ``linears`` and none given, 4 (int8 activations) for the QMOE and
+        MatMulNBits nodes, the multiply llama.cpp's Q4_0 mix does: on the Qwen3-30B-A3B shape its decode is
+        1.06-1.23x level 0's tokens/s, the logits' error unchanged (docs/benchmarks.md, generation); None: each
+        MOE's own."""
+        if self.accuracy_level is None and self.linears:
+            return INT8_ACTIVATIONS
+        return self.accuracy_level
+
     def describe(self) -> str:
         block = "per column" if self.block_size == 0 else f"block {self.block_size}"
         zero = "with zero points" if self.zero_points else "symmetric"
-        level = "each MOE's" if self.accuracy_level is None else self.accuracy_level
+        level = "each MOE's" if self.level is None else self.level
         return f"int{self.bits}, {block}, {zero}, accuracy_level {level}"
 
     def level_for(self, moe_level: int, mxfp4: bool) -> int:
         """A QMOE's accuracy_level: the one asked for, else its MOE's ``moe_level``; an MXFP4 node keeps its
         MOE's where int8 activations (4, quant_type int only) were asked for."""
-        if self.accuracy_level is None or (mxfp4 and self.accuracy_level == INT8_ACTIVATIONS):
+        if self.level is None or (mxfp4 and self.level == INT8_ACTIVATIONS):
             return moe_level
-        return self.accuracy_level
+        return self.level
 
 
 # ----------------------------------------------------------------------------- MXFP4
@@ -509,16 +520,7 @@ def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSet
             for part, (name, shape, dtype) in enumerate(zip(("B", "scales", "zero_points"), shapes, dtypes))]
 
 
-def _linear_level(settings: QuantizeSettings, layers: Sequence[LayerReport]) -> int:
-    """MatMulNBits' accuracy_level: the one asked for, else the one every QMOE got, else 0 (float activations)."""
-    if settings.accuracy_level is not None:
-        return settings.accuracy_level
-    levels = {layer.accuracy_level for layer in layers}
-    return levels.pop() if len(levels) == 1 else EXACT
-
-
-def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: QuantizeSettings,
-                      level: int) -> list[LinearReport]:
+def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: QuantizeSettings) -> list[LinearReport]:
     """Replace each of ``linears`` by a com.microsoft::MatMulNBits (the same output); a weight value several
     of them read is quantized once, its bytes counted on the first."""
     made: dict[int, tuple[str, list[ir.Value | None]]] = {}  # id of a weight value -> (its first layer, parts)
@@ -528,7 +530,7 @@ def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: Qua
         report = LinearReport(
             node=node.name or node.outputs[0].name, output=node.outputs[0].name, op=linear.how, k=linear.k,
             n=linear.n, bits=settings.bits, block_size=settings.block_size, zero_points=settings.zero_points,
-            accuracy_level=level, weight_bytes_before=0, weight_bytes_after=0)
+            accuracy_level=settings.level, weight_bytes_before=0, weight_bytes_after=0)
         if key in made:
             report.shares_weight_of = made[key][0]
         else:
@@ -543,7 +545,7 @@ def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: Qua
             inputs.pop()
         op = TapeBuilder()
         matmul = op.MatMulNBits(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, K=linear.k, N=linear.n,
-                                bits=settings.bits, block_size=settings.block_size, accuracy_level=level)
+                                bits=settings.bits, block_size=settings.block_size, accuracy_level=settings.level)
         replace(node, matmul, op)
     return reports
 
@@ -679,14 +681,14 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
         report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
     if linears:
         say(f"quantizing {len(linears)} linear layers")
-        report.linears = _quantize_linears(model.graph, linears, settings, _linear_level(settings, report.layers))
+        report.linears = _quantize_linears(model.graph, linears, settings)
         model.opset_imports.setdefault(ORT_DOMAIN, 1)
     if nested:
         report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
                             + ", ".join(f"'{node.name}'" for node in nested))
     repacked = [layer.node for layer in report.layers if layer.quant_type == QUANT_MXFP4]
-    if repacked and settings.accuracy_level == INT8_ACTIVATIONS:
-        report.notes.append(f"accuracy_level {settings.accuracy_level} does not apply to the MXFP4 nodes "
+    if repacked and settings.level == INT8_ACTIVATIONS:
+        report.notes.append(f"accuracy_level {settings.level} does not apply to the MXFP4 nodes "
                             f"({', '.join(repacked)}): they keep their MOE's")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
     for linear, report_line in zip(linears, report.linears):

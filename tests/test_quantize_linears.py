@@ -34,7 +34,7 @@ def fused_whole() -> onnx.ModelProto:
 @functools.cache
 def quantized_whole(bits: int, block_size: int, zero_points: bool):
     return moe_onnx.quantize(fused_whole(), bits, block_size, zero_points=zero_points, linears=True, backend=BACKEND,
-                             sizes=SIZES)
+                             sizes=SIZES, accuracy_level=0)  # float activations: the numbers checked below
 
 
 def dense_model() -> onnx.ModelProto:
@@ -78,7 +78,7 @@ def dense_model() -> onnx.ModelProto:
 @functools.cache
 def quantized_dense(bits: int, block_size: int, zero_points: bool):
     return moe_onnx.quantize(dense_model(), bits, block_size, zero_points=zero_points, linears=True, backend=BACKEND,
-                             sizes=SIZES)
+                             sizes=SIZES, accuracy_level=0)
 
 
 def constant_weight_matmuls(model: onnx.ModelProto) -> list[str]:
@@ -243,6 +243,25 @@ def test_dense_model_linears_padded_transposed_gemm_shared_and_float16(bits, blo
     assert check_against_numpy(original, result, feeds, zero_points) == 7
     assert check_model(result) == []
     assert report.summary().startswith("quantize: 7 linear layers -> com.microsoft::MatMulNBits")  # no MOE lines
+
+
+def test_whole_model_defaults_to_int8_activations():
+    """--linears without an accuracy_level: every QMOE and MatMulNBits at 4 (int8 activations, as llama.cpp's Q4_0
+    mix multiplies); the experts alone keep their MOE's level (0)."""
+    def levels(model: onnx.ModelProto) -> dict[str, set[int]]:
+        found: dict[str, set[int]] = {}
+        for node in model.graph.node:
+            if node.op_type in ("QMOE", "MatMulNBits"):
+                found.setdefault(node.op_type, set()).add(
+                    next((a.i for a in node.attribute if a.name == "accuracy_level"), 0))
+        return found
+
+    whole, report = moe_onnx.quantize(fused_whole(), 4, 16, linears=True, measure=False)
+    assert levels(whole) == {"QMOE": {4}, "MatMulNBits": {4}}
+    assert "9 linear layers -> com.microsoft::MatMulNBits (int4, block 16, symmetric, accuracy_level 4)" in (
+        report.summary())
+    experts, _ = moe_onnx.quantize(fused_whole(), 4, 16, measure=False)
+    assert levels(experts) == {"QMOE": {0}}
 
 
 # ----------------------------------------------------------------------------- the command line

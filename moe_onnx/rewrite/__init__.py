@@ -3,7 +3,8 @@
 ``ort_import`` first turns onnxruntime's com.microsoft::MoE/QMoE nodes into MOE/QMOE. One module
 per export form (``tiled``, ``batched_mm``, ``loop``, ``loop_dynamo``, ``parallel_experts``), each a
 list of ``FUSIONS`` (onnxscript rewrite rules); passes over the fused graph: ``gating`` turns the
-routers into MoeGatingTopK, ``shared_expert`` folds shared experts into their MOE, ``grouped`` turns
+routers into MoeGatingTopK, ``shared_expert`` folds shared experts into their MOE, ``grouped_query`` makes
+attention read the kv heads without repeat_kv's copy, ``grouped`` turns
 MOE nodes into the routed chain, ``ort_export`` MOE/QMOE nodes into onnxruntime's
 com.microsoft::MoE/QMoE, ``compute`` sets the accuracy_level of our expert nodes; ``_driver`` runs
 them in order and reports. What the forms share, each in one place: ``_match`` (the rule base

@@ -17,8 +17,8 @@ from .._ir.inference import declare_runtime_domains, infer_shapes, lower_version
 from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
-from . import (batched_mm, compute as compute_pass, gating, grouped, loop, loop_dynamo, ort_export, ort_import,
-               parallel_experts, shared_expert, tiled)
+from . import (batched_mm, compute as compute_pass, gating, grouped, grouped_query, loop, loop_dynamo, ort_export,
+               ort_import, parallel_experts, shared_expert, tiled)
 from ._match import MoeFusion
 from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
@@ -161,6 +161,8 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         say("folding shared experts")
         fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
         notes += fold_notes
+    say("attention reading the kv heads unrepeated")
+    notes += grouped_query.ungroup_repeated_kv(model)
     fused = {name: count for name, count in fused.items() if count}
     common_passes.RemoveUnusedNodesPass()(model)
     say("looking for MoE blocks left unfused")
