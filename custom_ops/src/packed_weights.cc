@@ -491,17 +491,15 @@ const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, con
   missing.erase(std::remove_if(missing.begin(), missing.end(),
                                [&](int64_t e) { return packed_[e].load(std::memory_order_acquire); }),
                 missing.end());
-#if defined(__linux__)
-  for (int64_t e : missing) advise_mapped_pages(e, MADV_WILLNEED, false);  // the file read ahead, while packing
-#endif
   parallel_for(ctx, missing.size(), [&](size_t i) {
 #if defined(__linux__) && defined(MADV_POPULATE_READ)
     advise_mapped_pages(missing[i], MADV_POPULATE_READ, false);  // one call maps the expert's pages
 #endif
     pack_slot_(experts_, missing[i]);
-#if defined(__linux__)
-    // the pages leave the process, the file's stay cached; pages shared with the next expert are kept
-    advise_mapped_pages(missing[i], MADV_DONTNEED, true);
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+    // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
+    // written (copy on write) would only go to swap. Pages shared with the next expert are kept.
+    advise_mapped_pages(missing[i], MADV_PAGEOUT, true);
 #endif
   });
   for (int64_t e : missing) packed_[e].store(true, std::memory_order_release);

@@ -200,10 +200,9 @@ struct PackedExperts {
 // The packed experts of initializer weights, made at kernel creation with room for every expert:
 // each expert is packed by the first run that routes rows to it (on that run's intra-op pool), then
 // kept, so creating a session reads no weights and a model holds packed only the experts it uses.
-// The weights onnxruntime mapped from an external data file are read ahead for all the experts a run
-// packs (MADV_WILLNEED) and each expert's are mapped at once before it is packed (MADV_POPULATE_READ);
-// then its pages leave the process (MADV_DONTNEED: the file's clean pages stay in the page cache, and
-// a later read maps them again), so the weights are resident once, packed.
+// Before an expert is packed, its pages that onnxruntime mapped from an external data file are mapped
+// at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
+// maps them again from the file), so the weights are resident once, packed.
 class ConstantExperts {
  public:
   using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
