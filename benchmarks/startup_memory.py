@@ -8,7 +8,10 @@ and beside it a plain-onnxruntime model on the same weights (Gather one expert o
 ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
 child process of its own and prints, per model: session creation time, resident memory (MiB: VmRSS =
 RssAnon + RssFile) after creation and after each run, and each run's time (a run packs the experts
-it is the first to use, so the first prefill's time less the next one's is the packing).
+it is the first to use: the first run of the default ones, 16 tokens, routes rows to every expert of a model of
+up to 128, and its time less the second's, the same tokens packed, gives the packing rate in GB of weights per
+second, of wall-clock time and of the process's CPU time, which a busy machine changes less; then a decode of 1
+token and two prefills of 512).
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
@@ -142,8 +145,10 @@ def feeds(H: int, E: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
             "indices": slots.reshape(tokens, TOP_K).astype(np.int64)}
 
 
-def child(path: str, threads: int, runs: list[int]) -> dict:
-    """Creates a session on `path` and runs it on each token count in `runs` (a plain model: once)."""
+def child(path: str, threads: int, runs: list[int], experts: int) -> dict:
+    """Creates a session on `path` and runs it on each token count in `runs` (a plain model: once); when the
+    first two runs have the same tokens, enough to route rows to all `experts`, the packing rate too (the
+    model's weight bytes over the first run's time less the second's)."""
     import onnxruntime as ort
 
     import moe_onnx
@@ -163,19 +168,29 @@ def child(path: str, threads: int, runs: list[int]) -> dict:
         return report
     shape = {i.name: i.shape for i in sess.get_inputs()}
     H = shape["x"][1]
-    E = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
+    times, cpu = [], []
     for n, tokens in enumerate(runs):
-        f = feeds(H, E, tokens, seed=n)
-        t0 = time.perf_counter()
+        f = feeds(H, experts, tokens, seed=n)
+        t0, c0 = time.perf_counter(), time.process_time()
         sess.run(None, f)
-        report[f"run{n}_T{tokens}"] = {"s": round(time.perf_counter() - t0, 4), **status_mb()}
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        report[f"run{n}_T{tokens}"] = {"s": round(times[-1], 4), **status_mb()}
+    if len(runs) > 1 and runs[0] == runs[1] and runs[0] * TOP_K >= experts:
+        # the first run packs every expert, the second (same tokens) none: the difference is the packing
+        gb = sum(f.stat().st_size for f in Path(path).parent.glob(Path(path).stem + ".*")
+                 if f.suffix in (".onnx", ".data") and not f.name.endswith(".plain.onnx")) / 1e9
+        report["packing_GB_per_s"] = round(gb / (times[0] - times[1]), 2)
+        report["packing_GB_per_cpu_s"] = round(gb / (cpu[0] - cpu[1]), 2)  # all threads' CPU time
     return report
 
 
 def measure(models: list[str], threads: int, runs: list[int]) -> None:
     for path in models:
+        experts = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
         for p in (path, path.replace(".onnx", ".plain.onnx")):
-            cmd = [sys.executable, __file__, "child", p, "--threads", str(threads), "--runs", *map(str, runs)]
+            cmd = [sys.executable, __file__, "child", p, "--threads", str(threads), "--runs", *map(str, runs),
+                   "--experts", str(experts)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 print(f"{p}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -198,7 +213,8 @@ def main() -> None:
         m = sub.add_parser(name)
         m.add_argument("models", nargs="+")
         m.add_argument("--threads", type=int, default=2)
-        m.add_argument("--runs", type=int, nargs="+", default=[1, 1, 512, 512])
+        m.add_argument("--runs", type=int, nargs="+", default=[16, 16, 1, 512, 512])
+    sub.choices["child"].add_argument("--experts", type=int, required=True)
     args = parser.parse_args()
     if args.command == "build":
         for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline):
@@ -206,7 +222,7 @@ def main() -> None:
     elif args.command == "measure":
         measure(args.models, args.threads, args.runs)
     else:
-        print(json.dumps(child(args.models[0], args.threads, args.runs)))
+        print(json.dumps(child(args.models[0], args.threads, args.runs, args.experts)))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from backends import options
 from cases import Case
@@ -23,7 +26,7 @@ from cases.moe import BF16, GEMM2, GEMM2_ACT, GEMM3
 from onnx import TensorProto, helper
 
 import moe_onnx
-from moe_onnx.runtime import run
+from moe_onnx.runtime import kernel_report, run
 
 
 def _moe(name, expert_type, dtype, **attrs):
@@ -129,15 +132,20 @@ _MEMORY_CHILD = textwrap.dedent("""
 """)
 
 
-def _external_data_moe(tmp_path, E: int, H: int, I: int) -> tuple[str, float]:
-    """A GEMM3_SWIGLU MOE model with float32 weights in an external data file; its path and weight MB."""
+def _moe_file(tmp_path, E: int, H: int, I: int, inline: bool) -> tuple[str, float]:
+    """A GEMM3_SWIGLU MOE model with float32 weights in an external data file (or inside the .onnx); its path and
+    weight MB."""
     rng = np.random.default_rng(0)
     inits = []
     with open(tmp_path / "moe.data", "wb") as data:
         for name, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+            weights = rng.standard_normal(shape, dtype=np.float32) * 0.05
+            if inline:
+                inits.append(onnx.numpy_helper.from_array(weights, name))
+                continue
             data.write(b"\0" * (-data.tell() % 4096))
             offset = data.tell()
-            data.write((rng.standard_normal(shape, dtype=np.float32) * 0.05).tobytes())
+            data.write(weights.tobytes())
             t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
             length = data.tell() - offset
             for key, value in (("location", "moe.data"), ("offset", str(offset)), ("length", str(length))):
@@ -157,12 +165,14 @@ def _external_data_moe(tmp_path, E: int, H: int, I: int) -> tuple[str, float]:
     return str(tmp_path / "moe.onnx"), 3 * E * I * H * 4 / 2**20
 
 
-def test_external_data_weights_are_resident_once(tmp_path):
+@pytest.mark.parametrize("inline", [False, True], ids=["external data", "inline"])
+def test_weights_are_resident_once(tmp_path, inline):
     """Creating the session packs nothing; a run packs the experts it uses; after every expert is packed,
-    the process holds the weights once (packed, anonymous; onnxruntime's file pages reclaimed): within
-    1.15x the weights plus the run's buffers."""
+    the process holds the weights once (packed, anonymous; onnxruntime's file pages released): within
+    1.15x the weights plus the run's buffers. Inline weights likewise: the session maps them from a
+    temporary file (moe_onnx.runtime.weights_file) rather than onnxruntime copying them."""
     E, H, I = 8, 1024, 1024
-    path, weight_mb = _external_data_moe(tmp_path, E, H, I)
+    path, weight_mb = _moe_file(tmp_path, E, H, I, inline)
     child = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, path, str(E), str(H)], capture_output=True,
                            text=True, check=True)
     rss = json.loads(child.stdout)
@@ -176,3 +186,102 @@ def test_external_data_weights_are_resident_once(tmp_path):
     activations = 4 * E * 2 * (H + 2 * I) * 4 / 2**20  # the run's rows, activations and outputs
     assert grown["every expert"]["VmRSS"] < 1.15 * weight_mb + activations + code, grown
     assert grown["every expert"]["RssFile"] < 0.05 * weight_mb + code, grown
+
+
+# ----------------------------------------------------------------------------- the panels' bytes
+
+LEVELS = ("portable", "avx2", "avx512", "amx")  # isa.h's levels, in order
+# packed_weights.h's WeightFormat, as ints
+F32, F16, BF16_PANELS, INT8_PAIRS, INT8_QUADS, BF16_PAIRS = 0, 1, 2, 3, 4, 6
+_ONNX_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+              np.dtype(BF16): TensorProto.BFLOAT16, np.dtype(np.int8): TensorProto.INT8}
+# (format, source type, N, K): whole 16-column panels and a part one; K of whole tiles, with a tail, below one tile
+PANEL_CASES = [(fmt, dtype, n, k) for fmt, dtypes in ((F32, [np.float32]), (F16, [np.float16]), (BF16_PANELS, [BF16]),
+                                                      (INT8_PAIRS, [np.int8]), (INT8_QUADS, [np.int8]),
+                                                      (BF16_PAIRS, [np.float32, np.float16, BF16]))
+               for dtype in dtypes for n, k in ((37, 128), (32, 100), (16, 13))]
+
+
+def _expected_panels(fmt: int, w: np.ndarray) -> bytes:
+    """The panels of W [N, K] (x @ W^T) in `fmt`, as packed_weights.h lays them out."""
+    n, k = w.shape
+    panels = -(-n // 16)
+    rows = {INT8_PAIRS: -(-k // 2) * 2, INT8_QUADS: -(-k // 4) * 4, BF16_PAIRS: -(-k // 32) * 32}.get(fmt, k)
+    if fmt == BF16_PAIRS:
+        w = w.astype(np.float32).astype(BF16)
+    dtype = np.int16 if fmt == INT8_PAIRS else w.dtype
+    columns = np.zeros((panels * 16, rows), dtype)
+    columns[:n, :k] = w
+    per_element = {INT8_PAIRS: 2, INT8_QUADS: 4, BF16_PAIRS: 2}.get(fmt, 1)  # k side by side in a lane
+    body = columns.reshape(panels, 16, rows // per_element, per_element).transpose(0, 2, 1, 3)
+    if fmt == BF16_PANELS:  # lanes interleaved: column c at 2c (c < 8), 2(c - 8) + 1
+        body = body[:, :, [c // 2 + 8 * (c % 2) for c in range(16)]]
+    if fmt != INT8_QUADS:
+        return np.ascontiguousarray(body).tobytes()
+    sums = columns.reshape(panels, 16, rows).astype(np.int64).sum(-1)
+    corrections = (-128 * sums % 2**32).astype(np.uint32)  # wrapping like the GEMM's int32 sums
+    return b"".join(c.tobytes() + np.ascontiguousarray(b).tobytes() for c, b in zip(corrections, body))
+
+
+def packing_mismatches() -> list[str]:
+    """The PANEL_CASES whose packed bytes differ from _expected_panels, from nn.Linear [N, K] weights (the tile
+    copy where it serves) or from [K, N] ones (element by element)."""
+    import ctypes
+
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxPackExpert.restype = ctypes.c_int64
+    lib.MoeOnnxPackExpert.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
+    rng = np.random.default_rng(0)
+    mismatches = []
+    for fmt, dtype, n, k in PANEL_CASES:
+        w = (rng.integers(-128, 128, (n, k)) if dtype == np.int8 else rng.standard_normal((n, k))).astype(dtype)
+        expected = _expected_panels(fmt, w)
+        for plain, source in ((0, w), (1, np.ascontiguousarray(w.T))):
+            out = np.zeros(len(expected) + 64, np.uint8)
+            error = ctypes.create_string_buffer(256)
+            size = lib.MoeOnnxPackExpert(fmt, _ONNX_TYPE[np.dtype(dtype)], plain, n, k, source.ctypes.data,
+                                         out.ctypes.data, out.size, error, 256)
+            if size != len(expected) or out[:size].tobytes() != expected:
+                mismatches.append(f"format {fmt} {np.dtype(dtype).name} N={n} K={k} plain={plain}: "
+                                  f"{size} bytes {error.value.decode()}")
+    return mismatches
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("level", LEVELS)
+def test_panels_are_the_layouts_bytes(level):
+    """Every weight format's panels, at each ISA level this machine has, are the bytes of the layout
+    packed_weights.h describes, whether the tile copy (transpose_tile.h) or the element-by-element path writes
+    them; the AVX-512 tile copy runs from the avx512 level up."""
+    available = kernel_report()["level"]
+    if LEVELS.index(level) > LEVELS.index(available):
+        pytest.skip(f"this machine's highest level is {available}")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_packing as t\n"
+            "print(json.dumps([t.kernel_report()['transpose_tile'], t.packing_mismatches()]))")
+    env = {**{k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}, "MOE_ONNX_GEMM": level}
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernel, mismatches = json.loads(out.stdout)
+    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
+    assert mismatches == []
+
+
+def test_inline_weights_are_mapped_from_a_deleted_file(tmp_path):
+    """A session on a model whose large initializers are inline gets them from a temporary external data file
+    (moe_onnx.runtime.weights_file), gone once the session exists while its mapping lasts; the caller's model is
+    left as it was, and the outputs are those of the same weights as external data."""
+    E, H, I = 4, 256, 256  # 1 MiB per weight: the smallest moved
+    (tmp_path / "inline").mkdir()
+    (tmp_path / "external").mkdir()
+    model = onnx.load(_moe_file(tmp_path / "inline", E, H, I, inline=True)[0])
+    x = np.random.default_rng(1).standard_normal((8, H), dtype=np.float32)
+    feeds = {"x": x, "routing": np.full((8, 2), 0.5, np.float32), "indices": (np.arange(16) % E).reshape(8, 2)}
+    sess = moe_onnx.session(model)
+    maps = [line.split()[-2:] for line in open("/proc/self/maps") if "moe-onnx-weights-" in line]
+    assert maps and all(path.endswith("weights.data") and state == "(deleted)" for path, state in maps), maps
+    assert not any(Path(path).parent.exists() for path, _ in maps)
+    assert all(t.HasField("raw_data") for t in model.graph.initializer)
+    external = moe_onnx.session(_moe_file(tmp_path / "external", E, H, I, inline=False)[0])
+    np.testing.assert_array_equal(run(sess, feeds)[0], run(external, feeds)[0])

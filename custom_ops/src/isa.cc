@@ -153,6 +153,7 @@ void fill_portable(KernelTable& t) {
   t.gemm_panels = {detail::gemm_panels_portable, "portable"};
   t.widen_row = {detail::widen_row_portable, "portable"};
   t.narrow_row = {detail::narrow_row_portable, "portable"};
+  t.transpose_tile = {detail::transpose_tile_portable, "portable"};
   t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable", {}};
   t.quant_decode = {detail::quant_decode_portable, "portable"};
   t.quant_activations = {detail::quant_activations_portable, "portable"};
@@ -179,6 +180,7 @@ void fill_avx512(KernelTable& t) {
   t.gemm_panels = {detail::gemm_panels_avx512, "avx512"};
   t.widen_row = {detail::widen_row_avx512, "avx512"};
   t.narrow_row = {detail::narrow_row_avx512, "avx512"};
+  t.transpose_tile = {detail::transpose_tile_avx512, "avx512"};
   t.quant_fused = {detail::quant_fused_avx512, "avx512"};
   t.quant_decode = {detail::quant_decode_avx512, "avx512"};
   t.quant_activations = {detail::quant_activations_avx512, "avx512"};
@@ -296,6 +298,7 @@ std::string KernelTable::report() const {
   add("gemm_panels", gemm_panels.name);
   add("widen_row", widen_row.name);
   add("narrow_row", narrow_row.name);
+  add("transpose_tile", transpose_tile.name);
   add("int8_gemm", int8_gemm.name);
   add("int8_layout", int8_gemm.layout == Int8Layout::kQuads ? "quads" : "pairs");
   add("int8_gemm_tiles", int8_gemm.tiles.name);

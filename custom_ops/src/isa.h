@@ -26,6 +26,7 @@
 #include "gemm.h"
 #include "int8_gemm.h"
 #include "qgemm.h"
+#include "transpose_tile.h"
 
 namespace moe_onnx {
 
@@ -87,6 +88,7 @@ struct KernelTable {
   Slot<detail::GemmFn> gemm_panels;        // gemm.h
   Slot<detail::WidenRowFn> widen_row;      // float_convert.h
   Slot<detail::NarrowRowFn> narrow_row;
+  Slot<detail::TransposeTileFn> transpose_tile;  // transpose_tile.h: packing weights into panels
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
   Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
   Slot<detail::QuantDecodeFn> quant_decode;

@@ -2,7 +2,9 @@
 // variants of kPrivateDomain to theirs).
 // Adding an op: its .cc/.h, then one line in kernels() below (one variant per type of the input
 // that decides the output type, see MoeOp).
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "moe.h"
 #include "qmoe.h"
 #include "ort_api.h"
+#include "packed_weights.h"
 #include "row_parallel_linear.h"
 #include "tensor.h"
 #include "tile_dot.h"
@@ -124,6 +127,29 @@ __attribute__((visibility("default"))) int MoeOnnxTileDots(int hardware, const m
   if (why.empty()) return 0;
   if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", why.c_str());
   return 1;
+}
+
+// Packing's test hook (tests/test_packing.py): packs one expert's weights, `source` [N, K] (nn.Linear's
+// layout, transposed_columns) or, with plain != 0, [K, N] (plain_columns), of element type `type` (an
+// ONNX element type) into panels of `format` (packed_weights.h's WeightFormat, as its int), copying at
+// most out_bytes of them to `out`. Returns the panels' bytes, or -1 with the reason in `error`.
+__attribute__((visibility("default"))) int64_t MoeOnnxPackExpert(int format, int type, int plain, int64_t N, int64_t K,
+                                                                 const void* source, void* out, int64_t out_bytes,
+                                                                 char* error, int64_t error_size) {
+  try {
+    const auto weights = static_cast<moe_onnx::WeightFormat>(format);
+    const auto source_type = static_cast<ONNXTensorElementDataType>(type);
+    const bool floats = source_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    moe_onnx::PackedWeights packed(weights, N, K, 1, false,
+                                   floats ? moe_onnx::float_type(source_type) : moe_onnx::FloatType::kF32);
+    packed.pack(0, {plain ? moe_onnx::plain_columns(source, 0, K, N) : moe_onnx::transposed_columns(source, 0, N, K)});
+    const int64_t bytes = packed.slot_bytes();
+    std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
+    return bytes;
+  } catch (const std::exception& e) {
+    if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
+    return -1;
+  }
 }
 
 }  // extern "C"

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "allocation.h"
 #include "int8_gemm.h"
@@ -101,10 +102,11 @@ float e8m0_to_float(uint8_t s) {
 // GEMM's int32 sums.
 void store_quad_corrections(int8_t* panel, int64_t K) {
   const int8_t* weights = panel + kInt8QuadHeader;
-  uint32_t corrections[kPanel] = {};
+  uint32_t sums[4 * kPanel] = {};  // per byte of a quad row (lane c: bytes 4c..4c+3), summed down the quads
   for (int64_t q = 0; q < int8_quads(K); ++q)
-    for (int64_t c = 0; c < kPanel; ++c)
-      for (int64_t i = 0; i < 4; ++i) corrections[c] -= 128u * static_cast<uint32_t>(weights[(q * kPanel + c) * 4 + i]);
+    for (int64_t b = 0; b < 4 * kPanel; ++b) sums[b] += static_cast<uint32_t>(weights[q * 4 * kPanel + b]);
+  uint32_t corrections[kPanel];
+  for (int64_t c = 0; c < kPanel; ++c) corrections[c] = 0u - 128u * (sums[4 * c] + sums[4 * c + 1] + sums[4 * c + 2] + sums[4 * c + 3]);
   std::memcpy(panel, corrections, sizeof corrections);
 }
 
@@ -131,10 +133,11 @@ void place_group_codes(const uint8_t* in, int64_t rows, int bits, uint8_t* lane)
 struct PanelLanes {
   const void* column[kPanel];
   int64_t k_stride[kPanel];
-  bool full;  // every lane has a column
+  bool full;           // every lane has a column
+  bool k_consecutive;  // and each column's k are consecutive elements
 
   PanelLanes(std::initializer_list<ColumnSource> sources, int64_t panel, size_t element_bytes)
-      : column{}, k_stride{}, full(true) {
+      : column{}, k_stride{}, full(true), k_consecutive(true) {
     for (const ColumnSource& src : sources)
       for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
         const int64_t c = panel * src.width + lane - src.lane0;
@@ -143,7 +146,10 @@ struct PanelLanes {
           k_stride[lane] = src.k_stride;
         }
       }
-    for (const void* c : column) full = full && c;
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      full = full && column[lane];
+      k_consecutive = k_consecutive && k_stride[lane] == 1;
+    }
   }
   static const void* column_start(const ColumnSource& src, int64_t c, size_t element_bytes) {
     return static_cast<const char*>(src.data) + (src.first + c * src.c_stride) * static_cast<int64_t>(element_bytes);
@@ -159,16 +165,65 @@ int64_t padded_rows(int64_t K) {
   return K;
 }
 
+// The conversion of the formats that hold the weights' own values (int8 pairs: widened to int16).
+template <class Dst>
+struct Cast {
+  template <class Src>
+  Dst operator()(Src value) const {
+    return static_cast<Dst>(value);
+  }
+};
+
+// Writes rows [0, k) of a panel of format F (its body: after the header) with the table's tile copy
+// (transpose_tile.h) and returns k, a multiple of the rows one copy writes; 0 where the copy does not
+// serve: a lane without a column, columns whose k are not consecutive, or a format that changes the
+// elements (int8 pairs widen them; bf16 pairs from fp32 are rounded first, 32 k of each column at a
+// time, as float_to_bf16 rounds them). A tile element is the k of a row pair (bf16 pairs) or quad
+// (int8 quads) side by side; bf16 panels take their columns in bf16_lane's order.
+template <WeightFormat F, class Src, class Dst, class Convert>
+int64_t place_whole_tiles(const PanelLanes& lanes, int64_t K, Dst* body) {
+  constexpr bool rounded = F == WeightFormat::kBF16Pairs && std::is_same_v<Src, float>;
+  constexpr bool copied = std::is_same_v<Src, Dst> && std::is_same_v<std::decay_t<Convert>, Cast<Dst>>;
+  if constexpr (!rounded && !copied) {
+    return 0;
+  } else {
+    if (!lanes.full || !lanes.k_consecutive) return 0;
+    constexpr int64_t per_element = F == WeightFormat::kInt8Quads ? 4 : F == WeightFormat::kBF16Pairs ? 2 : 1;
+    constexpr int64_t rows = kPanel * per_element;
+    constexpr int bytes = static_cast<int>(per_element * sizeof(Dst));
+    const auto transpose = kernels().transpose_tile;
+    alignas(64) uint16_t bf16[rounded ? kPanel : 1][rounded ? rows : 1];
+    const void* columns[kPanel];
+    const int64_t whole = K / rows * rows;
+    for (int64_t k0 = 0; k0 < whole; k0 += rows) {
+      for (int64_t lane = 0; lane < kPanel; ++lane) {
+        // bf16 panels: row position j holds column c with bf16_lane(c) = j
+        const int64_t c = F == WeightFormat::kBF16 ? (lane % 2 ? kPanel / 2 + lane / 2 : lane / 2) : lane;
+        const Src* in = static_cast<const Src*>(lanes.column[c]) + k0;
+        if constexpr (rounded) {
+          narrow_row(FloatType::kBF16, in, bf16[lane], rows);
+          columns[lane] = bf16[lane];
+        } else {
+          columns[lane] = in;
+        }
+      }
+      transpose(columns, bytes, body + k0 * kPanel);
+    }
+    return whole;
+  }
+}
+
 // Writes one panel of format F (K rows) at `panel`, from `lanes` of Src elements, `convert` one to
-// Dst: in tiles of 16 k, so each tile's reads are 16 short runs of each column and its writes stay
-// in L1. A panel with zero lanes or padding rows is zeroed first, while it is in cache.
+// Dst: whole tiles with the tile copy where it serves (place_whole_tiles), the rest in tiles of 16 k,
+// so each tile's reads are 16 short runs of each column and its writes stay in L1. A panel with zero
+// lanes or padding rows is zeroed first, while it is in cache.
 template <WeightFormat F, class Src, class Dst, class Convert>
 void place_panel(const PanelLanes& lanes, int64_t K, Dst* panel, Convert&& convert) {
   constexpr int64_t kTile = 16;
   Dst* body = panel + header_elements<F>();
   if (!lanes.full || padded_rows<F>(K) != K)
     std::memset(body, 0, static_cast<size_t>(padded_rows<F>(K) * kPanel) * sizeof(Dst));
-  for (int64_t k0 = 0; k0 < K; k0 += kTile) {
+  for (int64_t k0 = place_whole_tiles<F, Src, Dst, Convert>(lanes, K, body); k0 < K; k0 += kTile) {
     const int64_t k1 = std::min(K, k0 + kTile);
     for (int64_t lane = 0; lane < kPanel; ++lane) {
       const Src* in = static_cast<const Src*>(lanes.column[lane]);
@@ -189,7 +244,7 @@ void place(std::initializer_list<ColumnSource> sources, int64_t N, int64_t K, Ds
 }
 template <WeightFormat F, class Src, class Dst>
 void place(std::initializer_list<ColumnSource> sources, int64_t N, int64_t K, Dst* dst) {
-  place<F, Src>(sources, N, K, dst, [](Src value) { return static_cast<Dst>(value); });
+  place<F, Src>(sources, N, K, dst, Cast<Dst>{});
 }
 
 // Weights of `source` type into bf16 pair panels, rounded to nearest even.
@@ -205,6 +260,17 @@ void place_bf16_pairs(FloatType source, std::initializer_list<ColumnSource> sour
 }
 
 }  // namespace
+
+namespace detail {
+
+void transpose_tile_portable(const void* const* columns, int bytes, void* rows) {
+  for (int r = 0; r < kPanel; ++r)
+    for (int c = 0; c < kPanel; ++c)
+      std::memcpy(static_cast<char*>(rows) + (r * kPanel + c) * bytes, static_cast<const char*>(columns[c]) + r * bytes,
+                  static_cast<size_t>(bytes));
+}
+
+}  // namespace detail
 
 bool bf16_compute_available() { return static_cast<bool>(kernels().bf16_gemm); }
 
@@ -399,34 +465,20 @@ ConstantExperts::ConstantExperts(PackedExperts empty, PackSlot pack_slot, const 
   }
 }
 
-void ConstantExperts::map_pages(int64_t expert) const {
-#if defined(__linux__) && defined(MADV_POPULATE_READ)
-  const auto experts = static_cast<size_t>(experts_.slots.count());
-  for (const MappedWeight& w : mapped_) {
-    const size_t per_expert = w.bytes / experts;
-    const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
-    const uintptr_t start = first / kPage * kPage;
-    madvise(reinterpret_cast<void*>(start), first + per_expert - start, MADV_POPULATE_READ);
-  }
-#endif
-  (void)expert;
-}
-
-void ConstantExperts::reclaim_mapped_pages(int64_t expert) const {
+void ConstantExperts::advise_mapped_pages(int64_t expert, int advice, bool inner) const {
 #if defined(__linux__)
   const auto experts = static_cast<size_t>(experts_.slots.count());
   for (const MappedWeight& w : mapped_) {
     const size_t per_expert = w.bytes / experts;
     const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
-    const uintptr_t start = (first + kPage - 1) / kPage * kPage, end = (first + per_expert) / kPage * kPage;
-#ifdef MADV_PAGEOUT
-    // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
-    // written (copy on write) would only go to swap. A hint: failing (Linux < 5.4) keeps them.
-    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_PAGEOUT);
-#endif
+    const uintptr_t start = (inner ? first + kPage - 1 : first) / kPage * kPage;
+    const uintptr_t end = (inner ? first + per_expert : first + per_expert + kPage - 1) / kPage * kPage;
+    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, advice);  // a hint: failing costs time only
   }
 #endif
   (void)expert;
+  (void)advice;
+  (void)inner;
 }
 
 const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, const int64_t* offsets) {
@@ -440,9 +492,15 @@ const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, con
                                [&](int64_t e) { return packed_[e].load(std::memory_order_acquire); }),
                 missing.end());
   parallel_for(ctx, missing.size(), [&](size_t i) {
-    map_pages(missing[i]);
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+    advise_mapped_pages(missing[i], MADV_POPULATE_READ, false);  // one call maps the expert's pages
+#endif
     pack_slot_(experts_, missing[i]);
-    reclaim_mapped_pages(missing[i]);
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+    // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
+    // written (copy on write) would only go to swap. Pages shared with the next expert are kept.
+    advise_mapped_pages(missing[i], MADV_PAGEOUT, true);
+#endif
   });
   for (int64_t e : missing) packed_[e].store(true, std::memory_order_release);
   return experts_;

@@ -117,6 +117,8 @@ class PackedWeights {
   int64_t N() const { return N_; }
   int64_t K() const { return K_; }
   int64_t panels() const { return panel_count(N_); }
+  // Bytes of one slot's panels.
+  int64_t slot_bytes() const { return slot_bytes_; }
   // The slot's panels (elements of the format: float, uint16_t bits, int16_t pairs, int8 quads).
   const void* at(int64_t slot) const { return panels_.get() + slot * slot_bytes_; }
   // The slot's bias (panels() * 16 floats), or null without one.
@@ -198,9 +200,9 @@ struct PackedExperts {
 // The packed experts of initializer weights, made at kernel creation with room for every expert:
 // each expert is packed by the first run that routes rows to it (on that run's intra-op pool), then
 // kept, so creating a session reads no weights and a model holds packed only the experts it uses.
-// Then the pages of that expert's weights that onnxruntime mapped from an external data file are
-// reclaimed (MADV_PAGEOUT: clean file pages, a later read maps them again from the file), so the
-// weights are resident once, packed.
+// Before an expert is packed, its pages that onnxruntime mapped from an external data file are mapped
+// at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
+// maps them again from the file), so the weights are resident once, packed.
 class ConstantExperts {
  public:
   using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
@@ -216,8 +218,9 @@ class ConstantExperts {
     const char* data;
     size_t bytes;
   };
-  void map_pages(int64_t expert) const;
-  void reclaim_mapped_pages(int64_t expert) const;
+  // madvise(advice) on the pages of the expert's weights in mapped_, the pages wholly inside them (inner)
+  // or every page they touch.
+  void advise_mapped_pages(int64_t expert, int advice, bool inner) const;
 
   PackedExperts experts_;
   PackSlot pack_slot_;

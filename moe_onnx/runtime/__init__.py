@@ -29,6 +29,7 @@ from ..ops._common import check_attribute_names
 from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, kernel_report, python_host_library
 from .private_domain import cpp_model, python_model, structure
 from .python_host import PYTHON_DOMAIN
+from .weights_file import inline_weights_to_map, with_weights_in_file
 
 
 __all__ = ["session", "run", "custom_ops_library", "python_host_library", "kernel_report", "BACKENDS",
@@ -48,7 +49,10 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     ``sess_options`` is used as given (the library is registered on it once, its other settings
     are kept; one SessionOptions serves one backend, and for ``"python"`` the Python kernels of the first
     model's ops: a model with other ops needs a new one); ``providers`` (default
-    ``["CPUExecutionProvider"]``) and other keyword arguments go to ``InferenceSession``.
+    ``["CPUExecutionProvider"]``) and other keyword arguments go to ``InferenceSession``. ``"cpp"`` on a model
+    whose large initializers are inline (inside the .onnx) creates the session from a temporary copy with them
+    in an external data file, deleted once the session exists, so that the weights are held once
+    (:mod:`moe_onnx.runtime.weights_file`).
     Raises ValueError for an unknown backend; :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError)
     for a path that cannot be read as a model (missing, a folder, empty, not ONNX) or whose external data is
     missing or short, with the message ``moe-onnx optimize`` gives; FileNotFoundError when the library is not
@@ -75,14 +79,25 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
         model = python_model(model)
         _register_python_host(options, _variants(model))
     else:
+        caller_model = model
         proto = structure(model) if proto is None else proto
         _check_attribute_names(proto)
         model = cpp_model(model, proto)
         _register(options, backend, custom_ops_library())
+        owned = model if isinstance(model, onnx.ModelProto) else proto
+        if inline_weights_to_map(owned):  # held once: mapped from a file, then packed
+            if owned is caller_model:  # the caller's model stays as it is
+                owned = onnx.ModelProto.FromString(owned.SerializeToString())
+            return with_weights_in_file(owned, lambda path: _inference_session(path, options, providers, kwargs))
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     elif isinstance(model, os.PathLike):
         model = os.fspath(model)
+    return _inference_session(model, options, providers, kwargs)
+
+
+def _inference_session(model: str | bytes, options: ort.SessionOptions, providers: Sequence[Any] | None,
+                       kwargs: dict[str, Any]) -> ort.InferenceSession:
     return ort.InferenceSession(model, sess_options=options,
                                 providers=list(providers) if providers is not None else ["CPUExecutionProvider"],
                                 **kwargs)
