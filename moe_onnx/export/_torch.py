@@ -4,15 +4,18 @@ that torch and transformers are installed."""
 
 from __future__ import annotations
 
-import ctypes
-import sys
+import contextlib
+import json
+import os
 import warnings
 from pathlib import Path
 
 import onnx_ir as ir
 import torch
 import transformers
+from safetensors import safe_open
 from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from . import ExportError
 from .families import ExportFamily
@@ -26,12 +29,53 @@ _TRACE_BATCH, _TRACE_SEQUENCE, _TRACE_PAST = 2, 3, 5
 
 def load_model(checkpoint: Path, family: ExportFamily, dtype: str) -> transformers.PreTrainedModel:
     """The checkpoint's causal LM in eval mode at ``dtype``, with the family's experts implementation and
-    eager attention (the plain matmul-softmax-matmul the exporters write for any dtype)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=DTYPES[dtype], attn_implementation="eager",
-        experts_implementation=family.experts_implementation)
-    _page_out_checkpoint(checkpoint)
+    eager attention (the plain matmul-softmax-matmul the exporters write for any dtype).
+
+    The weights are read one parameter at a time: transformers' load takes the checkpoint's tensors from
+    :func:`checkpoint_tensors` (read with ``pread``, not memory-mapped) and, with its asynchronous loading off,
+    reads the tensors of each parameter only when it converts them (stacking an expert's tensors into the fused
+    expert parameters), so the load holds the model and one parameter's checkpoint tensors, not the checkpoint's
+    pages beside the model."""
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    with contextlib.ExitStack() as files, _environment(HF_DEACTIVATE_ASYNC_LOAD="1"):
+        model = model_class.from_pretrained(
+            None, config=config, state_dict=checkpoint_tensors(checkpoint, files), dtype=DTYPES[dtype],
+            attn_implementation="eager", experts_implementation=family.experts_implementation)
     return model.eval()
+
+
+def checkpoint_tensors(checkpoint: Path, files: contextlib.ExitStack) -> dict[str, object]:
+    """The checkpoint's tensors by name, each unread (safetensors' slice of a file opened with its ``pread``
+    backend: ``tensor[...]`` reads it into memory of its own) from ``model.safetensors`` or the files that
+    ``model.safetensors.index.json`` names; the files stay open until ``files`` closes."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (checkpoint / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {checkpoint}")
+    tensors = {}
+    for name in names:
+        weights = files.enter_context(safe_open(checkpoint / name, framework="pt", backend="pread"))
+        tensors.update((key, weights.get_slice(key)) for key in weights.keys())
+    return tensors
+
+
+@contextlib.contextmanager
+def _environment(**variables: str):
+    """Set environment ``variables`` while the block runs, then restore what was there."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def refuse_states(model: transformers.PreTrainedModel) -> None:
@@ -45,31 +89,6 @@ def refuse_states(model: transformers.PreTrainedModel) -> None:
         raise ExportError(f"{model.config.model_type}: its cache holds {', '.join(sorted(kinds))} layers (state "
                           f"other than keys and values, layer_types {getattr(model.config, 'layer_types', None)}); "
                           f"moe-onnx export writes a decoder with a KV cache only")
-
-
-_MADV_PAGEOUT = 21  # Linux 5.4+
-
-
-def _page_out_checkpoint(checkpoint: Path) -> None:
-    """Hand back the pages of the checkpoint's memory-mapped safetensors files that the load touched (Linux).
-
-    transformers reads the checkpoint through a memory map and keeps it mapped after the load (the weights it
-    did not convert are views into it), so every page it read stays resident: for the experts, which it stacks
-    into new tensors, about their size again. ``madvise(MADV_PAGEOUT)`` reclaims those pages now, before the
-    export; the views read their pages back when the weights are written. The hint changes no data (a page
-    that was written to, or that the kernel cannot reclaim, just stays), so an older kernel only keeps the pages.
-    """
-    maps = Path("/proc/self/maps")
-    if not sys.platform.startswith("linux") or not maps.is_file():
-        return
-    folder = str(checkpoint.resolve())
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    for line in maps.read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith(folder + "/") and fields[5].endswith(".safetensors"):
-            start, end = (int(address, 16) for address in fields[0].split("-"))
-            madvise(start, end - start, _MADV_PAGEOUT)
 
 
 class FlatCacheDecoder(torch.nn.Module):
@@ -128,21 +147,23 @@ def empty_cache(model: transformers.PreTrainedModel, cache_class: type[transform
 def trace_inputs(model: transformers.PreTrainedModel, cache_class: type[transformers.DynamicCache]
                  ) -> tuple[tuple[torch.Tensor, ...], list[CacheShape]]:
     """Example inputs of the trace (a batch of 2, 3 new tokens after 5 cached ones) and the cache's shape per
-    layer. The cache is the model's own, of a 5-token prefill into :func:`empty_cache`: so its layers, kv
-    heads and key and value sizes are the family's, whatever its attention (multi-head latent attention's keys
-    are wider than its values, sliding-window layers may have other heads)."""
+    layer. The cache is the model's own, of a 1-token prefill into :func:`empty_cache`, repeated to 5 tokens of
+    each sequence: so its layers, kv heads and key and value sizes are the family's, whatever its attention
+    (multi-head latent attention's keys are wider than its values, sliding-window layers may have other heads).
+    One token, because the eager experts gather each token's expert weights (a real model's whole batch of
+    tokens would gather several times a layer's experts)."""
     generator = torch.Generator().manual_seed(0)
     batch, sequence, past = _TRACE_BATCH, _TRACE_SEQUENCE, _TRACE_PAST
     input_ids = torch.randint(0, model.config.vocab_size, (batch, past + sequence), generator=generator)
     positions = torch.arange(past + sequence).expand(batch, past + sequence)
     with torch.no_grad():
-        prefill = model(input_ids=input_ids[:, :past], attention_mask=torch.ones(batch, past, dtype=torch.int64),
-                        position_ids=positions[:, :past], past_key_values=empty_cache(model, cache_class),
+        prefill = model(input_ids=input_ids[:1, :1], attention_mask=torch.ones(1, 1, dtype=torch.int64),
+                        position_ids=positions[:1, :1], past_key_values=empty_cache(model, cache_class),
                         use_cache=True)
     cache, shapes = [], []
     for layer, entry in enumerate(prefill.past_key_values.layers):
         if not isinstance(entry, DummyLayer):
-            cache += [entry.keys, entry.values]
+            cache += [entry.keys.repeat(batch, 1, past, 1), entry.values.repeat(batch, 1, past, 1)]
             shapes.append(CacheShape(layer, entry.keys.shape[1], entry.keys.shape[3]))
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
     return (input_ids[:, past:], attention_mask, positions[:, past:], tuple(cache)), shapes

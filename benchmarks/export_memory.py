@@ -1,0 +1,126 @@
+"""Peak resident memory of `moe-onnx export` against the checkpoint's size, phase by phase (not a test: it needs
+torch and transformers, and minutes at the large size).
+
+  python benchmarks/export_memory.py                    # tiny, small and large checkpoints at fp32
+  python benchmarks/export_memory.py --size tiny large --dtype fp32 fp16 --work-dir /tmp/export-memory
+
+Per size (tiny: 1 MiB; small: 142 MiB; large: 1469 MiB), a qwen3_moe checkpoint with random weights
+(transformers' save_pretrained: one tensor per expert, which the load stacks into the fused expert parameters) is
+exported, fused, in a child process of its own. The child records its resident memory after the imports (Python,
+torch, transformers, moe_onnx) and its peak (VmHWM, anonymous + file-backed) in each phase, resetting the peak
+between phases (/proc/self/clear_refs): the load, torch.onnx's trace and save, the optimize pass. The issue's
+figure is the peak above the imports against the checkpoint's bytes; beside it, the peak above the tiny
+checkpoint's (what any model costs: the exporter's own memory) against the checkpoint's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _memory import status_mb
+from _models import save_random_checkpoint
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "checkpoints" / "qwen3_moe"
+
+
+def _qwen3_moe(layers: int, E: int, H: int, I: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    return dict(num_hidden_layers=layers, hidden_size=H, moe_intermediate_size=I, intermediate_size=4 * I,
+                num_experts=E, num_experts_per_tok=4, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=64, vocab_size=vocab, max_position_embeddings=4096, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+
+
+SIZES = {"small": ("H = 512, 4 layers, E = 16, I = 256, vocabulary 9216",
+                   _qwen3_moe(4, E=16, H=512, I=256, heads=8, kv_heads=2, vocab=9216)),
+         "large": ("H = 1024, 6 layers, E = 32, I = 512, vocabulary 32768",
+                   _qwen3_moe(6, E=32, H=1024, I=512, heads=16, kv_heads=4, vocab=32768)),
+         "tiny": ("H = 64, 2 layers, E = 8, I = 32, vocabulary 256",
+                  _qwen3_moe(2, E=8, H=64, I=32, heads=4, kv_heads=2, vocab=256))}
+
+
+#: export_checkpoint's progress messages (first word) that start each phase
+PHASES = {"loading": "load", "exporting": "export", "optimizing": "optimize"}
+
+
+def export_child(checkpoint: Path, out: Path, dtype: str) -> dict:
+    """Exports `checkpoint` to `out`; the resident MiB after the imports and the peak MiB of each phase (named by
+    the export's progress messages)."""
+    import torch  # noqa: F401 - the imports the export needs, counted before it starts
+    import transformers  # noqa: F401
+
+    from moe_onnx.export import _torch  # noqa: F401
+    from moe_onnx.export import export_checkpoint
+
+    report = {"imports": status_mb()["VmRSS"], "phases": []}
+    phase = ["imports"]
+
+    def close_phase(message: str) -> None:
+        """At each of the export's own progress messages (not the optimize pass's), the phase before it ends."""
+        next_phase = PHASES.get(message.partition(" ")[0]) if phase[0] != "optimize" else None
+        if message and next_phase is None:
+            return
+        report["phases"].append([phase[0], status_mb()["VmHWM"]])
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from the resident memory now
+        phase[0] = next_phase
+
+    export_checkpoint(checkpoint, out, dtype, progress=close_phase)
+    close_phase("")
+    report["peak"] = max(peak for _, peak in report["phases"])
+    return report
+
+
+def measure(size: str, dtype: str, work: Path) -> dict:
+    description, config = SIZES[size]
+    checkpoint = work / f"{size}-checkpoint"
+    if not checkpoint.is_dir():
+        save_random_checkpoint("qwen3_moe", config, checkpoint)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (checkpoint / name).write_bytes((TOKENIZER / name).read_bytes())
+    weights = sum(path.stat().st_size for path in checkpoint.glob("*.safetensors")) / 2**20
+    child = subprocess.run([sys.executable, __file__, "export", str(checkpoint), str(work / f"{size}-{dtype}"),
+                            "--dtype", dtype], capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit(f"export of the {size} checkpoint at {dtype} failed: {child.stderr.strip()[-2000:]}")
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    report.update(size=size, description=description, dtype=dtype, checkpoint=weights,
+                  ratio=(report["peak"] - report["imports"]) / weights)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="child")
+    e = sub.add_parser("export")
+    e.add_argument("checkpoint", type=Path)
+    e.add_argument("out", type=Path)
+    e.add_argument("--dtype", required=True)
+    parser.add_argument("--size", nargs="+", choices=SIZES, default=["tiny", "small", "large"])
+    parser.add_argument("--dtype", nargs="+", choices=("fp32", "fp16"), default=["fp32"])
+    parser.add_argument("--work-dir", type=Path, help="keeps the checkpoints there (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.child == "export":
+        print(json.dumps(export_child(args.checkpoint, args.out, args.dtype)))
+        return
+    with tempfile.TemporaryDirectory() as temporary:
+        work = args.work_dir or Path(temporary)
+        work.mkdir(parents=True, exist_ok=True)
+        rows = [measure(size, dtype, work) for size in args.size for dtype in args.dtype]
+    fixed = next((r["peak"] for r in rows if r["size"] == "tiny"), None)  # what any model costs
+    print("| qwen3_moe checkpoint (random weights) | --dtype | checkpoint | imports | peak RSS | above the imports "
+          "| / checkpoint | above the tiny export / checkpoint | peak per phase |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        phases = ", ".join(f"{name} {peak:.0f}" for name, peak in r["phases"][1:])
+        beyond_fixed = f"{(r['peak'] - fixed) / r['checkpoint']:.2f}x" if fixed and r["size"] != "tiny" else ""
+        print(f"| {r['description']} | {r['dtype']} | {r['checkpoint']:.0f} MiB | {r['imports']:.0f} MiB "
+              f"| {r['peak']:.0f} MiB | {r['peak'] - r['imports']:.0f} MiB | {r['ratio']:.2f}x | {beyond_fixed} "
+              f"| {phases} |")
+
+if __name__ == "__main__":
+    main()
