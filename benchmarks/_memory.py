@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +58,18 @@ def measure_rss(shape: Shape, models: dict[str, onnx.ModelProto], models_dir: Pa
         print(f"[{shape.name}] RSS {v}: " + (f"created {r['created']:.0f} MB, peak {r['hwm']:.0f} MB"
                                                 if "hwm" in r else r["error"]), flush=True)
     return out
+
+
+def run_child(argv: list[str], capture: bool = False, **popen) -> tuple[float, float, int, str]:
+    """``argv`` in a child process: (its own peak RSS in MiB from wait4's ru_maxrss, wall seconds, exit code, its
+    stdout and stderr when ``capture``, else ""); ``popen`` goes to subprocess.Popen."""
+    start = time.perf_counter()
+    if capture:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    child = subprocess.Popen(argv, **popen)
+    output = child.stdout.read() if capture else ""
+    _, status, usage = os.wait4(child.pid, 0)
+    return usage.ru_maxrss / 1024, time.perf_counter() - start, os.waitstatus_to_exitcode(status), output
 
 
 def status_mb(keys: tuple[str, ...] = ("VmRSS", "RssAnon", "RssFile", "VmHWM")) -> dict[str, float]:

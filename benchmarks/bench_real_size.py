@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _memory import run_child
 from _models import save_random_checkpoint
 from startup_memory import status_mb
 
@@ -138,15 +139,11 @@ class Bench:
     def command(self, step: str, argv: list[str]) -> None:
         """Runs `argv`; its row: wall seconds and peak RSS (wait4's ru_maxrss). Exits on failure."""
         self._say(f"{step} ...")
-        start = time.perf_counter()
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = child.stdout.read()
-        _, status, usage = os.wait4(child.pid, 0)
-        seconds = time.perf_counter() - start
+        peak, seconds, status, output = run_child(argv, capture=True)
         if status != 0:
             sys.exit(f"[{self.shape.name}] {step} failed: {' | '.join(output.strip().splitlines()[-3:])}")
-        self.rows.append((step, seconds, usage.ru_maxrss / 1024, ""))
-        self._say(f"{step}: {seconds:.1f} s, peak {usage.ru_maxrss / 1024:.0f} MiB")
+        self.rows.append((step, seconds, peak, ""))
+        self._say(f"{step}: {seconds:.1f} s, peak {peak:.0f} MiB")
 
     def session(self, what: str, folder: Path, backend: str) -> None:
         """Session creation and the first run on `folder` in a child; two rows, ratios against plain onnxruntime's."""

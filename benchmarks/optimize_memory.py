@@ -15,13 +15,12 @@ gpt_oss_tiled_E32_k4_H2880_I2880.onnx.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from _exports import Shape, add_export_options, ensure_export, export_pythons, how_to_export
+from _memory import run_child
 
 BIG = Shape("gpt_oss_big", "gpt_oss", "tiled", "457", E=32, k=4, H=2880, I=2880, gemm2=True)
 
@@ -53,15 +52,13 @@ def main() -> int:
     print("|---|---|---|---|")
     for target in ("moe", "grouped"):
         out = args.models_dir / f"optimized_{target}.onnx"
-        start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-m", "moe_onnx.cli", "optimize", str(source), "-o", str(out),
-                                  "--target", target], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS (KiB on Linux)
-        seconds = time.perf_counter() - start
+        peak, seconds, status, _ = run_child([sys.executable, "-m", "moe_onnx.cli", "optimize", str(source), "-o",
+                                              str(out), "--target", target],
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if status != 0:
             print(f"moe-onnx optimize --target {target} failed", file=sys.stderr)
             return 1
-        print(f"| {target} | {usage.ru_maxrss / 1024:.0f} MiB | {seconds:.1f} s | {model_bytes(out) / 2**30:.2f} GiB |",
+        print(f"| {target} | {peak:.0f} MiB | {seconds:.1f} s | {model_bytes(out) / 2**30:.2f} GiB |",
               flush=True)
     return 0
 

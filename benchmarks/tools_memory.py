@@ -22,15 +22,14 @@ The defaults make 1.2 GB of weights; --experts 128 makes the 4.8 GB Qwen3-30B-A3
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+
+from _memory import run_child
 
 #: the offset of each tensor in the data file is a multiple of this (onnxruntime maps aligned data)
 ALIGNMENT = 4096
@@ -91,10 +90,7 @@ def build_model(path: Path, experts: int, hidden: int, inter: int, layers: int, 
 
 def run_tool(arguments: list[str]) -> tuple[float, float, int]:
     """`moe-onnx ARGUMENTS` in a child, its output shown: (peak RSS in MiB, wall seconds, exit status)."""
-    start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "moe_onnx.cli", *arguments])
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS (KiB on Linux)
-    return usage.ru_maxrss / 1024, time.perf_counter() - start, os.waitstatus_to_exitcode(status)
+    return run_child([sys.executable, "-m", "moe_onnx.cli", *arguments])[:3]
 
 
 def main() -> int:
