@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace moe_onnx {
 namespace {
@@ -93,22 +94,30 @@ std::string packed_file_name(const std::string& op, const std::vector<std::strin
 
 uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts) {
   constexpr size_t kWindow = 64;
-  uint64_t h = kFnvBasis;
+  std::vector<std::pair<const char*, size_t>> windows;
   for (const Input& w : weights) {
     if (!w.present || !w.data || experts <= 0) continue;
     const size_t per_expert = static_cast<size_t>(w.count) * elem_size(w.type) / static_cast<size_t>(experts);
     for (int64_t e = 0; e < experts; ++e) {
       const char* first = static_cast<const char*>(w.data) + static_cast<size_t>(e) * per_expert;
       if (per_expert <= 2 * kWindow) {
-        h = fnv1a(h, first, per_expert);
+        windows.emplace_back(first, per_expert);
         continue;
       }
       // the expert's first bytes and a window that moves with the expert
       const size_t moving = (per_expert - kWindow) / 2 + static_cast<size_t>(e) * 4099 % (per_expert / 2 - kWindow + 1);
-      h = fnv1a(h, first, kWindow);
-      h = fnv1a(h, first + moving, kWindow);
+      windows.emplace_back(first, kWindow);
+      windows.emplace_back(first + moving, kWindow);
     }
   }
+  // every window's pages asked for at once: weights mapped from a file not in the page cache are then
+  // read with many requests in flight, not one page fault after another
+  for (const auto& [data, bytes] : windows) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(data) / kPageBytes * kPageBytes;
+    madvise(reinterpret_cast<void*>(start), reinterpret_cast<uintptr_t>(data) + bytes - start, MADV_WILLNEED);
+  }
+  uint64_t h = kFnvBasis;
+  for (const auto& [data, bytes] : windows) h = fnv1a(h, data, bytes);
   return h;
 }
 
