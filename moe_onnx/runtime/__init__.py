@@ -8,7 +8,7 @@ session runs a copy of the model whose moe_onnx nodes are moved to the host's pr
 
 Where the parts live: finding the libraries (and ``kernel_report()``, the C++ kernels chosen on this
 machine) in ``library``, the private-domain copies of a model in ``private_domain``, the host's Python
-side in ``python_host``.
+side in ``python_host``, the packed-weights files a C++ session maps (``pack_weights``) in ``packed_weights``.
 """
 
 from __future__ import annotations
