@@ -11,10 +11,13 @@ RssAnon + RssFile) after creation and after each run, and each run's time (a run
 it is the first to use: the first run of the default ones, 16 tokens, routes rows to every expert of a model of
 up to 128, and its time less the second's, the same tokens packed, gives the packing rate in GB of weights per
 second, of wall-clock time and of the process's CPU time, which a busy machine changes less; then a decode of 1
-token and two prefills of 512).
+token and two prefills of 512). `measure --packed` compares instead sessions that map packed-weights files
+(`moe-onnx pack`, written first into MODEL.packed when missing, its time printed) with sessions that pack,
+in alternating child processes, --rounds of each, and prints the medians side by side.
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
+    flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --packed --rounds 3
 """
 
 from __future__ import annotations
@@ -145,10 +148,11 @@ def feeds(H: int, E: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
             "indices": slots.reshape(tokens, TOP_K).astype(np.int64)}
 
 
-def child(path: str, threads: int, runs: list[int], experts: int) -> dict:
-    """Creates a session on `path` and runs it on each token count in `runs` (a plain model: once); when the
-    first two runs have the same tokens, enough to route rows to all `experts`, the packing rate too (the
-    model's weight bytes over the first run's time less the second's)."""
+def child(path: str, threads: int, runs: list[int], experts: int, packed: bool = False) -> dict:
+    """Creates a session on `path` (mapping the files of MODEL.packed when `packed`, else packing) and runs it on
+    each token count in `runs` (a plain model: once); when the first two runs have the same tokens, enough to
+    route rows to all `experts`, the packing rate too (the model's weight bytes over the first run's time less
+    the second's)."""
     import onnxruntime as ort
 
     import moe_onnx
@@ -158,7 +162,9 @@ def child(path: str, threads: int, runs: list[int], experts: int) -> dict:
     opts = session_options(threads)
     plain = path.endswith(".plain.onnx")
     sess = (ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]) if plain
-            else moe_onnx.session(path, backend="cpp", sess_options=opts))
+            else moe_onnx.session(path, backend="cpp", sess_options=opts,
+                                  packed_weights=moe_onnx.runtime.packed_weights.default_directory(path) if packed
+                                  else None))
     report["create_s"] = round(time.perf_counter() - t0, 3)
     report["created"] = status_mb()
     if plain:
@@ -185,17 +191,64 @@ def child(path: str, threads: int, runs: list[int], experts: int) -> dict:
     return report
 
 
+def _child_report(path: str, threads: int, runs: list[int], experts: int, packed: bool = False) -> dict | None:
+    """child() in a process of its own (None, the error printed, when it fails)."""
+    cmd = [sys.executable, __file__, "child", path, "--threads", str(threads), "--runs", *map(str, runs),
+           "--experts", str(experts), *(["--packed"] if packed else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        print(f"{path}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure(models: list[str], threads: int, runs: list[int]) -> None:
     for path in models:
         experts = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
         for p in (path, path.replace(".onnx", ".plain.onnx")):
-            cmd = [sys.executable, __file__, "child", p, "--threads", str(threads), "--runs", *map(str, runs),
-                   "--experts", str(experts)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                print(f"{p}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+            report = _child_report(p, threads, runs, experts)
+            if report is not None:
+                print(f"{Path(p).name}: {json.dumps(report)}", flush=True)
+
+
+def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int) -> None:
+    """Per model: `moe-onnx pack` into MODEL.packed when it is missing (its time and peak RSS); then sessions
+    that map those files and sessions that pack, alternating, `rounds` of each; the medians side by side:
+    creation, the first run, the decode (runs of 1 token) and the last prefill (runs of 512), resident
+    anonymous and file-backed memory after the first run."""
+    from moe_onnx.runtime.packed_weights import default_directory
+
+    for path in models:
+        experts = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
+        if not default_directory(path).is_dir():
+            peak, seconds, code, output = _memory.run_child(
+                [sys.executable, "-m", "moe_onnx.cli", "pack", path, "--threads", str(threads)], capture=True)
+            print(f"pack ({seconds:.1f} s wall with the interpreter, peak RSS {peak:.0f} MiB, exit {code}):\n"
+                  f"{output.strip()}", flush=True)
+        reports: dict[str, list[dict]] = {"packed file": [], "packing": []}
+        for n in range(rounds):
+            for variant, reports_of in reports.items():
+                report = _child_report(path, threads, runs, experts, packed=variant == "packed file")
+                if report is not None:
+                    print(f"round {n + 1} {variant}: {json.dumps(report)}", flush=True)
+                    reports_of.append(report)
+        first, decode = f"run0_T{runs[0]}", next((f"run{i}_T1" for i, t in enumerate(runs) if t == 1), None)
+        prefill = next((f"run{i}_T512" for i in reversed(range(len(runs))) if runs[i] == 512), None)
+        print(f"{Path(path).name}, medians of {rounds} rounds, {threads} threads:")
+        print(f"{'':12} {'create s':>9} {'first run s':>12} {'decode ms':>10} {'prefill ms':>11} "
+              f"{'RssAnon MiB':>12} {'RssFile MiB':>12}")
+        for variant, got in reports.items():
+            if not got:
                 continue
-            print(f"{Path(p).name}: {out.stdout.strip().splitlines()[-1]}", flush=True)
+
+            def median(pick):
+                return float(np.median([pick(r) for r in got]))
+
+            decode_ms = median(lambda r: r[decode]["s"] * 1e3) if decode else float("nan")
+            prefill_ms = median(lambda r: r[prefill]["s"] * 1e3) if prefill else float("nan")
+            print(f"{variant:12} {median(lambda r: r['create_s']):9.2f} {median(lambda r: r[first]['s']):12.2f} "
+                  f"{decode_ms:10.1f} {prefill_ms:11.0f} {median(lambda r: r[first]['RssAnon']):12.0f} "
+                  f"{median(lambda r: r[first]['RssFile']):12.0f}", flush=True)
 
 
 def main() -> None:
@@ -214,15 +267,20 @@ def main() -> None:
         m.add_argument("models", nargs="+")
         m.add_argument("--threads", type=int, default=2)
         m.add_argument("--runs", type=int, nargs="+", default=[16, 16, 1, 512, 512])
+        m.add_argument("--packed", action="store_true",
+                       help="measure: sessions on MODEL.packed's files against packing; child: map those files")
+    sub.choices["measure"].add_argument("--rounds", type=int, default=3, help="--packed: processes of each kind")
     sub.choices["child"].add_argument("--experts", type=int, required=True)
     args = parser.parse_args()
     if args.command == "build":
         for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline):
             print(p)
+    elif args.command == "measure" and args.packed:
+        measure_packed(args.models, args.threads, args.runs, args.rounds)
     elif args.command == "measure":
         measure(args.models, args.threads, args.runs)
     else:
-        print(json.dumps(child(args.models[0], args.threads, args.runs, args.experts)))
+        print(json.dumps(child(args.models[0], args.threads, args.runs, args.experts, args.packed)))
 
 
 if __name__ == "__main__":

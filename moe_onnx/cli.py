@@ -1,7 +1,7 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
 ``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.pipeline.shard_file`;
-``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`; ``export``:
+``pack``: :func:`moe_onnx.runtime.pack_weights`; ``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`; ``export``:
 :func:`moe_onnx.export.export_checkpoint`)."""
 
 from __future__ import annotations
@@ -26,6 +26,25 @@ def _check(args: argparse.Namespace) -> int:
         print(verdict)
         status = status if ok else 1
     return status
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from .runtime import pack_weights
+
+    try:
+        result = pack_weights(args.model, args.dir, threads=args.threads)
+    except Exception as error:  # the model's files, the library, onnxruntime's errors (their own classes)
+        print(f"moe-onnx pack: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
+        return 1
+    if not result.files:
+        print(f"moe-onnx pack: {args.model} has no MOE, QMOE or MoeRowParallelLinear node whose weights are "
+              "initializers; nothing to pack", file=sys.stderr)
+        return 1
+    for path, size in result.files:
+        print(f"{path}  {size / 2**20:.1f} MiB")
+    print(f"packed {len(result.files)} file(s), {result.bytes / 2**30:.2f} GiB in {result.seconds:.1f} s "
+          f"({result.bytes / 1e9 / max(result.seconds, 1e-9):.2f} GB/s)")
+    return 0
 
 
 def _stage_printer() -> Callable[[str], None]:
@@ -211,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "attribute, what was expected) and exit 1.")
     check.add_argument("models", nargs="+", metavar="MODEL", help="ONNX model file(s); external data is supported")
     check.set_defaults(run=_check)
+
+    pack = commands.add_parser(
+        "pack", help="pack the expert weights once into files that later sessions map instead of packing",
+        description="Write one packed-weights file per MOE, QMOE and MoeRowParallelLinear node whose weights are "
+                    "initializers (docs/building.md, 'Packed-weights files'); sessions on MODEL use them from "
+                    "MODEL.packed/ by default. Exit 1 when the model cannot be read, a file cannot be written or "
+                    "there is nothing to pack.")
+    pack.add_argument("model", metavar="MODEL", help="ONNX model with moe_onnx ops (optimize's or quantize's output)")
+    pack.add_argument("--dir", default=None, help="the folder of the files (default MODEL.packed; made if missing)")
+    pack.add_argument("--threads", type=_positive_int, default=None,
+                      help="threads that pack (default: the machine's)")
+    pack.set_defaults(run=_pack)
 
     opt = commands.add_parser(
         "optimize", help="fuse the MoE blocks of an exported model into moe_onnx ops",

@@ -130,7 +130,8 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
 // in proportion to the weights' data, whatever E is); else null (Compute packs per run and reports
 // any error in the reference's order).
 std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const std::string& where,
-                                                  const ExpertConfig& config, int64_t accuracy_level) {
+                                                  const ExpertConfig& config, int64_t accuracy_level,
+                                                  const PackedWeightsFiles* files) {
   std::vector<Input> inputs(N_INPUTS);
   for (int i : {W0, B0, W1, B1, W2}) {
     if (!node_has_input(kinfo, i)) continue;
@@ -155,8 +156,9 @@ std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& ki
   const ExpertType type = config.type;
   const int64_t parity = config.parity;
   return std::make_unique<ConstantExperts>(
-      empty_pack(type, accuracy_level, inputs, H, I, ExpertSlots::all(E)),
-      [type, parity, inputs](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); }, inputs);
+      E, [&](ExpertSlots slots) { return empty_pack(type, accuracy_level, inputs, H, I, std::move(slots)); },
+      [type, parity, inputs](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); }, inputs,
+      packed_file_request(files, kinfo, signatures::MOE.name, where, {W0, B0, W1, B1, W2}));
 }
 
 }  // namespace
@@ -165,17 +167,17 @@ std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& ki
 OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
 
 OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MOE.name, info, kernel, [&] { return new MoeKernel(api, info); });
+  return create_kernel_status(api, signatures::MOE.name, info, kernel, [&] { return new MoeKernel(info, files_); });
 }
 
-MoeKernel::MoeKernel(const OrtApi&, const OrtKernelInfo* info) {
+MoeKernel::MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::MOE.name, kinfo);
   const Attributes attrs(info, signatures::MOE, where);
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   accuracy_level = attrs.choice("accuracy_level", {0, 3});
-  constant = constant_experts(kinfo, where, config, accuracy_level);
+  constant = constant_experts(kinfo, where, config, accuracy_level, files);
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {

@@ -13,7 +13,7 @@
 namespace moe_onnx {
 
 struct MoeKernel {
-  MoeKernel(const OrtApi& api, const OrtKernelInfo* info);
+  MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files);
   void Compute(OrtKernelContext* context);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
@@ -30,7 +30,8 @@ struct MoeKernel {
 // so that a wrong type reaches Compute and gets the op's own error): the output has that type, which
 // is how onnxruntime learns the output type (other inputs are dynamically typed).
 struct MoeOp : Ort::CustomOpBase<MoeOp, MoeKernel, true> {
-  explicit MoeOp(ONNXTensorElementDataType hidden_type) : hidden_type_(hidden_type) {}
+  // files: the packed-weights files of the sessions this op is registered for (null: none)
+  MoeOp(ONNXTensorElementDataType hidden_type, const PackedWeightsFiles* files) : hidden_type_(hidden_type), files_(files) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return signatures::MOE.name; }
   size_t GetInputTypeCount() const { return signatures::MOE.inputs.size(); }
@@ -43,6 +44,7 @@ struct MoeOp : Ort::CustomOpBase<MoeOp, MoeKernel, true> {
 
  private:
   ONNXTensorElementDataType hidden_type_;
+  const PackedWeightsFiles* files_;
 };
 
 }  // namespace moe_onnx

@@ -4,7 +4,10 @@
 // that decides the output type, see MoeOp).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,8 +20,10 @@
 #include "moe.h"
 #include "qmoe.h"
 #include "ort_api.h"
+#include "packed_file.h"
 #include "packed_weights.h"
 #include "row_parallel_linear.h"
+#include "status.h"
 #include "tensor.h"
 #include "tile_dot.h"
 
@@ -29,53 +34,63 @@ const char* kDomain = "moe_onnx";  // moe_onnx.DOMAIN
 // (MoeInitRouting with int8 expanded_x; moe_onnx/runtime/private_domain.py moves quantizing nodes here).
 const char* kPrivateDomain = "moe_onnx.cpp";
 
-// One instance of each op for the life of the process (onnxruntime keeps pointers to them).
-template <class Op>
-void add_per_type(std::vector<const OrtCustomOp*>& all) {
-  for (auto type : moe_onnx::numeric_types()) all.push_back(new Op(type));  // never freed
+// One instance of each op per element type, for the life of the process (onnxruntime keeps pointers to them).
+template <class Op, class... Args>
+void add_per_type(std::vector<const OrtCustomOp*>& all, const Args&... args) {
+  for (auto type : moe_onnx::numeric_types()) all.push_back(new Op(type, args...));  // never freed
 }
 
-const std::vector<const OrtCustomOp*>& kernels() {
-  static const std::vector<const OrtCustomOp*> all = [] {
-    std::vector<const OrtCustomOp*> ops;
-    add_per_type<moe_onnx::MoeOp>(ops);
-    add_per_type<moe_onnx::QMoeOp>(ops);
-    for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, false));
-    add_per_type<moe_onnx::RowParallelLinearOp>(ops);
-    add_per_type<moe_onnx::FinalizeRoutingOp>(ops);
-    add_per_type<moe_onnx::GatingTopKOp>(ops);
-    add_per_type<moe_onnx::DistributeDispatchOp>(ops);
-    add_per_type<moe_onnx::DistributeCombineOp>(ops);
-    return ops;
-  }();
-  return all;
+// The ops of the "moe_onnx" domain; the expert ops use the packed-weights files of `files`.
+std::vector<const OrtCustomOp*> kernels(const moe_onnx::PackedWeightsFiles* files) {
+  std::vector<const OrtCustomOp*> ops;
+  add_per_type<moe_onnx::MoeOp>(ops, files);
+  add_per_type<moe_onnx::QMoeOp>(ops, files);
+  for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, false));
+  add_per_type<moe_onnx::RowParallelLinearOp>(ops, files);
+  add_per_type<moe_onnx::FinalizeRoutingOp>(ops);
+  add_per_type<moe_onnx::GatingTopKOp>(ops);
+  add_per_type<moe_onnx::DistributeDispatchOp>(ops);
+  add_per_type<moe_onnx::DistributeCombineOp>(ops);
+  return ops;
 }
 
-const std::vector<const OrtCustomOp*>& private_kernels() {
-  static const std::vector<const OrtCustomOp*> all = [] {
-    std::vector<const OrtCustomOp*> ops;
-    for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, true));
-    return ops;
-  }();
-  return all;
+std::vector<const OrtCustomOp*> private_kernels() {
+  std::vector<const OrtCustomOp*> ops;
+  for (auto type : moe_onnx::numeric_types()) ops.push_back(new moe_onnx::InitRoutingOp(type, true));
+  return ops;
 }
 
-// The library's domains with their ops, made on the first registration and shared by every later
-// one: onnxruntime keeps pointers to them (so they live until the process ends), and a session
-// only reads them, so one set serves every SessionOptions without growing per registration.
-const std::vector<OrtCustomOpDomain*>& domains(const OrtApi& api) {
-  static const std::vector<OrtCustomOpDomain*> all = [&api] {
-    std::vector<OrtCustomOpDomain*> made;
-    for (const auto& [name, ops] :
-         {std::make_pair(kDomain, &kernels()), std::make_pair(kPrivateDomain, &private_kernels())}) {
-      OrtCustomOpDomain* domain = nullptr;
-      Ort::ThrowOnError(api.CreateCustomOpDomain(name, &domain));
-      for (const OrtCustomOp* op : *ops) Ort::ThrowOnError(api.CustomOpDomain_Add(domain, op));
-      made.push_back(domain);
-    }
-    return made;
-  }();
-  return all;
+// The packed-weights settings in `options`' session config entries (packed_file.h).
+moe_onnx::PackedWeightsFiles packed_weights_files(const OrtApi& api, const OrtSessionOptions* options) {
+  moe_onnx::PackedWeightsFiles files;
+  files.dir = moe_onnx::session_config_entry(api, options, moe_onnx::kPackedWeightsKey);
+  files.write = moe_onnx::session_config_entry(api, options, moe_onnx::kPackedWeightsWriteKey) == "1";
+  const std::string threads = moe_onnx::session_config_entry(api, options, moe_onnx::kPackedWeightsThreadsKey);
+  files.threads = threads.empty() ? 0 : std::max(0, std::atoi(threads.c_str()));
+  return files;
+}
+
+// The library's domains with their ops for one packed-weights setting, made on the first registration
+// with that setting and shared by every later one: onnxruntime keeps pointers to them (so they live
+// until the process ends), and a session only reads them, so one set per setting serves every
+// SessionOptions without growing per registration.
+const std::vector<OrtCustomOpDomain*>& domains(const OrtApi& api, const moe_onnx::PackedWeightsFiles& files) {
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<moe_onnx::PackedWeightsFiles, std::vector<OrtCustomOpDomain*>>> made;
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::string key = files.dir + '\n' + std::to_string(files.write) + '\n' + std::to_string(files.threads);
+  auto found = made.find(key);
+  if (found != made.end()) return found->second.second;
+  auto& [kept, domains] = made[key];
+  kept = files;
+  for (const auto& [name, ops] : {std::make_pair(kDomain, kernels(kept.dir.empty() ? nullptr : &kept)),
+                                  std::make_pair(kPrivateDomain, private_kernels())}) {
+    OrtCustomOpDomain* domain = nullptr;
+    Ort::ThrowOnError(api.CreateCustomOpDomain(name, &domain));
+    for (const OrtCustomOp* op : ops) Ort::ThrowOnError(api.CustomOpDomain_Add(domain, op));
+    domains.push_back(domain);
+  }
+  return domains;
 }
 
 }  // namespace
@@ -90,7 +105,8 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
   Ort::InitApi(api);
   try {
     moe_onnx::kernels();  // an invalid MOE_ONNX_GEMM or MOE_ONNX_AMX fails the registration, naming the choices
-    for (OrtCustomOpDomain* domain : domains(*api)) Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
+    for (OrtCustomOpDomain* domain : domains(*api, packed_weights_files(*api, options)))
+      Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
   } catch (const Ort::Exception& e) {
     return api->CreateStatus(e.GetOrtErrorCode(), e.what());
   } catch (const std::exception& e) {

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "allocation.h"
@@ -302,15 +303,34 @@ PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int
   const auto bytes = static_cast<unsigned __int128>(slots) * static_cast<uint64_t>(slot_bytes_);
   try {
     if (bytes > SIZE_MAX) throw std::bad_alloc();
-    panels_.reset(allocate_panels(static_cast<size_t>(bytes)));
+    owned_.reset(allocate_panels(static_cast<size_t>(bytes)));
+    panels_ = owned_.get();
   } catch (const std::bad_alloc&) {
     throw AllocationFailure(static_cast<uint64_t>(slots), static_cast<size_t>(slot_bytes_), "packed weights");
   }
   if (with_bias) allocate(bias_, slots * panels() * kPanel, 0.0f, "packed biases");
 }
 
+std::string PackedWeights::layout() const {
+  static const char* const kNames[] = {"f32", "f16", "bf16", "int8_pairs", "int8_quads", "quantized", "bf16_pairs"};
+  std::string s = std::string("format:") + kNames[static_cast<int>(format_)] + ",N:" + std::to_string(N_) +
+                  ",K:" + std::to_string(K_) + ",slot_bytes:" + std::to_string(slot_bytes_) +
+                  ",bias:" + std::to_string(bias_bytes()) + ",source:" + std::to_string(static_cast<int>(source_));
+  if (format_ == WeightFormat::kQuantized)
+    s += ",code:" + std::to_string(static_cast<int>(quant_.code)) + ",block:" + std::to_string(quant_.block) +
+         ",zero_points:" + std::to_string(quant_.zero_points) + ",int8_activations:" +
+         std::to_string(quant_.int8_activations) + ",bf16_prefill:" + std::to_string(quant_.bf16_prefill);
+  return s;
+}
+
+void PackedWeights::use_packed(const char* panels, const void* biases) {
+  owned_.reset();
+  panels_ = const_cast<char*>(panels);  // read only: pack is never called on them
+  if (!bias_.empty()) std::memcpy(bias_.data(), biases, bias_.size() * sizeof(float));
+}
+
 void PackedWeights::pack(int64_t slot, std::initializer_list<ColumnSource> sources) {
-  char* dst = panels_.get() + slot * slot_bytes_;
+  char* dst = panels_ + slot * slot_bytes_;
   const int64_t N = N_, K = K_;
   switch (format_) {
     case WeightFormat::kF32: return place<WeightFormat::kF32, float>(sources, N, K, reinterpret_cast<float*>(dst));
@@ -337,7 +357,7 @@ void PackedWeights::pack_quantized(int64_t slot, std::initializer_list<Quantized
   };
   for (int64_t p = 0; p < panels(); ++p) {
     // the panel is zeroed while in cache: lanes without a column and padding rows stay zero
-    uint8_t* panel = reinterpret_cast<uint8_t*>(panels_.get() + slot * slot_bytes_) + p * q.panel_bytes();
+    uint8_t* panel = reinterpret_cast<uint8_t*>(panels_ + slot * slot_bytes_) + p * q.panel_bytes();
     std::memset(panel, 0, static_cast<size_t>(q.panel_bytes()));
     for (const QuantizedColumns& src : sources)
       for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
@@ -451,34 +471,119 @@ bool in_file_mapping(const void* data, size_t bytes) {
 
 constexpr uintptr_t kPage = 4096;
 
+// madvise(advice) on the pages of [first, first + bytes): those wholly inside it (inner) or every page
+// it touches. A hint: failing costs time only.
+void advise_pages(const char* first, size_t bytes, int advice, bool inner) {
+#if defined(__linux__)
+  const auto start = (reinterpret_cast<uintptr_t>(first) + (inner ? kPage - 1 : 0)) / kPage * kPage;
+  const auto end = (reinterpret_cast<uintptr_t>(first) + bytes + (inner ? 0 : kPage - 1)) / kPage * kPage;
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, advice);
+#endif
+  (void)first;
+  (void)bytes;
+  (void)advice;
+  (void)inner;
+}
+
 }  // namespace
 
-ConstantExperts::ConstantExperts(PackedExperts empty, PackSlot pack_slot, const std::vector<Input>& weights)
-    : experts_(std::move(empty)),
+ConstantExperts::ConstantExperts(int64_t experts, const MakeEmpty& make_empty, PackSlot pack_slot,
+                                 const std::vector<Input>& weights, const PackedFileRequest& file)
+    : experts_(make_empty(ExpertSlots::all(experts))),
       pack_slot_(std::move(pack_slot)),
-      packed_(new std::atomic<bool>[static_cast<size_t>(experts_.slots.count())]) {
-  for (int64_t e = 0; e < experts_.slots.count(); ++e) packed_[e].store(false, std::memory_order_relaxed);
+      packed_(new std::atomic<bool>[static_cast<size_t>(experts)]) {
+  for (int64_t e = 0; e < experts; ++e) packed_[e].store(false, std::memory_order_relaxed);
   for (const Input& w : weights) {
     const size_t bytes = static_cast<size_t>(w.count) * elem_size(w.type);
     if (w.present && w.data && in_file_mapping(w.data, bytes))
       mapped_.push_back({static_cast<const char*>(w.data), bytes});
   }
+  if (file.path.empty()) return;
+  std::vector<PackedFileLayout::Matrix> matrices;
+  for (const PackedWeights& m : experts_.matrices)
+    matrices.push_back({m.layout(), m.slot_bytes() * experts, m.bias_bytes()});
+  const PackedFileLayout layout(matrices, weights, experts);
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+  for (const MappedWeight& w : mapped_) advise_pages(w.data, w.bytes, MADV_PAGEOUT, false);  // what the fingerprint read
+#endif
+  if (file.write) write_file(file, layout, make_empty);
+  std::string why;
+  file_ = MappedPackedFile::open(file.path, layout, &why);
+  if (!file_) {
+    if (file.write) throw std::runtime_error("the packed-weights file it wrote cannot be used: " + why);
+    const std::string message = file.where + ": packs its weights itself: " + why;
+    ORT_CXX_LOG_NOEXCEPT(file.logger, ORT_LOGGING_LEVEL_WARNING, message.c_str());
+    return;
+  }
+  for (size_t m = 0; m < experts_.matrices.size(); ++m)
+    experts_.matrices[m].use_packed(file_->data() + layout.panel_offsets[m], file_->data() + layout.bias_offsets[m]);
 }
 
 void ConstantExperts::advise_mapped_pages(int64_t expert, int advice, bool inner) const {
-#if defined(__linux__)
   const auto experts = static_cast<size_t>(experts_.slots.count());
   for (const MappedWeight& w : mapped_) {
     const size_t per_expert = w.bytes / experts;
-    const auto first = reinterpret_cast<uintptr_t>(w.data) + static_cast<size_t>(expert) * per_expert;
-    const uintptr_t start = (inner ? first + kPage - 1 : first) / kPage * kPage;
-    const uintptr_t end = (inner ? first + per_expert : first + per_expert + kPage - 1) / kPage * kPage;
-    if (end > start) madvise(reinterpret_cast<void*>(start), end - start, advice);  // a hint: failing costs time only
+    advise_pages(w.data + static_cast<size_t>(expert) * per_expert, per_expert, advice, inner);
   }
+}
+
+void ConstantExperts::pack_expert(PackedExperts& into, int64_t slot, int64_t expert) const {
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+  advise_mapped_pages(expert, MADV_POPULATE_READ, false);  // one call maps the expert's pages
 #endif
-  (void)expert;
-  (void)advice;
-  (void)inner;
+  pack_slot_(into, slot);
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+  // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
+  // written (copy on write) would only go to swap. Pages shared with the next expert are kept.
+  advise_mapped_pages(expert, MADV_PAGEOUT, true);
+#endif
+}
+
+void ConstantExperts::prepare_expert(int64_t expert) {
+  if (!file_) return pack_expert(experts_, expert, expert);
+#if defined(__linux__) && defined(MADV_POPULATE_READ)
+  for (const PackedWeights& m : experts_.matrices)
+    advise_pages(static_cast<const char*>(m.at(expert)), static_cast<size_t>(m.slot_bytes()), MADV_POPULATE_READ, false);
+#endif
+}
+
+void ConstantExperts::write_file(const PackedFileRequest& file, const PackedFileLayout& layout,
+                                 const MakeEmpty& make_empty) const {
+  const int64_t experts = experts_.slots.count();
+  const int fd = create_packed_file(file.path, layout);
+  std::atomic<int64_t> next{0};
+  std::mutex failed;
+  std::string error;
+  const auto pack_experts = [&] {  // one expert at a time, through one slot
+    try {
+      ExpertSlots one;
+      one.slot_of_expert.assign(static_cast<size_t>(experts), -1);
+      one.expert_of_slot = {0};
+      PackedExperts buffer = make_empty(std::move(one));
+      for (int64_t e = next++; e < experts; e = next++) {
+        buffer.slots.expert_of_slot[0] = e;
+        pack_expert(buffer, 0, e);
+        for (size_t m = 0; m < buffer.matrices.size(); ++m) {
+          const PackedWeights& w = buffer.matrices[m];
+          write_packed_bytes(fd, file.path, w.at(0), w.slot_bytes(), layout.panel_offsets[m] + e * w.slot_bytes());
+          if (w.bias_bytes() > 0)
+            write_packed_bytes(fd, file.path, w.bias_at(0), w.bias_bytes(), layout.bias_offsets[m] + e * w.bias_bytes());
+        }
+      }
+    } catch (const std::exception& x) {
+      std::lock_guard<std::mutex> lock(failed);
+      if (error.empty()) error = x.what();
+      next = experts;
+    }
+  };
+  const int64_t threads = std::min<int64_t>(
+      experts, file.threads > 0 ? file.threads : std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) workers.emplace_back(pack_experts);
+  pack_experts();
+  for (std::thread& t : workers) t.join();
+  finish_packed_file(fd, file.path, error.empty());
+  if (!error.empty()) throw std::runtime_error("writing its packed weights: " + error);
 }
 
 const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, const int64_t* offsets) {
@@ -491,17 +596,7 @@ const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, con
   missing.erase(std::remove_if(missing.begin(), missing.end(),
                                [&](int64_t e) { return packed_[e].load(std::memory_order_acquire); }),
                 missing.end());
-  parallel_for(ctx, missing.size(), [&](size_t i) {
-#if defined(__linux__) && defined(MADV_POPULATE_READ)
-    advise_mapped_pages(missing[i], MADV_POPULATE_READ, false);  // one call maps the expert's pages
-#endif
-    pack_slot_(experts_, missing[i]);
-#if defined(__linux__) && defined(MADV_PAGEOUT)
-    // reclaims the clean pages (a later read maps them from the file again); a page onnxruntime had
-    // written (copy on write) would only go to swap. Pages shared with the next expert are kept.
-    advise_mapped_pages(missing[i], MADV_PAGEOUT, true);
-#endif
-  });
+  parallel_for(ctx, missing.size(), [&](size_t i) { prepare_expert(missing[i]); });
   for (int64_t e : missing) packed_[e].store(true, std::memory_order_release);
   return experts_;
 }

@@ -15,11 +15,13 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "bf16_gemm.h"
 #include "gemm.h"
+#include "packed_file.h"
 #include "parallel.h"
 #include "qgemm.h"
 #include "tensor.h"
@@ -120,9 +122,19 @@ class PackedWeights {
   // Bytes of one slot's panels.
   int64_t slot_bytes() const { return slot_bytes_; }
   // The slot's panels (elements of the format: float, uint16_t bits, int16_t pairs, int8 quads).
-  const void* at(int64_t slot) const { return panels_.get() + slot * slot_bytes_; }
+  const void* at(int64_t slot) const { return panels_ + slot * slot_bytes_; }
   // The slot's bias (panels() * 16 floats), or null without one.
   const float* bias_at(int64_t slot) const { return bias_.empty() ? nullptr : bias_.data() + slot * panels() * kPanel; }
+  // Bytes of every slot's biases (0 without them).
+  int64_t bias_bytes() const { return static_cast<int64_t>(bias_.size() * sizeof(float)); }
+  // The layout of the panels, as one line of `key:value` items (packed_file.h compares it): the
+  // format, its sizes and everything else that decides where each weight lands.
+  std::string layout() const;
+
+  // Reads the slots' panels from `panels` (every slot, laid out as pack writes them, read-only memory
+  // that outlives this object: a packed-weights file's mapping) instead of packing them; the biases
+  // are copied from `biases` (bias_bytes() of them).
+  void use_packed(const char* panels, const void* biases);
 
   // Writes the slot's panels from the columns of `sources` (MOE's gate/up panels: the gate and the up
   // columns), panel by panel, each panel whole: lanes no source fills and padding rows are zero.
@@ -174,7 +186,8 @@ class PackedWeights {
   QuantPanels quant_;  // kQuantized only
   int64_t N_, K_;
   int64_t slot_bytes_;
-  std::unique_ptr<char, Free> panels_;
+  std::unique_ptr<char, Free> owned_;  // the panels pack writes, unless use_packed gave others
+  char* panels_ = nullptr;
   std::vector<float> bias_;
 };
 
@@ -203,11 +216,18 @@ struct PackedExperts {
 // Before an expert is packed, its pages that onnxruntime mapped from an external data file are mapped
 // at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
 // maps them again from the file), so the weights are resident once, packed.
+// With a packed-weights file (packed_file.h) that matches the weights, the panels are the file's
+// pages instead: nothing is packed, and a run maps an expert's pages before its first use. In write
+// mode every expert is packed at creation into the file (one expert at a time per thread), which is
+// then used so.
 class ConstantExperts {
  public:
+  using MakeEmpty = std::function<PackedExperts(ExpertSlots)>;
   using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
-  // `weights`: the initializers pack_slot reads, each with the experts as its first dim.
-  ConstantExperts(PackedExperts empty, PackSlot pack_slot, const std::vector<Input>& weights);
+  // `weights`: the initializers pack_slot reads, each with the experts as its first dim; make_empty
+  // gives the matrices of the experts in its slots, pack_slot packs one of them.
+  ConstantExperts(int64_t experts, const MakeEmpty& make_empty, PackSlot pack_slot, const std::vector<Input>& weights,
+                  const PackedFileRequest& file);
 
   // The experts e with offsets[e + 1] > offsets[e] packed (offsets: experts + 1 row offsets).
   const PackedExperts& for_run(const Ort::KernelContext& ctx, const int64_t* offsets);
@@ -221,10 +241,17 @@ class ConstantExperts {
   // madvise(advice) on the pages of the expert's weights in mapped_, the pages wholly inside them (inner)
   // or every page they touch.
   void advise_mapped_pages(int64_t expert, int advice, bool inner) const;
+  // Packs the expert into its slot, its source pages mapped at once before and reclaimed after.
+  void pack_expert(PackedExperts& into, int64_t slot, int64_t expert) const;
+  // Makes the expert's slot ready: packed, or its pages of the file mapped.
+  void prepare_expert(int64_t expert);
+  // Packs every expert into a new file at `file.path` (threads: file.threads).
+  void write_file(const PackedFileRequest& file, const PackedFileLayout& layout, const MakeEmpty& make_empty) const;
 
   PackedExperts experts_;
   PackSlot pack_slot_;
   std::vector<MappedWeight> mapped_;
+  std::unique_ptr<MappedPackedFile> file_;  // the panels, when they come from a file
   std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert
   std::mutex packing_;
 };

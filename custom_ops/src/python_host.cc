@@ -326,19 +326,6 @@ std::deque<PyOp>& load_ops() {
   return ops;
 }
 
-// The session config entry `key` of `options`; empty when it is not set.
-std::string config_entry(const OrtApi* api, const OrtSessionOptions* options, const char* key) {
-  int has = 0;
-  Ort::ThrowOnError(api->HasSessionConfigEntry(options, key, &has));
-  if (!has) return {};
-  size_t size = 0;
-  Ort::ThrowOnError(api->GetSessionConfigEntry(options, key, nullptr, &size));
-  std::string value(size, '\0');
-  Ort::ThrowOnError(api->GetSessionConfigEntry(options, key, value.data(), &size));
-  value.resize(size > 0 ? size - 1 : 0);  // the size counts the terminating NUL
-  return value;
-}
-
 // The comma-separated names of `variants` (empty: every op), each checked against `ops`.
 std::vector<const PyOp*> chosen_ops(const std::deque<PyOp>& ops, const std::string& variants) {
   std::vector<const PyOp*> chosen;
@@ -379,7 +366,7 @@ __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps
     // One domain per set of variants (onnxruntime keeps a pointer to it: it lives until the process
     // ends), made on the first registration that asks for that set.
     static std::map<std::string, OrtCustomOpDomain*> domains;
-    const std::string variants = config_entry(api, options, kVariantsKey);
+    const std::string variants = moe_onnx::session_config_entry(*api, options, kVariantsKey);
     OrtCustomOpDomain*& domain = domains[variants];
     if (!domain) {
       std::deque<PyOp>* ops = nullptr;

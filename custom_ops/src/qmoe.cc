@@ -263,7 +263,7 @@ void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vec
 // `hidden_type`, the type of hidden_states this kernel is registered for) and the matrices have
 // elements (H, I > 0); else null (Compute packs per run and reports any error in the reference's order).
 std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const QMoeKernel& kernel,
-                                                     ElemType hidden_type) {
+                                                     ElemType hidden_type, const PackedWeightsFiles* files) {
   if (!signatures::QMOE.inputs[HIDDEN].allows(hidden_type)) return nullptr;
   std::vector<Input> inputs(N_INPUTS);
   for (int i = W0; i < N_INPUTS; ++i) {
@@ -284,9 +284,12 @@ std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& ki
   if (H == 0 || I == 0) return nullptr;
   const ExpertConfig config = kernel.config;
   const Quantization quant = kernel.quant;
+  std::vector<int> weight_inputs;
+  for (int i = W0; i < N_INPUTS; ++i) weight_inputs.push_back(i);
   return std::make_unique<ConstantExperts>(
-      empty_pack(config, quant, inputs, H, I, ExpertSlots::all(E)),
-      [config, quant, inputs](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); }, inputs);
+      E, [&](ExpertSlots slots) { return empty_pack(config, quant, inputs, H, I, std::move(slots)); },
+      [config, quant, inputs](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); }, inputs,
+      packed_file_request(files, kinfo, signatures::QMOE.name, kernel.where, weight_inputs));
 }
 
 // The quantization attributes after qmoe.py's checks (_validate_quant_attrs).
@@ -317,16 +320,16 @@ Quantization read_quantization(const Attributes& attrs) {
 
 OrtStatusPtr QMoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
   return create_kernel_status(api, signatures::QMOE.name, info, kernel,
-                              [&] { return new QMoeKernel(info, hidden_type_); });
+                              [&] { return new QMoeKernel(info, hidden_type_, files_); });
 }
 
-QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type) {
+QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const PackedWeightsFiles* files) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::QMOE.name, kinfo);
   const Attributes attrs(info, signatures::QMOE, where);
   config = ExpertConfig::read(attrs);
   quant = read_quantization(attrs);
-  constant = constant_experts(kinfo, *this, hidden_type);
+  constant = constant_experts(kinfo, *this, hidden_type, files);
 }
 
 OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {

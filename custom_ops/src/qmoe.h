@@ -24,7 +24,7 @@ struct Quantization {
 };
 
 struct QMoeKernel {
-  QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type);
+  QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const PackedWeightsFiles* files);
   void Compute(OrtKernelContext* context);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
@@ -37,7 +37,8 @@ struct QMoeKernel {
 
 // One registration per element type of hidden_states, as MoeOp.
 struct QMoeOp : Ort::CustomOpBase<QMoeOp, QMoeKernel, true> {
-  explicit QMoeOp(ONNXTensorElementDataType hidden_type) : hidden_type_(hidden_type) {}
+  // files: the packed-weights files of the sessions this op is registered for (null: none)
+  QMoeOp(ONNXTensorElementDataType hidden_type, const PackedWeightsFiles* files) : hidden_type_(hidden_type), files_(files) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return signatures::QMOE.name; }
   size_t GetInputTypeCount() const { return signatures::QMOE.inputs.size(); }
@@ -50,6 +51,7 @@ struct QMoeOp : Ort::CustomOpBase<QMoeOp, QMoeKernel, true> {
 
  private:
   ONNXTensorElementDataType hidden_type_;
+  const PackedWeightsFiles* files_;
 };
 
 }  // namespace moe_onnx

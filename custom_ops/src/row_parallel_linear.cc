@@ -322,10 +322,10 @@ void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const 
 ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(x_type_); }
 
 OrtStatusPtr RowParallelLinearOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MoeRowParallelLinear.name, info, kernel, [&] { return new RowParallelLinearKernel(info); });
+  return create_kernel_status(api, signatures::MoeRowParallelLinear.name, info, kernel, [&] { return new RowParallelLinearKernel(info, files_); });
 }
 
-RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
+RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files) {
   Ort::ConstKernelInfo kinfo(info);
   where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
@@ -344,9 +344,10 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info) {
 
   const Input w = constant_input(kinfo, W);
   if (!is_packable(w)) return;  // computed at run time (or invalid: Compute reports it)
-  constant = std::make_unique<ConstantExperts>(empty_pack(w, accuracy_level, ExpertSlots::all(w.shape[0])),
-                                               [w](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); },
-                                               std::vector<Input>{w});
+  constant = std::make_unique<ConstantExperts>(
+      w.shape[0], [&](ExpertSlots slots) { return empty_pack(w, accuracy_level, std::move(slots)); },
+      [w](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); }, std::vector<Input>{w},
+      packed_file_request(files, kinfo, signatures::MoeRowParallelLinear.name, where, {W}));
 }
 
 OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {

@@ -16,7 +16,7 @@
 namespace moe_onnx {
 
 struct RowParallelLinearKernel {
-  RowParallelLinearKernel(const OrtKernelInfo* info);
+  RowParallelLinearKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files);
   void Compute(OrtKernelContext* context);
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
@@ -39,7 +39,8 @@ struct RowParallelLinearKernel {
 // One registration per element type of X (every numeric type, so that a wrong type reaches Compute
 // and gets the op's own message): Y has X's type, int32 for int8 X.
 struct RowParallelLinearOp : Ort::CustomOpBase<RowParallelLinearOp, RowParallelLinearKernel, true> {
-  explicit RowParallelLinearOp(ElemType x_type) : x_type_(x_type) {}
+  // files: the packed-weights files of the sessions this op is registered for (null: none)
+  RowParallelLinearOp(ElemType x_type, const PackedWeightsFiles* files) : x_type_(x_type), files_(files) {}
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return signatures::MoeRowParallelLinear.name; }
   size_t GetInputTypeCount() const { return signatures::MoeRowParallelLinear.inputs.size(); }
@@ -50,6 +51,7 @@ struct RowParallelLinearOp : Ort::CustomOpBase<RowParallelLinearOp, RowParallelL
 
  private:
   ElemType x_type_;
+  const PackedWeightsFiles* files_;
 };
 
 }  // namespace moe_onnx

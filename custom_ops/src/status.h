@@ -18,6 +18,10 @@ namespace moe_onnx {
 // (their messages name the node), memory and other failures prefixed with `where`.
 OrtStatusPtr exception_status(const OrtApi& api, const std::string& where);
 
+// The session config entry `key` of `options` (read when a library is registered on them); empty when
+// it is not set.
+std::string session_config_entry(const OrtApi& api, const OrtSessionOptions* options, const char* key);
+
 // Runs `make` (which builds the kernel of `op`'s node) and reports an exception as the status
 // onnxruntime expects.
 template <class Make>

@@ -8,7 +8,7 @@ session runs a copy of the model whose moe_onnx nodes are moved to the host's pr
 
 Where the parts live: finding the libraries (and ``kernel_report()``, the C++ kernels chosen on this
 machine) in ``library``, the private-domain copies of a model in ``private_domain``, the host's Python
-side in ``python_host``.
+side in ``python_host``, the packed-weights files a C++ session maps (``pack_weights``) in ``packed_weights``.
 """
 
 from __future__ import annotations
@@ -27,20 +27,21 @@ from .._ir.graph import walk
 from ..ops import DOMAIN, OPS
 from ..ops._common import check_attribute_names
 from .library import LIBRARY_ENV, PYTHON_HOST_ENV, custom_ops_library, kernel_report, python_host_library
+from .packed_weights import DEFAULT, DIRECTORY_KEY, config_entries, pack_weights, session_directory
 from .private_domain import cpp_model, python_model, structure
 from .python_host import PYTHON_DOMAIN
 from .weights_file import inline_weights_to_map, with_weights_in_file
 
 
-__all__ = ["session", "run", "custom_ops_library", "python_host_library", "kernel_report", "BACKENDS",
-           "LIBRARY_ENV", "PYTHON_HOST_ENV"]
+__all__ = ["session", "run", "pack_weights", "custom_ops_library", "python_host_library", "kernel_report",
+           "BACKENDS", "LIBRARY_ENV", "PYTHON_HOST_ENV"]
 
 BACKENDS = ("cpp", "python")
 
 
 def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "cpp",
             sess_options: ort.SessionOptions | None = None, providers: Sequence[Any] | None = None,
-            **kwargs: Any) -> ort.InferenceSession:
+            packed_weights: str | os.PathLike | None = DEFAULT, **kwargs: Any) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` on ``model`` with the moe_onnx ops registered.
 
     ``model`` is a path, the serialized bytes or an ``onnx.ModelProto``. ``backend`` is ``"cpp"``
@@ -53,6 +54,11 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     whose large initializers are inline (inside the .onnx) creates the session from a temporary copy with them
     in an external data file, deleted once the session exists, so that the weights are held once
     (:mod:`moe_onnx.runtime.weights_file`).
+    ``packed_weights`` (``"cpp"`` only): the folder of packed-weights files (:func:`pack_weights`, ``moe-onnx
+    pack``) whose panels the expert ops map instead of packing; by default ``<model path>.packed`` when ``model``
+    is a path and that folder exists; None or False for none. A node whose file is missing or does not match its
+    weights packs them itself and logs why (:mod:`moe_onnx.runtime.packed_weights`). The folder is set when the
+    library is registered: a ``sess_options`` registered with another folder raises ValueError.
     Raises ValueError for an unknown backend; :class:`moe_onnx._ir.model_files.ModelFileError` (a ValueError)
     for a path that cannot be read as a model (missing, a folder, empty, not ONNX) or whose external data is
     missing or short, with the message ``moe-onnx optimize`` gives; FileNotFoundError when the library is not
@@ -63,6 +69,7 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     proto = None
+    packed_directory = session_directory(model, packed_weights) if backend == "cpp" else None
     if isinstance(model, (str, os.PathLike)):
         from .._ir import model_files  # onnx_ir is imported only when a session reads a file
 
@@ -83,7 +90,7 @@ def session(model: str | os.PathLike | bytes | onnx.ModelProto, backend: str = "
         proto = structure(model) if proto is None else proto
         _check_attribute_names(proto)
         model = cpp_model(model, proto)
-        _register(options, backend, custom_ops_library())
+        _register(options, backend, custom_ops_library(), config_entries(packed_directory))
         owned = model if isinstance(model, onnx.ModelProto) else proto
         if inline_weights_to_map(owned):  # held once: mapped from a file, then packed
             if owned is caller_model:  # the caller's model stays as it is
@@ -113,17 +120,30 @@ def _check_attribute_names(model: onnx.ModelProto) -> None:
 _REGISTERED_KEY = "moe_onnx.registered_backend"  # a session config entry onnxruntime ignores
 
 
-def _register(options: ort.SessionOptions, backend: str, library: str) -> None:
-    """Registers ``library`` on ``options`` once: a SessionOptions may serve several sessions."""
+def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
     try:
-        registered = options.get_session_config_entry(_REGISTERED_KEY)
-    except RuntimeError:  # no such entry: not registered yet
-        registered = None
+        return options.get_session_config_entry(key)
+    except RuntimeError:  # no such entry
+        return None
+
+
+def _register(options: ort.SessionOptions, backend: str, library: str, entries: dict[str, str] | None = None) -> None:
+    """Registers ``library`` on ``options`` once, with the session config ``entries`` it reads when registered
+    (the packed-weights folder: packed_weights.config_entries): a SessionOptions may serve several sessions
+    with the same entries."""
+    entries = entries or {}
+    registered = _config_entry(options, _REGISTERED_KEY)
     if registered == backend:
+        directory, wanted = _config_entry(options, DIRECTORY_KEY), entries.get(DIRECTORY_KEY)
+        if directory != wanted:
+            raise ValueError(f"these SessionOptions were registered with packed_weights={directory!r}; use a new "
+                             f"SessionOptions for packed_weights={wanted!r}")
         return
     if registered is not None:
         raise ValueError(f"these SessionOptions already carry the {registered!r} backend's ops; "
                          f"use a new SessionOptions for backend={backend!r}")
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
     options.register_custom_ops_library(library)
     options.add_session_config_entry(_REGISTERED_KEY, backend)
 
