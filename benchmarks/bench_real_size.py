@@ -16,9 +16,11 @@ shape at a time, each file deleted once no later step reads it (at most two mode
    them: 12 MiB each for Qwen3, 63 MiB for GPT-OSS) before its MatMuls;
 4. `moe-onnx optimize`, then our session on the fused model: creation and the first run (which packs the
    experts it uses: sessions pack on first use per expert and release onnxruntime's mapped pages);
-5. `moe-onnx quantize --bits 4 --block-size 32` of the fused model (with its error measurement, which today
-   holds the fp32 and the int4 session at once), then our session on it: creation and the first run;
-6. `moe-onnx shard --ep 2` of the fused model.
+5. `moe-onnx pack` of the fused model, then our session again, mapping the packed files instead of packing
+   (the files are deleted after it);
+6. `moe-onnx shard --ep 2` of the fused model;
+7. `moe-onnx quantize --bits 4 --block-size 32` of the fused model (with its error measurement, one session
+   at a time), then our session on it, `moe-onnx pack` of it and our session on its packed files.
 
 Every step runs in a child process of its own: its wall time and peak resident memory (VmHWM: anonymous +
 file-backed, from wait4's ru_maxrss for the commands), and for a session the resident memory after creation
@@ -165,6 +167,14 @@ class Bench:
             self.rows.append((f"{what}: {step}", seconds, after["VmHWM"], note))
         self._say(f"{what}: {r}")
 
+    def packed_session(self, what: str, folder: Path) -> None:
+        """`moe-onnx pack` of `folder`'s decoder, our session on its packed files, then the files deleted."""
+        model = folder / "model.onnx"
+        self.command(f"moe-onnx pack ({what.removeprefix('ours, ')})",
+                     [sys.executable, "-m", "moe_onnx.cli", "pack", str(model), "--threads", str(self.threads)])
+        self.session(f"{what}, packed file", folder, "cpp")
+        shutil.rmtree(model.with_name(model.name + ".packed"))
+
     def run(self, smoke: bool) -> None:
         cli = [sys.executable, "-m", "moe_onnx.cli"]
         checkpoint, original = self.folder / "checkpoint", self.folder / "original"
@@ -183,6 +193,7 @@ class Bench:
         shutil.copy(original / "genai_config.json", fused)
         shutil.rmtree(original)
         self.session("ours, fused fp32", fused, "cpp")
+        self.packed_session("ours, fused fp32", fused)
         self.command("moe-onnx shard --ep 2", cli + ["shard", str(fused / "model.onnx"), "-o", str(shards),
                                                      "--ep", "2"])
         shutil.rmtree(shards)
@@ -193,6 +204,7 @@ class Bench:
         shutil.copy(fused / "genai_config.json", int4)
         shutil.rmtree(fused)
         self.session("ours, int4 experts", int4, "cpp")
+        self.packed_session("ours, int4 experts", int4)
         shutil.rmtree(self.folder)
 
     def table(self) -> str:
