@@ -254,18 +254,24 @@ def test_panels_are_the_layouts_bytes(level):
     """Every weight format's panels, at each ISA level this machine has, are the bytes of the layout
     packed_weights.h describes, whether the tile copy (transpose_tile.h) or the element-by-element path writes
     them; the AVX-512 tile copy runs from the avx512 level up."""
+    kernel, mismatches = _at_level(level, "transpose_tile", "packing_mismatches")
+    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
+    assert mismatches == []
+
+
+def _at_level(level: str, slot: str, mismatches: str) -> tuple[str, list[str]]:
+    """In a process capped at ISA level `level` (skipped above this machine's): the table's kernel in `slot` and
+    what this module's function `mismatches` returns."""
     available = kernel_report()["level"]
     if LEVELS.index(level) > LEVELS.index(available):
         pytest.skip(f"this machine's highest level is {available}")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_packing as t\n"
-            "print(json.dumps([t.kernel_report()['transpose_tile'], t.packing_mismatches()]))")
+            f"print(json.dumps([t.kernel_report()[{slot!r}], t.{mismatches}()]))")
     env = {**{k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}, "MOE_ONNX_GEMM": level}
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    kernel, mismatches = json.loads(out.stdout)
-    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
-    assert mismatches == []
+    return tuple(json.loads(out.stdout))
 
 
 # ----------------------------------------------------------------------------- quantized panels' bytes
@@ -335,7 +341,8 @@ def _quant_sources(case: QuantCase, rng) -> list[list[dict]]:
             scales = rng.integers(0, 256, (QUANT_SLOTS, rows, blocks), dtype=np.uint8)
         else:
             scales = rng.standard_normal((QUANT_SLOTS, rows, blocks)).astype(np.float32).astype(case.scale_dtype)
-        zp_shape = (QUANT_SLOTS, rows, -(-blocks * case.bits // 8)) if case.block else (QUANT_SLOTS, -(-rows * case.bits // 8))
+        zp_bytes = -(-(blocks if case.block else rows) * case.bits // 8)
+        zp_shape = (QUANT_SLOTS, rows, zp_bytes) if case.block else (QUANT_SLOTS, zp_bytes)
         zero_points = rng.integers(0, 256, zp_shape, dtype=np.uint8) if with_zero_points else None
         return {"codes": codes, "scales": scales, "zero_points": zero_points}
 
@@ -349,9 +356,8 @@ def _quant_sources(case: QuantCase, rng) -> list[list[dict]]:
             zp_first, zp_stride, zp_block_stride = (e * rows + row0) * zp_row, step * zp_row, 1
         else:
             zp_first, zp_stride, zp_block_stride = e * zp.shape[-1] * per_byte + row0, step, 0
-        codes_row = case.K
-        return {"codes": t["codes"], "codes_first": e * t["codes"].shape[1] * per_byte + case.nibble_offset + row0 * codes_row,
-                "codes_stride": step * codes_row, "scales": t["scales"], "scales_first": (e * rows + row0) * blocks,
+        codes_first = e * t["codes"].shape[1] * per_byte + case.nibble_offset + row0 * case.K
+        return {"codes": t["codes"], "codes_first": codes_first, "codes_stride": step * case.K, "scales": t["scales"], "scales_first": (e * rows + row0) * blocks,
                 "scales_stride": step * blocks, "zero_points": zp, "zero_points_first": zp_first,
                 "zero_points_stride": zp_stride, "zero_points_block_stride": zp_block_stride, "columns": case.N,
                 "width": width, "lane0": lane0}
@@ -396,7 +402,8 @@ def _expected_quant_panels(case: QuantCase, sources: list[dict]) -> bytes:
                     first + np.arange(blocks) * src["zero_points_block_stride"]]
             else:
                 zero_points[lane] = 1 << (bits - 1)
-    codes = codes.reshape(panels, 16, blocks, groups, group).transpose(0, 2, 3, 1, 4)  # [panel, block, group, lane, row]
+    # [panel, block, group, lane, row]
+    codes = codes.reshape(panels, 16, blocks, groups, group).transpose(0, 2, 3, 1, 4)
     if bits == 4:  # byte i: row i low, 4 + i high
         codes = codes[..., :4] | codes[..., 4:] << 4
     out = []
@@ -441,8 +448,8 @@ def quant_packing_mismatches() -> list[str]:
             out = np.zeros(len(expected) + 64, np.uint8)
             error = ctypes.create_string_buffer(256)
             size = lib.MoeOnnxPackQuantized(case.code, case.K, case.block or case.K, case.zero_points != "none",
-                                            case.level4, case.N * len(slots[0]), structs, len(slots[0]), len(slots), threads,
-                                            out.ctypes.data, out.size, error, 256)
+                                            case.level4, case.N * len(slots[0]), structs, len(slots[0]), len(slots),
+                                            threads, out.ctypes.data, out.size, error, 256)
             if size != len(expected) or out[:size].tobytes() != expected:
                 mismatches.append(f"{case.name} on {threads} threads: {size} bytes, {len(expected)} expected "
                                   f"{error.value.decode()}")
@@ -456,16 +463,7 @@ def test_quantized_panels_are_the_layouts_bytes(level):
     and 2 threads, are the bytes of the layout qgemm.h describes, whether the table's quant_code_groups kernel
     (transpose_tile.h: AVX2 from the avx2 level, AVX-512 from avx512) or the element-by-element path writes
     them."""
-    available = kernel_report()["level"]
-    if LEVELS.index(level) > LEVELS.index(available):
-        pytest.skip(f"this machine's highest level is {available}")
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_packing as t\n"
-            "print(json.dumps([t.kernel_report()['quant_code_groups'], t.quant_packing_mismatches()]))")
-    env = {**{k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}, "MOE_ONNX_GEMM": level}
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    kernel, mismatches = json.loads(out.stdout)
+    kernel, mismatches = _at_level(level, "quant_code_groups", "quant_packing_mismatches")
     assert kernel == {"portable": "portable", "avx2": "avx2"}.get(level, "avx512")
     assert mismatches == []
 

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <stdexcept>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -92,7 +90,6 @@ FloatType panel_type(WeightFormat format) {
 
 bool is_int8(WeightFormat format) { return format == WeightFormat::kInt8 || format == WeightFormat::kInt8Quads; }
 
-
 // Writes a quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
 // GEMM's int32 sums.
 void store_quad_corrections(int8_t* panel, int64_t K) {
@@ -104,7 +101,6 @@ void store_quad_corrections(int8_t* panel, int64_t K) {
   for (int64_t c = 0; c < kPanel; ++c) corrections[c] = 0u - 128u * (sums[4 * c] + sums[4 * c + 1] + sums[4 * c + 2] + sums[4 * c + 3]);
   std::memcpy(panel, corrections, sizeof corrections);
 }
-
 
 // Where each lane of one panel comes from: the first element of its column (k = 0) and the stride
 // of k, or no column (a zero lane).
@@ -265,10 +261,9 @@ struct QuantLanes {
 
   QuantLanes(const QuantPanels& q, std::initializer_list<QuantizedColumns> sources, int64_t panel)
       : source{}, codes{}, scales{}, zero_points{}, scale_type{}, full(true), codes_at_bytes(true), scale_bytes(0) {
+    const bool e8m0 = q.code == QuantCode::kE2M1;
     for (const QuantizedColumns& src : sources) {
-      const FloatType type = q.code == QuantCode::kE2M1 ? FloatType::kF32 : float_type(src.scale_type);
-      const int bytes = q.code == QuantCode::kE2M1 ? 1 : static_cast<int>(elem_size(src.scale_type));
-      scale_bytes = scale_bytes == 0 || scale_bytes == bytes ? bytes : -1;
+      const FloatType type = e8m0 ? FloatType::kF32 : float_type(src.scale_type);
       for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
         const int64_t c = panel * src.width + lane - src.lane0;
         if (c >= src.columns) break;
@@ -279,12 +274,13 @@ struct QuantLanes {
         scale_type[lane] = type;
       }
     }
-    scale_bytes = std::max(scale_bytes, 0);
+    bool one_scale_type = true;
     for (int64_t lane = 0; lane < kPanel; ++lane) {
       full = full && source[lane];
       codes_at_bytes = full && codes_at_bytes && codes[lane] * q.bits() % 8 == 0;
-      scale_bytes = full && scale_type[lane] == scale_type[0] ? scale_bytes : 0;
+      one_scale_type = one_scale_type && scale_type[lane] == scale_type[0];
     }
+    if (full && one_scale_type) scale_bytes = e8m0 ? 1 : scale_type[0] == FloatType::kF32 ? 4 : 2;
   }
 
   // Block b's scale of a lane (with a column), as fp32.
@@ -298,7 +294,8 @@ struct QuantLanes {
   uint8_t zero_point(int bits, int64_t lane, int64_t b) const {
     const QuantizedColumns& src = *source[lane];
     if (!src.zero_points) return static_cast<uint8_t>(1 << (bits - 1));
-    return static_cast<uint8_t>(quant_element(src.zero_points, zero_points[lane] + b * src.zero_points_block_stride, bits));
+    const int64_t i = zero_points[lane] + b * src.zero_points_block_stride;
+    return static_cast<uint8_t>(quant_element(src.zero_points, i, bits));
   }
   // The zero points of blocks [b0, b0 + 16) of a lane (with a column) into out.
   void zero_points_of(int bits, int64_t lane, int64_t b0, uint8_t out[16]) const {
@@ -334,8 +331,10 @@ void place_quant_headers(const QuantPanels& q, const QuantLanes& lanes, uint8_t*
     alignas(64) uint8_t zero_points[kPanel][kTile], zero_point_rows[kTile][kPanel];
     const void* columns[kPanel];
     for (; b0 + kTile <= blocks; b0 += kTile) {
-      for (int64_t lane = 0; lane < kPanel; ++lane)
-        columns[lane] = static_cast<const char*>(lanes.source[lane]->scales) + (lanes.scales[lane] + b0) * scale_bytes;
+      for (int64_t lane = 0; lane < kPanel; ++lane) {
+        const auto* scales = static_cast<const char*>(lanes.source[lane]->scales);
+        columns[lane] = scales + (lanes.scales[lane] + b0) * scale_bytes;
+      }
       transpose(columns, lanes.scale_bytes, scale_rows);
       for (int64_t i = 0; i < kTile; ++i) {
         const uint8_t* row = scale_rows + i * kPanel * scale_bytes;
@@ -386,10 +385,12 @@ int64_t grouped_rows(const QuantPanels& q) {
 void place_quant_codes(const QuantPanels& q, const QuantLanes& lanes, int64_t grouped, uint8_t* panel) {
   const int bits = q.bits();
   const int64_t G = q.group_rows(), block_bytes = q.block_bytes(), blocks = q.blocks();
+  const int group_shift = bits == 8 ? 2 : 3;  // log2(G)
   uint8_t* codes = panel + q.header_bytes();
   if (grouped > 0) {
     const uint8_t* starts[kPanel];
-    for (int64_t lane = 0; lane < kPanel; ++lane) starts[lane] = lanes.source[lane]->codes + lanes.codes[lane] * bits / 8;
+    for (int64_t lane = 0; lane < kPanel; ++lane)
+      starts[lane] = lanes.source[lane]->codes + lanes.codes[lane] * bits / 8;
     kernels().quant_code_groups(starts, blocks * (grouped / G), q.groups_per_block(), block_bytes, bits == 4, codes);
   }
   if (grouped == q.block) return;
@@ -400,8 +401,8 @@ void place_quant_codes(const QuantPanels& q, const QuantLanes& lanes, int64_t gr
       uint8_t* block = codes + b * block_bytes + 4 * lane;
       for (int64_t kk = grouped; kk < q.block; ++kk) {
         const int code = quant_element(lanes.source[lane]->codes, first + kk, bits);
-        const int64_t i = kk % G;
-        uint8_t& byte = block[(kk / G) * kQuantGroupBytes + (bits == 8 ? i : i % 4)];
+        const int64_t i = kk & (G - 1);
+        uint8_t& byte = block[(kk >> group_shift) * kQuantGroupBytes + (bits == 8 ? i : i % 4)];
         byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
       }
     }
