@@ -6,6 +6,7 @@ their experts are packed)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -226,8 +227,6 @@ def _expected_panels(fmt: int, w: np.ndarray) -> bytes:
 def packing_mismatches() -> list[str]:
     """The PANEL_CASES whose packed bytes differ from _expected_panels, from nn.Linear [N, K] weights (the tile
     copy where it serves) or from [K, N] ones (element by element)."""
-    import ctypes
-
     lib = ctypes.CDLL(moe_onnx.custom_ops_library())
     lib.MoeOnnxPackExpert.restype = ctypes.c_int64
     lib.MoeOnnxPackExpert.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [
@@ -238,14 +237,21 @@ def packing_mismatches() -> list[str]:
         w = (rng.integers(-128, 128, (n, k)) if dtype == np.int8 else rng.standard_normal((n, k))).astype(dtype)
         expected = _expected_panels(fmt, w)
         for plain, source in ((0, w), (1, np.ascontiguousarray(w.T))):
-            out = np.zeros(len(expected) + 64, np.uint8)
-            error = ctypes.create_string_buffer(256)
-            size = lib.MoeOnnxPackExpert(fmt, _ONNX_TYPE[np.dtype(dtype)], plain, n, k, source.ctypes.data,
-                                         out.ctypes.data, out.size, error, 256)
-            if size != len(expected) or out[:size].tobytes() != expected:
-                mismatches.append(f"format {fmt} {np.dtype(dtype).name} N={n} K={k} plain={plain}: "
-                                  f"{size} bytes {error.value.decode()}")
+            mismatches += _mismatch(f"format {fmt} {np.dtype(dtype).name} N={n} K={k} plain={plain}", expected,
+                                    lambda *out, source=source, plain=plain: lib.MoeOnnxPackExpert(
+                                        fmt, _ONNX_TYPE[np.dtype(dtype)], plain, n, k, source.ctypes.data, *out))
     return mismatches
+
+
+def _mismatch(label: str, expected: bytes, pack) -> list[str]:
+    """[label, with what was packed] when pack(out, out_bytes, error, error_size), a test hook that returns the
+    bytes it packed (copying at most out_bytes), does not write `expected`; else []."""
+    out = np.zeros(len(expected) + 64, np.uint8)
+    error = ctypes.create_string_buffer(256)
+    size = pack(out.ctypes.data, out.size, error, 256)
+    if size == len(expected) and out[:size].tobytes() == expected:
+        return []
+    return [f"{label}: {size} bytes, {len(expected)} expected {error.value.decode()}"]
 
 
 @pytest.mark.subprocess
@@ -418,8 +424,6 @@ def _expected_quant_panels(case: QuantCase, sources: list[dict]) -> bytes:
 
 def quant_packing_mismatches() -> list[str]:
     """The QUANT_CASES whose packed slots, on 1 and 2 threads, differ from _expected_quant_panels."""
-    import ctypes
-
     class QuantizedColumns(ctypes.Structure):  # packed_weights.h's
         _fields_ = [("codes", ctypes.c_void_p), ("codes_first", ctypes.c_int64), ("codes_stride", ctypes.c_int64),
                     ("scales", ctypes.c_void_p), ("scale_type", ctypes.c_int), ("scales_first", ctypes.c_int64),
@@ -445,14 +449,11 @@ def quant_packing_mismatches() -> list[str]:
                if value is not None},
             scale_type=_SCALE_TYPE[src["scales"].dtype]) for src in flat])
         for threads in (1, 2):
-            out = np.zeros(len(expected) + 64, np.uint8)
-            error = ctypes.create_string_buffer(256)
-            size = lib.MoeOnnxPackQuantized(case.code, case.K, case.block or case.K, case.zero_points != "none",
-                                            case.level4, case.N * len(slots[0]), structs, len(slots[0]), len(slots),
-                                            threads, out.ctypes.data, out.size, error, 256)
-            if size != len(expected) or out[:size].tobytes() != expected:
-                mismatches.append(f"{case.name} on {threads} threads: {size} bytes, {len(expected)} expected "
-                                  f"{error.value.decode()}")
+            mismatches += _mismatch(f"{case.name} on {threads} threads", expected,
+                                    lambda *out, threads=threads: lib.MoeOnnxPackQuantized(
+                                        case.code, case.K, case.block or case.K, case.zero_points != "none",
+                                        case.level4, case.N * len(slots[0]), structs, len(slots[0]), len(slots),
+                                        threads, *out))
     return mismatches
 
 
