@@ -1,8 +1,8 @@
 """Session start and resident memory of fused expert models at any size, against plain onnxruntime
 on the same weights.
 
-`build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4, block 32) nodes of
-GEMM3_SWIGLU experts with random weights, streamed to its external data file expert by expert (so
+`build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4 or int8, blocks of --block-size,
+32 by default, optionally with zero points) nodes of GEMM3_SWIGLU experts with random weights, streamed to its external data file expert by expert (so
 building a 5 GB model needs little memory), or inline (--inline: the weights inside the .onnx, < 2 GB),
 and beside it a plain-onnxruntime model on the same weights (Gather one expert of each weight, Cast,
 ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
@@ -16,6 +16,7 @@ token and two prefills of 512). `measure --packed` compares instead sessions tha
 in alternating child processes, --rounds of each, and prints the medians side by side.
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
+    python benchmarks/startup_memory.py build DIR --format int4 --block-size 64 --zero-points --experts 64 --layers 1
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --packed --rounds 3
 """
@@ -37,7 +38,6 @@ import _memory
 from _timing import session_options
 
 TOP_K = 8
-BLOCK = 32  # int4 scales' block size
 ALIGN = 4096  # external data offsets, page aligned as onnxruntime maps them
 
 
@@ -66,37 +66,46 @@ class _ExternalData:
         self.file.close()
 
 
-def _weights(fmt: str, E: int, H: int, I: int, layer: int):
+def _weights(fmt: str, E: int, H: int, I: int, layer: int, block: int, zero_points: bool):
     """(name, elem type, shape, chunks per expert) of one layer's weight inputs in QMOE/MOE order."""
     rng = np.random.default_rng(layer)
+    bits = 8 if fmt == "int8" else 4
 
     def floats(n, k):
         return lambda: (rng.standard_normal((n, k), dtype=np.float32) * k ** -0.5 for _ in range(E))
 
     def codes(n, k):
-        return lambda: (rng.integers(0, 256, (n, k // 2), dtype=np.uint8) for _ in range(E))
+        return lambda: (rng.integers(0, 256, (n, k * bits // 8), dtype=np.uint8) for _ in range(E))
 
     def scales(n, k):
-        return lambda: (rng.uniform(0.5, 1.5, (n, k // BLOCK)).astype(np.float32) * 0.1 * k ** -0.5
+        return lambda: (rng.uniform(0.5, 1.5, (n, k // block)).astype(np.float32) * 0.1 * k ** -0.5
                         for _ in range(E))
+
+    def zero_point_bytes(k):
+        return -(-k // block * bits // 8)
 
     shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     if fmt == "fp32":
         return [(f"l{layer}.{w}", TensorProto.FLOAT, [E, n, k], floats(n, k)) for w, (n, k) in shapes.items()]
-    return ([(f"l{layer}.{w}", TensorProto.UINT8, [E, n, k // 2], codes(n, k)) for w, (n, k) in shapes.items()]
-            + [(f"l{layer}.{w}.scales", TensorProto.FLOAT, [E, n, k // BLOCK], scales(n, k))
-               for w, (n, k) in shapes.items()])
+    return ([(f"l{layer}.{w}", TensorProto.UINT8, [E, n, k * bits // 8], codes(n, k)) for w, (n, k) in shapes.items()]
+            + [(f"l{layer}.{w}.scales", TensorProto.FLOAT, [E, n, k // block], scales(n, k))
+               for w, (n, k) in shapes.items()]
+            + [(f"l{layer}.{w}.zero_points", TensorProto.UINT8, [E, n, zero_point_bytes(k)],
+                lambda n=n, k=k: (rng.integers(0, 256, (n, zero_point_bytes(k)), dtype=np.uint8) for _ in range(E)))
+               for w, (n, k) in shapes.items() if zero_points])
 
 
-def build(out_dir: Path, fmt: str, E: int, H: int, I: int, layers: int, inline: bool) -> tuple[Path, Path]:
+def build(out_dir: Path, fmt: str, E: int, H: int, I: int, layers: int, inline: bool, block: int = 32,
+          zero_points: bool = False) -> tuple[Path, Path]:
     """Writes the fused model and its plain-onnxruntime twin on the same weights (one data file)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"moe_{fmt}{'_inline' if inline else ''}"
+    quantized = f"{'' if block == 32 else f'_b{block}'}{'_zp' if zero_points else ''}" if fmt != "fp32" else ""
+    stem = f"moe_{fmt}{quantized}{'_inline' if inline else ''}"
     data = None if inline else _ExternalData(out_dir / f"{stem}.data")
     inits, fused_nodes, plain_nodes, x = [], [], [], "x"
     for layer in range(layers):
         names = []
-        for name, elem, shape, chunks in _weights(fmt, E, H, I, layer):
+        for name, elem, shape, chunks in _weights(fmt, E, H, I, layer, block, zero_points):
             if data:
                 inits.append(data.tensor(name, elem, shape, chunks()))
             else:
@@ -113,7 +122,7 @@ def build(out_dir: Path, fmt: str, E: int, H: int, I: int, layers: int, inline: 
         else:
             fused_nodes.append(helper.make_node(
                 "QMOE", [x, "routing", "indices", names[0], "", names[1], "", names[2], *names[3:]], [y],
-                domain="moe_onnx", expert_type="GEMM3_SWIGLU", bits=4, block_size=BLOCK))
+                domain="moe_onnx", expert_type="GEMM3_SWIGLU", bits=8 if fmt == "int8" else 4, block_size=block))
         x = y
     if data:
         data.close()
@@ -256,7 +265,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
-    b.add_argument("--format", choices=("fp32", "int4"), default="fp32")
+    b.add_argument("--format", choices=("fp32", "int4", "int8"), default="fp32")
+    b.add_argument("--block-size", type=int, default=32, help="QMOE: the scales' block size")
+    b.add_argument("--zero-points", action="store_true", help="QMOE: with zero points")
     b.add_argument("--experts", type=int, default=128)
     b.add_argument("--hidden", type=int, default=2048)
     b.add_argument("--inter", type=int, default=768)
@@ -273,7 +284,8 @@ def main() -> None:
     sub.choices["child"].add_argument("--experts", type=int, required=True)
     args = parser.parse_args()
     if args.command == "build":
-        for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline):
+        for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline,
+                       args.block_size, args.zero_points):
             print(p)
     elif args.command == "measure" and args.packed:
         measure_packed(args.models, args.threads, args.runs, args.rounds)

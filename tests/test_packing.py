@@ -6,6 +6,7 @@ their experts are packed)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -226,8 +227,6 @@ def _expected_panels(fmt: int, w: np.ndarray) -> bytes:
 def packing_mismatches() -> list[str]:
     """The PANEL_CASES whose packed bytes differ from _expected_panels, from nn.Linear [N, K] weights (the tile
     copy where it serves) or from [K, N] ones (element by element)."""
-    import ctypes
-
     lib = ctypes.CDLL(moe_onnx.custom_ops_library())
     lib.MoeOnnxPackExpert.restype = ctypes.c_int64
     lib.MoeOnnxPackExpert.argtypes = [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [
@@ -238,14 +237,21 @@ def packing_mismatches() -> list[str]:
         w = (rng.integers(-128, 128, (n, k)) if dtype == np.int8 else rng.standard_normal((n, k))).astype(dtype)
         expected = _expected_panels(fmt, w)
         for plain, source in ((0, w), (1, np.ascontiguousarray(w.T))):
-            out = np.zeros(len(expected) + 64, np.uint8)
-            error = ctypes.create_string_buffer(256)
-            size = lib.MoeOnnxPackExpert(fmt, _ONNX_TYPE[np.dtype(dtype)], plain, n, k, source.ctypes.data,
-                                         out.ctypes.data, out.size, error, 256)
-            if size != len(expected) or out[:size].tobytes() != expected:
-                mismatches.append(f"format {fmt} {np.dtype(dtype).name} N={n} K={k} plain={plain}: "
-                                  f"{size} bytes {error.value.decode()}")
+            mismatches += _mismatch(f"format {fmt} {np.dtype(dtype).name} N={n} K={k} plain={plain}", expected,
+                                    lambda *out, source=source, plain=plain: lib.MoeOnnxPackExpert(
+                                        fmt, _ONNX_TYPE[np.dtype(dtype)], plain, n, k, source.ctypes.data, *out))
     return mismatches
+
+
+def _mismatch(label: str, expected: bytes, pack) -> list[str]:
+    """[label, with what was packed] when pack(out, out_bytes, error, error_size), a test hook that returns the
+    bytes it packed (copying at most out_bytes), does not write `expected`; else []."""
+    out = np.zeros(len(expected) + 64, np.uint8)
+    error = ctypes.create_string_buffer(256)
+    size = pack(out.ctypes.data, out.size, error, 256)
+    if size == len(expected) and out[:size].tobytes() == expected:
+        return []
+    return [f"{label}: {size} bytes, {len(expected)} expected {error.value.decode()}"]
 
 
 @pytest.mark.subprocess
@@ -254,17 +260,212 @@ def test_panels_are_the_layouts_bytes(level):
     """Every weight format's panels, at each ISA level this machine has, are the bytes of the layout
     packed_weights.h describes, whether the tile copy (transpose_tile.h) or the element-by-element path writes
     them; the AVX-512 tile copy runs from the avx512 level up."""
+    kernel, mismatches = _at_level(level, "transpose_tile", "packing_mismatches")
+    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
+    assert mismatches == []
+
+
+def _at_level(level: str, slot: str, mismatches: str) -> tuple[str, list[str]]:
+    """In a process capped at ISA level `level` (skipped above this machine's): the table's kernel in `slot` and
+    what this module's function `mismatches` returns."""
     available = kernel_report()["level"]
     if LEVELS.index(level) > LEVELS.index(available):
         pytest.skip(f"this machine's highest level is {available}")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_packing as t\n"
-            "print(json.dumps([t.kernel_report()['transpose_tile'], t.packing_mismatches()]))")
+            f"print(json.dumps([t.kernel_report()[{slot!r}], t.{mismatches}()]))")
     env = {**{k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}, "MOE_ONNX_GEMM": level}
     out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    kernel, mismatches = json.loads(out.stdout)
-    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
+    return tuple(json.loads(out.stdout))
+
+
+# ----------------------------------------------------------------------------- quantized panels' bytes
+
+INT4, INT8, E2M1 = 0, 1, 2  # qgemm.h's QuantCode, as ints
+_SCALE_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(BF16): TensorProto.BFLOAT16, np.dtype(np.uint8): TensorProto.UINT8}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantCase:
+    """One expert matrix of QMOE's quantized panels (qgemm.h's QuantPanels), from sources laid out as QMOE's
+    inputs: `sources` "plain" (one [N, K] linear), "halves" (MOE's gate/up panels: two linears of N columns, lanes
+    0-7 and 8-15; only the first with zero points when zero_points is "first") or "parity" (one [2N, K] linear,
+    rows 2c and 2c + 1 into the two halves). block 0: per-column scales; nibble_offset: the codes start a nibble
+    into their tensor (4-bit codes not at a byte)."""
+    name: str
+    code: int
+    K: int
+    block: int
+    N: int
+    scale_dtype: np.dtype = np.dtype(np.float32)
+    zero_points: str = "none"  # "none", "all", "first"
+    sources: str = "plain"
+    level4: bool = False
+    nibble_offset: int = 0
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.code == INT8 else 4
+
+
+# Every layout variant: int4 (blocks of 16/32/64, per column), int8 (blocks, per column), E2M1 with E8M0 scales;
+# with and without zero points (and a pair of linears of which only one has them); fp32/fp16/bf16 scales;
+# accuracy levels 0 and 4; N not a multiple of 16 (a part panel), K of 16 or more blocks (the header tiles) and
+# a tail, per-column K not a multiple of the codes' group.
+QUANT_CASES = [
+    QuantCase("int4_b32", INT4, 512, 32, 37),
+    QuantCase("int4_b64_zp", INT4, 64 * 17, 64, 32, zero_points="all"),
+    QuantCase("int4_b16_zp_first_halves_f16", INT4, 16 * 17, 16, 13, np.dtype(np.float16), "first", "halves"),
+    QuantCase("int8_b16_zp_parity_bf16", INT8, 16 * 17, 16, 11, np.dtype(BF16), "all", "parity"),
+    QuantCase("int8_per_column_zp", INT8, 37, 0, 21, zero_points="all"),
+    QuantCase("int4_per_column_zp_f16", INT4, 38, 0, 19, np.dtype(np.float16), "all"),
+    QuantCase("e2m1_b32", E2M1, 32 * 17, 32, 37, np.dtype(np.uint8)),
+    QuantCase("int4_b32_zp_level4", INT4, 256, 32, 16, zero_points="all", level4=True),
+    QuantCase("int8_b32_level4_bf16", INT8, 512, 32, 37, np.dtype(BF16), level4=True),
+    QuantCase("int4_b16_mid_byte", INT4, 256, 16, 17, zero_points="all", nibble_offset=1),
+]
+QUANT_SLOTS = 3
+
+
+def _elements(data: np.ndarray, bits: int) -> np.ndarray:
+    """A uint8 tensor's elements of `bits` bits, flat (4: the low nibble of a byte first)."""
+    flat = data.reshape(-1)
+    return flat if bits == 8 else np.stack([flat & 15, flat >> 4], -1).reshape(-1)
+
+
+def _quant_sources(case: QuantCase, rng) -> list[list[dict]]:
+    """Per slot, its sources as packed_weights.h's QuantizedColumns (dicts; numpy arrays for the pointers), from
+    random QMOE inputs of QUANT_SLOTS experts (every byte random; E8M0 scales 0 and 255 among them)."""
+    blocks = case.K // case.block if case.block else 1
+    rows = 2 * case.N if case.sources == "parity" else case.N
+
+    def linear(with_zero_points: bool) -> dict:
+        codes = rng.integers(0, 256, (QUANT_SLOTS, rows * case.K * case.bits // 8 + 1), dtype=np.uint8)
+        if case.code == E2M1:
+            scales = rng.integers(0, 256, (QUANT_SLOTS, rows, blocks), dtype=np.uint8)
+        else:
+            scales = rng.standard_normal((QUANT_SLOTS, rows, blocks)).astype(np.float32).astype(case.scale_dtype)
+        zp_bytes = -(-(blocks if case.block else rows) * case.bits // 8)
+        zp_shape = (QUANT_SLOTS, rows, zp_bytes) if case.block else (QUANT_SLOTS, zp_bytes)
+        zero_points = rng.integers(0, 256, zp_shape, dtype=np.uint8) if with_zero_points else None
+        return {"codes": codes, "scales": scales, "zero_points": zero_points}
+
+    def columns(t: dict, e: int, row0: int, step: int, width: int, lane0: int) -> dict:
+        per_byte = 8 // case.bits
+        zp = t["zero_points"]
+        if zp is None:
+            zp_first = zp_stride = zp_block_stride = 0
+        elif case.block:
+            zp_row = zp.shape[-1] * per_byte
+            zp_first, zp_stride, zp_block_stride = (e * rows + row0) * zp_row, step * zp_row, 1
+        else:
+            zp_first, zp_stride, zp_block_stride = e * zp.shape[-1] * per_byte + row0, step, 0
+        codes_first = e * t["codes"].shape[1] * per_byte + case.nibble_offset + row0 * case.K
+        return {"codes": t["codes"], "codes_first": codes_first, "codes_stride": step * case.K, "scales": t["scales"], "scales_first": (e * rows + row0) * blocks,
+                "scales_stride": step * blocks, "zero_points": zp, "zero_points_first": zp_first,
+                "zero_points_stride": zp_stride, "zero_points_block_stride": zp_block_stride, "columns": case.N,
+                "width": width, "lane0": lane0}
+
+    first = linear(case.zero_points != "none")
+    if case.sources == "plain":
+        return [[columns(first, e, 0, 1, 16, 0)] for e in range(QUANT_SLOTS)]
+    if case.sources == "parity":
+        return [[columns(first, e, 0, 2, 8, 0), columns(first, e, 1, 2, 8, 8)] for e in range(QUANT_SLOTS)]
+    second = linear(case.zero_points == "all")
+    return [[columns(first, e, 0, 1, 8, 0), columns(second, e, 0, 1, 8, 8)] for e in range(QUANT_SLOTS)]
+
+
+def _expected_quant_panels(case: QuantCase, sources: list[dict]) -> bytes:
+    """One slot's quantized panels as qgemm.h lays them out, each lane's codes, scales and zero points read at
+    the elements packed_weights.h's QuantizedColumns names."""
+    K, bits = case.K, case.bits
+    block = case.block or K
+    blocks, group = K // block, 8 if bits == 4 else 4
+    groups = -(-block // group)
+    panels = max(-(-src["columns"] // src["width"]) for src in sources)
+    scales = np.zeros((panels * 16, blocks), np.float32)
+    zero_points = np.zeros((panels * 16, blocks), np.uint8)
+    codes = np.zeros((panels * 16, blocks, groups * group), np.uint8)
+    for src in sources:
+        all_codes = _elements(src["codes"], bits)
+        if case.code == E2M1:  # 2^(s - 127); 2^-127 subnormal, 255 NaN
+            bits32 = np.where(src["scales"] == 255, 0x7FC00000, np.where(src["scales"] == 0, 0x00400000,
+                                                                          src["scales"].astype(np.uint32) << 23))
+            all_scales = bits32.astype(np.uint32).view(np.float32).reshape(-1)
+        else:
+            all_scales = src["scales"].astype(np.float32).reshape(-1)
+        for c in range(src["columns"]):
+            lane = (c // src["width"]) * 16 + src["lane0"] + c % src["width"]
+            first = src["codes_first"] + c * src["codes_stride"]
+            codes[lane, :, :block] = all_codes[first:first + K].reshape(blocks, block)
+            first = src["scales_first"] + c * src["scales_stride"]
+            scales[lane] = all_scales[first:first + blocks]
+            if src["zero_points"] is not None:
+                first = src["zero_points_first"] + c * src["zero_points_stride"]
+                zero_points[lane] = _elements(src["zero_points"], bits)[
+                    first + np.arange(blocks) * src["zero_points_block_stride"]]
+            else:
+                zero_points[lane] = 1 << (bits - 1)
+    # [panel, block, group, lane, row]
+    codes = codes.reshape(panels, 16, blocks, groups, group).transpose(0, 2, 3, 1, 4)
+    if bits == 4:  # byte i: row i low, 4 + i high
+        codes = codes[..., :4] | codes[..., 4:] << 4
+    out = []
+    for p in range(panels):
+        for b in range(blocks):
+            out.append(scales[16 * p:16 * p + 16, b].tobytes())
+            if case.zero_points != "none":
+                out.append(zero_points[16 * p:16 * p + 16, b].tobytes())
+            out.append(np.ascontiguousarray(codes[p, b]).tobytes())
+    return b"".join(out)
+
+
+def quant_packing_mismatches() -> list[str]:
+    """The QUANT_CASES whose packed slots, on 1 and 2 threads, differ from _expected_quant_panels."""
+    class QuantizedColumns(ctypes.Structure):  # packed_weights.h's
+        _fields_ = [("codes", ctypes.c_void_p), ("codes_first", ctypes.c_int64), ("codes_stride", ctypes.c_int64),
+                    ("scales", ctypes.c_void_p), ("scale_type", ctypes.c_int), ("scales_first", ctypes.c_int64),
+                    ("scales_stride", ctypes.c_int64), ("zero_points", ctypes.c_void_p),
+                    ("zero_points_first", ctypes.c_int64), ("zero_points_stride", ctypes.c_int64),
+                    ("zero_points_block_stride", ctypes.c_int64), ("columns", ctypes.c_int64),
+                    ("width", ctypes.c_int64), ("lane0", ctypes.c_int64)]
+
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxPackQuantized.restype = ctypes.c_int64
+    lib.MoeOnnxPackQuantized.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_int64, ctypes.POINTER(QuantizedColumns), ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_char_p, ctypes.c_int64]
+    rng = np.random.default_rng(0)
+    mismatches = []
+    for case in QUANT_CASES:
+        slots = _quant_sources(case, rng)
+        expected = b"".join(_expected_quant_panels(case, sources) for sources in slots)
+        flat = [src for sources in slots for src in sources]
+        structs = (QuantizedColumns * len(flat))(*[QuantizedColumns(
+            **{key: value.ctypes.data if isinstance(value, np.ndarray) else value for key, value in src.items()
+               if value is not None},
+            scale_type=_SCALE_TYPE[src["scales"].dtype]) for src in flat])
+        for threads in (1, 2):
+            mismatches += _mismatch(f"{case.name} on {threads} threads", expected,
+                                    lambda *out, threads=threads: lib.MoeOnnxPackQuantized(
+                                        case.code, case.K, case.block or case.K, case.zero_points != "none",
+                                        case.level4, case.N * len(slots[0]), structs, len(slots[0]), len(slots),
+                                        threads, *out))
+    return mismatches
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("level", LEVELS)
+def test_quantized_panels_are_the_layouts_bytes(level):
+    """QMOE's quantized panels, every layout variant (QUANT_CASES), at each ISA level this machine has and on 1
+    and 2 threads, are the bytes of the layout qgemm.h describes, whether the table's quant_code_groups kernel
+    (transpose_tile.h: AVX2 from the avx2 level, AVX-512 from avx512) or the element-by-element path writes
+    them."""
+    kernel, mismatches = _at_level(level, "quant_code_groups", "quant_packing_mismatches")
+    assert kernel == {"portable": "portable", "avx2": "avx2"}.get(level, "avx512")
     assert mismatches == []
 
 

@@ -154,6 +154,7 @@ void fill_portable(KernelTable& t) {
   t.widen_row = {detail::widen_row_portable, "portable"};
   t.narrow_row = {detail::narrow_row_portable, "portable"};
   t.transpose_tile = {detail::transpose_tile_portable, "portable"};
+  t.quant_code_groups = {detail::quant_code_groups_portable, "portable"};
   t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_portable, detail::int8_gemm_pairs_portable, "portable", {}};
   t.quant_decode = {detail::quant_decode_portable, "portable"};
   t.quant_activations = {detail::quant_activations_portable, "portable"};
@@ -167,6 +168,7 @@ void fill_avx2(KernelTable& t) {
 #if defined(MOE_ONNX_HAVE_AVX2)
   t.gemm_panels = {detail::gemm_panels_avx2, "avx2"};
   t.widen_row = {detail::widen_row_avx2, "avx2"};
+  t.quant_code_groups = {detail::quant_code_groups_avx2, "avx2"};
   t.int8_gemm = {Int8Layout::kPairs, detail::widen_int8_rows_avx2, detail::int8_gemm_pairs_avx2, "avx2", {}};
   t.quant_fused = {detail::quant_fused_avx2, "avx2"};
   t.quant_decode = {detail::quant_decode_avx2, "avx2"};
@@ -181,6 +183,7 @@ void fill_avx512(KernelTable& t) {
   t.widen_row = {detail::widen_row_avx512, "avx512"};
   t.narrow_row = {detail::narrow_row_avx512, "avx512"};
   t.transpose_tile = {detail::transpose_tile_avx512, "avx512"};
+  t.quant_code_groups = {detail::quant_code_groups_avx512, "avx512"};
   t.quant_fused = {detail::quant_fused_avx512, "avx512"};
   t.quant_decode = {detail::quant_decode_avx512, "avx512"};
   t.quant_activations = {detail::quant_activations_avx512, "avx512"};
@@ -299,6 +302,7 @@ std::string KernelTable::report() const {
   add("widen_row", widen_row.name);
   add("narrow_row", narrow_row.name);
   add("transpose_tile", transpose_tile.name);
+  add("quant_code_groups", quant_code_groups.name);
   add("int8_gemm", int8_gemm.name);
   add("int8_layout", int8_gemm.layout == Int8Layout::kQuads ? "quads" : "pairs");
   add("int8_gemm_tiles", int8_gemm.tiles.name);

@@ -89,6 +89,7 @@ struct KernelTable {
   Slot<detail::WidenRowFn> widen_row;      // float_convert.h
   Slot<detail::NarrowRowFn> narrow_row;
   Slot<detail::TransposeTileFn> transpose_tile;  // transpose_tile.h: packing weights into panels
+  Slot<detail::QuantCodeGroupsFn> quant_code_groups;  // transpose_tile.h: QMOE's codes into quantized panels
   Int8GemmKernels int8_gemm;                 // int8_gemm.h
   Slot<detail::QuantFusedFn> quant_fused;  // qgemm.h; none at the portable level (it always decodes)
   Slot<detail::QuantDecodeFn> quant_decode;

@@ -8,7 +8,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "distribute_combine.h"
@@ -160,6 +162,46 @@ __attribute__((visibility("default"))) int64_t MoeOnnxPackExpert(int format, int
                                    floats ? moe_onnx::float_type(source_type) : moe_onnx::FloatType::kF32);
     packed.pack(0, {plain ? moe_onnx::plain_columns(source, 0, K, N) : moe_onnx::transposed_columns(source, 0, N, K)});
     const int64_t bytes = packed.slot_bytes();
+    std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
+    return bytes;
+  } catch (const std::exception& e) {
+    if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
+    return -1;
+  }
+}
+
+// Packing's test hook for quantized panels (tests/test_packing.py): packs `slots` slots of QMOE panels
+// (qgemm.h's QuantPanels: `code` its QuantCode as an int, K, block (K: per-column scales), whether the
+// headers have zero points, accuracy level 4) of N columns, slot s from the `per_slot` (1 or 2)
+// sources at sources + s * per_slot (packed_weights.h's QuantizedColumns), on `threads` threads
+// (slot s on thread s % threads), and copies at most out_bytes of the slots' panels to `out`. Returns
+// the panels' bytes, or -1 with the reason in `error`.
+__attribute__((visibility("default"))) int64_t MoeOnnxPackQuantized(int code, int64_t K, int64_t block, int zero_points,
+                                                                    int int8_activations, int64_t N,
+                                                                    const moe_onnx::QuantizedColumns* sources,
+                                                                    int64_t per_slot, int64_t slots, int threads,
+                                                                    void* out, int64_t out_bytes, char* error,
+                                                                    int64_t error_size) {
+  try {
+    if (per_slot != 1 && per_slot != 2) throw std::invalid_argument("per_slot is not 1 or 2");
+    moe_onnx::QuantPanels layout;
+    layout.code = static_cast<moe_onnx::QuantCode>(code);
+    layout.K = K;
+    layout.block = block;
+    layout.zero_points = zero_points != 0;
+    layout.int8_activations = int8_activations != 0;
+    moe_onnx::PackedWeights packed(layout, N, slots, false);
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t)
+      workers.emplace_back([&, t] {
+        for (int64_t s = t; s < slots; s += threads) {
+          const moe_onnx::QuantizedColumns* src = sources + s * per_slot;
+          if (per_slot == 1) packed.pack_quantized(s, {src[0]});
+          else packed.pack_quantized(s, {src[0], src[1]});
+        }
+      });
+    for (std::thread& w : workers) w.join();
+    const int64_t bytes = slots * packed.slot_bytes();
     std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
     return bytes;
   } catch (const std::exception& e) {

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <stdexcept>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -93,12 +91,6 @@ FloatType panel_type(WeightFormat format) {
 
 bool is_int8(WeightFormat format) { return format == WeightFormat::kInt8 || format == WeightFormat::kInt8Quads; }
 
-// An E8M0 scale: 2^(s - 127), NaN for 255 (2^-127 is a subnormal float, exact).
-float e8m0_to_float(uint8_t s) {
-  if (s == 255) return std::numeric_limits<float>::quiet_NaN();
-  return std::ldexp(1.0f, static_cast<int>(s) - 127);
-}
-
 // Writes a quad panel's corrections: -128 * (the sum of its column's weights), wrapping like the
 // GEMM's int32 sums.
 void store_quad_corrections(int8_t* panel, int64_t K) {
@@ -109,24 +101,6 @@ void store_quad_corrections(int8_t* panel, int64_t K) {
   uint32_t corrections[kPanel];
   for (int64_t c = 0; c < kPanel; ++c) corrections[c] = 0u - 128u * (sums[4 * c] + sums[4 * c + 1] + sums[4 * c + 2] + sums[4 * c + 3]);
   std::memcpy(panel, corrections, sizeof corrections);
-}
-
-// One lane of a quantized block's code groups (qgemm.h) from `rows` codes that start at a byte:
-// 8-bit codes are copied 4 to a group; 4-bit codes (rows a multiple of 8) go from the source's pairs
-// (byte j: rows 2j low, 2j + 1 high) to the group's order (byte i: rows i low, 4 + i high).
-void place_group_codes(const uint8_t* in, int64_t rows, int bits, uint8_t* lane) {
-  if (bits == 8) {
-    for (int64_t g = 0; g * 4 < rows; ++g)
-      std::memcpy(lane + g * kQuantGroupBytes, in + g * 4, static_cast<size_t>(std::min<int64_t>(4, rows - g * 4)));
-    return;
-  }
-  for (int64_t g = 0; g < rows / 8; ++g, in += 4) {
-    uint8_t* out = lane + g * kQuantGroupBytes;
-    out[0] = static_cast<uint8_t>((in[0] & 15) | (in[2] & 15) << 4);
-    out[1] = static_cast<uint8_t>(in[0] >> 4 | (in[2] & 0xF0));
-    out[2] = static_cast<uint8_t>((in[1] & 15) | (in[3] & 15) << 4);
-    out[3] = static_cast<uint8_t>(in[1] >> 4 | (in[3] & 0xF0));
-  }
 }
 
 // Where each lane of one panel comes from: the first element of its column (k = 0) and the stride
@@ -260,9 +234,199 @@ void place_bf16_pairs(FloatType source, std::initializer_list<ColumnSource> sour
   }
 }
 
+// ------------------------------------------------------------------ quantized panels (qgemm.h)
+
+// An E8M0 scale: 2^(s - 127) (s = 0: 2^-127, a subnormal float), NaN for 255; as bits, so that a
+// panel's 16 scales convert without a call each.
+float e8m0_to_float(uint8_t s) {
+  const uint32_t bits = s == 255 ? 0x7FC00000u : s == 0 ? 0x00400000u : uint32_t{s} << 23;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// Element i of a tensor of `bits`-bit elements (4: the low nibble of a byte first).
+int quant_element(const uint8_t* data, int64_t i, int bits) {
+  return bits == 8 ? data[i] : (data[i / 2] >> (4 * (i % 2))) & 15;
+}
+
+// Where each lane of one quantized panel comes from: its column's source, first code (an element),
+// first scale and first zero point (block 0), or no column.
+struct QuantLanes {
+  const QuantizedColumns* source[kPanel];  // null: no column
+  int64_t codes[kPanel], scales[kPanel], zero_points[kPanel];
+  FloatType scale_type[kPanel];  // int codes: the type of the lane's scales
+  bool full;                     // every lane has a column
+  bool codes_at_bytes;           // and each column's codes start at a byte
+  int scale_bytes;               // every lane's scales' element bytes (E8M0: 1), or 0 where they differ
+
+  QuantLanes(const QuantPanels& q, std::initializer_list<QuantizedColumns> sources, int64_t panel)
+      : source{}, codes{}, scales{}, zero_points{}, scale_type{}, full(true), codes_at_bytes(true), scale_bytes(0) {
+    const bool e8m0 = q.code == QuantCode::kE2M1;
+    for (const QuantizedColumns& src : sources) {
+      const FloatType type = e8m0 ? FloatType::kF32 : float_type(src.scale_type);
+      for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
+        const int64_t c = panel * src.width + lane - src.lane0;
+        if (c >= src.columns) break;
+        source[lane] = &src;
+        codes[lane] = src.codes_first + c * src.codes_stride;
+        scales[lane] = src.scales_first + c * src.scales_stride;
+        zero_points[lane] = src.zero_points_first + c * src.zero_points_stride;
+        scale_type[lane] = type;
+      }
+    }
+    bool one_scale_type = true;
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      full = full && source[lane];
+      codes_at_bytes = full && codes_at_bytes && codes[lane] * q.bits() % 8 == 0;
+      one_scale_type = one_scale_type && scale_type[lane] == scale_type[0];
+    }
+    if (full && one_scale_type) scale_bytes = e8m0 ? 1 : scale_type[0] == FloatType::kF32 ? 4 : 2;
+  }
+
+  // Block b's scale of a lane (with a column), as fp32.
+  float scale(QuantCode code, int64_t lane, int64_t b) const {
+    const void* all = source[lane]->scales;
+    if (code == QuantCode::kE2M1) return e8m0_to_float(static_cast<const uint8_t*>(all)[scales[lane] + b]);
+    return load_float(scale_type[lane], all, scales[lane] + b);
+  }
+  // Block b's zero point of a lane (with a column): its own, or 2^(bits - 1) for a linear without zero
+  // points that shares the panels with one that has them.
+  uint8_t zero_point(int bits, int64_t lane, int64_t b) const {
+    const QuantizedColumns& src = *source[lane];
+    if (!src.zero_points) return static_cast<uint8_t>(1 << (bits - 1));
+    const int64_t i = zero_points[lane] + b * src.zero_points_block_stride;
+    return static_cast<uint8_t>(quant_element(src.zero_points, i, bits));
+  }
+  // The zero points of blocks [b0, b0 + 16) of a lane (with a column) into out.
+  void zero_points_of(int bits, int64_t lane, int64_t b0, uint8_t out[16]) const {
+    const QuantizedColumns& src = *source[lane];
+    const int64_t first = zero_points[lane] + b0 * src.zero_points_block_stride;
+    if (!src.zero_points || src.zero_points_block_stride != 1 || (bits == 4 && first % 2)) {
+      for (int64_t i = 0; i < 16; ++i) out[i] = zero_point(bits, lane, b0 + i);
+    } else if (bits == 8) {
+      std::memcpy(out, src.zero_points + first, 16);
+    } else {
+      const uint8_t* in = src.zero_points + first / 2;
+      for (int64_t i = 0; i < 8; ++i) {
+        out[2 * i] = in[i] & 15;
+        out[2 * i + 1] = in[i] >> 4;
+      }
+    }
+  }
+};
+
+// Writes the headers of a panel's blocks (scales, zero points) for the lanes with a column: 16 blocks at
+// a time where every lane has one and their scales one type (the lanes' 16 scales and 16 zero points
+// side by side with the tile copy, transpose_tile.h, then each block's 16 scales converted in a row),
+// the other blocks element by element.
+void place_quant_headers(const QuantPanels& q, const QuantLanes& lanes, uint8_t* panel) {
+  constexpr int64_t kTile = 16;
+  const int64_t blocks = q.blocks(), block_bytes = q.block_bytes();
+  const int bits = q.bits();
+  int64_t b0 = 0;
+  if (lanes.scale_bytes) {
+    const auto transpose = kernels().transpose_tile;
+    const int64_t scale_bytes = lanes.scale_bytes;
+    alignas(64) uint8_t scale_rows[kTile * kPanel * 4];
+    alignas(64) uint8_t zero_points[kPanel][kTile], zero_point_rows[kTile][kPanel];
+    const void* columns[kPanel];
+    for (; b0 + kTile <= blocks; b0 += kTile) {
+      for (int64_t lane = 0; lane < kPanel; ++lane) {
+        const auto* scales = static_cast<const char*>(lanes.source[lane]->scales);
+        columns[lane] = scales + (lanes.scales[lane] + b0) * scale_bytes;
+      }
+      transpose(columns, lanes.scale_bytes, scale_rows);
+      for (int64_t i = 0; i < kTile; ++i) {
+        const uint8_t* row = scale_rows + i * kPanel * scale_bytes;
+        uint8_t* header = panel + (b0 + i) * block_bytes;
+        if (q.code == QuantCode::kE2M1) {
+          for (int64_t lane = 0; lane < kPanel; ++lane) {
+            const float scale = e8m0_to_float(row[lane]);
+            std::memcpy(header + 4 * lane, &scale, 4);
+          }
+        } else if (scale_bytes == 4) {
+          std::memcpy(header, row, kPanel * 4);
+        } else {
+          widen_row(lanes.scale_type[0], row, reinterpret_cast<float*>(header), kPanel);
+        }
+      }
+      if (!q.zero_points) continue;
+      for (int64_t lane = 0; lane < kPanel; ++lane) {
+        lanes.zero_points_of(bits, lane, b0, zero_points[lane]);
+        columns[lane] = zero_points[lane];
+      }
+      transpose(columns, 1, zero_point_rows);
+      for (int64_t i = 0; i < kTile; ++i)
+        std::memcpy(panel + (b0 + i) * block_bytes + 64, zero_point_rows[i], sizeof zero_point_rows[i]);
+    }
+  }
+  for (int64_t b = b0; b < blocks; ++b) {
+    uint8_t* header = panel + b * block_bytes;
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      if (!lanes.source[lane]) continue;
+      const float scale = lanes.scale(q.code, lane, b);
+      std::memcpy(header + 4 * lane, &scale, 4);
+      if (q.zero_points) header[64 + lane] = lanes.zero_point(bits, lane, b);
+    }
+  }
+}
+
+// Rows of each block that the table's quant_code_groups writes (codes that start at a byte): its whole
+// groups, where the blocks are whole groups or there is one block (per-column scales).
+int64_t grouped_rows(const QuantPanels& q) {
+  const int64_t whole = q.block / q.group_rows() * q.group_rows();
+  return whole == q.block || q.blocks() == 1 ? whole : 0;
+}
+
+// Writes the codes of a panel's blocks: rows [0, grouped) of every block with the table's
+// quant_code_groups (transpose_tile.h), the others (a per-column block's last rows; every row of a
+// panel with a lane without a column, or with codes from the middle of a byte) element by element into
+// the zeroed panel.
+void place_quant_codes(const QuantPanels& q, const QuantLanes& lanes, int64_t grouped, uint8_t* panel) {
+  const int bits = q.bits();
+  const int64_t G = q.group_rows(), block_bytes = q.block_bytes(), blocks = q.blocks();
+  const int group_shift = bits == 8 ? 2 : 3;  // log2(G)
+  uint8_t* codes = panel + q.header_bytes();
+  if (grouped > 0) {
+    const uint8_t* starts[kPanel];
+    for (int64_t lane = 0; lane < kPanel; ++lane)
+      starts[lane] = lanes.source[lane]->codes + lanes.codes[lane] * bits / 8;
+    kernels().quant_code_groups(starts, blocks * (grouped / G), q.groups_per_block(), block_bytes, bits == 4, codes);
+  }
+  if (grouped == q.block) return;
+  for (int64_t lane = 0; lane < kPanel; ++lane) {
+    if (!lanes.source[lane]) continue;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t first = lanes.codes[lane] + b * q.block;
+      uint8_t* block = codes + b * block_bytes + 4 * lane;
+      for (int64_t kk = grouped; kk < q.block; ++kk) {
+        const int code = quant_element(lanes.source[lane]->codes, first + kk, bits);
+        const int64_t i = kk & (G - 1);
+        uint8_t& byte = block[(kk >> group_shift) * kQuantGroupBytes + (bits == 8 ? i : i % 4)];
+        byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 namespace detail {
+
+void quant_code_groups_portable(const uint8_t* const* lanes, int64_t groups, int64_t per_block, int64_t block_bytes,
+                                bool nibbles, uint8_t* out) {
+  GroupPlaces places(out, per_block, block_bytes);
+  for (int64_t j = 0; j < groups; ++j) {
+    uint8_t* group = places.next();
+    for (int64_t lane = 0; lane < kPanel; ++lane) {
+      uint32_t word;
+      std::memcpy(&word, lanes[lane] + 4 * j, 4);
+      if (nibbles) word = interleave_nibbles(word);
+      std::memcpy(group + 4 * lane, &word, 4);
+    }
+  }
+}
 
 void transpose_tile_portable(const void* const* columns, int bytes, void* rows) {
   for (int r = 0; r < kPanel; ++r)
@@ -350,44 +514,16 @@ void PackedWeights::pack(int64_t slot, std::initializer_list<ColumnSource> sourc
 
 void PackedWeights::pack_quantized(int64_t slot, std::initializer_list<QuantizedColumns> sources) {
   const QuantPanels& q = quant_;
-  const int bits = q.bits();
-  // Element i of a tensor of `bits`-bit elements (4: the low nibble of a byte first).
-  const auto element = [bits](const uint8_t* data, int64_t i) -> int {
-    return bits == 8 ? data[i] : (data[i / 2] >> (4 * (i % 2))) & 15;
-  };
+  const int64_t panel_bytes = q.panel_bytes();
   for (int64_t p = 0; p < panels(); ++p) {
-    // the panel is zeroed while in cache: lanes without a column and padding rows stay zero
-    uint8_t* panel = reinterpret_cast<uint8_t*>(panels_ + slot * slot_bytes_) + p * q.panel_bytes();
-    std::memset(panel, 0, static_cast<size_t>(q.panel_bytes()));
-    for (const QuantizedColumns& src : sources)
-      for (int64_t lane = src.lane0; lane < src.lane0 + src.width; ++lane) {
-        const int64_t c = p * src.width + lane - src.lane0;
-        if (c >= src.columns) break;
-        for (int64_t b = 0; b < q.blocks(); ++b) {
-          uint8_t* block = panel + b * q.block_bytes();
-          const int64_t s = src.scales_first + c * src.scales_stride + b;
-          const float scale = q.code == QuantCode::kE2M1 ? e8m0_to_float(static_cast<const uint8_t*>(src.scales)[s])
-                                                         : load_float(float_type(src.scale_type), src.scales, s);
-          std::memcpy(block + 4 * lane, &scale, 4);
-          if (q.zero_points)  // a linear without zero points sharing the panels with one that has them: 2^(bits-1)
-            block[64 + lane] = static_cast<uint8_t>(
-                src.zero_points ? element(src.zero_points, src.zero_points_first + c * src.zero_points_stride +
-                                                               b * src.zero_points_block_stride)
-                                : 1 << (bits - 1));
-          uint8_t* codes = block + q.header_bytes() + lane * 4;
-          const int64_t first = src.codes_first + c * src.codes_stride + b * q.block;
-          if (bits == 8 || (first % 2 == 0 && q.block % 8 == 0)) {
-            place_group_codes(src.codes + first * bits / 8, q.block, bits, codes);
-            continue;
-          }
-          for (int64_t kk = 0; kk < q.block; ++kk) {
-            const int code = element(src.codes, first + kk);
-            const int64_t i = kk % q.group_rows();
-            uint8_t& byte = codes[(kk / q.group_rows()) * kQuantGroupBytes + (bits == 8 ? i : i % 4)];
-            byte = static_cast<uint8_t>(bits == 8 ? code : byte | code << (i < 4 ? 0 : 4));
-          }
-        }
-      }
+    uint8_t* panel = reinterpret_cast<uint8_t*>(panels_ + slot * slot_bytes_) + p * panel_bytes;
+    const QuantLanes lanes(q, sources, p);
+    const int64_t grouped = lanes.codes_at_bytes ? grouped_rows(q) : 0;
+    // zeroed while in cache where not every byte is written: lanes without a column, padding rows, codes
+    // placed element by element
+    if (!lanes.full || grouped != q.block) std::memset(panel, 0, static_cast<size_t>(panel_bytes));
+    place_quant_headers(q, lanes, panel);
+    place_quant_codes(q, lanes, grouped, panel);
   }
 }
 
