@@ -1,30 +1,34 @@
 """Session start and resident memory of fused expert models at any size, against plain onnxruntime
 on the same weights.
 
-`build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4 or int8, blocks of --block-size,
-32 by default, optionally with zero points) nodes of GEMM3_SWIGLU experts with random weights, streamed to its external data file expert by expert (so
-building a 5 GB model needs little memory), or inline (--inline: the weights inside the .onnx, < 2 GB),
-and beside it a plain-onnxruntime model on the same weights (Gather one expert of each weight, Cast,
-ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs each in a
-child process of its own and prints, per model: session creation time, resident memory (MiB: VmRSS =
-RssAnon + RssFile) after creation and after each run, and each run's time (a run packs the experts
-it is the first to use: the first run of the default ones, 16 tokens, routes rows to every expert of a model of
-up to 128, and its time less the second's, the same tokens packed, gives the packing rate in GB of weights per
-second, of wall-clock time and of the process's CPU time, which a busy machine changes less; then a decode of 1
-token and two prefills of 512). `measure --packed` compares instead sessions that map packed-weights files
-(`moe-onnx pack`, written first into MODEL.packed when missing, its time printed) with sessions that pack,
-in alternating child processes, --rounds of each, and prints the medians side by side.
+`build` writes a synthetic model of `layers` chained MOE (fp32) or QMOE (int4 or int8, blocks of --block-size, 32
+by default, optionally with zero points) nodes of GEMM3_SWIGLU experts with random weights, streamed to its
+external data file expert by expert (so building a 5 GB model needs little memory), or inline (--inline: the
+weights inside the .onnx, < 2 GB), and beside it a plain-onnxruntime model on the same weights (Gather one expert
+of each weight, Cast, ReduceSum: standard ops that leave the weights where onnxruntime put them). `measure` runs
+each in a child process of its own and prints, per model: session creation time, resident memory (MiB: VmRSS =
+RssAnon + RssFile) after creation and after each run, and each run's time (a run packs the experts it is the first
+to use: the first run of the default ones, 16 tokens, routes rows to every expert of a model of up to 128, and its
+time less the second's, the same tokens packed, gives the packing rate in GB of weights per second, of wall-clock
+time and of the process's CPU time, which a busy machine changes less; then a decode of 1 token and two prefills of
+512). `measure --packed` compares instead sessions that map packed-weights files (`moe-onnx pack`, written first
+into MODEL.packed when missing, its time printed) with sessions that pack, in alternating child processes, --rounds
+of each, and prints the medians side by side; with --library OLD.so also sessions of another build of our library
+(e.g. main before a change), and each variant's decode and prefill time over the packing session's: the check that
+a change keeps the run's speed.
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
     python benchmarks/startup_memory.py build DIR --format int4 --block-size 64 --zero-points --experts 64 --layers 1
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
-    flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --packed --rounds 3
+    flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --packed --rounds 3 \
+        [--library OLD/libmoe_onnx_ops.so] [--runs 16 16 1 1 1 1 512 512 512]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +40,7 @@ from onnx import TensorProto, helper
 
 import _memory
 from _timing import session_options
+from moe_onnx.runtime.library import LIBRARY_ENV
 
 TOP_K = 8
 ALIGN = 4096  # external data offsets, page aligned as onnxruntime maps them
@@ -190,7 +195,7 @@ def child(path: str, threads: int, runs: list[int], experts: int, packed: bool =
         sess.run(None, f)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-        report[f"run{n}_T{tokens}"] = {"s": round(times[-1], 4), **status_mb()}
+        report[f"run{n}_T{tokens}"] = {"s": round(times[-1], 6), **status_mb()}
     if len(runs) > 1 and runs[0] == runs[1] and runs[0] * TOP_K >= experts:
         # the first run packs every expert, the second (same tokens) none: the difference is the packing
         gb = sum(f.stat().st_size for f in Path(path).parent.glob(Path(path).stem + ".*")
@@ -200,11 +205,14 @@ def child(path: str, threads: int, runs: list[int], experts: int, packed: bool =
     return report
 
 
-def _child_report(path: str, threads: int, runs: list[int], experts: int, packed: bool = False) -> dict | None:
-    """child() in a process of its own (None, the error printed, when it fails)."""
+def _child_report(path: str, threads: int, runs: list[int], experts: int, packed: bool = False,
+                  library: str | None = None) -> dict | None:
+    """child() in a process of its own, with our library at `library` when given (None, the error printed, when it
+    fails)."""
     cmd = [sys.executable, __file__, "child", path, "--threads", str(threads), "--runs", *map(str, runs),
            "--experts", str(experts), *(["--packed"] if packed else [])]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, **({LIBRARY_ENV: library} if library else {}))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
         print(f"{path}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
         return None
@@ -220,11 +228,13 @@ def measure(models: list[str], threads: int, runs: list[int]) -> None:
                 print(f"{Path(p).name}: {json.dumps(report)}", flush=True)
 
 
-def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int) -> None:
+def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int, library: str | None) -> None:
     """Per model: `moe-onnx pack` into MODEL.packed when it is missing (its time and peak RSS); then sessions
-    that map those files and sessions that pack, alternating, `rounds` of each; the medians side by side:
-    creation, the first run, the decode (runs of 1 token) and the last prefill (runs of 512), resident
-    anonymous and file-backed memory after the first run."""
+    that map those files, sessions that pack and, with `library` (another build of our library, e.g. main
+    before a change), sessions of that library that pack, alternating, `rounds` of each; the medians side by
+    side: creation, the first run, a decode (the median of a process's runs of 1 token), a prefill (of its
+    runs of 512 after the first), resident anonymous and file-backed memory after the first run, and each
+    variant's decode and prefill time over the packing session's."""
     from moe_onnx.runtime.packed_weights import default_directory
 
     for path in models:
@@ -234,30 +244,37 @@ def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int
                 [sys.executable, "-m", "moe_onnx.cli", "pack", path, "--threads", str(threads)], capture=True)
             print(f"pack ({seconds:.1f} s wall with the interpreter, peak RSS {peak:.0f} MiB, exit {code}):\n"
                   f"{output.strip()}", flush=True)
-        reports: dict[str, list[dict]] = {"packed file": [], "packing": []}
+        variants = {"packed file": dict(packed=True), "packing": {}}
+        if library:
+            variants["packing, --library"] = dict(library=library)
+        reports: dict[str, list[dict]] = {variant: [] for variant in variants}
         for n in range(rounds):
-            for variant, reports_of in reports.items():
-                report = _child_report(path, threads, runs, experts, packed=variant == "packed file")
+            for variant in (list(variants) if n % 2 == 0 else list(variants)[::-1]):
+                report = _child_report(path, threads, runs, experts, **variants[variant])
                 if report is not None:
                     print(f"round {n + 1} {variant}: {json.dumps(report)}", flush=True)
-                    reports_of.append(report)
-        first, decode = f"run0_T{runs[0]}", next((f"run{i}_T1" for i, t in enumerate(runs) if t == 1), None)
-        prefill = next((f"run{i}_T512" for i in reversed(range(len(runs))) if runs[i] == 512), None)
+                    reports[variant].append(report)
+
+        def per_process(report: dict, tokens: int, skip_first: bool) -> float:
+            times = [v["s"] for k, v in report.items() if k.startswith("run") and k.endswith(f"_T{tokens}")]
+            times = times[1:] if skip_first and len(times) > 1 else times
+            return float(np.median(times)) * 1e3 if times else float("nan")
+
+        first = f"run0_T{runs[0]}"
         print(f"{Path(path).name}, medians of {rounds} rounds, {threads} threads:")
-        print(f"{'':12} {'create s':>9} {'first run s':>12} {'decode ms':>10} {'prefill ms':>11} "
-              f"{'RssAnon MiB':>12} {'RssFile MiB':>12}")
+        print(f"{'':20} {'create s':>9} {'first run s':>12} {'decode ms':>10} {'prefill ms':>11} "
+              f"{'RssAnon MiB':>12} {'RssFile MiB':>12} {'decode / packing':>17} {'prefill / packing':>18}")
+        rows = {}
         for variant, got in reports.items():
-            if not got:
-                continue
-
-            def median(pick):
-                return float(np.median([pick(r) for r in got]))
-
-            decode_ms = median(lambda r: r[decode]["s"] * 1e3) if decode else float("nan")
-            prefill_ms = median(lambda r: r[prefill]["s"] * 1e3) if prefill else float("nan")
-            print(f"{variant:12} {median(lambda r: r['create_s']):9.2f} {median(lambda r: r[first]['s']):12.2f} "
-                  f"{decode_ms:10.1f} {prefill_ms:11.0f} {median(lambda r: r[first]['RssAnon']):12.0f} "
-                  f"{median(lambda r: r[first]['RssFile']):12.0f}", flush=True)
+            if got:
+                rows[variant] = [float(np.median([pick(r) for r in got])) for pick in (
+                    lambda r: r["create_s"], lambda r: r[first]["s"], lambda r: per_process(r, 1, False),
+                    lambda r: per_process(r, 512, True), lambda r: r[first]["RssAnon"], lambda r: r[first]["RssFile"])]
+        base = rows.get("packing")
+        for variant, (create, first_run, decode, prefill, anon, file) in rows.items():
+            ratios = f"{decode / base[2]:17.3f} {prefill / base[3]:18.3f}" if base else ""
+            print(f"{variant:20} {create:9.2f} {first_run:12.2f} {decode:10.2f} {prefill:11.1f} {anon:12.0f} "
+                  f"{file:12.0f} {ratios}", flush=True)
 
 
 def main() -> None:
@@ -281,6 +298,7 @@ def main() -> None:
         m.add_argument("--packed", action="store_true",
                        help="measure: sessions on MODEL.packed's files against packing; child: map those files")
     sub.choices["measure"].add_argument("--rounds", type=int, default=3, help="--packed: processes of each kind")
+    sub.choices["measure"].add_argument("--library", help="--packed: also sessions of this build of our library")
     sub.choices["child"].add_argument("--experts", type=int, required=True)
     args = parser.parse_args()
     if args.command == "build":
@@ -288,7 +306,7 @@ def main() -> None:
                        args.block_size, args.zero_points):
             print(p)
     elif args.command == "measure" and args.packed:
-        measure_packed(args.models, args.threads, args.runs, args.rounds)
+        measure_packed(args.models, args.threads, args.runs, args.rounds, args.library)
     elif args.command == "measure":
         measure(args.models, args.threads, args.runs)
     else:

@@ -1,8 +1,8 @@
 """The ``moe-onnx`` command line: argument parsing only; the work lives in the package modules
 (``check``: :func:`moe_onnx.check.check_file`; ``optimize``: :func:`moe_onnx.pipeline.optimize_file`;
 ``quantize``: :func:`moe_onnx.pipeline.quantize_file`; ``shard``: :func:`moe_onnx.pipeline.shard_file`;
-``pack``: :func:`moe_onnx.runtime.pack_weights`; ``run``: :func:`moe_onnx.distributed.run.launch`; ``generate``: :func:`moe_onnx.generation.generate`; ``export``:
-:func:`moe_onnx.export.export_checkpoint`)."""
+``pack``: :func:`moe_onnx.runtime.pack_weights`; ``run``: :func:`moe_onnx.distributed.run.launch`;
+``generate``: :func:`moe_onnx.generation.generate`; ``export``: :func:`moe_onnx.export.export_checkpoint`)."""
 
 from __future__ import annotations
 
