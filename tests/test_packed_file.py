@@ -152,8 +152,9 @@ def test_pack_command(tmp_path, capsys):
     assert main(["pack", str(tmp_path / "missing.onnx")]) == 1
     assert "no such file" in capsys.readouterr().err and not (tmp_path / "missing.onnx.packed").exists()
     runtime_weights = Case(CASES[0].op, "runtime", CASES[0].inputs, CASES[0].attrs)
-    assert main(["pack", str(_write(runtime_weights, tmp_path))]) == 1
-    assert "nothing to pack" in capsys.readouterr().err
+    runtime_path = _write(runtime_weights, tmp_path)
+    assert main(["pack", str(runtime_path)]) == 1
+    assert "nothing to pack" in capsys.readouterr().err and not default_directory(runtime_path).exists()
     (tmp_path / "file").write_text("")
     assert main(["pack", str(path), "--dir", str(tmp_path / "file")]) == 1
     assert "moe-onnx pack:" in capsys.readouterr().err

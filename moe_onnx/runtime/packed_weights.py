@@ -95,4 +95,6 @@ def pack_weights(model: str | os.PathLike, directory: str | os.PathLike | None =
         raise
     seconds = time.perf_counter() - start
     written = [path for path in sorted(folder.glob("*" + FILE_SUFFIX)) if before.get(path) != path.stat().st_ino]
+    if made and not written:  # nothing to pack: no empty folder left for sessions to look in
+        folder.rmdir()
     return PackResult([(path, path.stat().st_size) for path in written], seconds)
