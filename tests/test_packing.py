@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -133,22 +135,31 @@ _MEMORY_CHILD = textwrap.dedent("""
 """)
 
 
-def _moe_file(tmp_path, E: int, H: int, I: int, inline: bool) -> tuple[str, float]:
+def _moe_file(tmp_path, E: int, H: int, I: int, inline: bool,
+              written: Sequence[int] | None = None) -> tuple[str, float]:
     """A GEMM3_SWIGLU MOE model with float32 weights in an external data file (or inside the .onnx); its path and
-    weight MB."""
+    weight MB. With `written`, only those experts' weights are written (external data): the others are a hole of
+    the file (zeros, no disk)."""
     rng = np.random.default_rng(0)
     inits = []
     with open(tmp_path / "moe.data", "wb") as data:
         for name, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
-            weights = rng.standard_normal(shape, dtype=np.float32) * 0.05
-            if inline:
-                inits.append(onnx.numpy_helper.from_array(weights, name))
-                continue
-            data.write(b"\0" * (-data.tell() % 4096))
-            offset = data.tell()
-            data.write(weights.tobytes())
+            offset = data.seek(0, io.SEEK_END)
+            offset += -offset % 4096
+            length = E * shape[1] * shape[2] * 4
+            if written is not None:
+                for e in written:
+                    data.seek(offset + e * length // E)
+                    data.write((rng.standard_normal(shape[1:], dtype=np.float32) * 0.05).tobytes())
+                data.truncate(offset + length)
+            else:
+                weights = rng.standard_normal(shape, dtype=np.float32) * 0.05
+                if inline:
+                    inits.append(onnx.numpy_helper.from_array(weights, name))
+                    continue
+                data.seek(offset)
+                data.write(weights.tobytes())
             t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape, data_location=TensorProto.EXTERNAL)
-            length = data.tell() - offset
             for key, value in (("location", "moe.data"), ("offset", str(offset)), ("length", str(length))):
                 t.external_data.add(key=key, value=value)
             inits.append(t)
@@ -164,6 +175,37 @@ def _moe_file(tmp_path, E: int, H: int, I: int, inline: bool) -> tuple[str, floa
                               ir_version=10)
     (tmp_path / "moe.onnx").write_bytes(model.SerializeToString())
     return str(tmp_path / "moe.onnx"), 3 * E * I * H * 4 / 2**20
+
+
+def _memory_and_swap_bytes() -> int:
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(meminfo[key].split()[0]) * 1024 for key in ("MemTotal", "SwapTotal"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_NORESERVE and /proc/meminfo: Linux")
+def test_a_model_larger_than_memory_starts(tmp_path):
+    """A model whose weights are twice memory plus swap (a sparse external data file: only the two experts the
+    run uses hold data) starts and runs: the packed copy's address space is reserved without committing memory
+    (MAP_NORESERVE) and a run packs only the experts it routes to. Its outputs are the bits of a model of those
+    two experts alone."""
+    H = I = 512
+    E = -(-2 * _memory_and_swap_bytes() // (3 * H * I * 4))
+    last = E - 1
+    path, _ = _moe_file(tmp_path, E, H, I, inline=False, written=[0, last])
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((3, H), dtype=np.float32), "routing": rng.random((3, 2), dtype=np.float32),
+             "indices": np.array([[0, last], [last, 0], [0, last]], np.int64)}
+    got = run(moe_onnx.session(path, sess_options=options(2), packed_weights=None), feeds)
+
+    pair = onnx.load(path, load_external_data=False)  # the two experts' weights, read from the file's data
+    for i, init in enumerate(pair.graph.initializer):
+        offset = int({e.key: e.value for e in init.external_data}["offset"])
+        weights = np.memmap(tmp_path / "moe.data", np.float32, "r", offset, tuple(init.dims))[[0, last]]
+        pair.graph.initializer[i].CopyFrom(onnx.numpy_helper.from_array(np.array(weights), init.name))
+    expected = run(moe_onnx.session(pair, sess_options=options(2)),
+                   {**feeds, "indices": np.where(feeds["indices"] == last, 1, 0)})
+    assert got[0].tobytes() == expected[0].tobytes()
+    assert np.abs(got[0]).max() > 0
 
 
 @pytest.mark.parametrize("inline", [False, True], ids=["external data", "inline"])

@@ -20,24 +20,41 @@
 namespace moe_onnx {
 namespace {
 
-// A buffer for panels, not touched here (pack writes every byte of a slot): large ones 2 MB aligned
-// and marked for transparent huge pages (Linux), so streaming hundreds of MB of panels does not miss
-// the TLB every 4 KB. Freed with std::free.
-char* allocate_panels(size_t bytes) {
+// A buffer for panels, not touched here (pack writes every byte of a slot). Large ones (Linux) are an
+// anonymous mapping with MAP_NORESERVE: every slot's address space is reserved without committing
+// memory, so only the slots pack writes take any, and a model larger than memory plus swap still
+// starts (its experts packed on first use, or its panels mapped from a packed-weights file, when
+// this buffer is never touched); 2 MB aligned and marked for transparent huge pages, so streaming
+// hundreds of MB of panels does not miss the TLB every 4 KB. `mapped`: the mapping's bytes (munmap),
+// 0 for malloc's (std::free).
+char* allocate_panels(size_t bytes, size_t* mapped) {
   constexpr size_t kHuge = size_t{2} << 20;
-  void* p = nullptr;
-  size_t rounded = bytes ? bytes : 1;
+  *mapped = 0;
   if (bytes < 2 * kHuge) {
-    p = std::malloc(rounded);
-  } else {
-    rounded = (bytes + kHuge - 1) / kHuge * kHuge;
-    p = std::aligned_alloc(kHuge, rounded);
-#ifdef MADV_HUGEPAGE
-    if (p) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs TLB misses
-#endif
+    void* p = std::malloc(bytes ? bytes : 1);
+    if (!p) throw std::bad_alloc();
+    return static_cast<char*>(p);
   }
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+#if defined(__linux__)
+  if (rounded > SIZE_MAX - kHuge) throw std::bad_alloc();
+  const size_t span = rounded + kHuge;  // room to align the start to 2 MB; the ends are unmapped
+  void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(m), aligned = (start + kHuge - 1) / kHuge * kHuge;
+  if (aligned > start) munmap(m, aligned - start);
+  if (start + span > aligned + rounded) munmap(reinterpret_cast<void*>(aligned + rounded), start + span - aligned - rounded);
+  char* p = reinterpret_cast<char*>(aligned);
+#ifdef MADV_HUGEPAGE
+  madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs TLB misses
+#endif
+  *mapped = rounded;
+  return p;
+#else
+  void* p = std::aligned_alloc(kHuge, rounded);
   if (!p) throw std::bad_alloc();
   return static_cast<char*>(p);
+#endif
 }
 
 size_t element_bytes(WeightFormat format) {
@@ -467,12 +484,24 @@ PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int
   const auto bytes = static_cast<unsigned __int128>(slots) * static_cast<uint64_t>(slot_bytes_);
   try {
     if (bytes > SIZE_MAX) throw std::bad_alloc();
-    owned_.reset(allocate_panels(static_cast<size_t>(bytes)));
+    size_t mapped = 0;
+    char* panels = allocate_panels(static_cast<size_t>(bytes), &mapped);
+    owned_ = std::unique_ptr<char, PanelsFree>(panels, PanelsFree{mapped});
     panels_ = owned_.get();
   } catch (const std::bad_alloc&) {
     throw AllocationFailure(static_cast<uint64_t>(slots), static_cast<size_t>(slot_bytes_), "packed weights");
   }
   if (with_bias) allocate(bias_, slots * panels() * kPanel, 0.0f, "packed biases");
+}
+
+void PanelsFree::operator()(char* p) const {
+#if defined(__linux__)
+  if (mapped) {
+    munmap(p, mapped);
+    return;
+  }
+#endif
+  std::free(p);
 }
 
 std::string PackedWeights::layout() const {

@@ -103,6 +103,12 @@ struct QuantizedColumns {
   int64_t width = kPanel, lane0 = 0;
 };
 
+// Frees a PackedWeights' own panels: an anonymous mapping of `mapped` bytes (munmap), or malloc's (0).
+struct PanelsFree {
+  size_t mapped = 0;
+  void operator()(char* p) const;
+};
+
 // One weight matrix B [K, N] per packed expert (a slot), in one format, in a huge-page buffer whose
 // pages are first touched by pack (a slot never packed costs no memory); optionally an fp32 bias per
 // slot in the panels' column order (natural lanes).
@@ -178,15 +184,12 @@ class PackedWeights {
  private:
   PackedWeights(WeightFormat format, const QuantPanels& layout, int64_t N, int64_t K, int64_t slot_bytes, int64_t slots,
                 bool with_bias, FloatType source);
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
   WeightFormat format_;
   FloatType source_;   // kBF16Pairs: the weights' element type
   QuantPanels quant_;  // kQuantized only
   int64_t N_, K_;
   int64_t slot_bytes_;
-  std::unique_ptr<char, Free> owned_;  // the panels pack writes, unless use_packed gave others
+  std::unique_ptr<char, PanelsFree> owned_;  // the panels pack writes, unless use_packed gave others
   char* panels_ = nullptr;
   std::vector<float> bias_;
 };
