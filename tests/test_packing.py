@@ -405,8 +405,8 @@ def _quant_sources(case: QuantCase, rng) -> list[list[dict]]:
         else:
             zp_first, zp_stride, zp_block_stride = e * zp.shape[-1] * per_byte + row0, step, 0
         codes_first = e * t["codes"].shape[1] * per_byte + case.nibble_offset + row0 * case.K
-        return {"codes": t["codes"], "codes_first": codes_first, "codes_stride": step * case.K, "scales": t["scales"], "scales_first": (e * rows + row0) * blocks,
-                "scales_stride": step * blocks, "zero_points": zp, "zero_points_first": zp_first,
+        return {"codes": t["codes"], "codes_first": codes_first, "codes_stride": step * case.K, "scales": t["scales"],
+                "scales_first": (e * rows + row0) * blocks, "scales_stride": step * blocks, "zero_points": zp, "zero_points_first": zp_first,
                 "zero_points_stride": zp_stride, "zero_points_block_stride": zp_block_stride, "columns": case.N,
                 "width": width, "lane0": lane0}
 

@@ -43,7 +43,8 @@ char* allocate_panels(size_t bytes, size_t* mapped) {
   if (m == MAP_FAILED) throw std::bad_alloc();
   const uintptr_t start = reinterpret_cast<uintptr_t>(m), aligned = (start + kHuge - 1) / kHuge * kHuge;
   if (aligned > start) munmap(m, aligned - start);
-  if (start + span > aligned + rounded) munmap(reinterpret_cast<void*>(aligned + rounded), start + span - aligned - rounded);
+  const uintptr_t end = aligned + rounded;
+  if (start + span > end) munmap(reinterpret_cast<void*>(end), start + span - end);
   char* p = reinterpret_cast<char*>(aligned);
 #ifdef MADV_HUGEPAGE
   madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure only costs TLB misses
