@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the custom-op libraries with AddressSanitizer + UndefinedBehaviorSanitizer into
-# build/sanitize and runs the kernel tests and the fuzzer (tests/test_fuzz.py) against them (python
-# is not instrumented: libasan is preloaded). Any finding fails the run. Usage:
+# build/sanitize and runs the kernel, packing and packed-file tests and the fuzzer (tests/test_fuzz.py)
+# against them (python is not instrumented: libasan is preloaded). Any finding fails the run. Usage:
 # custom_ops/sanitize.sh [pytest args...]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
