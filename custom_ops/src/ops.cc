@@ -10,7 +10,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "distribute_combine.h"
@@ -24,6 +23,7 @@
 #include "ort_api.h"
 #include "packed_file.h"
 #include "packed_weights.h"
+#include "parallel.h"
 #include "row_parallel_linear.h"
 #include "status.h"
 #include "tensor.h"
@@ -95,6 +95,24 @@ const std::vector<OrtCustomOpDomain*>& domains(const OrtApi& api, const moe_onnx
   return domains;
 }
 
+// A test hook's result: fn()'s, or -1 with the exception's message in `error` (at most error_size bytes).
+template <class Fn>
+int64_t hook_result(char* error, int64_t error_size, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
+    return -1;
+  }
+}
+
+// The packing hooks' copy: at most out_bytes of the first `slots` slots' panels to `out`; their bytes.
+int64_t copy_panels(const moe_onnx::PackedWeights& packed, int64_t slots, void* out, int64_t out_bytes) {
+  const int64_t bytes = slots * packed.slot_bytes();
+  std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
+  return bytes;
+}
+
 }  // namespace
 
 extern "C" {
@@ -154,20 +172,15 @@ __attribute__((visibility("default"))) int MoeOnnxTileDots(int hardware, const m
 __attribute__((visibility("default"))) int64_t MoeOnnxPackExpert(int format, int type, int plain, int64_t N, int64_t K,
                                                                  const void* source, void* out, int64_t out_bytes,
                                                                  char* error, int64_t error_size) {
-  try {
+  return hook_result(error, error_size, [&] {
     const auto weights = static_cast<moe_onnx::WeightFormat>(format);
     const auto source_type = static_cast<ONNXTensorElementDataType>(type);
     const bool floats = source_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
     moe_onnx::PackedWeights packed(weights, N, K, 1, false,
                                    floats ? moe_onnx::float_type(source_type) : moe_onnx::FloatType::kF32);
     packed.pack(0, {plain ? moe_onnx::plain_columns(source, 0, K, N) : moe_onnx::transposed_columns(source, 0, N, K)});
-    const int64_t bytes = packed.slot_bytes();
-    std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
-    return bytes;
-  } catch (const std::exception& e) {
-    if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
-    return -1;
-  }
+    return copy_panels(packed, 1, out, out_bytes);
+  });
 }
 
 // Packing's test hook for quantized panels (tests/test_packing.py): packs `slots` slots of QMOE panels
@@ -182,7 +195,7 @@ __attribute__((visibility("default"))) int64_t MoeOnnxPackQuantized(int code, in
                                                                     int64_t per_slot, int64_t slots, int threads,
                                                                     void* out, int64_t out_bytes, char* error,
                                                                     int64_t error_size) {
-  try {
+  return hook_result(error, error_size, [&] {
     if (per_slot != 1 && per_slot != 2) throw std::invalid_argument("per_slot is not 1 or 2");
     moe_onnx::QuantPanels layout;
     layout.code = static_cast<moe_onnx::QuantCode>(code);
@@ -191,23 +204,15 @@ __attribute__((visibility("default"))) int64_t MoeOnnxPackQuantized(int code, in
     layout.zero_points = zero_points != 0;
     layout.int8_activations = int8_activations != 0;
     moe_onnx::PackedWeights packed(layout, N, slots, false);
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t)
-      workers.emplace_back([&, t] {
-        for (int64_t s = t; s < slots; s += threads) {
-          const moe_onnx::QuantizedColumns* src = sources + s * per_slot;
-          if (per_slot == 1) packed.pack_quantized(s, {src[0]});
-          else packed.pack_quantized(s, {src[0], src[1]});
-        }
-      });
-    for (std::thread& w : workers) w.join();
-    const int64_t bytes = slots * packed.slot_bytes();
-    std::memcpy(out, packed.at(0), static_cast<size_t>(std::min(bytes, out_bytes)));
-    return bytes;
-  } catch (const std::exception& e) {
-    if (error_size > 0) std::snprintf(error, static_cast<size_t>(error_size), "%s", e.what());
-    return -1;
-  }
+    moe_onnx::on_own_threads(threads, [&](int64_t t) {
+      for (int64_t s = t; s < slots; s += threads) {
+        const moe_onnx::QuantizedColumns* src = sources + s * per_slot;
+        if (per_slot == 1) packed.pack_quantized(s, {src[0]});
+        else packed.pack_quantized(s, {src[0], src[1]});
+      }
+    });
+    return copy_panels(packed, slots, out, out_bytes);
+  });
 }
 
 }  // extern "C"

@@ -718,38 +718,35 @@ void ConstantExperts::write_file(const PackedFileRequest& file, const PackedFile
   const int64_t experts = experts_.slots.count();
   const int fd = create_packed_file(file.path, layout);
   std::atomic<int64_t> next{0};
-  std::mutex failed;
-  std::string error;
-  const auto pack_experts = [&] {  // one expert at a time, through one slot
-    try {
-      ExpertSlots one;
-      one.slot_of_expert.assign(static_cast<size_t>(experts), -1);
-      one.expert_of_slot = {0};
-      PackedExperts buffer = make_empty(std::move(one));
-      for (int64_t e = next++; e < experts; e = next++) {
-        buffer.slots.expert_of_slot[0] = e;
-        pack_expert(buffer, 0, e);
-        for (size_t m = 0; m < buffer.matrices.size(); ++m) {
-          const PackedWeights& w = buffer.matrices[m];
-          write_packed_bytes(fd, file.path, w.at(0), w.slot_bytes(), layout.panel_offsets[m] + e * w.slot_bytes());
-          if (w.bias_bytes() > 0)
-            write_packed_bytes(fd, file.path, w.bias_at(0), w.bias_bytes(), layout.bias_offsets[m] + e * w.bias_bytes());
-        }
-      }
-    } catch (const std::exception& x) {
-      std::lock_guard<std::mutex> lock(failed);
-      if (error.empty()) error = x.what();
-      next = experts;
-    }
-  };
   const int64_t threads = std::min<int64_t>(
       experts, file.threads > 0 ? file.threads : std::max<int64_t>(1, std::thread::hardware_concurrency()));
-  std::vector<std::thread> workers;
-  for (int64_t t = 1; t < threads; ++t) workers.emplace_back(pack_experts);
-  pack_experts();
-  for (std::thread& t : workers) t.join();
-  finish_packed_file(fd, file.path, error.empty());
-  if (!error.empty()) throw std::runtime_error("writing its packed weights: " + error);
+  try {
+    on_own_threads(threads, [&](int64_t) {  // one expert at a time per thread, through one slot
+      try {
+        ExpertSlots one;
+        one.slot_of_expert.assign(static_cast<size_t>(experts), -1);
+        one.expert_of_slot = {0};
+        PackedExperts buffer = make_empty(std::move(one));
+        for (int64_t e = next++; e < experts; e = next++) {
+          buffer.slots.expert_of_slot[0] = e;
+          pack_expert(buffer, 0, e);
+          for (size_t m = 0; m < buffer.matrices.size(); ++m) {
+            const PackedWeights& w = buffer.matrices[m];
+            write_packed_bytes(fd, file.path, w.at(0), w.slot_bytes(), layout.panel_offsets[m] + e * w.slot_bytes());
+            if (w.bias_bytes() > 0)
+              write_packed_bytes(fd, file.path, w.bias_at(0), w.bias_bytes(), layout.bias_offsets[m] + e * w.bias_bytes());
+          }
+        }
+      } catch (...) {
+        next = experts;  // the other threads stop too
+        throw;
+      }
+    });
+  } catch (const std::exception& x) {
+    finish_packed_file(fd, file.path, false);
+    throw std::runtime_error(std::string("writing its packed weights: ") + x.what());
+  }
+  finish_packed_file(fd, file.path, true);
 }
 
 const PackedExperts& ConstantExperts::for_run(const Ort::KernelContext& ctx, const int64_t* offsets) {

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "ort_api.h"
 
@@ -39,6 +41,28 @@ void parallel_for(const Ort::KernelContext& ctx, size_t n, Fn&& fn) {
   };
   ctx.ParallelFor(trampoline, n, 0, &state);
   if (state.error) std::rethrow_exception(state.error);
+}
+
+// Runs fn(t) for t in [0, threads) on threads of its own, fn(0) on the caller's, where the intra-op pool
+// is not at hand (a kernel's constructor, the test hooks); the first exception a thread throws is
+// rethrown once all have ended.
+template <class Fn>
+void on_own_threads(int64_t threads, Fn&& fn) {
+  std::exception_ptr error;
+  std::mutex mutex;
+  const auto run = [&](int64_t t) {
+    try {
+      fn(t);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!error) error = std::current_exception();
+    }
+  };
+  std::vector<std::thread> others;
+  for (int64_t t = 1; t < threads; ++t) others.emplace_back(run, t);
+  run(0);
+  for (std::thread& other : others) other.join();
+  if (error) std::rethrow_exception(error);
 }
 
 // Splits [0, n) into about `parts` chunks of at least `min_chunk`; returns the chunk count and size.

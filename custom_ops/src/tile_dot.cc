@@ -1,9 +1,7 @@
 #include "tile_dot.h"
 
-#include <thread>
-#include <vector>
-
 #include "isa.h"
+#include "parallel.h"
 
 namespace moe_onnx::amx {
 namespace {
@@ -51,10 +49,7 @@ std::string run_tile_dots(bool hardware, const TileDot* dots, int64_t count, int
   std::string error;
   const TileDotsPart part = hardware ? hardware_part(dots, count, error) : tile_dots_model;
   if (part == nullptr) return error;
-  std::vector<std::thread> others;
-  for (int t = 1; t < threads; ++t) others.emplace_back(part, dots, count, t, threads);
-  part(dots, count, 0, threads);
-  for (std::thread& other : others) other.join();
+  on_own_threads(threads, [&](int64_t t) { part(dots, count, t, threads); });
   return "";
 }
 
