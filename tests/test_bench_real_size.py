@@ -15,8 +15,10 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_real_size.py"
 STEPS = ["checkpoint", "moe-onnx export --no-optimize", "plain onnxruntime, original: session creation",
          "plain onnxruntime, original: first run", "moe-onnx optimize", "ours, fused fp32: session creation",
-         "ours, fused fp32: first run", "moe-onnx shard --ep 2", "moe-onnx quantize --bits 4",
-         "ours, int4 experts: session creation", "ours, int4 experts: first run"]
+         "ours, fused fp32: first run", "moe-onnx pack (fused fp32)", "ours, fused fp32, packed file: session creation",
+         "ours, fused fp32, packed file: first run", "moe-onnx shard --ep 2", "moe-onnx quantize --bits 4",
+         "ours, int4 experts: session creation", "ours, int4 experts: first run", "moe-onnx pack (int4 experts)",
+         "ours, int4 experts, packed file: session creation", "ours, int4 experts, packed file: first run"]
 
 
 @pytest.mark.slow
@@ -34,5 +36,5 @@ def test_smoke_measures_every_step(tmp_path):
         for row in rows:
             assert float(row[1]) > 0 and float(row[2]) > 50, row  # seconds; MiB (a Python process is larger)
         ours = [row[3] for row in rows if row[0].startswith("| ours")]
-        assert len(ours) == 4 and all(re.search(r"vs plain onnxruntime: [\d.]+x time, [\d.]+x RSS", n) for n in ours)
+        assert len(ours) == 8 and all(re.search(r"vs plain onnxruntime: [\d.]+x time, [\d.]+x RSS", n) for n in ours)
     assert not any(tmp_path.iterdir()), "the work folder keeps files"

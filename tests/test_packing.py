@@ -312,7 +312,7 @@ def _at_level(level: str, slot: str, mismatches: str) -> tuple[str, list[str]]:
     what this module's function `mismatches` returns."""
     available = kernel_report()["level"]
     if LEVELS.index(level) > LEVELS.index(available):
-        pytest.skip(f"this machine's highest level is {available}")
+        pytest.skip(f"ISA level {level} needs a CPU that has it: this machine's highest level is {available}")
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_packing as t\n"
             f"print(json.dumps([t.kernel_report()[{slot!r}], t.{mismatches}()]))")
     env = {**{k: v for k, v in os.environ.items() if k != "MOE_ONNX_AMX"}, "MOE_ONNX_GEMM": level}

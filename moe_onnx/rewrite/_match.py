@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
+from onnxscript.rewriter._pattern_ir import GraphPattern, _to_graph_pattern  # pinned onnxscript 0.7 (pyproject)
 
 from .._ir.nodes import standard
 from ..ops import IN_OUR_DOMAIN
@@ -36,6 +37,10 @@ def failing_in(where: str) -> Iterator[None]:
         raise MatchFailure(f"{where}: {failure}") from None
 
 
+#: each fusion class's traced pattern graph (:meth:`MoeFusion.as_rule`)
+_PATTERNS: dict[type, GraphPattern] = {}
+
+
 class MoeFusion(RewriteRuleClassBase):
     """A fusion rule: an onnxscript ``pattern``, then ``read`` and ``emit``; ``notes`` for the report.
 
@@ -53,7 +58,12 @@ class MoeFusion(RewriteRuleClassBase):
         self._block: Any = None
 
     def as_rule(self) -> RewriteRule:
-        return RewriteRule(self.pattern, self.rewrite, self.check, name=self.name,
+        """This fusion as onnxscript's rule; its pattern graph is traced once per class (``pattern`` reads
+        nothing from the instance), not once per optimize."""
+        pattern = _PATTERNS.get(type(self))
+        if pattern is None:
+            pattern = _PATTERNS[type(self)] = _to_graph_pattern(self.pattern)
+        return RewriteRule(pattern, self.rewrite, self.check, name=self.name,
                            remove_nodes=self.remove_nodes, as_function=self.as_function)
 
     def read(self, context, **bindings) -> Any:
