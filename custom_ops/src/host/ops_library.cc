@@ -27,7 +27,7 @@
 #include "row_parallel_linear.h"
 #include "status.h"
 #include "tensor.h"
-#include "tile_dot.h"
+#include "x86/amx/tile_dot.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // TDPBUSD, TDPBSUD or TDPBF16PS on given buffers, through either build of the tile layer (amx_tiles.h): the
-// tile layer's test hook (ops.cc's MoeOnnxTileDots, tests/test_amx_tiles.py), and the smallest kernel
+// tile layer's test hook (host/ops_library.cc's MoeOnnxTileDots, tests/test_amx_tiles.py), and the smallest kernel
 // written as the AMX kernels are: a template over Tiles (detail::tile_dots) instantiated in
 // tile_dot_amx.cc (the instructions) and tile_dot_amx_model.cc (the model); tile_dot.cc checks the
 // dots, picks the build and runs the threads.
