@@ -1,8 +1,7 @@
-// Conversion between fp32 and the 16-bit float types (fp16, bf16): the one definition of each
-// direction. Widening (fp16/bf16 -> fp32) is exact; narrowing (fp32 -> fp16/bf16) rounds to nearest
-// even. The element forms (to_fp32, load_float) and the row routines (widen_row, narrow_row) give the
-// same bits: widen_row is vectorized where the CPU allows (the ISA table's widen_row slot, isa.h;
-// float_convert_avx2.cc, float_convert_avx512.cc) and its portable form is to_fp32 on every element.
+// Conversion between fp32 and the 16-bit float types (fp16, bf16), one element at a time: the one
+// definition of each direction. Widening (fp16/bf16 -> fp32) is exact; narrowing (fp32 -> fp16/bf16)
+// rounds to nearest even. The row routines (widen_row, narrow_row: kernels/float_rows.h) and the SIMD
+// kernels' vector forms give the same bits.
 //
 // No onnxruntime header here: the SIMD kernels include it (gemm.h's panels hold FloatType elements).
 // tensor.h maps an onnxruntime element type to its FloatType (float_type).
@@ -97,33 +96,5 @@ inline float load_float(FloatType type, const void* p, int64_t i) {
     default: return to_fp32<FloatType::kF32>(p, i);
   }
 }
-
-// ---------------------------------------------------------------------------- rows
-
-// dst[i] = fp32(src[i]) for n elements of `type`: vectorized where the CPU allows, the bits of to_fp32.
-void widen_row(FloatType type, const void* src, float* dst, int64_t n);
-// dst[i] = src[i] rounded to `type` (float_to_half, float_to_bf16; fp32 copied) for n elements:
-// vectorized where the CPU allows, the bits of the element forms.
-void narrow_row(FloatType type, const float* src, void* dst, int64_t n);
-
-namespace detail {
-// The kernels of widen_row (the table's slot), arguments as there (n > 0).
-using WidenRowFn = void (*)(FloatType, const void*, float*, int64_t);
-void widen_row_portable(FloatType type, const void* src, float* dst, int64_t n);
-// widen_row's portable form on elements [done, n): all of a row, or the tail a SIMD form leaves.
-void widen_row_from(FloatType type, const void* src, int64_t done, float* dst, int64_t n);
-// The kernels of narrow_row (the table's slot), arguments as there (n > 0).
-using NarrowRowFn = void (*)(FloatType, const float*, void*, int64_t);
-void narrow_row_portable(FloatType type, const float* src, void* dst, int64_t n);
-// narrow_row's portable form on elements [done, n): all of a row, or the tail a SIMD form leaves.
-void narrow_row_from(FloatType type, const float* src, int64_t done, void* dst, int64_t n);
-#if defined(MOE_ONNX_HAVE_AVX2)
-void widen_row_avx2(FloatType type, const void* src, float* dst, int64_t n);
-#endif
-#if defined(MOE_ONNX_HAVE_AVX512)
-void widen_row_avx512(FloatType type, const void* src, float* dst, int64_t n);
-void narrow_row_avx512(FloatType type, const float* src, void* dst, int64_t n);
-#endif
-}  // namespace detail
 
 }  // namespace moe_onnx

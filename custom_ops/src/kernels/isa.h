@@ -22,7 +22,7 @@
 
 #include "activation.h"
 #include "bf16_gemm.h"
-#include "float_convert.h"
+#include "float_rows.h"
 #include "gemm.h"
 #include "int8_gemm.h"
 #include "qgemm.h"
@@ -86,7 +86,7 @@ struct KernelTable {
 
   // The slots.
   Slot<detail::GemmFn> gemm_panels;        // gemm.h
-  Slot<detail::WidenRowFn> widen_row;      // float_convert.h
+  Slot<detail::WidenRowFn> widen_row;      // float_rows.h
   Slot<detail::NarrowRowFn> narrow_row;
   Slot<detail::TransposeTileFn> transpose_tile;  // transpose_tile.h: packing weights into panels
   Slot<detail::QuantCodeGroupsFn> quant_code_groups;  // transpose_tile.h: QMOE's codes into quantized panels

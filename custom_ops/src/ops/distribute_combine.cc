@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "checker.h"
+#include "float_rows.h"
 #include "parallel.h"
 
 namespace moe_onnx {

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "attributes.h"
+#include "float_rows.h"
 #include "messages.h"
 #include "parallel.h"
 #include "status.h"

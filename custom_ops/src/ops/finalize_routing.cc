@@ -12,6 +12,7 @@
 
 #include "attributes.h"
 #include "checker.h"
+#include "float_rows.h"
 #include "parallel.h"
 #include "workspace.h"
 

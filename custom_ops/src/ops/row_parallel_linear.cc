@@ -24,6 +24,7 @@
 
 #include "attributes.h"
 #include "checker.h"
+#include "float_rows.h"
 #include "int8_gemm.h"
 #include "parallel.h"
 #include "task_plan.h"

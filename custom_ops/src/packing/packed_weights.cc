@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "allocation.h"
+#include "float_rows.h"
 #include "int8_gemm.h"
 #include "isa.h"
 

@@ -1,4 +1,4 @@
-#include "float_convert.h"
+#include "float_rows.h"
 
 #include "isa.h"
 

@@ -2,7 +2,7 @@
 // after a run-time check of the CPU.
 #include <immintrin.h>
 
-#include "float_convert.h"
+#include "float_rows.h"
 
 namespace moe_onnx {
 namespace detail {
