@@ -22,13 +22,13 @@
 #include <Python.h>
 
 #include <deque>
-#include <map>
-#include <mutex>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "attributes.h"
+#include "registration.h"
 #include "status.h"
 #include "tensor.h"
 
@@ -353,40 +353,27 @@ std::vector<const PyOp*> chosen_ops(const std::deque<PyOp>& ops, const std::stri
 
 extern "C" {
 
+// One domain per set of variants, made on the first registration that asks for that set (registration.h).
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;
-  Ort::InitApi(api);
-  if (!Py_IsInitialized())
-    return api->CreateStatus(ORT_FAIL, "the moe_onnx Python-kernel host needs a running Python interpreter");
-  try {
-    static std::mutex mutex;
-    std::lock_guard<std::mutex> lock(mutex);
-    // One domain per set of variants (onnxruntime keeps a pointer to it: it lives until the process
-    // ends), made on the first registration that asks for that set.
-    static std::map<std::string, OrtCustomOpDomain*> domains;
-    const std::string variants = moe_onnx::session_config_entry(*api, options, kVariantsKey);
-    OrtCustomOpDomain*& domain = domains[variants];
-    if (!domain) {
-      std::deque<PyOp>* ops = nullptr;
-      {
-        Gil gil;
-        ops = &load_ops();
-      }
-      const std::vector<const PyOp*> chosen = chosen_ops(*ops, variants);
-      OrtCustomOpDomain* made = nullptr;
-      Ort::ThrowOnError(api->CreateCustomOpDomain(kDomain, &made));
-      for (const PyOp* op : chosen) Ort::ThrowOnError(api->CustomOpDomain_Add(made, op));
-      domain = made;
-    }
-    Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
-  } catch (const Ort::Exception& e) {
-    return api->CreateStatus(e.GetOrtErrorCode(), e.what());
-  } catch (const std::exception& e) {
-    return api->CreateStatus(ORT_FAIL, e.what());
-  }
-  return nullptr;
+  return moe_onnx::register_domains(
+      options, api_base,
+      [](const OrtApi& api, const OrtSessionOptions* options) {
+        if (!Py_IsInitialized())
+          throw std::runtime_error("the moe_onnx Python-kernel host needs a running Python interpreter");
+        return moe_onnx::session_config_entry(api, options, kVariantsKey);
+      },
+      [](const OrtApi& api, const OrtSessionOptions* options) {
+        std::deque<PyOp>* ops = nullptr;
+        {
+          Gil gil;
+          ops = &load_ops();
+        }
+        std::vector<const OrtCustomOp*> chosen;
+        for (const PyOp* op : chosen_ops(*ops, moe_onnx::session_config_entry(api, options, kVariantsKey)))
+          chosen.push_back(op);
+        return std::vector<moe_onnx::OpDomain>{{kDomain, chosen}};
+      });
 }
 
 }  // extern "C"
