@@ -13,6 +13,7 @@
 #include "activation.h"
 #include "checker.h"
 #include "comm.h"
+#include "constant_experts.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
 #include "task_plan.h"

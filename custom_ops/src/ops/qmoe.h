@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "constant_experts.h"
 #include "expert_block.h"
 #include "op_signatures.h"
 #include "packed_weights.h"

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "constant_experts.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
 #include "status.h"

@@ -1,49 +1,28 @@
-// The GEMM operands of the expert ops (MOE, QMOE, MoeRowParallelLinear) in one place: the weight
-// formats and where each weight element lands in their panels, the packed expert weights (huge-page
-// buffers, one slot per packed expert) and their GEMM, which experts are packed, and the row stride of
-// the activation rows the GEMMs read. PackedWeights::multiply is the ops' one entry to the GEMM
-// kernels (gemm.h, int8_gemm.h, qgemm.h): a new weight format or a new panel layout for another ISA
-// is a new WeightFormat here: its element, its slot size and its placement (packed_weights.cc), and
-// its kernel in multiply; the ops only name the columns of their weight tensors (QMOE's quantized
-// ones: QuantizedColumns).
+// The packed expert weights the ops multiply with: one matrix per expert slot in a weight format
+// (panel_layout.h says where each element lands), its panels' memory (panel_memory.h), and
+// PackedWeights::multiply, the ops' one entry to the GEMM kernels (gemm.h, int8_gemm.h, qgemm.h,
+// bf16_gemm.h); which experts have slots (ExpertSlots, PackedExperts); the format a node's weights take,
+// and the row stride of the activation rows the GEMMs read. The ops only name the columns of their
+// weight tensors (ColumnSource; QMOE's quantized ones: QuantizedColumns). The expert cache of
+// initializer weights: constant_experts.h.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <atomic>
 #include <functional>
 #include <initializer_list>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "bf16_gemm.h"
 #include "gemm.h"
-#include "packed_file.h"
-#include "parallel.h"
+#include "panel_layout.h"
+#include "panel_memory.h"
 #include "qgemm.h"
 #include "tensor.h"
 #include "workspace.h"
 
 namespace moe_onnx {
-
-// How one expert's weight matrix B [K, N] (y = x @ B) is stored, all as ceil(N / 16) panels of 16
-// columns, zero padded:
-//   kF32, kF16, kBF16  the float GEMM's panels (gemm.h): [K][16] in the weights' own type (16-bit
-//                      weights stay 16-bit); bf16 rows in the interleaved lane order (bf16_lane).
-//   kInt8              the int8 GEMM's pair panels (int8_gemm.h): [pairs][16][2] int16, the two k
-//                      of a pair side by side, K padded to even with a zero.
-//   kInt8Quads         the int8 GEMM's quad panels (int8_gemm.h, AVX512-VNNI): 16 int32
-//                      corrections -128 * (column sum), then [quads][16][4] int8, K padded to a
-//                      multiple of 4 with zeros.
-//   kQuantized         QMOE's int4/int8/E2M1 codes with per-block scales (and zero points), blocks
-//                      of 64-byte code groups (qgemm.h: QuantPanels), decoded in the GEMM.
-//   kBF16Pairs         the bf16 GEMM's pair panels (bf16_gemm.h, accuracy_level 3): [pairs][16][2]
-//                      bf16, the weights rounded to bf16 (nearest even), K padded with zeros to a
-//                      multiple of 32; the activation rows are bf16 too (bf16_row).
-enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized, kBF16Pairs };
 
 // The format that holds weights of this element type (float32, float16, bfloat16 or int8; int8:
 // the layout of the int8 GEMM in use, int8_layout()) for a node's accuracy_level: 3 (float types)
@@ -63,51 +42,6 @@ inline int64_t gemm_row_stride(int64_t n) {
 // than copied at gemm_row_stride: only a stride that is a multiple of 4 KB (every row of a tile in
 // the same L1 set) is worth the copy.
 inline bool gemm_rows_in_place(int64_t n) { return n % 1024 != 0; }
-
-// Where one expert's columns come from in a weight tensor of the format's element type, and where
-// they go: column c (c < columns) of B has element (k, c) at data[first + k * k_stride + c * c_stride]
-// and becomes lane lane0 + c % width of panel c / width. Plain panels: width 16, lane0 0; MOE's
-// gate/up panels: the gate columns at width 8, lane0 0, the up columns at width 8, lane0 8.
-struct ColumnSource {
-  const void* data;
-  int64_t first;
-  int64_t k_stride, c_stride;
-  int64_t columns;
-  int64_t width = kPanel, lane0 = 0;
-};
-// Expert e of a [E, N, K] tensor used as x @ W[e]^T (nn.Linear layout): B [K, N] = W[e]^T.
-inline ColumnSource transposed_columns(const void* data, int64_t e, int64_t N, int64_t K) {
-  return {data, e * N * K, 1, K, N};
-}
-// Expert e of a [E, K, N] tensor used as x @ W[e].
-inline ColumnSource plain_columns(const void* data, int64_t e, int64_t K, int64_t N) {
-  return {data, e * K * N, N, 1, N};
-}
-
-// Where one expert's quantized columns come from (QMOE: [E, N, K] codes, [E, N, blocks] scales,
-// zero points packed along their last dim), and where they go (lane0 + c % width of panel c / width).
-// Column c has code k at element codes_first + c * codes_stride + k of `codes` (an element is a
-// nibble for 4-bit codes: the low one of a byte first), the scale of block b at element
-// scales_first + c * scales_stride + b of `scales` (float32/float16/bfloat16, or uint8 E8M0 for
-// E2M1 codes), and, when zero_points is not null, the zero point of block b at element
-// zero_points_first + c * zero_points_stride + b * zero_points_block_stride (same bits as the codes).
-struct QuantizedColumns {
-  const uint8_t* codes;
-  int64_t codes_first, codes_stride;
-  const void* scales;
-  ElemType scale_type;
-  int64_t scales_first, scales_stride;
-  const uint8_t* zero_points;
-  int64_t zero_points_first, zero_points_stride, zero_points_block_stride;
-  int64_t columns;
-  int64_t width = kPanel, lane0 = 0;
-};
-
-// Frees a PackedWeights' own panels: an anonymous mapping of `mapped` bytes (munmap), or malloc's (0).
-struct PanelsFree {
-  size_t mapped = 0;
-  void operator()(char* p) const;
-};
 
 // One weight matrix B [K, N] per packed expert (a slot), in one format, in a huge-page buffer whose
 // pages are first touched by pack (a slot never packed costs no memory); optionally an fp32 bias per
@@ -213,64 +147,9 @@ struct PackedExperts {
   std::vector<PackedWeights> matrices;
 };
 
-// The packed experts of initializer weights, made at kernel creation with room for every expert:
-// each expert is packed by the first run that routes rows to it (on that run's intra-op pool), then
-// kept, so creating a session reads no weights and a model holds packed only the experts it uses.
-// Before an expert is packed, its pages that onnxruntime mapped from an external data file are mapped
-// at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
-// maps them again from the file), so the weights are resident once, packed.
-// With a packed-weights file (packed_file.h) that matches the weights, the panels are the file's
-// pages instead: nothing is packed, and a run maps an expert's pages before its first use. In write
-// mode every expert is packed at creation into the file (one expert at a time per thread), which is
-// then used so.
-class ConstantExperts {
- public:
-  using MakeEmpty = std::function<PackedExperts(ExpertSlots)>;
-  using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
-  // `weights`: the initializers pack_slot reads, each with the experts as its first dim; make_empty
-  // gives the matrices of the experts in its slots, pack_slot packs one of them.
-  ConstantExperts(int64_t experts, const MakeEmpty& make_empty, PackSlot pack_slot, const std::vector<Input>& weights,
-                  const PackedFileRequest& file);
-
-  // The experts e with offsets[e + 1] > offsets[e] packed (offsets: experts + 1 row offsets).
-  const PackedExperts& for_run(const Ort::KernelContext& ctx, const int64_t* offsets);
-
- private:
-  // One weight tensor's bytes, when its pages are reclaimed after packing (mapped from a file).
-  struct MappedWeight {
-    const char* data;
-    size_t bytes;
-  };
-  // madvise(advice) on the pages of the expert's weights in mapped_, the pages wholly inside them (inner)
-  // or every page they touch.
-  void advise_mapped_pages(int64_t expert, int advice, bool inner) const;
-  // Packs the expert into its slot, its source pages mapped at once before and reclaimed after.
-  void pack_expert(PackedExperts& into, int64_t slot, int64_t expert) const;
-  // Makes the expert's slot ready: packed, or its pages of the file mapped.
-  void prepare_expert(int64_t expert);
-  // Packs every expert into a new file at `file.path` (threads: file.threads).
-  void write_file(const PackedFileRequest& file, const PackedFileLayout& layout, const MakeEmpty& make_empty) const;
-
-  PackedExperts experts_;
-  PackSlot pack_slot_;
-  std::vector<MappedWeight> mapped_;
-  std::unique_ptr<MappedPackedFile> file_;  // the panels, when they come from a file
-  std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert
-  std::mutex packing_;
-};
-
-// The packed experts a run reads: `constant`'s when the weights are initializers (after their
-// checks at kernel creation: a run that passes its own checks has the same weights); else `local`,
-// made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and filled by
-// pack_slot(local, slot) on the intra-op pool.
-template <class Empty, class PackSlot>
-const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, ConstantExperts* constant, const int64_t* offsets,
-                                     int64_t experts, PackedExperts& local, Empty&& empty, PackSlot&& pack_slot) {
-  if (constant) return constant->for_run(ctx, offsets);
-  local = empty(ExpertSlots::with_rows(offsets, experts));
-  parallel_for(ctx, static_cast<size_t>(local.slots.count()),
-               [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });
-  return local;
-}
+// Room for the experts of some slots (an op's matrices, not yet packed), and the packing of one slot:
+// what an op gives the expert cache (constant_experts.h) and a run that packs its experts.
+using MakeExperts = std::function<PackedExperts(ExpertSlots)>;
+using PackSlot = std::function<void(PackedExperts&, int64_t slot)>;
 
 }  // namespace moe_onnx
