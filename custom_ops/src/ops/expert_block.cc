@@ -278,9 +278,34 @@ void check_indices(const Input& in, int64_t E, const std::string& where) {
   }
 }
 
+std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const OpSignature& op,
+                                                  const std::string& where, const std::vector<int>& weights,
+                                                  const std::function<void(const Checker&, DimBinder&)>& check_weights,
+                                                  const ExpertPacker& packer, const PackedWeightsFiles* files) {
+  std::vector<Input> inputs(op.inputs.size());
+  for (int i : weights) {
+    if (!node_has_input(kinfo, i)) continue;
+    inputs[i] = constant_input(kinfo, i);
+    if (!inputs[i].present) return nullptr;  // a runtime weight: pack per run
+  }
+  const Checker v(where, op, inputs);
+  DimBinder dims(v);
+  try {
+    check_weights(v, dims);
+  } catch (const Ort::Exception&) {
+    return nullptr;  // Compute reports it
+  }
+  const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
+  if (H == 0 || I == 0) return nullptr;
+  return std::make_unique<ConstantExperts>(
+      E, [&](ExpertSlots slots) { return packer.empty(inputs, H, I, std::move(slots)); },
+      [packer, inputs](PackedExperts& p, int64_t slot) { packer.pack(inputs, p, slot); }, inputs,
+      packed_file_request(files, kinfo, op.name, where, weights));
+}
+
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
                  const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
-                 const ExpertsForRun& experts, char* out, const TensorParallel& tp) {
+                 const ExpertWeights& experts, char* out, const TensorParallel& tp) {
   if (d.T == 0 || d.H == 0) return;  // the same on every TP rank (the same tokens)
   const bool add_down_bias = down_bias && (!tp.group || tp.group->rank() == 0);
   // Whether some expert output reaches a token (this rank's I-slice may be empty, its bias absent).
@@ -295,7 +320,10 @@ void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeD
   if (any_output) {
     const SlotsByExpert sorted = sort_slots_by_expert(indices, 0, d.E);
     PackedExperts local;
-    const PackedExperts& weights = experts(sorted, local);
+    const PackedExperts& weights = experts_for_run(
+        ctx, experts.cache, sorted.start.data(), d.E, local,
+        [&](ExpertSlots slots) { return experts.packer.empty(experts.inputs, d.H, d.I, std::move(slots)); },
+        [&](PackedExperts& p, int64_t slot) { experts.packer.pack(experts.inputs, p, slot); });
     MoeRun run{ctx, d, sorted, weights, *buffers};
     run.gather_rows(hidden);
     run.gate_up(config);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,9 +60,30 @@ void check_indices(const Input& indices, int64_t E, const std::string& where);
 // none idle gets a new one), so a run in steady state neither allocates nor page-faults them.
 constexpr size_t kKeptRunWorkspaces = 1;
 
-// The packed experts of one run: `local` to fill when the kernel's constant pack does not serve
-// (experts_for_run), given the slots sorted by expert.
-using ExpertsForRun = std::function<const PackedExperts&(const SlotsByExpert& sorted, PackedExperts& local)>;
+// How MOE or QMOE packs its experts from the node's inputs: room for the experts of `slots` (the gate/up
+// and down matrices of sizes H and I, not yet packed), and the packing of one slot.
+struct ExpertPacker {
+  std::function<PackedExperts(const std::vector<Input>& inputs, int64_t H, int64_t I, ExpertSlots slots)> empty;
+  std::function<void(const std::vector<Input>& inputs, PackedExperts& p, int64_t slot)> pack;
+};
+
+// The expert cache of a MOE or QMOE node (constant_experts.h) when every one of its weight inputs
+// (`weights`: their indices) is an initializer that passes check_weights (Compute's checks of them, which
+// bind E, H and I; a failed check leaves the error to Compute, which reports it in the reference's order)
+// and the matrices have elements (H, I > 0: the pack is then in proportion to the weights' data, whatever
+// E is); else null, and each run packs the experts it uses.
+std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const OpSignature& op,
+                                                  const std::string& where, const std::vector<int>& weights,
+                                                  const std::function<void(const Checker&, DimBinder&)>& check_weights,
+                                                  const ExpertPacker& packer, const PackedWeightsFiles* files);
+
+// Where a run's packed experts come from: the node's cache (null: none), else packed for the run from
+// the node's inputs.
+struct ExpertWeights {
+  ConstantExperts* cache;
+  const ExpertPacker& packer;
+  const std::vector<Input>& inputs;
+};
 
 // A node's tensor-parallel group (docs/distributed.md), null on one process: each rank's partial y
 // (float32; the down bias only on TP rank 0) is summed over it and rounded once. `where` names the
@@ -75,6 +97,6 @@ struct TensorParallel {
 // `down_bias`: whether the down linear has a bias (with I == 0 it alone reaches the output).
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
                  const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
-                 const ExpertsForRun& experts, char* out, const TensorParallel& tp = {});
+                 const ExpertWeights& experts, char* out, const TensorParallel& tp = {});
 
 }  // namespace moe_onnx

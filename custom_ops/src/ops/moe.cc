@@ -124,41 +124,26 @@ void pack_slot(ExpertType type, int64_t parity, const std::vector<Input>& in, Pa
   }
 }
 
-// Room for every expert, packed on first use (ConstantExperts), when every weight input is an
-// initializer and passes Compute's checks of the weights (their types as validate_tokens checks them,
-// against weight_0's; validate_weights), and the matrices have elements (H, I > 0: the pack is then
-// in proportion to the weights' data, whatever E is); else null (Compute packs per run and reports
-// any error in the reference's order).
-std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const std::string& where,
-                                                  const ExpertConfig& config, int64_t accuracy_level,
-                                                  const PackedWeightsFiles* files) {
-  std::vector<Input> inputs(N_INPUTS);
-  for (int i : {W0, B0, W1, B1, W2}) {
-    if (!node_has_input(kinfo, i)) continue;
-    inputs[i] = constant_input(kinfo, i);
-    if (!inputs[i].present) return nullptr;  // a runtime weight: pack per Compute
-  }
-  const Checker v(where, signatures::MOE, inputs);
-  DimBinder dims(v);
-  try {
-    v.expect_elem(W0);
-    for (int i : {B0, W1, B1, W2})
-      if (v.has(i)) {
-        v.expect_elem(i);
-        v.expect_same_elem(i, W0);
-      }
-    validate_weights(config.type, v, dims);
-  } catch (const Ort::Exception&) {
-    return nullptr;  // Compute reports it
-  }
-  const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
-  if (H == 0 || I == 0) return nullptr;
-  const ExpertType type = config.type;
-  const int64_t parity = config.parity;
-  return std::make_unique<ConstantExperts>(
-      E, [&](ExpertSlots slots) { return empty_pack(type, accuracy_level, inputs, H, I, std::move(slots)); },
-      [type, parity, inputs](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); }, inputs,
-      packed_file_request(files, kinfo, signatures::MOE.name, where, {W0, B0, W1, B1, W2}));
+// The packing of the expert type's weights, in the format of their type and the node's accuracy_level.
+ExpertPacker packer(ExpertType type, int64_t parity, int64_t accuracy_level) {
+  return {[type, accuracy_level](const std::vector<Input>& inputs, int64_t H, int64_t I, ExpertSlots slots) {
+            return empty_pack(type, accuracy_level, inputs, H, I, std::move(slots));
+          },
+          [type, parity](const std::vector<Input>& inputs, PackedExperts& p, int64_t slot) {
+            pack_slot(type, parity, inputs, p, slot);
+          }};
+}
+
+// Compute's checks of the weight inputs, at kernel creation: their types as validate_tokens checks them
+// (against weight_0's), then validate_weights.
+void check_constant_weights(ExpertType type, const Checker& v, DimBinder& dims) {
+  v.expect_elem(W0);
+  for (int i : {B0, W1, B1, W2})
+    if (v.has(i)) {
+      v.expect_elem(i);
+      v.expect_same_elem(i, W0);
+    }
+  validate_weights(type, v, dims);
 }
 
 }  // namespace
@@ -177,7 +162,11 @@ MoeKernel::MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files)
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
   accuracy_level = attrs.choice("accuracy_level", {0, 3});
-  constant = constant_experts(kinfo, where, config, accuracy_level, files);
+  packing = packer(config.type, config.parity, accuracy_level);
+  const ExpertType type = config.type;
+  constant = constant_experts(
+      kinfo, signatures::MOE, where, {W0, B0, W1, B1, W2},
+      [type](const Checker& v, DimBinder& dims) { check_constant_weights(type, v, dims); }, packing, files);
 }
 
 OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -192,16 +181,9 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   const comm::Group* group = tp.get(tp_size, tp_rank, where);
   check_indices(inputs[INDICES], d.E, where);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
-  const ExpertType type = config.type;
-  const int64_t parity = config.parity, level = accuracy_level;
   run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
-              [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
-                return experts_for_run(
-                    ctx, constant.get(), sorted.start.data(), d.E, local,
-                    [&](ExpertSlots slots) { return empty_pack(type, level, inputs, d.H, d.I, std::move(slots)); },
-                    [&](PackedExperts& p, int64_t slot) { pack_slot(type, parity, inputs, p, slot); });
-              },
-              static_cast<char*>(out_value.GetTensorMutableRawData()), TensorParallel{group, where.c_str()});
+              {constant.get(), packing, inputs}, static_cast<char*>(out_value.GetTensorMutableRawData()),
+              TensorParallel{group, where.c_str()});
 }
 
 }  // namespace moe_onnx

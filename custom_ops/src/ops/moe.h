@@ -23,6 +23,7 @@ struct MoeKernel {
   int64_t tp_size = 1, tp_rank = 0;
   int64_t accuracy_level = 0;  // 3: the bf16 GEMM where the table has one (packed_weights.h: weight_format)
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
+  ExpertPacker packing;
   std::unique_ptr<ConstantExperts> constant;  // when the weights are initializers: packed on first use
   WorkspacePool workspaces{kKeptRunWorkspaces};
 };

@@ -257,39 +257,14 @@ void pack_slot(const ExpertConfig& config, const Quantization& q, const std::vec
   if (in[B1].present) down.pack_bias(slot, in[B1].type, {in[B1].data, e * H, 0, 1, H});
 }
 
-// Room for every expert, packed on first use (ConstantExperts), when every input of the weights is
-// an initializer and passes
-// Compute's checks of them (the biases' types; validate_weights, the scales' types against
-// `hidden_type`, the type of hidden_states this kernel is registered for) and the matrices have
-// elements (H, I > 0); else null (Compute packs per run and reports any error in the reference's order).
-std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& kinfo, const QMoeKernel& kernel,
-                                                     ElemType hidden_type, const PackedWeightsFiles* files) {
-  if (!signatures::QMOE.inputs[HIDDEN].allows(hidden_type)) return nullptr;
-  std::vector<Input> inputs(N_INPUTS);
-  for (int i = W0; i < N_INPUTS; ++i) {
-    if (!node_has_input(kinfo, i)) continue;
-    inputs[i] = constant_input(kinfo, i);
-    if (!inputs[i].present) return nullptr;  // a runtime weight: pack per Compute
-  }
-  const Checker v(kernel.where, signatures::QMOE, inputs);
-  DimBinder dims(v);
-  try {
-    for (int i : {B0, B1})
-      if (v.has(i)) v.expect_elem(i);
-    validate_weights(kernel, v, dims, hidden_type);
-  } catch (const Ort::Exception&) {
-    return nullptr;  // Compute reports it
-  }
-  const int64_t E = dims.get("E"), H = dims.get("H"), I = dims.get("I");
-  if (H == 0 || I == 0) return nullptr;
-  const ExpertConfig config = kernel.config;
-  const Quantization quant = kernel.quant;
-  std::vector<int> weight_inputs;
-  for (int i = W0; i < N_INPUTS; ++i) weight_inputs.push_back(i);
-  return std::make_unique<ConstantExperts>(
-      E, [&](ExpertSlots slots) { return empty_pack(config, quant, inputs, H, I, std::move(slots)); },
-      [config, quant, inputs](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); }, inputs,
-      packed_file_request(files, kinfo, signatures::QMOE.name, kernel.where, weight_inputs));
+// The packing of the expert type's quantized weights.
+ExpertPacker packer(const ExpertConfig& config, const Quantization& q) {
+  return {[config, q](const std::vector<Input>& inputs, int64_t H, int64_t I, ExpertSlots slots) {
+            return empty_pack(config, q, inputs, H, I, std::move(slots));
+          },
+          [config, q](const std::vector<Input>& inputs, PackedExperts& p, int64_t slot) {
+            pack_slot(config, q, inputs, p, slot);
+          }};
 }
 
 // The quantization attributes after qmoe.py's checks (_validate_quant_attrs).
@@ -329,7 +304,20 @@ QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const Pa
   const Attributes attrs(info, signatures::QMOE, where);
   config = ExpertConfig::read(attrs);
   quant = read_quantization(attrs);
-  constant = constant_experts(kinfo, *this, hidden_type, files);
+  packing = packer(config, quant);
+  // At kernel creation, Compute's checks of the weights, scales and zero points: the biases' types, then
+  // validate_weights with the scales' types against the hidden_states type this kernel is registered for.
+  if (!signatures::QMOE.inputs[HIDDEN].allows(hidden_type)) return;
+  std::vector<int> weights;
+  for (int i = W0; i < N_INPUTS; ++i) weights.push_back(i);
+  constant = constant_experts(
+      kinfo, signatures::QMOE, where, weights,
+      [&](const Checker& v, DimBinder& dims) {
+        for (int i : {B0, B1})
+          if (v.has(i)) v.expect_elem(i);
+        validate_weights(*this, v, dims, hidden_type);
+      },
+      packing, files);
 }
 
 OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {
@@ -342,13 +330,7 @@ void QMoeKernel::Compute(OrtKernelContext* context) {
   const MoeDims d = check_inputs(*this, inputs);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
   run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
-              [&](const SlotsByExpert& sorted, PackedExperts& local) -> const PackedExperts& {
-                return experts_for_run(
-                    ctx, constant.get(), sorted.start.data(), d.E, local,
-                    [&](ExpertSlots slots) { return empty_pack(config, quant, inputs, d.H, d.I, std::move(slots)); },
-                    [&](PackedExperts& p, int64_t slot) { pack_slot(config, quant, inputs, p, slot); });
-              },
-              static_cast<char*>(out_value.GetTensorMutableRawData()));
+              {constant.get(), packing, inputs}, static_cast<char*>(out_value.GetTensorMutableRawData()));
 }
 
 }  // namespace moe_onnx

@@ -32,6 +32,7 @@ struct QMoeKernel {
   std::string where;
   ExpertConfig config;
   Quantization quant;
+  ExpertPacker packing;
   std::unique_ptr<ConstantExperts> constant;  // when the weights are initializers: packed on first use
   WorkspacePool workspaces{kKeptRunWorkspaces};
 };
