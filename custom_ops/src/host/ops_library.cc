@@ -65,9 +65,19 @@ moe_onnx::PackedWeightsFiles packed_weights_files(const OrtApi& api, const OrtSe
   return files;
 }
 
-// The setting's name: sessions whose settings have the same name share the domains.
-std::string setting_key(const moe_onnx::PackedWeightsFiles& files) {
+// The session's setting, named (registration.h): its packed-weights settings. An invalid MOE_ONNX_GEMM or
+// MOE_ONNX_AMX fails the registration here, naming the choices.
+std::string setting(const OrtApi& api, const OrtSessionOptions* options) {
+  moe_onnx::kernels();
+  const moe_onnx::PackedWeightsFiles files = packed_weights_files(api, options);
   return files.dir + '\n' + std::to_string(files.write) + '\n' + std::to_string(files.threads);
+}
+
+// The domains of a setting: every kernel, and the private variants.
+std::vector<moe_onnx::OpDomain> domains(const OrtApi& api, const OrtSessionOptions* options) {
+  // kept for the kernels of the sessions of this setting: until the process ends, as the ops
+  const auto* files = new moe_onnx::PackedWeightsFiles(packed_weights_files(api, options));
+  return {{kDomain, kernels(files->dir.empty() ? nullptr : files)}, {kPrivateDomain, private_kernels()}};
 }
 
 }  // namespace
@@ -76,18 +86,7 @@ extern "C" {
 
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* api_base) {
-  return moe_onnx::register_domains(
-      options, api_base,
-      [](const OrtApi& api, const OrtSessionOptions* options) {
-        moe_onnx::kernels();  // an invalid MOE_ONNX_GEMM or MOE_ONNX_AMX fails the registration, naming the choices
-        return setting_key(packed_weights_files(api, options));
-      },
-      [](const OrtApi& api, const OrtSessionOptions* options) {
-        // kept for the kernels of the sessions of this setting: until the process ends, as the ops
-        const auto* files = new moe_onnx::PackedWeightsFiles(packed_weights_files(api, options));
-        return std::vector<moe_onnx::OpDomain>{{kDomain, kernels(files->dir.empty() ? nullptr : files)},
-                                              {kPrivateDomain, private_kernels()}};
-      });
+  return moe_onnx::register_domains(options, api_base, setting, domains);
 }
 
 // The ISA table's report (isa.h: "level=...;gemm_panels=...;..."), or "error=" and the message when

@@ -349,31 +349,33 @@ std::vector<const PyOp*> chosen_ops(const std::deque<PyOp>& ops, const std::stri
   return chosen;
 }
 
+// The session's setting, named (registration.h): the set of variants it asks for.
+std::string setting(const OrtApi& api, const OrtSessionOptions* options) {
+  if (!Py_IsInitialized())
+    throw std::runtime_error("the moe_onnx Python-kernel host needs a running Python interpreter");
+  return moe_onnx::session_config_entry(api, options, kVariantsKey);
+}
+
+// The domain of a set of variants, made on the first registration that asks for it.
+std::vector<moe_onnx::OpDomain> domains(const OrtApi& api, const OrtSessionOptions* options) {
+  std::deque<PyOp>* ops = nullptr;
+  {
+    Gil gil;
+    ops = &load_ops();
+  }
+  std::vector<const OrtCustomOp*> chosen;
+  for (const PyOp* op : chosen_ops(*ops, moe_onnx::session_config_entry(api, options, kVariantsKey)))
+    chosen.push_back(op);
+  return {{kDomain, chosen}};
+}
+
 }  // namespace
 
 extern "C" {
 
-// One domain per set of variants, made on the first registration that asks for that set (registration.h).
 __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* api_base) {
-  return moe_onnx::register_domains(
-      options, api_base,
-      [](const OrtApi& api, const OrtSessionOptions* options) {
-        if (!Py_IsInitialized())
-          throw std::runtime_error("the moe_onnx Python-kernel host needs a running Python interpreter");
-        return moe_onnx::session_config_entry(api, options, kVariantsKey);
-      },
-      [](const OrtApi& api, const OrtSessionOptions* options) {
-        std::deque<PyOp>* ops = nullptr;
-        {
-          Gil gil;
-          ops = &load_ops();
-        }
-        std::vector<const OrtCustomOp*> chosen;
-        for (const PyOp* op : chosen_ops(*ops, moe_onnx::session_config_entry(api, options, kVariantsKey)))
-          chosen.push_back(op);
-        return std::vector<moe_onnx::OpDomain>{{kDomain, chosen}};
-      });
+  return moe_onnx::register_domains(options, api_base, setting, domains);
 }
 
 }  // extern "C"
