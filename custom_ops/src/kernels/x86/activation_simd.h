@@ -1,7 +1,8 @@
 // The experts' activations (activation.h) written once over a vector mapping V (avx2/simd_avx2.h,
 // avx512/simd_avx512.h): exp, sigmoid and the normal CDF on V::kLanes lanes, the pointwise forms and
-// their row loop, and the gated forms and their loop over the gate/up panels. Both widths run the same
-// operations in the same order, so the AVX2 and AVX-512 kernels give the same bits. Included by the ISA
+// their row loop, and the gated forms on a vector of gate lanes and one of up lanes (each ISA's file
+// loads them from its gate/up panels). Both widths run the same operations in the same order, so the AVX2
+// and AVX-512 kernels give the same bits. Included by the ISA
 // folders' activation files only, compiled with their flags.
 #pragma once
 
@@ -29,7 +30,8 @@ inline typename V::F exp_lanes(typename V::F x) {
   y = V::fmadd(y, xc, V::set1(4.1665795894E-2f));
   y = V::fmadd(y, xc, V::set1(1.6666665459E-1f));
   y = V::fmadd(y, xc, V::set1(5.0000001201E-1f));
-  y = V::fmadd(y, V::mul(xc, xc), V::add(xc, V::set1(1.0f)));
+  const F x2 = V::mul(xc, xc);
+  y = V::fmadd(y, x2, V::add(xc, V::set1(1.0f)));
   // 2^fx: fx is in [-126, 128] after the clamp (NaN lanes give garbage here, but y is NaN there).
   const auto n = V::add_i32(V::truncate(fx), V::set1_i32(127));
   const auto n_bounded = V::min_i32(V::max_i32(n, V::set1_i32(1)), V::set1_i32(254));
@@ -99,31 +101,6 @@ inline typename V::F gated_lanes(typename V::F gate, typename V::F up, bool clam
     return V::mul(V::mul(V::add(up, one), gate), sigmoid_lanes<V>(V::mul(alpha, gate)));
   }
   return V::mul(V::mul(gate, sigmoid_lanes<V>(V::mul(alpha, gate))), up);
-}
-
-// GatedActivation::apply on V's lanes: the gate/up halves of V::kLanes / 8 panels at a time.
-template <class V>
-void gated_activation_simd(const GatedActivation& act, const float* C, int64_t ldc, const float* bias, int64_t rows,
-                           int64_t panels, float* dst, int64_t ldd) {
-  using F = typename V::F;
-  constexpr int64_t kStep = V::kLanes / 8;
-  const bool clamp = act.form == GatedActivation::Form::kClampedSwiglu;
-  const F alpha = V::set1(act.alpha), limit = V::set1(act.limit), negative_limit = V::set1(-act.limit);
-  const F one = V::set1(1.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t p = 0; p < panels; p += kStep) {
-      const int64_t n = kStep == 1 || p + 1 < panels ? kStep : 1;
-      F gate, up;
-      V::panel_halves(C + r * ldc + p * kPanel, n, gate, up);
-      if (bias) {
-        F gate_bias, up_bias;
-        V::panel_halves(bias + p * kPanel, n, gate_bias, up_bias);
-        gate = V::add(gate, gate_bias);
-        up = V::add(up, up_bias);
-      }
-      V::store_lanes(dst + r * ldd + p * (kPanel / 2), n,
-                     gated_lanes<V>(gate, up, clamp, alpha, limit, negative_limit, one));
-    }
 }
 
 }  // namespace moe_onnx::detail

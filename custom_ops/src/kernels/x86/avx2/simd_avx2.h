@@ -50,14 +50,6 @@ struct Avx2 {
   static I shift_right(I a) { return _mm256_srli_epi32(a, kBits); }
   static F as_float(I a) { return _mm256_castsi256_ps(a); }
 
-  // Gate/up panels (activation.h: 16 floats, 8 gate then 8 up columns): the halves of kLanes / 8 = 1 panel
-  // at p (n = 1): its first 8 floats in `first`, its last 8 in `second`; and n * 8 lanes of v stored at p.
-  static void panel_halves(const float* p, int64_t n, F& first, F& second) {
-    first = _mm256_loadu_ps(p);
-    second = _mm256_loadu_ps(p + 8);
-  }
-  static void store_lanes(float* p, int64_t n, F v) { _mm256_storeu_ps(p, v); }
-
   // Integer data in 128-bit parts (kLanes / 4 of them): the first n (<= 4) 32-bit words at p, zero
   // past them; a vector of parts[0] (lowest) to parts[kLanes / 4 - 1]; the unpacks within each part;
   // the vector's bytes stored at p.

@@ -50,20 +50,6 @@ struct Avx512 {
   static I shift_right(I a) { return _mm512_srli_epi32(a, kBits); }
   static F as_float(I a) { return _mm512_castsi512_ps(a); }
 
-  // Gate/up panels (activation.h: 16 floats, 8 gate then 8 up columns): the halves of kLanes / 8 = 2 panels
-  // at p (n = 1: one panel, read twice), the first 8 floats of each side by side in `first`, their last 8
-  // in `second`; and n * 8 lanes of v stored at p.
-  static void panel_halves(const float* p, int64_t n, F& first, F& second) {
-    const __m512i first_lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const __m512i second_lanes = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const F a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(n > 1 ? p + 16 : p);
-    first = _mm512_permutex2var_ps(a, first_lanes, b);
-    second = _mm512_permutex2var_ps(a, second_lanes, b);
-  }
-  static void store_lanes(float* p, int64_t n, F v) {
-    _mm512_mask_storeu_ps(p, n > 1 ? __mmask16{0xffff} : __mmask16{0x00ff}, v);
-  }
-
   // Integer data in 128-bit parts (kLanes / 4 of them): the first n (<= 4) 32-bit words at p, zero
   // past them; a vector of parts[0] (lowest) to parts[kLanes / 4 - 1]; the unpacks within each part;
   // the vector's bytes stored at p.
