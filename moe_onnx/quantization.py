@@ -29,6 +29,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._ir import model_files
+from ._ir.inference import ORT_DOMAIN
 from ._ir.builder import TapeBuilder, replace
 from ._ir.nodes import attribute_value
 from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
@@ -329,8 +330,6 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
 
 # ----------------------------------------------------------------------------- linear layers
 
-#: onnxruntime's contrib domain, where MatMulNBits lives
-ORT_DOMAIN = "com.microsoft"
 #: the weight types MatMulNBits' CPU kernel takes (its scales have the activations' type)
 _LINEAR_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 #: the ops that end the search for a router's consumer: another layer starts there

@@ -1,5 +1,5 @@
-"""The tile layer the AMX kernels are written against (custom_ops/src/amx_tiles.h), through its test hook
-MoeOnnxTileDots (custom_ops/src/tile_dot.h): one TDPBUSD, TDPBSUD or TDPBF16PS per dot, on the model of the
+"""The tile layer the AMX kernels are written against (custom_ops/src/kernels/x86/amx/amx_tiles.h), through its test hook
+MoeOnnxTileDots (custom_ops/src/kernels/x86/amx/tile_dot.h): one TDPBUSD, TDPBSUD or TDPBF16PS per dot, on the model of the
 instructions or on the AMX hardware.
 
 On every machine the model must be: TDPBUSD and TDPBSUD numpy's exact int32 (wrapping); TDPBF16PS the instruction's

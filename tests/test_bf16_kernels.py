@@ -1,4 +1,4 @@
-"""The bf16 GEMM's kernel paths (accuracy_level 3, custom_ops/src/bf16_gemm.h) through the ops, on a few
+"""The bf16 GEMM's kernel paths (accuracy_level 3, custom_ops/src/kernels/bf16_gemm.h) through the ops, on a few
 shapes with edges: one row, row counts that fill a tile partly (and several tiles), K and N that are not
 multiples of the pair panel's 32 k and 16 columns, K of several AMX steps (32 k each), an expert
 with no tokens, QMOE's decode and prefill.

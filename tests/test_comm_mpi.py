@@ -1,4 +1,4 @@
-"""The C++ communication layer (custom_ops/src/comm.cc, libmoe_onnx_mpi) and tensor parallelism in the
+"""The C++ communication layer (custom_ops/src/comm/comm.cc, libmoe_onnx_mpi) and tensor parallelism in the
 C++ MOE and MoeRowParallelLinear kernels (docs/distributed.md).
 
 One-process checks run each in a fresh interpreter (MPI, once started, stays for the process); the

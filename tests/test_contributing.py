@@ -14,7 +14,7 @@ from moe_onnx.rewrite import _driver
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "CONTRIBUTING.md").read_text()
 CMAKE = (ROOT / "custom_ops" / "CMakeLists.txt").read_text()
-REGISTRATION = (ROOT / "custom_ops" / "src" / "ops.cc").read_text()
+REGISTRATION = (ROOT / "custom_ops" / "src" / "host" / "ops_library.cc").read_text()
 README = (ROOT / "README.md").read_text()
 
 
@@ -39,9 +39,10 @@ def test_every_op_has_each_piece(name):
     table = (ROOT / "tests" / "cases" / f"{module}.py").read_text()
     assert re.search(rf'^OP = "{name}"', table, re.M), f"tests/cases/{module}.py is not {name}'s case table"
     for suffix in (".h", ".cc"):
-        assert (ROOT / "custom_ops" / "src" / f"{module}{suffix}").is_file()
-    assert f"src/{module}.cc" in CMAKE, f"{module}.cc is not in custom_ops/CMakeLists.txt"
-    assert f'#include "{module}.h"' in REGISTRATION, f"custom_ops/src/ops.cc does not include {module}.h"
+        assert (ROOT / "custom_ops" / "src" / "ops" / f"{module}{suffix}").is_file()
+    assert f"src/ops/{module}.cc" in CMAKE, f"ops/{module}.cc is not in custom_ops/CMakeLists.txt"
+    assert f'#include "{module}.h"' in REGISTRATION, \
+        f"custom_ops/src/host/ops_library.cc does not include {module}.h"
     assert (OPS[name].body is not None) != bool(OPS[name].no_body), \
         f"moe_onnx/ops/{module}.py gives {name} no function body (body=) nor a reason why not (no_body=)"
 

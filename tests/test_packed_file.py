@@ -1,4 +1,4 @@
-"""Packed-weights files (custom_ops/src/packed_file.h; moe_onnx.runtime.packed_weights; ``moe-onnx pack``): a
+"""Packed-weights files (custom_ops/src/packing/packed_file.h; moe_onnx.runtime.packed_weights; ``moe-onnx pack``): a
 session that maps a node's file gives the bits of one that packs, in every weight format and at 1 and 2 threads,
 reads its panels from the file, and holds the weights as the file's pages; a file that does not match the node
 (other weights or layout, damaged, cut short) is never used: the node packs and logs why."""

@@ -4,7 +4,7 @@
 
 op_signatures.h: for each op, its input and output names in order, which are optional, and the
 element types each may have; its attributes with their kind and default (a moe_onnx::OpSignature,
-custom_ops/src/signature.h), as ``moe_onnx::signatures::<op name>``; and for each string attribute
+custom_ops/src/core/signature.h), as ``moe_onnx::signatures::<op name>``; and for each string attribute
 with ``choices``, the StringChoices of its enum (the attribute's name, its values' spelling).
 op_choices.h (written beside it): those enums, one per attribute name (``expert_type`` ->
 ``enum class ExpertType { kGemm2BiasSwigluClamp, ... }``, the values in the signature's order),

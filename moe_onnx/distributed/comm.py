@@ -1,6 +1,6 @@
 """The collectives of the Python backend's per-rank kernels, over mpi4py (docs/distributed.md).
 
-The shape of custom_ops/src/comm.h: :func:`groups` gives a layout's world, TP and EP groups, each a
+The shape of custom_ops/src/comm/comm.h: :func:`groups` gives a layout's world, TP and EP groups, each a
 :class:`Group` with ``size``, ``rank`` and the collectives the kernels use, on numpy arrays whose
 counts are rows (the first axis). Every collective is a non-blocking MPI call polled with ``Test``
 and a short sleep for at most ``MOE_ONNX_COMM_TIMEOUT_S`` seconds (default 300); a failure or a

@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, MatchResult, RewriteRule, RewriteRuleClassBase
 from onnxscript.rewriter._pattern_ir import GraphPattern, _to_graph_pattern  # pinned onnxscript 0.7 (pyproject)
 
-from .._ir.nodes import standard
+from .._ir.nodes import constant, standard
 from ..ops import IN_OUR_DOMAIN
 
 
@@ -140,13 +140,6 @@ def static_last_dim(value: ir.Value) -> int | None:
     return shape[-1] if shape else None
 
 
-def skip_reshapes(value: ir.Value) -> ir.Value:
-    """``value`` before the Reshape, Squeeze and Unsqueeze nodes that made it (the same elements in order)."""
-    while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
-        value = value.producer().inputs[0]
-    return value
-
-
 def unsqueezed_last(value: ir.Value, rank: int, what: str) -> ir.Value:
     """x of ``value = Unsqueeze(x, -1)`` with a result of ``rank``."""
     unsqueeze = producer(value, "Unsqueeze", what)
@@ -159,17 +152,6 @@ def nonzero_of(value: ir.Value, what: str) -> ir.Value:
     transpose = producer(value, "Transpose", what)
     require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
     return producer(transpose.inputs[0], "NonZero", what).inputs[0]
-
-
-def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of an initializer or Constant output, also behind Identity nodes (the TorchScript
-    exporter shares equal initializers through them); None when not constant. Loads its data."""
-    while value is not None and standard(value.producer(), "Identity"):
-        value = value.producer().inputs[0]
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 def constant_ints(value: ir.Value | None) -> list[int] | None:

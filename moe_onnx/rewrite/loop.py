@@ -53,12 +53,12 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
-from .._ir.nodes import standard
+from .._ir.nodes import skip_reshapes, standard
 from .._ir.weights import Weight, weight
 from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import (
     MatchFailure, axes, constant_ints, constant_scalar, failing_in, ints_input_or_attr, is_zeros, nonzero_of, producer,
-    require, shape_dims, skip_reshapes, static_shape,
+    require, shape_dims, static_shape,
 )
 from ._router import one_hot_dense_route, one_hot_route, route as _route
 from ._unrolled import GatheredExpert, LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row

@@ -148,7 +148,7 @@ def _register(options: ort.SessionOptions, backend: str, library: str, entries: 
     options.add_session_config_entry(_REGISTERED_KEY, backend)
 
 
-VARIANTS_KEY = "moe_onnx.python.variants"  # kVariantsKey in custom_ops/src/python_host.cc
+VARIANTS_KEY = "moe_onnx.python.variants"  # kVariantsKey in custom_ops/src/host/python_host.cc
 
 
 def _variants(model: onnx.ModelProto) -> set[str]:

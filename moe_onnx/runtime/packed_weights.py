@@ -1,5 +1,5 @@
 """Packed-weights files: the expert ops' packed panels written once (:func:`pack_weights`, ``moe-onnx pack``) and
-mapped by later sessions instead of packing (custom_ops/src/packed_file.h; docs/building.md, "Packed-weights
+mapped by later sessions instead of packing (custom_ops/src/packing/packed_file.h; docs/building.md, "Packed-weights
 files"). A session finds them through session config entries, read when the C++ library is registered; its
 default directory is ``<model path>.packed`` (:func:`default_directory`) when that exists."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-#: session config entries (kPackedWeights*Key in custom_ops/src/packed_file.h)
+#: session config entries (kPackedWeights*Key in custom_ops/src/packing/packed_file.h)
 DIRECTORY_KEY = "moe_onnx.packed_weights"
 WRITE_KEY = "moe_onnx.packed_weights_write"
 THREADS_KEY = "moe_onnx.packed_weights_threads"

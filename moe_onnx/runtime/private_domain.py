@@ -1,6 +1,6 @@
 """Copies of a model with some moe_onnx nodes moved to a library's private domain.
 
-* C++ (``moe_onnx.cpp``, custom_ops/src/ops.cc): quantizing MoeInitRouting nodes, whose expanded_x
+* C++ (``moe_onnx.cpp``, custom_ops/src/host/ops_library.cc): quantizing MoeInitRouting nodes, whose expanded_x
   is int8 whatever x is; onnxruntime takes output types from the registration that matches the
   input types, so these nodes need a registration of their own.
 * Python host (``moe_onnx.python``): every moe_onnx node, as the variant whose output types ONNX
@@ -17,7 +17,7 @@ from .._ir.graph import graphs, walk
 from ..ops import DOMAIN, OPS
 from .python_host import PYTHON_DOMAIN, output_choices, variant_name
 
-CPP_PRIVATE_DOMAIN = "moe_onnx.cpp"  # custom_ops/src/ops.cc
+CPP_PRIVATE_DOMAIN = "moe_onnx.cpp"  # custom_ops/src/host/ops_library.cc
 
 
 def structure(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:

@@ -1,4 +1,4 @@
-"""The Python side of the Python-kernel host (custom_ops/src/python_host.cc).
+"""The Python side of the Python-kernel host (custom_ops/src/host/python_host.cc).
 
 The host registers one kernel per *variant*: an op with concrete output element types, which
 onnxruntime must know before it runs (they may depend on attributes), in the private domain

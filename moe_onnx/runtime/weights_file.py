@@ -1,7 +1,8 @@
 """Inline weights held once: a session on a model whose large initializers are inside the .onnx gets them
 from a temporary external data file instead. onnxruntime copies inline initializers into memory of its own,
 which a packed kernel cannot release (a second copy beside the packed one); external data it maps from the
-file, so the kernels release the pages they have packed (``ConstantExperts``, custom_ops/src/packed_weights.h)."""
+file, so the kernels release the pages they have packed (``ConstantExperts``,
+custom_ops/src/packing/constant_experts.h)."""
 
 from __future__ import annotations
 

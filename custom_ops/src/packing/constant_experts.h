@@ -1,0 +1,73 @@
+// The expert cache of initializer weights (ConstantExperts: packed on first use, or mapped from a
+// packed-weights file), and the packed experts a run reads (experts_for_run).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "packed_file.h"
+#include "packed_weights.h"
+#include "parallel.h"
+#include "tensor.h"
+
+namespace moe_onnx {
+
+// The expert cache: the packed experts of initializer weights, made at kernel creation with room for
+// every expert: each expert is packed by the first run that routes rows to it (on that run's intra-op
+// pool), then kept, so creating a session reads no weights and a model holds packed only the experts it uses.
+// Before an expert is packed, its pages that onnxruntime mapped from an external data file are mapped
+// at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
+// maps them again from the file), so the weights are resident once, packed.
+// With a packed-weights file (packed_file.h) that matches the weights, the panels are the file's
+// pages instead: nothing is packed, and a run maps an expert's pages before its first use. In write
+// mode every expert is packed at creation into the file (packed_file_writer.h), which is then used so.
+class ConstantExperts {
+ public:
+  // `weights`: the initializers pack_slot reads, each with the experts as its first dim; make_empty
+  // gives the matrices of the experts in its slots, pack_slot packs one of them.
+  ConstantExperts(int64_t experts, const MakeExperts& make_empty, PackSlot pack_slot, const std::vector<Input>& weights,
+                  const PackedFileRequest& file);
+
+  // The experts e with offsets[e + 1] > offsets[e] packed (offsets: experts + 1 row offsets).
+  const PackedExperts& for_run(const Ort::KernelContext& ctx, const int64_t* offsets);
+
+ private:
+  // One weight tensor's bytes, when its pages are reclaimed after packing (mapped from a file).
+  struct MappedWeight {
+    const char* data;
+    size_t bytes;
+  };
+  // madvise(advice) on the pages of the expert's weights in mapped_, the pages wholly inside them (inner)
+  // or every page they touch.
+  void advise_mapped_pages(int64_t expert, int advice, bool inner) const;
+  // Packs the expert into its slot, its source pages mapped at once before and reclaimed after.
+  void pack_expert(PackedExperts& into, int64_t slot, int64_t expert) const;
+  // Makes the expert's slot ready: packed, or its pages of the file mapped.
+  void prepare_expert(int64_t expert);
+
+  PackedExperts experts_;
+  PackSlot pack_slot_;
+  std::vector<MappedWeight> mapped_;
+  std::unique_ptr<MappedPackedFile> file_;  // the panels, when they come from a file
+  std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert
+  std::mutex packing_;
+};
+
+// The packed experts a run reads: `constant`'s when the weights are initializers (after their
+// checks at kernel creation: a run that passes its own checks has the same weights); else `local`,
+// made by empty(slots of the experts that have rows: offsets[e + 1] > offsets[e]) and filled by
+// pack_slot(local, slot) on the intra-op pool.
+template <class Empty, class Pack>
+const PackedExperts& experts_for_run(const Ort::KernelContext& ctx, ConstantExperts* constant, const int64_t* offsets,
+                                     int64_t experts, PackedExperts& local, Empty&& empty, Pack&& pack_slot) {
+  if (constant) return constant->for_run(ctx, offsets);
+  local = empty(ExpertSlots::with_rows(offsets, experts));
+  parallel_for(ctx, static_cast<size_t>(local.slots.count()),
+               [&](size_t slot) { pack_slot(local, static_cast<int64_t>(slot)); });
+  return local;
+}
+
+}  // namespace moe_onnx
