@@ -32,6 +32,7 @@ from ._ir import model_files
 from ._ir.inference import ORT_DOMAIN
 from ._ir.builder import TapeBuilder, replace
 from ._ir.nodes import attribute_value
+from ._ir.passes import RewritePass, RewriteResult, rewritten
 from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
 from ._ir.weights import weight as constant_weight
 from .check import read_valid
@@ -55,7 +56,7 @@ from .ops.qmoe import (
 from .runtime import session
 from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
 
-__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped", "QuantizeError",
+__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped", "Quantize", "QuantizeError",
            "QuantizeReport", "QuantizeSettings", "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
 
 BITS = (4, 8)
@@ -695,6 +696,22 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     return report
 
 
+class Quantize(RewritePass):
+    """:func:`quantize_ir` as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``): the MOE nodes made QMOE and
+    the linears made MatMulNBits as rewrites, the linears left float as near-misses; the whole
+    :class:`QuantizeReport` in ``report`` once it ran."""
+
+    def __init__(self, settings: QuantizeSettings, progress: Callable[[str], None] | None = None) -> None:
+        self.settings, self.progress = settings, progress
+        self.report: QuantizeReport | None = None
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        self.report = report = quantize_ir(model, self.settings, self.progress)
+        skipped = [{"rule": "MatMulNBits", "node": line.node, "reason": line.reason} for line in report.linears_float]
+        return rewritten(model, {"QMOE": len(report.layers), "MatMulNBits": len(report.linears)},
+                         near_misses=skipped, notes=report.notes)
+
+
 def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
              sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
              progress: Callable[[str], None] | None = None):
@@ -715,7 +732,9 @@ def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend
     else:  # loaded whole (external data included), so that both models run from memory
         ir_model = ir.serde.deserialize_model(model_files.with_data(read_valid(model), model))
     original = ir.serde.serialize_model(ir_model) if measure else None
-    report = quantize_ir(ir_model, settings, progress=progress)
+    quantize_pass = Quantize(settings, progress)
+    quantize_pass(ir_model)
+    report = quantize_pass.report
     quantized = ir.serde.serialize_model(ir_model)
     if measure:
         report.error = measure_error(original, quantized, report.layers, linears=report.linears, backend=backend,

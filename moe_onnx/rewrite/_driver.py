@@ -1,4 +1,4 @@
-"""The optimization pass: run every fusion family in a fixed order and report what changed."""
+"""The optimization: its passes in a fixed order (:func:`optimize_passes`), their results added up in a report."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from onnxscript.rewriter._basics import MatchInfo  # pinned onnxscript 0.7 (pypr
 
 from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
@@ -23,7 +24,7 @@ from . import (batched_mm, compute as compute_pass, gating, grouped, grouped_que
 from ._match import MoeFusion
 from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
-from .portable import add_function_bodies, require_opset, summary
+from .portable import AddFunctionBodies, require_opset
 from .targets import TARGETS
 
 
@@ -111,76 +112,91 @@ def _parameters(model: ir.Model) -> int:
     return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
 
 
+def optimize_passes(target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
+                    compute: str = "fp32") -> list[RewritePass]:
+    """The passes of :func:`optimize_ir`, in the order they run (its arguments' meaning). Raises ValueError for
+    an unknown target or compute."""
+    _check_settings(target, compute)
+    passes = [DeclareRuntimeDomains(), InferShapes(),
+              ort_import.ImportOrtNodes(),  # first: the passes below see the imported ops
+              FuseBlocks()]
+    if fuse_routers:
+        passes.append(gating.FuseRouters())
+    if target != "ort":  # the contrib MoE has no experts every token takes: the shared MLP stays beside it
+        passes.append(shared_expert.FoldSharedExperts())
+    passes += [grouped_query.UngroupRepeatedKv(),
+               # before the target's passes: the grouped chain and the contrib ops take the level from the MOE nodes
+               compute_pass.ApplyCompute(compute)]
+    if target == "grouped":
+        passes.append(grouped.ExpandToGrouped())
+    elif target == "ort":
+        passes.append(ort_export.ExportToOrt(compute))
+    passes.append(Tidy())
+    if portable:
+        passes.append(AddFunctionBodies())
+    return passes
+
+
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
                 fuse_routers: bool = True, portable: bool = False, compute: str = "fp32") -> OptimizeReport:
-    """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
-    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
-    adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`);
-    ``compute`` sets the accuracy_level of our expert nodes (:mod:`moe_onnx.rewrite.compute`)."""
-    _check_settings(target, compute)
+    """Fuse the MoE blocks of ``model`` in place (:func:`optimize_passes`); returns the report. ``progress``
+    receives stage messages; ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK
+    (gating.py); ``portable`` adds each moe_onnx node's function body
+    (:func:`moe_onnx.rewrite.portable.add_function_bodies`); ``compute`` sets the accuracy_level of our expert
+    nodes (:mod:`moe_onnx.rewrite.compute`)."""
+    passes = optimize_passes(target, fuse_routers=fuse_routers, portable=portable, compute=compute)
     say = progress or (lambda message: None)
     if portable:
         require_opset(model)  # before the work, not after it
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
-    fused, notes = {}, declare_runtime_domains(model)
-    missed: list[tuple[ir.Node | None, dict[str, str]]] = []  # (root node, near-miss)
-    say("shape inference")  # static shapes let the rules check weight layouts without loading data
-    _infer_shapes(model)
-    say("onnxruntime MoE/QMoE nodes")  # first: the passes below see the imported ops
-    fused[ort_import.RULE], refused = ort_import.import_ort_nodes(model)
-    missed += [(None, miss) for miss in refused]
-
-    say("fusing the MoE blocks")
-    block_fused, block_notes, block_missed, partial = _fuse_blocks(model)
-    fused.update(block_fused)
-    notes += block_notes
-    missed += block_missed
-    if fuse_routers:
-        say("routers")
-        fused[gating.RULE], router_notes = gating.fuse_routers(model)
-        notes += router_notes
-    if target != "ort":  # the contrib MoE has no experts every token takes: the shared MLP stays beside it
-        say("folding shared experts")
-        fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
-        notes += fold_notes
-    say("attention reading the kv heads unrepeated")
-    notes += grouped_query.ungroup_repeated_kv(model)
-    fused = {name: count for name, count in fused.items() if count}
-    common_passes.RemoveUnusedNodesPass()(model)
-    say("looking for MoE blocks left unfused")
-    roots = [root for root, _ in missed if root is not None]
-    near_misses = [miss for _, miss in missed] + unfused_blocks(model, roots, partial)
-    # before the target's passes: the grouped chain and the contrib ops take the level from the MOE nodes
-    changed, compute_notes = compute_pass.apply_compute(model, compute)
-    notes += compute_notes
-    if changed and compute == "fp32":
-        notes.append("compute fp32: accuracy_level 3 (bf16 operands) reset to 0 on "
-                     + ", ".join(f"{count} {op_type}" for op_type, count in changed.items()))
-    if target == "grouped":
-        say("expanding MOE nodes into the grouped chain")
-        fused.update(grouped.expand_moe_nodes(model))
-        notes += [f"QMOE node '{node.name}' stays QMOE: the grouped chain has no quantized linear"
-                  for node in model.graph if node.domain == DOMAIN and node.op_type == "QMOE"]
-    elif target == "ort":
-        say("writing onnxruntime's com.microsoft::MoE")
-        exported, refused = ort_export.export_moe_nodes(model)
-        fused.update(exported)
-        near_misses += refused
-        if compute == "bf16":
-            notes += ort_export.accuracy_notes(model)
-    common_passes.RemoveUnusedNodesPass()(model)
-    common_passes.RemoveUnusedFunctionsPass()(model)
-    common_passes.RemoveUnusedOpsetsPass()(model)
-    if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
-        model.opset_imports[DOMAIN] = OPSET_VERSION
-    notes += [note for note in [lower_versions(model, *onnxruntime_versions())] if note]
-    if portable:
-        say("portable function bodies")
-        _infer_shapes(model)  # the element types some bodies depend on
-        add_function_bodies(model)
-        notes.append(summary(model))
+    fused: dict[str, int] = {}
+    near_misses: list[dict[str, str]] = []
+    notes: list[str] = []
+    for graph_pass in passes:
+        if graph_pass.stage:
+            say(graph_pass.stage)
+        result = graph_pass(model)
+        fused.update(result.fused)
+        near_misses += result.near_misses
+        notes += result.notes
     return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
                           parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
+
+
+class DeclareRuntimeDomains(RewritePass):
+    """Import the domains the model uses that onnxruntime registers (a note each;
+    :func:`moe_onnx._ir.inference.declare_runtime_domains`)."""
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        notes = declare_runtime_domains(model)
+        return rewritten(model, notes=notes, modified=bool(notes))
+
+
+class InferShapes(RewritePass):
+    """onnx shape inference, copied onto the IR values that lack a static shape: the one inference of the
+    optimize path (the rules check weight layouts on static shapes without loading data; the passes after it
+    type the values they make where a later pass reads the type).
+
+    Serializing keeps external tensors as references, so no weight is loaded. Raises
+    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
+    """
+
+    stage = "shape inference"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+        known = {info.name: info for info in inferred.graph.value_info}
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            for value in node.outputs:
+                info = known.get(value.name)
+                if info is None or not info.type.HasField("tensor_type"):
+                    continue
+                if value.type is None:
+                    value.type = ir.serde.deserialize_type_proto_for_type(info.type)
+                shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+                if shape is not None and (value.shape is None or not value.shape.is_static()):
+                    value.shape = shape
+        return rewritten(model, modified=True)
 
 
 class _NearMissTracer(MatchingTracer):
@@ -207,53 +223,54 @@ class _NearMissTracer(MatchingTracer):
         return [info for info in found if info.score() == top]
 
 
-def _fuse_blocks(model: ir.Model) -> tuple[dict[str, int], list[str], list[tuple[ir.Node, dict[str, str]]],
-                                          list[PartialMatch]]:
+class FuseBlocks(RewritePass):
     """Every fusion rule in one rule set, applied once (for each node the rules in :data:`FAMILIES`' order): the
-    blocks fused per rule, the rules' notes, and, on the nodes still in the graph, each rule's failed checks (near-
-    misses: (root, miss)) and the patterns that did not match all the way (how far they got)."""
-    tracer = _NearMissTracer()
-    rules = {fusion.as_rule(tracer): fusion for fusion in fusions()}
-    RewriteRuleSet(list(rules)).apply_to_model(model)
-    live = set(ir.traversal.RecursiveGraphIterator(model.graph))
-    fused, notes, missed, partial = {}, [], [], []
-    for rule, fusion in rules.items():
-        fused[fusion.name] = fusion.fused
-        notes += fusion.notes
-        for match in tracer.furthest(rule, live):
-            reason = match.match_result.reason or "check failed"
-            if match.status == MatchStatus.CONDITION_FAILED:
-                missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
-                                                 "reason": reason}))
-            elif match.status == MatchStatus.NO_MATCH:
-                partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes), reason))
-    return fused, notes, missed, partial
+    blocks fused per rule, the rules' notes, and as near-misses each rule's failed checks on the nodes still in
+    the graph, then every MoE block left unfused (:func:`moe_onnx.rewrite._unfused.unfused_blocks`, told how far
+    each pattern got)."""
+
+    stage = "fusing the MoE blocks"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        tracer = _NearMissTracer()
+        rules = {fusion.as_rule(tracer): fusion for fusion in fusions()}
+        RewriteRuleSet(list(rules)).apply_to_model(model)
+        live = set(ir.traversal.RecursiveGraphIterator(model.graph))
+        fused, notes, near_misses, roots, partial = {}, [], [], [], []
+        for rule, fusion in rules.items():
+            fused[fusion.name] = fusion.fused
+            notes += fusion.notes
+            for match in tracer.furthest(rule, live):
+                reason = match.match_result.reason or "check failed"
+                if match.status == MatchStatus.CONDITION_FAILED:
+                    roots.append(match.root_node)
+                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "", "reason": reason})
+                elif match.status == MatchStatus.NO_MATCH:
+                    partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
+                                                reason))
+        common_passes.RemoveUnusedNodesPass()(model)  # what the fused blocks no longer read
+        near_misses += unfused_blocks(model, roots, partial)
+        return rewritten(model, fused, near_misses=near_misses, notes=notes)
+
+
+class Tidy(RewritePass):
+    """Drop the nodes, functions and opset imports nothing uses, import our domain where our ops are, and
+    write the model with the versions the installed onnxruntime loads where it means the same (a note)."""
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        common_passes.RemoveUnusedNodesPass()(model)
+        common_passes.RemoveUnusedFunctionsPass()(model)
+        common_passes.RemoveUnusedOpsetsPass()(model)
+        if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+            model.opset_imports[DOMAIN] = OPSET_VERSION
+        note = lower_versions(model, *onnxruntime_versions())
+        return rewritten(model, notes=[note] if note else [], modified=True)
 
 
 def _check_settings(target: str, compute: str) -> None:
     if target not in TARGETS:
         raise ValueError(f"optimize: target is {target!r}; expected one of {', '.join(TARGETS)}")
     compute_pass.check_compute(compute)
-
-
-def _infer_shapes(model: ir.Model) -> None:
-    """onnx shape inference, copied onto the IR values that lack a static shape.
-
-    Serializing keeps external tensors as references, so no weight is loaded. Raises
-    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
-    """
-    inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
-    known = {info.name: info for info in inferred.graph.value_info}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for value in node.outputs:
-            info = known.get(value.name)
-            if info is None or not info.type.HasField("tensor_type"):
-                continue
-            if value.type is None:
-                value.type = ir.serde.deserialize_type_proto_for_type(info.type)
-            shape = ir.serde.deserialize_type_proto_for_shape(info.type)
-            if shape is not None and (value.shape is None or not value.shape.is_static()):
-                value.shape = shape
 
 
 def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
