@@ -57,11 +57,12 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_onnx  # noqa: E402
+from _checkpoints import save_bpe_tokenizer  # noqa: E402
 from _models import save_random_checkpoint  # noqa: E402
 from _timing import session_options  # noqa: E402
 from moe_onnx.cli import main as cli  # noqa: E402
-from moe_onnx.generation import GenaiFolder, _Decoder  # noqa: E402
-from moe_onnx.pipeline import genai_decoder, write_genai_folder  # noqa: E402
+from moe_onnx.genai_folder import GenaiFolder  # noqa: E402
+from moe_onnx.generation import _Decoder  # noqa: E402
 
 # llama.cpp's OpenMP pool otherwise spins between runs, taking the shared cores from the contender beside it
 # (libgomp reads this when llama_cpp loads it)
@@ -133,7 +134,7 @@ class Models:
 
     def make_checkpoint(self) -> bool:
         """A checkpoint with random weights (std 0.02, norms 1, GPT-OSS's sinks 0) and a tokenizer over the
-        vocabulary (`_save_tokenizer`)."""
+        vocabulary (`_checkpoints.save_bpe_tokenizer`)."""
         if (self.checkpoint / "config.json").is_file():
             return True
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
@@ -141,7 +142,7 @@ class Models:
             return False
         self._say("making the random checkpoint")
         save_random_checkpoint(self.shape.model_type, self.shape.config, self.checkpoint)
-        _save_tokenizer(self.checkpoint, self.shape.vocab)
+        save_bpe_tokenizer(self.checkpoint, self.shape.vocab)
         return True
 
     def ours(self, precision: str, unfused: bool = False) -> dict[str, Path]:
@@ -178,17 +179,14 @@ class Models:
                          [sys.executable, "-c", script, str(self.checkpoint), str(out), "1" if optimize else "0"])
 
     def _quantize(self, fused: Path, out: Path, linears: bool) -> bool:
-        """`moe-onnx quantize` of the fused decoder at int4 (block `shape.block`) into a genai folder beside the
-        fused folder's other files."""
-        out.mkdir(parents=True, exist_ok=True)
-        command = ["quantize", str(genai_decoder(fused)), "-o", str(out / "model.onnx"), "--bits", "4",
-                   "--block-size", str(self.shape.block), "--no-measure"] + (["--linears"] if linears else [])
+        """`moe-onnx quantize` of the fused genai folder at int4 (block `shape.block`) into a genai folder."""
+        command = ["quantize", str(fused), "-o", str(out), "--bits", "4", "--block-size", str(self.shape.block),
+                   "--no-measure"] + (["--linears"] if linears else [])
         self._say(f"moe-onnx {shlex.join(command)}")
         start = time.perf_counter()
         if cli(command) != 0:
             return False
         self._say(f"quantized in {time.perf_counter() - start:.0f} s")
-        write_genai_folder(fused, out, with_library=True)
         return True
 
     def genai(self, precision: str) -> Path | None:
@@ -214,15 +212,8 @@ class Models:
         if not f32.is_file():
             if not self.make_checkpoint():
                 return None
-            # the converter run as its command line, told the pre-tokenizer of our made-up tokenizer (see the top)
-            script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
-                      "import conversion.base as base; "
-                      "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
-                      "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
-                      "runpy.run_path(source + '/convert_hf_to_gguf.py', run_name='__main__')")
-            if not self._run("convert_hf_to_gguf.py --outtype f32", [
-                    sys.executable, "-c", script, str(self.llama_source), str(self.checkpoint), "--outtype", "f32",
-                    "--outfile", str(f32)]):
+            if not self._run("convert_hf_to_gguf.py --outtype f32",
+                             convert_command(self.llama_source, self.checkpoint, f32, "f32")):
                 return None
         if precision == "fp32":
             return f32
@@ -240,18 +231,16 @@ class Models:
         return q4
 
 
-def _save_tokenizer(folder: Path, vocab: int) -> None:
-    """A BPE tokenizer over `vocab` tokens (<pad> <s> </s> <unk> a b ab, then w7, w8, ...) with the one merge
-    "a b": llama.cpp's converter writes a BPE ("gpt2") vocabulary, which llama.cpp loads only with merges."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<pad>", "<s>", "</s>", "<unk>", "a", "b", "ab"]
-    words += [f"w{i}" for i in range(len(words), vocab)]
-    tokenizer = Tokenizer(models.BPE({word: i for i, word in enumerate(words)}, [("a", "b")], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
-                                         eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+def convert_command(llama_source: Path, checkpoint: Path, outfile: Path, outtype: str | None) -> list[str]:
+    """llama.cpp's convert_hf_to_gguf.py as its command line (``outtype`` None: its default), told the
+    pre-tokenizer of our made-up tokenizer, which its table of known ones cannot know (token ids are fed directly)."""
+    script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
+              "import conversion.base as base; "
+              "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
+              "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
+              "runpy.run_path(source + '/convert_hf_to_gguf.py', run_name='__main__')")
+    return [sys.executable, "-c", script, str(llama_source), str(checkpoint), "--outfile", str(outfile),
+            *(["--outtype", outtype] if outtype else [])]
 
 
 def _llama_cpp_available() -> bool:

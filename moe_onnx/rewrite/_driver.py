@@ -14,6 +14,8 @@ from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
 
 from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
+from .._ir.progress import counter
+from .._ir.weights import sliced_as_references
 from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
@@ -130,8 +132,9 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     missed += [(None, miss) for miss in refused]
 
     partial: list[PartialMatch] = []
-    for fusion in fusions():
-        say(f"rule {fusion.name}")
+    rule_set = fusions()
+    advance = counter(progress, "fusing, rule by rule", len(rule_set), "rules")
+    for done, fusion in enumerate(rule_set, 1):
         rules = RewriteRuleSet([fusion.as_rule()])
         count = rules.apply_to_model(model)
         # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
@@ -153,6 +156,7 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
                 elif match.status == MatchStatus.NO_MATCH:
                     partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
                                                 reason))
+        advance(done)
     if fuse_routers:
         say("routers")
         fused[gating.RULE], router_notes = gating.fuse_routers(model)
@@ -213,7 +217,9 @@ def _infer_shapes(model: ir.Model) -> None:
     Serializing keeps external tensors as references, so no weight is loaded. Raises
     :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
     """
-    inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+    with sliced_as_references(model):
+        proto = ir.serde.serialize_model(model)
+    inferred = infer_shapes(proto, data_prop=True)
     known = {info.name: info for info in inferred.graph.value_info}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         for value in node.outputs:
