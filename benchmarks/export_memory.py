@@ -46,7 +46,7 @@ SIZES = {"small": ("H = 512, 4 layers, E = 16, I = 256, vocabulary 9216",
 
 
 #: export_checkpoint's progress messages (their start) that start each phase
-PHASES = {"reading ": "read", "tracing ": "trace", "folding ": "fold", "fusing the MoE": "optimize",
+PHASES = {"reading ": "read", "tracing ": "trace", "folding ": "fold", "optimizing the decoder": "optimize",
           "writing /": "write"}
 
 

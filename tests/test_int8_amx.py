@@ -148,7 +148,7 @@ def assert_same_bits(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]
         np.testing.assert_array_equal(got[case.id].view(np.uint8), expected[case.id].view(np.uint8), err_msg=case.id)
 
 
-@pytest.mark.parametrize("gemm", ["portable", ""], ids=["portable", "best"])
+@pytest.mark.parametrize("gemm", [pytest.param("portable", marks=pytest.mark.slow), ""], ids=["portable", "best"])
 def test_model_gives_the_bits_of_the_kernels_it_replaces(without_amx, gemm, tmp_path):
     """The AMX kernels on the model of the tiles, over the portable level (every row count on the
     tiles, the portable steps) and this CPU's best (the tiles from the threshold's rows), give the

@@ -1,4 +1,4 @@
-"""Progress a person can read: stage messages, and long loops (writing weights, fusing rule by rule) counted.
+"""Progress a person can read: stage messages, and long loops (writing weights, packing) counted.
 
 A command reports through a callable ``progress(message)``. The command line's is a :class:`Progress`: each stage
 one line with the seconds since the command started, and each counted loop one bar redrawn in place on a terminal,

@@ -163,7 +163,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         genai = new_config(config, generation, family.genai_type, DECODER, cache)
         report, stored, quantized = None, [], None
         if optimize:
-            say("fusing the MoE blocks")
+            say("optimizing the decoder (the fusions of moe-onnx optimize)")
             report = optimize_ir(graph, "moe", progress=progress)
             stored = keep_stored_mxfp4(graph)
         if quantize is not None:

@@ -11,10 +11,10 @@ from typing import Any
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
+from onnxscript.rewriter._basics import MatchInfo  # pinned onnxscript 0.7 (pyproject)
 
 from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
-from .._ir.progress import counter
 from .._ir.weights import sliced_as_references
 from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
@@ -131,32 +131,11 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
     fused[ort_import.RULE], refused = ort_import.import_ort_nodes(model)
     missed += [(None, miss) for miss in refused]
 
-    partial: list[PartialMatch] = []
-    rule_set = fusions()
-    advance = counter(progress, "fusing, rule by rule", len(rule_set), "rules")
-    for done, fusion in enumerate(rule_set, 1):
-        rules = RewriteRuleSet([fusion.as_rule()])
-        count = rules.apply_to_model(model)
-        # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
-        # the blocks left unfused and the check that failed (or, for a pattern that did not match
-        # all the way, how far it got)
-        tracer = MatchingTracer()
-        rules.apply_to_model(model, tracer=tracer)
-        fused[fusion.name] = count
-        notes += fusion.notes
-        live = set(ir.traversal.RecursiveGraphIterator(model.graph))
-        for matches in tracer.best_matches_map.values():
-            for match in matches:
-                if match.root_node not in live:
-                    continue
-                reason = match.match_result.reason or "check failed"
-                if match.status == MatchStatus.CONDITION_FAILED:
-                    missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
-                                                     "reason": reason}))
-                elif match.status == MatchStatus.NO_MATCH:
-                    partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
-                                                reason))
-        advance(done)
+    say("fusing the MoE blocks")
+    block_fused, block_notes, block_missed, partial = _fuse_blocks(model)
+    fused.update(block_fused)
+    notes += block_notes
+    missed += block_missed
     if fuse_routers:
         say("routers")
         fused[gating.RULE], router_notes = gating.fuse_routers(model)
@@ -203,6 +182,53 @@ def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], 
         notes.append(summary(model))
     return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
                           parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
+
+
+class _NearMissTracer(MatchingTracer):
+    """Records, per rule and root node, the furthest match that failed (a success is no near-miss). onnxscript
+    rewrites nothing when a rule set is applied with a tracer, so each rule logs here itself
+    (:meth:`MoeFusion.as_rule`) while its set rewrites: one pass over the graph fuses and traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[object, dict[ir.Node, MatchInfo]] = collections.defaultdict(dict)
+
+    def log(self, rule, container, node, match_result, status) -> None:
+        if status == MatchStatus.SUCCESS:
+            return
+        info = MatchInfo(match_result, node, container, status)
+        best = self.failures[rule].get(node)
+        if info.score() > (0 if best is None else best.score()):
+            self.failures[rule][node] = info
+
+    def furthest(self, rule, live: set[ir.Node]) -> list[MatchInfo]:
+        """The failed matches of ``rule`` rooted at ``live`` nodes that got furthest (ties kept)."""
+        found = [info for node, info in self.failures[rule].items() if node in live]
+        top = max((info.score() for info in found), default=0)
+        return [info for info in found if info.score() == top]
+
+
+def _fuse_blocks(model: ir.Model) -> tuple[dict[str, int], list[str], list[tuple[ir.Node, dict[str, str]]],
+                                          list[PartialMatch]]:
+    """Every fusion rule in one rule set, applied once (for each node the rules in :data:`FAMILIES`' order): the
+    blocks fused per rule, the rules' notes, and, on the nodes still in the graph, each rule's failed checks (near-
+    misses: (root, miss)) and the patterns that did not match all the way (how far they got)."""
+    tracer = _NearMissTracer()
+    rules = {fusion.as_rule(tracer): fusion for fusion in fusions()}
+    RewriteRuleSet(list(rules)).apply_to_model(model)
+    live = set(ir.traversal.RecursiveGraphIterator(model.graph))
+    fused, notes, missed, partial = {}, [], [], []
+    for rule, fusion in rules.items():
+        fused[fusion.name] = fusion.fused
+        notes += fusion.notes
+        for match in tracer.furthest(rule, live):
+            reason = match.match_result.reason or "check failed"
+            if match.status == MatchStatus.CONDITION_FAILED:
+                missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
+                                                 "reason": reason}))
+            elif match.status == MatchStatus.NO_MATCH:
+                partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes), reason))
+    return fused, notes, missed, partial
 
 
 def _check_settings(target: str, compute: str) -> None:

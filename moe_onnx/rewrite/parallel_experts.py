@@ -33,7 +33,6 @@ import dataclasses
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRule
 
 from .._ir.nodes import standard
 from .._ir.weights import Weight, lazy_initializer
@@ -231,12 +230,11 @@ class ParallelExpertsFusion(MoeFusion):
     up_EIH, -, down_EHI)``.
     """
 
+    matcher = _SortedScatterMatcher
+
     def pattern(self, op, zeros_TH, token_Tk1, updates_TkH):
         return op.ScatterND(zeros_TH, token_Tk1, updates_TkH)
 
-    def as_rule(self) -> RewriteRule:
-        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_SortedScatterMatcher,
-                           name=self.name)
 
     def read(self, context, **_) -> _Block:
         return _block(context.root)
