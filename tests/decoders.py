@@ -54,3 +54,20 @@ def assert_generates_reference(session: ort.InferenceSession, folder: Path, refe
     error = np.abs(logits - expected["logits"]).max(axis=1)
     assert error.max() <= tolerance, f"max |logits - transformers'| per step: {error}"
     return logits
+
+
+def genai_tokens(folder: Path, prompt_ids: np.ndarray, steps: int) -> list[int]:
+    """onnxruntime-genai's greedy tokens from the folder ``folder`` after ``prompt_ids`` [1, T]: at most ``steps``
+    (fewer when it stops at an end token)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt_ids.shape[1] + steps, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt_ids)
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens

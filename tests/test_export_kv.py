@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 import moe_onnx
-from decoders import assert_generates_reference, genai_config
+from decoders import assert_generates_reference, genai_config, genai_tokens
 from moe_onnx.cli import main as cli
 from moe_onnx.export import FAMILIES as EXPORT_FAMILIES
 from moe_onnx.genai_folder import GenaiFolder
@@ -135,20 +135,10 @@ def test_fixture_in_onnxruntime_genai(family, tmp_path):
     """onnxruntime-genai runs the folder and generates the torch tokens up to the first end token (32 for
     FULL_RUN, GENAI_STEPS for the others), whatever the kv heads of each layer (MiMo's) or a layer without a cache
     (Nemotron-H's)."""
-    import onnxruntime_genai as og
-
     folder = _genai_folder(family, tmp_path)
     reference = np.load(FIXTURES / family / "reference.npz")
     expected = reference["tokens"].tolist()[:None if family in FULL_RUN else GENAI_STEPS]
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=reference["prompt_ids"].shape[1] + len(expected), do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(reference["prompt_ids"])
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+    tokens = genai_tokens(folder, reference["prompt_ids"], len(expected))
     end = _config(folder)["model"]["eos_token_id"]
     assert tokens == expected[:expected.index(end) + 1] if end in expected else tokens == expected
 
@@ -157,8 +147,6 @@ def test_quantize_of_a_folder_writes_a_complete_folder(tmp_path):
     """`moe-onnx quantize FOLDER -o OUT_DIR` takes an onnxruntime-genai folder and writes a complete one, as optimize
     does: the decoder quantized (QMOE), the tokenizer and config beside it, our library named in genai_config.json;
     onnxruntime-genai and moe_onnx.generate run it."""
-    import onnxruntime_genai as og
-
     out = tmp_path / "int8"
     assert cli(["quantize", str(FIXTURES / "qwen3_moe"), "-o", str(out), "--bits", "8", "--no-measure"]) == 0
     config = _config(out)
@@ -168,15 +156,7 @@ def test_quantize_of_a_folder_writes_a_complete_folder(tmp_path):
     assert _moe_ops(out / "model.onnx") == ["MoeGatingTopK", "MoeGatingTopK", "QMOE", "QMOE"]
     prompt = np.load(FIXTURES / "qwen3_moe" / "reference.npz")["prompt_ids"]
     ours = moe_onnx.generate(out, prompt_ids=prompt.ravel().tolist(), max_new_tokens=4).tokens
-    model = og.Model(str(out))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=prompt.shape[1] + 4, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    genai = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        genai.append(int(generator.get_next_tokens()[0]))
+    genai = genai_tokens(out, prompt, 4)
     assert genai[:len(ours)] == ours and len(ours) == 4
 
 

@@ -21,7 +21,7 @@ import pytest
 from onnx import numpy_helper
 
 import moe_onnx
-from decoders import assert_generates_reference, genai_config
+from decoders import assert_generates_reference, genai_config, genai_tokens
 from moe_onnx.cli import main as cli
 from moe_onnx._ir.weights import WRITE_CHUNK_BYTES
 from moe_onnx.export.checkpoint import Checkpoint, CheckpointError, StoredSource, TensorSpec, write_safetensors
@@ -62,8 +62,6 @@ def test_export_gives_transformers_tokens(name):
 def test_last_position_logits_run_in_onnxruntime_genai(tmp_path):
     """The export's decoder outputs the last position's logits only ([batch_size, 1, vocab]); onnxruntime-genai 0.18
     takes such a decoder (its "pruned" logits) and generates transformers' tokens with it."""
-    import onnxruntime_genai as og
-
     export = SHIPPED / "mixtral_bf16" / "export"
     logits = onnx.load(export / "model.onnx", load_external_data=False).graph.output[0]
     assert [d.dim_param or d.dim_value for d in logits.type.tensor_type.shape.dim] == ["batch_size", 1, 96]
@@ -74,15 +72,7 @@ def test_last_position_logits_run_in_onnxruntime_genai(tmp_path):
     GenaiFolder(export).copy_to(folder, folder / "model.onnx", library=True)
     reference = np.load(SHIPPED / "mixtral_bf16" / "reference.npz")
     expected = reference["tokens"].tolist()[:8]
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=reference["prompt_ids"].shape[1] + len(expected), do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(reference["prompt_ids"])
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+    tokens = genai_tokens(folder, reference["prompt_ids"], len(expected))
     end = genai_config(folder)["model"]["eos_token_id"]
     assert tokens == (expected[:expected.index(end) + 1] if end in expected else expected)
 
