@@ -93,7 +93,7 @@ def pack_weights(model: str | os.PathLike, directory: str | os.PathLike | None =
         options.add_session_config_entry(THREADS_KEY, str(threads))
     start = time.perf_counter()
     try:
-        with _counting_files(folder, before, _packed_nodes(model), progress):
+        with _counting_files(folder, before, _packed_nodes(model) if progress is not None else 0, progress):
             session(model, sess_options=options, packed_weights=folder)
     except BaseException:
         if made:
@@ -111,10 +111,14 @@ _PACKED_OPS = ("MOE", "QMOE", "MoeRowParallelLinear")
 
 
 def _packed_nodes(model: object) -> int:
-    """How many nodes of ``model`` (a path; other models: 0, uncounted) pack their weights into a file."""
+    """How many nodes of ``model`` (a path; other models, and a path that cannot be read: 0, uncounted: the
+    session then says what is wrong with it) pack their weights into a file."""
     if not isinstance(model, (str, os.PathLike)):
         return 0
-    proto = onnx.load(model, load_external_data=False)
+    try:
+        proto = onnx.load(model, load_external_data=False)
+    except Exception:  # noqa: BLE001 - any unreadable model: the session reports it in its own words
+        return 0
     return sum(node.op_type in _PACKED_OPS and node.domain == "moe_onnx" for node in proto.graph.node)
 
 
