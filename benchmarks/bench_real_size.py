@@ -107,7 +107,8 @@ def session_child(folder: Path, backend: str, prompt: int, threads: int) -> dict
 
     import moe_onnx
     from _timing import session_options
-    from moe_onnx.generation import GenaiFolder, _Decoder
+    from moe_onnx.genai_folder import GenaiFolder
+    from moe_onnx.generation import _Decoder
 
     genai = GenaiFolder(folder)
     opts = session_options(threads)

@@ -68,8 +68,8 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
 
 
 def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False,
-             accuracy_level: int | None = None, repack_mxfp4: bool = True, linears: bool = False, measure: bool = True,
-             backend: str = "cpp", sizes=None, seed: int = 0):
+             accuracy_level: int | None = None, repack_mxfp4: bool = True, linears: bool = False,
+             embedding: bool = False, measure: bool = True, backend: str = "cpp", sizes=None, seed: int = 0):
     """Quantize the expert weights of a fused model; returns ``(quantized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
@@ -88,7 +88,9 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     a constant float32/float16 matrix (attention projections, dense MLPs, lm_head; not the routers, nor a
     weight with K below ``block_size``, which is then required) becomes onnxruntime's
     ``com.microsoft::MatMulNBits`` with the same bits, block size and zero points; ``report.linears`` lists
-    them, ``report.linears_float`` those left float and why.
+    them, ``report.linears_float`` those left float and why. With ``embedding``, the token embedding (a Gather of
+    a graph input's ids from a constant float table) becomes onnxruntime's ``com.microsoft::GatherBlockQuantized``
+    with the same bits, block size (required) and zero points (``report.embeddings``, ``report.embeddings_float``).
     With ``measure`` (default), both models run on ``backend`` on random inputs (seeded by ``seed``)
     at ``sizes`` (default :data:`moe_onnx.verify.DEFAULT_SIZES`) and ``report.error`` holds the error
     of every output and every quantized layer's output.
@@ -102,7 +104,8 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     from . import quantization
     from .verify import DEFAULT_SIZES
 
-    settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears)
+    settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears,
+                                              embedding)
     return quantization.quantize(model, settings, measure=measure, backend=backend,
                                  sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
 

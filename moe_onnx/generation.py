@@ -1,4 +1,5 @@
-"""Text generation from a model folder in onnxruntime-genai's format, on :func:`moe_onnx.session` (our ops run).
+"""Text generation from a model folder in onnxruntime-genai's format (read by
+:class:`moe_onnx.genai_folder.GenaiFolder`), on :func:`moe_onnx.session` (our ops run).
 
 The folder holds ``genai_config.json``, the decoder it names (``model.decoder.filename``) and, for text prompts,
 ``tokenizer.json`` (read by the optional ``tokenizers`` package: ``pip install 'moe-onnx[generate]'``). What the
@@ -24,7 +25,6 @@ only.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -35,10 +35,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ._ir.model_files import ModelFileError
+from .genai_folder import GENAI_CONFIG, TOKENIZER_FILE, GenaiFolder
 from .runtime import session as moe_session
 
-GENAI_CONFIG = "genai_config.json"
-TOKENIZER_FILE = "tokenizer.json"
 _STOPS = {"eos": "an eos token", "max_new_tokens": "-n tokens", "context": "the context length"}
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -116,90 +115,57 @@ class _Cache:
     dtype: type
 
 
-class GenaiFolder:
-    """A folder in onnxruntime-genai's format, read: the decoder's path, its input and output names, its caches,
-    the stop tokens, the context length and the search section. Raises ModelFileError for a folder without a
-    readable config or decoder."""
-
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-        config_path = self.folder / GENAI_CONFIG
-        if not config_path.is_file():
-            raise ModelFileError(f"{self.folder}: no {GENAI_CONFIG} (a folder in onnxruntime-genai's format)")
-        try:
-            config = json.loads(config_path.read_text())
-            model = config["model"]
-            decoder = model["decoder"]
-            self.decoder_path = self.folder / decoder["filename"]
-            self.inputs, self.outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-            self.layers = int(decoder["num_hidden_layers"])
-            self.kv_heads, self.head_size = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
-            window = decoder.get("sliding_window") or {}
-            self.context_length = int(model["context_length"])
-            eos = model["eos_token_id"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise ModelFileError(f"{config_path}: not an onnxruntime-genai config ({type(error).__name__}: "
-                                 f"{error})") from None
-        self.window_size = int(window["window_size"]) if window else None
-        self.window_layers = set(window.get("layers", range(self.layers))) if window else set()
-        self.eos = {int(token) for token in (eos if isinstance(eos, list) else [eos])}
-        self.search = config.get("search", {})
-        if not self.decoder_path.is_file():
-            raise ModelFileError(f"{config_path}: its decoder {self.decoder_path} is not a file")
-
-    def name(self, key: str, default: str) -> str:
-        return self.inputs.get(key, self.outputs.get(key, default))
-
-    def caches(self, decoder: ort.InferenceSession) -> list[_Cache]:
-        """The decoder's cache inputs paired with their outputs, each with its empty (or window-sized) first
-        value. GenerateError for a cache input the config's patterns do not name or whose dims it cannot give."""
-        inputs = {value.name: value for value in decoder.get_inputs()}
-        outputs = {value.name for value in decoder.get_outputs()}
-        patterns = [("past_key_names", "present_key_names", "past_key_values.%d.key", "present.%d.key"),
-                    ("past_value_names", "present_value_names", "past_key_values.%d.value", "present.%d.value"),
-                    ("past_conv_names", "present_conv_names", None, None)]
-        caches = []
-        for past_key, present_key, past_default, present_default in patterns:
-            past_pattern = self.inputs.get(past_key, past_default)
-            present_pattern = self.outputs.get(present_key, present_default)
-            if past_pattern is None or present_pattern is None:
+def _caches(genai: GenaiFolder, decoder: ort.InferenceSession) -> list[_Cache]:
+    """The decoder's cache inputs paired with their outputs, each with its empty (or window-sized) first value.
+    GenerateError for a cache input the config's patterns do not name or whose dims it cannot give."""
+    inputs = {value.name: value for value in decoder.get_inputs()}
+    outputs = {value.name for value in decoder.get_outputs()}
+    patterns = [("past_key_names", "present_key_names", "past_key_values.%d.key", "present.%d.key"),
+                ("past_value_names", "present_value_names", "past_key_values.%d.value", "present.%d.value"),
+                ("past_conv_names", "present_conv_names", None, None)]
+    caches = []
+    for past_key, present_key, past_default, present_default in patterns:
+        past_pattern = genai.inputs.get(past_key, past_default)
+        present_pattern = genai.outputs.get(present_key, present_default)
+        if past_pattern is None or present_pattern is None:
+            continue
+        for layer in range(genai.layers):
+            past, present = past_pattern % layer, present_pattern % layer
+            if past not in inputs:
                 continue
-            for layer in range(self.layers):
-                past, present = past_pattern % layer, present_pattern % layer
-                if past not in inputs:
-                    continue
-                if present not in outputs:
-                    raise GenerateError(f"{self.decoder_path}: input {past!r} has no output {present!r} "
-                                        f"({GENAI_CONFIG}'s {present_key})")
-                value = inputs.pop(past)
-                shape = self._initial_shape(value, layer, conv=past_key == "past_conv_names")
-                dtype = _NUMPY_TYPES.get(value.type)
-                if dtype is None:
-                    raise GenerateError(f"{self.decoder_path}: cache input {past!r} is {value.type}, expected "
-                                        f"float or float16")
-                caches.append(_Cache(past, present, shape, dtype))
-        known = {self.name("input_ids", "input_ids"), self.name("attention_mask", "attention_mask"),
-                 self.name("position_ids", "position_ids")}
-        unknown = sorted(set(inputs) - known)
-        if unknown:
-            raise GenerateError(f"{self.decoder_path}: inputs {unknown} are neither the token inputs nor a cache "
-                                f"that {GENAI_CONFIG} names")
-        return caches
+            if present not in outputs:
+                raise GenerateError(f"{genai.decoder_path}: input {past!r} has no output {present!r} "
+                                    f"({GENAI_CONFIG}'s {present_key})")
+            value = inputs.pop(past)
+            shape = _initial_shape(genai, value, layer, conv=past_key == "past_conv_names")
+            dtype = _NUMPY_TYPES.get(value.type)
+            if dtype is None:
+                raise GenerateError(f"{genai.decoder_path}: cache input {past!r} is {value.type}, expected "
+                                    f"float or float16")
+            caches.append(_Cache(past, present, shape, dtype))
+    known = {genai.name("input_ids", "input_ids"), genai.name("attention_mask", "attention_mask"),
+             genai.name("position_ids", "position_ids")}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise GenerateError(f"{genai.decoder_path}: inputs {unknown} are neither the token inputs nor a cache "
+                            f"that {GENAI_CONFIG} names")
+    return caches
 
-    def _initial_shape(self, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
-        shape = list(value.shape)
-        if not conv:
-            if len(shape) != 4:
-                raise GenerateError(f"{self.decoder_path}: cache input {value.name!r} has shape {shape}, expected "
-                                    f"[batch, kv_heads, past_length, head_size]")
-            window = self.window_size if layer in self.window_layers else None
-            symbolic = {1: self.kv_heads, 2: 0 if window is None else window, 3: self.head_size}
-            shape = [dim if isinstance(dim, int) else symbolic.get(axis, dim) for axis, dim in enumerate(shape)]
-        shape[0] = 1
-        if not all(isinstance(dim, int) for dim in shape):
-            raise GenerateError(f"{self.decoder_path}: cache input {value.name!r} has dims {value.shape} that "
-                                f"{GENAI_CONFIG} does not give")
-        return tuple(shape)
+
+def _initial_shape(genai: GenaiFolder, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
+    shape = list(value.shape)
+    if not conv:
+        if len(shape) != 4:
+            raise GenerateError(f"{genai.decoder_path}: cache input {value.name!r} has shape {shape}, expected "
+                                f"[batch, kv_heads, past_length, head_size]")
+        window = genai.window_size if layer in genai.window_layers else None
+        symbolic = {1: genai.kv_heads, 2: 0 if window is None else window, 3: genai.head_size}
+        shape = [dim if isinstance(dim, int) else symbolic.get(axis, dim) for axis, dim in enumerate(shape)]
+    shape[0] = 1
+    if not all(isinstance(dim, int) for dim in shape):
+        raise GenerateError(f"{genai.decoder_path}: cache input {value.name!r} has dims {value.shape} that "
+                            f"{GENAI_CONFIG} does not give")
+    return tuple(shape)
 
 
 def read_tokenizer(folder: Path, required: bool):
@@ -267,7 +233,7 @@ class _Decoder:
 
     def __init__(self, genai: GenaiFolder, decoder: ort.InferenceSession):
         self.genai, self.decoder = genai, decoder
-        self.caches = genai.caches(decoder)
+        self.caches = _caches(genai, decoder)
         inputs = {value.name for value in decoder.get_inputs()}
         self.input_ids = genai.name("input_ids", "input_ids")
         self.attention_mask = genai.name("attention_mask", "attention_mask")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,10 +20,10 @@ from ._ir import model_files
 from .check import check_model, read_valid, require_valid
 from .distributed.manifest import MANIFEST_NAME, Manifest, rank_file, source_fingerprint
 from .distributed.shard import ShardError, has_blocks, write_ranks
-from .generation import GENAI_CONFIG
+from .genai_folder import GenaiFolder, is_genai_folder
+from .ops import DOMAIN
 from .quantization import QuantizeReport, QuantizeSettings, measure_error, quantize_ir
 from .rewrite import OptimizeReport, optimize_ir
-from .runtime import custom_ops_library
 from .verify import DEFAULT_SIZES, VerifyResult, format_sizes, verify
 
 __all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file", "shard_file"]
@@ -95,7 +94,8 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     A ``source`` that is an onnxruntime-genai model folder (one holding ``genai_config.json``) makes
     ``destination`` a folder that onnxruntime-genai runs: the decoder that genai_config.json names, optimized,
     beside copies of the folder's other files and, when the model keeps moe_onnx ops, of our C++ library, which
-    genai_config.json then names as the decoder's ``custom_ops_library`` (:func:`write_genai_folder`).
+    genai_config.json then names as the decoder's ``custom_ops_library``
+    (:meth:`moe_onnx.genai_folder.GenaiFolder.copy_to`).
 
     Raises SameFileError when ``destination`` or its data file is a file the input reads (the
     weights are read from them lazily while the output is written);
@@ -103,20 +103,20 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     ``destination`` cannot be written (nothing is left there); ValueError for an unknown target.
     """
     say = progress or (lambda message: None)
-    genai_folder, genai_destination = None, None
-    if (Path(source) / GENAI_CONFIG).is_file():
-        genai_folder, genai_destination = Path(source), Path(destination)
-        source, destination = genai_decoder(genai_folder), genai_destination / genai_decoder(genai_folder).name
+    genai = GenaiFolder(source) if is_genai_folder(source) else None
+    if genai is not None:
+        genai_destination = Path(destination)
+        source, destination = genai.decoder_path, genai_destination / genai.decoder_path.name
     model = _load_input(source, destination, say)
-    if genai_folder is not None:  # once the input is known to be valid
+    if genai is not None:  # once the input is known to be valid
         model_files.output_directory(genai_destination)
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable,
                          compute=compute)
     say(f"saving {destination}")
     written = _save(model, destination, progress)
-    if genai_folder is not None:
-        say(f"copying the rest of the onnxruntime-genai folder {genai_folder}")
-        write_genai_folder(genai_folder, genai_destination, with_library=bool(report.our_ops_left()))
+    if genai is not None:
+        say(f"copying the rest of the onnxruntime-genai folder {genai.folder}")
+        genai.copy_to(genai_destination, destination, library=bool(report.our_ops_left()))
     result = OptimizeResult(report, check_model(written))
     if verify_backend is not None:
         say(f"verifying on the {verify_backend} backend at sizes {format_sizes(sizes)}")
@@ -160,16 +160,29 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at
     ``sizes`` and put the error of every output and every quantized layer in the report.
 
+    A ``source`` that is an onnxruntime-genai model folder makes ``destination`` a complete one, as
+    :func:`optimize_file` does: its decoder quantized, the folder's other files copied, our library copied and
+    named in genai_config.json.
+
     Raises what :func:`optimize_file` raises for the files, and
     :class:`moe_onnx.quantization.QuantizeError` for bad settings or a model with nothing to quantize
     (nothing is written then).
     """
     settings.check()
     say = progress or (lambda message: None)
+    genai = GenaiFolder(source) if is_genai_folder(source) else None
+    if genai is not None:
+        genai_destination = Path(destination)
+        source, destination = genai.decoder_path, genai_destination / genai.decoder_path.name
     model = _load_input(source, destination, say)
+    if genai is not None:
+        model_files.output_directory(genai_destination)
     report = quantize_ir(model, settings, progress=progress)
     say(f"saving {destination}")
     written = _save(model, destination, progress)
+    if genai is not None:
+        say(f"copying the rest of the onnxruntime-genai folder {genai.folder}")
+        genai.copy_to(genai_destination, destination, library=_has_our_ops(model))
     result = QuantizeResult(report, check_model(written))
     if measure and not result.problems:
         say(f"measuring the error on the {backend} backend at sizes {format_sizes(sizes)}")
@@ -218,54 +231,15 @@ def shard_file(source: str | os.PathLike, out_dir: str | os.PathLike, tp: int, e
     return manifest
 
 
+def _has_our_ops(model: ir.Model) -> bool:
+    return any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
 def _save(model: ir.Model, destination: str | os.PathLike, progress: Callable[[str], None] | None) -> Path:
     """Save ``model`` to ``destination`` (:func:`moe_onnx._ir.model_files.save`); returns the file written (the
     target of a symbolic link: its external data, named after it, lies beside it)."""
     model_files.save(model, destination, progress=progress)
     return model_files.output_file(destination)
-
-
-def genai_decoder(folder: Path) -> Path:
-    """The decoder model of the onnxruntime-genai folder ``folder`` (``model.decoder.filename`` of its
-    genai_config.json); ModelFileError when the folder has no such config."""
-    config_file = folder / GENAI_CONFIG
-    try:
-        config = json.loads(config_file.read_text())
-        return folder / config["model"]["decoder"]["filename"]
-    except OSError as error:
-        raise model_files.ModelFileError(f"{config_file}: cannot read it: {error.strerror or error}") from None
-    except (ValueError, KeyError, TypeError) as error:
-        raise model_files.ModelFileError(f"{config_file}: expected JSON with model.decoder.filename "
-                                         f"(onnxruntime-genai's config): {type(error).__name__}: {error}") from None
-
-
-def write_genai_folder(source: Path, destination: Path, with_library: bool) -> None:
-    """Complete the onnxruntime-genai folder ``destination``, whose decoder is written already: the other files
-    of ``source`` (tokenizer, configs; not the decoder and its data), and with ``with_library`` our C++ library,
-    named in genai_config.json as the decoder's ``session_options.custom_ops_library`` (onnxruntime-genai loads a
-    library only from inside the model folder)."""
-    decoder = genai_decoder(source)
-    skipped = {GENAI_CONFIG, decoder.name, model_files.data_file(decoder).name} | {
-        file.name for file in model_files.external_data_files(model_files.read_proto(decoder), source)}
-    try:
-        for file in sorted(source.iterdir()):
-            if file.is_file() and file.name not in skipped:
-                with model_files.replacing(destination / file.name) as copy:
-                    shutil.copyfile(file, copy)
-        config = json.loads((source / GENAI_CONFIG).read_text())
-        options = config["model"]["decoder"].setdefault("session_options", {})
-        if with_library:
-            library = Path(custom_ops_library())
-            with model_files.replacing(destination / library.name) as copy:
-                shutil.copyfile(library, copy)
-            options["custom_ops_library"] = library.name
-        else:
-            options.pop("custom_ops_library", None)
-        with model_files.replacing(destination / GENAI_CONFIG) as written:
-            written.write_text(json.dumps(config, indent=4) + "\n")
-    except OSError as error:
-        raise model_files.ModelFileError(f"{destination}: cannot write the onnxruntime-genai folder: "
-                                         f"{error.strerror or error}") from None
 
 
 def _load_input(source: str | os.PathLike, destination: str | os.PathLike, say: Callable[[str], None]) -> ir.Model:

@@ -29,8 +29,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from ._ir import model_files
-from ._ir.inference import ORT_DOMAIN
 from ._ir.builder import TapeBuilder, replace
+from ._ir.inference import ORT_DOMAIN
 from ._ir.nodes import attribute_value
 from ._ir.passes import RewritePass, RewriteResult, rewritten
 from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
@@ -50,14 +50,16 @@ from .ops.qmoe import (
     QUANT_MXFP4,
     SCALES,
     ZERO_POINTS,
+    StoredMxfp4,
     pack_codes,
     quantize as quantize_weight,
 )
 from .runtime import session
 from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
 
-__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped", "Quantize", "QuantizeError",
-           "QuantizeReport", "QuantizeSettings", "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
+__all__ = ["EmbeddingReport", "ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped",
+           "Quantize", "QuantizeError", "QuantizeReport", "QuantizeSettings", "keep_stored_mxfp4", "measure_error",
+           "mxfp4_exact", "quantize", "quantize_ir"]
 
 BITS = (4, 8)
 
@@ -74,7 +76,8 @@ class QuantizeSettings:
     ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked
     for; ``linears``: the other linear layers (MatMul and Gemm with a constant weight matrix) become
     com.microsoft::MatMulNBits too, with the same bits, block size (required: MatMulNBits has no per-column
-    scales) and zero points."""
+    scales) and zero points; ``embedding``: the token embedding table (a Gather of the token ids from a constant
+    matrix) becomes com.microsoft::GatherBlockQuantized with the same bits and block size (required)."""
 
     bits: int = 8
     block_size: int = 0
@@ -82,6 +85,7 @@ class QuantizeSettings:
     accuracy_level: int | None = None
     repack_mxfp4: bool = True
     linears: bool = False
+    embedding: bool = False
 
     def check(self) -> None:
         """QuantizeError naming the first setting out of range."""
@@ -97,6 +101,9 @@ class QuantizeSettings:
         if self.linears and block == 0:
             raise QuantizeError("linears: MatMulNBits quantizes in blocks along K; block_size 0 (per column) is "
                                 "not available: give a block size (a power of two in [16, 256])")
+        if self.embedding and block == 0:
+            raise QuantizeError("embedding: GatherBlockQuantized quantizes each row in blocks; block_size 0 (per "
+                                "column) is not available: give a block size (a power of two in [16, 256])")
 
     @property
     def level(self) -> int | None:
@@ -182,20 +189,27 @@ class _ExpertWeight:
         matrix = np.asarray(initializer_expert(self.value, e), dtype=np.float32)
         return matrix.T if self.transposed else matrix
 
+    @property
+    def stored_mxfp4(self) -> StoredMxfp4 | None:
+        """The initializer when it holds MXFP4 codes and scales as stored (a checkpoint's experts, read by
+        moe_onnx.export) in MOE's [E, K, N] layout, which QMOE's [E, N, K] transposes; else None."""
+        tensor = self.value.const_value
+        return tensor if self.transposed and isinstance(tensor, StoredMxfp4) else None
+
 
 class _QuantizedParts:
     """The QMOE inputs made from one weight (packed weight, scales[, zero points]), one expert at a
-    time: ``encode`` quantizes an expert's matrix into its parts, and each part's slice is kept until
-    that part's initializer takes it, so an expert is quantized once while the model is written."""
+    time: ``encode(e)`` gives expert ``e``'s parts, and each part's slice is kept until that part's
+    initializer takes it, so an expert is quantized once while the model is written."""
 
-    def __init__(self, weight: _ExpertWeight, encode: Callable[[np.ndarray], Sequence[np.ndarray | None]]):
-        self._weight, self._encode = weight, encode
+    def __init__(self, experts: int, encode: Callable[[int], Sequence[np.ndarray | None]]):
+        self._encode = encode
         first = self._encode_expert(0)  # the parts' shapes; kept for the writer
-        self.shapes = [None if part is None else (weight.shape[0], *part.shape) for part in first]
+        self.shapes = [None if part is None else (experts, *part.shape) for part in first]
         self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
 
     def _encode_expert(self, e: int) -> list[np.ndarray | None]:
-        return list(self._encode(self._weight.expert(e)))
+        return list(self._encode(e))
 
     def slice(self, part: int, e: int) -> np.ndarray:
         if e not in self._pending[part]:
@@ -228,9 +242,12 @@ class LayerReport(_QuantizedLayer):
     indices: str  # the node's router_topk_output_indices
     expert_type: str
     quant_type: str
+    stored: bool = False  # MXFP4 codes and scales taken as stored (a checkpoint's), not found by a scan
 
     def describe(self) -> str:
-        if self.quant_type == QUANT_MXFP4:
+        if self.stored:
+            how = "mxfp4 (the checkpoint's codes and scales, as stored)"
+        elif self.quant_type == QUANT_MXFP4:
             how = "mxfp4 (the weights are exactly MXFP4: repacked, not requantized)"
         else:
             block = "per column" if self.block_size == 0 else f"block {self.block_size}"
@@ -277,35 +294,46 @@ def _is_mxfp4(weights: Sequence[_ExpertWeight]) -> bool:
     return True
 
 
-def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], bool]:
-    """The node's weights and whether they are repacked as MXFP4; QuantizeError when the settings cannot
-    quantize them."""
+#: how a node's experts are stored in its QMOE: as the MXFP4 tensors hold them, repacked as exactly MXFP4, or
+#: quantized to int
+_STORED, _EXACT, _INT = "stored", "exact", "int"
+
+
+def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], str]:
+    """The node's weights and how they are stored (_STORED, _EXACT or _INT); QuantizeError when the settings
+    cannot quantize them."""
     weights = _expert_weights(node, graph)
-    mxfp4 = settings.repack_mxfp4 and _is_mxfp4(weights)
-    if not mxfp4:
-        _check_divides(node, weights, settings)
-    return weights, mxfp4
+    if settings.repack_mxfp4 and all(w.stored_mxfp4 is not None for w in weights):
+        return weights, _STORED
+    if settings.repack_mxfp4 and _is_mxfp4(weights):
+        return weights, _EXACT
+    _check_divides(node, weights, settings)
+    return weights, _INT
 
 
-def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], mxfp4: bool,
+def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], how: str,
                    settings: QuantizeSettings) -> LayerReport:
     """Replace MOE ``node`` by a QMOE with lazily quantized ``weights``; returns what was done."""
+    mxfp4 = how != _INT
     layer = LayerReport(
         node=node.name or node.outputs[0].name, output=node.outputs[0].name, routing_weights=node.inputs[1].name,
         indices=node.inputs[2].name, expert_type=node.attributes["expert_type"].as_string(),
         quant_type=QUANT_MXFP4 if mxfp4 else QUANT_INT, bits=4 if mxfp4 else settings.bits,
         block_size=MXFP4_BLOCK if mxfp4 else settings.block_size, zero_points=not mxfp4 and settings.zero_points,
         accuracy_level=settings.level_for(attribute_value(node, "accuracy_level", EXACT), mxfp4),
-        weight_bytes_before=0, weight_bytes_after=0)
+        weight_bytes_before=0, weight_bytes_after=0, stored=how == _STORED)
 
-    def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
-        if mxfp4:
-            return mxfp4_exact(matrix)
-        return quantize_weight(matrix, bits=layer.bits, block_size=layer.block_size, symmetric=not layer.zero_points)
+    def encoder(w: _ExpertWeight) -> Callable[[int], Sequence[np.ndarray | None]]:
+        if how == _STORED:
+            return lambda e: (*w.stored_mxfp4.mxfp4_expert(e), None)
+        if how == _EXACT:
+            return lambda e: mxfp4_exact(w.expert(e))
+        return lambda e: quantize_weight(w.expert(e), bits=layer.bits, block_size=layer.block_size,
+                                         symmetric=not layer.zero_points)
 
     inputs = list(node.inputs) + [None] * (len(signatures.QMOE.inputs) - len(node.inputs))
     for w in weights:
-        parts = _QuantizedParts(w, encode)
+        parts = _QuantizedParts(w.shape[0], encoder(w))
         positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
         for part, (position, shape) in enumerate(zip(positions, parts.shapes)):
             if shape is None:
@@ -474,12 +502,14 @@ class _LinearRows:
         self.shape = (-(-linear.n // _ROWS_PER_CHUNK), _ROWS_PER_CHUNK, self.padded_k)
 
     def expert(self, chunk: int) -> np.ndarray:
-        rows = slice(chunk * _ROWS_PER_CHUNK, (chunk + 1) * _ROWS_PER_CHUNK)
-        whole = self._linear.weight.array()
-        matrix = np.zeros((len(range(self._linear.n)[rows]), self.padded_k), np.float32)
-        matrix[:, :self._linear.k] = whole[rows] if self._linear.transposed else whole[:, rows].T
-        del whole  # a view of the memory-mapped source, which is unmapped next
-        release_external([self._linear.weight.source])
+        start = chunk * _ROWS_PER_CHUNK
+        stop = min(self._linear.n, start + _ROWS_PER_CHUNK)
+        weight = self._linear.weight
+        matrix = np.zeros((stop - start, self.padded_k), np.float32)
+        # the chunk's rows alone: a view of a memory-mapped source (unmapped next), or a lazy source's range
+        matrix[:, :self._linear.k] = weight.rows(0, start, stop) if self._linear.transposed else \
+            weight.rows(1, start, stop).T
+        release_external([weight.source])
         return matrix
 
 
@@ -498,20 +528,23 @@ def _row_slices(parts: _QuantizedParts, part: int) -> Callable[[int], np.ndarray
     return row
 
 
-def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSettings) -> list[ir.Value | None]:
+def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSettings, *,
+                         rows_shape: bool = False) -> list[ir.Value | None]:
     """MatMulNBits' initializers for ``linear``'s weight, computed while the model is written: B [N, blocks,
-    block_size * bits / 8] uint8, scales [N, blocks] of the weight's type, zero points [N, ceil(blocks * bits
-    / 8)] uint8 (None when symmetric), packed low bits first as QMOE's."""
+    block_size * bits / 8] uint8 (with ``rows_shape``, GatherBlockQuantized's [N, blocks * block_size * bits / 8]),
+    scales [N, blocks] of the weight's type, zero points [N, ceil(blocks * bits / 8)] uint8 (None when
+    symmetric), packed low bits first as QMOE's."""
     rows = _LinearRows(linear, settings.block_size)
     blob = settings.block_size * settings.bits // 8
+    row_shape = (rows.blocks * blob,) if rows_shape else (rows.blocks, blob)
 
     def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
         packed, scales, zero_points = quantize_weight(matrix, bits=settings.bits, block_size=settings.block_size,
                                                       symmetric=not settings.zero_points)
-        return packed.reshape(len(matrix), rows.blocks, blob), scales, zero_points
+        return packed.reshape(len(matrix), *row_shape), scales, zero_points
 
-    parts = _QuantizedParts(rows, encode)
-    shapes = [(linear.n, rows.blocks, blob), (linear.n, rows.blocks),
+    parts = _QuantizedParts(rows.shape[0], lambda chunk: encode(rows.expert(chunk)))
+    shapes = [(linear.n, *row_shape), (linear.n, rows.blocks),
               (linear.n, -(-rows.blocks * settings.bits // 8)) if settings.zero_points else None]
     dtypes = [ir.DataType.UINT8, linear.weight.dtype, ir.DataType.UINT8]
     return [None if shape is None else streamed_initializer(
@@ -547,6 +580,77 @@ def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: Qua
         matmul = op.MatMulNBits(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, K=linear.k, N=linear.n,
                                 bits=settings.bits, block_size=settings.block_size, accuracy_level=settings.level)
         replace(node, matmul, op)
+    return reports
+
+
+# ----------------------------------------------------------------------------- the token embedding
+
+@dataclasses.dataclass
+class EmbeddingReport(_QuantizedLayer):
+    """The token embedding's Gather made a com.microsoft::GatherBlockQuantized: its table's bytes before and
+    after; ``float_kept``: another node reads the float table too (an lm_head tied to it, left float)."""
+
+    vocabulary: int
+    hidden: int
+    float_kept: bool = False
+
+    def describe(self) -> str:
+        kept = " (the float table stays for its other readers: quantize them too with --linears)" \
+            if self.float_kept else ""
+        return (f"{self.node}: embedding [{self.vocabulary}, {self.hidden}] -> GatherBlockQuantized int{self.bits} "
+                f"block {self.block_size}, {self.weight_bytes_before:,} -> {self.weight_bytes_after:,} bytes{kept}")
+
+
+def _embeddings(graph: ir.Graph, settings: QuantizeSettings) -> tuple[list[_Linear], list[LinearSkipped]]:
+    """The main graph's token embeddings: Gathers on axis 0 of a graph input's integer ids from a constant float
+    matrix [vocabulary, hidden] (an initializer, possibly behind layout ops), as linears whose weight is [N, K] =
+    [vocabulary, hidden]; and those left float, with the reason."""
+    found, skipped = [], []
+    inputs = set(graph.inputs)
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type != "Gather" or node.inputs[1] not in inputs \
+                or node.attributes.get_int("axis", 0) != 0:
+            continue
+        table = constant_weight(node.inputs[0])
+        if table is None or len(table.shape) != 2 or graph.initializers.get(table.source.name) is not table.source:
+            continue
+        linear = _Linear(node, table, transposed=True)
+        name = node.name or node.outputs[0].name
+        if table.dtype not in _LINEAR_TYPES:
+            skipped.append(LinearSkipped(name, table.source.name, f"its table is {table.dtype.name.lower()} "
+                                         "(GatherBlockQuantized's CPU kernel takes float32 or float16 scales)"))
+        elif linear.k % settings.block_size:
+            skipped.append(LinearSkipped(name, table.source.name, f"hidden size {linear.k} is not a multiple of the "
+                                         f"block size {settings.block_size}"))
+        else:
+            found.append(linear)
+    return found, skipped
+
+
+def _quantize_embeddings(graph: ir.Graph, tables: Sequence[_Linear], settings: QuantizeSettings
+                         ) -> list[EmbeddingReport]:
+    """Replace each embedding Gather by a com.microsoft::GatherBlockQuantized of its table quantized along the
+    hidden axis (gather_axis 0, quantize_axis 1; MatMulNBits' packing: the data [vocabulary, hidden * bits / 8],
+    scales [vocabulary, hidden / block_size], zero points 2^(bits-1) when symmetric)."""
+    reports = []
+    for table in tables:
+        node = table.node
+        packed, scales, zero_points = _linear_initializers(graph, table, settings, rows_shape=True)
+        report = EmbeddingReport(node=node.name or node.outputs[0].name, output=node.outputs[0].name,
+                                 bits=settings.bits, block_size=settings.block_size,
+                                 zero_points=settings.zero_points, accuracy_level=EXACT,
+                                 weight_bytes_before=table.weight.source.const_value.nbytes,
+                                 weight_bytes_after=sum(math.prod(v.shape.numpy()) * int(v.dtype.itemsize)
+                                                        for v in (packed, scales, zero_points) if v is not None),
+                                 vocabulary=table.n, hidden=table.k)
+        inputs = [packed, node.inputs[1], scales, zero_points]
+        while inputs[-1] is None:
+            inputs.pop()
+        op = TapeBuilder()
+        gathered = op.GatherBlockQuantized(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, gather_axis=0,
+                                           quantize_axis=1, block_size=settings.block_size, bits=settings.bits)
+        replace(node, gathered, op)
+        reports.append(report)
     return reports
 
 
@@ -593,6 +697,8 @@ class QuantizeReport:
     error: ErrorReport | None = None
     linears: list[LinearReport] = dataclasses.field(default_factory=list)
     linears_float: list[LinearSkipped] = dataclasses.field(default_factory=list)
+    embeddings: list[EmbeddingReport] = dataclasses.field(default_factory=list)
+    embeddings_float: list[LinearSkipped] = dataclasses.field(default_factory=list)
 
     @property
     def weight_bytes_before(self) -> int:
@@ -616,6 +722,12 @@ class QuantizeReport:
             lines += [f"  {linear.describe()}" for linear in self.linears]
             lines += [f"  left float: {skipped.node} (weight {skipped.weight}): {skipped.reason}"
                       for skipped in self.linears_float]
+        if self.settings.embedding:
+            lines.append(f"quantize: {len(self.embeddings)} token embedding"
+                         f"{'s' if len(self.embeddings) != 1 else ''} -> com.microsoft::GatherBlockQuantized")
+            lines += [f"  {embedding.describe()}" for embedding in self.embeddings]
+            lines += [f"  left float: {skipped.node} (table {skipped.weight}): {skipped.reason}"
+                      for skipped in self.embeddings_float]
         lines += [f"  note: {note}" for note in self.notes]
         before, after = self.weight_bytes_before, self.weight_bytes_after
         if experts:
@@ -665,23 +777,22 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     nested = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_moe(node)
               and node.graph is not model.graph]
     linears, left_float = _plan_linears(model.graph, settings) if settings.linears else ([], [])
-    if not nodes and not linears:
-        if settings.linears:
-            why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
-            raise QuantizeError("the model has no MOE node and no linear layer (MatMul or Gemm with a constant "
-                                f"weight matrix) to quantize{why}")
-        raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
-                            "model fused by `moe-onnx optimize` (target moe): run that first")
+    tables, tables_float = _embeddings(model.graph, settings) if settings.embedding else ([], [])
+    if not nodes and not linears and not tables:
+        raise QuantizeError(_nothing_to_quantize(model.graph, settings, left_float + tables_float))
     if nodes:
-        say("reading the expert weights")
+        say(f"planning {len(nodes)} MOE node{'s' if len(nodes) != 1 else ''} (their weights are quantized as they "
+            "are written)")
     plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
-    report = QuantizeReport(settings, [], linears_float=left_float)
-    for node, weights, mxfp4 in plans:
-        say(f"quantizing MOE node '{node.name}'")
-        report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    report = QuantizeReport(settings, [], linears_float=left_float, embeddings_float=tables_float)
+    for node, weights, how in plans:
+        report.layers.append(_quantize_node(model.graph, node, weights, how, settings))
     if linears:
-        say(f"quantizing {len(linears)} linear layers")
+        say(f"planning {len(linears)} linear layers")
         report.linears = _quantize_linears(model.graph, linears, settings)
+    if tables:
+        report.embeddings = _quantize_embeddings(model.graph, tables, settings)
+    if linears or tables:
         model.opset_imports.setdefault(ORT_DOMAIN, 1)
     if nested:
         report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
@@ -691,15 +802,15 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
         report.notes.append(f"accuracy_level {settings.level} does not apply to the MXFP4 nodes "
                             f"({', '.join(repacked)}): they keep their MOE's")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
-    for linear, report_line in zip(linears, report.linears):
+    for linear, report_line in (*zip(linears, report.linears), *zip(tables, report.embeddings)):
         report_line.float_kept = linear.weight.source.name in model.graph.initializers
     return report
 
 
 class Quantize(RewritePass):
-    """:func:`quantize_ir` as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``): the MOE nodes made QMOE and
-    the linears made MatMulNBits as rewrites, the linears left float as near-misses; the whole
-    :class:`QuantizeReport` in ``report`` once it ran."""
+    """:func:`quantize_ir` as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``): the MOE nodes made QMOE, the
+    linears made MatMulNBits and the embedding made GatherBlockQuantized as rewrites, those left float as
+    near-misses; the whole :class:`QuantizeReport` in ``report`` once it ran."""
 
     def __init__(self, settings: QuantizeSettings, progress: Callable[[str], None] | None = None) -> None:
         self.settings, self.progress = settings, progress
@@ -707,9 +818,49 @@ class Quantize(RewritePass):
 
     def call(self, model: ir.Model) -> RewriteResult:
         self.report = report = quantize_ir(model, self.settings, self.progress)
-        skipped = [{"rule": "MatMulNBits", "node": line.node, "reason": line.reason} for line in report.linears_float]
-        return rewritten(model, {"QMOE": len(report.layers), "MatMulNBits": len(report.linears)},
+        skipped = [{"rule": rule, "node": line.node, "reason": line.reason}
+                   for rule, lines in (("MatMulNBits", report.linears_float),
+                                       ("GatherBlockQuantized", report.embeddings_float)) for line in lines]
+        return rewritten(model, {"QMOE": len(report.layers), "MatMulNBits": len(report.linears),
+                                 "GatherBlockQuantized": len(report.embeddings)},
                          near_misses=skipped, notes=report.notes)
+
+
+def _nothing_to_quantize(graph: ir.Graph, settings: QuantizeSettings, left_float: Sequence[LinearSkipped]) -> str:
+    """Why a model has nothing to quantize: its experts are QMOE already (quantized before), or it is not fused;
+    and with --linears or --embedding, what stayed float."""
+    quantized = [node for node in graph if node.domain == DOMAIN and node.op_type == "QMOE"]
+    asked = " and ".join(what for what, on in (("no linear layer (MatMul or Gemm with a constant weight matrix)",
+                                                settings.linears),
+                                               ("no token embedding (a Gather of the token ids from a constant "
+                                                "table)", settings.embedding)) if on)
+    why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
+    if quantized:
+        kinds = sorted({f"{attribute_value(n, 'quant_type', QUANT_INT)} {attribute_value(n, 'bits', 0)}-bit"
+                        for n in quantized})
+        more = f"; {asked} to quantize{why}" if asked else (
+            ": nothing is left to quantize (--linears and --embedding quantize the other layers)")
+        return (f"the model's {len(quantized)} expert block{'s are' if len(quantized) != 1 else ' is'} quantized "
+                f"already (QMOE, {', '.join(kinds)}){more}")
+    if asked:
+        return f"the model has no MOE node and {asked} to quantize{why}"
+    return ("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a model fused by "
+            "`moe-onnx optimize` (target moe): run that first")
+
+
+def keep_stored_mxfp4(model: ir.Model) -> list[LayerReport]:
+    """Every MOE node of ``model``'s main graph whose expert weights all hold MXFP4 as stored (a checkpoint's
+    experts, read by moe_onnx.export) becomes a QMOE of quant_type mxfp4 with those codes and scales, bit for
+    bit (never widened); the other nodes stay as they are. Returns what was done, node by node."""
+    settings = QuantizeSettings(bits=4)
+    layers = []
+    for node in [node for node in model.graph if _is_moe(node)]:
+        weights = _expert_weights(node, model.graph)
+        if all(w.stored_mxfp4 is not None for w in weights):
+            layers.append(_quantize_node(model.graph, node, weights, _STORED, settings))
+    if layers:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return layers
 
 
 def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",

@@ -416,6 +416,20 @@ def test_cli_bad_settings_exit_2_and_write_nothing(argv, message, tmp_path, caps
     assert message in capsys.readouterr().err and not out.exists()
 
 
+def test_a_quantized_model_says_so(tmp_path, capsys):
+    """Quantizing a model whose experts are QMOE already says so (not "run optimize first"), and what else
+    --linears would quantize."""
+    source, out = tmp_path / "fused.onnx", tmp_path / "q.onnx"
+    onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
+    assert main(["quantize", str(source), "-o", str(out), "--bits", "8", "--no-measure"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", str(out), "-o", str(tmp_path / "qq.onnx"), "--bits", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (  # after the progress lines
+        "moe-onnx quantize: the model's 1 expert block is quantized already (QMOE, int 8-bit): nothing is left to "
+        "quantize (--linears and --embedding quantize the other layers)")
+    assert not (tmp_path / "qq.onnx").exists()
+
+
 def test_cli_unfused_model_exit_2(tmp_path, capsys):
     out = tmp_path / "q.onnx"
     assert main(["quantize", str(FIXTURES / "mixtral_batched_mm_small.onnx"), "-o", str(out), "--bits", "8"]) == 2

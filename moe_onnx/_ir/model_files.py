@@ -21,6 +21,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from .graph import graphs
+from .progress import counter
 
 #: models whose weights exceed this are written with external data (protobuf's limit is 2 GB)
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -231,28 +232,28 @@ def data_file(path: str | os.PathLike) -> Path:
     return Path(f"{path}.data")
 
 
-def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], None] | None = None) -> None:
-    """Write a model; with external data (:func:`data_file`) when its weights are large or already
-    external. Lazy tensors are computed one at a time as they are written. The files are written through
-    :func:`replacing`: a failed write leaves no partial file; a symbolic link is written through. Raises
-    OutputPathError for a path that is not a regular file, ModelFileError naming ``path`` when it cannot be
-    written."""
+def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], None] | None = None, *,
+         external_data: bool = False) -> None:
+    """Write a model; with external data (:func:`data_file`) when asked, when its weights are large or when they
+    are already external. Lazy tensors are computed one at a time as they are written (with external data: never
+    held all at once). The files are written through :func:`replacing`: a failed write leaves no partial file; a
+    symbolic link is written through. Raises OutputPathError for a path that is not a regular file,
+    ModelFileError naming ``path`` when it cannot be written."""
     with replacing(path, with_data=True) as staged:
-        _write(model, staged, progress)
+        _write(model, staged, progress, external_data)
 
 
-def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None) -> None:
+def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None, external_data: bool) -> None:
     """Write the model to ``path`` (and its external data beside it)."""
-    external = any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    external = external_data or any(isinstance(v.const_value, ir.ExternalTensor)
+                                    for v in model.graph.initializers.values())
     if not external and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
         ir.save(model, path)
         return
-    step = 0
+    advance = counter(progress, "writing the weights", weight_bytes(model), "bytes")
 
-    def report(tensor, info) -> None:
-        nonlocal step
-        step += 1
-        if progress and (step == info.total or step % max(1, info.total // 20) == 0):
-            progress(f"  wrote {step}/{info.total} tensors")
+    def report(tensor, info) -> None:  # called as each tensor starts: the bytes before it are written
+        advance(info.offset)
 
     ir.save(model, path, external_data=data_file(path).name, callback=report, max_workers=1)
+    advance(weight_bytes(model))

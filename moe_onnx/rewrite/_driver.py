@@ -16,6 +16,7 @@ from onnxscript.rewriter._basics import MatchInfo  # pinned onnxscript 0.7 (pypr
 from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
 from .._ir.passes import RewritePass, RewriteResult, rewritten
+from .._ir.weights import sliced_as_references
 from ..check import read_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
@@ -184,7 +185,9 @@ class InferShapes(RewritePass):
     stage = "shape inference"
 
     def call(self, model: ir.Model) -> RewriteResult:
-        inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
+        with sliced_as_references(model):
+            proto = ir.serde.serialize_model(model)
+        inferred = infer_shapes(proto, data_prop=True)
         known = {info.name: info for info in inferred.graph.value_info}
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
             for value in node.outputs:
