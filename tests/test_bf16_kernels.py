@@ -34,7 +34,9 @@ from cases import moe as moe_cases
 from cases import qmoe as qmoe_cases
 from cases import row_parallel_linear as linear_cases
 
-pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
+# each kernel path runs in a child process (the ISA table is filled once); the module's tests share those children's
+# results (module fixtures), so one xdist worker runs them all (pyproject's --dist loadgroup) and they run once
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("bf16_kernels")]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_BOUND = 6 * 2.0**-9  # MOE/QMOE: the largest |error| relative to the largest |output| (three bf16 roundings)

@@ -32,7 +32,9 @@ from cases.moe import GEMM2, GEMM2_ACT, GEMM3
 
 from moe_onnx.runtime import kernel_report
 
-pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
+# each kernel path runs in a child process (the ISA table is filled once); the module's tests share those children's
+# results (module fixtures), so one xdist worker runs them all (pyproject's --dist loadgroup) and they run once
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("int8_amx")]
 
 ROWS = (0, 1, 7, 8, 16, 17, 33)  # rows per expert
 
