@@ -7,11 +7,10 @@ quantized form equals `moe-onnx quantize` of the float one."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -23,6 +22,7 @@ from onnx import numpy_helper
 import moe_onnx
 from decoders import assert_generates_reference, genai_config, genai_tokens
 from moe_onnx.cli import main as cli
+from moe_onnx.export import export_checkpoint
 from moe_onnx._ir.weights import WRITE_CHUNK_BYTES
 from moe_onnx.export.checkpoint import Checkpoint, CheckpointError, StoredSource, TensorSpec, write_safetensors
 from moe_onnx.genai_folder import GenaiFolder
@@ -30,6 +30,7 @@ from moe_onnx.ops import signatures
 from moe_onnx.ops.qmoe import E2M1_VALUES
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "shipped"
+QUICK_START = SHIPPED.parent / "checkpoints" / "qwen3_moe"
 NAMES = sorted(folder.name for folder in SHIPPED.iterdir())
 #: each fixture's experts once exported (QMOE mxfp4: the checkpoint's codes and scales)
 EXPERT_OPS = {"gpt_oss_mxfp4": ["MoeGatingTopK", "MoeGatingTopK", "QMOE", "QMOE"]}
@@ -275,71 +276,77 @@ def test_quantized_export_is_quantize_of_the_float_export(exported, tmp_path):
         np.testing.assert_array_equal(mine[tensor_name], array, err_msg=tensor_name)
 
 
-#: an export in a fresh process: its peak resident memory (VmHWM, anonymous + file-backed) above what the process
-#: holds after importing torch, transformers and moe_onnx and exporting a tiny model once (GPT-OSS's MXFP4 checkpoint,
-#: with accelerate hidden: the export extra reads the shipped formats without it)
-_MEASURE_EXPORT = """
-import json, sys
-sys.modules["accelerate"] = None  # not importable, and not found by transformers' availability checks
-from pathlib import Path
-from moe_onnx.export import export_checkpoint
-
-def status_mib(key):
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-
-assert export_checkpoint(sys.argv[3], Path(sys.argv[2]) / "warm").stored_mxfp4  # QMOE mxfp4 as stored
-resident = status_mib("VmRSS")
-Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
-export_checkpoint(sys.argv[1], Path(sys.argv[2]) / "out", *sys.argv[4:5])
-print(json.dumps({"grown": status_mib("VmHWM") - resident}))
-"""
+#: glibc's mallopt parameter: allocations from this size up are mapped and unmapped on their own (not kept in the
+#: heap once freed), so that the resident peak measures what is held
+_M_MMAP_THRESHOLD = -3
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
-@_NEEDS_TORCH
-def test_export_holds_a_few_tensors_not_the_model(tmp_path):
-    """The export streams: exporting a checkpoint of 194 MiB (2 layers of 32 bfloat16 experts of 512 x 1024; written
-    here tensor by tensor, no torch) at fp32 (twice its size written) grows the peak resident memory by the graph and
-    a few chunks of the writer (WRITE_CHUNK_BYTES: 16 MiB), whatever the checkpoint's size: here under half of it,
-    where loading the model would hold it twice. The process first exports GPT-OSS's MXFP4 checkpoint without
-    accelerate (which transformers needs to read MXFP4 itself)."""
-    checkpoint = tmp_path / "checkpoint"
-    checkpoint.mkdir()
-    config = dict(model_type="qwen3_moe", hidden_size=512, moe_intermediate_size=1024, intermediate_size=64,
-                  num_experts=32, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, vocab_size=96, max_position_embeddings=256,
+def _peak_growth_mib(work: Callable[[], object]) -> float:
+    """How far this process's peak resident memory (VmHWM, anonymous + file-backed) rises above its resident
+    memory while ``work()`` runs, in MiB."""
+    def status_mib(key: str) -> float:
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key + ":"))
+        return int(line.split()[1]) / 1024
+
+    libc = ctypes.CDLL(None)
+    libc.mallopt(_M_MMAP_THRESHOLD, 64 << 10)
+    try:
+        resident = status_mib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
+        work()
+        return status_mib("VmHWM") - resident
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold
+
+
+def _one_layer_qwen3_moe(folder: Path, hidden: int, inter: int, experts: int) -> None:
+    """A Qwen3-MoE checkpoint of one layer (the trace's cost grows with the layers, the data with the experts) with
+    bfloat16 weights of magnitudes in [2^-9, 2^-5), written tensor by tensor (no torch)."""
+    folder.mkdir()
+    heads, kv_heads, head_dim, vocab = 4, 2, 32, 96
+    config = dict(model_type="qwen3_moe", hidden_size=hidden, moe_intermediate_size=inter, intermediate_size=64,
+                  num_experts=experts, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=256,
                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
 
     def random(shape):
         generator = np.random.default_rng(sum(shape))
-        return TensorSpec(shape, np.dtype(ml_dtypes.bfloat16),
-                          lambda start, stop: (generator.standard_normal((stop - start, *shape[1:]), np.float32)
-                                               * 0.02).astype(ml_dtypes.bfloat16))
+        return TensorSpec(shape, np.dtype(ml_dtypes.bfloat16), lambda start, stop: generator.integers(
+            0x3B00, 0x3D00, (stop - start, *shape[1:]), dtype=np.uint16).view(ml_dtypes.bfloat16))
 
-    tensors = {"model.embed_tokens.weight": random((96, 512)), "lm_head.weight": random((96, 512)),
-               "model.norm.weight": random((512,))}
-    for layer in range(2):  # the trace's cost grows with the layers, the data with the experts
-        prefix = f"model.layers.{layer}"
-        for name, shape in (("self_attn.q_proj.weight", (128, 512)), ("self_attn.k_proj.weight", (64, 512)),
-                            ("self_attn.v_proj.weight", (64, 512)), ("self_attn.o_proj.weight", (512, 128)),
-                            ("self_attn.q_norm.weight", (32,)), ("self_attn.k_norm.weight", (32,)),
-                            ("input_layernorm.weight", (512,)), ("post_attention_layernorm.weight", (512,)),
-                            ("mlp.gate.weight", (32, 512))):
-            tensors[f"{prefix}.{name}"] = random(shape)
-        for expert in range(32):
-            for name, shape in (("gate_proj", (1024, 512)), ("up_proj", (1024, 512)), ("down_proj", (512, 1024))):
-                tensors[f"{prefix}.mlp.experts.{expert}.{name}.weight"] = random(shape)
-    write_safetensors(checkpoint / "model.safetensors", tensors)
+    tensors = {"model.embed_tokens.weight": random((vocab, hidden)), "lm_head.weight": random((vocab, hidden)),
+               "model.norm.weight": random((hidden,))}
+    for name, shape in (("self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                        ("self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+                        ("self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+                        ("self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                        ("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,)),
+                        ("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,)),
+                        ("mlp.gate.weight", (experts, hidden))):
+        tensors[f"model.layers.0.{name}"] = random(shape)
+    for expert in range(experts):
+        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                            ("down_proj", (hidden, inter))):
+            tensors[f"model.layers.0.mlp.experts.{expert}.{name}.weight"] = random(shape)
+    write_safetensors(folder / "model.safetensors", tensors)
+
+
+@pytest.mark.slow
+@_NEEDS_TORCH
+@pytest.mark.xdist_group("export")
+def test_export_holds_a_few_tensors_not_the_model(exported, tmp_path):
+    """The export streams: exporting a checkpoint of 194 MiB (1 layer of 64 bfloat16 experts of 512 x 1024) at fp32
+    (twice its size written) grows the peak resident memory by the graph and a few chunks of the writer
+    (WRITE_CHUNK_BYTES: 16 MiB), whatever the checkpoint's size: here under half of it, where loading the model
+    would hold it twice. Measured in this process after a first export of the same family (the quick start's,
+    shared with the other export tests), which loads torch's exporter."""
+    exported(QUICK_START)
+    checkpoint = tmp_path / "checkpoint"
+    _one_layer_qwen3_moe(checkpoint, hidden=512, inter=1024, experts=64)
     checkpoint_mib = (checkpoint / "model.safetensors").stat().st_size / 2**20
-    done = subprocess.run([sys.executable, "-c", _MEASURE_EXPORT, str(checkpoint), str(tmp_path),
-                           str(SHIPPED / "gpt_oss_mxfp4" / "checkpoint")], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    grown = json.loads(done.stdout.strip().splitlines()[-1])["grown"]
+    grown = _peak_growth_mib(lambda: export_checkpoint(checkpoint, tmp_path / "out"))
     assert (tmp_path / "out" / "model.onnx.data").stat().st_size > 1.9 * checkpoint_mib * 2**20
     # the traced graph (~2 chunks here), and a chunk being written with the tensors it is made from
     bound = 6 * WRITE_CHUNK_BYTES / 2**20
