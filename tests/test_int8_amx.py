@@ -169,6 +169,7 @@ def test_hardware_gives_the_bits_of_the_kernels_it_replaces(without_amx, tmp_pat
     assert_same_bits(hardware, without_amx(""))
 
 
+@pytest.mark.slow  # the portable level's child process
 def test_level_4_bits_at_every_level(without_amx):
     """Level 4 (activations quantized, dots, scales) gives the same bits on the portable kernels and
     this CPU's best (the activation between the GEMMs exact); int8 too."""
