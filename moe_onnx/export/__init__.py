@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -116,7 +115,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             quantize.check()
         except QuantizeError as error:
             raise ExportError(str(error)) from None
-    config = _read_json(checkpoint / "config.json")
+    config = model_files.read_json(checkpoint / "config.json").data
     family = FAMILIES.get(config.get("model_type"))
     if config.get("model_type") in REFUSED:
         raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
@@ -158,7 +157,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _fold(graph)
         _tidy(graph, _torch.dim_names([v.name for v in graph.graph.inputs], [v.name for v in graph.graph.outputs],
                                       last_logits))
-        generation = _read_json(checkpoint / "generation_config.json") if (
+        generation = model_files.read_json(checkpoint / "generation_config.json").data if (
             checkpoint / "generation_config.json").is_file() else {}
         genai = new_config(config, generation, family.genai_type, DECODER, cache)
         report, stored, quantized = None, [], None
@@ -227,12 +226,3 @@ def _attempt(what: str, function: Callable, *args):
             cause = cause.__cause__
         first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
         raise ExportFailure(f"{what}: {type(cause).__name__}: {first}") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise model_files.ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
-    except ValueError as error:
-        raise model_files.ModelFileError(f"{path}: expected JSON: {error}") from None
