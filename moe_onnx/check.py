@@ -93,12 +93,13 @@ def _problems(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], lis
     else:
         checkable = path if path is not None and checked is proto else _without_external_data(checked)
     proto = with_runtime_domains(proto)[0]
+    inferred, inference_error = _infer_strictly(proto)  # the one inference of a valid model
     problems = (_check_opset(proto) + _check_declared_sizes(proto) + _check_registered(proto)
-                + _check_our_nodes(proto, base_dir))
+                + _check_our_nodes(inferred or _infer_leniently(proto), base_dir))
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
         return problems, []
     structural = _check_structure(checkable)
-    return (structural, []) if structural else _check_full(proto)
+    return (structural, []) if structural else _check_full(proto, inference_error)
 
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
@@ -190,11 +191,25 @@ def _too_large(shape: Sequence[Dim] | None, elem_type: int) -> str | None:
     return None
 
 
-def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
+def _infer_strictly(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, ShapeInferenceError | None]:
+    """Strict shape inference with type checks, standard ops included: the model inferred, or its error."""
     try:
-        inferred = infer_shapes(model, strict_mode=False)
-    except ShapeInferenceError:  # inference is best effort here; _check_full reports its errors
-        inferred = model
+        return infer_shapes(proto, strict_mode=True, check_type=True), None
+    except ShapeInferenceError as error:
+        return None, error
+
+
+def _infer_leniently(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """What inference finds of a model strict inference fails on (the model itself where it finds nothing): the
+    types our nodes' checks read."""
+    try:
+        return infer_shapes(proto, strict_mode=False)
+    except ShapeInferenceError:  # best effort here; _check_full reports the strict error
+        return proto
+
+
+def _check_our_nodes(inferred: onnx.ModelProto, base_dir: str) -> list[str]:
+    """The problems of our nodes in ``inferred`` (the model with the types inference found)."""
     problems = []
     for node, scope in walk(inferred.graph):
         if node.domain != DOMAIN:
@@ -227,21 +242,19 @@ def _check_arity(op, node: onnx.NodeProto) -> list[str]:
     return []  # attribute names and types: the op's own check (check_node_attributes)
 
 
-def _check_full(proto: onnx.ModelProto) -> tuple[list[str], list[str]]:
-    """Strict shape inference with type checks, standard ops included (what the full checker adds
-    to the structural check, which has run already). A value_info shape that differs from the one inferred is a
-    defect onnxruntime tolerates (it warns and merges them leniently: Graph::InferAndVerifyTypeMatch), so when
-    inference passes without the value_info shapes (their element types kept; the graphs' inputs and outputs
-    keep theirs), onnx's complaint is a note, not a problem."""
+def _check_full(proto: onnx.ModelProto, error: ShapeInferenceError | None) -> tuple[list[str], list[str]]:
+    """What the full checker adds to the structural check, which has run already: the ``error`` of strict shape
+    inference with type checks (:func:`_infer_strictly`), if any. A value_info shape that differs from the one
+    inferred is a defect onnxruntime tolerates (it warns and merges them leniently:
+    Graph::InferAndVerifyTypeMatch), so when inference passes without the value_info shapes (their element types
+    kept; the graphs' inputs and outputs keep theirs), onnx's complaint is a note, not a problem."""
+    if error is None:
+        return [], []
     try:
-        infer_shapes(proto, strict_mode=True, check_type=True)
-    except ShapeInferenceError as error:
-        try:
-            infer_shapes(_without_declared_shapes(proto), strict_mode=True, check_type=True)
-        except ShapeInferenceError as undeclared_error:
-            return [str(undeclared_error)], []
-        return [], [f"a declared shape differs from the inferred one, which onnxruntime tolerates (it warns): {error}"]
-    return [], []
+        infer_shapes(_without_declared_shapes(proto), strict_mode=True, check_type=True)
+    except ShapeInferenceError as undeclared_error:
+        return [str(undeclared_error)], []
+    return [], [f"a declared shape differs from the inferred one, which onnxruntime tolerates (it warns): {error}"]
 
 
 def _without_declared_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
