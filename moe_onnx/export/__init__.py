@@ -22,9 +22,16 @@ import onnx_ir as ir
 from .._ir import model_files
 from ..check import check_model
 from ..genai_folder import copy_tokenizer, new_config, write_config
-from ..pipeline import OptimizeResult
-from ..quantization import LayerReport, QuantizeError, QuantizeReport, QuantizeSettings, keep_stored_mxfp4, quantize_ir
+from ..pipeline.optimize import OptimizeResult
 from ..rewrite import optimize_ir
+from ..rewrite.quantize import (
+    LayerReport,
+    Quantize,
+    QuantizeError,
+    QuantizeReport,
+    QuantizeSettings,
+    keep_stored_mxfp4,
+)
 from .checkpoint import FORMATS, Checkpoint, CheckpointError, quant_method
 from .families import FAMILIES, REFUSED, ExportFamily
 from .initializers import CheckpointTensor, attach
@@ -91,7 +98,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     ``last_logits`` the decoder's logits are the last position's only (what a generator reads).
 
     Experts stored as MXFP4 (GPT-OSS's checkpoint) become QMOE nodes holding the checkpoint's codes and scales as
-    stored; ``quantize`` quantizes the fused model further as :func:`moe_onnx.quantization.quantize_ir` does (the
+    stored; ``quantize`` quantizes the fused model further as :class:`moe_onnx.rewrite.quantize.Quantize` does (the
     other experts to int4/int8, with its ``linears`` the linear layers to MatMulNBits, with its ``embedding`` the
     token embedding to GatherBlockQuantized), each weight quantized from the checkpoint's tensors as it is written.
 
@@ -167,7 +174,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             stored = keep_stored_mxfp4(graph)
         if quantize is not None:
             try:
-                quantized = quantize_ir(graph, quantize, progress=progress)
+                quantize_pass = Quantize(quantize, progress)
+                quantize_pass(graph)
+                quantized = quantize_pass.report
             except QuantizeError as error:
                 raise ExportError(f"{checkpoint}: {error}") from None
         say(f"writing {out / DECODER}")
