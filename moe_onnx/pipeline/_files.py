@@ -17,18 +17,19 @@ from ..check import require_valid
 from .genai import JobPaths
 
 
-def load_input(paths: JobPaths, say: Callable[[str], None]) -> ir.Model:
+def load_input(paths: JobPaths, say: Callable[[str], None]) -> tuple[ir.Model, onnx.ModelProto | None]:
     """The valid model at ``paths.source``, its weights left on disk, once it is sure writing
-    ``paths.destination`` does not overwrite a file it reads; then the output folder of a genai job is made."""
+    ``paths.destination`` does not overwrite a file it reads, and the model as the check's shape inference typed
+    it (:func:`moe_onnx.check.require_valid`); then the output folder of a genai job is made."""
     say(f"loading {paths.source}")
     proto = model_files.read_proto(paths.source)
     _refuse_overwriting_input(paths.source, paths.destination, proto)
     say(f"checking {paths.source}")
-    require_valid(paths.source, proto)
+    inferred = require_valid(paths.source, proto)
     model = model_files.load(paths.source, proto)
     if paths.genai is not None:  # once the input is known to be valid
         model_files.output_directory(paths.folder)
-    return model
+    return model, inferred
 
 
 def write_output(model: ir.Model, paths: JobPaths, progress: Callable[[str], None] | None, *,

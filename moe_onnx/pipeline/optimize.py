@@ -85,9 +85,9 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     """
     say = progress or (lambda message: None)
     paths = job_paths(source, destination)
-    model = load_input(paths, say)
+    model, inferred = load_input(paths, say)
     report = optimize_ir(model, target, progress=progress, fuse_routers=fuse_routers, portable=portable,
-                         compute=compute)
+                         compute=compute, inferred=inferred)
     written = write_output(model, paths, progress, library=bool(report.our_ops_left()))
     result = OptimizeResult(report, check_model(written))
     if verify_backend is not None:

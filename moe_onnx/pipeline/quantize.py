@@ -83,7 +83,7 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     settings.check()
     say = progress or (lambda message: None)
     paths = job_paths(source, destination)
-    model = load_input(paths, say)
+    model, _ = load_input(paths, say)
     quantize_pass = Quantize(settings, progress)
     quantize_pass(model)
     report = quantize_pass.report
