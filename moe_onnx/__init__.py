@@ -95,19 +95,19 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     at ``sizes`` (default :data:`moe_onnx.verify.DEFAULT_SIZES`) and ``report.error`` holds the error
     of every output and every quantized layer's output.
 
-    The report is a :class:`moe_onnx.quantization.QuantizeReport` (``summary()``, ``document()``).
-    Raises :class:`moe_onnx.quantization.QuantizeError` (a ValueError) for bad settings, a model
+    The report is a :class:`moe_onnx.rewrite.quantize.QuantizeReport` (``summary()``, ``document()``).
+    Raises :class:`moe_onnx.rewrite.quantize.QuantizeError` (a ValueError) for bad settings, a model
     with nothing to quantize, or weights the settings cannot quantize (a block size that does not divide K).
     For models over 2 GB use ``moe-onnx quantize`` (:func:`moe_onnx.pipeline.quantize_file`), which
     streams the weights to disk.
     """
-    from . import quantization
+    from .pipeline.quantize import quantize as quantize_in_memory
+    from .rewrite.quantize import QuantizeSettings
     from .verify import DEFAULT_SIZES
 
-    settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears,
-                                              embedding)
-    return quantization.quantize(model, settings, measure=measure, backend=backend,
-                                 sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
+    settings = QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears, embedding)
+    return quantize_in_memory(model, settings, measure=measure, backend=backend,
+                              sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
 
 
 def generate(folder, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int, threads: int | None = None,

@@ -58,7 +58,7 @@ def _optimize(args: argparse.Namespace) -> int:
 
 def _quantize(args: argparse.Namespace) -> int:
     from .pipeline import quantize_file
-    from .quantization import QuantizeSettings
+    from .rewrite.quantize import QuantizeSettings
 
     settings = QuantizeSettings(args.bits, args.block_size, args.zero_points, args.accuracy_level,
                                 repack_mxfp4=not args.no_mxfp4, linears=args.linears, embedding=args.embedding)
@@ -72,7 +72,7 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     that would overwrite the input or is not a regular file (OUT or --report) and bad settings, 1 for a file
     error, a model onnx shape inference rejects or a result that is not ok."""
     from .pipeline import SameFileError
-    from .quantization import QuantizeError
+    from .rewrite.quantize import QuantizeError
     from .rewrite.portable import PortableError
 
     try:
@@ -97,7 +97,7 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from .export import ExportError, ExportFailure, export_checkpoint
-    from .quantization import QuantizeSettings
+    from .rewrite.quantize import QuantizeSettings
 
     quantize = None
     if args.bits is not None or args.linears or args.embedding:

@@ -98,32 +98,29 @@ class GenaiFolder:
         config_path = self.folder / GENAI_CONFIG
         if not config_path.is_file():
             raise ModelFileError(f"{self.folder}: no {GENAI_CONFIG} (a folder in onnxruntime-genai's format)")
-        try:
-            self.config = json.loads(config_path.read_text())
-            model = self.config["model"]
-            decoder = model["decoder"]
-            self.decoder_path = self.folder / decoder["filename"]
-            self.inputs, self.outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-            self.layers = int(decoder["num_hidden_layers"])
-            self.kv_heads, self.head_size = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
-            window = decoder.get("sliding_window") or {}
-            self.context_length = int(model["context_length"])
-            eos = model["eos_token_id"]
-            self.window_size = int(window["window_size"]) if window else None
-            self.window_layers = set(window.get("layers", range(self.layers))) if window else set()
-            self.eos = {int(token) for token in (eos if isinstance(eos, list) else [eos])}
-            self.search = self.config.get("search", {})
-        except OSError as error:
-            raise ModelFileError(f"{config_path}: cannot read it: {error.strerror or error}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ModelFileError(f"{config_path}: not an onnxruntime-genai config ({type(error).__name__}: "
-                                 f"{error})") from None
+        document = model_files.read_json(config_path)
+        self.config = document.data
+        model = document.object("model")
+        decoder = model.object("decoder")
+        self.decoder_path = self.folder / decoder.string("filename")
+        self.inputs, self.outputs = decoder.object("inputs", required=False), decoder.object("outputs", required=False)
+        self.layers = decoder.integer("num_hidden_layers")
+        self.kv_heads, self.head_size = decoder.integer("num_key_value_heads"), decoder.integer("head_size")
+        self.context_length = model.integer("context_length")
+        eos = model.value("eos_token_id", expected="a token id or a list of them")
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in self.eos):
+            raise model.error("eos_token_id", "a token id or a list of them")
+        window = decoder.object("sliding_window", required=False)
+        self.window_size = window.integer("window_size") if window.data else None
+        self.window_layers = set(window.list("layers", range(self.layers))) if self.window_size is not None else set()
+        self.search = document.object("search", required=False)
         if not self.decoder_path.is_file():
             raise ModelFileError(f"{config_path}: its decoder {self.decoder_path} is not a file")
 
     def name(self, key: str, default: str) -> str:
         """The decoder input's or output's name the config gives for ``key`` (``default`` where it gives none)."""
-        return self.inputs.get(key, self.outputs.get(key, default))
+        return (self.inputs if key in self.inputs else self.outputs).string(key, default)
 
     def copy_to(self, destination: str | os.PathLike, decoder: str | os.PathLike, *, library: bool) -> None:
         """Complete the folder ``destination`` whose decoder ``decoder`` is written already: the other files of this

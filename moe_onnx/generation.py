@@ -125,8 +125,8 @@ def _caches(genai: GenaiFolder, decoder: ort.InferenceSession) -> list[_Cache]:
                 ("past_conv_names", "present_conv_names", None, None)]
     caches = []
     for past_key, present_key, past_default, present_default in patterns:
-        past_pattern = genai.inputs.get(past_key, past_default)
-        present_pattern = genai.outputs.get(present_key, present_default)
+        past_pattern = genai.inputs.string(past_key, past_default)
+        present_pattern = genai.outputs.string(present_key, present_default)
         if past_pattern is None or present_pattern is None:
             continue
         for layer in range(genai.layers):
@@ -297,6 +297,6 @@ def search_sampling(genai: GenaiFolder, seed: int, temperature: float | None = N
     temperature 1, top_k 50, top_p 1, onnxruntime-genai's defaults). Its ``do_sample`` is not read: the caller
     asks for sampling."""
     search = genai.search
-    return Sampling(temperature=float(search.get("temperature", 1.0)) if temperature is None else temperature,
-                    top_k=int(search.get("top_k", 50)) if top_k is None else top_k,
-                    top_p=float(search.get("top_p", 1.0)) if top_p is None else top_p, seed=seed)
+    return Sampling(temperature=float(search.number("temperature", 1.0)) if temperature is None else temperature,
+                    top_k=search.integer("top_k", 50) if top_k is None else top_k,
+                    top_p=float(search.number("top_p", 1.0)) if top_p is None else top_p, seed=seed)

@@ -128,14 +128,20 @@ def test_command_prints_the_text_and_the_tokens_per_second(capsys):
     assert capsys.readouterr().out.splitlines()[1] == sampled
 
 
-@pytest.mark.parametrize("case", ["no config", "no tokenizer", "seed without sample"])
+@pytest.mark.parametrize("case", ["no config", "config value", "no tokenizer", "seed without sample"])
 def test_command_errors_are_one_line(tmp_path, capsys, case):
     folder = tmp_path / "folder"
     shutil.copytree(FIXTURES / "gpt_oss_fp32", folder)
     (folder / "tokenizer.json").unlink()
+    if case == "config value":
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["context_length"] = "4096"
+        (folder / "genai_config.json").write_text(json.dumps(config))
     target, args, status, message = {
         "no config": (tmp_path, ["--prompt-ids", "5"], 1,
                       f"{tmp_path}: no genai_config.json (a folder in onnxruntime-genai's format)"),
+        "config value": (folder, ["--prompt-ids", "5"], 1,
+                         f'{folder / "genai_config.json"}: model.context_length: expected an integer, got "4096"'),
         "no tokenizer": (folder, ["--prompt", "w5"], 1,
                          f"{folder}: no tokenizer.json to read the prompt with (give --prompt-ids instead)"),
         "seed without sample": (folder, ["--prompt-ids", "5", "--seed", "1"], 2,

@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 
 from fixture_models import TARGETS, original
-from moe_onnx.quantization import Quantize, QuantizeSettings
+from moe_onnx.rewrite.quantize import Quantize, QuantizeSettings
 from moe_onnx.rewrite import _driver
 from moe_onnx._ir.passes import RewritePass, RewriteResult
 

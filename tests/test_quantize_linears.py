@@ -18,7 +18,7 @@ import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops.qmoe import unpack_codes
-from moe_onnx.quantization import QuantizeError
+from moe_onnx.rewrite.quantize import QuantizeError
 from moe_onnx.runtime import session
 
 BACKEND = "cpp"

@@ -1,13 +1,14 @@
 """Reading and writing model files of any size: weights stay on disk until they are written out.
 
-Every failure is a :class:`ModelFileError` whose message names the file and what is wrong. Every file the
-package writes goes through :func:`replacing`: to temporary files beside the destination, renamed into place
+Every failure is a :class:`ModelFileError` whose message names the file and what is wrong; a JSON file's
+(:func:`read_json`) names the key too, and what was expected there. Every file the package writes goes through :func:`replacing`: to temporary files beside the destination, renamed into place
 only once complete, and never onto anything but a regular file (:func:`output_file`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -15,6 +16,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -129,6 +131,113 @@ def read_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelFileError(f"{path}: is not an ONNX model (protobuf: {error})") from None
     except OSError as error:
         raise ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
+
+
+#: what each JSON type is called in the errors of :class:`JsonObject`
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+_REQUIRED = object()
+
+
+def read_json(path: str | os.PathLike) -> JsonObject:
+    """The JSON object in the regular file ``path``, read whole, with look-ups whose errors name the file and the key
+    (:class:`JsonObject`). Raises ModelFileError when the path is missing or not a regular file (a FIFO is never
+    opened), cannot be read, is not JSON, or holds a JSON value other than an object."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: cannot read it: No such file or directory")
+    if not path.is_file():
+        raise ModelFileError(f"{path}: is not a regular file; expected a JSON file")
+    try:
+        document = json.loads(path.read_text())
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ModelFileError(f"{path}: expected JSON: {error}") from None
+    return JsonObject(path, document, "")
+
+
+class JsonObject:
+    """A JSON object of the file ``path`` (the whole document, or the one at the dotted ``key`` inside it). Its
+    look-ups take a key, check the value's type (and range) and raise ModelFileError naming the file, the dotted key
+    and what was expected: ``genai_config.json: model.decoder.head_size: expected an integer >= 1, got "64"``.
+    A look-up with a ``default`` returns it where the key is missing or null; without one, a missing key is an
+    error (an :meth:`object` that is not ``required`` is empty where missing). ``data`` is the object itself, as
+    JSON reads it."""
+
+    def __init__(self, path: Path, data: Any, key: str):
+        self.path, self.key = path, key
+        if not isinstance(data, dict):
+            raise self._error(key, "an object", data)
+        self.data: dict = data
+
+    def __contains__(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def error(self, key: str, expected: str) -> ModelFileError:
+        """The error for the value at ``key`` of this object not being ``expected`` (a phrase: "a list of token
+        ids"), naming the file, the dotted key and the value found."""
+        return self._error(self._dotted(key), expected, self.data.get(key))
+
+    def value(self, key: str, default: Any = _REQUIRED, expected: str = "a value") -> Any:
+        """The value at ``key``, of any JSON type (``expected`` says what it should be, for the error)."""
+        value = self.data.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ModelFileError(f"{self.path}: {self._dotted(key)}: missing; expected {expected}")
+            return default
+        return value
+
+    def object(self, key: str, *, required: bool = True) -> JsonObject:
+        """The object at ``key``; an empty one where it is missing or null and not ``required``."""
+        return JsonObject(self.path, self.value(key, _REQUIRED if required else {}, "an object"), self._dotted(key))
+
+    def objects(self, key: str) -> list[JsonObject]:
+        """The list of objects at ``key``, each named ``key[i]`` in errors."""
+        return [JsonObject(self.path, item, f"{self._dotted(key)}[{i}]") for i, item in enumerate(self.list(key))]
+
+    def string(self, key: str, default: Any = _REQUIRED) -> str:
+        return self._typed(key, default, (str,), "a string")
+
+    def list(self, key: str, default: Any = _REQUIRED) -> list:
+        return self._typed(key, default, (list,), "a list")
+
+    def boolean(self, key: str, default: Any = _REQUIRED) -> bool:
+        return self._typed(key, default, (bool,), "true or false")
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, minimum: int | None = None) -> int:
+        """The integer at ``key`` (not a bool, not a float), at least ``minimum`` when given."""
+        return self._ranged(key, default, (int,), "an integer", minimum)
+
+    def number(self, key: str, default: Any = _REQUIRED, *, minimum: float | None = None) -> float:
+        """The number (integer or float, not a bool) at ``key``, at least ``minimum`` when given."""
+        return self._ranged(key, default, (int, float), "a number", minimum)
+
+    def _ranged(self, key: str, default: Any, types: tuple, expected: str, minimum: float | None):
+        if minimum is not None:
+            expected = f"{expected} >= {minimum}"
+        value = self._typed(key, default, types, expected)
+        if minimum is not None and key in self and value < minimum:
+            raise self.error(key, expected)
+        return value
+
+    def _typed(self, key: str, default: Any, types: tuple, expected: str) -> Any:
+        value = self.value(key, default, expected)
+        if key not in self:
+            return value
+        if isinstance(value, bool) != (bool in types) or not isinstance(value, types):
+            raise self.error(key, expected)
+        return value
+
+    def _dotted(self, key: str) -> str:
+        return f"{self.key}.{key}" if self.key else key
+
+    def _error(self, key: str, expected: str, value: Any) -> ModelFileError:
+        found = _JSON_TYPES.get(type(value), type(value).__name__)
+        if not isinstance(value, (dict, list)):
+            shown = json.dumps(value)
+            found = shown if len(shown) <= 40 else f"{found} {shown[:37]}..."
+        return ModelFileError(f"{self.path}: {f'{key}: ' if key else ''}expected {expected}, got {found}")
 
 
 def read_complete(path: str | os.PathLike) -> onnx.ModelProto:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,16 @@ import onnx_ir as ir
 from .._ir import model_files
 from ..check import check_model
 from ..genai_folder import copy_tokenizer, new_config, write_config
-from ..pipeline import OptimizeResult
-from ..quantization import LayerReport, QuantizeError, QuantizeReport, QuantizeSettings, keep_stored_mxfp4, quantize_ir
+from ..pipeline.optimize import OptimizeResult
 from ..rewrite import optimize_ir
+from ..rewrite.quantize import (
+    LayerReport,
+    Quantize,
+    QuantizeError,
+    QuantizeReport,
+    QuantizeSettings,
+    keep_stored_mxfp4,
+)
 from .checkpoint import FORMATS, Checkpoint, CheckpointError, quant_method
 from .families import FAMILIES, REFUSED, ExportFamily
 from .initializers import CheckpointTensor, attach
@@ -92,7 +98,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     ``last_logits`` the decoder's logits are the last position's only (what a generator reads).
 
     Experts stored as MXFP4 (GPT-OSS's checkpoint) become QMOE nodes holding the checkpoint's codes and scales as
-    stored; ``quantize`` quantizes the fused model further as :func:`moe_onnx.quantization.quantize_ir` does (the
+    stored; ``quantize`` quantizes the fused model further as :class:`moe_onnx.rewrite.quantize.Quantize` does (the
     other experts to int4/int8, with its ``linears`` the linear layers to MatMulNBits, with its ``embedding`` the
     token embedding to GatherBlockQuantized), each weight quantized from the checkpoint's tensors as it is written.
 
@@ -116,7 +122,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             quantize.check()
         except QuantizeError as error:
             raise ExportError(str(error)) from None
-    config = _read_json(checkpoint / "config.json")
+    config = model_files.read_json(checkpoint / "config.json").data
     family = FAMILIES.get(config.get("model_type"))
     if config.get("model_type") in REFUSED:
         raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
@@ -158,7 +164,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _fold(graph)
         _tidy(graph, _torch.dim_names([v.name for v in graph.graph.inputs], [v.name for v in graph.graph.outputs],
                                       last_logits))
-        generation = _read_json(checkpoint / "generation_config.json") if (
+        generation = model_files.read_json(checkpoint / "generation_config.json").data if (
             checkpoint / "generation_config.json").is_file() else {}
         genai = new_config(config, generation, family.genai_type, DECODER, cache)
         report, stored, quantized = None, [], None
@@ -168,7 +174,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             stored = keep_stored_mxfp4(graph)
         if quantize is not None:
             try:
-                quantized = quantize_ir(graph, quantize, progress=progress)
+                quantize_pass = Quantize(quantize, progress)
+                quantize_pass(graph)
+                quantized = quantize_pass.report
             except QuantizeError as error:
                 raise ExportError(f"{checkpoint}: {error}") from None
         say(f"writing {out / DECODER}")
@@ -227,12 +235,3 @@ def _attempt(what: str, function: Callable, *args):
             cause = cause.__cause__
         first = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
         raise ExportFailure(f"{what}: {type(cause).__name__}: {first}") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except OSError as error:
-        raise model_files.ModelFileError(f"{path}: cannot read it: {error.strerror or error}") from None
-    except ValueError as error:
-        raise model_files.ModelFileError(f"{path}: expected JSON: {error}") from None

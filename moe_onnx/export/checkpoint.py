@@ -30,6 +30,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .._ir import model_files
 from .._ir.weights import write_array
 from ..ops.qmoe import MXFP4_BLOCK, QUANT_MXFP4, dequantize
 
@@ -282,10 +283,10 @@ class Checkpoint:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-                raise CheckpointError(f"{index}: expected safetensors' index (JSON with a weight_map): "
-                                      f"{type(error).__name__}: {error}") from None
+                weight_map = model_files.read_json(index).object("weight_map")
+                names = sorted({weight_map.string(name) for name in weight_map.data})
+            except model_files.ModelFileError as error:
+                raise CheckpointError(f"{error} (safetensors' index: JSON with a weight_map)") from None
         elif (self.folder / "model.safetensors").is_file():
             names = ["model.safetensors"]
         else:

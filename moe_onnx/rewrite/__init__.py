@@ -7,7 +7,7 @@ routers into MoeGatingTopK, ``shared_expert`` folds shared experts into their MO
 attention read the kv heads without repeat_kv's copy, ``grouped`` turns
 MOE nodes into the routed chain, ``ort_export`` MOE/QMOE nodes into onnxruntime's
 com.microsoft::MoE/QMoE, ``compute`` sets the accuracy_level of our expert nodes, ``portable`` writes the
-function bodies. Every pass speaks one protocol (``moe_onnx._ir.passes``: onnx_ir's in-place pass with one
+function bodies, ``quantize`` makes the MOE nodes QMOE (and linears MatMulNBits; the quantize job runs it). Every pass speaks one protocol (``moe_onnx._ir.passes``: onnx_ir's in-place pass with one
 result type); ``_driver`` lists them in order (``optimize_passes``), runs them and adds up their results. What the forms share, each in one place: ``_match`` (the rule base
 class and its check idiom, constants, the producer/axes/shape checks), ``_unrolled`` (the block
 and MOE of the unrolled loops, ``loop`` and ``loop_dynamo``), ``_router`` (the MOE's routing

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
@@ -17,7 +18,7 @@ from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
 from .._ir.passes import RewritePass, RewriteResult, rewritten
 from .._ir.weights import sliced_as_references
-from ..check import read_valid
+from ..check import require_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
 from . import (batched_mm, compute as compute_pass, gating, grouped, grouped_query, loop, loop_dynamo, ort_export,
@@ -114,11 +115,11 @@ def _parameters(model: ir.Model) -> int:
 
 
 def optimize_passes(target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
-                    compute: str = "fp32") -> list[RewritePass]:
+                    compute: str = "fp32", inferred: onnx.ModelProto | None = None) -> list[RewritePass]:
     """The passes of :func:`optimize_ir`, in the order they run (its arguments' meaning). Raises ValueError for
     an unknown target or compute."""
     _check_settings(target, compute)
-    passes = [DeclareRuntimeDomains(), InferShapes(),
+    passes = [DeclareRuntimeDomains(), InferShapes(inferred),
               ort_import.ImportOrtNodes(),  # first: the passes below see the imported ops
               FuseBlocks()]
     if fuse_routers:
@@ -139,13 +140,16 @@ def optimize_passes(target: str = "moe", *, fuse_routers: bool = True, portable:
 
 
 def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
-                fuse_routers: bool = True, portable: bool = False, compute: str = "fp32") -> OptimizeReport:
+                fuse_routers: bool = True, portable: bool = False, compute: str = "fp32",
+                inferred: onnx.ModelProto | None = None) -> OptimizeReport:
     """Fuse the MoE blocks of ``model`` in place (:func:`optimize_passes`); returns the report. ``progress``
     receives stage messages; ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK
     (gating.py); ``portable`` adds each moe_onnx node's function body
     (:func:`moe_onnx.rewrite.portable.add_function_bodies`); ``compute`` sets the accuracy_level of our expert
-    nodes (:mod:`moe_onnx.rewrite.compute`)."""
-    passes = optimize_passes(target, fuse_routers=fuse_routers, portable=portable, compute=compute)
+    nodes (:mod:`moe_onnx.rewrite.compute`); ``inferred`` is the model as the input check's shape inference typed
+    it, taken instead of inferring again (:class:`InferShapes`)."""
+    passes = optimize_passes(target, fuse_routers=fuse_routers, portable=portable, compute=compute,
+                             inferred=inferred)
     say = progress or (lambda message: None)
     if portable:
         require_opset(model)  # before the work, not after it
@@ -179,15 +183,22 @@ class InferShapes(RewritePass):
     type the values they make where a later pass reads the type).
 
     Serializing keeps external tensors as references, so no weight is loaded. Raises
-    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
+    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails. ``inferred``, the model
+    as onnx shape inference typed it already (with data propagation: the input check's,
+    :func:`moe_onnx.check.require_valid`), is taken instead of inferring again.
     """
 
     stage = "shape inference"
 
+    def __init__(self, inferred: onnx.ModelProto | None = None) -> None:
+        self.inferred = inferred
+
     def call(self, model: ir.Model) -> RewriteResult:
-        with sliced_as_references(model):
-            proto = ir.serde.serialize_model(model)
-        inferred = infer_shapes(proto, data_prop=True)
+        inferred = self.inferred
+        if inferred is None:
+            with sliced_as_references(model):
+                proto = ir.serde.serialize_model(model)
+            inferred = infer_shapes(proto, data_prop=True)
         known = {info.name: info for info in inferred.graph.value_info}
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
             for value in node.outputs:
@@ -282,7 +293,7 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, port
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
     and comes with an :class:`OptimizeReport`. A path is read as ``moe-onnx optimize`` reads it
-    (:func:`moe_onnx.check.read_valid`) and gives a ModelProto that holds every weight, those of its external data
+    (:func:`moe_onnx.check.require_valid`) and gives a ModelProto that holds every weight, those of its external data
     included (:func:`moe_onnx._ir.model_files.with_data`), so it saves anywhere; a ModelProto or ``onnx_ir.Model``
     keeps its tensors as they were, external ones included. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
@@ -305,8 +316,10 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, port
         return model, optimize_ir(model, target, **options)
     if isinstance(model, (str, os.PathLike)):
         _check_settings(target, compute)  # before reading the file
-        ir_model = model_files.load(model, read_valid(model))  # weights stay on disk while the rules run
-        report = optimize_ir(ir_model, target, **options)
+        proto = model_files.read_proto(model)
+        inferred = require_valid(model, proto)
+        ir_model = model_files.load(model, proto)  # weights stay on disk while the rules run
+        report = optimize_ir(ir_model, target, inferred=inferred, **options)
         return model_files.with_data(ir.serde.serialize_model(ir_model), model), report
     ir_model = ir.serde.deserialize_model(model)
     report = optimize_ir(ir_model, target, **options)

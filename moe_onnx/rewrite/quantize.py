@@ -1,4 +1,5 @@
-"""Quantizing a fused model's experts: each MOE node becomes a QMOE, and the error is measured.
+"""The Quantize pass: each MOE node of a fused model becomes a QMOE (and, when asked, each linear layer a
+MatMulNBits, the token embedding a GatherBlockQuantized).
 
 Each MOE weight becomes QMOE's ``[E, N, K]`` layout (GEMM2_BIAS_SWIGLU_CLAMP's two weights are
 transposed from MOE's ``[E, K, N]``) and is quantized by :func:`moe_onnx.ops.qmoe.quantize` (int8 or
@@ -6,41 +7,32 @@ int4, per column or block-wise, symmetric or with zero points). An MOE whose wei
 MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as GPT-OSS's
 checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
 requantization, no error. The quantized initializers are computed while the model is written, one
-expert at a time, like the rewriter's (``_ir/weights.py``). :func:`measure_error` runs the fp32
-and the quantized model on the same random inputs, one session after the other, and reports the error of every
-output and of every quantized layer's output.
+expert at a time, like the rewriter's (``_ir/weights.py``). The error against the fp32 model is measured by the
+quantize job (``moe_onnx/pipeline/quantize.py``); its report types are here, in the :class:`QuantizeReport`.
 
 The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onnx/ops/qmoe.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from ._ir import model_files
-from ._ir.builder import TapeBuilder, replace
-from ._ir.inference import ORT_DOMAIN
-from ._ir.nodes import attribute_value
-from ._ir.passes import RewritePass, RewriteResult, rewritten
-from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
-from ._ir.weights import weight as constant_weight
-from .check import read_valid
-from .compare import Difference, compare_arrays, worst
-from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
-from .ops._common import EXACT
-from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
-from .ops.qmoe import (
+from .._ir.builder import TapeBuilder, replace
+from .._ir.inference import ORT_DOMAIN
+from .._ir.nodes import attribute_value
+from .._ir.passes import RewritePass, RewriteResult, rewritten
+from .._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
+from .._ir.weights import weight as constant_weight
+from ..ops import DOMAIN, IN_OUR_DOMAIN, signatures
+from ..ops._common import EXACT
+from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
+from ..ops.qmoe import (
     ACCURACY_LEVELS,
     E2M1_VALUES,
     E8M0_BIAS,
@@ -54,12 +46,10 @@ from .ops.qmoe import (
     pack_codes,
     quantize as quantize_weight,
 )
-from .runtime import session
-from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
+from ..verify import format_sizes
 
 __all__ = ["EmbeddingReport", "ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped",
-           "Quantize", "QuantizeError", "QuantizeReport", "QuantizeSettings", "keep_stored_mxfp4", "measure_error",
-           "mxfp4_exact", "quantize", "quantize_ir"]
+           "Quantize", "QuantizeError", "QuantizeReport", "QuantizeSettings", "keep_stored_mxfp4", "mxfp4_exact"]
 
 BITS = (4, 8)
 
@@ -761,8 +751,7 @@ def _is_moe(node: ir.Node) -> bool:
     return node.domain == DOMAIN and node.op_type == "MOE"
 
 
-def quantize_ir(model: ir.Model, settings: QuantizeSettings,
-                progress: Callable[[str], None] | None = None) -> QuantizeReport:
+def _quantize(model: ir.Model, settings: QuantizeSettings, progress: Callable[[str], None] | None) -> QuantizeReport:
     """Replace every MOE node of ``model``'s main graph by a QMOE, in place (MOE nodes inside subgraphs
     are left as they are, with a note), and with ``settings.linears`` every MatMul and Gemm of the main
     graph whose weight is a constant float32/float16 matrix by a com.microsoft::MatMulNBits (K padded with
@@ -808,16 +797,17 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
 
 
 class Quantize(RewritePass):
-    """:func:`quantize_ir` as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``): the MOE nodes made QMOE, the
-    linears made MatMulNBits and the embedding made GatherBlockQuantized as rewrites, those left float as
-    near-misses; the whole :class:`QuantizeReport` in ``report`` once it ran."""
+    """Quantizing a model in place as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``; :func:`_quantize`
+    says what it does and raises): the MOE nodes made QMOE, the linears made MatMulNBits and the embedding made
+    GatherBlockQuantized as rewrites, those left float as near-misses; the whole :class:`QuantizeReport` in
+    ``report`` once it ran."""
 
     def __init__(self, settings: QuantizeSettings, progress: Callable[[str], None] | None = None) -> None:
         self.settings, self.progress = settings, progress
         self.report: QuantizeReport | None = None
 
     def call(self, model: ir.Model) -> RewriteResult:
-        self.report = report = quantize_ir(model, self.settings, self.progress)
+        self.report = report = _quantize(model, self.settings, self.progress)
         skipped = [{"rule": rule, "node": line.node, "reason": line.reason}
                    for rule, lines in (("MatMulNBits", report.linears_float),
                                        ("GatherBlockQuantized", report.embeddings_float)) for line in lines]
@@ -861,140 +851,3 @@ def keep_stored_mxfp4(model: ir.Model) -> list[LayerReport]:
     if layers:
         common_passes.RemoveUnusedNodesPass()(model)
     return layers
-
-
-def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
-             sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
-             progress: Callable[[str], None] | None = None):
-    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, read as ``moe-onnx quantize`` reads it
-    (:func:`moe_onnx.check.read_valid`) and loaded whole with its external data, an ``onnx.ModelProto`` or an
-    ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
-    and, with ``measure``, put its error against the model as it was into the report (:func:`measure_error`
-    on ``backend`` at ``sizes``, inputs seeded by ``seed``). Returns ``(quantized, report)``: an
-    ``onnx_ir.Model`` for one, else a ModelProto. Both models are serialized to protos, so the model must be
-    under 2 GB; ``moe_onnx.pipeline.quantize_file`` streams larger ones to disk. Raises QuantizeError as
-    :func:`quantize_ir` does, :class:`moe_onnx._ir.model_files.ModelFileError` for a path the command line
-    refuses (with its message), and what onnxruntime raises when the error cannot be measured."""
-    settings.check()
-    if isinstance(model, ir.Model):
-        ir_model = model
-    elif isinstance(model, onnx.ModelProto):
-        ir_model = ir.serde.deserialize_model(model)
-    else:  # loaded whole (external data included), so that both models run from memory
-        ir_model = ir.serde.deserialize_model(model_files.with_data(read_valid(model), model))
-    original = ir.serde.serialize_model(ir_model) if measure else None
-    quantize_pass = Quantize(settings, progress)
-    quantize_pass(ir_model)
-    report = quantize_pass.report
-    quantized = ir.serde.serialize_model(ir_model)
-    if measure:
-        report.error = measure_error(original, quantized, report.layers, linears=report.linears, backend=backend,
-                                     sizes=sizes, seed=seed)
-    return (ir_model if isinstance(model, ir.Model) else quantized), report
-
-
-# ----------------------------------------------------------------------------- the error
-
-def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, linears: Sequence[LinearReport] = (),
-                  backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
-    """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
-    (values of the symbolic input dims, in order; drawn by :class:`moe_onnx.verify.InputDrawer`: a model with a
-    cache runs each size as a prompt and as the next token) on ``backend``: the error of every floating-point
-    graph output, of each of ``layers``' and ``linears``' outputs, and the tokens each layer routes to other
-    experts than the original, over all sizes. One session at a time: ``original`` runs on every input first
-    (its outputs kept) and is released before ``quantized`` is loaded, so the peak memory is the larger model's."""
-    proto = _proto_without_data(original)
-    graph_outputs = [o.name for o in proto.graph.output]
-    extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
-    extra += [linear.output for linear in linears]
-    names = list(dict.fromkeys(graph_outputs + extra))
-    with _with_outputs(original, extra) as original_model:
-        reference_sess = session(original_model, backend=backend)
-        drawer = InputDrawer.of(reference_sess, proto)
-        runs = [dims for size in sizes for dims in drawer.runs(size)]
-        feeds = [drawer.feeds(dims, seed=seed + index) for index, dims in enumerate(runs)]
-        references = [dict(zip(names, reference_sess.run(names, run_feeds))) for run_feeds in feeds]
-        del reference_sess  # one session at a time: the unquantized weights are freed before the quantized load
-    errors = {name: _Error(name) for name in names}
-    with _with_outputs(quantized, extra) as quantized_model:
-        quantized_sess = session(quantized_model, backend=backend)
-        for run_feeds, expected in zip(feeds, references):
-            got = dict(zip(names, quantized_sess.run(names, run_feeds)))
-            for name in names:
-                errors[name].add(expected[name], got[name])
-            for layer in layers:
-                errors[layer.output].add_routing(expected[layer.indices], got[layer.indices],
-                                                 expected[layer.routing_weights], got[layer.routing_weights])
-    float_outputs = [name for name in graph_outputs if errors[name].floating]
-    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat() for name in float_outputs],
-                       [errors[layer.output].stat() for layer in layers],
-                       [errors[linear.output].stat() for linear in linears])
-
-
-class _Error:
-    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes
-    (:mod:`moe_onnx.compare`'s rule: a NaN or an infinity the unquantized model does not have is an infinite
-    error)."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.difference = Difference()
-        self.floating = False
-        self.tokens = self.rerouted = self.routing_weight_change = None
-
-    def add(self, expected: np.ndarray, got: np.ndarray) -> None:
-        if not np.issubdtype(expected.dtype, np.floating):
-            return
-        self.floating = True
-        self.difference = worst([self.difference, compare_arrays(expected, got, name=self.name)])
-
-    def add_routing(self, indices: np.ndarray, indices_now: np.ndarray, weights: np.ndarray,
-                    weights_now: np.ndarray) -> None:
-        """Count the tokens (rows of the [..., k] expert indices) whose set of experts differs; for the others,
-        the largest change of an expert's routing weight."""
-        k = indices.shape[-1]
-        order, order_now = np.argsort(indices.reshape(-1, k), axis=1), np.argsort(indices_now.reshape(-1, k), axis=1)
-        chosen = np.take_along_axis(indices.reshape(-1, k), order, axis=1)
-        chosen_now = np.take_along_axis(indices_now.reshape(-1, k), order_now, axis=1)
-        same = (chosen == chosen_now).all(axis=1)
-        self.tokens = (self.tokens or 0) + chosen.shape[0]
-        self.rerouted = (self.rerouted or 0) + int((~same).sum())
-        change = compare_arrays(np.take_along_axis(weights.reshape(-1, k), order, axis=1)[same],
-                                np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1)[same],
-                                name=f"{self.name}'s routing weights")
-        self.routing_weight_change = max(self.routing_weight_change or 0.0, change.max_abs)
-
-    def stat(self) -> ErrorStat:
-        return ErrorStat(self.name, self.difference.max_abs, self.difference.relative_to_peak,
-                         self.difference.reference_peak, self.tokens, self.rerouted, self.routing_weight_change)
-
-
-@contextlib.contextmanager
-def _with_outputs(model, names: Sequence[str]):
-    """``model`` (path or ModelProto) with the values ``names`` added as graph outputs (typed where the
-    graph's value_info says): a ModelProto, or for a path a temporary copy beside it (so that its external
-    data is found), removed afterwards."""
-    if not names:
-        yield model
-        return
-    proto = onnx.ModelProto()
-    proto.CopyFrom(_proto_without_data(model))
-    known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
-    declared = {o.name for o in proto.graph.output}
-    for name in dict.fromkeys(names):
-        if name not in declared:
-            proto.graph.output.append(known[name] if name in known else onnx.helper.make_empty_tensor_value_info(name))
-    if not isinstance(model, (str, os.PathLike)):
-        yield proto
-        return
-    handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(model).parent)
-    os.close(handle)
-    try:
-        onnx.save(proto, path)
-        yield path
-    finally:
-        os.unlink(path)
-
-
-def _proto_without_data(model) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
