@@ -8,11 +8,11 @@ a test: numbers depend on the machine and its load (the load average is printed 
       [--shapes ...] [--tokens ...] [--ops linear qmoe] [--kernels vnni amx avx2] [--threads 2] [--runs 1]
       [--rounds 3]
 
-The ISA table is filled once per process, so each int8 kernel runs in its own child process: "amx"
-(nothing switched: the tiles for calls from the threshold's rows, VNNI below it), "vnni"
-(MOE_ONNX_AMX=off) and, asked for, "avx2" (MOE_ONNX_GEMM=avx2: int16 pairs); each child times its int8 op and the fp32 op in interleaved rounds
-(benchmarks/_timing.py), so each int8 / fp32 ratio is side by side, and AMX / VNNI is the ratio of the
-two children's ratios. Rows per expert come from a uniform random top-k router (T * k rows in all).
+The ISA table is filled once per process, so each int8 kernel runs in its own child process: "amx" (nothing switched:
+the tiles for calls from the threshold's rows, VNNI below it), "vnni" (MOE_ONNX_AMX=off) and, asked for, "avx2"
+(MOE_ONNX_GEMM=avx2: int16 pairs); each child times its int8 op and the fp32 op in interleaved rounds
+(benchmarks/_timing.py), so each int8 / fp32 ratio is side by side, and AMX / VNNI is the ratio of the two children's
+ratios. Rows per expert come from a uniform random top-k router (T * k rows in all).
 Target (issue 24): int8 on AMX >= 4x the fp32 throughput at T >= 128.
 """
 

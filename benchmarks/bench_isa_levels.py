@@ -53,8 +53,8 @@ def moe_model(E: int, H: int, I: int, expert_type: str):
                         helper.make_tensor_value_info("rw", TensorProto.FLOAT, None),
                         helper.make_tensor_value_info("idx", TensorProto.INT64, None)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(moe_onnx.DOMAIN, 1)],
-                           ir_version=10)
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 def child(shapes: list[str], tokens: list[int], threads: int, budget_ms: float) -> dict:

@@ -79,10 +79,10 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     raises :class:`moe_onnx._ir.model_files.ModelFileError` with its message) and loaded whole, external data
     included: the ModelProto holds every weight and saves anywhere. Every MOE node becomes a QMOE node whose
     weights are ``bits`` 4 or 8 integers with one scale per output column (``block_size`` 0) or per block of
-    ``block_size`` inputs (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
-    ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
-    activations; None, the default: 4 with ``linears``, for the MatMulNBits nodes too, else each MOE's own, 3 after
-    ``optimize(..., compute="bf16")``, else 0). An
+    ``block_size`` inputs (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and
+    the QMOE ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
+    activations; None, the default: 4 with ``linears``, for the MatMulNBits nodes too, else each MOE's own, 3
+    after ``optimize(..., compute="bf16")``, else 0). An
     MOE whose weights are exactly MXFP4 (GPT-OSS's format) is repacked as quant_type mxfp4 without
     requantizing unless ``repack_mxfp4`` is False. With ``linears``, every other MatMul and Gemm whose weight is
     a constant float32/float16 matrix (attention projections, dense MLPs, lm_head; not the routers, nor a

@@ -1,8 +1,9 @@
 """Reading and writing model files of any size: weights stay on disk until they are written out.
 
 Every failure is a :class:`ModelFileError` whose message names the file and what is wrong; a JSON file's
-(:func:`read_json`) names the key too, and what was expected there. Every file the package writes goes through :func:`replacing`: to temporary files beside the destination, renamed into place
-only once complete, and never onto anything but a regular file (:func:`output_file`).
+(:func:`read_json`) names the key too, and what was expected there. Every file the package writes goes through
+:func:`replacing`: to temporary files beside the destination, renamed into place only once complete, and never onto
+anything but a regular file (:func:`output_file`).
 """
 
 from __future__ import annotations

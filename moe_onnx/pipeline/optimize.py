@@ -78,10 +78,10 @@ def optimize_file(source: str | os.PathLike, destination: str | os.PathLike, tar
     genai_config.json then names as the decoder's ``custom_ops_library``
     (:meth:`moe_onnx.genai_folder.GenaiFolder.copy_to`).
 
-    Raises SameFileError when ``destination`` or its data file is a file the input reads (the
-    weights are read from them lazily while the output is written);
-    :class:`moe_onnx._ir.model_files.ModelFileError` when ``source`` cannot be read or fails ``moe-onnx check`` ("the input model is invalid"), or
-    ``destination`` cannot be written (nothing is left there); ValueError for an unknown target.
+    Raises SameFileError when ``destination`` or its data file is a file the input reads (the weights are read from
+    them lazily while the output is written); :class:`moe_onnx._ir.model_files.ModelFileError` when ``source`` cannot
+    be read or fails ``moe-onnx check`` ("the input model is invalid"), or ``destination`` cannot be written (nothing
+    is left there); ValueError for an unknown target.
     """
     say = progress or (lambda message: None)
     paths = job_paths(source, destination)

@@ -66,11 +66,11 @@ class QuantizeResult:
 def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, settings: QuantizeSettings, *,
                   measure: bool = True, backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES,
                   seed: int = 0, progress: Callable[[str], None] | None = None) -> QuantizeResult:
-    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (with ``settings.linears``, its
-    other linear layers into MatMulNBits; see :class:`moe_onnx.rewrite.quantize.Quantize`) and write it to ``destination`` (the quantized weights
-    are computed one expert at a time while writing; external data when large); then check it and,
-    with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at
-    ``sizes`` and put the error of every output and every quantized layer in the report.
+    """Quantize the MOE nodes of the fused model at ``source`` into QMOE nodes (with ``settings.linears``, its other
+    linear layers into MatMulNBits; see :class:`moe_onnx.rewrite.quantize.Quantize`) and write it to ``destination``
+    (the quantized weights are computed one expert at a time while writing; external data when large); then check it
+    and, with ``measure``, run both models on ``backend`` on random inputs (seeded by ``seed``) at ``sizes`` and put
+    the error of every output and every quantized layer in the report.
 
     A ``source`` that is an onnxruntime-genai model folder makes ``destination`` a complete one, as
     :func:`optimize_file` does: its decoder quantized, the folder's other files copied, our library copied and
