@@ -58,9 +58,12 @@ def new_config(config: dict, generation: dict, genai_type: str, decoder: str, ca
     context_length = config["max_position_embeddings"]
     search = {key: generation.get(key, config.get(key, default)) for key, default in _SEARCH_DEFAULTS.items()}
     search.update(early_stopping=True, max_length=context_length, min_length=0, past_present_share_buffer=False)
+    # a special token the checkpoint leaves null (transformers allows it) is left out: genai refuses a null and runs
+    # without one (no eos: generation stops at its length only)
+    tokens = {key: generation.get(key, config.get(key)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return {
         "model": {
-            "bos_token_id": generation.get("bos_token_id", config.get("bos_token_id")),
+            **{key: value for key, value in tokens.items() if value is not None},
             "context_length": context_length,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -73,8 +76,6 @@ def new_config(config: dict, generation: dict, genai_type: str, decoder: str, ca
                 "num_hidden_layers": cache[-1].layer + 1,
                 "num_key_value_heads": cache[0].kv_heads,
             },
-            "eos_token_id": generation.get("eos_token_id", config.get("eos_token_id")),
-            "pad_token_id": generation.get("pad_token_id", config.get("pad_token_id")),
             "type": genai_type,
             "vocab_size": config["vocab_size"],
         },
@@ -107,10 +108,12 @@ class GenaiFolder:
         self.layers = decoder.integer("num_hidden_layers")
         self.kv_heads, self.head_size = decoder.integer("num_key_value_heads"), decoder.integer("head_size")
         self.context_length = model.integer("context_length")
-        eos = model.value("eos_token_id", expected="a token id or a list of them")
+        self.vocab_size = model.integer("vocab_size", minimum=1)
+        eos = model.value("eos_token_id", [])  # none: generation stops at its length only, as in genai
         self.eos = set(eos if isinstance(eos, list) else [eos])
-        if not all(isinstance(token, int) and not isinstance(token, bool) for token in self.eos):
-            raise model.error("eos_token_id", "a token id or a list of them")
+        if not all(isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size
+                   for token in self.eos):
+            raise model.error("eos_token_id", f"a token id in [0, {self.vocab_size}) or a list of them")
         window = decoder.object("sliding_window", required=False)
         self.window_size = window.integer("window_size") if window.data else None
         self.window_layers = set(window.list("layers", range(self.layers))) if self.window_size is not None else set()

@@ -13,7 +13,8 @@ decoder takes is read from the config, as onnxruntime-genai reads it, not from a
 * ``sliding_window``: the layers it lists (all, when it lists none) start with a cache of ``window_size`` slots,
   which GroupQueryAttention (``sliding_window_cache``) fills and slides itself; the other layers start empty and
   grow by the step's tokens;
-* ``eos_token_id`` (one or a list), ``context_length``; ``search``'s ``temperature``, ``top_k`` and ``top_p`` for
+* ``eos_token_id`` (one or a list; none: generation stops at its length only), ``vocab_size`` (the prompt's ids
+  must lie in it), ``context_length``; ``search``'s ``temperature``, ``top_k`` and ``top_p`` for
   sampling.
 
 Prefill is one run over the prompt; each later token is one run of that token, the presents fed back as the pasts
@@ -212,9 +213,14 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     genai = GenaiFolder(folder)
     sampling = search_sampling(genai, 0 if seed is None else seed, temperature, top_k, top_p) if sample else None
     tokenizer = read_tokenizer(genai.folder, required=prompt is not None)
-    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else [int(token) for token in prompt_ids]
+    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else list(prompt_ids)
     if not prompt_ids:
         raise GenerateError("the prompt has no tokens")
+    for position, token in enumerate(prompt_ids):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < genai.vocab_size:
+            raise GenerateError(f"prompt token {position} is {token!r}: expected a token id in [0, "
+                                f"{genai.vocab_size}) ({GENAI_CONFIG}'s vocab_size)")
+    prompt_ids = [int(token) for token in prompt_ids]
     if len(prompt_ids) >= genai.context_length:
         raise GenerateError(f"the prompt's {len(prompt_ids)} tokens leave no room in the context of "
                             f"{genai.context_length} tokens ({GENAI_CONFIG}'s context_length)")

@@ -19,6 +19,8 @@ from onnx import TensorProto, helper
 
 import moe_onnx
 from moe_onnx.cli import main as cli
+from moe_onnx._ir.model_files import ModelFileError
+from moe_onnx.genai_folder import CacheShape, new_config
 from moe_onnx.generation import GenerateError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "genai"
@@ -80,6 +82,42 @@ def test_stops_at_eos_as_genai_does(tmp_path):
     assert result.stop == "eos" and result.tokens == greedy[:greedy.index(eos)]
     assert result.decode_runs == len(result.tokens)  # the run that gave the eos token counts
     assert result.tokens == _genai_tokens(folder, PROMPT, NEW_TOKENS)
+
+
+def test_without_an_eos_token_generation_runs_to_its_length_as_genai_does(tmp_path):
+    """A checkpoint may have no eos token (eos_token_id null, as transformers allows): export leaves it out of the
+    config (genai refuses a null), and both genai and generate then stop at the length asked for only."""
+    config = new_config({"max_position_embeddings": 64, "hidden_size": 8, "num_attention_heads": 2,
+                         "vocab_size": 96, "eos_token_id": None, "bos_token_id": 1, "pad_token_id": None}, {},
+                        "gpt_oss", "model.onnx", [CacheShape(0, 2, 4)])
+    assert config["model"]["bos_token_id"] == 1 and not {"eos_token_id", "pad_token_id"} & config["model"].keys()
+    folder = _folder_with(tmp_path, "gpt_oss_fp32")
+    settings = json.loads((folder / "genai_config.json").read_text())
+    del settings["model"]["eos_token_id"]
+    (folder / "genai_config.json").write_text(json.dumps(settings))
+    result = moe_onnx.generate(folder, prompt_ids=PROMPT, max_new_tokens=6)
+    assert result.stop == "max_new_tokens" and result.tokens == _genai_tokens(folder, PROMPT, 6)
+
+
+@pytest.mark.parametrize("eos", [-1, 96, "2", [2, None], True])
+def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos):
+    folder = _folder_with(tmp_path, "gpt_oss_fp32", eos_token_id=eos)
+    with pytest.raises(ModelFileError) as raised:
+        moe_onnx.generate(folder, prompt_ids=PROMPT, max_new_tokens=2)
+    assert str(raised.value).startswith(f"{folder / 'genai_config.json'}: model.eos_token_id: expected a token id in "
+                                        "[0, 96) or a list of them, got ")
+
+
+@pytest.mark.parametrize("token", [-1, 96, 2.0, True])
+def test_the_api_and_the_command_refuse_a_prompt_id_outside_the_vocabulary_alike(capsys, token):
+    folder = FIXTURES / "gpt_oss_fp32"
+    message = f"prompt token 1 is {token!r}: expected a token id in [0, 96) (genai_config.json's vocab_size)"
+    with pytest.raises(GenerateError) as raised:
+        moe_onnx.generate(folder, prompt_ids=[5, token], max_new_tokens=2)
+    assert str(raised.value) == message
+    if isinstance(token, int) and not isinstance(token, bool):
+        assert cli(["generate", str(folder), "--prompt-ids", f"5,{token}", "-n", "2"]) == 2
+        assert capsys.readouterr().err == f"moe-onnx generate: {message}\n"
 
 
 def test_stops_at_the_context_length_and_refuses_a_prompt_that_fills_it(tmp_path, capsys):
@@ -243,5 +281,5 @@ def _write_counting_decoder(folder: Path, vocab: int) -> None:
                           "past_key_names": "past.%d.k", "past_value_names": "past.%d.v"},
                "outputs": {"logits": "scores", "present_key_names": "present.%d.k",
                            "present_value_names": "present.%d.v"}}
-    config = {"model": {"decoder": decoder, "context_length": 64, "eos_token_id": vocab - 1}}
+    config = {"model": {"decoder": decoder, "context_length": 64, "eos_token_id": vocab - 1, "vocab_size": vocab}}
     (folder / "genai_config.json").write_text(json.dumps(config))

@@ -110,8 +110,8 @@ def test_genai_config_eos_must_be_token_ids(tmp_path):
     (folder / GENAI_CONFIG).write_text(json.dumps(config))
     with pytest.raises(ModelFileError) as raised:
         GenaiFolder(folder)
-    assert str(raised.value) == f"{folder / GENAI_CONFIG}: model.eos_token_id: expected a token id or a list of them, " \
-                                "got a list"
+    assert str(raised.value) == f"{folder / GENAI_CONFIG}: model.eos_token_id: expected a token id in [0, 96) or a " \
+                                "list of them, got a list"
 
 
 def _manifest(tmp_path: Path, **changes) -> Path:
