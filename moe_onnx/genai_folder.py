@@ -103,11 +103,15 @@ class GenaiFolder:
         self.config = document.data
         model = document.object("model")
         decoder = model.object("decoder")
-        self.decoder_path = self.folder / decoder.string("filename")
+        filename = decoder.string("filename")
+        self.decoder_path = self.folder / filename
+        if Path(filename).is_absolute() or ".." in Path(filename).parts or filename in (GENAI_CONFIG, ""):
+            raise decoder.error("filename", "the decoder's path inside the folder")
         self.inputs, self.outputs = decoder.object("inputs", required=False), decoder.object("outputs", required=False)
-        self.layers = decoder.integer("num_hidden_layers")
-        self.kv_heads, self.head_size = decoder.integer("num_key_value_heads"), decoder.integer("head_size")
-        self.context_length = model.integer("context_length")
+        self.layers = decoder.integer("num_hidden_layers", minimum=1)
+        self.kv_heads = decoder.integer("num_key_value_heads", minimum=1)
+        self.head_size = decoder.integer("head_size", minimum=1)
+        self.context_length = model.integer("context_length", minimum=2)
         self.vocab_size = model.integer("vocab_size", minimum=1)
         eos = model.value("eos_token_id", [])  # none: generation stops at its length only, as in genai
         self.eos = set(eos if isinstance(eos, list) else [eos])
@@ -115,11 +119,21 @@ class GenaiFolder:
                    for token in self.eos):
             raise model.error("eos_token_id", f"a token id in [0, {self.vocab_size}) or a list of them")
         window = decoder.object("sliding_window", required=False)
-        self.window_size = window.integer("window_size") if window.data else None
-        self.window_layers = set(window.list("layers", range(self.layers))) if self.window_size is not None else set()
+        self.window_size = window.integer("window_size", minimum=1) if window.data else None
+        listed = window.list("layers", []) if window.data else []
+        if not all(isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < self.layers
+                   for layer in listed):
+            raise window.error("layers", f"a list of layers in [0, {self.layers})")
+        self._window_layers = set(listed) if "layers" in window else None  # None: every layer
         self.search = document.object("search", required=False)
         if not self.decoder_path.is_file():
             raise ModelFileError(f"{config_path}: its decoder {self.decoder_path} is not a file")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (the layers the config lists, all when it lists none), or None."""
+        if self.window_size is None or (self._window_layers is not None and layer not in self._window_layers):
+            return None
+        return self.window_size
 
     def name(self, key: str, default: str) -> str:
         """The decoder input's or output's name the config gives for ``key`` (``default`` where it gives none)."""

@@ -37,6 +37,7 @@ import onnxruntime as ort
 
 from ._ir.model_files import ModelFileError
 from .genai_folder import GENAI_CONFIG, TOKENIZER_FILE, GenaiFolder
+from .runtime import BACKENDS
 from .runtime import session as moe_session
 
 _STOPS = {"eos": "an eos token", "max_new_tokens": "-n tokens", "context": "the context length"}
@@ -130,10 +131,8 @@ def _caches(genai: GenaiFolder, decoder: ort.InferenceSession) -> list[_Cache]:
         present_pattern = genai.outputs.string(present_key, present_default)
         if past_pattern is None or present_pattern is None:
             continue
-        for layer in range(genai.layers):
-            past, present = past_pattern % layer, present_pattern % layer
-            if past not in inputs:
-                continue
+        for layer in _cache_layers(genai, past_key, past_pattern, inputs):
+            past, present = past_pattern % layer, _layer_name(present_key, present_pattern, layer)
             if present not in outputs:
                 raise GenerateError(f"{genai.decoder_path}: input {past!r} has no output {present!r} "
                                     f"({GENAI_CONFIG}'s {present_key})")
@@ -153,13 +152,37 @@ def _caches(genai: GenaiFolder, decoder: ort.InferenceSession) -> list[_Cache]:
     return caches
 
 
+def _layer_name(key: str, pattern: str, layer: int) -> str:
+    """``pattern`` (the config's ``key``) with its one ``%d`` made ``layer``; GenerateError for another pattern."""
+    if pattern.count("%") != 1 or "%d" not in pattern:
+        raise GenerateError(f"{GENAI_CONFIG}'s {key} {pattern!r}: expected a name with one %d (the layer)")
+    return pattern % layer
+
+
+def _cache_layers(genai: GenaiFolder, key: str, pattern: str, inputs: dict) -> list[int]:
+    """The layers, in order, whose name by ``pattern`` (the config's ``key``) is an input of the decoder; each must
+    be below num_hidden_layers (found from the decoder's inputs: the config's layer count is not iterated)."""
+    _layer_name(key, pattern, 0)  # one %d
+    head, tail = pattern.split("%d")
+    layers = []
+    for name in inputs:
+        digits = name[len(head):len(name) - len(tail)] if name.startswith(head) and name.endswith(tail) else ""
+        if digits.isdigit() and pattern % int(digits) == name:
+            layers.append(int(digits))
+    beyond = [layer for layer in layers if layer >= genai.layers]
+    if beyond:
+        raise GenerateError(f"{genai.decoder_path}: cache input {pattern % max(beyond)!r} is beyond "
+                            f"{GENAI_CONFIG}'s num_hidden_layers {genai.layers}")
+    return sorted(layers)
+
+
 def _initial_shape(genai: GenaiFolder, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
     shape = list(value.shape)
     if not conv:
         if len(shape) != 4:
             raise GenerateError(f"{genai.decoder_path}: cache input {value.name!r} has shape {shape}, expected "
                                 f"[batch, kv_heads, past_length, head_size]")
-        window = genai.window_size if layer in genai.window_layers else None
+        window = genai.window(layer)
         symbolic = {1: genai.kv_heads, 2: 0 if window is None else window, 3: genai.head_size}
         shape = [dim if isinstance(dim, int) else symbolic.get(axis, dim) for axis, dim in enumerate(shape)]
     shape[0] = 1
@@ -210,9 +233,16 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
         raise GenerateError(f"{', '.join(given)} only apply with sample=True (greedy otherwise)")
     if threads is not None and threads < 1:
         raise GenerateError(f"threads must be >= 1, got {threads}")
+    if backend not in BACKENDS:
+        raise GenerateError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     genai = GenaiFolder(folder)
     sampling = search_sampling(genai, 0 if seed is None else seed, temperature, top_k, top_p) if sample else None
     tokenizer = read_tokenizer(genai.folder, required=prompt is not None)
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # bytes a shell passed that are not UTF-8 (surrogate escapes)
+            raise GenerateError(f"the prompt is not UTF-8 text (at character {error.start})") from None
     prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else list(prompt_ids)
     if not prompt_ids:
         raise GenerateError("the prompt has no tokens")
@@ -228,7 +258,13 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     options.log_severity_level = 4  # a failing run's error is raised with its message, not logged as well
     if threads is not None:
         options.intra_op_num_threads = threads
-    decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)
+    try:
+        decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)
+    except ModelFileError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+        raise ModelFileError(f"{genai.decoder_path} ({GENAI_CONFIG}'s model.decoder.filename): not a decoder "
+                             f"onnxruntime loads: {' '.join(str(error).split())}") from None
     tokens, stop, seconds = _Decoder(genai, decoder).run(prompt_ids, max_new_tokens, sampling)
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     return Generation(prompt_ids, tokens, text, stop, seconds[0], sum(seconds[1:]), len(seconds) - 1)

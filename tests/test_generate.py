@@ -99,6 +99,43 @@ def test_without_an_eos_token_generation_runs_to_its_length_as_genai_does(tmp_pa
     assert result.stop == "max_new_tokens" and result.tokens == _genai_tokens(folder, PROMPT, 6)
 
 
+def test_the_cache_layers_are_the_decoders_whatever_the_layer_count(tmp_path, capsys):
+    """The caches are found among the decoder's inputs (a huge num_hidden_layers is not iterated); one beyond the
+    config's count, or a name pattern without its one %d, is refused naming the config's key."""
+    expected = moe_onnx.generate(FIXTURES / "gpt_oss_fp32", prompt_ids=PROMPT, max_new_tokens=4).tokens
+    huge = _folder_with(tmp_path / "huge", "gpt_oss_fp32")
+    settings = json.loads((huge / "genai_config.json").read_text())
+    settings["model"]["decoder"]["num_hidden_layers"] = 10**12
+    (huge / "genai_config.json").write_text(json.dumps(settings))
+    assert moe_onnx.generate(huge, prompt_ids=PROMPT, max_new_tokens=4).tokens == expected
+    for name, decoder, message in (
+            ("one", {"num_hidden_layers": 1}, "{decoder}: cache input 'past_key_values.1.key' is beyond "
+                                              "genai_config.json's num_hidden_layers 1"),
+            ("pattern", {"inputs": {"past_key_names": "past_key_values.key"}},
+             "genai_config.json's past_key_names 'past_key_values.key': expected a name with one %d (the layer)")):
+        folder = _folder_with(tmp_path / name, "gpt_oss_fp32")
+        settings = json.loads((folder / "genai_config.json").read_text())
+        for key, value in decoder.items():
+            settings["model"]["decoder"][key] = {**settings["model"]["decoder"].get(key, {}), **value} \
+                if isinstance(value, dict) else value
+        (folder / "genai_config.json").write_text(json.dumps(settings))
+        assert cli(["generate", str(folder), "--prompt-ids", "5,9", "-n", "2"]) == 2
+        assert capsys.readouterr().err == f"moe-onnx generate: {message.format(decoder=folder / 'model.onnx')}\n"
+
+
+def test_a_decoder_file_that_is_not_a_model_and_a_prompt_that_is_not_utf8_are_one_line(tmp_path, capsys):
+    folder = _folder_with(tmp_path, "gpt_oss_fp32")
+    settings = json.loads((folder / "genai_config.json").read_text())
+    settings["model"]["decoder"]["filename"] = "tokenizer.json"
+    (folder / "genai_config.json").write_text(json.dumps(settings))
+    assert cli(["generate", str(folder), "--prompt-ids", "5,9", "-n", "2"]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"moe-onnx generate: {folder / 'tokenizer.json'} (genai_config.json's model.decoder.filename): not a decoder "
+        "onnxruntime loads: ")
+    assert cli(["generate", str(FIXTURES / "gpt_oss_fp32"), "--prompt", "w5 \udcff", "-n", "2"]) == 2
+    assert capsys.readouterr().err == "moe-onnx generate: the prompt is not UTF-8 text (at character 3)\n"
+
+
 @pytest.mark.parametrize("eos", [-1, 96, "2", [2, None], True])
 def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos):
     folder = _folder_with(tmp_path, "gpt_oss_fp32", eos_token_id=eos)
@@ -179,7 +216,8 @@ def test_command_errors_are_one_line(tmp_path, capsys, case):
         "no config": (tmp_path, ["--prompt-ids", "5"], 1,
                       f"{tmp_path}: no genai_config.json (a folder in onnxruntime-genai's format)"),
         "config value": (folder, ["--prompt-ids", "5"], 1,
-                         f'{folder / "genai_config.json"}: model.context_length: expected an integer, got "4096"'),
+                         f'{folder / "genai_config.json"}: model.context_length: expected an integer >= 2, got '
+                         '"4096"'),
         "no tokenizer": (folder, ["--prompt", "w5"], 1,
                          f"{folder}: no tokenizer.json to read the prompt with (give --prompt-ids instead)"),
         "seed without sample": (folder, ["--prompt-ids", "5", "--seed", "1"], 2,

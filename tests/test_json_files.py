@@ -91,9 +91,19 @@ def _genai_folder(tmp_path: Path, decoder_settings: dict) -> Path:
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"num_hidden_layers": "2"}, 'model.decoder.num_hidden_layers: expected an integer, got "2"'),
+    ({"num_hidden_layers": "2"}, 'model.decoder.num_hidden_layers: expected an integer >= 1, got "2"'),
+    ({"num_hidden_layers": 0}, "model.decoder.num_hidden_layers: expected an integer >= 1, got 0"),
     ({"filename": 3}, "model.decoder.filename: expected a string, got 3"),
-    ({"sliding_window": {"layers": [0]}}, "model.decoder.sliding_window.window_size: missing; expected an integer"),
+    ({"filename": "../model.onnx"}, 'model.decoder.filename: expected the decoder\'s path inside the folder, got '
+                                    '"../model.onnx"'),
+    ({"filename": "genai_config.json"}, "model.decoder.filename: expected the decoder's path inside the folder, got "
+                                        '"genai_config.json"'),
+    ({"sliding_window": {"layers": [0]}},
+     "model.decoder.sliding_window.window_size: missing; expected an integer >= 1"),
+    ({"sliding_window": {"window_size": -8}}, "model.decoder.sliding_window.window_size: expected an integer >= 1, "
+                                              "got -8"),
+    ({"sliding_window": {"window_size": 8, "layers": [0, 2]}},
+     "model.decoder.sliding_window.layers: expected a list of layers in [0, 2), got a list"),
     ({"inputs": {"input_ids": 5}}, "model.decoder.inputs.input_ids: expected a string, got 5"),
 ])
 def test_genai_config_errors_name_the_key(tmp_path, settings, message):
