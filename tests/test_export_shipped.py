@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -197,6 +199,57 @@ def test_reader_refuses_a_cut_file(tmp_path):
         _sources(folder)
 
 
+def _indexed(folder: Path, weight_map: dict) -> Path:
+    """``folder`` with its tensors a and b in two shards and an index holding ``weight_map`` (the shards' by
+    default: {"a": "a.safetensors", "b": "b.safetensors"})."""
+    folder.mkdir(parents=True)
+    for name in "ab":
+        write_safetensors(folder / f"{name}.safetensors", {name: TensorSpec.of(np.ones((2, 2), np.float32))})
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ({}, "{index}: weight_map is empty; expected the file of each tensor"),
+    ({"a": "a.safetensors", "b": "../outside/b.safetensors"},
+     "{index}: weight_map names '../outside/b.safetensors'; expected the name of a file in {folder} (only the "
+     "checkpoint's own files are read)"),
+    ({"a": "a.safetensors", "b": "/abs/b.safetensors"}, "{index}: weight_map names '/abs/b.safetensors'"),
+    ({"a": "a.safetensors", "b": "a.safetensors"},
+     "{index}: the files it names do not hold 1 of the tensors it lists: b (in a.safetensors)"),
+    ({"a": "a.safetensors", "b": "b.safetensors", "c": "b.safetensors"},
+     "{index}: the files it names do not hold 1 of the tensors it lists: c (in b.safetensors)"),
+    ({"a": "a.safetensors", "b": 3}, "{index}: weight_map.b: expected a string, got 3"),
+])
+def test_reader_reads_exactly_the_files_the_index_names(tmp_path, weight_map, message):
+    """Only files inside the checkpoint folder are opened, and the index and its files agree tensor by tensor."""
+    folder = _indexed(tmp_path / "checkpoint", weight_map)
+    with pytest.raises(CheckpointError) as caught:
+        _sources(folder)
+    assert str(caught.value).startswith(message.format(index=folder / "model.safetensors.index.json", folder=folder))
+
+
+def test_reader_refuses_a_tensor_the_index_places_elsewhere_or_not_at_all(tmp_path):
+    folder = _indexed(tmp_path / "checkpoint", {"a": "a.safetensors", "b": "b.safetensors"})
+    write_safetensors(folder / "b.safetensors", {name: TensorSpec.of(np.ones(2, np.float32)) for name in "bc"})
+    with pytest.raises(CheckpointError) as caught:
+        _sources(folder)
+    assert str(caught.value) == f"{folder / 'b.safetensors'}: holds c, which model.safetensors.index.json does not list"
+    write_safetensors(folder / "b.safetensors", {name: TensorSpec.of(np.ones(2, np.float32)) for name in "ab"})
+    with pytest.raises(CheckpointError) as caught:
+        _sources(folder)
+    assert str(caught.value) == f"a: in both {folder / 'a.safetensors'} and {folder / 'b.safetensors'}"
+
+
+def test_reader_never_opens_a_fifo(tmp_path):
+    folder = _write(tmp_path, {"a": np.ones(2, np.float32)})
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a regular file"):
+        _sources(folder)
+
+
 def _export(tmp_path, config: dict) -> tuple[int, str]:
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir(exist_ok=True)
@@ -274,6 +327,29 @@ def test_quantized_export_is_quantize_of_the_float_export(exported, tmp_path):
     assert mine.keys() == by_name.keys()
     for tensor_name, array in by_name.items():
         np.testing.assert_array_equal(mine[tensor_name], array, err_msg=tensor_name)
+
+
+@pytest.mark.slow
+@_NEEDS_TORCH
+@pytest.mark.xdist_group("export")
+@pytest.mark.parametrize("layers, message", [
+    (1, "no parameter of the model reads 21 of the checkpoint's tensors: model.layers.1.input_layernorm.weight, "
+        "model.layers.1.mlp.experts.0.down_proj.weight, model.layers.1.mlp.experts.0.gate_proj.weight ... (does "
+        "config.json describe these weights?)"),
+    (3, "the checkpoint has no tensor for 11 of the model's parameters: model.layers.2.input_layernorm.weight, "
+        "model.layers.2.mlp.experts.down_proj, model.layers.2.mlp.experts.gate_up_proj ... (does config.json "
+        "describe these weights?)"),
+])
+def test_export_reads_the_checkpoint_exactly(tmp_path, capsys, layers, message):
+    """A config.json of more or fewer layers than the weights hold is refused in one line naming the tensors
+    (before the trace), not exported with parameters left at random or tensors dropped."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(QUICK_START, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"moe-onnx export: {message}"
+    assert not (tmp_path / "out").exists()
 
 
 #: glibc's mallopt parameter: allocations from this size up are mapped and unmapped on their own (not kept in the

@@ -54,7 +54,7 @@ class ExportFailure(RuntimeError):
 @dataclasses.dataclass
 class ExportResult:
     """What :func:`export_checkpoint` wrote: the folder, the family, the optimize result (None with
-    ``optimize=False``), the checkpoint's tensors the model does not read (``unused``), the MOE nodes whose
+    ``optimize=False``), the checkpoint's tensors transformers leaves unread too (``unused``), the MOE nodes whose
     MXFP4 experts became QMOE as stored (``stored_mxfp4``) and what quantization did (``quantized``, None when
     not asked for)."""
 
@@ -83,7 +83,7 @@ class ExportResult:
         if self.quantized is not None:
             lines.append(self.quantized.summary())
         if self.unused:
-            lines.append(f"checkpoint tensors the model does not read: {len(self.unused)} "
+            lines.append(f"checkpoint tensors the model does not read (as transformers): {len(self.unused)} "
                          f"({', '.join(self.unused[:3])}{' ...' if len(self.unused) > 3 else ''})")
         return "\n".join(lines)
 
@@ -147,7 +147,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             from . import _torch
         except ImportError as error:
             raise ExportError(f"needs torch and transformers ({error}): pip install 'moe-onnx[export]'") from None
-        out = model_files.output_directory(out_dir)
         say(f"reading {checkpoint} ({FORMATS[checkpoint_format]}, {tensors.bytes() / 2**30:.2f} GiB)")
         transformers_config = _attempt(f"transformers cannot read {checkpoint / 'config.json'}",
                                        _torch.transformers.AutoConfig.from_pretrained, checkpoint)
@@ -156,6 +155,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _torch.refuse_states(model)
         parameters, unused = _attempt(f"cannot map {checkpoint}'s tensors onto the model", _torch.parameter_sources,
                                       model, sources)
+        out = model_files.output_directory(out_dir)  # once the checkpoint is known to be read exactly
         say("tracing the decoder with its KV cache on the meta device (dynamo exporter)")
         graph, cache = _attempt(f"torch.onnx cannot export {checkpoint}", _torch.trace_decoder, model, last_logits)
         attach(graph, _torch.PREFIX, parameters, _torch.buffers(model), ExportFailure)

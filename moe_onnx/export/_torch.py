@@ -13,6 +13,7 @@ a stacked source) where its operations leave that axis alone, so a layer's exper
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Callable
 
@@ -305,7 +306,16 @@ def parameter_sources(model: transformers.PreTrainedModel, sources: dict[str, So
     missing = sorted(name for name in state if name not in parameters)
     if missing:
         raise ExportError(f"the checkpoint has no tensor for {len(missing)} of the model's parameters: "
-                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (does config.json "
+                          f"describe these weights?)")
+    # what transformers too leaves unread on purpose (DeepSeek-V3's multi-token-prediction layer); any other tensor
+    # nothing reads means the config and the weights disagree
+    ignored = [re.compile(pattern) for pattern in model._keys_to_ignore_on_load_unexpected or ()]
+    unread = [key for key in unused if not any(pattern.search(key) for pattern in ignored)]
+    if unread:
+        raise ExportError(f"no parameter of the model reads {len(unread)} of the checkpoint's tensors: "
+                          f"{', '.join(unread[:3])}{' ...' if len(unread) > 3 else ''} (does config.json describe "
+                          f"these weights?)")
     return parameters, unused
 
 

@@ -71,6 +71,8 @@ class _SafetensorsFile:
     def __init__(self, path: Path):
         self.path = path
         self._handle = None
+        if path.exists() and not path.is_file():  # a FIFO or a device is never opened
+            raise CheckpointError(f"{path}: not a regular file")
         try:
             file_size = os.path.getsize(path)
             with open(path, "rb") as handle:
@@ -281,19 +283,39 @@ class Checkpoint:
         self.folder, self.config = Path(folder), config
         self.format = quant_method(config)
         index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
+        placed: dict[str, str] = {}  # tensor -> the file the index puts it in
+        if index.exists():
             try:
                 weight_map = model_files.read_json(index).object("weight_map")
-                names = sorted({weight_map.string(name) for name in weight_map.data})
+                placed = {name: weight_map.string(name) for name in weight_map.data}
             except model_files.ModelFileError as error:
                 raise CheckpointError(f"{error} (safetensors' index: JSON with a weight_map)") from None
-        elif (self.folder / "model.safetensors").is_file():
+            if not placed:
+                raise CheckpointError(f"{index}: weight_map is empty; expected the file of each tensor")
+            outside = sorted({name for name in placed.values() if Path(name).name != name or name in ("", ".", "..")})
+            if outside:
+                raise CheckpointError(f"{index}: weight_map names {outside[0]!r}; expected the name of a file in "
+                                      f"{self.folder} (only the checkpoint's own files are read)")
+            names = sorted(set(placed.values()))
+        elif (self.folder / "model.safetensors").exists():
             names = ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json (moe-onnx "
                                   f"export reads safetensors checkpoints)")
         self.files = [_SafetensorsFile(self.folder / name) for name in names]
-        self.stored = {name: tensor for file in self.files for name, tensor in file.tensors.items()}
+        self.stored = {}
+        for file in self.files:
+            for name, tensor in file.tensors.items():
+                if name in self.stored:
+                    raise CheckpointError(f"{name}: in both {self.stored[name].file.path} and {file.path}")
+                if placed and placed.get(name) != file.path.name:
+                    raise CheckpointError(f"{file.path}: holds {name}, which {index.name} "
+                                          f"{'puts in ' + placed[name] if name in placed else 'does not list'}")
+                self.stored[name] = tensor
+        absent = [f"{name} (in {placed[name]})" for name in sorted(set(placed) - set(self.stored))]
+        if absent:
+            raise CheckpointError(f"{index}: the files it names do not hold {len(absent)} of the tensors it lists: "
+                                  f"{', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''}")
 
     def sources(self) -> dict[str, Source]:
         """Every tensor the model loads, by its name in the checkpoint (a format's pair of tensors under the one
