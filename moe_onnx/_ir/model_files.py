@@ -83,6 +83,37 @@ def output_directory(path: str | os.PathLike) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """A folder to write the files of the folder ``path`` into: a temporary folder beside it. When the block
+    completes, a new ``path`` is that folder renamed; an existing one receives its files, each renamed onto its
+    own (external data before the models that name them, JSON configs last; files of ``path`` the block did not
+    write are left as they are). The temporary folder is removed in every case, so a failed write leaves ``path``
+    as it was, and no folder where there was none. Raises OutputPathError (before the block runs) when ``path``
+    exists and is not a folder, ModelFileError naming ``path`` for an OSError (a full disk, no permission)."""
+    path = Path(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
+        raise OutputPathError(f"{path}: is {kind}; expected a directory or a new path")
+    beside = path.resolve() if path.exists() else path  # a link's target: renames stay on its file system
+    try:
+        beside.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{beside.name}.", suffix=".partial", dir=beside.parent))
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    try:
+        yield staging
+        if not path.exists():
+            os.rename(staging, path)
+        else:
+            for name in sorted(os.listdir(staging), key=lambda name: (name.endswith(".json"), name.endswith(".onnx"))):
+                os.replace(staging / name, path / name)
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def model_output_files(path: str | os.PathLike) -> tuple[Path, Path]:
     """The regular files a model written to ``path`` by :func:`save` creates or replaces: the model file and its
     :func:`data_file` (each through :func:`output_file`: OutputPathError for one that is not a regular file)."""

@@ -155,7 +155,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _torch.refuse_states(model)
         parameters, unused = _attempt(f"cannot map {checkpoint}'s tensors onto the model", _torch.parameter_sources,
                                       model, sources)
-        out = model_files.output_directory(out_dir)  # once the checkpoint is known to be read exactly
+        # once the checkpoint is known to be read exactly; OUT changes only when the export completes
+        out = stack.enter_context(model_files.replacing_folder(out_dir))
         say("tracing the decoder with its KV cache on the meta device (dynamo exporter)")
         graph, cache = _attempt(f"torch.onnx cannot export {checkpoint}", _torch.trace_decoder, model, last_logits)
         attach(graph, _torch.PREFIX, parameters, _torch.buffers(model), ExportFailure)
@@ -179,12 +180,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                 quantized = quantize_pass.report
             except QuantizeError as error:
                 raise ExportError(f"{checkpoint}: {error}") from None
-        say(f"writing {out / DECODER}")
+        say(f"writing {Path(out_dir) / DECODER}")
         model_files.save(graph, out / DECODER, progress=progress, external_data=True)
-    problems = check_model(out / DECODER)
-    copy_tokenizer(checkpoint, out)
-    write_config(out, genai, library=report is not None and bool(report.our_ops_left()))
-    return ExportResult(out, family, None if report is None else OptimizeResult(report, problems), unused, stored,
+        del graph
+        problems = check_model(out / DECODER)
+        copy_tokenizer(checkpoint, out)
+        write_config(out, genai, library=report is not None and bool(report.our_ops_left()))
+    return ExportResult(Path(out_dir), family, None if report is None else OptimizeResult(report, problems), unused, stored,
                         quantized)
 
 
