@@ -32,6 +32,20 @@ onnxruntime-genai through its Generator (append_tokens, generate_next_token), ll
 llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; OMP_WAIT_POLICY=passive unless set: its
 default spin collapses decode on shared cores). Every onnxruntime session has idle pool threads that do not
 spin. A benchmark, not a test: the figures depend on the machine and its load.
+
+Full depth (--shipped NAME, issue 34): a random checkpoint at the real shape, as it ships (benchmarks/_checkpoints.py:
+GPT-OSS-20B, 24 layers, MXFP4 experts; Qwen3-30B-A3B, 48 layers, bf16; --layers for fewer), then `moe-onnx export`
+of it (SHIPPED's options) and llama.cpp's convert_hf_to_gguf.py (+ llama_model_quantize where SHIPPED says), each
+timed in a child with its peak RSS; then each model alone in a child process at each thread count: session start,
+the same rounds, RSS while generating; the table and issue 34's targets. Steps can run apart (--step), the figures
+kept in WORK_DIR/NAME/results.json; the work folder needs about 2.3x the checkpoint's size of disk:
+
+  python benchmarks/bench_generation.py --shipped gpt_oss_20b --work-dir /big --rounds 1 \
+      --llama-cpp-source llama_cpp_python-0.3.36/vendor/llama.cpp
+
+llama.cpp for both modes (docs/benchmarks.md has the commands): `pip install gguf` and llama-cpp-python built from
+its source package (`pip install llama-cpp-python==0.3.36 --no-binary :all:`), whose unpacked sdist's
+vendor/llama.cpp is the --llama-cpp-source.
 """
 
 from __future__ import annotations
@@ -518,20 +532,28 @@ def machine() -> str:
 class Shipped:
     """A full-depth checkpoint as it ships (benchmarks/_checkpoints.py), our export of it and llama.cpp's
     conversion of it: ``export`` our `moe-onnx export` options, ``outtype`` the converter's (None: its default),
-    ``quantize`` a llama.cpp type to quantize the GGUF to as well (like for like with ours), or None."""
+    ``quantize`` a llama.cpp type to quantize the GGUF to (like for like with ours: then the GGUF ours is compared
+    with, and the converted one deleted once quantized, as the checkpoint is before quantizing: the disk holds the
+    checkpoint and one GGUF at a time), or None."""
 
     name: str
     export: tuple[str, ...]
     outtype: str | None
     quantize: str | None = None
 
+    @property
+    def gguf_name(self) -> str:
+        """The llama.cpp contender ours is compared with: its converter's GGUF, or that quantized."""
+        return f"llama.cpp {self.quantize}" if self.quantize else "llama.cpp"
+
 
 SHIPPED = {
-    # MXFP4 experts as stored; attention, lm_head and the embedding int8 (the GGUF keeps them bf16)
+    # MXFP4 experts as stored; attention, lm_head and the embedding int8 (the GGUF: MXFP4 experts, the rest bf16)
     "gpt_oss_20b": Shipped("gpt_oss_20b", ("--bits", "8", "--block-size", "32", "--linears", "--embedding"), None),
-    # int8 experts, linears and embedding from bf16; the GGUF bf16 as converted, and Q8_0
-    "qwen3_30b_a3b": Shipped("qwen3_30b_a3b", ("--bits", "8", "--block-size", "32", "--linears", "--embedding"),
-                             "bf16", "Q8_0"),
+    # int4 experts, MatMulNBits linears and int4 embedding straight from bf16; the GGUF bf16 as converted, then
+    # llama.cpp's Q4_0 mix (embedding, attention and output quantized too)
+    "qwen3_30b_a3b": Shipped("qwen3_30b_a3b", ("--bits", "4", "--block-size", "32", "--linears", "--embedding"),
+                             "bf16", "Q4_0"),
 }
 SHIPPED_TOKENS = dict(prefill_tokens=128, prompt_tokens=512, decode_tokens=32)
 
@@ -592,6 +614,7 @@ def shipped_prepare(spec: Shipped, folder: Path, layers: int, llama_source: Path
                      convert_command(llama_source, checkpoint, gguf, spec.outtype), results):
             results["gguf_gib"] = _gib(gguf)
         if spec.quantize and gguf.is_file():
+            shutil.rmtree(checkpoint)
             script = ("import sys, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
                       "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3]); "
                       "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
@@ -599,7 +622,8 @@ def shipped_prepare(spec: Shipped, folder: Path, layers: int, llama_source: Path
             if _measured(f"llama.cpp: llama_model_quantize {spec.quantize}",
                          [sys.executable, "-c", script, str(gguf), str(quantized), spec.quantize], results):
                 results["gguf_quantized_gib"] = _gib(quantized)
-    shutil.rmtree(checkpoint)
+                gguf.unlink()
+    shutil.rmtree(checkpoint, ignore_errors=True)
 
 
 def contend(kind: str, path: Path, threads: int, rounds: int, vocab: int) -> dict:
@@ -614,10 +638,24 @@ def contend(kind: str, path: Path, threads: int, rounds: int, vocab: int) -> dic
     return {"loaded": loaded, "speeds": speeds, "generating": status_mb()}
 
 
-def shipped_time(folder: Path, spec: Shipped, threads_list: list[int], rounds: int, results: dict) -> None:
+def shipped_time(folder: Path, spec: Shipped, threads_list: list[int], rounds: int, results: dict,
+                 with_profile: bool = False) -> None:
     """Each contender in a child process of its own (two full-depth models do not fit in memory together), at
-    each thread count: its load, speeds and memory (`contend`)."""
+    each thread count: its load, speeds and memory (`contend`); ``with_profile``: then onnxruntime's profile of ours
+    at each thread count (`profile`), kept as ``results["profile"]``."""
     vocab = json.loads((folder / "ours" / "genai_config.json").read_text())["model"]["vocab_size"]
+    if with_profile:
+        for threads in threads_list:
+            print(f"profile of ours, {threads} thread(s) ...", flush=True)
+            child = subprocess.run([sys.executable, __file__, "contend", "ours", str(folder / "ours"), "--threads",
+                                    str(threads), "--rounds", "0", "--vocab", str(vocab), "--profile"],
+                                   capture_output=True, text=True)
+            if child.returncode == 0:
+                results.setdefault("profile", {})[str(threads)] = json.loads(child.stdout.strip().splitlines()[-1])
+                print("\n".join(results["profile"][str(threads)]), flush=True)
+            else:
+                print(f"profile failed: {' | '.join(child.stderr.strip().splitlines()[-3:])}", flush=True)
+        return
     contenders = [("ours", "ours", folder / "ours")]
     for name, file in (("llama.cpp", folder / "model.gguf"),
                        (f"llama.cpp {spec.quantize}", folder / f"model-{(spec.quantize or '').lower()}.gguf")):
@@ -640,9 +678,9 @@ def shipped_report(spec: Shipped, results: dict) -> list[str]:
     threads_list = sorted({int(key.split("|")[1]) for key in timing})
     medians = {key: {m: statistics.median(r[m] for r in value["speeds"]) for m in METRICS}
                for key, value in timing.items()}
-    gguf = results.get("gguf_gib")
-    files = {"ours": results.get("ours_gib"), "llama.cpp": gguf,
+    files = {"ours": results.get("ours_gib"), "llama.cpp": results.get("gguf_gib"),
              f"llama.cpp {spec.quantize}": results.get("gguf_quantized_gib")}
+    gguf = files[spec.gguf_name]
     made = {"ours": next((v for k, v in results.items() if k.startswith("ours: moe-onnx export")), None),
             "llama.cpp": next((v for k, v in results.items() if k.startswith("llama.cpp: convert")), None),
             f"llama.cpp {spec.quantize}": next((v for k, v in results.items() if k.startswith("llama.cpp: llama_model")),
@@ -651,7 +689,7 @@ def shipped_report(spec: Shipped, results: dict) -> list[str]:
     names = list(dict.fromkeys([name for name, step in made.items() if step] + [key.split("|")[0] for key in timing]))
     lines = [f"{spec.name}: {results.get('layers')} layers, checkpoint {results.get('checkpoint_gib', 0):.2f} GiB "
              f"(written in {results.get('checkpoint (random, written tensor by tensor)', {}).get('seconds', 0):.0f} s)",
-             "| " + " | ".join(["", "made in (s)", "peak RSS making it (GiB)", "file (GiB)", "/ GGUF",
+             "| " + " | ".join(["", "made in (s)", "peak RSS making it (GiB)", "file (GiB)", f"/ {spec.gguf_name}",
                                  "session start (s)", "RSS generating (GiB)", "/ file",
                                  *(f"{t} thread{'s' if t > 1 else ''}: prefill 128, 512, decode (tok/s)"
                                    for t in threads_list)]) + " |",
@@ -676,7 +714,32 @@ def shipped_report(spec: Shipped, results: dict) -> list[str]:
         generating = f"{rss:.2f} | {rss / file:.2f}x" if first and file else " | "
         lines.append("| " + " | ".join([name, f"{step.get('seconds', 0):.0f}", f"{step.get('peak_mib', 0) / 1024:.2f}",
                                         f"{file or 0:.2f}", versus_gguf, loaded, generating, *cells]) + " |")
-    return lines
+    return lines + shipped_targets(spec, results, files, made.get("ours"), medians)
+
+
+def shipped_targets(spec: Shipped, results: dict, files: dict, export: dict | None, medians: dict) -> list[str]:
+    """Issue 34's full-depth targets against ``spec.gguf_name``: export peak <= 4 GiB, file <= 1.1x the GGUF,
+    RSS while generating <= 1.15x the file, prefill and decode tokens/s >= 1.0x, at each thread count timed."""
+    def line(ok: bool, text: str) -> str:
+        return f"- [{'met' if ok else 'NOT met'}] {text}"
+
+    out, ours, gguf = [], files.get("ours"), files.get(spec.gguf_name)
+    if export:
+        out.append(line(export["peak_mib"] <= 4096, f"export peak RSS {export['peak_mib'] / 1024:.2f} GiB <= 4 GiB"))
+    if ours and gguf:
+        out.append(line(ours <= 1.1 * gguf, f"file {ours:.2f} GiB = {ours / gguf:.2f}x {spec.gguf_name}'s (<= 1.1x)"))
+    for key, value in results.get("timing", {}).items():
+        name, threads = key.split("|")
+        rss = value["generating"]["VmRSS"] / 1024
+        if name == "ours" and ours:
+            out.append(line(rss <= 1.15 * ours, f"RSS generating ({threads} thread(s)) {rss:.2f} GiB = "
+                                                f"{rss / ours:.2f}x the file (<= 1.15x)"))
+        theirs = medians.get(f"{spec.gguf_name}|{threads}")
+        if name == "ours" and theirs:
+            ratios = {m: medians[key][m] / theirs[m] for m in METRICS}
+            out.append(line(all(r >= 1 for r in ratios.values()), f"{threads} thread(s), ours / {spec.gguf_name} in "
+                            "tokens/s (>= 1.0x): " + ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items())))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -689,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp-source", type=Path, default=os.environ.get("LLAMA_CPP_SOURCE"),
                         help="llama.cpp's source (convert_hf_to_gguf.py; default: $LLAMA_CPP_SOURCE)")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile our reference model (op types, slowest nodes; prefill and decode)")
+                        help="also profile our reference model (op types, slowest nodes; prefill and decode); "
+                             "with --shipped --step time: profile ours instead of timing (kept for the report)")
     parser.add_argument("--unfused", action="store_true",
                         help="also the unfused export (fp32; beside the fused session it needs ~3.5x the fp32 "
                              "weights' memory, and minutes a round)")
@@ -714,8 +778,13 @@ def main(argv: list[str] | None = None) -> int:
         child.add_argument("--threads", type=int, required=True)
         child.add_argument("--rounds", type=int, required=True)
         child.add_argument("--vocab", type=int, required=True)
+        child.add_argument("--profile", action="store_true")
         c = child.parse_args(sys.argv[2:])
-        print(json.dumps(contend(c.kind, c.path, c.threads, c.rounds, c.vocab)))
+        if c.profile:
+            shape = Shape("shipped", "", {"vocab_size": c.vocab}, **SHIPPED_TOKENS)
+            print(json.dumps(profile(c.path, shape, c.threads)))
+        else:
+            print(json.dumps(contend(c.kind, c.path, c.threads, c.rounds, c.vocab)))
         return 0
     args = parser.parse_args(argv)
     if args.shipped:
@@ -764,10 +833,12 @@ def _shipped_main(args: argparse.Namespace) -> int:
         shipped_prepare(spec, folder, args.layers or MAKERS[spec.name][1], args.llama_cpp_source, results)
         store.write_text(json.dumps(results, indent=2))
     if "time" in args.step:
-        shipped_time(folder, spec, args.threads, args.rounds, results)
+        shipped_time(folder, spec, args.threads, args.rounds, results, with_profile=args.profile)
         store.write_text(json.dumps(results, indent=2))
     if "report" in args.step:
-        print("\n".join(shipped_report(spec, results)))
+        print("\n".join(shipped_report(spec, results) + [
+            f"where ours spends it: {line}" for threads in sorted(results.get("profile", {}))
+            for line in results["profile"][threads]]))
     if args.clean:
         shutil.rmtree(folder, ignore_errors=True)
     return 0
