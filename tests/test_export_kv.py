@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -174,11 +175,38 @@ def test_every_export_family_has_a_fixture():
     assert FAMILIES == sorted(EXPORT_FAMILIES)
 
 
+QUICK_START_CONFIG = json.loads((CHECKPOINTS / "qwen3_moe" / "config.json").read_text())
+
+
 def _checkpoint(tmp_path: Path, config: dict) -> Path:
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps(config))
     return checkpoint
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"config.json": "[1, 2]"}, "{checkpoint}/config.json: expected an object, got a list"),
+    ({"config.json": '{"model_type": ["qwen3_moe"]}'}, "{checkpoint}/config.json: model_type: expected a string, "
+                                                         "got a list"),
+    ({"config.json": "{not json"}, "{checkpoint}/config.json: expected JSON: "),
+    ({"generation_config.json": "3"}, "{checkpoint}/generation_config.json: expected an object, got 3"),
+    ({"model.safetensors.index.json": "{"}, "{checkpoint}/model.safetensors.index.json: expected JSON: "),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "max_position_embeddings": None})},
+     "{checkpoint}/config.json: max_position_embeddings: missing; expected an integer >= 1"),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "vocab_size": "96"})},
+     '{checkpoint}/config.json: vocab_size: expected an integer >= 1, got "96"'),
+])
+def test_export_names_the_file_and_key_of_a_malformed_input(tmp_path, capsys, files, message):
+    """A config, generation config or index that is not the JSON expected is refused in one line naming the file
+    and the key (exit 1), before torch is imported and before OUT is made."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINTS / "qwen3_moe", checkpoint)
+    for name, text in files.items():
+        (checkpoint / name).write_text(text)
+    assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"moe-onnx export: {message.format(checkpoint=checkpoint)}")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_unknown_family(tmp_path, capsys):

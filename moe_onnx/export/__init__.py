@@ -122,8 +122,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             quantize.check()
         except QuantizeError as error:
             raise ExportError(str(error)) from None
-    config = model_files.read_json(checkpoint / "config.json").data
-    family = FAMILIES.get(config.get("model_type"))
+    document = model_files.read_json(checkpoint / "config.json")
+    document.string("model_type")
+    config = document.data
+    generation = model_files.read_json(checkpoint / "generation_config.json").data if (
+        checkpoint / "generation_config.json").exists() else {}
+    family = FAMILIES.get(config["model_type"])
     if config.get("model_type") in REFUSED:
         raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
                           f"{REFUSED[config['model_type']]}")
@@ -143,6 +147,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             sources = tensors.sources()
         except CheckpointError as error:
             raise model_files.ModelFileError(str(error)) from None
+        for key in ("hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):  # genai_config's
+            document.integer(key, minimum=1)
         try:
             from . import _torch
         except ImportError as error:
@@ -165,8 +171,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _fold(graph)
         _tidy(graph, _torch.dim_names([v.name for v in graph.graph.inputs], [v.name for v in graph.graph.outputs],
                                       last_logits))
-        generation = model_files.read_json(checkpoint / "generation_config.json").data if (
-            checkpoint / "generation_config.json").is_file() else {}
         genai = new_config(config, generation, family.genai_type, DECODER, cache)
         report, stored, quantized = None, [], None
         if optimize:
