@@ -69,13 +69,28 @@ def output_file(path: str | os.PathLike) -> Path:
     return target
 
 
+def _staging_folder(target: Path, path: str | os.PathLike) -> Path:
+    """A new temporary folder beside ``target`` (its parents made); ModelFileError naming ``path`` when it cannot be
+    made."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    except OSError as error:
+        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+
+
+def _refuse_other_than_a_folder(path: Path) -> None:
+    """OutputPathError when ``path`` exists and is not a folder (nor a link to one)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
+        raise OutputPathError(f"{path}: is {kind}; expected a directory or a new path")
+
+
 def output_directory(path: str | os.PathLike) -> Path:
     """``path`` as a folder to write files into (a symbolic link to one is followed), created when missing.
     Raises OutputPathError when it exists and is not a folder, ModelFileError when it cannot be created."""
     path = Path(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
-        raise OutputPathError(f"{path}: is {kind}; expected a directory or a new path")
+    _refuse_other_than_a_folder(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -92,15 +107,9 @@ def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
     as it was, and no folder where there was none. Raises OutputPathError (before the block runs) when ``path``
     exists and is not a folder, ModelFileError naming ``path`` for an OSError (a full disk, no permission)."""
     path = Path(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
-        raise OutputPathError(f"{path}: is {kind}; expected a directory or a new path")
+    _refuse_other_than_a_folder(path)
     beside = path.resolve() if path.exists() else path  # a link's target: renames stay on its file system
-    try:
-        beside.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{beside.name}.", suffix=".partial", dir=beside.parent))
-    except OSError as error:
-        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    staging = _staging_folder(beside, path)
     try:
         yield staging
         if not path.exists():
@@ -132,11 +141,7 @@ def replacing(path: str | os.PathLike, *, with_data: bool = False) -> Iterator[P
     files = model_output_files(path) if with_data else (output_file(path),)
     target = files[0]
     targets = dict(zip((target.name, data_file(target).name), files))
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    except OSError as error:
-        raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
+    staging = _staging_folder(target, path)
     try:
         yield staging / target.name
         # the data first: the model file names it
