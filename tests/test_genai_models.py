@@ -184,3 +184,22 @@ def test_a_decoder_in_a_subfolder_is_written_where_the_config_names_it(tmp_path)
     prompt = [5, 9, 17]
     expected = moe_onnx.generate(source, prompt_ids=prompt, max_new_tokens=4).tokens
     assert moe_onnx.generate(tmp_path / "out", prompt_ids=prompt, max_new_tokens=4).tokens == expected
+
+
+def test_a_failed_folder_job_leaves_out_as_it_was(tmp_path, monkeypatch, capsys):
+    """optimize FOLDER -o OUT writes OUT only once complete: a job that fails after the decoder is written (here the
+    copy of the folder's other files) leaves an existing OUT as it was and makes no new one."""
+    from moe_onnx.genai_folder import GenaiFolder
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model.onnx").write_text("old")
+    monkeypatch.setattr(GenaiFolder, "copy_to", fail)
+    for out in (old, tmp_path / "new"):
+        assert cli(["optimize", str(FIXTURES / "gpt_oss_fp32"), "-o", str(out)]) != 0
+        capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    assert [p.name for p in old.iterdir()] == ["model.onnx"] and (old / "model.onnx").read_text() == "old"

@@ -79,7 +79,7 @@ def _staging_folder(target: Path, path: str | os.PathLike) -> Path:
         raise ModelFileError(f"{path}: cannot write it: {error.strerror or error}") from None
 
 
-def _refuse_other_than_a_folder(path: Path) -> None:
+def refuse_other_than_a_folder(path: Path) -> None:
     """OutputPathError when ``path`` exists and is not a folder (nor a link to one)."""
     if os.path.exists(path) and not os.path.isdir(path):
         kind = next((name for test, name in _NOT_A_FILE.items() if test(os.stat(path).st_mode)), "a file")
@@ -90,7 +90,7 @@ def output_directory(path: str | os.PathLike) -> Path:
     """``path`` as a folder to write files into (a symbolic link to one is followed), created when missing.
     Raises OutputPathError when it exists and is not a folder, ModelFileError when it cannot be created."""
     path = Path(path)
-    _refuse_other_than_a_folder(path)
+    refuse_other_than_a_folder(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -107,7 +107,7 @@ def replacing_folder(path: str | os.PathLike) -> Iterator[Path]:
     as it was, and no folder where there was none. Raises OutputPathError (before the block runs) when ``path``
     exists and is not a folder, ModelFileError naming ``path`` for an OSError (a full disk, no permission)."""
     path = Path(path)
-    _refuse_other_than_a_folder(path)
+    refuse_other_than_a_folder(path)
     beside = path.resolve() if path.exists() else path  # a link's target: renames stay on its file system
     staging = _staging_folder(beside, path)
     try:

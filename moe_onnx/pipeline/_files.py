@@ -20,29 +20,34 @@ from .genai import JobPaths
 def load_input(paths: JobPaths, say: Callable[[str], None]) -> tuple[ir.Model, onnx.ModelProto | None]:
     """The valid model at ``paths.source``, its weights left on disk, once it is sure writing
     ``paths.destination`` does not overwrite a file it reads, and the model as the check's shape inference typed
-    it (:func:`moe_onnx.check.require_valid`); then the output folder of a genai job is made."""
+    it (:func:`moe_onnx.check.require_valid`); OutputPathError when a genai job's output folder is not a folder."""
     say(f"loading {paths.source}")
     proto = model_files.read_proto(paths.source)
     _refuse_overwriting_input(paths.source, paths.destination, proto)
     say(f"checking {paths.source}")
     inferred = require_valid(paths.source, proto)
     model = model_files.load(paths.source, proto)
-    if paths.genai is not None:  # once the input is known to be valid
-        model_files.output_directory(paths.folder)
+    if paths.genai is not None:  # before any work; the folder is written when the job completes (write_output)
+        model_files.refuse_other_than_a_folder(paths.folder)
     return model, inferred
 
 
 def write_output(model: ir.Model, paths: JobPaths, progress: Callable[[str], None] | None, *,
                  library: bool) -> Path:
     """Save ``model`` to ``paths.destination`` (:func:`moe_onnx._ir.model_files.save`) and, for a genai job, copy
-    the rest of the folder beside it (our library too, named in its genai_config.json, with ``library``); returns
-    the file written (the target of a symbolic link: its external data, named after it, lies beside it)."""
+    the rest of the folder beside it (our library too, named in its genai_config.json, with ``library``), the
+    folder changed only once all of it is written (:func:`moe_onnx._ir.model_files.replacing_folder`); returns the
+    file written (the target of a symbolic link: its external data, named after it, lies beside it)."""
     say = progress or (lambda message: None)
     say(f"saving {paths.destination}")
-    model_files.save(model, paths.destination, progress=progress)
-    if paths.genai is not None:
-        say(f"copying the rest of the onnxruntime-genai folder {paths.genai.folder}")
-        paths.genai.copy_to(paths.folder, paths.destination, library=library)
+    if paths.genai is None:
+        model_files.save(model, paths.destination, progress=progress)
+    else:
+        with model_files.replacing_folder(paths.folder) as staged:
+            decoder = staged / Path(paths.destination).name
+            model_files.save(model, decoder, progress=progress)
+            say(f"copying the rest of the onnxruntime-genai folder {paths.genai.folder}")
+            paths.genai.copy_to(staged, decoder, library=library)
     return model_files.output_file(paths.destination)
 
 
