@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ._ir import model_files
 from ._ir.model_files import ModelFileError
 from .runtime import custom_ops_library
@@ -83,6 +85,11 @@ def new_config(config: dict, generation: dict, genai_type: str, decoder: str, ca
     }
 
 
+def _is_index(value: object, stop: int) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's, not a bool) in [0, ``stop``)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < stop
+
+
 def is_genai_folder(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder holding genai_config.json (read it with :class:`GenaiFolder`)."""
     return (Path(path) / GENAI_CONFIG).is_file()
@@ -115,19 +122,21 @@ class GenaiFolder:
         self.vocab_size = model.integer("vocab_size", minimum=1)
         eos = model.value("eos_token_id", [])  # none: generation stops at its length only, as in genai
         self.eos = set(eos if isinstance(eos, list) else [eos])
-        if not all(isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size
-                   for token in self.eos):
+        if not all(self.is_token(token) for token in self.eos):
             raise model.error("eos_token_id", f"a token id in [0, {self.vocab_size}) or a list of them")
         window = decoder.object("sliding_window", required=False)
         self.window_size = window.integer("window_size", minimum=1) if window.data else None
         listed = window.list("layers", []) if window.data else []
-        if not all(isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < self.layers
-                   for layer in listed):
+        if not all(_is_index(layer, self.layers) for layer in listed):
             raise window.error("layers", f"a list of layers in [0, {self.layers})")
         self._window_layers = set(listed) if "layers" in window else None  # None: every layer
         self.search = document.object("search", required=False)
         if not self.decoder_path.is_file():
             raise ModelFileError(f"{config_path}: its decoder {self.decoder_path} is not a file")
+
+    def is_token(self, value: object) -> bool:
+        """Whether ``value`` is a token id of the vocabulary (an integer in [0, vocab_size), not a bool)."""
+        return _is_index(value, self.vocab_size)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (the layers the config lists, all when it lists none), or None."""

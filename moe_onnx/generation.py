@@ -247,7 +247,7 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     if not prompt_ids:
         raise GenerateError("the prompt has no tokens")
     for position, token in enumerate(prompt_ids):
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < genai.vocab_size:
+        if not genai.is_token(token):
             raise GenerateError(f"prompt token {position} is {token!r}: expected a token id in [0, "
                                 f"{genai.vocab_size}) ({GENAI_CONFIG}'s vocab_size)")
     prompt_ids = [int(token) for token in prompt_ids]

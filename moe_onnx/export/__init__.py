@@ -128,7 +128,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     generation = model_files.read_json(checkpoint / "generation_config.json").data if (
         checkpoint / "generation_config.json").exists() else {}
     family = FAMILIES.get(config["model_type"])
-    if config.get("model_type") in REFUSED:
+    if config["model_type"] in REFUSED:
         raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
                           f"{REFUSED[config['model_type']]}")
     if family is None:
