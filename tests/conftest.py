@@ -30,16 +30,34 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import onnxruntime as ort
 import pytest
+from _pytest import nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite starts ~100 Python processes (mpirun's ranks, the command line, the kernels at each ISA level), each
+# importing moe_onnx: its compiled modules are written once (__pycache__/, ignored by git) and read by every later
+# process, and each test module's assertion rewrite is done once, even where PYTHONDONTWRITEBYTECODE is set.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 ort.set_default_logger_severity(4)  # the tests assert onnxruntime's errors; they are not logged
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse ``--dist loadgroup`` under a pytest whose test ids pytest-xdist cannot suffix with their group (it
+    sets ``Node._nodeid``, which pytest 9.2 no longer has): every xdist_group would be split over the workers
+    silently, and each worker would repeat what the group's tests share (exports, kernel children)."""
+    if (config.getoption("dist", "no") == "loadgroup" and config.getoption("numprocesses", None)
+            and not hasattr(nodes.Node, "_nodeid")):
+        raise pytest.UsageError(f"pytest-xdist cannot group tests (xdist_group) under pytest {pytest.__version__}: "
+                                "install the pytest that pyproject.toml's test extra pins (pip install -e '.[test]')")
 
 
 def mpi_environment(**env: str) -> dict[str, str]:
