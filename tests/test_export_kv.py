@@ -280,6 +280,7 @@ def test_export_from_checkpoint(exported):
 
 @pytest.mark.slow
 @_NEEDS_TORCH
+@pytest.mark.xdist_group("export")  # the worker that has imported torch and transformers
 def test_export_refuses_a_cache_of_other_state(tmp_path, capsys):
     """A checkpoint of a known family whose layers keep a Mamba state (GraniteMoeHybrid's mamba layer) is refused
     when it loads, naming the cache layer type (exit 2), before anything is exported."""
