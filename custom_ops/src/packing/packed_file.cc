@@ -92,6 +92,48 @@ std::string packed_file_name(const std::string& op, const std::vector<std::strin
   return readable.substr(0, 96) + "-" + hash + ".moepack";
 }
 
+uint64_t checksum(const void* data, size_t bytes, uint64_t seed) {
+  // Four independent lanes (the multiplications of one overlap the others'), each word folded in by
+  // xor, an odd multiplier and a rotation: each step is a bijection of the lane for a given word and of
+  // the word for a given lane, so one changed word always changes its lane and the result.
+  constexpr uint64_t kOdd[4] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
+                                0xd6e8feb86659fd93ULL};
+  auto rotate = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+  auto mix = [](uint64_t x) {  // a bijection that spreads every bit over the word
+    x = (x ^ (x >> 31)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 29)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 32);
+  };
+  uint64_t lane[4];
+  for (int j = 0; j < 4; ++j) lane[j] = mix(seed + kOdd[j]);
+  const auto* p = static_cast<const unsigned char*>(data);
+  size_t at = 0;
+  for (; at + 32 <= bytes; at += 32)
+    for (int j = 0; j < 4; ++j) {
+      uint64_t word;
+      std::memcpy(&word, p + at + 8 * j, 8);
+      lane[j] = rotate((lane[j] ^ word) * kOdd[j], 29);
+    }
+  for (int j = 0; at < bytes; j = (j + 1) % 4, at += 8) {  // the last words, the last one zero-padded
+    uint64_t word = 0;
+    std::memcpy(&word, p + at, std::min<size_t>(8, bytes - at));
+    lane[j] = rotate((lane[j] ^ word) * kOdd[j], 29);
+  }
+  uint64_t h = mix(bytes);
+  for (int j = 0; j < 4; ++j) h = (h ^ mix(lane[j])) * kOdd[j];
+  return mix(h);
+}
+
+uint64_t expert_weights_checksum(const std::vector<Input>& weights, int64_t experts, int64_t expert) {
+  uint64_t h = 0;
+  for (const Input& w : weights) {
+    if (!w.present || !w.data || experts <= 0) continue;
+    const size_t per_expert = static_cast<size_t>(w.count) * elem_size(w.type) / static_cast<size_t>(experts);
+    h = checksum(static_cast<const char*>(w.data) + static_cast<size_t>(expert) * per_expert, per_expert, h);
+  }
+  return h;
+}
+
 uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts) {
   constexpr size_t kWindow = 64;
   std::vector<std::pair<const char*, size_t>> windows;
@@ -123,10 +165,13 @@ uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts)
 
 PackedFileLayout::PackedFileLayout(const std::vector<Matrix>& matrices, const std::vector<Input>& weights,
                                    int64_t experts)
-    : fingerprint(weights_fingerprint(weights, experts)) {
+    : fingerprint(weights_fingerprint(weights, experts)),
+      experts(experts),
+      matrices(static_cast<int64_t>(matrices.size())) {
   for (size_t m = 0; m < matrices.size(); ++m) description += "matrix" + std::to_string(m) + "=" + matrices[m].layout + ";";
   for (size_t i = 0; i < weights.size(); ++i) description += "input" + std::to_string(i) + "=" + shape_text(weights[i]) + ";";
-  int64_t at = round_up(static_cast<int64_t>(kFixedHeader + description.size()), kPageBytes);
+  checksums_offset = round_up(static_cast<int64_t>(kFixedHeader + description.size()), 8);
+  int64_t at = round_up(checksums_offset + experts * (1 + this->matrices) * 8, kPageBytes);
   for (const Matrix& m : matrices) {
     panel_offsets.push_back(at);
     at = round_up(at + m.panel_bytes, kPageBytes);
@@ -157,7 +202,9 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
   }
   struct Closer {
     int fd;
-    ~Closer() { ::close(fd); }
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
   } closer{fd};
   struct stat st {};
   if (fstat(fd, &st) != 0) {
@@ -204,15 +251,38 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
            " (truncated or damaged)";
     return nullptr;
   }
+  std::vector<uint64_t> checksums(static_cast<size_t>(layout.experts * (1 + layout.matrices)));
+  const auto table_bytes = static_cast<ssize_t>(checksums.size() * sizeof(uint64_t));
+  if (pread(fd, checksums.data(), static_cast<size_t>(table_bytes), layout.checksums_offset) != table_bytes) {
+    *why = system_error("cannot read the checksums of", path);
+    return nullptr;
+  }
   void* data = mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) {
     *why = system_error("cannot map", path);
     return nullptr;
   }
-  return std::unique_ptr<MappedPackedFile>(new MappedPackedFile(static_cast<const char*>(data), static_cast<size_t>(size)));
+  closer.fd = -1;  // kept: changed() asks it
+  const Stamp stamp{size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  return std::unique_ptr<MappedPackedFile>(
+      new MappedPackedFile(fd, static_cast<const char*>(data), static_cast<size_t>(size), stamp, std::move(checksums)));
 }
 
-MappedPackedFile::~MappedPackedFile() { munmap(const_cast<char*>(data_), bytes_); }
+bool MappedPackedFile::changed() const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return true;
+  const bool modified = st.st_size != stamp_.size || st.st_mtim.tv_sec != stamp_.modified_s ||
+                        st.st_mtim.tv_nsec != stamp_.modified_ns;
+  // a write restoring the modification time (cp -p) still sets the change time; so does unlinking the
+  // file (a new one renamed over it), which leaves these bytes as they are
+  const bool touched = st.st_ctim.tv_sec != stamp_.changed_s || st.st_ctim.tv_nsec != stamp_.changed_ns;
+  return modified || (touched && st.st_nlink > 0);
+}
+
+MappedPackedFile::~MappedPackedFile() {
+  munmap(const_cast<char*>(data_), bytes_);
+  ::close(fd_);
+}
 
 int create_packed_file(const std::string& path, const PackedFileLayout& layout) {
   const std::string temporary = temporary_name(path);
