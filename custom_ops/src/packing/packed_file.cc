@@ -95,33 +95,40 @@ std::string packed_file_name(const std::string& op, const std::vector<std::strin
 uint64_t checksum(const void* data, size_t bytes, uint64_t seed) {
   // Four independent lanes (the multiplications of one overlap the others'), each word folded in by
   // xor, an odd multiplier and a rotation: each step is a bijection of the lane for a given word and of
-  // the word for a given lane, so one changed word always changes its lane and the result.
-  constexpr uint64_t kOdd[4] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
-                                0xd6e8feb86659fd93ULL};
-  auto rotate = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+  // the word for a given lane, so one changed word always changes its lane and the result. The lanes
+  // are four variables, not an array, so that they stay in registers.
+  constexpr uint64_t k0 = 0x9e3779b97f4a7c15ULL, k1 = 0xc2b2ae3d27d4eb4fULL, k2 = 0x165667b19e3779f9ULL,
+                     k3 = 0xd6e8feb86659fd93ULL;
+  auto step = [](uint64_t lane, uint64_t word, uint64_t k) {
+    const uint64_t x = (lane ^ word) * k;
+    return (x << 29) | (x >> 35);
+  };
   auto mix = [](uint64_t x) {  // a bijection that spreads every bit over the word
     x = (x ^ (x >> 31)) * 0xbf58476d1ce4e5b9ULL;
     x = (x ^ (x >> 29)) * 0x94d049bb133111ebULL;
     return x ^ (x >> 32);
   };
-  uint64_t lane[4];
-  for (int j = 0; j < 4; ++j) lane[j] = mix(seed + kOdd[j]);
+  auto word_at = [](const unsigned char* p) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    return w;
+  };
+  uint64_t a = mix(seed + k0), b = mix(seed + k1), c = mix(seed + k2), d = mix(seed + k3);
   const auto* p = static_cast<const unsigned char*>(data);
   size_t at = 0;
-  for (; at + 32 <= bytes; at += 32)
-    for (int j = 0; j < 4; ++j) {
-      uint64_t word;
-      std::memcpy(&word, p + at + 8 * j, 8);
-      lane[j] = rotate((lane[j] ^ word) * kOdd[j], 29);
-    }
-  for (int j = 0; at < bytes; j = (j + 1) % 4, at += 8) {  // the last words, the last one zero-padded
-    uint64_t word = 0;
-    std::memcpy(&word, p + at, std::min<size_t>(8, bytes - at));
-    lane[j] = rotate((lane[j] ^ word) * kOdd[j], 29);
+  for (; at + 32 <= bytes; at += 32) {
+    a = step(a, word_at(p + at), k0);
+    b = step(b, word_at(p + at + 8), k1);
+    c = step(c, word_at(p + at + 16), k2);
+    d = step(d, word_at(p + at + 24), k3);
   }
-  uint64_t h = mix(bytes);
-  for (int j = 0; j < 4; ++j) h = (h ^ mix(lane[j])) * kOdd[j];
-  return mix(h);
+  uint64_t tail[4] = {0, 0, 0, 0};  // the last bytes, zero-padded to four words
+  std::memcpy(tail, p + at, bytes - at);
+  a = step(a, tail[0], k0);
+  b = step(b, tail[1], k1);
+  c = step(c, tail[2], k2);
+  d = step(d, tail[3], k3);
+  return mix((((((mix(bytes) ^ mix(a)) * k0) ^ mix(b)) * k1 ^ mix(c)) * k2 ^ mix(d)) * k3);
 }
 
 uint64_t expert_weights_checksum(const std::vector<Input>& weights, int64_t experts, int64_t expert) {
