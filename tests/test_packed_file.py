@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,7 @@ def _round_up(n: int, to: int) -> int:
 class _Layout:
     """Where a file's parts lie (packed_file.h's PackedFileLayout), read from its header."""
     experts: int
+    sources: int  # offset of the source files' stamps: their count (u64), then 4 stamps of 56 bytes
     checksums: int  # offset of the table: per expert its weights' checksum, then each matrix's slot checksum
     slots: list[tuple[int, int]]  # per matrix: (offset of its panels, bytes of a slot)
     biases: list[tuple[int, int]]  # per matrix: (offset of its biases, bytes of a slot's; 0: none)
@@ -83,7 +85,8 @@ class _Layout:
         items = [item.split("=", 1) for item in data[24:24 + length].decode().split(";") if item]
         matrices = [dict(kv.split(":") for kv in value.split(",")) for key, value in items if key.startswith("matrix")]
         experts = next(int(value.split("[")[1].split(",")[0]) for key, value in items if "[" in value)
-        checksums = _round_up(24 + length, 8)
+        sources = _round_up(24 + length, 8)
+        checksums = sources + 8 + 4 * 56
         at = _round_up(checksums + experts * (1 + len(matrices)) * 8, 4096)
         slots, biases = [], []
         for m in matrices:
@@ -92,7 +95,7 @@ class _Layout:
         for m in matrices:
             biases.append((at, int(m["bias"]) // experts))
             at = _round_up(at + int(m["bias"]), 64)
-        return cls(experts, checksums, slots, biases)
+        return cls(experts, sources, checksums, slots, biases)
 
     def slot(self, matrix: int, expert: int) -> slice:
         offset, size = self.slots[matrix]
@@ -252,6 +255,34 @@ def test_the_weights_are_held_as_the_files_pages(tmp_path):
     activations = 4 * E * 2 * (H + 2 * I) * 4 / 2**20
     assert grown["RssAnon"] < 0.05 * weight_mb + activations + code, grown
     assert 0.95 * packed_mb < grown["RssFile"] < 1.05 * packed_mb + code, grown
+
+
+def test_the_identity_of_the_weights_file_spares_their_checksums(tmp_path, capfd):
+    """A model whose weights are mapped from an external data file last changed 2 s or more before ``pack`` has
+    the file's identity (device, inode, size, times) recorded: its sessions check only the panels. A weight edited
+    in place changes the identity (its change time): the node checks each expert's weights again, finds the
+    edited one and packs itself."""
+    E, H, I = 4, 64, 128
+    path, _ = _moe_file(tmp_path, E, H, I, inline=False)
+    time.sleep(2.1)  # settled: a later write gets another change time
+    [(file, _)] = pack_weights(path).files
+    data = file.read_bytes()
+    assert struct.unpack_from("<Q", data, _Layout.of(data).sources)[0] == 1
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((E, H), dtype=np.float32), "routing": np.full((E, 2), 0.5, np.float32),
+             "indices": np.array([[e, (e + 1) % E] for e in range(E)], np.int64)}
+    logged = options(2)
+    logged.log_severity_level = 2
+    capfd.readouterr()
+    for edited in (False, True):
+        if edited:  # the last float of expert 0's gate weights: outside the fingerprint's windows
+            with open(tmp_path / "moe.data", "r+b") as weights:
+                weights.seek(I * H * 4 - 4)
+                weights.write(np.float32(1.0).tobytes())
+        expected = run(moe_onnx.session(path, sess_options=options(2), packed_weights=None), feeds)
+        assert _bits(run(moe_onnx.session(path, sess_options=logged), feeds)) == _bits(expected)
+        err = capfd.readouterr().err
+        assert ("expert 0's weights differ from those the file was packed from" in err) == edited, err
 
 
 def test_session_options_keep_one_folder(tmp_path):

@@ -34,12 +34,19 @@ ConstantExperts::ConstantExperts(int64_t experts, const MakeExperts& make_empty,
 #if defined(__linux__) && defined(MADV_PAGEOUT)
   for (const MappedWeight& w : mapped_) advise_pages(w.data, w.bytes, MADV_PAGEOUT, false);  // what the fingerprint read
 #endif
-  if (file.write)
-    write_packed_file(file, *layout_, experts, make_empty, [this](PackedExperts& buffer, int64_t expert) {
-      const uint64_t sum = weights_checksum(expert);
-      pack_expert(buffer, 0, expert);
-      return sum;
-    });
+  if (file.write) {
+    // recorded when they did not change while packing, nor just before it (settled)
+    const std::vector<SourceFileStamp> sources = source_file_stamps(weights);
+    const bool recordable = settled(sources);
+    write_packed_file(
+        file, *layout_, experts, make_empty,
+        [this](PackedExperts& buffer, int64_t expert) {
+          const uint64_t sum = weights_checksum(expert);
+          pack_expert(buffer, 0, expert);
+          return sum;
+        },
+        [&] { return recordable && source_file_stamps(weights) == sources ? sources : std::vector<SourceFileStamp>{}; });
+  }
   std::string why;
   file_ = MappedPackedFile::open(file.path, *layout_, &why);
   if (!file_) {
@@ -48,6 +55,8 @@ ConstantExperts::ConstantExperts(int64_t experts, const MakeExperts& make_empty,
     ORT_CXX_LOG_NOEXCEPT(file.logger, ORT_LOGGING_LEVEL_WARNING, message.c_str());
     return;
   }
+  // the weights' files are those the file was packed from, unchanged: their bytes need no checksum
+  same_weights_ = !file_->source_files().empty() && source_file_stamps(weights) == file_->source_files();
   file_experts_ = make_empty(ExpertSlots::all(experts));
   for (size_t m = 0; m < file_experts_.matrices.size(); ++m)
     file_experts_.matrices[m].use_packed(file_->data() + layout_->panel_offsets[m],
@@ -83,13 +92,15 @@ void ConstantExperts::pack_expert(PackedExperts& into, int64_t slot, int64_t exp
 }
 
 std::string ConstantExperts::check_file_expert(int64_t expert) const {
-  const uint64_t weights_sum = weights_checksum(expert);
-#if defined(__linux__) && defined(MADV_PAGEOUT)
-  advise_mapped_pages(expert, MADV_PAGEOUT, true);  // as after packing
-#endif
   const std::string named = file_request_.path + ": expert " + std::to_string(expert);
-  if (weights_sum != file_->stored_checksum(layout_->checksum_index(expert, -1)))
-    return named + "'s weights differ from those the file was packed from (pack again after changing weights)";
+  if (!same_weights_) {
+    const uint64_t weights_sum = weights_checksum(expert);
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+    advise_mapped_pages(expert, MADV_PAGEOUT, true);  // as after packing
+#endif
+    if (weights_sum != file_->stored_checksum(layout_->checksum_index(expert, -1)))
+      return named + "'s weights differ from those the file was packed from (pack again after changing weights)";
+  }
   for (size_t m = 0; m < file_experts_.matrices.size(); ++m) {
     const PackedWeights& matrix = file_experts_.matrices[m];
 #if defined(__linux__) && defined(MADV_POPULATE_READ)

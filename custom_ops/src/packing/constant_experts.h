@@ -24,7 +24,8 @@ namespace moe_onnx {
 // maps them again from the file), so the weights are resident once, packed.
 // With a packed-weights file (packed_file.h) that matches the weights, the panels are the file's
 // pages instead: nothing is packed; on an expert's first use its pages of the file are mapped and its
-// checksums checked (its panels', and its weights' against those it was packed from). A failed check,
+// checksums checked (its panels', and its weights' against those it was packed from, unless the weights'
+// files are those the file records, unchanged: source_file_stamps). A failed check,
 // or a file written in place while the session runs (each run asks), and the node stops using the file:
 // it packs the experts used so far and every later one itself, and says why once in the kernel's log.
 // In write mode every expert is packed at creation into the file (packed_file_writer.h), which is then
@@ -67,6 +68,7 @@ class ConstantExperts {
   std::unique_ptr<MappedPackedFile> file_;  // kept mapped until the end: a run may still read it
   std::unique_ptr<PackedFileLayout> layout_;
   PackedExperts file_experts_;  // the file's panels
+  bool same_weights_ = false;   // the weights' files are those the file records (no checksum of the weights)
   std::atomic<const PackedExperts*> current_;  // &file_experts_ while the file is used, else &experts_
   std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert: ready in *current_
   std::mutex packing_;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
+
+#include "panel_memory.h"
 
 namespace moe_onnx {
 namespace {
@@ -141,6 +146,32 @@ uint64_t expert_weights_checksum(const std::vector<Input>& weights, int64_t expe
   return h;
 }
 
+std::vector<SourceFileStamp> source_file_stamps(const std::vector<Input>& weights) {
+  std::vector<SourceFileStamp> stamps;
+  for (const Input& w : weights) {
+    if (!w.present || !w.data) continue;
+    MappedFile file;
+    struct stat st {};
+    if (!in_file_mapping(w.data, static_cast<size_t>(w.count) * elem_size(w.type), &file) ||
+        stat(file.path.c_str(), &st) != 0 || st.st_ino != file.inode || major(st.st_dev) != file.major ||
+        minor(st.st_dev) != file.minor)
+      return {};
+    stamps.push_back({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
+                      st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec});
+  }
+  std::sort(stamps.begin(), stamps.end(), [](const SourceFileStamp& a, const SourceFileStamp& b) {
+    return std::tie(a.device, a.inode) < std::tie(b.device, b.inode);
+  });
+  stamps.erase(std::unique(stamps.begin(), stamps.end()), stamps.end());
+  if (stamps.size() > kMaxSourceFiles) return {};
+  return stamps;
+}
+
+bool settled(const std::vector<SourceFileStamp>& stamps) {
+  const int64_t now = static_cast<int64_t>(std::time(nullptr));
+  return std::all_of(stamps.begin(), stamps.end(), [now](const SourceFileStamp& s) { return s.changed_s + 2 <= now; });
+}
+
 uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts) {
   constexpr size_t kWindow = 64;
   std::vector<std::pair<const char*, size_t>> windows;
@@ -177,7 +208,8 @@ PackedFileLayout::PackedFileLayout(const std::vector<Matrix>& matrices, const st
       matrices(static_cast<int64_t>(matrices.size())) {
   for (size_t m = 0; m < matrices.size(); ++m) description += "matrix" + std::to_string(m) + "=" + matrices[m].layout + ";";
   for (size_t i = 0; i < weights.size(); ++i) description += "input" + std::to_string(i) + "=" + shape_text(weights[i]) + ";";
-  checksums_offset = round_up(static_cast<int64_t>(kFixedHeader + description.size()), 8);
+  sources_offset = round_up(static_cast<int64_t>(kFixedHeader + description.size()), 8);
+  checksums_offset = sources_offset + static_cast<int64_t>(8 + kMaxSourceFiles * sizeof(SourceFileStamp));
   int64_t at = round_up(checksums_offset + experts * (1 + this->matrices) * 8, kPageBytes);
   for (const Matrix& m : matrices) {
     panel_offsets.push_back(at);
@@ -264,6 +296,15 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
     *why = system_error("cannot read the checksums of", path);
     return nullptr;
   }
+  uint64_t source_count = 0;
+  std::vector<SourceFileStamp> sources(kMaxSourceFiles);
+  if (pread(fd, &source_count, 8, layout.sources_offset) != 8 ||
+      pread(fd, sources.data(), kMaxSourceFiles * sizeof(SourceFileStamp), layout.sources_offset + 8) !=
+          static_cast<ssize_t>(kMaxSourceFiles * sizeof(SourceFileStamp))) {
+    *why = system_error("cannot read the source files of", path);
+    return nullptr;
+  }
+  sources.resize(std::min<uint64_t>(source_count, kMaxSourceFiles));
   void* data = mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) {
     *why = system_error("cannot map", path);
@@ -272,7 +313,8 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
   closer.fd = -1;  // kept: changed() asks it
   const Stamp stamp{size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
   return std::unique_ptr<MappedPackedFile>(
-      new MappedPackedFile(fd, static_cast<const char*>(data), static_cast<size_t>(size), stamp, std::move(checksums)));
+      new MappedPackedFile(fd, static_cast<const char*>(data), static_cast<size_t>(size), stamp, std::move(checksums),
+                           std::move(sources)));
 }
 
 bool MappedPackedFile::changed() const {

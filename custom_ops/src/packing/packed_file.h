@@ -55,10 +55,32 @@ PackedFileRequest packed_file_request(const PackedWeightsFiles* files, const Ort
 // different ones: the names' safe characters and a hash of them all.
 std::string packed_file_name(const std::string& op, const std::vector<std::string>& input_names);
 
+// The identity of a file that weights are mapped from: its device, inode, size, modification and change
+// times. While it is the same, the file holds the bytes it held (as git trusts its index's stat data):
+// a write or truncation sets the change time, a copy or a file renamed into its place is another inode.
+struct SourceFileStamp {
+  uint64_t device = 0, inode = 0;
+  int64_t size = 0, modified_s = 0, modified_ns = 0, changed_s = 0, changed_ns = 0;
+  bool operator==(const SourceFileStamp& o) const {
+    return device == o.device && inode == o.inode && size == o.size && modified_s == o.modified_s &&
+           modified_ns == o.modified_ns && changed_s == o.changed_s && changed_ns == o.changed_ns;
+  }
+};
+static_assert(sizeof(SourceFileStamp) == 56, "the file's layout of a stamp");
+constexpr size_t kMaxSourceFiles = 4;  // a file records the identity of the weights' files up to this many
+// The stamps of the files the present weights are mapped from (sorted, each once), when every one of them
+// is mapped from a file that its path still names (the mapping's inode) and they are at most
+// kMaxSourceFiles; else empty.
+std::vector<SourceFileStamp> source_file_stamps(const std::vector<Input>& weights);
+// Whether every stamp's change time is at least 2 s old: a later write then sets another change time even
+// where timestamps are coarse (a jiffy; FAT's 2 s), so the stamp can be trusted (git's "racily clean" rule).
+bool settled(const std::vector<SourceFileStamp>& stamps);
+
 // Where everything lies in a node's file: a header (magic, kPackedLayoutVersion, the description's
-// length, the fingerprint, the description), the checksum table (per expert: its weights' checksum,
-// then each matrix's slot checksum), then each matrix's panels (every slot's, as pack lays them out)
-// at a page-aligned offset, then each matrix's biases.
+// length, the fingerprint, the description), the source files' stamps (a count, then kMaxSourceFiles
+// stamps), the checksum table (per expert: its weights' checksum, then each matrix's slot checksum),
+// then each matrix's panels (every slot's, as pack lays them out) at a page-aligned offset, then each
+// matrix's biases.
 struct PackedFileLayout {
   struct Matrix {
     std::string layout;  // PackedWeights::layout()
@@ -69,6 +91,7 @@ struct PackedFileLayout {
   std::string description;  // the matrices' layouts and the weights' types and shapes, ';'-separated
   uint64_t fingerprint;     // weights_fingerprint
   int64_t experts, matrices;
+  int64_t sources_offset;    // a uint64_t count, then kMaxSourceFiles SourceFileStamps
   int64_t checksums_offset;  // experts * (1 + matrices) uint64_t
   std::vector<int64_t> panel_offsets, bias_offsets;
   int64_t bytes;
@@ -107,6 +130,8 @@ class MappedPackedFile {
   const char* data() const { return data_; }
   // The checksum table's entry (PackedFileLayout::checksum_index).
   uint64_t stored_checksum(size_t index) const { return index < checksums_.size() ? checksums_[index] : 0; }
+  // The stamps of the files the weights were mapped from when it was written (empty: none recorded).
+  const std::vector<SourceFileStamp>& source_files() const { return sources_; }
   // Whether the file was written or truncated since it was opened (its size or modification time differ,
   // or its change time while it still has a name: a file renamed over it leaves it unchanged). One fstat.
   bool changed() const;
@@ -115,13 +140,15 @@ class MappedPackedFile {
   struct Stamp {
     int64_t size, modified_s, modified_ns, changed_s, changed_ns;
   };
-  MappedPackedFile(int fd, const char* data, size_t bytes, Stamp stamp, std::vector<uint64_t> checksums)
-      : fd_(fd), data_(data), bytes_(bytes), stamp_(stamp), checksums_(std::move(checksums)) {}
+  MappedPackedFile(int fd, const char* data, size_t bytes, Stamp stamp, std::vector<uint64_t> checksums,
+                   std::vector<SourceFileStamp> sources)
+      : fd_(fd), data_(data), bytes_(bytes), stamp_(stamp), checksums_(std::move(checksums)), sources_(std::move(sources)) {}
   int fd_;
   const char* data_;
   size_t bytes_;
   Stamp stamp_;  // at open
   std::vector<uint64_t> checksums_;
+  std::vector<SourceFileStamp> sources_;
 };
 
 // Writes layout's header to a new file `path`.tmp.<pid> (sized layout.bytes); the caller pwrites the rest

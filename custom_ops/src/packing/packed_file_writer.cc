@@ -13,7 +13,7 @@
 namespace moe_onnx {
 
 void write_packed_file(const PackedFileRequest& file, const PackedFileLayout& layout, int64_t experts,
-                       const MakeExperts& make_empty, const PackExpert& pack_expert) {
+                       const MakeExperts& make_empty, const PackExpert& pack_expert, const SourceFiles& sources) {
   const int fd = create_packed_file(file.path, layout);
   std::vector<uint64_t> checksums(static_cast<size_t>(experts * (1 + layout.matrices)));
   std::atomic<int64_t> next{0};
@@ -42,6 +42,12 @@ void write_packed_file(const PackedFileRequest& file, const PackedFileLayout& la
         throw;
       }
     });
+    std::vector<SourceFileStamp> stamps = sources();
+    const uint64_t count = stamps.size() <= kMaxSourceFiles ? stamps.size() : 0;
+    stamps.resize(kMaxSourceFiles);
+    write_packed_bytes(fd, file.path, &count, 8, layout.sources_offset);
+    write_packed_bytes(fd, file.path, stamps.data(), static_cast<int64_t>(kMaxSourceFiles * sizeof(SourceFileStamp)),
+                       layout.sources_offset + 8);
     write_packed_bytes(fd, file.path, checksums.data(), static_cast<int64_t>(checksums.size() * sizeof(uint64_t)),
                        layout.checksums_offset);
   } catch (const std::exception& x) {
