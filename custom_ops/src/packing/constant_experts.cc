@@ -92,14 +92,14 @@ void ConstantExperts::pack_expert(PackedExperts& into, int64_t slot, int64_t exp
 }
 
 std::string ConstantExperts::check_file_expert(int64_t expert) const {
-  const std::string named = file_request_.path + ": expert " + std::to_string(expert);
+  auto named = [&] { return file_request_.path + ": expert " + std::to_string(expert); };
   if (!same_weights_) {
     const uint64_t weights_sum = weights_checksum(expert);
 #if defined(__linux__) && defined(MADV_PAGEOUT)
     advise_mapped_pages(expert, MADV_PAGEOUT, true);  // as after packing
 #endif
     if (weights_sum != file_->stored_checksum(layout_->checksum_index(expert, -1)))
-      return named + "'s weights differ from those the file was packed from (pack again after changing weights)";
+      return named() + "'s weights differ from those the file was packed from (pack again after changing weights)";
   }
   for (size_t m = 0; m < file_experts_.matrices.size(); ++m) {
     const PackedWeights& matrix = file_experts_.matrices[m];
@@ -108,7 +108,7 @@ std::string ConstantExperts::check_file_expert(int64_t expert) const {
                  MADV_POPULATE_READ, false);
 #endif
     if (slot_checksum(matrix, expert) != file_->stored_checksum(layout_->checksum_index(expert, static_cast<int64_t>(m))))
-      return named + "'s packed panels of matrix " + std::to_string(m) +
+      return named() + "'s packed panels of matrix " + std::to_string(m) +
              " differ from their checksum (the file is damaged)";
   }
   return {};
