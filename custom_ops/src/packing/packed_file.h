@@ -6,8 +6,9 @@
 // (layout version, every matrix's layout, the weights' types and shapes, a fingerprint of their
 // bytes) and its size is the size that header implies; anything else is never read past the header,
 // and the node packs as without a file, saying why once in the kernel's log. Each expert's panels are
-// used only after their checksums and the checksum of the expert's weights equal the file's (checked on
-// the expert's first use, constant_experts.h), and only while the file is not written in place.
+// used only after their checksums and the checksum of the expert's weights (unless the weights' files
+// are those the file records) equal the file's (checked on the expert's first use, constant_experts.h),
+// and only while the file is not written in place.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +31,7 @@ constexpr const char* kPackedWeightsWriteKey = "moe_onnx.packed_weights_write";
 constexpr const char* kPackedWeightsThreadsKey = "moe_onnx.packed_weights_threads";
 
 // Bump on any change to where pack puts a weight (a panel layout, a WeightFormat's meaning) or to the
-// file's format: files of another version are not used. 2: the checksum table.
+// file's format: files of another version are not used. 2: the weights' files and the checksum table.
 constexpr uint32_t kPackedLayoutVersion = 2;
 
 // The packed-weights settings of the sessions of one registration.
@@ -142,7 +143,12 @@ class MappedPackedFile {
   };
   MappedPackedFile(int fd, const char* data, size_t bytes, Stamp stamp, std::vector<uint64_t> checksums,
                    std::vector<SourceFileStamp> sources)
-      : fd_(fd), data_(data), bytes_(bytes), stamp_(stamp), checksums_(std::move(checksums)), sources_(std::move(sources)) {}
+      : fd_(fd),
+        data_(data),
+        bytes_(bytes),
+        stamp_(stamp),
+        checksums_(std::move(checksums)),
+        sources_(std::move(sources)) {}
   int fd_;
   const char* data_;
   size_t bytes_;
@@ -152,7 +158,8 @@ class MappedPackedFile {
 };
 
 // Writes layout's header to a new file `path`.tmp.<pid> (sized layout.bytes); the caller pwrites the rest
-// (the checksum table, the panels, the biases) to the descriptor and then calls finish_packed_file.
+// (the weights' files, the checksum table, the panels, the biases) to the descriptor and then calls
+// finish_packed_file.
 // std::runtime_error naming the file on failure.
 int create_packed_file(const std::string& path, const PackedFileLayout& layout);
 // Writes `bytes` at `offset` of the file (all of them, or std::runtime_error).
