@@ -14,14 +14,17 @@ time and of the process's CPU time, which a busy machine changes less; then a de
 512). `measure --packed` compares instead sessions that map packed-weights files (`moe-onnx pack`, written first
 into MODEL.packed when missing, its time printed) with sessions that pack, in alternating child processes, --rounds
 of each, and prints the medians side by side; with --library OLD.so also sessions of another build of our library
-(e.g. main before a change), and each variant's decode and prefill time over the packing session's: the check that
-a change keeps the run's speed.
+(e.g. main before a change) that pack and that map that library's own files (packed into MODEL.packed-library
+when missing), and each variant's decode and prefill time over the packing session's: the check that a change
+keeps the run's speed. `checksum` prints the rate (GB/s, one thread) of the packed-weights files' checksum over a
+buffer in the caches and one much larger (packed_file.h's checksum, through the library's test hook).
 
     python benchmarks/startup_memory.py build DIR --format fp32 --experts 128 --hidden 2048 --inter 768
     python benchmarks/startup_memory.py build DIR --format int4 --block-size 64 --zero-points --experts 64 --layers 1
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --threads 2
     flock /work/wt/bigmem.lock python benchmarks/startup_memory.py measure DIR/moe_fp32.onnx --packed --rounds 3 \
         [--library OLD/libmoe_onnx_ops.so] [--runs 16 16 1 1 1 1 512 512 512]
+    python benchmarks/startup_memory.py checksum
 """
 
 from __future__ import annotations
@@ -162,8 +165,8 @@ def feeds(H: int, E: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
             "indices": slots.reshape(tokens, TOP_K).astype(np.int64)}
 
 
-def child(path: str, threads: int, runs: list[int], experts: int, packed: bool = False) -> dict:
-    """Creates a session on `path` (mapping the files of MODEL.packed when `packed`, else packing) and runs it on
+def child(path: str, threads: int, runs: list[int], experts: int, packed: str | None = None) -> dict:
+    """Creates a session on `path` (mapping the files of the folder `packed`, else packing) and runs it on
     each token count in `runs` (a plain model: once); when the first two runs have the same tokens, enough to
     route rows to all `experts`, the packing rate too (the model's weight bytes over the first run's time less
     the second's)."""
@@ -176,9 +179,7 @@ def child(path: str, threads: int, runs: list[int], experts: int, packed: bool =
     opts = session_options(threads)
     plain = path.endswith(".plain.onnx")
     sess = (ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"]) if plain
-            else moe_onnx.session(path, backend="cpp", sess_options=opts,
-                                  packed_weights=moe_onnx.runtime.packed_weights.default_directory(path) if packed
-                                  else None))
+            else moe_onnx.session(path, backend="cpp", sess_options=opts, packed_weights=packed))
     report["create_s"] = round(time.perf_counter() - t0, 3)
     report["created"] = status_mb()
     if plain:
@@ -205,12 +206,12 @@ def child(path: str, threads: int, runs: list[int], experts: int, packed: bool =
     return report
 
 
-def _child_report(path: str, threads: int, runs: list[int], experts: int, packed: bool = False,
+def _child_report(path: str, threads: int, runs: list[int], experts: int, packed: Path | None = None,
                   library: str | None = None) -> dict | None:
     """child() in a process of its own, with our library at `library` when given (None, the error printed, when it
     fails)."""
     cmd = [sys.executable, __file__, "child", path, "--threads", str(threads), "--runs", *map(str, runs),
-           "--experts", str(experts), *(["--packed"] if packed else [])]
+           "--experts", str(experts), *(["--packed-folder", str(packed)] if packed else [])]
     env = dict(os.environ, **({LIBRARY_ENV: library} if library else {}))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
@@ -231,21 +232,28 @@ def measure(models: list[str], threads: int, runs: list[int]) -> None:
 def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int, library: str | None) -> None:
     """Per model: `moe-onnx pack` into MODEL.packed when it is missing (its time and peak RSS); then sessions
     that map those files, sessions that pack and, with `library` (another build of our library, e.g. main
-    before a change), sessions of that library that pack, alternating, `rounds` of each; the medians side by
-    side: creation, the first run, a decode (the median of a process's runs of 1 token), a prefill (of its
-    runs of 512 after the first), resident anonymous and file-backed memory after the first run, and each
-    variant's decode and prefill time over the packing session's."""
+    before a change), sessions of that library that pack and that map its own files (MODEL.packed-library,
+    packed by it when missing), alternating, `rounds` of each; the medians side by side: creation, the first
+    run, a decode (the median of a process's runs of 1 token), a prefill (of its runs of 512 after the first),
+    resident anonymous and file-backed memory after the first run, and each variant's decode and prefill time
+    over the packing session's."""
     from moe_onnx.runtime.packed_weights import default_directory
 
     for path in models:
         experts = onnx.load(path, load_external_data=False).graph.initializer[0].dims[0]
-        if not default_directory(path).is_dir():
-            peak, seconds, code, output = _memory.run_child(
-                [sys.executable, "-m", "moe_onnx.cli", "pack", path, "--threads", str(threads)], capture=True)
-            print(f"pack ({seconds:.1f} s wall with the interpreter, peak RSS {peak:.0f} MiB, exit {code}):\n"
-                  f"{output.strip()}", flush=True)
-        variants = {"packed file": dict(packed=True), "packing": {}}
+        folders = {None: default_directory(path)}
         if library:
+            folders[library] = Path(str(default_directory(path)) + "-library")
+        for packer, folder in folders.items():
+            if not folder.is_dir():
+                peak, seconds, code, output = _memory.run_child(
+                    [sys.executable, "-m", "moe_onnx.cli", "pack", path, "--threads", str(threads), "--dir",
+                     str(folder)], capture=True, env=dict(os.environ, **({LIBRARY_ENV: packer} if packer else {})))
+                print(f"pack{', --library' if packer else ''} ({seconds:.1f} s wall with the interpreter, peak RSS "
+                      f"{peak:.0f} MiB, exit {code}):\n{output.strip()}", flush=True)
+        variants = {"packed file": dict(packed=folders[None]), "packing": {}}
+        if library:
+            variants["packed file, --library"] = dict(packed=folders[library], library=library)
             variants["packing, --library"] = dict(library=library)
         reports: dict[str, list[dict]] = {variant: [] for variant in variants}
         for n in range(rounds):
@@ -277,6 +285,29 @@ def measure_packed(models: list[str], threads: int, runs: list[int], rounds: int
                   f"{file:12.0f} {ratios}", flush=True)
 
 
+def checksum_rate() -> None:
+    """The packed-weights files' checksum over 1 MiB (in the caches, many times) and 1 GiB (from memory), one
+    thread: GB/s, the best of 5."""
+    import ctypes
+
+    import moe_onnx
+
+    lib = ctypes.CDLL(moe_onnx.custom_ops_library())
+    lib.MoeOnnxChecksum.restype = ctypes.c_uint64
+    lib.MoeOnnxChecksum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64]
+    for size, repeats in ((1 << 20, 1024), (1 << 30, 1)):
+        data = np.random.default_rng(0).integers(0, 256, size, np.uint8)
+        best = min(_timed(lambda: [lib.MoeOnnxChecksum(data.ctypes.data, size, 0) for _ in range(repeats)])
+                   for _ in range(5))
+        print(f"checksum of {size >> 20} MiB x {repeats}: {size * repeats / best / 1e9:.1f} GB/s", flush=True)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,11 +326,13 @@ def main() -> None:
         m.add_argument("models", nargs="+")
         m.add_argument("--threads", type=int, default=2)
         m.add_argument("--runs", type=int, nargs="+", default=[16, 16, 1, 512, 512])
-        m.add_argument("--packed", action="store_true",
-                       help="measure: sessions on MODEL.packed's files against packing; child: map those files")
+    sub.choices["measure"].add_argument("--packed", action="store_true",
+                                        help="sessions on MODEL.packed's files against packing")
     sub.choices["measure"].add_argument("--rounds", type=int, default=3, help="--packed: processes of each kind")
     sub.choices["measure"].add_argument("--library", help="--packed: also sessions of this build of our library")
     sub.choices["child"].add_argument("--experts", type=int, required=True)
+    sub.choices["child"].add_argument("--packed-folder", help="map the files of this folder")
+    sub.add_parser("checksum")
     args = parser.parse_args()
     if args.command == "build":
         for p in build(args.dir, args.format, args.experts, args.hidden, args.inter, args.layers, args.inline,
@@ -309,8 +342,10 @@ def main() -> None:
         measure_packed(args.models, args.threads, args.runs, args.rounds, args.library)
     elif args.command == "measure":
         measure(args.models, args.threads, args.runs)
+    elif args.command == "checksum":
+        checksum_rate()
     else:
-        print(json.dumps(child(args.models[0], args.threads, args.runs, args.experts, args.packed)))
+        print(json.dumps(child(args.models[0], args.threads, args.runs, args.experts, args.packed_folder)))
 
 
 if __name__ == "__main__":

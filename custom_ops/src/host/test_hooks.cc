@@ -1,10 +1,12 @@
 // libmoe_onnx_ops's test hooks: C functions the tests call through ctypes to run one layer alone (the
-// tile layer: tests/test_amx_tiles.py; packing: tests/test_packing.py). Not part of the ops' API.
+// tile layer: tests/test_amx_tiles.py; packing: tests/test_packing.py; the packed-weights files'
+// checksum: tests/test_packed_file.py, benchmarks/startup_memory.py). Not part of the ops' API.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
+#include "packed_file.h"
 #include "packed_weights.h"
 #include "parallel.h"
 #include "x86/amx/tile_dot.h"
@@ -99,6 +101,11 @@ __attribute__((visibility("default"))) int64_t MoeOnnxPackQuantized(int code, in
     });
     return copy_panels(packed, slots, out, out_bytes);
   });
+}
+
+// The packed-weights files' checksum (packed_file.h's checksum) of `bytes` bytes at `data`, from `seed`.
+__attribute__((visibility("default"))) uint64_t MoeOnnxChecksum(const void* data, int64_t bytes, uint64_t seed) {
+  return moe_onnx::checksum(data, static_cast<size_t>(std::max<int64_t>(bytes, 0)), seed);
 }
 
 }  // extern "C"

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "packed_file.h"
@@ -22,8 +23,13 @@ namespace moe_onnx {
 // at once (MADV_POPULATE_READ); then they are reclaimed (MADV_PAGEOUT: clean file pages, a later read
 // maps them again from the file), so the weights are resident once, packed.
 // With a packed-weights file (packed_file.h) that matches the weights, the panels are the file's
-// pages instead: nothing is packed, and a run maps an expert's pages before its first use. In write
-// mode every expert is packed at creation into the file (packed_file_writer.h), which is then used so.
+// pages instead: nothing is packed; on an expert's first use its pages of the file are mapped and its
+// checksums checked (its panels', and its weights' against those it was packed from, unless the weights'
+// files are those the file records, unchanged: source_file_stamps). A failed check,
+// or a file written in place while the session runs (each run asks), and the node stops using the file:
+// it packs the experts used so far and every later one itself, and says why once in the kernel's log.
+// In write mode every expert is packed at creation into the file (packed_file_writer.h), which is then
+// used so.
 class ConstantExperts {
  public:
   // `weights`: the initializers pack_slot reads, each with the experts as its first dim; make_empty
@@ -43,16 +49,28 @@ class ConstantExperts {
   // madvise(advice) on the pages of the expert's weights in mapped_, the pages wholly inside them (inner)
   // or every page they touch.
   void advise_mapped_pages(int64_t expert, int advice, bool inner) const;
+  // The checksum of the expert's weights (expert_weights_checksum), their pages mapped at once before.
+  uint64_t weights_checksum(int64_t expert) const;
   // Packs the expert into its slot, its source pages mapped at once before and reclaimed after.
   void pack_expert(PackedExperts& into, int64_t slot, int64_t expert) const;
-  // Makes the expert's slot ready: packed, or its pages of the file mapped.
-  void prepare_expert(int64_t expert);
+  // The file's slot of the expert: its pages mapped and its checksums checked. Empty when they match,
+  // else why not (one line).
+  std::string check_file_expert(int64_t expert) const;
+  // Stops using the file (packing_ held): packs every expert used so far and `also` into experts_, which
+  // later runs read, and logs why.
+  void leave_file(const Ort::KernelContext& ctx, const std::string& why, const std::vector<int64_t>& also);
 
-  PackedExperts experts_;
+  PackedExperts experts_;  // packed here (no file, or after leaving it)
   PackSlot pack_slot_;
+  std::vector<Input> weights_;
   std::vector<MappedWeight> mapped_;
-  std::unique_ptr<MappedPackedFile> file_;  // the panels, when they come from a file
-  std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert
+  PackedFileRequest file_request_;
+  std::unique_ptr<MappedPackedFile> file_;  // kept mapped until the end: a run may still read it
+  std::unique_ptr<PackedFileLayout> layout_;
+  PackedExperts file_experts_;  // the file's panels
+  bool same_weights_ = false;   // the weights' files are those the file records (no checksum of the weights)
+  std::atomic<const PackedExperts*> current_;  // &file_experts_ while the file is used, else &experts_
+  std::unique_ptr<std::atomic<bool>[]> packed_;  // per expert: ready in *current_
   std::mutex packing_;
 };
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,8 +11,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
+
+#include "panel_memory.h"
 
 namespace moe_onnx {
 namespace {
@@ -92,6 +97,81 @@ std::string packed_file_name(const std::string& op, const std::vector<std::strin
   return readable.substr(0, 96) + "-" + hash + ".moepack";
 }
 
+uint64_t checksum(const void* data, size_t bytes, uint64_t seed) {
+  // Four independent lanes (the multiplications of one overlap the others'), each word folded in by
+  // xor, an odd multiplier and a rotation: each step is a bijection of the lane for a given word and of
+  // the word for a given lane, so one changed word always changes its lane and the result. The lanes
+  // are four variables, not an array, so that they stay in registers.
+  constexpr uint64_t k0 = 0x9e3779b97f4a7c15ULL, k1 = 0xc2b2ae3d27d4eb4fULL, k2 = 0x165667b19e3779f9ULL,
+                     k3 = 0xd6e8feb86659fd93ULL;
+  auto step = [](uint64_t lane, uint64_t word, uint64_t k) {
+    const uint64_t x = (lane ^ word) * k;
+    return (x << 29) | (x >> 35);
+  };
+  auto mix = [](uint64_t x) {  // a bijection that spreads every bit over the word
+    x = (x ^ (x >> 31)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 29)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 32);
+  };
+  auto word_at = [](const unsigned char* p) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    return w;
+  };
+  uint64_t a = mix(seed + k0), b = mix(seed + k1), c = mix(seed + k2), d = mix(seed + k3);
+  const auto* p = static_cast<const unsigned char*>(data);
+  size_t at = 0;
+  for (; at + 32 <= bytes; at += 32) {
+    a = step(a, word_at(p + at), k0);
+    b = step(b, word_at(p + at + 8), k1);
+    c = step(c, word_at(p + at + 16), k2);
+    d = step(d, word_at(p + at + 24), k3);
+  }
+  uint64_t tail[4] = {0, 0, 0, 0};  // the last bytes, zero-padded to four words
+  std::memcpy(tail, p + at, bytes - at);
+  a = step(a, tail[0], k0);
+  b = step(b, tail[1], k1);
+  c = step(c, tail[2], k2);
+  d = step(d, tail[3], k3);
+  return mix((((((mix(bytes) ^ mix(a)) * k0) ^ mix(b)) * k1 ^ mix(c)) * k2 ^ mix(d)) * k3);
+}
+
+uint64_t expert_weights_checksum(const std::vector<Input>& weights, int64_t experts, int64_t expert) {
+  uint64_t h = 0;
+  for (const Input& w : weights) {
+    if (!w.present || !w.data || experts <= 0) continue;
+    const size_t per_expert = static_cast<size_t>(w.count) * elem_size(w.type) / static_cast<size_t>(experts);
+    h = checksum(static_cast<const char*>(w.data) + static_cast<size_t>(expert) * per_expert, per_expert, h);
+  }
+  return h;
+}
+
+std::vector<SourceFileStamp> source_file_stamps(const std::vector<Input>& weights) {
+  std::vector<SourceFileStamp> stamps;
+  for (const Input& w : weights) {
+    if (!w.present || !w.data) continue;
+    MappedFile file;
+    struct stat st {};
+    if (!in_file_mapping(w.data, static_cast<size_t>(w.count) * elem_size(w.type), &file) ||
+        stat(file.path.c_str(), &st) != 0 || st.st_ino != file.inode || major(st.st_dev) != file.major ||
+        minor(st.st_dev) != file.minor)
+      return {};
+    stamps.push_back({static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
+                      st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec});
+  }
+  std::sort(stamps.begin(), stamps.end(), [](const SourceFileStamp& a, const SourceFileStamp& b) {
+    return std::tie(a.device, a.inode) < std::tie(b.device, b.inode);
+  });
+  stamps.erase(std::unique(stamps.begin(), stamps.end()), stamps.end());
+  if (stamps.size() > kMaxSourceFiles) return {};
+  return stamps;
+}
+
+bool settled(const std::vector<SourceFileStamp>& stamps) {
+  const int64_t now = static_cast<int64_t>(std::time(nullptr));
+  return std::all_of(stamps.begin(), stamps.end(), [now](const SourceFileStamp& s) { return s.changed_s + 2 <= now; });
+}
+
 uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts) {
   constexpr size_t kWindow = 64;
   std::vector<std::pair<const char*, size_t>> windows;
@@ -123,10 +203,14 @@ uint64_t weights_fingerprint(const std::vector<Input>& weights, int64_t experts)
 
 PackedFileLayout::PackedFileLayout(const std::vector<Matrix>& matrices, const std::vector<Input>& weights,
                                    int64_t experts)
-    : fingerprint(weights_fingerprint(weights, experts)) {
+    : fingerprint(weights_fingerprint(weights, experts)),
+      experts(experts),
+      matrices(static_cast<int64_t>(matrices.size())) {
   for (size_t m = 0; m < matrices.size(); ++m) description += "matrix" + std::to_string(m) + "=" + matrices[m].layout + ";";
   for (size_t i = 0; i < weights.size(); ++i) description += "input" + std::to_string(i) + "=" + shape_text(weights[i]) + ";";
-  int64_t at = round_up(static_cast<int64_t>(kFixedHeader + description.size()), kPageBytes);
+  sources_offset = round_up(static_cast<int64_t>(kFixedHeader + description.size()), 8);
+  checksums_offset = sources_offset + static_cast<int64_t>(8 + kMaxSourceFiles * sizeof(SourceFileStamp));
+  int64_t at = round_up(checksums_offset + experts * (1 + this->matrices) * 8, kPageBytes);
   for (const Matrix& m : matrices) {
     panel_offsets.push_back(at);
     at = round_up(at + m.panel_bytes, kPageBytes);
@@ -157,7 +241,9 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
   }
   struct Closer {
     int fd;
-    ~Closer() { ::close(fd); }
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
   } closer{fd};
   struct stat st {};
   if (fstat(fd, &st) != 0) {
@@ -204,15 +290,48 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
            " (truncated or damaged)";
     return nullptr;
   }
+  std::vector<uint64_t> checksums(static_cast<size_t>(layout.experts * (1 + layout.matrices)));
+  const auto table_bytes = static_cast<ssize_t>(checksums.size() * sizeof(uint64_t));
+  if (pread(fd, checksums.data(), static_cast<size_t>(table_bytes), layout.checksums_offset) != table_bytes) {
+    *why = system_error("cannot read the checksums of", path);
+    return nullptr;
+  }
+  uint64_t source_count = 0;
+  std::vector<SourceFileStamp> sources(kMaxSourceFiles);
+  if (pread(fd, &source_count, 8, layout.sources_offset) != 8 ||
+      pread(fd, sources.data(), kMaxSourceFiles * sizeof(SourceFileStamp), layout.sources_offset + 8) !=
+          static_cast<ssize_t>(kMaxSourceFiles * sizeof(SourceFileStamp))) {
+    *why = system_error("cannot read the source files of", path);
+    return nullptr;
+  }
+  sources.resize(std::min<uint64_t>(source_count, kMaxSourceFiles));
   void* data = mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) {
     *why = system_error("cannot map", path);
     return nullptr;
   }
-  return std::unique_ptr<MappedPackedFile>(new MappedPackedFile(static_cast<const char*>(data), static_cast<size_t>(size)));
+  closer.fd = -1;  // kept: changed() asks it
+  const Stamp stamp{size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  return std::unique_ptr<MappedPackedFile>(
+      new MappedPackedFile(fd, static_cast<const char*>(data), static_cast<size_t>(size), stamp, std::move(checksums),
+                           std::move(sources)));
 }
 
-MappedPackedFile::~MappedPackedFile() { munmap(const_cast<char*>(data_), bytes_); }
+bool MappedPackedFile::changed() const {
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) return true;
+  const bool modified = st.st_size != stamp_.size || st.st_mtim.tv_sec != stamp_.modified_s ||
+                        st.st_mtim.tv_nsec != stamp_.modified_ns;
+  // a write restoring the modification time (cp -p) still sets the change time; so does unlinking the
+  // file (a new one renamed over it), which leaves these bytes as they are
+  const bool touched = st.st_ctim.tv_sec != stamp_.changed_s || st.st_ctim.tv_nsec != stamp_.changed_ns;
+  return modified || (touched && st.st_nlink > 0);
+}
+
+MappedPackedFile::~MappedPackedFile() {
+  munmap(const_cast<char*>(data_), bytes_);
+  ::close(fd_);
+}
 
 int create_packed_file(const std::string& path, const PackedFileLayout& layout) {
   const std::string temporary = temporary_name(path);

@@ -58,24 +58,33 @@ void PanelsFree::operator()(char* p) const {
   std::free(p);
 }
 
-bool in_file_mapping(const void* data, size_t bytes) {
+bool in_file_mapping(const void* data, size_t bytes, MappedFile* file) {
 #if defined(__linux__)
   std::ifstream maps("/proc/self/maps");
   const auto first = reinterpret_cast<uintptr_t>(data), last = first + bytes;
   std::string line;
   while (std::getline(maps, line)) {
-    // start-end perms offset dev inode path
+    // start-end perms offset major:minor inode path
     std::istringstream fields(line);
     uintptr_t start = 0, end = 0;
-    char dash = 0;
-    std::string perms, offset, dev;
+    char dash = 0, colon = 0;
+    std::string perms, offset;
+    unsigned major = 0, minor = 0;
     uint64_t inode = 0;
-    if (!(fields >> std::hex >> start >> dash >> end >> perms >> offset >> dev >> std::dec >> inode)) continue;
-    if (first >= start && first < end) return last <= end && inode != 0;
+    if (!(fields >> std::hex >> start >> dash >> end >> perms >> offset >> major >> colon >> minor >> std::dec >> inode))
+      continue;
+    if (first < start || first >= end) continue;
+    if (last > end || inode == 0) return false;
+    if (file) {
+      std::getline(fields >> std::ws, file->path);
+      *file = {major, minor, inode, file->path};
+    }
+    return true;
   }
 #endif
   (void)data;
   (void)bytes;
+  (void)file;
   return false;
 }
 

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 namespace moe_onnx {
 
@@ -23,9 +25,15 @@ struct PanelsFree {
   void operator()(char* p) const;
 };
 
-// Whether [data, data + bytes) lies in one mapping of a file (/proc/self/maps): onnxruntime's mapping
-// of external data.
-bool in_file_mapping(const void* data, size_t bytes);
+// The file of the mapping that holds all of [data, data + bytes) (/proc/self/maps: onnxruntime's mapping
+// of external data): its device (major, minor), inode and path.
+struct MappedFile {
+  unsigned major = 0, minor = 0;
+  uint64_t inode = 0;
+  std::string path;
+};
+// Whether [data, data + bytes) lies in one mapping of a file; its file in `file` when given.
+bool in_file_mapping(const void* data, size_t bytes, MappedFile* file = nullptr);
 
 // madvise(advice) on the pages of [first, first + bytes): those wholly inside it (inner) or every page
 // it touches. A hint: failing costs time only.
