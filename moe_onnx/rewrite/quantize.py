@@ -190,13 +190,21 @@ class _ExpertWeight:
 class _QuantizedParts:
     """The QMOE inputs made from one weight (packed weight, scales[, zero points]), one expert at a
     time: ``encode(e)`` gives expert ``e``'s parts, and each part's slice is kept until that part's
-    initializer takes it, so an expert is quantized once while the model is written."""
+    initializer takes it, so an expert is quantized once while the model is written. ``shapes``, each part's
+    (None: absent), where the caller knows them: then nothing is encoded before the write (an expert held from
+    here to the write, for every weight of a model, holds a layer's worth of memory per layer); else expert 0 is
+    encoded now to learn them, and kept for the writer."""
 
-    def __init__(self, experts: int, encode: Callable[[int], Sequence[np.ndarray | None]]):
+    def __init__(self, experts: int, encode: Callable[[int], Sequence[np.ndarray | None]],
+                 shapes: Sequence[tuple[int, ...] | None] | None = None):
         self._encode = encode
-        first = self._encode_expert(0)  # the parts' shapes; kept for the writer
-        self.shapes = [None if part is None else (experts, *part.shape) for part in first]
-        self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
+        if shapes is None:
+            first = self._encode_expert(0)
+            self.shapes = [None if part is None else (experts, *part.shape) for part in first]
+            self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
+        else:
+            self.shapes = list(shapes)
+            self._pending = [{} for _ in self.shapes]
 
     def _encode_expert(self, e: int) -> list[np.ndarray | None]:
         return list(self._encode(e))
@@ -323,7 +331,9 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
 
     inputs = list(node.inputs) + [None] * (len(signatures.QMOE.inputs) - len(node.inputs))
     for w in weights:
-        parts = _QuantizedParts(w.shape[0], encoder(w))
+        experts, n, k = w.shape  # MXFP4's parts: codes [E, N, K / 2], E8M0 scales [E, N, K / 32]
+        parts = _QuantizedParts(experts, encoder(w), [(experts, n, k // 2), (experts, n, k // MXFP4_BLOCK), None]
+                                if mxfp4 else None)
         positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
         for part, (position, shape) in enumerate(zip(positions, parts.shapes)):
             if shape is None:
@@ -533,9 +543,9 @@ def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSet
                                                       symmetric=not settings.zero_points)
         return packed.reshape(len(matrix), *row_shape), scales, zero_points
 
-    parts = _QuantizedParts(rows.shape[0], lambda chunk: encode(rows.expert(chunk)))
     shapes = [(linear.n, *row_shape), (linear.n, rows.blocks),
               (linear.n, -(-rows.blocks * settings.bits // 8)) if settings.zero_points else None]
+    parts = _QuantizedParts(rows.shape[0], lambda chunk: encode(rows.expert(chunk)), shapes)
     dtypes = [ir.DataType.UINT8, linear.weight.dtype, ir.DataType.UINT8]
     return [None if shape is None else streamed_initializer(
                 graph, f"{linear.weight.source.name}.{name}", _row_slices(parts, part), dtype, shape,
