@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 
+import isa_levels
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -471,9 +472,7 @@ def test_grouped_target_gemm2_act_matches_reference(case):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=case.atol)
 
 
-ISA_LEVELS = ("portable", "avx2", "avx512", "amx")
-# The float GEMM's kernels at each level (amx has no float kernels of its own: the AVX-512 ones).
-GEMM_KERNELS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
+ISA_LEVELS = isa_levels.LEVELS  # this architecture's
 
 # Registers the C++ library under the MOE_ONNX_GEMM of the environment: prints the registration's
 # error (a level this CPU or build lacks), or the float GEMM's kernels in use.
@@ -526,7 +525,7 @@ def test_isa_level(level):
     if probe.stdout.startswith("unsupported:"):
         assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in probe.stdout
         pytest.skip(f"ISA level '{level}' is not supported here: {probe.stdout.strip()}")
-    assert probe.stdout.split() == ["gemm:", GEMM_KERNELS[level]]
+    assert probe.stdout.split() == ["gemm:", isa_levels.gemm_kernel(level)]
     if level == in_process_level():
         return
     # -n 0: the child runs its tests in one process (this suite's workers already use the cores)

@@ -223,6 +223,15 @@ void quant_activations_avx512(const QuantPanels&, const float*, int64_t, int64_t
 void quant_code_rows_avx512(const QuantPanels&, const uint8_t*, int64_t, uint8_t*);
 void quant_add_dots_avx512(const QuantBlockDots&, float*, int64_t);
 #endif
+#if defined(MOE_ONNX_HAVE_NEON)
+void quant_fused_neon(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                      int64_t);
+void quant_decode_neon(const QuantPanels&, const uint8_t*, float*);
+#endif
+#if defined(MOE_ONNX_HAVE_DOTPROD)
+void quant_dots_dotprod(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t,
+                        const uint8_t*, int64_t, int64_t, float*, int64_t);
+#endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
 void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t, const uint8_t*,
                      int64_t, int64_t, float*, int64_t);
