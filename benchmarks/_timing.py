@@ -1,12 +1,15 @@
 """How the benchmark runs and times sessions: the session options, callables that run a session
 (on numpy feeds, or on OrtValues bound once), and interleaved rounds with medians and side-by-side
-ratios."""
+ratios; the machine line every benchmark prints with its figures."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -60,6 +63,32 @@ def call_ms(call: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     call()
     return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(call: Callable[[], object], budget_ms: float, at_least: int = 3) -> float:
+    """The median wall time (ms) of ``call`` after one warm-up call: at least ``at_least`` calls, more while they
+    fit ``budget_ms``."""
+    call()
+    samples, start = [], time.perf_counter()
+    while len(samples) < at_least or (time.perf_counter() - start) * 1e3 < budget_ms:
+        samples.append(call_ms(call))
+    return statistics.median(samples)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or the platform's processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def load() -> str:
+    """The load averages (1, 5, 15 min): how busy the machine was around a figure."""
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def reps_for(ms: float, budget_ms: float) -> int:

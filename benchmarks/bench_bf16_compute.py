@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _exports import SHAPES as BENCH_SHAPES  # noqa: E402
+from _timing import cpu_name, load, median_ms  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,16 +128,6 @@ def feeds(shape: Shape, T: int) -> dict[str, np.ndarray]:
             "idx": np.stack([rng.permutation(shape.E)[:shape.k] for _ in range(T)]).astype(np.int64)}
 
 
-def time_ms(call, budget_ms: float) -> float:
-    call()
-    samples, start = [], time.perf_counter()
-    while len(samples) < 3 or (time.perf_counter() - start) * 1e3 < budget_ms:
-        t0 = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
 def child(args) -> dict:
     """This process's variant on every shape: median ms per (shape, T), the kernel report, session creation
     times, and (MOE variants) the T=16 outputs saved beside the models."""
@@ -161,7 +152,7 @@ def child(args) -> dict:
                 f = {"x": np.random.default_rng(T).standard_normal((T * shape.k, shape.H), dtype=np.float32)}
             else:
                 f = feeds(shape, T)
-            result["times"][f"{name} {T}"] = time_ms(lambda: sess.run(None, f), args.budget_ms)
+            result["times"][f"{name} {T}"] = median_ms(lambda: sess.run(None, f), args.budget_ms)
         if level is not None and args.save_outputs:
             np.save(args.models_dir / f"{name}_{args.variant}_T16.npy", sess.run(None, feeds(shape, 16))[0])
         sess = None  # freed before the next shape's session is built
@@ -178,17 +169,6 @@ def run_child(args, variant: str, save_outputs: bool) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"{variant} child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.splitlines()[-1])
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def load() -> str:
-    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:

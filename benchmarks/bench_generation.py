@@ -32,6 +32,20 @@ onnxruntime-genai through its Generator (append_tokens, generate_next_token), ll
 llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; OMP_WAIT_POLICY=passive unless set: its
 default spin collapses decode on shared cores). Every onnxruntime session has idle pool threads that do not
 spin. A benchmark, not a test: the figures depend on the machine and its load.
+
+Full depth (--shipped NAME, issue 34): a random checkpoint at the real shape, as it ships (benchmarks/_checkpoints.py:
+GPT-OSS-20B, 24 layers, MXFP4 experts; Qwen3-30B-A3B, 48 layers, bf16; --layers for fewer), then `moe-onnx export`
+of it (SHIPPED's options) and llama.cpp's convert_hf_to_gguf.py (+ llama_model_quantize where SHIPPED says), each
+timed in a child with its peak RSS; then each model alone in a child process at each thread count: session start,
+the same rounds, RSS while generating; the table and issue 34's targets. Steps can run apart (--step), the figures
+kept in WORK_DIR/NAME/results.json; the work folder needs about 2.3x the checkpoint's size of disk:
+
+  python benchmarks/bench_generation.py --shipped gpt_oss_20b --work-dir /big --rounds 1 \
+      --llama-cpp-source llama_cpp_python-0.3.36/vendor/llama.cpp
+
+llama.cpp for both modes (docs/benchmarks.md has the commands): `pip install gguf` and llama-cpp-python built from
+its source package (`pip install llama-cpp-python==0.3.36 --no-binary :all:`), whose unpacked sdist's
+vendor/llama.cpp is the --llama-cpp-source.
 """
 
 from __future__ import annotations
@@ -57,11 +71,13 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_onnx  # noqa: E402
+from _checkpoints import save_bpe_tokenizer  # noqa: E402
+from _memory import run_child, status_mb  # noqa: E402
 from _models import save_random_checkpoint  # noqa: E402
 from _timing import session_options  # noqa: E402
 from moe_onnx.cli import main as cli  # noqa: E402
-from moe_onnx.generation import GenaiFolder, _Decoder  # noqa: E402
-from moe_onnx.pipeline import genai_decoder, write_genai_folder  # noqa: E402
+from moe_onnx.genai_folder import GenaiFolder  # noqa: E402
+from moe_onnx.generation import _Decoder  # noqa: E402
 
 # llama.cpp's OpenMP pool otherwise spins between runs, taking the shared cores from the contender beside it
 # (libgomp reads this when llama_cpp loads it)
@@ -133,7 +149,7 @@ class Models:
 
     def make_checkpoint(self) -> bool:
         """A checkpoint with random weights (std 0.02, norms 1, GPT-OSS's sinks 0) and a tokenizer over the
-        vocabulary (`_save_tokenizer`)."""
+        vocabulary (`_checkpoints.save_bpe_tokenizer`)."""
         if (self.checkpoint / "config.json").is_file():
             return True
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
@@ -141,7 +157,7 @@ class Models:
             return False
         self._say("making the random checkpoint")
         save_random_checkpoint(self.shape.model_type, self.shape.config, self.checkpoint)
-        _save_tokenizer(self.checkpoint, self.shape.vocab)
+        save_bpe_tokenizer(self.checkpoint, self.shape.vocab)
         return True
 
     def ours(self, precision: str, unfused: bool = False) -> dict[str, Path]:
@@ -178,17 +194,14 @@ class Models:
                          [sys.executable, "-c", script, str(self.checkpoint), str(out), "1" if optimize else "0"])
 
     def _quantize(self, fused: Path, out: Path, linears: bool) -> bool:
-        """`moe-onnx quantize` of the fused decoder at int4 (block `shape.block`) into a genai folder beside the
-        fused folder's other files."""
-        out.mkdir(parents=True, exist_ok=True)
-        command = ["quantize", str(genai_decoder(fused)), "-o", str(out / "model.onnx"), "--bits", "4",
-                   "--block-size", str(self.shape.block), "--no-measure"] + (["--linears"] if linears else [])
+        """`moe-onnx quantize` of the fused genai folder at int4 (block `shape.block`) into a genai folder."""
+        command = ["quantize", str(fused), "-o", str(out), "--bits", "4", "--block-size", str(self.shape.block),
+                   "--no-measure"] + (["--linears"] if linears else [])
         self._say(f"moe-onnx {shlex.join(command)}")
         start = time.perf_counter()
         if cli(command) != 0:
             return False
         self._say(f"quantized in {time.perf_counter() - start:.0f} s")
-        write_genai_folder(fused, out, with_library=True)
         return True
 
     def genai(self, precision: str) -> Path | None:
@@ -214,15 +227,8 @@ class Models:
         if not f32.is_file():
             if not self.make_checkpoint():
                 return None
-            # the converter run as its command line, told the pre-tokenizer of our made-up tokenizer (see the top)
-            script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
-                      "import conversion.base as base; "
-                      "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
-                      "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
-                      "runpy.run_path(source + '/convert_hf_to_gguf.py', run_name='__main__')")
-            if not self._run("convert_hf_to_gguf.py --outtype f32", [
-                    sys.executable, "-c", script, str(self.llama_source), str(self.checkpoint), "--outtype", "f32",
-                    "--outfile", str(f32)]):
+            if not self._run("convert_hf_to_gguf.py --outtype f32",
+                             convert_command(self.llama_source, self.checkpoint, f32, "f32")):
                 return None
         if precision == "fp32":
             return f32
@@ -240,18 +246,16 @@ class Models:
         return q4
 
 
-def _save_tokenizer(folder: Path, vocab: int) -> None:
-    """A BPE tokenizer over `vocab` tokens (<pad> <s> </s> <unk> a b ab, then w7, w8, ...) with the one merge
-    "a b": llama.cpp's converter writes a BPE ("gpt2") vocabulary, which llama.cpp loads only with merges."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<pad>", "<s>", "</s>", "<unk>", "a", "b", "ab"]
-    words += [f"w{i}" for i in range(len(words), vocab)]
-    tokenizer = Tokenizer(models.BPE({word: i for i, word in enumerate(words)}, [("a", "b")], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
-                                         eos_token="</s>", unk_token="<unk>").save_pretrained(folder)
+def convert_command(llama_source: Path, checkpoint: Path, outfile: Path, outtype: str | None) -> list[str]:
+    """llama.cpp's convert_hf_to_gguf.py as its command line (``outtype`` None: its default), told the
+    pre-tokenizer of our made-up tokenizer, which its table of known ones cannot know (token ids are fed directly)."""
+    script = ("import runpy, sys; source = sys.argv[1]; sys.path.insert(0, source); "
+              "import conversion.base as base; "
+              "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'; "
+              "sys.argv = ['convert_hf_to_gguf.py', *sys.argv[2:]]; "
+              "runpy.run_path(source + '/convert_hf_to_gguf.py', run_name='__main__')")
+    return [sys.executable, "-c", script, str(llama_source), str(checkpoint), "--outfile", str(outfile),
+            *(["--outtype", outtype] if outtype else [])]
 
 
 def _llama_cpp_available() -> bool:
@@ -522,6 +526,222 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
 
 
+# ----------------------------------------------------------------------------- checkpoints as they ship, full depth
+
+@dataclasses.dataclass(frozen=True)
+class Shipped:
+    """A full-depth checkpoint as it ships (benchmarks/_checkpoints.py), our export of it and llama.cpp's
+    conversion of it: ``export`` our `moe-onnx export` options, ``outtype`` the converter's (None: its default),
+    ``quantize`` a llama.cpp type to quantize the GGUF to (like for like with ours: then the GGUF ours is compared
+    with, and the converted one deleted once quantized, as the checkpoint is before quantizing: the disk holds the
+    checkpoint and one GGUF at a time), or None."""
+
+    name: str
+    export: tuple[str, ...]
+    outtype: str | None
+    quantize: str | None = None
+
+    @property
+    def gguf_name(self) -> str:
+        """The llama.cpp contender ours is compared with: its converter's GGUF, or that quantized."""
+        return f"llama.cpp {self.quantize}" if self.quantize else "llama.cpp"
+
+
+SHIPPED = {
+    # MXFP4 experts as stored; attention, lm_head and the embedding int8 (the GGUF: MXFP4 experts, the rest bf16)
+    "gpt_oss_20b": Shipped("gpt_oss_20b", ("--bits", "8", "--block-size", "32", "--linears", "--embedding"), None),
+    # int4 experts, MatMulNBits linears and int4 embedding straight from bf16; the GGUF bf16 as converted, then
+    # llama.cpp's Q4_0 mix (embedding, attention and output quantized too)
+    "qwen3_30b_a3b": Shipped("qwen3_30b_a3b", ("--bits", "4", "--block-size", "32", "--linears", "--embedding"),
+                             "bf16", "Q4_0"),
+}
+SHIPPED_TOKENS = dict(prefill_tokens=128, prompt_tokens=512, decode_tokens=32)
+
+
+def _measured(step: str, argv: list[str], results: dict, **env: str) -> bool:
+    """Run ``argv`` in a child; record its wall seconds and peak RSS (wait4's ru_maxrss) as ``results[step]``."""
+    print(f"{step} ...", flush=True)
+    peak, seconds, status, output = run_child(argv, capture=True, env={**os.environ, **env})
+    if status != 0:
+        print(f"{step} failed (exit {status}): {' | '.join(output.strip().splitlines()[-4:])}", flush=True)
+        return False
+    results[step] = {"seconds": seconds, "peak_mib": peak}
+    print(f"{step}: {seconds:.0f} s, peak {peak / 1024:.2f} GiB", flush=True)
+    return True
+
+
+def _gib(path: Path) -> float:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and f.suffix != ".so"]
+    return sum(f.stat().st_size for f in files) / 2**30
+
+
+def shipped_checkpoint(spec: Shipped, folder: Path, layers: int, results: dict) -> bool:
+    """The checkpoint in ``folder``/checkpoint at ``layers`` (written tensor by tensor, timed with its peak RSS;
+    kept when it is there already at that depth). Returns whether it is there."""
+    from _checkpoints import SHIPPED as MAKERS
+
+    checkpoint = folder / "checkpoint"
+    if (checkpoint / "config.json").is_file():
+        made = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+        if made != layers:
+            print(f"{checkpoint} has {made} layers, not {layers}: delete it first", flush=True)
+            return False
+        return True
+    script = ("import sys, json; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+              "import _checkpoints as c; config, tensors = c." + MAKERS[spec.name][0].__name__ + "(int(sys.argv[3])); "
+              "print(c.write_checkpoint(Path(sys.argv[2]), config, tensors))")
+    results["layers"] = layers
+    if not _measured("checkpoint (random, written tensor by tensor)",
+                     [sys.executable, "-c", script, str(Path(__file__).parent), str(checkpoint), str(layers)], results):
+        return False
+    results["checkpoint_gib"] = _gib(checkpoint)
+    return True
+
+
+def shipped_prepare(spec: Shipped, folder: Path, layers: int, llama_source: Path | None, results: dict) -> None:
+    """Our export of the checkpoint (`shipped_checkpoint`) and llama.cpp's conversion, each timed with its peak RSS;
+    the checkpoint is deleted after (its figures kept)."""
+    checkpoint, ours = folder / "checkpoint", folder / "ours"
+    if not shipped_checkpoint(spec, folder, layers, results):
+        return
+    if _measured("ours: moe-onnx export " + " ".join(spec.export),
+                 [sys.executable, "-m", "moe_onnx.cli", "export", str(checkpoint), "-o", str(ours), *spec.export],
+                 results):
+        results["ours_gib"] = _gib(ours / "model.onnx") + _gib(ours / "model.onnx.data")
+    if llama_source is not None:
+        gguf = folder / "model.gguf"
+        if _measured(f"llama.cpp: convert_hf_to_gguf.py{' --outtype ' + spec.outtype if spec.outtype else ''}",
+                     convert_command(llama_source, checkpoint, gguf, spec.outtype), results):
+            results["gguf_gib"] = _gib(gguf)
+        if spec.quantize and gguf.is_file():
+            shutil.rmtree(checkpoint)
+            script = ("import sys, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); "
+                      "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + sys.argv[3]); "
+                      "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
+            quantized = folder / f"model-{spec.quantize.lower()}.gguf"
+            if _measured(f"llama.cpp: llama_model_quantize {spec.quantize}",
+                         [sys.executable, "-c", script, str(gguf), str(quantized), spec.quantize], results):
+                results["gguf_quantized_gib"] = _gib(quantized)
+                gguf.unlink()
+    shutil.rmtree(checkpoint, ignore_errors=True)
+
+
+def contend(kind: str, path: Path, threads: int, rounds: int, vocab: int) -> dict:
+    """One contender alone in this process: its load (session creation) time and resident memory, `rounds` rounds
+    of SHIPPED_TOKENS' metrics, and the resident memory while generating (after the rounds, and the peak)."""
+    shape = Shape("shipped", "", {"vocab_size": vocab}, **SHIPPED_TOKENS)
+    start = time.perf_counter()
+    contender = load(kind, path, threads, shape)
+    loaded = {"seconds": time.perf_counter() - start, **status_mb()}
+    prompt = [int(t) for t in np.random.default_rng(0).integers(4, vocab, shape.prompt_tokens)]
+    speeds = [measure(contender, shape, prompt) for _ in range(rounds + 1)][1:]  # the first round warms up
+    return {"loaded": loaded, "speeds": speeds, "generating": status_mb()}
+
+
+def shipped_time(folder: Path, spec: Shipped, threads_list: list[int], rounds: int, results: dict,
+                 with_profile: bool = False) -> None:
+    """Each contender in a child process of its own (two full-depth models do not fit in memory together), at
+    each thread count: its load, speeds and memory (`contend`); ``with_profile``: then onnxruntime's profile of ours
+    at each thread count (`profile`), kept as ``results["profile"]``."""
+    vocab = json.loads((folder / "ours" / "genai_config.json").read_text())["model"]["vocab_size"]
+    if with_profile:
+        for threads in threads_list:
+            print(f"profile of ours, {threads} thread(s) ...", flush=True)
+            child = subprocess.run([sys.executable, __file__, "contend", "ours", str(folder / "ours"), "--threads",
+                                    str(threads), "--rounds", "0", "--vocab", str(vocab), "--profile"],
+                                   capture_output=True, text=True)
+            if child.returncode == 0:
+                results.setdefault("profile", {})[str(threads)] = json.loads(child.stdout.strip().splitlines()[-1])
+                print("\n".join(results["profile"][str(threads)]), flush=True)
+            else:
+                print(f"profile failed: {' | '.join(child.stderr.strip().splitlines()[-3:])}", flush=True)
+        return
+    contenders = [("ours", "ours", folder / "ours")]
+    for name, file in (("llama.cpp", folder / "model.gguf"),
+                       (f"llama.cpp {spec.quantize}", folder / f"model-{(spec.quantize or '').lower()}.gguf")):
+        if file.is_file():
+            contenders.append((name, "llama.cpp", file))
+    for threads in threads_list:
+        for name, kind, path in contenders:
+            print(f"{name}, {threads} thread(s) ...", flush=True)
+            child = subprocess.run([sys.executable, __file__, "contend", kind, str(path), "--threads", str(threads),
+                                    "--rounds", str(rounds), "--vocab", str(vocab)], capture_output=True, text=True)
+            if child.returncode != 0:
+                print(f"{name} failed: {' | '.join(child.stderr.strip().splitlines()[-3:])}", flush=True)
+                continue
+            results.setdefault("timing", {})[f"{name}|{threads}"] = json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def shipped_report(spec: Shipped, results: dict) -> list[str]:
+    """The side-by-side table of a full-depth run (ours, then each llama.cpp model) and the targets."""
+    timing = results.get("timing", {})
+    threads_list = sorted({int(key.split("|")[1]) for key in timing})
+    medians = {key: {m: statistics.median(r[m] for r in value["speeds"]) for m in METRICS}
+               for key, value in timing.items()}
+    files = {"ours": results.get("ours_gib"), "llama.cpp": results.get("gguf_gib"),
+             f"llama.cpp {spec.quantize}": results.get("gguf_quantized_gib")}
+    gguf = files[spec.gguf_name]
+    made = {"ours": next((v for k, v in results.items() if k.startswith("ours: moe-onnx export")), None),
+            "llama.cpp": next((v for k, v in results.items() if k.startswith("llama.cpp: convert")), None),
+            f"llama.cpp {spec.quantize}": next((v for k, v in results.items() if k.startswith("llama.cpp: llama_model")),
+                                               None)}
+    # the contenders made or timed (an export-only run: its rows without speeds)
+    names = list(dict.fromkeys([name for name, step in made.items() if step] + [key.split("|")[0] for key in timing]))
+    lines = [f"{spec.name}: {results.get('layers')} layers, checkpoint {results.get('checkpoint_gib', 0):.2f} GiB "
+             f"(written in {results.get('checkpoint (random, written tensor by tensor)', {}).get('seconds', 0):.0f} s)",
+             "| " + " | ".join(["", "made in (s)", "peak RSS making it (GiB)", "file (GiB)", f"/ {spec.gguf_name}",
+                                 "session start (s)", "RSS generating (GiB)", "/ file",
+                                 *(f"{t} thread{'s' if t > 1 else ''}: prefill 128, 512, decode (tok/s)"
+                                   for t in threads_list)]) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(threads_list)]
+    for name in names:
+        file, step = files.get(name), made.get(name) or {}
+        first = timing.get(f"{name}|{threads_list[0]}", {}) if threads_list else {}
+        rss = first.get("generating", {}).get("VmRSS", 0) / 1024
+        cells = []
+        for t in threads_list:
+            m = medians.get(f"{name}|{t}")
+            ours = medians.get(f"ours|{t}")
+            if m is None:
+                cells.append("")
+                continue
+            speeds = ", ".join(f"{m[k]:.1f}" for k in METRICS)
+            ratio = "" if name == "ours" or ours is None else " (ours / it: " + ", ".join(
+                f"{ours[k] / m[k]:.2f}x" for k in METRICS) + ")"
+            cells.append(speeds + ratio)
+        versus_gguf = f"{file / gguf:.2f}x" if file and gguf else ""
+        loaded = f"{first['loaded']['seconds']:.1f}" if first else ""
+        generating = f"{rss:.2f} | {rss / file:.2f}x" if first and file else " | "
+        lines.append("| " + " | ".join([name, f"{step.get('seconds', 0):.0f}", f"{step.get('peak_mib', 0) / 1024:.2f}",
+                                        f"{file or 0:.2f}", versus_gguf, loaded, generating, *cells]) + " |")
+    return lines + shipped_targets(spec, results, files, made.get("ours"), medians)
+
+
+def shipped_targets(spec: Shipped, results: dict, files: dict, export: dict | None, medians: dict) -> list[str]:
+    """Issue 34's full-depth targets against ``spec.gguf_name``: export peak <= 4 GiB, file <= 1.1x the GGUF,
+    RSS while generating <= 1.15x the file, prefill and decode tokens/s >= 1.0x, at each thread count timed."""
+    def line(ok: bool, text: str) -> str:
+        return f"- [{'met' if ok else 'NOT met'}] {text}"
+
+    out, ours, gguf = [], files.get("ours"), files.get(spec.gguf_name)
+    if export:
+        out.append(line(export["peak_mib"] <= 4096, f"export peak RSS {export['peak_mib'] / 1024:.2f} GiB <= 4 GiB"))
+    if ours and gguf:
+        out.append(line(ours <= 1.1 * gguf, f"file {ours:.2f} GiB = {ours / gguf:.2f}x {spec.gguf_name}'s (<= 1.1x)"))
+    for key, value in results.get("timing", {}).items():
+        name, threads = key.split("|")
+        rss = value["generating"]["VmRSS"] / 1024
+        if name == "ours" and ours:
+            out.append(line(rss <= 1.15 * ours, f"RSS generating ({threads} thread(s)) {rss:.2f} GiB = "
+                                                f"{rss / ours:.2f}x the file (<= 1.15x)"))
+        theirs = medians.get(f"{spec.gguf_name}|{threads}")
+        if name == "ours" and theirs:
+            ratios = {m: medians[key][m] / theirs[m] for m in METRICS}
+            out.append(line(all(r >= 1 for r in ratios.values()), f"{threads} thread(s), ours / {spec.gguf_name} in "
+                            "tokens/s (>= 1.0x): " + ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items())))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["qwen3", "gpt_oss"])
@@ -532,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp-source", type=Path, default=os.environ.get("LLAMA_CPP_SOURCE"),
                         help="llama.cpp's source (convert_hf_to_gguf.py; default: $LLAMA_CPP_SOURCE)")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile our reference model (op types, slowest nodes; prefill and decode)")
+                        help="also profile our reference model (op types, slowest nodes; prefill and decode); "
+                             "with --shipped --step time: profile ours instead of timing (kept for the report)")
     parser.add_argument("--unfused", action="store_true",
                         help="also the unfused export (fp32; beside the fused session it needs ~3.5x the fp32 "
                              "weights' memory, and minutes a round)")
@@ -540,7 +761,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", action="store_true", help="delete each shape's files once it is timed")
     parser.add_argument("--smoke", action="store_true",
                         help="the committed tiny KV fixtures at a few tokens, 1 round: a check of the script")
+    parser.add_argument("--shipped", choices=sorted(SHIPPED),
+                        help="a full-depth checkpoint as it ships (GPT-OSS-20B MXFP4, Qwen3-30B-A3B bf16), our "
+                             "export and llama.cpp's conversion side by side, each contender in its own process")
+    parser.add_argument("--layers", type=int, help="with --shipped: the depth (default: the model's)")
+    parser.add_argument("--step", choices=("checkpoint", "prepare", "time", "report"), nargs="+",
+                        default=["prepare", "time", "report"],
+                        help="with --shipped: write the checkpoint only (kept for a later prepare), make the models "
+                             "(the checkpoint unless kept, our export, llama.cpp's conversion; the checkpoint deleted "
+                             "after), time them, print the table (results kept in WORK_DIR/<name>/results.json "
+                             "between steps)")
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "contend":
+        child = argparse.ArgumentParser()
+        child.add_argument("kind")
+        child.add_argument("path", type=Path)
+        child.add_argument("--threads", type=int, required=True)
+        child.add_argument("--rounds", type=int, required=True)
+        child.add_argument("--vocab", type=int, required=True)
+        child.add_argument("--profile", action="store_true")
+        c = child.parse_args(sys.argv[2:])
+        if c.profile:
+            shape = Shape("shipped", "", {"vocab_size": c.vocab}, **SHIPPED_TOKENS)
+            print(json.dumps(profile(c.path, shape, c.threads)))
+        else:
+            print(json.dumps(contend(c.kind, c.path, c.threads, c.rounds, c.vocab)))
+        return 0
     args = parser.parse_args(argv)
+    if args.shipped:
+        return _shipped_main(args)
     shapes = [SMOKE_SHAPES[name] if args.smoke else SHAPES[name] for name in args.shape]
     rounds = 1 if args.smoke else args.rounds
     print(f"machine: {machine()}; onnxruntime {ort.__version__}", flush=True)
@@ -567,6 +815,32 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines or [f"- {shape.name}: no llama.cpp figures (llama_cpp not installed or no source)"]))
         if args.clean:
             shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+def _shipped_main(args: argparse.Namespace) -> int:
+    from _checkpoints import SHIPPED as MAKERS
+
+    spec, folder = SHIPPED[args.shipped], args.work_dir / args.shipped
+    folder.mkdir(parents=True, exist_ok=True)
+    store = folder / "results.json"
+    results = json.loads(store.read_text()) if store.is_file() else {}
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}", flush=True)
+    if "checkpoint" in args.step:
+        shipped_checkpoint(spec, folder, args.layers or MAKERS[spec.name][1], results)
+        store.write_text(json.dumps(results, indent=2))
+    if "prepare" in args.step:
+        shipped_prepare(spec, folder, args.layers or MAKERS[spec.name][1], args.llama_cpp_source, results)
+        store.write_text(json.dumps(results, indent=2))
+    if "time" in args.step:
+        shipped_time(folder, spec, args.threads, args.rounds, results, with_profile=args.profile)
+        store.write_text(json.dumps(results, indent=2))
+    if "report" in args.step:
+        print("\n".join(shipped_report(spec, results) + [
+            f"where ours spends it: {line}" for threads in sorted(results.get("profile", {}))
+            for line in results["profile"][threads]]))
+    if args.clean:
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

@@ -8,11 +8,11 @@ a test: numbers depend on the machine and its load (the load average is printed 
       [--shapes ...] [--tokens ...] [--ops linear qmoe] [--kernels vnni amx avx2] [--threads 2] [--runs 1]
       [--rounds 3]
 
-The ISA table is filled once per process, so each int8 kernel runs in its own child process: "amx"
-(nothing switched: the tiles for calls from the threshold's rows, VNNI below it), "vnni"
-(MOE_ONNX_AMX=off) and, asked for, "avx2" (MOE_ONNX_GEMM=avx2: int16 pairs); each child times its int8 op and the fp32 op in interleaved rounds
-(benchmarks/_timing.py), so each int8 / fp32 ratio is side by side, and AMX / VNNI is the ratio of the
-two children's ratios. Rows per expert come from a uniform random top-k router (T * k rows in all).
+The ISA table is filled once per process, so each int8 kernel runs in its own child process: "amx" (nothing switched:
+the tiles for calls from the threshold's rows, VNNI below it), "vnni" (MOE_ONNX_AMX=off) and, asked for, "avx2"
+(MOE_ONNX_GEMM=avx2: int16 pairs); each child times its int8 op and the fp32 op in interleaved rounds
+(benchmarks/_timing.py), so each int8 / fp32 ratio is side by side, and AMX / VNNI is the ratio of the two children's
+ratios. Rows per expert come from a uniform random top-k router (T * k rows in all).
 Target (issue 24): int8 on AMX >= 4x the fp32 throughput at T >= 128.
 """
 
@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _models import linear_model  # noqa: E402
 from _report import fmt  # noqa: E402
-from _timing import BoundRunner, Timer  # noqa: E402
+from _timing import BoundRunner, Timer, cpu_name, load  # noqa: E402
 from bench_quantized import QShape, _save, moe_model, qmoe_model, quantized_linears, routing, session  # noqa: E402
 
 from moe_onnx.ops.qmoe import dequantize  # noqa: E402
@@ -132,17 +132,6 @@ def child(args: argparse.Namespace) -> None:
                 del sessions
 
 
-def load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="every shape, T = 1 16 128 512 2048")
@@ -160,7 +149,7 @@ def main() -> None:
     args.tokens = args.tokens or preset["tokens"]
     if args.child:
         return child(args)
-    print(f"{cpu_name()}; {args.threads} threads; load average before: {load()}", flush=True)
+    print(f"{cpu_name()}; {args.threads} threads; before: {load()}", flush=True)
     results: dict[tuple, dict[str, list[dict]]] = {}
     reports = {}
     for _ in range(args.runs):
@@ -181,7 +170,7 @@ def main() -> None:
                 raise SystemExit(f"the {kernel} child failed (its error above)")
     for kernel, report in reports.items():
         print(f"{kernel} child: " + ", ".join(f"{k}={v}" for k, v in report.items()), flush=True)
-    print(f"load average after: {load()}")
+    print(f"after: {load()}")
     print(table(results, args))
     if "amx" in reports:
         print(target(results, reports["amx"]))

@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from pathlib import Path
 
@@ -54,13 +53,13 @@ def moe_model(E: int, H: int, I: int, expert_type: str):
                         helper.make_tensor_value_info("rw", TensorProto.FLOAT, None),
                         helper.make_tensor_value_info("idx", TensorProto.INT64, None)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(moe_onnx.DOMAIN, 1)],
-                           ir_version=10)
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 def child(shapes: list[str], tokens: list[int], threads: int, budget_ms: float) -> dict:
     """Median ms of session.run per (shape, T) in this process (its MOE_ONNX_GEMM level)."""
-    from _timing import session_options
+    from _timing import median_ms, session_options
 
     from moe_onnx.runtime import session
 
@@ -75,13 +74,7 @@ def child(shapes: list[str], tokens: list[int], threads: int, budget_ms: float) 
             feeds = {"x": rng.standard_normal((T, H), dtype=np.float32),
                      "rw": np.full((T, k), 1.0 / k, np.float32),
                      "idx": np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)}
-            sess.run(None, feeds)
-            samples, start = [], time.perf_counter()
-            while len(samples) < 5 or (time.perf_counter() - start) * 1e3 < budget_ms:
-                t0 = time.perf_counter()
-                sess.run(None, feeds)
-                samples.append((time.perf_counter() - t0) * 1e3)
-            times[f"{name} T={T}"] = statistics.median(samples)
+            times[f"{name} T={T}"] = median_ms(lambda: sess.run(None, feeds), budget_ms, at_least=5)
     return times
 
 

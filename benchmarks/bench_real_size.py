@@ -9,7 +9,8 @@ layers for >= 8 GB of fp32 weights: Qwen3-30B-A3B (4 layers of E=128, k=8, H=204
 9.4 GiB) and GPT-OSS-20B (3 layers of E=32, k=4, H=I=2880, 64/8 heads of 64; 9.4 GiB). In --work-dir, one
 shape at a time, each file deleted once no later step reads it (at most two models on disk, ~20 GB):
 
-1. a checkpoint saved by transformers (std 0.02 weights, norms 1);
+1. a checkpoint saved by transformers (std 0.02 weights, norms 1); the qwen3 smoke shape copies the README's
+   quick-start checkpoint instead (models/fixtures/checkpoints/qwen3_moe: 2 layers of 4 experts, H = 32);
 2. `moe-onnx export --no-optimize`: the original decoder with its KV cache (torch's dynamo exporter);
 3. plain onnxruntime on the original: session creation, then the first run: a prefill of 16 tokens (Qwen3)
    or 8 (GPT-OSS), short because the original gathers one expert weight matrix per token and slot (T * k of
@@ -19,8 +20,9 @@ shape at a time, each file deleted once no later step reads it (at most two mode
 5. `moe-onnx pack` of the fused model, then our session again, mapping the packed files instead of packing
    (the files are deleted after it);
 6. `moe-onnx shard --ep 2` of the fused model;
-7. `moe-onnx quantize --bits 4 --block-size 32` of the fused model (with its error measurement, one session
-   at a time), then our session on it, `moe-onnx pack` of it and our session on its packed files.
+7. `moe-onnx quantize --bits 4 --block-size 32` of the fused model (per column for the quick-start checkpoint,
+   whose K = 24; with its error measurement, one session at a time), then our session on it, `moe-onnx pack` of
+   it and our session on its packed files.
 
 Every step runs in a child process of its own: its wall time and peak resident memory (VmHWM: anonymous +
 file-backed, from wait4's ru_maxrss for the commands), and for a session the resident memory after creation
@@ -48,7 +50,8 @@ from _models import save_random_checkpoint
 from startup_memory import status_mb
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "models" / "fixtures" / "checkpoints" / "qwen3_moe"  # ids are fed directly; any tokenizer does
+QUICK_START = REPO / "models" / "fixtures" / "checkpoints" / "qwen3_moe"
+TOKENIZER = QUICK_START  # ids are fed directly; any tokenizer does
 _COMMON = dict(vocab_size=8192, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                tie_word_embeddings=False)
 
@@ -61,6 +64,8 @@ class Shape:
     model_type: str
     config: dict
     prompt: int
+    committed: Path | None = None  # a committed checkpoint copied instead of one made by transformers
+    block: int = 32  # the int4 block size (0: per column)
 
 
 def _qwen3(layers, E, k, H, I, heads, kv_heads, head_dim, **extra) -> dict:
@@ -83,8 +88,8 @@ SHAPES = {
                      prompt=8),
 }
 SMOKE_SHAPES = {
-    "qwen3": Shape("qwen3 (smoke)", "qwen3_moe", _qwen3(2, E=8, k=2, H=64, I=32, heads=4, kv_heads=2, head_dim=16,
-                                                        vocab_size=256), prompt=8),
+    "qwen3": Shape("qwen3 (smoke)", "qwen3_moe", json.loads((QUICK_START / "config.json").read_text()), prompt=8,
+                   committed=QUICK_START, block=0),
     "gpt_oss": Shape("gpt_oss (smoke)", "gpt_oss", _gpt_oss(2, E=4, k=2, H=64, heads=4, kv_heads=2, head_dim=16,
                                                              vocab_size=256), prompt=8),
 }
@@ -93,7 +98,11 @@ SMOKE_SHAPES = {
 # ----------------------------------------------------------------------------- the child processes
 
 def make_checkpoint(shape: Shape, folder: Path) -> None:
-    """A checkpoint of `shape` with random weights (std 0.02, norms 1, sinks 0) and a tokenizer beside it."""
+    """A checkpoint of `shape` with random weights (std 0.02, norms 1, sinks 0) and a tokenizer beside it (or the
+    committed checkpoint it names)."""
+    if shape.committed is not None:
+        shutil.copytree(shape.committed, folder)
+        return
     save_random_checkpoint(shape.model_type, shape.config, folder,
                            max_shard_size="2GB")  # safetensors holds a shard's bytes while writing it
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -107,7 +116,8 @@ def session_child(folder: Path, backend: str, prompt: int, threads: int) -> dict
 
     import moe_onnx
     from _timing import session_options
-    from moe_onnx.generation import GenaiFolder, _Decoder
+    from moe_onnx.genai_folder import GenaiFolder
+    from moe_onnx.generation import _Decoder
 
     genai = GenaiFolder(folder)
     opts = session_options(threads)
@@ -179,7 +189,7 @@ class Bench:
         cli = [sys.executable, "-m", "moe_onnx.cli"]
         checkpoint, original = self.folder / "checkpoint", self.folder / "original"
         fused, int4, shards = self.folder / "fused", self.folder / "int4", self.folder / "shards"
-        self.command("checkpoint (transformers, random weights)",
+        self.command("checkpoint (copied)" if self.shape.committed else "checkpoint (transformers, random weights)",
                      [sys.executable, __file__, "checkpoint", str(checkpoint), "--shape", self.shape.name.split()[0]]
                      + (["--smoke"] if smoke else []))
         self.command("moe-onnx export --no-optimize (the original)",
@@ -198,9 +208,9 @@ class Bench:
                                                      "--ep", "2"])
         shutil.rmtree(shards)
         int4.mkdir()
-        self.command("moe-onnx quantize --bits 4 --block-size 32 (error measured)",
+        self.command(f"moe-onnx quantize --bits 4 --block-size {self.shape.block} (error measured)",
                      cli + ["quantize", str(fused / "model.onnx"), "-o", str(int4 / "model.onnx"), "--bits", "4",
-                            "--block-size", "32"])
+                            "--block-size", str(self.shape.block)])
         shutil.copy(fused / "genai_config.json", int4)
         shutil.rmtree(fused)
         self.session("ours, int4 experts", int4, "cpp")

@@ -5,12 +5,13 @@ torch and transformers, and minutes at the large size).
   python benchmarks/export_memory.py --size tiny large --dtype fp32 fp16 --work-dir /tmp/export-memory
 
 Per size (tiny: 1 MiB; small: 142 MiB; large: 1469 MiB), a qwen3_moe checkpoint with random weights
-(transformers' save_pretrained: one tensor per expert, which the load stacks into the fused expert parameters) is
+(transformers' save_pretrained: one tensor per expert, which the export stacks a range of experts at a time) is
 exported, fused, in a child process of its own. The child records its resident memory after the imports (Python,
 torch, transformers, moe_onnx) and its peak (VmHWM, anonymous + file-backed) in each phase, resetting the peak
-between phases (/proc/self/clear_refs): the load, torch.onnx's trace and save, the optimize pass. The issue's
-figure is the peak above the imports against the checkpoint's bytes; beside it, the peak above the tiny
-checkpoint's (what any model costs: the exporter's own memory) against the checkpoint's bytes.
+between phases (/proc/self/clear_refs): reading the checkpoint's headers, the trace on the meta device, the
+constant folding, the optimize pass, the write (where every weight is read and converted). The figure is the peak
+above the imports against the checkpoint's bytes; beside it, the peak above the tiny checkpoint's (what any model
+costs: the exporter's own memory) against the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ SIZES = {"small": ("H = 512, 4 layers, E = 16, I = 256, vocabulary 9216",
                   _qwen3_moe(2, E=8, H=64, I=32, heads=4, kv_heads=2, vocab=256))}
 
 
-#: export_checkpoint's progress messages (first word) that start each phase
-PHASES = {"loading": "load", "exporting": "export", "optimizing": "optimize"}
+#: export_checkpoint's progress messages (their start) that start each phase
+PHASES = {"reading ": "read", "tracing ": "trace", "folding ": "fold", "optimizing the decoder": "optimize",
+          "writing /": "write"}
 
 
 def export_child(checkpoint: Path, out: Path, dtype: str) -> dict:
@@ -61,9 +63,9 @@ def export_child(checkpoint: Path, out: Path, dtype: str) -> dict:
     phase = ["imports"]
 
     def close_phase(message: str) -> None:
-        """At each of the export's own progress messages (not the optimize pass's), the phase before it ends."""
-        next_phase = PHASES.get(message.partition(" ")[0]) if phase[0] != "optimize" else None
-        if message and next_phase is None:
+        """At each of the export's own stage messages (not the optimize pass's), the phase before it ends."""
+        next_phase = next((name for start, name in PHASES.items() if message.startswith(start)), None)
+        if message and (next_phase is None or next_phase == phase[0]):
             return
         report["phases"].append([phase[0], status_mb()["VmHWM"]])
         Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from the resident memory now

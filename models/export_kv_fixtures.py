@@ -26,7 +26,7 @@ from moe_export import whole
 
 from moe_onnx.export import FAMILIES as EXPORT_FAMILIES
 from moe_onnx.export import export_checkpoint
-from moe_onnx.pipeline import GENAI_CONFIG
+from moe_onnx.genai_folder import GENAI_CONFIG
 
 NEW_TOKENS = 32
 PROMPT_IDS = [[1, 17, 42, 5, 88, 23, 61]]  # <s> and six words
@@ -41,9 +41,10 @@ _FAMILY_CONFIG = {
 }
 
 
-def tiny_model(family: str) -> transformers.PreTrainedModel:
-    """The family's tiny causal LM (moe_export.whole's config with the tokenizer's vocabulary and a cache)."""
-    config = whole.tiny_config(family, _CACHE_CONFIG | _FAMILY_CONFIG.get(family, {}))
+def tiny_model(family: str, changes: dict | None = None) -> transformers.PreTrainedModel:
+    """The family's tiny causal LM (moe_export.whole's config with the tokenizer's vocabulary and a cache, then
+    ``changes``)."""
+    config = whole.tiny_config(family, _CACHE_CONFIG | _FAMILY_CONFIG.get(family, {}) | (changes or {}))
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
@@ -59,11 +60,13 @@ def save_checkpoint(family: str, directory: Path, seed: int = 0) -> None:
 
 
 def reference(checkpoint: Path, family: str) -> dict[str, np.ndarray]:
-    """transformers' greedy generation of NEW_TOKENS tokens after PROMPT_IDS (no stop at the end token),
-    with the model as moe-onnx export loads it."""
-    from moe_onnx.export import _torch
-
-    model = _torch.load_model(checkpoint, EXPORT_FAMILIES[family], "fp32")
+    """transformers' greedy generation of NEW_TOKENS tokens after PROMPT_IDS (no stop at the end token), the
+    checkpoint loaded by transformers in float32 (a quantized one dequantized as transformers does on a CPU; its
+    quantizer leaves the unquantized tensors in the checkpoint's bfloat16, so the model is cast to float32 after,
+    as the export computes)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager",
+        experts_implementation=EXPORT_FAMILIES[family].experts_implementation).float().eval()
     prompt = torch.tensor(PROMPT_IDS)
     with torch.no_grad():
         generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
@@ -92,7 +95,7 @@ def main() -> None:
                 shutil.copytree(checkpoint, args.checkpoint_dir / family, dirs_exist_ok=True)
             if out.exists():
                 shutil.rmtree(out)
-            result = export_checkpoint(checkpoint, out)
+            result = export_checkpoint(checkpoint, out, last_logits=False)  # every position's, as committed
             if not result.ok:
                 raise SystemExit(f"{family}: the export is not ok:\n{result.summary()}")
             np.savez(out / "reference.npz", **reference(checkpoint, family))

@@ -68,8 +68,8 @@ def optimize(model, target: str = "moe", *, fuse_routers: bool = True, portable:
 
 
 def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = False,
-             accuracy_level: int | None = None, repack_mxfp4: bool = True, linears: bool = False, measure: bool = True,
-             backend: str = "cpp", sizes=None, seed: int = 0):
+             accuracy_level: int | None = None, repack_mxfp4: bool = True, linears: bool = False,
+             embedding: bool = False, measure: bool = True, backend: str = "cpp", sizes=None, seed: int = 0):
     """Quantize the expert weights of a fused model; returns ``(quantized_model, report)``.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model`` fused by :func:`optimize`
@@ -79,32 +79,35 @@ def quantize(model, bits: int = 8, block_size: int = 0, *, zero_points: bool = F
     raises :class:`moe_onnx._ir.model_files.ModelFileError` with its message) and loaded whole, external data
     included: the ModelProto holds every weight and saves anywhere. Every MOE node becomes a QMOE node whose
     weights are ``bits`` 4 or 8 integers with one scale per output column (``block_size`` 0) or per block of
-    ``block_size`` inputs (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and the QMOE
-    ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
-    activations; None, the default: 4 with ``linears``, for the MatMulNBits nodes too, else each MOE's own, 3 after
-    ``optimize(..., compute="bf16")``, else 0). An
+    ``block_size`` inputs (a power of two in [16, 256] dividing every K), symmetric or with ``zero_points``, and
+    the QMOE ``accuracy_level`` (0: float activations; 3: bfloat16 GEMM operands allowed in prefill; 4: int8
+    activations; None, the default: 4 with ``linears``, for the MatMulNBits nodes too, else each MOE's own, 3
+    after ``optimize(..., compute="bf16")``, else 0). An
     MOE whose weights are exactly MXFP4 (GPT-OSS's format) is repacked as quant_type mxfp4 without
     requantizing unless ``repack_mxfp4`` is False. With ``linears``, every other MatMul and Gemm whose weight is
     a constant float32/float16 matrix (attention projections, dense MLPs, lm_head; not the routers, nor a
     weight with K below ``block_size``, which is then required) becomes onnxruntime's
     ``com.microsoft::MatMulNBits`` with the same bits, block size and zero points; ``report.linears`` lists
-    them, ``report.linears_float`` those left float and why.
+    them, ``report.linears_float`` those left float and why. With ``embedding``, the token embedding (a Gather of
+    a graph input's ids from a constant float table) becomes onnxruntime's ``com.microsoft::GatherBlockQuantized``
+    with the same bits, block size (required) and zero points (``report.embeddings``, ``report.embeddings_float``).
     With ``measure`` (default), both models run on ``backend`` on random inputs (seeded by ``seed``)
     at ``sizes`` (default :data:`moe_onnx.verify.DEFAULT_SIZES`) and ``report.error`` holds the error
     of every output and every quantized layer's output.
 
-    The report is a :class:`moe_onnx.quantization.QuantizeReport` (``summary()``, ``document()``).
-    Raises :class:`moe_onnx.quantization.QuantizeError` (a ValueError) for bad settings, a model
+    The report is a :class:`moe_onnx.rewrite.quantize.QuantizeReport` (``summary()``, ``document()``).
+    Raises :class:`moe_onnx.rewrite.quantize.QuantizeError` (a ValueError) for bad settings, a model
     with nothing to quantize, or weights the settings cannot quantize (a block size that does not divide K).
     For models over 2 GB use ``moe-onnx quantize`` (:func:`moe_onnx.pipeline.quantize_file`), which
     streams the weights to disk.
     """
-    from . import quantization
+    from .pipeline.quantize import quantize as quantize_in_memory
+    from .rewrite.quantize import QuantizeSettings
     from .verify import DEFAULT_SIZES
 
-    settings = quantization.QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears)
-    return quantization.quantize(model, settings, measure=measure, backend=backend,
-                                 sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
+    settings = QuantizeSettings(bits, block_size, zero_points, accuracy_level, repack_mxfp4, linears, embedding)
+    return quantize_in_memory(model, settings, measure=measure, backend=backend,
+                              sizes=DEFAULT_SIZES if sizes is None else sizes, seed=seed)
 
 
 def generate(folder, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int, threads: int | None = None,

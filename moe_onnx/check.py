@@ -2,8 +2,9 @@
 
 ``check_model`` reports every problem it finds as a readable line that names the node and the
 input or attribute; an empty list means the model is valid (a file that cannot be read is a problem too,
-never an exception). ``read_valid`` is the input check of ``moe-onnx optimize`` and ``quantize``, from the
-command line and from Python alike. Models with external data are read without loading their weights,
+never an exception). ``read_valid`` (``require_valid`` on a model read) is the input check of ``moe-onnx
+optimize`` and ``quantize``, from the command line and from Python alike; its shape inference is the one the
+optimize passes reuse. Models with external data are read without loading their weights,
 except the few constants a rule needs (such as expert offsets).
 A model is checked as onnxruntime reads it: a domain onnxruntime registers that the model uses without
 importing it counts as imported at the version onnxruntime assumes (``check_file`` prints a note).
@@ -12,6 +13,7 @@ importing it counts as imported at the version onnxruntime assumes (``check_file
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -51,37 +53,51 @@ def read_valid(path: str | os.PathLike) -> onnx.ModelProto:
     return proto
 
 
-def require_valid(path: str | os.PathLike, proto: onnx.ModelProto) -> None:
+def require_valid(path: str | os.PathLike, proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """ModelFileError "the input model is invalid: ..." with the first problem the check finds in ``proto``, read
-    from ``path``, if any."""
-    problems = check_loaded(proto, Path(path))
-    if problems:
-        raise model_files.invalid_input(path, problems)
+    from ``path``, if any. Returns the model as the check's shape inference typed it (strict, data propagated;
+    None for a valid model whose declared shapes onnxruntime tolerates but onnx does not), so that the optimize
+    passes do not infer it again (:class:`moe_onnx.rewrite._driver.InferShapes`)."""
+    review = _review(proto, Path(path))
+    if review.problems:
+        raise model_files.invalid_input(path, review.problems)
+    return review.inferred
 
 
 def check_loaded(proto: onnx.ModelProto, path: Path | None = None) -> list[str]:
     """check_model of a model already loaded (without its external data) from `path`, if any.
     Never raises: a failure of the checks themselves (a model no rule foresaw) is a problem too."""
-    return _review(proto, path)[0]
+    return _review(proto, path).problems
 
 
-def _review(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], list[str]]:
+@dataclasses.dataclass
+class _Review:
+    """What the check found: the problems, the notes (what onnxruntime reads differently from onnx) and the model
+    as strict shape inference typed it (None where it failed)."""
+
+    problems: list[str]
+    notes: list[str]
+    inferred: onnx.ModelProto | None = None
+
+
+def _review(proto: onnx.ModelProto, path: Path | None) -> _Review:
     """The problems of the model (check_loaded), and the notes on what onnxruntime reads differently from onnx:
     the domains it imports (:func:`moe_onnx._ir.inference.with_runtime_domains`), the defects it tolerates."""
     try:
-        problems, tolerated = _problems(proto, path)
+        review = _problems(proto, path)
     except Exception as error:  # noqa: BLE001 -- still one line naming what went wrong
-        return [f"cannot check the model: {type(error).__name__}: {error}"], []
-    return problems, with_runtime_domains(proto)[1] + tolerated
+        return _Review([f"cannot check the model: {type(error).__name__}: {error}"], [])
+    review.notes[:0] = with_runtime_domains(proto)[1]
+    return review
 
 
-def _problems(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], list[str]]:
+def _problems(proto: onnx.ModelProto, path: Path | None) -> _Review:
     """The problems, and the defects onnxruntime tolerates (each a note)."""
     base_dir = "" if path is None else str(path.parent)
     if path is not None:
         problems = model_files.external_data_problems(proto, base_dir)
         if problems:  # the rules below read constants from that data
-            return problems, []
+            return _Review(problems, [])
     checked = for_onnx_checks(proto)
     # the checker reads external data files itself when given the path (models over 2 GB included). A model that
     # for_onnx_checks changes (imports onnxruntime assumes, ops only onnxruntime defines) is checked in memory,
@@ -93,12 +109,15 @@ def _problems(proto: onnx.ModelProto, path: Path | None) -> tuple[list[str], lis
     else:
         checkable = path if path is not None and checked is proto else _without_external_data(checked)
     proto = with_runtime_domains(proto)[0]
+    inferred, inference_error = _infer_strictly(proto)  # the one inference of a valid model
     problems = (_check_opset(proto) + _check_declared_sizes(proto) + _check_registered(proto)
-                + _check_our_nodes(proto, base_dir))
+                + _check_our_nodes(inferred or _infer_leniently(proto), base_dir))
     if problems:  # each names its node; the generic checkers would only repeat them less clearly
-        return problems, []
+        return _Review(problems, [])
     structural = _check_structure(checkable)
-    return (structural, []) if structural else _check_full(proto)
+    if structural:
+        return _Review(structural, [])
+    return _Review(*_check_full(proto, inference_error), inferred)
 
 
 def check_file(path: str | os.PathLike) -> tuple[bool, str]:
@@ -119,7 +138,8 @@ def _read_and_check(path: str | os.PathLike) -> tuple[onnx.ModelProto | None, li
         proto = model_files.read_proto(path)
     except model_files.ModelFileError as error:
         return None, [f"cannot read the model: {error}"], []
-    return (proto, *_review(proto, Path(path)))
+    review = _review(proto, Path(path))
+    return proto, review.problems, review.notes
 
 
 def summarize(model: onnx.ModelProto) -> str:
@@ -190,11 +210,27 @@ def _too_large(shape: Sequence[Dim] | None, elem_type: int) -> str | None:
     return None
 
 
-def _check_our_nodes(model: onnx.ModelProto, base_dir: str) -> list[str]:
+def _infer_strictly(proto: onnx.ModelProto) -> tuple[onnx.ModelProto | None, ShapeInferenceError | None]:
+    """Strict shape inference with type checks, standard ops included, the shapes' data propagated (the values
+    that Shape ops compute: the rewriter's rules read the static shapes this gives): the model inferred, or its
+    error."""
     try:
-        inferred = infer_shapes(model, strict_mode=False)
-    except ShapeInferenceError:  # inference is best effort here; _check_full reports its errors
-        inferred = model
+        return infer_shapes(proto, strict_mode=True, check_type=True, data_prop=True), None
+    except ShapeInferenceError as error:
+        return None, error
+
+
+def _infer_leniently(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """What inference finds of a model strict inference fails on (the model itself where it finds nothing): the
+    types our nodes' checks read."""
+    try:
+        return infer_shapes(proto, strict_mode=False)
+    except ShapeInferenceError:  # best effort here; _check_full reports the strict error
+        return proto
+
+
+def _check_our_nodes(inferred: onnx.ModelProto, base_dir: str) -> list[str]:
+    """The problems of our nodes in ``inferred`` (the model with the types inference found)."""
     problems = []
     for node, scope in walk(inferred.graph):
         if node.domain != DOMAIN:
@@ -227,21 +263,19 @@ def _check_arity(op, node: onnx.NodeProto) -> list[str]:
     return []  # attribute names and types: the op's own check (check_node_attributes)
 
 
-def _check_full(proto: onnx.ModelProto) -> tuple[list[str], list[str]]:
-    """Strict shape inference with type checks, standard ops included (what the full checker adds
-    to the structural check, which has run already). A value_info shape that differs from the one inferred is a
-    defect onnxruntime tolerates (it warns and merges them leniently: Graph::InferAndVerifyTypeMatch), so when
-    inference passes without the value_info shapes (their element types kept; the graphs' inputs and outputs
-    keep theirs), onnx's complaint is a note, not a problem."""
+def _check_full(proto: onnx.ModelProto, error: ShapeInferenceError | None) -> tuple[list[str], list[str]]:
+    """What the full checker adds to the structural check, which has run already: the ``error`` of strict shape
+    inference with type checks (:func:`_infer_strictly`), if any. A value_info shape that differs from the one
+    inferred is a defect onnxruntime tolerates (it warns and merges them leniently:
+    Graph::InferAndVerifyTypeMatch), so when inference passes without the value_info shapes (their element types
+    kept; the graphs' inputs and outputs keep theirs), onnx's complaint is a note, not a problem."""
+    if error is None:
+        return [], []
     try:
-        infer_shapes(proto, strict_mode=True, check_type=True)
-    except ShapeInferenceError as error:
-        try:
-            infer_shapes(_without_declared_shapes(proto), strict_mode=True, check_type=True)
-        except ShapeInferenceError as undeclared_error:
-            return [str(undeclared_error)], []
-        return [], [f"a declared shape differs from the inferred one, which onnxruntime tolerates (it warns): {error}"]
-    return [], []
+        infer_shapes(_without_declared_shapes(proto), strict_mode=True, check_type=True)
+    except ShapeInferenceError as undeclared_error:
+        return [str(undeclared_error)], []
+    return [], [f"a declared shape differs from the inferred one, which onnxruntime tolerates (it warns): {error}"]
 
 
 def _without_declared_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:

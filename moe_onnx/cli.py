@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 
 from ._ir.inference import ShapeInferenceError
 from ._ir.model_files import ModelFileError, OutputPathError, output_file, read_complete
+from ._ir.progress import Progress
 from .check import check_file
 from .rewrite.targets import COMPUTES, TARGETS
 from .runtime import BACKENDS
@@ -32,7 +32,7 @@ def _pack(args: argparse.Namespace) -> int:
     from .runtime import pack_weights
 
     try:
-        result = pack_weights(args.model, args.dir, threads=args.threads)
+        result = pack_weights(args.model, args.dir, threads=args.threads, progress=Progress())
     except Exception as error:  # the model's files, the library, onnxruntime's errors (their own classes)
         print(f"moe-onnx pack: {' '.join(str(error).split()) or type(error).__name__}", file=sys.stderr)
         return 1
@@ -47,34 +47,24 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_printer() -> Callable[[str], None]:
-    """Prints stage messages to stderr with the seconds since the command started."""
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"[{time.perf_counter() - start:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-    return progress
-
-
 def _optimize(args: argparse.Namespace) -> int:
     from .pipeline import optimize_file  # onnxscript is imported only when needed
 
     return _run_pipeline("optimize", args, lambda: optimize_file(
-        args.input, args.output, args.target, progress=_stage_printer(),
+        args.input, args.output, args.target, progress=Progress(),
         verify_backend=args.backend if args.verify else None, sizes=args.sizes, threads=args.threads,
         fuse_routers=not args.keep_routers, portable=args.portable, compute=args.compute))
 
 
 def _quantize(args: argparse.Namespace) -> int:
     from .pipeline import quantize_file
-    from .quantization import QuantizeSettings
+    from .rewrite.quantize import QuantizeSettings
 
     settings = QuantizeSettings(args.bits, args.block_size, args.zero_points, args.accuracy_level,
-                                repack_mxfp4=not args.no_mxfp4, linears=args.linears)
+                                repack_mxfp4=not args.no_mxfp4, linears=args.linears, embedding=args.embedding)
     return _run_pipeline("quantize", args, lambda: quantize_file(
         args.input, args.output, settings, measure=not args.no_measure, backend=args.backend, sizes=args.sizes,
-        seed=args.seed, progress=_stage_printer()))
+        seed=args.seed, progress=Progress()))
 
 
 def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
@@ -82,7 +72,7 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     that would overwrite the input or is not a regular file (OUT or --report) and bad settings, 1 for a file
     error, a model onnx shape inference rejects or a result that is not ok."""
     from .pipeline import SameFileError
-    from .quantization import QuantizeError
+    from .rewrite.quantize import QuantizeError
     from .rewrite.portable import PortableError
 
     try:
@@ -107,10 +97,19 @@ def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from .export import ExportError, ExportFailure, export_checkpoint
+    from .rewrite.quantize import QuantizeSettings
 
+    quantize = None
+    if args.bits is not None or args.linears or args.embedding:
+        if args.bits is None:
+            print("moe-onnx export: --linears and --embedding quantize with --bits: give --bits 4 or 8",
+                  file=sys.stderr)
+            return 2
+        quantize = QuantizeSettings(args.bits, args.block_size, args.zero_points, args.accuracy_level,
+                                    linears=args.linears, embedding=args.embedding)
     try:
         result = export_checkpoint(args.checkpoint, args.output, args.dtype, optimize=not args.no_optimize,
-                                   progress=_stage_printer())
+                                   quantize=quantize, last_logits=not args.all_logits, progress=Progress())
     except (ExportError, OutputPathError) as error:
         print(f"moe-onnx export: {error}", file=sys.stderr)
         return 2
@@ -126,7 +125,7 @@ def _shard(args: argparse.Namespace) -> int:
     from .pipeline import shard_file
 
     try:
-        manifest = shard_file(args.input, args.output, args.tp, args.ep, progress=_stage_printer())
+        manifest = shard_file(args.input, args.output, args.tp, args.ep, progress=Progress())
     except (ShardError, OutputPathError) as error:
         print(f"moe-onnx shard: {error}", file=sys.stderr)
         return 2
@@ -198,7 +197,7 @@ def _token_ids(text: str) -> list[int]:
         ids = [int(token) for token in text.replace(",", " ").split()]
     except ValueError:
         ids = []
-    if not ids or min(ids) < 0:
+    if not ids:  # their range is the vocabulary's: generate checks it, as for the Python API
         raise argparse.ArgumentTypeError(f"{text!r} is not token ids like 5,9,17")
     return ids
 
@@ -301,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also quantize every MatMul/Gemm with a constant float32/float16 weight matrix (not the "
                             "routers) to com.microsoft::MatMulNBits with the same bits, block size (required) and "
                             "zero points; accuracy_level: --accuracy-level, else 4 (int8 activations)")
+    quant.add_argument("--embedding", action="store_true",
+                       help="also quantize the token embedding (a Gather of the token ids from a constant table) to "
+                            "onnxruntime's com.microsoft::GatherBlockQuantized with the same bits and block size "
+                            "(required)")
     quant.add_argument("--no-mxfp4", action="store_true",
                        help="requantize MXFP4 weights too (default: repack them exactly as quant_type mxfp4)")
     quant.add_argument("--no-measure", action="store_true", help="skip running both models for the error")
@@ -315,16 +318,35 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser(
         "export", help="a Hugging Face checkpoint folder -> a decoder with a KV cache, fused, in an onnxruntime-genai "
                        "folder (needs torch and transformers: the export extra)",
-        description="Load CHECKPOINT (config.json, safetensors, tokenizer files) with transformers and export its "
-                    "decoder with a KV cache to OUT_DIR/model.onnx (inputs input_ids, attention_mask, position_ids, "
-                    "past_key_values.N.key/value; outputs logits, present.N.key/value; external data), fuse it as "
-                    "`moe-onnx optimize` does, and write genai_config.json and the tokenizer files beside it. Exit 2 "
-                    "for a model family or setting it refuses, 1 when the checkpoint cannot be read or exported.")
+        description="Trace CHECKPOINT's decoder (config.json, safetensors as shipped: unquantized, MXFP4 or FP8) "
+                    "with a KV cache on torch's meta device and write it to OUT_DIR/model.onnx (inputs input_ids, "
+                    "attention_mask, position_ids, past_key_values.N.key/value; outputs logits, present.N.key/value; "
+                    "external data), fused as `moe-onnx optimize` does, each weight computed from the checkpoint as "
+                    "it is written (the model is never held in memory); MXFP4 experts stay as stored (QMOE mxfp4); "
+                    "genai_config.json and the tokenizer files beside it. Exit 2 for a model family, format or "
+                    "setting it refuses, 1 when the checkpoint cannot be read or exported.")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a local Hugging Face checkpoint folder")
     export.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="the folder to write")
-    export.add_argument("--dtype", default="fp32", help="the weights' and activations' type: fp32 (default), fp16 "
-                                                        "or bf16")
+    export.add_argument("--dtype", default="fp32", help="the float weights' and activations' type: fp32 (default), "
+                                                        "fp16 or bf16")
     export.add_argument("--no-optimize", action="store_true", help="write the export as it is, unfused")
+    export.add_argument("--all-logits", action="store_true",
+                        help="output every position's logits (default: the last position's only, [batch, 1, "
+                             "vocabulary]: what generation reads, and a prompt's other positions skip the lm_head)")
+    export.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                        help="quantize the experts (but MXFP4 ones, kept as stored) to int4 or int8 as they are "
+                             "written, as `moe-onnx quantize` does")
+    export.add_argument("--block-size", type=int, default=32,
+                        help="with --bits: one scale per block of this many inputs (a power of two in [16, 256], "
+                             "default 32), or 0 for one per output column (experts only)")
+    export.add_argument("--zero-points", action="store_true", help="with --bits: asymmetric, a zero point per scale")
+    export.add_argument("--accuracy-level", type=int, default=None,
+                        help="with --bits: the accuracy_level of the quantized nodes (as `moe-onnx quantize`'s)")
+    export.add_argument("--linears", action="store_true",
+                        help="with --bits: the attention projections, dense MLPs and lm_head -> MatMulNBits too "
+                             "(routers stay float)")
+    export.add_argument("--embedding", action="store_true",
+                        help="with --bits: the token embedding -> onnxruntime's GatherBlockQuantized too")
     export.set_defaults(run=_export)
 
     shard = commands.add_parser(

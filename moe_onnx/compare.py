@@ -1,5 +1,5 @@
 """How far one model's outputs are from another's: the one comparison behind ``moe-onnx optimize --verify``
-(:mod:`moe_onnx.verify`), the error ``moe-onnx quantize`` reports (:mod:`moe_onnx.quantization`) and
+(:mod:`moe_onnx.verify`), the error ``moe-onnx quantize`` reports (:mod:`moe_onnx.pipeline.quantize`) and
 ``moe-onnx run --check`` (:mod:`moe_onnx.distributed.run`).
 
 The rule, element by element, for the difference of ``got`` from ``expected``:

@@ -1,4 +1,5 @@
-"""Text generation from a model folder in onnxruntime-genai's format, on :func:`moe_onnx.session` (our ops run).
+"""Text generation from a model folder in onnxruntime-genai's format (read by
+:class:`moe_onnx.genai_folder.GenaiFolder`), on :func:`moe_onnx.session` (our ops run).
 
 The folder holds ``genai_config.json``, the decoder it names (``model.decoder.filename``) and, for text prompts,
 ``tokenizer.json`` (read by the optional ``tokenizers`` package: ``pip install 'moe-onnx[generate]'``). What the
@@ -12,7 +13,8 @@ decoder takes is read from the config, as onnxruntime-genai reads it, not from a
 * ``sliding_window``: the layers it lists (all, when it lists none) start with a cache of ``window_size`` slots,
   which GroupQueryAttention (``sliding_window_cache``) fills and slides itself; the other layers start empty and
   grow by the step's tokens;
-* ``eos_token_id`` (one or a list), ``context_length``; ``search``'s ``temperature``, ``top_k`` and ``top_p`` for
+* ``eos_token_id`` (one or a list; none: generation stops at its length only), ``vocab_size`` (the prompt's ids
+  must lie in it), ``context_length``; ``search``'s ``temperature``, ``top_k`` and ``top_p`` for
   sampling.
 
 Prefill is one run over the prompt; each later token is one run of that token, the presents fed back as the pasts
@@ -24,7 +26,6 @@ only.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -35,10 +36,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ._ir.model_files import ModelFileError
+from .genai_folder import GENAI_CONFIG, TOKENIZER_FILE, GenaiFolder
+from .runtime import BACKENDS
 from .runtime import session as moe_session
 
-GENAI_CONFIG = "genai_config.json"
-TOKENIZER_FILE = "tokenizer.json"
 _STOPS = {"eos": "an eos token", "max_new_tokens": "-n tokens", "context": "the context length"}
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
@@ -116,90 +117,79 @@ class _Cache:
     dtype: type
 
 
-class GenaiFolder:
-    """A folder in onnxruntime-genai's format, read: the decoder's path, its input and output names, its caches,
-    the stop tokens, the context length and the search section. Raises ModelFileError for a folder without a
-    readable config or decoder."""
+def _caches(genai: GenaiFolder, decoder: ort.InferenceSession) -> list[_Cache]:
+    """The decoder's cache inputs paired with their outputs, each with its empty (or window-sized) first value.
+    GenerateError for a cache input the config's patterns do not name or whose dims it cannot give."""
+    inputs = {value.name: value for value in decoder.get_inputs()}
+    outputs = {value.name for value in decoder.get_outputs()}
+    patterns = [("past_key_names", "present_key_names", "past_key_values.%d.key", "present.%d.key"),
+                ("past_value_names", "present_value_names", "past_key_values.%d.value", "present.%d.value"),
+                ("past_conv_names", "present_conv_names", None, None)]
+    caches = []
+    for past_key, present_key, past_default, present_default in patterns:
+        past_pattern = genai.inputs.string(past_key, past_default)
+        present_pattern = genai.outputs.string(present_key, present_default)
+        if past_pattern is None or present_pattern is None:
+            continue
+        for layer in _cache_layers(genai, past_key, past_pattern, inputs):
+            past, present = past_pattern % layer, _layer_name(present_key, present_pattern, layer)
+            if present not in outputs:
+                raise GenerateError(f"{genai.decoder_path}: input {past!r} has no output {present!r} "
+                                    f"({GENAI_CONFIG}'s {present_key})")
+            value = inputs.pop(past)
+            shape = _initial_shape(genai, value, layer, conv=past_key == "past_conv_names")
+            dtype = _NUMPY_TYPES.get(value.type)
+            if dtype is None:
+                raise GenerateError(f"{genai.decoder_path}: cache input {past!r} is {value.type}, expected "
+                                    f"float or float16")
+            caches.append(_Cache(past, present, shape, dtype))
+    known = {genai.name("input_ids", "input_ids"), genai.name("attention_mask", "attention_mask"),
+             genai.name("position_ids", "position_ids")}
+    unknown = sorted(set(inputs) - known)
+    if unknown:
+        raise GenerateError(f"{genai.decoder_path}: inputs {unknown} are neither the token inputs nor a cache "
+                            f"that {GENAI_CONFIG} names")
+    return caches
 
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-        config_path = self.folder / GENAI_CONFIG
-        if not config_path.is_file():
-            raise ModelFileError(f"{self.folder}: no {GENAI_CONFIG} (a folder in onnxruntime-genai's format)")
-        try:
-            config = json.loads(config_path.read_text())
-            model = config["model"]
-            decoder = model["decoder"]
-            self.decoder_path = self.folder / decoder["filename"]
-            self.inputs, self.outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
-            self.layers = int(decoder["num_hidden_layers"])
-            self.kv_heads, self.head_size = int(decoder["num_key_value_heads"]), int(decoder["head_size"])
-            window = decoder.get("sliding_window") or {}
-            self.context_length = int(model["context_length"])
-            eos = model["eos_token_id"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise ModelFileError(f"{config_path}: not an onnxruntime-genai config ({type(error).__name__}: "
-                                 f"{error})") from None
-        self.window_size = int(window["window_size"]) if window else None
-        self.window_layers = set(window.get("layers", range(self.layers))) if window else set()
-        self.eos = {int(token) for token in (eos if isinstance(eos, list) else [eos])}
-        self.search = config.get("search", {})
-        if not self.decoder_path.is_file():
-            raise ModelFileError(f"{config_path}: its decoder {self.decoder_path} is not a file")
 
-    def name(self, key: str, default: str) -> str:
-        return self.inputs.get(key, self.outputs.get(key, default))
+def _layer_name(key: str, pattern: str, layer: int) -> str:
+    """``pattern`` (the config's ``key``) with its one ``%d`` made ``layer``; GenerateError for another pattern."""
+    if pattern.count("%") != 1 or "%d" not in pattern:
+        raise GenerateError(f"{GENAI_CONFIG}'s {key} {pattern!r}: expected a name with one %d (the layer)")
+    return pattern % layer
 
-    def caches(self, decoder: ort.InferenceSession) -> list[_Cache]:
-        """The decoder's cache inputs paired with their outputs, each with its empty (or window-sized) first
-        value. GenerateError for a cache input the config's patterns do not name or whose dims it cannot give."""
-        inputs = {value.name: value for value in decoder.get_inputs()}
-        outputs = {value.name for value in decoder.get_outputs()}
-        patterns = [("past_key_names", "present_key_names", "past_key_values.%d.key", "present.%d.key"),
-                    ("past_value_names", "present_value_names", "past_key_values.%d.value", "present.%d.value"),
-                    ("past_conv_names", "present_conv_names", None, None)]
-        caches = []
-        for past_key, present_key, past_default, present_default in patterns:
-            past_pattern = self.inputs.get(past_key, past_default)
-            present_pattern = self.outputs.get(present_key, present_default)
-            if past_pattern is None or present_pattern is None:
-                continue
-            for layer in range(self.layers):
-                past, present = past_pattern % layer, present_pattern % layer
-                if past not in inputs:
-                    continue
-                if present not in outputs:
-                    raise GenerateError(f"{self.decoder_path}: input {past!r} has no output {present!r} "
-                                        f"({GENAI_CONFIG}'s {present_key})")
-                value = inputs.pop(past)
-                shape = self._initial_shape(value, layer, conv=past_key == "past_conv_names")
-                dtype = _NUMPY_TYPES.get(value.type)
-                if dtype is None:
-                    raise GenerateError(f"{self.decoder_path}: cache input {past!r} is {value.type}, expected "
-                                        f"float or float16")
-                caches.append(_Cache(past, present, shape, dtype))
-        known = {self.name("input_ids", "input_ids"), self.name("attention_mask", "attention_mask"),
-                 self.name("position_ids", "position_ids")}
-        unknown = sorted(set(inputs) - known)
-        if unknown:
-            raise GenerateError(f"{self.decoder_path}: inputs {unknown} are neither the token inputs nor a cache "
-                                f"that {GENAI_CONFIG} names")
-        return caches
 
-    def _initial_shape(self, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
-        shape = list(value.shape)
-        if not conv:
-            if len(shape) != 4:
-                raise GenerateError(f"{self.decoder_path}: cache input {value.name!r} has shape {shape}, expected "
-                                    f"[batch, kv_heads, past_length, head_size]")
-            window = self.window_size if layer in self.window_layers else None
-            symbolic = {1: self.kv_heads, 2: 0 if window is None else window, 3: self.head_size}
-            shape = [dim if isinstance(dim, int) else symbolic.get(axis, dim) for axis, dim in enumerate(shape)]
-        shape[0] = 1
-        if not all(isinstance(dim, int) for dim in shape):
-            raise GenerateError(f"{self.decoder_path}: cache input {value.name!r} has dims {value.shape} that "
-                                f"{GENAI_CONFIG} does not give")
-        return tuple(shape)
+def _cache_layers(genai: GenaiFolder, key: str, pattern: str, inputs: dict) -> list[int]:
+    """The layers, in order, whose name by ``pattern`` (the config's ``key``) is an input of the decoder; each must
+    be below num_hidden_layers (found from the decoder's inputs: the config's layer count is not iterated)."""
+    _layer_name(key, pattern, 0)  # one %d
+    head, tail = pattern.split("%d")
+    layers = []
+    for name in inputs:
+        digits = name[len(head):len(name) - len(tail)] if name.startswith(head) and name.endswith(tail) else ""
+        if digits.isdigit() and pattern % int(digits) == name:
+            layers.append(int(digits))
+    beyond = [layer for layer in layers if layer >= genai.layers]
+    if beyond:
+        raise GenerateError(f"{genai.decoder_path}: cache input {pattern % max(beyond)!r} is beyond "
+                            f"{GENAI_CONFIG}'s num_hidden_layers {genai.layers}")
+    return sorted(layers)
+
+
+def _initial_shape(genai: GenaiFolder, value: ort.NodeArg, layer: int, conv: bool) -> tuple[int, ...]:
+    shape = list(value.shape)
+    if not conv:
+        if len(shape) != 4:
+            raise GenerateError(f"{genai.decoder_path}: cache input {value.name!r} has shape {shape}, expected "
+                                f"[batch, kv_heads, past_length, head_size]")
+        window = genai.window(layer)
+        symbolic = {1: genai.kv_heads, 2: 0 if window is None else window, 3: genai.head_size}
+        shape = [dim if isinstance(dim, int) else symbolic.get(axis, dim) for axis, dim in enumerate(shape)]
+    shape[0] = 1
+    if not all(isinstance(dim, int) for dim in shape):
+        raise GenerateError(f"{genai.decoder_path}: cache input {value.name!r} has dims {value.shape} that "
+                            f"{GENAI_CONFIG} does not give")
+    return tuple(shape)
 
 
 def read_tokenizer(folder: Path, required: bool):
@@ -243,12 +233,24 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
         raise GenerateError(f"{', '.join(given)} only apply with sample=True (greedy otherwise)")
     if threads is not None and threads < 1:
         raise GenerateError(f"threads must be >= 1, got {threads}")
+    if backend not in BACKENDS:
+        raise GenerateError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     genai = GenaiFolder(folder)
     sampling = search_sampling(genai, 0 if seed is None else seed, temperature, top_k, top_p) if sample else None
     tokenizer = read_tokenizer(genai.folder, required=prompt is not None)
-    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else [int(token) for token in prompt_ids]
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # bytes a shell passed that are not UTF-8 (surrogate escapes)
+            raise GenerateError(f"the prompt is not UTF-8 text (at character {error.start})") from None
+    prompt_ids = tokenizer.encode(prompt).ids if prompt is not None else list(prompt_ids)
     if not prompt_ids:
         raise GenerateError("the prompt has no tokens")
+    for position, token in enumerate(prompt_ids):
+        if not genai.is_token(token):
+            raise GenerateError(f"prompt token {position} is {token!r}: expected a token id in [0, "
+                                f"{genai.vocab_size}) ({GENAI_CONFIG}'s vocab_size)")
+    prompt_ids = [int(token) for token in prompt_ids]
     if len(prompt_ids) >= genai.context_length:
         raise GenerateError(f"the prompt's {len(prompt_ids)} tokens leave no room in the context of "
                             f"{genai.context_length} tokens ({GENAI_CONFIG}'s context_length)")
@@ -256,7 +258,13 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     options.log_severity_level = 4  # a failing run's error is raised with its message, not logged as well
     if threads is not None:
         options.intra_op_num_threads = threads
-    decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)
+    try:
+        decoder = moe_session(genai.decoder_path, backend=backend, sess_options=options)
+    except ModelFileError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- onnxruntime's errors share no base class
+        raise ModelFileError(f"{genai.decoder_path} ({GENAI_CONFIG}'s model.decoder.filename): not a decoder "
+                             f"onnxruntime loads: {' '.join(str(error).split())}") from None
     tokens, stop, seconds = _Decoder(genai, decoder).run(prompt_ids, max_new_tokens, sampling)
     text = tokenizer.decode(tokens) if tokenizer is not None else None
     return Generation(prompt_ids, tokens, text, stop, seconds[0], sum(seconds[1:]), len(seconds) - 1)
@@ -267,7 +275,7 @@ class _Decoder:
 
     def __init__(self, genai: GenaiFolder, decoder: ort.InferenceSession):
         self.genai, self.decoder = genai, decoder
-        self.caches = genai.caches(decoder)
+        self.caches = _caches(genai, decoder)
         inputs = {value.name for value in decoder.get_inputs()}
         self.input_ids = genai.name("input_ids", "input_ids")
         self.attention_mask = genai.name("attention_mask", "attention_mask")
@@ -331,6 +339,6 @@ def search_sampling(genai: GenaiFolder, seed: int, temperature: float | None = N
     temperature 1, top_k 50, top_p 1, onnxruntime-genai's defaults). Its ``do_sample`` is not read: the caller
     asks for sampling."""
     search = genai.search
-    return Sampling(temperature=float(search.get("temperature", 1.0)) if temperature is None else temperature,
-                    top_k=int(search.get("top_k", 50)) if top_k is None else top_k,
-                    top_p=float(search.get("top_p", 1.0)) if top_p is None else top_p, seed=seed)
+    return Sampling(temperature=float(search.number("temperature", 1.0)) if temperature is None else temperature,
+                    top_k=search.integer("top_k", 50) if top_k is None else top_k,
+                    top_p=float(search.number("top_p", 1.0)) if top_p is None else top_p, seed=seed)

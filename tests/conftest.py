@@ -10,13 +10,15 @@ module imports another:
   (``cached_session``: a model run again soon after is not built again; ``options``);
 * ``fixture_models.py``: the committed export fixtures: loading, optimizing (the one cache of optimized
   fixtures), running, reading and mutating them; ``fixture_lanes`` (all but FAST_FIXTURES marked slow);
+* ``decoders.py``: exported decoders run step by step with their KV cache, against transformers' tokens;
 * ``distributed_models.py``, ``world_simulation.py``: the distributed tests' models and every rank in one
   process; ``ort_contrib_reference.py``: onnxruntime's contrib MoE/QMoE in numpy;
 * ``mpi/``: the drivers :func:`mpirun` launches.
 
 Fixtures: ``mpirun``; ``sessions_alive_at_creation`` (how many sessions made during a test were alive when each next
 one was created); ``genai_optimized``, the onnxruntime-genai builder folders (models/fixtures/genai) optimized
-once per run (test_genai_models.py, test_generate.py).
+once per run (test_genai_models.py, test_generate.py); ``exported``, checkpoints exported once per run (the tests
+that share them are in the xdist group "export": one worker makes each export once).
 
 Markers (pyproject.toml): ``slow`` (left out of the fast lane ``pytest -m "not slow"``), ``mpi``,
 ``subprocess``, ``fuzz``.
@@ -97,3 +99,24 @@ def genai_optimized(tmp_path_factory) -> dict[str, Path]:
         assert cli(["optimize", str(fixtures / name), "-o", str(out / name)]) == 0
     return {name: out / name for name in names}
 
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory) -> Callable[..., Path]:
+    """``exported(checkpoint, *options)``: the folder ``moe-onnx export CHECKPOINT -o OUT *options`` writes (it must
+    exit 0), made once per run and worker; shared: copy a folder before changing it. Tests that use it belong to
+    the xdist group "export", so that one worker makes each export once."""
+    from moe_onnx.cli import main as cli
+
+    made: dict[tuple[str, ...], Path] = {}
+    out = tmp_path_factory.mktemp("exported")
+
+    def export(checkpoint: Path, *options: str) -> Path:
+        key = (str(checkpoint), *options)
+        if key not in made:
+            folder = out / str(len(made))
+            assert cli(["export", str(checkpoint), "-o", str(folder), *options]) == 0
+            made[key] = folder
+        return made[key]
+
+    return export

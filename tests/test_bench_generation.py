@@ -25,3 +25,30 @@ def test_smoke_times_fp32_and_int4_side_by_side(tmp_path, capsys, monkeypatch):
     assert len(ratios) == 3 and all(ratio > 0 for ratio in ratios)  # int4 / fp32: prefill T=8, T=16, decode
     assert (tmp_path / "smoke_qwen3_moe" / "ours_int4_experts" / "model.onnx").is_file()
     assert "no llama.cpp figures" in out
+
+
+def test_shipped_report_names_each_target_against_the_like_for_like_gguf(monkeypatch):
+    """--shipped's table and targets from kept results (no model made): ours against the GGUF llama.cpp quantized to
+    (Qwen3's Q4_0), each of issue 34's targets met or not with its figure."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    def timing(prefill_short, prefill_long, decode, rss_mib):
+        speeds = {"prefill_short": prefill_short, "prefill_long": prefill_long, "decode": decode}
+        return {"loaded": {"seconds": 2.0}, "speeds": [speeds], "generating": {"VmRSS": rss_mib}}
+
+    results = {"layers": 18, "checkpoint_gib": 24.0,
+               "ours: moe-onnx export --bits 4": {"seconds": 600, "peak_mib": 2048},
+               "llama.cpp: convert_hf_to_gguf.py --outtype bf16": {"seconds": 300, "peak_mib": 1024},
+               "llama.cpp: llama_model_quantize Q4_0": {"seconds": 100, "peak_mib": 512},
+               "ours_gib": 7.0, "gguf_gib": 24.0, "gguf_quantized_gib": 6.5,
+               "timing": {"ours|1": timing(20, 30, 10, 7.5 * 1024), "llama.cpp Q4_0|1": timing(10, 40, 5, 7 * 1024)}}
+    lines = bench_generation.shipped_report(bench_generation.SHIPPED["qwen3_30b_a3b"], results)
+    text = "\n".join(lines)
+    assert "| ours | 600 | 2.00 | 7.00 | 1.08x | 2.0 | 7.50 | 1.07x | 20.0, 30.0, 10.0 |" in text, text
+    assert "(ours / it: 2.00x, 0.75x, 2.00x)" in text
+    assert "- [met] export peak RSS 2.00 GiB <= 4 GiB" in lines
+    assert "- [met] file 7.00 GiB = 1.08x llama.cpp Q4_0's (<= 1.1x)" in lines
+    assert "- [met] RSS generating (1 thread(s)) 7.50 GiB = 1.07x the file (<= 1.15x)" in lines
+    assert ("- [NOT met] 1 thread(s), ours / llama.cpp Q4_0 in tokens/s (>= 1.0x): prefill_short 2.00x, "
+            "prefill_long 0.75x, decode 2.00x") in lines

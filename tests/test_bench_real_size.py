@@ -1,6 +1,6 @@
-"""benchmarks/bench_real_size.py --smoke: every step from a checkpoint to the quantized model's first run runs on
-a tiny Qwen3-MoE shape, each with its time and peak memory, and the work folder is left empty (the real-size run
-and its figures: docs/benchmarks.md)."""
+"""benchmarks/bench_real_size.py --smoke: every step from a checkpoint to the quantized model's first run runs on the
+README's quick-start checkpoint (Qwen3-MoE, committed), each with its time and peak memory, and the work folder is
+left empty (the real-size run and its figures: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from moe_onnx.distributed.shard import shard
 from moe_onnx.ops import DOMAIN, OPS, moe, qmoe
 from moe_onnx.ops._common import BF16_OPERANDS, ArrayView
 from moe_onnx.pipeline import optimize_file
-from moe_onnx.rewrite.compute import apply_compute
+from moe_onnx.rewrite.compute import ApplyCompute
 from moe_onnx.verify import BF16_COMPUTE_TOLERANCE, BF16_ROUNDING, verify
 
 GEMM3_BLOCK = FIXTURES / "qwen3_moe_batched_mm_small.onnx"  # E = 8, H = 64, I = 32
@@ -83,8 +83,8 @@ def test_exact_nodes_keep_their_level():
             ("MoeRowParallelLinear-int8", "QMOE-gemm2_int4_block32_int8_activations")]
     for proto in kept:
         model = ir.serde.deserialize_model(proto)
-        changed, notes = apply_compute(model, "bf16")
-        assert changed == {} and len(notes) == 1 and "keeps accuracy_level" in notes[0]
+        result = ApplyCompute("bf16")(model)
+        assert not result.modified and len(result.notes) == 1 and "keeps accuracy_level" in result.notes[0]
         assert levels(ir.serde.serialize_model(model)) == levels(proto)
 
 

@@ -3,7 +3,8 @@ shapes with edges: one row, row counts that fill a tile partly (and several tile
 multiples of the pair panel's 32 k and 16 columns, K of several AMX steps (32 k each), an expert
 with no tokens, QMOE's decode and prefill.
 
-Each path runs in a fresh process (the ISA table is filled once per process):
+Each path runs in a fresh process (the ISA table is filled once per process), on first use; the fast lane runs
+the first only:
 
   amx          the hardware's TDPBF16PS from kBf16TileRows (4) rows, vdpbf16ps below (where AMX is usable)
   amx-model    MOE_ONNX_AMX=model: the same kernel code on the model of the tiles (any CPU)
@@ -26,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import isa_levels
@@ -37,7 +39,9 @@ from cases import moe as moe_cases
 from cases import qmoe as qmoe_cases
 from cases import row_parallel_linear as linear_cases
 
-pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
+# each kernel path runs in a child process (the ISA table is filled once); the module's tests share those children's
+# results (module fixtures), so one xdist worker runs them all (pyproject's --dist loadgroup) and they run once
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("bf16_kernels")]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_BOUND = 6 * 2.0**-9  # MOE/QMOE: the largest |error| relative to the largest |output| (three bf16 roundings)
@@ -110,26 +114,31 @@ def child(out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory) -> dict[str, tuple[dict, dict | None]]:
-    """Each mode's kernel report and outputs (None where the mode is unsupported here)."""
+def paths(tmp_path_factory) -> Callable[[str], tuple[dict, dict | None]]:
+    """``paths(mode)``: the mode's kernel report and outputs (None where the mode is unsupported here), from its
+    child process, run on first use."""
     here = Path(__file__).parent
     base = {k: v for k, v in os.environ.items() if k not in ("MOE_ONNX_AMX", "MOE_ONNX_GEMM")}
-    result = {}
-    for mode, env in MODES.items():
-        out = tmp_path_factory.mktemp("bf16") / f"{mode}.npz"
-        code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_bf16_kernels as t; t.child({str(out)!r})"
-        run = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                             timeout=300)
-        assert run.returncode == 0, f"{mode}: {run.stderr[-3000:]}"
-        report = json.loads(run.stdout.splitlines()[-1])
-        result[mode] = (report, None if "unsupported" in report else dict(np.load(out)))
-    return result
+    cache = {}
+
+    def path(mode: str) -> tuple[dict, dict | None]:
+        if mode not in cache:
+            out = tmp_path_factory.mktemp("bf16") / f"{mode}.npz"
+            code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_bf16_kernels as t; t.child({str(out)!r})"
+            run = subprocess.run([sys.executable, "-c", code], env={**base, **MODES[mode]}, capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode == 0, f"{mode}: {run.stderr[-3000:]}"
+            report = json.loads(run.stdout.splitlines()[-1])
+            cache[mode] = (report, None if "unsupported" in report else dict(np.load(out)))
+        return cache[mode]
+
+    return path
 
 
 def _usable(paths, mode: str) -> tuple[dict, dict]:
-    if mode not in paths:
+    if mode not in MODES:
         pytest.skip(f"{mode} is not a path of this architecture")
-    report, outputs = paths[mode]
+    report, outputs = paths(mode)
     if outputs is None:
         pytest.skip(f"{mode}: {report['unsupported']}")
     if mode == "amx" and (report["amx"] != "usable" or report["amx_bf16"] != "yes"):
@@ -190,7 +199,8 @@ BF16_KERNELS = {  # mode: (bf16_gemm, bf16_gemm_tiles) in the kernel report
 BF16_KERNELS = {mode: kernels for mode, kernels in BF16_KERNELS.items() if mode in MODES}
 
 
-@pytest.mark.parametrize("mode", list(BF16_KERNELS))
+@pytest.mark.parametrize("mode", [mode if mode in ("amx", "arm-bf16") else pytest.param(mode, marks=pytest.mark.slow)
+                                  for mode in BF16_KERNELS])  # the fast lane: this CPU's own path
 def test_bf16_path_within_bf16_error(paths, mode):
     """The path's kernels are the ones named; level 3 rounds (its result is not level 0's) within the
     bf16 bound of the exact result, except QMOE's decode, which is level 0's; the same bits on 1 and 3
@@ -214,6 +224,7 @@ def test_bf16_path_within_bf16_error(paths, mode):
         check_error(case, got, 2.0**-23 if mode == "arm-bf16" else 2.0**-24)
 
 
+@pytest.mark.slow
 def test_amx_hardware_is_the_model(paths):
     """Where AMX-BF16 is usable: every level-3 result of the hardware kernel has the model's bits."""
     _, hardware = _usable(paths, "amx")
@@ -222,12 +233,13 @@ def test_amx_hardware_is_the_model(paths):
         assert hardware[key].tobytes() == model[key].tobytes(), key
 
 
+@pytest.mark.slow
 def test_portable_kernel_is_vdpbf16ps(paths):
     """The portable kernel (below the model's tiles on CPUs without AVX512-BF16) gives vdpbf16ps's bits:
     MoeRowParallelLinear's rows of the 3-row expert (the others run on the model's tiles in both)."""
     _, model = _usable(paths, "amx-model")
     _, portable = _usable(paths, "portable")
-    if paths["amx-model"][0]["bf16_gemm"] != "avx512-bf16":
+    if paths("amx-model")[0]["bf16_gemm"] != "avx512-bf16":
         pytest.skip("this CPU has no AVX512-BF16")
     for case in cases():
         if case.op == "MoeRowParallelLinear":
@@ -235,6 +247,7 @@ def test_portable_kernel_is_vdpbf16ps(paths):
             assert portable[key].tobytes() == model[key].tobytes(), key
 
 
+@pytest.mark.slow
 def test_fallback_is_level_0(paths):
     """Without a bf16 instruction in the table, level 3 gives level 0's bits."""
     report, outputs = _usable(paths, "fallback")

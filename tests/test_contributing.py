@@ -51,7 +51,7 @@ def test_every_export_form_has_each_piece():
     forms = [family.__name__.rsplit(".", 1)[1] for family in _driver.FAMILIES]
     modules = {p.stem for p in (ROOT / "moe_onnx" / "rewrite").glob("*.py") if not p.stem.startswith("_")}
     passes_over_fused_graph = {"compute", "gating", "grouped", "grouped_query", "ort_export", "portable",
-                               "shared_expert"}
+                               "quantize", "shared_expert"}
     passes_before_the_fusions = {"ort_import"}  # onnxruntime's MoE/QMoE nodes into ours
     not_passes = {"targets"}  # the names of the targets, read without importing the rewriter
     assert modules - passes_over_fused_graph - passes_before_the_fusions - not_passes == set(forms), \

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,53 +18,22 @@ import onnxruntime as ort
 import pytest
 
 import moe_onnx
+from decoders import assert_generates_reference, genai_config, genai_tokens
 from moe_onnx.cli import main as cli
 from moe_onnx.export import FAMILIES as EXPORT_FAMILIES
-from moe_onnx.pipeline import write_genai_folder
+from moe_onnx.genai_folder import GenaiFolder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "kv"
 FAMILIES = sorted(folder.name for folder in FIXTURES.iterdir())
 CHECKPOINTS = FIXTURES.parent / "checkpoints"  # qwen3_moe's tiny checkpoint, which the README's quick start exports
-TOLERANCE = 1e-4  # max |logits - torch's| at every step (fp32)
 
 
 def _config(folder: Path) -> dict:
-    return json.loads((folder / "genai_config.json").read_text())
-
-
-def greedy(session: ort.InferenceSession, config: dict, prompt_ids: np.ndarray, steps: int):
-    """``steps`` greedy tokens from ``session``: the prompt with an empty cache (each past's heads and head size
-    as the decoder declares them), then one token a step with the presents fed back as the pasts. Returns the
-    tokens and each step's last-position logits."""
-    decoder = config["model"]["decoder"]
-    names = decoder["inputs"]
-    past = {value.name: np.zeros((prompt_ids.shape[0], value.shape[1], 0, value.shape[3]), np.float32)
-            for value in session.get_inputs() if value.name.startswith("past_key_values.")}
-    outputs = [output.name for output in session.get_outputs()]
-    presents = {name.replace("past_key_values.", "present."): name for name in past}
-    tokens, logits, step_ids, seen = [], [], prompt_ids, 0
-    for _ in range(steps):
-        length = step_ids.shape[1]
-        results = dict(zip(outputs, session.run(None, {
-            names["input_ids"]: step_ids,
-            names["attention_mask"]: np.ones((step_ids.shape[0], seen + length), np.int64),
-            names["position_ids"]: np.arange(seen, seen + length, dtype=np.int64)[None].repeat(step_ids.shape[0], 0),
-            **past}), strict=True))
-        last = results[decoder["outputs"]["logits"]][:, -1]
-        logits.append(last[0])
-        tokens.append(int(last[0].argmax()))
-        past = {presents[name]: value for name, value in results.items() if name in presents}
-        seen += length
-        step_ids = np.array([[tokens[-1]]], np.int64)
-    return tokens, np.stack(logits)
+    return genai_config(folder)
 
 
 def _assert_generates_torch_tokens(session: ort.InferenceSession, folder: Path) -> None:
-    reference = np.load(folder / "reference.npz")
-    tokens, logits = greedy(session, _config(folder), reference["prompt_ids"], len(reference["tokens"]))
-    assert tokens == reference["tokens"].tolist()
-    error = np.abs(logits - reference["logits"]).max(axis=1)
-    assert error.max() <= TOLERANCE, f"max |logits - torch| per step: {error}"
+    assert_generates_reference(session, folder, folder / "reference.npz")
 
 
 #: our ops in a fixture: a MOE and a MoeGatingTopK per layer, but for Nemotron-H (one MoE layer, then an attention
@@ -128,8 +95,9 @@ def test_fixture_with_target_ort_generates_torch_tokens(family, tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_folder_is_genai_format(family):
     """genai_config.json names the decoder's inputs and outputs by layer (the layers with attention), with the
-    dims genai sizes its buffers by where genai runs it; the presents grow (no shared buffer); the tokenizer is
-    beside it."""
+    dims genai sizes its buffers by where genai runs it; the presents grow (no shared buffer); the logits are every
+    position's (these fixtures were exported so: `--all-logits` today; the default, the last position's, is checked on
+    the shipped fixtures, test_export_shipped.py); the tokenizer is beside it."""
     folder = FIXTURES / family
     config = _config(folder)
     decoder = config["model"]["decoder"]
@@ -159,7 +127,7 @@ def _genai_folder(family: str, tmp_path: Path) -> Path:
     folder.mkdir()
     for name in ("model.onnx", "model.onnx.data"):
         (folder / name).symlink_to(FIXTURES / family / name)
-    write_genai_folder(FIXTURES / family, folder, with_library=True)
+    GenaiFolder(FIXTURES / family).copy_to(folder, folder / "model.onnx", library=True)
     return folder
 
 
@@ -168,22 +136,29 @@ def test_fixture_in_onnxruntime_genai(family, tmp_path):
     """onnxruntime-genai runs the folder and generates the torch tokens up to the first end token (32 for
     FULL_RUN, GENAI_STEPS for the others), whatever the kv heads of each layer (MiMo's) or a layer without a cache
     (Nemotron-H's)."""
-    import onnxruntime_genai as og
-
     folder = _genai_folder(family, tmp_path)
     reference = np.load(FIXTURES / family / "reference.npz")
     expected = reference["tokens"].tolist()[:None if family in FULL_RUN else GENAI_STEPS]
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=reference["prompt_ids"].shape[1] + len(expected), do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(reference["prompt_ids"])
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
+    tokens = genai_tokens(folder, reference["prompt_ids"], len(expected))
     end = _config(folder)["model"]["eos_token_id"]
     assert tokens == expected[:expected.index(end) + 1] if end in expected else tokens == expected
+
+
+def test_quantize_of_a_folder_writes_a_complete_folder(tmp_path):
+    """`moe-onnx quantize FOLDER -o OUT_DIR` takes an onnxruntime-genai folder and writes a complete one, as optimize
+    does: the decoder quantized (QMOE), the tokenizer and config beside it, our library named in genai_config.json;
+    onnxruntime-genai and moe_onnx.generate run it."""
+    out = tmp_path / "int8"
+    assert cli(["quantize", str(FIXTURES / "qwen3_moe"), "-o", str(out), "--bits", "8", "--no-measure"]) == 0
+    config = _config(out)
+    assert config["model"]["decoder"]["filename"] == "model.onnx"
+    assert (out / config["model"]["decoder"]["session_options"]["custom_ops_library"]).is_file()
+    assert (out / "tokenizer.json").read_bytes() == (FIXTURES / "qwen3_moe" / "tokenizer.json").read_bytes()
+    assert _moe_ops(out / "model.onnx") == ["MoeGatingTopK", "MoeGatingTopK", "QMOE", "QMOE"]
+    prompt = np.load(FIXTURES / "qwen3_moe" / "reference.npz")["prompt_ids"]
+    ours = moe_onnx.generate(out, prompt_ids=prompt.ravel().tolist(), max_new_tokens=4).tokens
+    genai = genai_tokens(out, prompt, 4)
+    assert genai[:len(ours)] == ours and len(ours) == 4
 
 
 def test_onnxruntime_genai_cannot_run_latent_attention(tmp_path):
@@ -200,11 +175,38 @@ def test_every_export_family_has_a_fixture():
     assert FAMILIES == sorted(EXPORT_FAMILIES)
 
 
+QUICK_START_CONFIG = json.loads((CHECKPOINTS / "qwen3_moe" / "config.json").read_text())
+
+
 def _checkpoint(tmp_path: Path, config: dict) -> Path:
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps(config))
     return checkpoint
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"config.json": "[1, 2]"}, "{checkpoint}/config.json: expected an object, got a list"),
+    ({"config.json": '{"model_type": ["qwen3_moe"]}'}, "{checkpoint}/config.json: model_type: expected a string, "
+                                                         "got a list"),
+    ({"config.json": "{not json"}, "{checkpoint}/config.json: expected JSON: "),
+    ({"generation_config.json": "3"}, "{checkpoint}/generation_config.json: expected an object, got 3"),
+    ({"model.safetensors.index.json": "{"}, "{checkpoint}/model.safetensors.index.json: expected JSON: "),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "max_position_embeddings": None})},
+     "{checkpoint}/config.json: max_position_embeddings: missing; expected an integer >= 1"),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "vocab_size": "96"})},
+     '{checkpoint}/config.json: vocab_size: expected an integer >= 1, got "96"'),
+])
+def test_export_names_the_file_and_key_of_a_malformed_input(tmp_path, capsys, files, message):
+    """A config, generation config or index that is not the JSON expected is refused in one line naming the file
+    and the key (exit 1), before torch is imported and before OUT is made."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINTS / "qwen3_moe", checkpoint)
+    for name, text in files.items():
+        (checkpoint / name).write_text(text)
+    assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().startswith(f"moe-onnx export: {message.format(checkpoint=checkpoint)}")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_unknown_family(tmp_path, capsys):
@@ -260,20 +262,15 @@ def test_committed_checkpoint_is_the_fixtures():
 
 @pytest.mark.slow
 @_NEEDS_TORCH
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "nemotron_h"])
-def test_export_from_checkpoint(family, tmp_path):
-    """Where torch is installed: `moe-onnx export` of the fixture's checkpoint (qwen3_moe's as committed for the
-    README's quick start, the others remade by the fixture script) writes a folder fused as the committed one that
-    generates the committed torch tokens: a plain cache, DeepSeek's latent attention (keys wider than values) and a
-    layer without attention (Nemotron-H's MoE layer)."""
-    import export_kv_fixtures
-
+@pytest.mark.xdist_group("export")
+def test_export_from_checkpoint(exported):
+    """Where torch is installed: `moe-onnx export` of the README's quick start checkpoint (qwen3_moe's, committed)
+    writes a folder fused as the committed one that generates the committed torch tokens. (Every family's committed
+    fixture is this exporter's output, checked against transformers above without torch; one export per format and
+    dtype runs here: test_export_shipped.py, the fp16 test below.)"""
+    family = "qwen3_moe"
     checkpoint = CHECKPOINTS / family
-    if not checkpoint.is_dir():
-        checkpoint = tmp_path / "checkpoint"
-        export_kv_fixtures.save_checkpoint(family, checkpoint)
-    out = tmp_path / "out"
-    assert cli(["export", str(checkpoint), "-o", str(out)]) == 0
+    out = exported(checkpoint)
     config = _config(out)
     assert (out / config["model"]["decoder"]["session_options"]["custom_ops_library"]).is_file()
     assert (out / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
@@ -302,105 +299,40 @@ def test_export_refuses_a_cache_of_other_state(tmp_path, capsys):
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
+#: GPT-OSS's checkpoint as shipped (MXFP4 experts, the rest bfloat16)
+GPT_OSS_SHIPPED = FIXTURES.parent / "shipped" / "gpt_oss_mxfp4" / "checkpoint"
+
+
 @pytest.mark.slow
 @_NEEDS_TORCH
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_export_fp16_fuses(family, tmp_path, capsys):
-    """Where torch is installed: `moe-onnx export --dtype fp16` of the fixture's checkpoint fuses every MoE layer
-    (the float32 sum and routing casts of the fp16 export) and its first step's logits are torch's float32 ones
-    within float16's rounding (the logits reach about 5: one float16 step there is 0.004)."""
-    import export_kv_fixtures
-
-    checkpoint = tmp_path / "checkpoint"
-    export_kv_fixtures.save_checkpoint(family, checkpoint)
-    out = tmp_path / "out"
-    assert cli(["export", str(checkpoint), "-o", str(out), "--dtype", "fp16"]) == 0
-    summary = capsys.readouterr().out
-    assert "Float32Sum: 2 blocks fused" in summary and "RouterToMoeGatingTopK: 2 blocks fused" in summary
-    assert "near-miss" not in summary
+@pytest.mark.xdist_group("export")
+def test_export_fp16_fuses(exported):
+    """Where torch is installed: `moe-onnx export --dtype fp16` of GPT-OSS as shipped fuses every MoE layer (the
+    float32 sum and routing casts of the fp16 export; its MXFP4 experts become QMOE nodes with float16 activations)
+    and its first step's logits are the fp32 reference's within float16's rounding (the logits reach about 5: one
+    float16 step there is 0.004)."""
+    out = exported(GPT_OSS_SHIPPED, "--dtype", "fp16")
     model = onnx.load(out / "model.onnx", load_external_data=False)
     assert sorted(node.op_type for node in model.graph.node if node.domain == "moe_onnx") == [
-        "MOE", "MOE", "MoeGatingTopK", "MoeGatingTopK"]
-    reference = np.load(FIXTURES / family / "reference.npz")
+        "MoeGatingTopK", "MoeGatingTopK", "QMOE", "QMOE"]
+    reference = np.load(GPT_OSS_SHIPPED.parent / "reference.npz")
     config = _config(out)
-    decoder = config["model"]["decoder"]
-    past = {decoder["inputs"][key] % layer: np.zeros((1, decoder["num_key_value_heads"], 0, decoder["head_size"]),
-                                                     np.float16)
-            for layer in range(decoder["num_hidden_layers"]) for key in ("past_key_names", "past_value_names")}
+    session = moe_onnx.session(out / "model.onnx")
+    past = {value.name: np.zeros((1, value.shape[1], 0, value.shape[3]), np.float16)
+            for value in session.get_inputs() if value.name.startswith("past_key_values.")}
     prompt = reference["prompt_ids"]
-    logits = moe_onnx.session(out / "model.onnx").run([decoder["outputs"]["logits"]], {
+    logits = session.run([config["model"]["decoder"]["outputs"]["logits"]], {
         "input_ids": prompt, "attention_mask": np.ones_like(prompt),
         "position_ids": np.arange(prompt.shape[1], dtype=np.int64)[None], **past})[0]
-    assert logits.dtype == np.float16
+    assert logits.dtype == np.float16 and logits.shape == (1, 1, config["model"]["vocab_size"])
     np.testing.assert_allclose(logits[0, -1].astype(np.float32), reference["logits"][0], atol=1.5e-2)
 
 
-#: run in a fresh process with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), so that every tensor is a
-#: mapping of its own and the peak counts tensors, not heap fragments: after a first load (what any load imports),
-#: the peak's growth over one load of argv[1] in MiB, whether a safetensors file is still mapped, and whether the
-#: weights are the checkpoint's
-_MEASURE_LOAD = """
-import json, sys
-from pathlib import Path
-import torch
-from safetensors.torch import load_file
-from moe_onnx.export import FAMILIES, _torch
-
-def status_mib(key):
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key + ":"))
-    return int(line.split()[1]) / 1024
-
-checkpoint, family = Path(sys.argv[1]), FAMILIES["qwen3_moe"]
-_torch.load_model(Path(sys.argv[2]), family, "fp32")
-resident = status_mib("VmRSS")
-Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
-model = _torch.load_model(checkpoint, family, "fp32")
-grown = status_mib("VmHWM") - resident
-mapped = ".safetensors" in Path("/proc/self/maps").read_text()
-saved = {name: tensor for shard in checkpoint.glob("*.safetensors") for name, tensor in load_file(shard).items()}
-experts = model.model.layers[1].mlp.experts
-print(json.dumps({"grown": grown, "mapped": mapped,
-                  "weights": all(torch.equal(value, saved[name]) for name, value in model.state_dict().items()
-                                 if name in saved)
-                             and torch.equal(experts.down_proj[3], saved["model.layers.1.mlp.experts.3.down_proj.weight"])
-                             and torch.equal(experts.gate_up_proj[5, 256:], saved["model.layers.1.mlp.experts.5.up_proj.weight"])}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.subprocess
-@_NEEDS_TORCH
-def test_load_holds_the_weights_once(tmp_path):
-    """`moe-onnx export`'s load reads the checkpoint (here in 3 shards and their index) a parameter at a time,
-    without mapping it: its peak resident memory grows by the checkpoint's size and one parameter's tensors (1.16x
-    of this small checkpoint), where transformers' own load keeps the mapped pages of the experts it stacked
-    resident beside the stacked copies (2.1x); the weights are the checkpoint's."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen3MoeConfig(hidden_size=512, moe_intermediate_size=256, num_experts=16,
-                                         num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=32, intermediate_size=64, vocab_size=96)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="40MB")
-    shards = sorted(tmp_path.glob("*.safetensors"))
-    assert len(shards) == 3 and (tmp_path / "model.safetensors.index.json").is_file()
-    checkpoint_mib = sum(shard.stat().st_size for shard in shards) / 2**20  # 96 MiB of experts, a tensor per expert
-    done = subprocess.run([sys.executable, "-c", _MEASURE_LOAD, str(tmp_path), str(CHECKPOINTS / "qwen3_moe")],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["grown"] < 1.3 * checkpoint_mib, f"the load's peak grew by {measured['grown']:.0f} MiB"
-    assert not measured["mapped"]
-    assert measured["weights"]
-
-
-@pytest.mark.slow
-@_NEEDS_TORCH
 def test_export_of_a_checkpoint_without_safetensors(tmp_path, capsys):
+    """A folder without safetensors is refused before torch is imported and before anything is written."""
     checkpoint = _checkpoint(tmp_path, {"model_type": "qwen3_moe"})
     assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (  # after the progress line
-        f"moe-onnx export: transformers cannot load {checkpoint}: FileNotFoundError: no model.safetensors or "
-        f"model.safetensors.index.json in {checkpoint}")
+    assert capsys.readouterr().err.strip() == (
+        f"moe-onnx export: {checkpoint}: no model.safetensors or model.safetensors.index.json (moe-onnx export reads "
+        f"safetensors checkpoints)")
+    assert not (tmp_path / "out").exists()

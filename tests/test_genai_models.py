@@ -166,3 +166,40 @@ def _generate(folder: Path) -> list[int]:
     while not generator.is_done():
         generator.generate_next_token()
     return [int(token) for token in generator.get_sequence(0)]
+
+
+def test_a_decoder_in_a_subfolder_is_written_where_the_config_names_it(tmp_path):
+    """A folder whose genai_config.json names its decoder in a subfolder: optimize writes OUT's decoder beside its
+    config, which names it there, and OUT generates the input folder's tokens."""
+    source = tmp_path / "in"
+    (source / "sub").mkdir(parents=True)
+    for file in (FIXTURES / "gpt_oss_fp32").iterdir():
+        (source / ("sub" if file.name.startswith("model.onnx") else "") / file.name).write_bytes(file.read_bytes())
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "sub/model.onnx"
+    (source / "genai_config.json").write_text(json.dumps(config))
+    assert cli(["optimize", str(source), "-o", str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "genai_config.json").read_text())["model"]["decoder"]["filename"]
+    assert (tmp_path / "out" / written).is_file()
+    prompt = [5, 9, 17]
+    expected = moe_onnx.generate(source, prompt_ids=prompt, max_new_tokens=4).tokens
+    assert moe_onnx.generate(tmp_path / "out", prompt_ids=prompt, max_new_tokens=4).tokens == expected
+
+
+def test_a_failed_folder_job_leaves_out_as_it_was(tmp_path, monkeypatch, capsys):
+    """optimize FOLDER -o OUT writes OUT only once complete: a job that fails after the decoder is written (here the
+    copy of the folder's other files) leaves an existing OUT as it was and makes no new one."""
+    from moe_onnx.genai_folder import GenaiFolder
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model.onnx").write_text("old")
+    monkeypatch.setattr(GenaiFolder, "copy_to", fail)
+    for out in (old, tmp_path / "new"):
+        assert cli(["optimize", str(FIXTURES / "gpt_oss_fp32"), "-o", str(out)]) != 0
+        capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+    assert [p.name for p in old.iterdir()] == ["model.onnx"] and (old / "model.onnx").read_text() == "old"

@@ -19,6 +19,8 @@ from onnx import TensorProto, helper
 
 import moe_onnx
 from moe_onnx.cli import main as cli
+from moe_onnx._ir.model_files import ModelFileError
+from moe_onnx.genai_folder import CacheShape, new_config
 from moe_onnx.generation import GenerateError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "genai"
@@ -82,6 +84,79 @@ def test_stops_at_eos_as_genai_does(tmp_path):
     assert result.tokens == _genai_tokens(folder, PROMPT, NEW_TOKENS)
 
 
+def test_without_an_eos_token_generation_runs_to_its_length_as_genai_does(tmp_path):
+    """A checkpoint may have no eos token (eos_token_id null, as transformers allows): export leaves it out of the
+    config (genai refuses a null), and both genai and generate then stop at the length asked for only."""
+    config = new_config({"max_position_embeddings": 64, "hidden_size": 8, "num_attention_heads": 2,
+                         "vocab_size": 96, "eos_token_id": None, "bos_token_id": 1, "pad_token_id": None}, {},
+                        "gpt_oss", "model.onnx", [CacheShape(0, 2, 4)])
+    assert config["model"]["bos_token_id"] == 1 and not {"eos_token_id", "pad_token_id"} & config["model"].keys()
+    folder = _folder_with(tmp_path, "gpt_oss_fp32")
+    settings = json.loads((folder / "genai_config.json").read_text())
+    del settings["model"]["eos_token_id"]
+    (folder / "genai_config.json").write_text(json.dumps(settings))
+    result = moe_onnx.generate(folder, prompt_ids=PROMPT, max_new_tokens=6)
+    assert result.stop == "max_new_tokens" and result.tokens == _genai_tokens(folder, PROMPT, 6)
+
+
+def test_the_cache_layers_are_the_decoders_whatever_the_layer_count(tmp_path, capsys):
+    """The caches are found among the decoder's inputs (a huge num_hidden_layers is not iterated); one beyond the
+    config's count, or a name pattern without its one %d, is refused naming the config's key."""
+    expected = moe_onnx.generate(FIXTURES / "gpt_oss_fp32", prompt_ids=PROMPT, max_new_tokens=4).tokens
+    huge = _folder_with(tmp_path / "huge", "gpt_oss_fp32")
+    settings = json.loads((huge / "genai_config.json").read_text())
+    settings["model"]["decoder"]["num_hidden_layers"] = 10**12
+    (huge / "genai_config.json").write_text(json.dumps(settings))
+    assert moe_onnx.generate(huge, prompt_ids=PROMPT, max_new_tokens=4).tokens == expected
+    for name, decoder, message in (
+            ("one", {"num_hidden_layers": 1}, "{decoder}: cache input 'past_key_values.1.key' is beyond "
+                                              "genai_config.json's num_hidden_layers 1"),
+            ("pattern", {"inputs": {"past_key_names": "past_key_values.key"}},
+             "genai_config.json's past_key_names 'past_key_values.key': expected a name with one %d (the layer)")):
+        folder = _folder_with(tmp_path / name, "gpt_oss_fp32")
+        settings = json.loads((folder / "genai_config.json").read_text())
+        for key, value in decoder.items():
+            settings["model"]["decoder"][key] = {**settings["model"]["decoder"].get(key, {}), **value} \
+                if isinstance(value, dict) else value
+        (folder / "genai_config.json").write_text(json.dumps(settings))
+        assert cli(["generate", str(folder), "--prompt-ids", "5,9", "-n", "2"]) == 2
+        assert capsys.readouterr().err == f"moe-onnx generate: {message.format(decoder=folder / 'model.onnx')}\n"
+
+
+def test_a_decoder_file_that_is_not_a_model_and_a_prompt_that_is_not_utf8_are_one_line(tmp_path, capsys):
+    folder = _folder_with(tmp_path, "gpt_oss_fp32")
+    settings = json.loads((folder / "genai_config.json").read_text())
+    settings["model"]["decoder"]["filename"] = "tokenizer.json"
+    (folder / "genai_config.json").write_text(json.dumps(settings))
+    assert cli(["generate", str(folder), "--prompt-ids", "5,9", "-n", "2"]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"moe-onnx generate: {folder / 'tokenizer.json'} (genai_config.json's model.decoder.filename): not a decoder "
+        "onnxruntime loads: ")
+    assert cli(["generate", str(FIXTURES / "gpt_oss_fp32"), "--prompt", "w5 \udcff", "-n", "2"]) == 2
+    assert capsys.readouterr().err == "moe-onnx generate: the prompt is not UTF-8 text (at character 3)\n"
+
+
+@pytest.mark.parametrize("eos", [-1, 96, "2", [2, None], True])
+def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos):
+    folder = _folder_with(tmp_path, "gpt_oss_fp32", eos_token_id=eos)
+    with pytest.raises(ModelFileError) as raised:
+        moe_onnx.generate(folder, prompt_ids=PROMPT, max_new_tokens=2)
+    assert str(raised.value).startswith(f"{folder / 'genai_config.json'}: model.eos_token_id: expected a token id in "
+                                        "[0, 96) or a list of them, got ")
+
+
+@pytest.mark.parametrize("token", [-1, 96, 2.0, True])
+def test_the_api_and_the_command_refuse_a_prompt_id_outside_the_vocabulary_alike(capsys, token):
+    folder = FIXTURES / "gpt_oss_fp32"
+    message = f"prompt token 1 is {token!r}: expected a token id in [0, 96) (genai_config.json's vocab_size)"
+    with pytest.raises(GenerateError) as raised:
+        moe_onnx.generate(folder, prompt_ids=[5, token], max_new_tokens=2)
+    assert str(raised.value) == message
+    if isinstance(token, int) and not isinstance(token, bool):
+        assert cli(["generate", str(folder), "--prompt-ids", f"5,{token}", "-n", "2"]) == 2
+        assert capsys.readouterr().err == f"moe-onnx generate: {message}\n"
+
+
 def test_stops_at_the_context_length_and_refuses_a_prompt_that_fills_it(tmp_path, capsys):
     greedy = moe_onnx.generate(FIXTURES / "lfm2_moe_fp32", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS).tokens
     folder = _folder_with(tmp_path, "lfm2_moe_fp32", context_length=len(PROMPT) + 5)
@@ -128,14 +203,21 @@ def test_command_prints_the_text_and_the_tokens_per_second(capsys):
     assert capsys.readouterr().out.splitlines()[1] == sampled
 
 
-@pytest.mark.parametrize("case", ["no config", "no tokenizer", "seed without sample"])
+@pytest.mark.parametrize("case", ["no config", "config value", "no tokenizer", "seed without sample"])
 def test_command_errors_are_one_line(tmp_path, capsys, case):
     folder = tmp_path / "folder"
     shutil.copytree(FIXTURES / "gpt_oss_fp32", folder)
     (folder / "tokenizer.json").unlink()
+    if case == "config value":
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["context_length"] = "4096"
+        (folder / "genai_config.json").write_text(json.dumps(config))
     target, args, status, message = {
         "no config": (tmp_path, ["--prompt-ids", "5"], 1,
                       f"{tmp_path}: no genai_config.json (a folder in onnxruntime-genai's format)"),
+        "config value": (folder, ["--prompt-ids", "5"], 1,
+                         f'{folder / "genai_config.json"}: model.context_length: expected an integer >= 2, got '
+                         '"4096"'),
         "no tokenizer": (folder, ["--prompt", "w5"], 1,
                          f"{folder}: no tokenizer.json to read the prompt with (give --prompt-ids instead)"),
         "seed without sample": (folder, ["--prompt-ids", "5", "--seed", "1"], 2,
@@ -237,5 +319,5 @@ def _write_counting_decoder(folder: Path, vocab: int) -> None:
                           "past_key_names": "past.%d.k", "past_value_names": "past.%d.v"},
                "outputs": {"logits": "scores", "present_key_names": "present.%d.k",
                            "present_value_names": "present.%d.v"}}
-    config = {"model": {"decoder": decoder, "context_length": 64, "eos_token_id": vocab - 1}}
+    config = {"model": {"decoder": decoder, "context_length": 64, "eos_token_id": vocab - 1, "vocab_size": vocab}}
     (folder / "genai_config.json").write_text(json.dumps(config))

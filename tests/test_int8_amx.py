@@ -32,7 +32,9 @@ from cases.moe import GEMM2, GEMM2_ACT, GEMM3
 
 from moe_onnx.runtime import kernel_report
 
-pytestmark = pytest.mark.subprocess  # each kernel path runs in a child process (the ISA table is filled once)
+# each kernel path runs in a child process (the ISA table is filled once); the module's tests share those children's
+# results (module fixtures), so one xdist worker runs them all (pyproject's --dist loadgroup) and they run once
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("int8_amx")]
 
 ROWS = (0, 1, 7, 8, 16, 17, 33)  # rows per expert
 
@@ -148,7 +150,7 @@ def assert_same_bits(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]
         np.testing.assert_array_equal(got[case.id].view(np.uint8), expected[case.id].view(np.uint8), err_msg=case.id)
 
 
-@pytest.mark.parametrize("gemm", ["portable", ""], ids=["portable", "best"])
+@pytest.mark.parametrize("gemm", [pytest.param("portable", marks=pytest.mark.slow), ""], ids=["portable", "best"])
 def test_model_gives_the_bits_of_the_kernels_it_replaces(without_amx, gemm, tmp_path):
     """The AMX kernels on the model of the tiles, over the portable level (every row count on the
     tiles, the portable steps) and this CPU's best (the tiles from the threshold's rows), give the
@@ -167,6 +169,7 @@ def test_hardware_gives_the_bits_of_the_kernels_it_replaces(without_amx, tmp_pat
     assert_same_bits(hardware, without_amx(""))
 
 
+@pytest.mark.slow  # the portable level's child process
 def test_level_4_bits_at_every_level(without_amx):
     """Level 4 (activations quantized, dots, scales) gives the same bits on the portable kernels and
     this CPU's best (the activation between the GEMMs exact); int8 too."""

@@ -474,9 +474,18 @@ def test_grouped_target_gemm2_act_matches_reference(case):
 
 ISA_LEVELS = isa_levels.LEVELS  # this architecture's
 
-# Registers the C++ library under the MOE_ONNX_GEMM of the environment: prints the registration's
-# error (a level this CPU or build lacks), or the float GEMM's kernels in use.
-ISA_PROBE = """
+# What test_isa_level runs at each other level: the cases of test_cpp, test_cpp_larger and test_cpp_tile_paths that
+# are valid MOE, QMOE and MoeRowParallelLinear cases (float and int8), the ops whose GEMMs and activations each level
+# implements. Their invalid cases are refused by checks that run before any kernel and are the same code at
+# every level (a coverage build ran them at portable, avx2 and avx512: they reached no line the valid cases
+# did not, beyond those checks and their messages); test_cpp runs them at this process's level.
+ISA_LEVEL_CASES = [case for case in CPP_CASES + LARGER_CASES + TILE_PATH_CASES + QMOE_TILE_PATH_CASES
+                   if case.op in ("MOE", "QMOE", "MoeRowParallelLinear") and case.error is None]
+
+# Run in a fresh process under the MOE_ONNX_GEMM of the environment: registers the C++ library and prints the
+# registration's error (a level this CPU or build lacks), or the float GEMM's kernels in use; then, unless told
+# to probe only, runs ISA_LEVEL_CASES through check_cpp and prints how many passed (a failure raises).
+ISA_LEVEL_RUN = """
 import sys
 import onnxruntime as ort
 import moe_onnx
@@ -486,19 +495,14 @@ try:
 except Exception as error:
     print("unsupported:", error)
     sys.exit(0)
-print("gemm:", kernel_report()["gemm_panels"])
+print("gemm:", kernel_report()["gemm_panels"], flush=True)
+if sys.argv[1] == "run":
+    ort.set_default_logger_severity(4)
+    import test_kernels
+    for case in test_kernels.ISA_LEVEL_CASES:
+        test_kernels.check_cpp(case)
+    print("passed:", len(test_kernels.ISA_LEVEL_CASES))
 """
-
-
-# What test_isa_level runs at each other level: test_cpp, test_cpp_larger and test_cpp_tile_paths on the valid
-# MOE, QMOE and MoeRowParallelLinear cases (float and int8), the ops whose GEMMs and activations each level
-# implements. Their invalid cases are refused by checks that run before any kernel and are the same code at
-# every level (a coverage build ran them at portable, avx2 and avx512: they reached no line the valid cases
-# did not, beyond those checks and their messages); test_cpp runs them at this process's level.
-ISA_LEVEL_CASES = [f"{__file__}::{test}[{case.id}]"
-                   for test, cases in (("test_cpp", CPP_CASES), ("test_cpp_larger", LARGER_CASES),
-                                       ("test_cpp_tile_paths", TILE_PATH_CASES + QMOE_TILE_PATH_CASES))
-                   for case in cases if case.op in ("MOE", "QMOE", "MoeRowParallelLinear") and case.error is None]
 
 
 def in_process_level() -> str:
@@ -519,21 +523,19 @@ def test_isa_level(level):
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "MOE_ONNX_GEMM": level}
-    probe = subprocess.run([sys.executable, "-c", ISA_PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    if probe.stdout.startswith("unsupported:"):
-        assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in probe.stdout
-        pytest.skip(f"ISA level '{level}' is not supported here: {probe.stdout.strip()}")
-    assert probe.stdout.split() == ["gemm:", isa_levels.gemm_kernel(level)]
-    if level == in_process_level():
-        return
-    # -n 0: the child runs its tests in one process (this suite's workers already use the cores)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *ISA_LEVEL_CASES],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    tests = Path(__file__).parent
+    env = {**os.environ, "MOE_ONNX_GEMM": level,
+           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent / "models"), os.environ.get("PYTHONPATH", "")])}
+    mode = "probe" if level == in_process_level() else "run"
+    out = subprocess.run([sys.executable, "-c", ISA_LEVEL_RUN, mode], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    passed = re.search(r"(\d+) passed", out.stdout)
-    assert passed and int(passed[1]) == len(ISA_LEVEL_CASES), out.stdout[-3000:]
+    if out.stdout.startswith("unsupported:"):
+        assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in out.stdout
+        pytest.skip(f"ISA level '{level}' is not supported here: {out.stdout.strip()}")
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["gemm:", isa_levels.gemm_kernel(level)]
+    assert lines[1:] == ([] if mode == "probe" else [f"passed: {len(ISA_LEVEL_CASES)}"]), out.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------- memory in proportion to the data

@@ -192,3 +192,58 @@ def test_a_write_that_fills_the_disk_leaves_the_old_file(tmp_path):
     assert child.returncode == 1, child.stderr
     assert child.stdout.strip() == f"{tmp_path / 'link.json'}: cannot write it: File too large"
     assert (tmp_path / "report.json").read_text() == "old" and _listing(tmp_path) == ["link.json", "report.json"]
+
+
+def _write_folder(folder: Path, text: str) -> None:
+    for name in ("model.onnx.data", "model.onnx", "genai_config.json"):
+        (folder / name).write_text(f"{name} {text}")
+
+
+def test_a_folder_is_replaced_only_when_complete(tmp_path):
+    """replacing_folder (export's OUT): a failed write leaves a new path absent and an existing folder as it was;
+    a completed one makes a new folder or replaces the files it wrote, keeping the folder's other files."""
+    new, old = tmp_path / "new" / "out", tmp_path / "old"
+    old.mkdir()
+    _write_folder(old, "old")
+    (old / "notes.txt").write_text("mine")
+    for path in (new, old):
+        with pytest.raises(RuntimeError), model_files.replacing_folder(path) as staged:
+            _write_folder(staged, "new")
+            raise RuntimeError("the export failed")
+    assert not new.exists() and sorted(os.listdir(tmp_path / "new")) == []
+    assert {p.name: p.read_text() for p in old.iterdir()} == {
+        "model.onnx.data": "model.onnx.data old", "model.onnx": "model.onnx old",
+        "genai_config.json": "genai_config.json old", "notes.txt": "mine"}
+    for path in (new, old):
+        with model_files.replacing_folder(path) as staged:
+            _write_folder(staged, "new")
+        assert all((path / name).read_text() == f"{name} new" for name in ("model.onnx", "genai_config.json"))
+    assert (old / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["new", "old"]  # no temporary folder left
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(model_files.OutputPathError, match="is a file; expected a directory or a new path"):
+        with model_files.replacing_folder(tmp_path / "file"):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("export")  # the worker that has imported torch
+def test_a_failed_export_leaves_out_as_it_was(tmp_path, monkeypatch, capsys):
+    """An export that fails once OUT is taken (here its trace) leaves an existing OUT as it was and makes no new one."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from moe_onnx.export import _torch
+
+    def fail(*args):
+        raise RuntimeError("the trace failed")
+
+    monkeypatch.setattr(_torch, "trace_decoder", fail)
+    checkpoint = Path(__file__).resolve().parents[1] / "models" / "fixtures" / "checkpoints" / "qwen3_moe"
+    old = tmp_path / "old"
+    old.mkdir()
+    _write_folder(old, "old")
+    for out in (old, tmp_path / "new"):
+        assert main(["export", str(checkpoint), "-o", str(out)]) == 1
+        assert capsys.readouterr().err.strip().endswith("RuntimeError: the trace failed")
+    assert not (tmp_path / "new").exists() and sorted(os.listdir(tmp_path)) == ["old"]
+    assert all((old / name).read_text() == f"{name} old" for name in ("model.onnx", "genai_config.json"))

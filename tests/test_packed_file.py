@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,10 +81,11 @@ def _other_weights(case: Case) -> Case:
     return Case(case.op, case.name, inputs, case.attrs, constant=case.constant)
 
 
-@pytest.mark.parametrize("damage", ["other weights", "cut short", "garbage", "empty", "another layout"])
+@pytest.mark.parametrize("damage", ["other weights", "cut short", "garbage", "empty", "another layout", "fifo"])
 def test_a_file_that_does_not_match_is_not_used(tmp_path, capfd, damage):
-    """A file packed from other weights, cut short, overwritten with garbage, empty, or of another layout (float16
-    weights of the same shapes) is not used: the outputs are those of packing, and the node logs why."""
+    """A file packed from other weights, cut short, overwritten with garbage, empty, of another layout (float16
+    weights of the same shapes) or a FIFO in its place (never opened for reading: no hang) is not used: the outputs
+    are those of packing, and the node logs why."""
     case = CASES[0]
     path = _write(case, tmp_path)
     [(file, size)] = pack_weights(path).files
@@ -96,6 +98,9 @@ def test_a_file_that_does_not_match_is_not_used(tmp_path, capfd, damage):
         file.write_bytes(np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes())
     elif damage == "empty":
         file.write_bytes(b"")
+    elif damage == "fifo":
+        file.unlink()
+        os.mkfifo(file)
     else:
         case = _moe(case.name, GEMM3, np.float16)
         path = _write(case, tmp_path)
@@ -107,7 +112,7 @@ def test_a_file_that_does_not_match_is_not_used(tmp_path, capfd, damage):
     assert _bits(got) == _bits(expected)
     reason = {"other weights": "packed from other weights", "cut short": "truncated or damaged",
               "garbage": "not a packed-weights file", "empty": "not a packed-weights file",
-              "another layout": "packed for another layout"}[damage]
+              "another layout": "packed for another layout", "fifo": "is not a regular file"}[damage]
     err = capfd.readouterr().err
     assert "packs its weights itself" in err and reason in err, err
 

@@ -209,6 +209,7 @@ def test_a_model_larger_than_memory_starts(tmp_path):
     assert np.abs(got[0]).max() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inline", [False, True], ids=["external data", "inline"])
 def test_weights_are_resident_once(tmp_path, inline):
     """Creating the session packs nothing; a run packs the experts it uses; after every expert is packed,
@@ -235,6 +236,9 @@ def test_weights_are_resident_once(tmp_path, inline):
 # ----------------------------------------------------------------------------- the panels' bytes
 
 LEVELS = isa_levels.LEVELS  # isa.h's levels of this architecture, in order
+#: the fast lane packs at the lowest and the highest level (the element path and the tile copies); the rest is slow
+LEVEL_LANES = [level if level in (LEVELS[0], LEVELS[-1]) else pytest.param(level, marks=pytest.mark.slow)
+               for level in LEVELS]
 # packed_weights.h's WeightFormat, as ints
 F32, F16, BF16_PANELS, INT8_PAIRS, INT8_QUADS, BF16_PAIRS, INT8_OCTETS = 0, 1, 2, 3, 4, 6, 7
 _ONNX_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
@@ -300,7 +304,7 @@ def _mismatch(label: str, expected: bytes, pack) -> list[str]:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVEL_LANES)
 def test_panels_are_the_layouts_bytes(level):
     """Every weight format's panels, at each ISA level this machine has, are the bytes of the layout
     packed_weights.h describes, whether the tile copy (transpose_tile.h) or the element-by-element path writes
@@ -503,7 +507,7 @@ def quant_packing_mismatches() -> list[str]:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", LEVEL_LANES)
 def test_quantized_panels_are_the_layouts_bytes(level):
     """QMOE's quantized panels, every layout variant (QUANT_CASES), at each ISA level this machine has and on 1
     and 2 threads, are the bytes of the layout qgemm.h describes, whether the table's quant_code_groups kernel

@@ -15,14 +15,15 @@ from fixture_models import FIXTURES, MANIFEST, WHOLE_FIXTURES, WHOLE_MANIFEST, o
 from onnx import numpy_helper
 
 import moe_onnx
-from moe_onnx import quantization
+from moe_onnx.pipeline import quantize as quantize_job
+from moe_onnx.rewrite import quantize as quantize_pass
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops import DOMAIN
 from moe_onnx.ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
 from moe_onnx.ops.qmoe import E2M1_VALUES, SCALES, ZERO_POINTS, dequantize, quantize
 from moe_onnx.pipeline import quantize_file
-from moe_onnx.quantization import QuantizeError, QuantizeSettings, mxfp4_exact
+from moe_onnx.rewrite.quantize import QuantizeError, QuantizeSettings, mxfp4_exact
 from moe_onnx.runtime import session
 
 BACKEND = "cpp"  # the family tests' kernels; the exactness tests run on both backends
@@ -275,7 +276,7 @@ def test_file_quantized_one_expert_at_a_time_with_external_data(tmp_path, monkey
         calls.append(w.shape)
         return quantize(w, **kwargs)
 
-    monkeypatch.setattr(quantization, "quantize_weight", counting_quantize)
+    monkeypatch.setattr(quantize_pass, "quantize_weight", counting_quantize)
     settings = QuantizeSettings(bits=4, block_size=32, zero_points=True)
     result = quantize_file(source, tmp_path / "out" / "q.onnx", settings, backend=BACKEND, sizes=SIZES)
     experts, n, k = MANIFEST[name]["num_experts"], MANIFEST[name]["intermediate_size"], MANIFEST[name]["hidden_size"]
@@ -416,6 +417,20 @@ def test_cli_bad_settings_exit_2_and_write_nothing(argv, message, tmp_path, caps
     assert message in capsys.readouterr().err and not out.exists()
 
 
+def test_a_quantized_model_says_so(tmp_path, capsys):
+    """Quantizing a model whose experts are QMOE already says so (not "run optimize first"), and what else
+    --linears would quantize."""
+    source, out = tmp_path / "fused.onnx", tmp_path / "q.onnx"
+    onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
+    assert main(["quantize", str(source), "-o", str(out), "--bits", "8", "--no-measure"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", str(out), "-o", str(tmp_path / "qq.onnx"), "--bits", "4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (  # after the progress lines
+        "moe-onnx quantize: the model's 1 expert block is quantized already (QMOE, int 8-bit): nothing is left to "
+        "quantize (--linears and --embedding quantize the other layers)")
+    assert not (tmp_path / "qq.onnx").exists()
+
+
 def test_cli_unfused_model_exit_2(tmp_path, capsys):
     out = tmp_path / "q.onnx"
     assert main(["quantize", str(FIXTURES / "mixtral_batched_mm_small.onnx"), "-o", str(out), "--bits", "8"]) == 2
@@ -472,7 +487,7 @@ def test_a_failed_measurement_is_a_problem_not_a_traceback(tmp_path, capsys, mon
     def failing_session(model, backend):
         raise RuntimeError(f"no kernel for QMOE on {backend}\nmore lines")
 
-    monkeypatch.setattr(quantization, "session", failing_session)
+    monkeypatch.setattr(quantize_job, "session", failing_session)
     assert main(["quantize", str(source), "-o", str(out), "--bits", "8"]) == 1
     printed = capsys.readouterr().out
     assert "the error could not be measured on the cpp backend: no kernel for QMOE on cpp" in printed

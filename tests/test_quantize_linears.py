@@ -18,7 +18,7 @@ import moe_onnx
 from moe_onnx.check import check_model
 from moe_onnx.cli import main
 from moe_onnx.ops.qmoe import unpack_codes
-from moe_onnx.quantization import QuantizeError
+from moe_onnx.rewrite.quantize import QuantizeError
 from moe_onnx.runtime import session
 
 BACKEND = "cpp"
@@ -262,6 +262,37 @@ def test_whole_model_defaults_to_int8_activations():
         report.summary())
     experts, _ = moe_onnx.quantize(fused_whole(), 4, 16, measure=False)
     assert levels(experts) == {"QMOE": {0}}
+
+
+# ----------------------------------------------------------------------------- the token embedding
+
+@pytest.mark.parametrize("bits, zero_points", [(4, False), (4, True), (8, False)])
+def test_embedding_becomes_gatherblockquantized(bits, zero_points):
+    """With embedding the token embedding's Gather becomes com.microsoft::GatherBlockQuantized: the rows onnxruntime
+    gathers are numpy's (code - zero point) * scale of its initializers (zero point 2^(bits-1) when symmetric), within
+    half a quantization step of the float table (a step with zero points); the float table stays for the tied
+    lm_head (not quantized here), which the report says."""
+    original = dense_model()
+    result, report = moe_onnx.quantize(original, bits, 16, zero_points=zero_points, embedding=True, measure=False)
+    (node,) = [n for n in result.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert {a.name: a.i for a in node.attribute} == {"gather_axis": 0, "quantize_axis": 1, "block_size": 16,
+                                                     "bits": bits}
+    assert [(e.node, e.vocabulary, e.hidden, e.float_kept) for e in report.embeddings] == [("embed_lookup", 96, 64,
+                                                                                            True)]
+    weights = {t.name: numpy_helper.to_array(t) for t in result.graph.initializer}
+    packed, scales = weights[node.input[0]], weights[node.input[2]].astype(np.float64)
+    assert packed.dtype == np.uint8 and packed.shape == (96, 64 * bits // 8) and scales.shape == (96, 4)
+    codes = unpack_codes(packed, bits, 64).reshape(96, 4, 16).astype(np.float64)
+    zero = (unpack_codes(weights[node.input[3]], bits, 4).astype(np.float64) if zero_points
+            else np.full((96, 4), 1 << (bits - 1), np.float64))
+    table = ((codes - zero[..., None]) * scales[..., None]).reshape(96, 64)
+    ids = np.random.default_rng(5).integers(0, 96, (2, 7))
+    gathered = layer_values(result, [node], {"x": np.zeros((2, 7, 40), np.float32), "ids": ids})[node.output[0]]
+    np.testing.assert_allclose(gathered, table[ids], rtol=1e-6, atol=1e-7)
+    float_table = numpy_helper.to_array(next(t for t in original.graph.initializer if t.name == "embed"))
+    step = np.repeat(scales, 16, axis=1)[ids]
+    assert (np.abs(gathered - float_table[ids]) <= (1.0 if zero_points else 0.5) * step * (1 + 1e-4) + 1e-7).all()
+    assert "1 token embedding -> com.microsoft::GatherBlockQuantized" in report.summary()
 
 
 # ----------------------------------------------------------------------------- the command line

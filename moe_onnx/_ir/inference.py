@@ -20,12 +20,14 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from .graph import walk
 
+#: onnxruntime's contrib ops' domain (MoE, QMoE, MatMulNBits, GroupQueryAttention, ...)
+ORT_DOMAIN = "com.microsoft"
 #: the domains onnxruntime registers besides ai.onnx, each at the version it reads a model that leaves
 #: it out with (onnxruntime 1.31: the imports of such a model as onnxruntime saves it;
 #: tests/test_handbuilt_models.py checks them against the onnxruntime installed)
 RUNTIME_DOMAINS = {
     "ai.onnx.ml": 5, "ai.onnx.preview": 1, "ai.onnx.preview.training": 1, "ai.onnx.training": 1,
-    "com.microsoft": 1, "com.microsoft.experimental": 1, "com.microsoft.nchwc": 1, "org.pytorch.aten": 1,
+    ORT_DOMAIN: 1, "com.microsoft.experimental": 1, "com.microsoft.nchwc": 1, "org.pytorch.aten": 1,
 }
 
 #: the element types each IR version added (onnx.proto), newest first: a model with none of them can be

@@ -11,6 +11,10 @@ Reading a source tensor's data is cheap for external data (a memory map) and for
 a numpy array, but a tensor deserialized from a proto converts (copies) all of its bytes on every
 read; while a lazy initializer is written, each source is therefore converted at most once
 (:func:`_source_array`), so an in-memory model is rewritten in about its own size of memory.
+
+A source may itself be lazy: a :class:`SlicedTensor` (an exported checkpoint's tensor, a rewritten weight)
+computes any range of its first axis alone, so a weight behind layout ops is read a range at a time from it
+(:meth:`Weight.expert`, :meth:`Weight.rows`) and never whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -74,6 +79,21 @@ class _Layout:
             return 0, lambda a: a.reshape(self.shape[1:])  # row-major: each leading block stays whole
         return None
 
+    def ranged(self, axis: int) -> tuple[int, Callable[[np.ndarray, slice], np.ndarray]] | None:
+        """Like :meth:`indexed` for a range of ``axis`` (kept): ``(input axis, finish)`` with ``output[range on
+        axis] = finish(input[range on input axis], range)``; None when this op must see its whole input."""
+        if self.kind in ("identity", "cast", "select"):
+            plan = self.indexed(axis)
+            return plan[0], lambda a, rows: plan[1](a)
+        if self.kind == "transpose":
+            if self.perm is None and self.input_shape is None:
+                return None
+            perm = self.perm or tuple(reversed(range(len(self.input_shape))))
+            return perm[axis], lambda a, rows: a.transpose(perm)
+        if axis == 0 and self.input_shape is not None and self.input_shape[:1] == self.shape[:1]:
+            return 0, lambda a, rows: a.reshape((len(range(self.shape[0])[rows]), *self.shape[1:]))
+        return None
+
 
 def _layout(node: ir.Node) -> _Layout | None:
     if node.domain not in ("", "ai.onnx"):
@@ -121,6 +141,11 @@ class Weight:
         layout steps allow (for the usual steps: a view of one expert of the source, then the steps)."""
         return self._indexed(len(self.steps), 0, e)
 
+    def rows(self, axis: int, start: int, stop: int) -> np.ndarray:
+        """The value restricted to ``[start, stop)`` on ``axis`` (the axis kept), read from the source with the
+        range applied as early as the layout steps allow: a lazy source computes that range alone."""
+        return self._ranged(len(self.steps), axis, slice(start, stop))
+
     def _whole(self, level: int) -> np.ndarray:
         """The value after the first ``level`` steps."""
         array = _source_array(self.source.const_value)
@@ -130,11 +155,23 @@ class Weight:
 
     def _indexed(self, level: int, axis: int, e: int) -> np.ndarray:
         """The value after the first ``level`` steps, indexed with ``e`` on ``axis``."""
+        if level == 0 and axis == 0 and isinstance(self.source.const_value, SlicedTensor):
+            return self.source.const_value.rows(e, e + 1)[0]
         plan = None if level == 0 else self.steps[level - 1].indexed(axis)
         if plan is None:  # the source itself, or a step that needs its whole input
             return self._whole(level)[(slice(None),) * axis + (e,)]
         input_axis, finish = plan
         return finish(self._indexed(level - 1, input_axis, e))
+
+    def _ranged(self, level: int, axis: int, rows: slice) -> np.ndarray:
+        """The value after the first ``level`` steps, restricted to ``rows`` on ``axis``."""
+        if level == 0 and axis == 0 and isinstance(self.source.const_value, SlicedTensor):
+            return self.source.const_value.rows(rows.start, rows.stop)
+        plan = None if level == 0 else self.steps[level - 1].ranged(axis)
+        if plan is None:
+            return self._whole(level)[(slice(None),) * axis + (rows,)]
+        input_axis, finish = plan
+        return finish(self._ranged(level - 1, input_axis, rows), rows)
 
 
 def weight(value: ir.Value | None) -> Weight | None:
@@ -178,10 +215,11 @@ _CONVERTED: contextvars.ContextVar[dict[int, tuple[ir.TensorProtocol, np.ndarray
 
 def _source_array(tensor: ir.TensorProtocol) -> np.ndarray:
     """``tensor.numpy()``; while a lazy initializer is written, converted once and kept until that write ends
-    (a tensor deserialized from a proto copies all its bytes on every ``numpy()``). External tensors are
-    not kept: mapping them again is cheap, and the writer unmaps them after each expert."""
+    (a tensor deserialized from a proto copies all its bytes on every ``numpy()``). External and sliced tensors
+    are not kept: mapping them again is cheap (the writer unmaps them after each expert), and a sliced tensor is
+    read by ranges where it matters."""
     converted = _CONVERTED.get()
-    if converted is None or isinstance(tensor, ir.ExternalTensor):
+    if converted is None or isinstance(tensor, (ir.ExternalTensor, SlicedTensor)):
         return tensor.numpy()
     if id(tensor) not in converted:
         converted[id(tensor)] = (tensor, tensor.numpy())  # the tensor, so that its id is not reused
@@ -202,7 +240,49 @@ def _converting_sources_once() -> Iterator[None]:
         _CONVERTED.reset(token)
 
 
-class _StreamedTensor(ir.LazyTensor):
+#: a sliced tensor is written (and read whole) in ranges of its first axis of about this many bytes
+WRITE_CHUNK_BYTES = 16 << 20
+
+
+class SlicedTensor(ir.LazyTensor):
+    """A lazy tensor that computes any range of its first axis alone (:meth:`rows`), and is written (or read
+    whole) a range of about :data:`WRITE_CHUNK_BYTES` at a time: its whole value is never held to be saved."""
+
+    def __init__(self, dtype: ir.DataType, shape: Sequence[int], name: str):
+        super().__init__(lambda: ir.tensor(self._whole(), dtype=dtype, name=name), dtype=dtype,
+                         shape=ir.Shape(shape), name=name)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` of the first axis, of this tensor's numpy type."""
+        raise NotImplementedError
+
+    def _chunk_rows(self) -> int:
+        """Rows per write: about WRITE_CHUNK_BYTES of them, at least one."""
+        row_bytes = max(1, math.prod(self.shape.numpy()[1:]) * self.dtype.itemsize)
+        return max(1, int(WRITE_CHUNK_BYTES // row_bytes))
+
+    def _chunks(self) -> Iterator[np.ndarray]:
+        count, step = self.shape[0], self._chunk_rows()
+        for start in range(0, count, step):
+            yield self.rows(start, min(count, start + step))
+
+    def _whole(self) -> np.ndarray:
+        shape = tuple(self.shape.numpy())
+        if not shape:
+            raise NotImplementedError(f"{self.name}: a scalar has no rows; subclasses read it whole")
+        whole = np.empty(shape, dtype=self.dtype.numpy())
+        start = 0
+        for chunk in self._chunks():
+            whole[start:start + len(chunk)] = chunk
+            start += len(chunk)
+        return whole
+
+    def tofile(self, file) -> None:
+        for chunk in self._chunks():
+            write_array(file, np.ascontiguousarray(chunk, dtype=self.dtype.numpy()))
+
+
+class _StreamedTensor(SlicedTensor):
     """A lazy tensor computed and written one slice of its first axis (one expert) at a time.
 
     After each slice the memory-mapped source tensors are released, so saving a transformed
@@ -212,9 +292,15 @@ class _StreamedTensor(ir.LazyTensor):
 
     def __init__(self, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType, shape: Sequence[int],
                  name: str, sources: Sequence[ir.Value]):
-        super().__init__(lambda: ir.tensor(self._whole(), dtype=dtype, name=name), dtype=dtype,
-                         shape=ir.Shape(shape), name=name)
+        super().__init__(dtype, shape, name)
         self._expert_slice, self._sources = expert_slice, tuple(sources)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        if stop - start == 1:
+            return self._slice(start)[None]
+        with _converting_sources_once():
+            return np.stack([self._slice(i) for i in range(start, stop)]) if stop > start else \
+                np.zeros((0, *self.shape.numpy()[1:]), dtype=self.dtype.numpy())
 
     def _slice(self, index: int) -> np.ndarray:
         part = np.ascontiguousarray(self._expert_slice(index), dtype=self.dtype.numpy())
@@ -236,8 +322,30 @@ class _StreamedTensor(ir.LazyTensor):
     def tofile(self, file) -> None:
         with _converting_sources_once():
             for index in range(self.shape[0]):
-                file.write(self._slice(index).tobytes())
+                write_array(file, self._slice(index))
                 self._release_sources()
+
+
+def write_array(file, array: np.ndarray) -> None:
+    """Write a C-contiguous array's bytes to ``file`` without copying them."""
+    file.write(array.reshape(-1).view(np.uint8).data)
+
+
+@contextlib.contextmanager
+def sliced_as_references(model: ir.Model) -> Iterator[None]:
+    """While the block runs, each sliced initializer of ``model``'s main graph stands as an external-data
+    reference (nothing to read, its type and shape kept): the model serializes without computing its lazy
+    weights (for onnx shape inference, which needs no large tensor's data)."""
+    swapped = [(value, value.const_value) for value in model.graph.initializers.values()
+               if isinstance(value.const_value, SlicedTensor)]
+    for value, tensor in swapped:
+        value.const_value = ir.ExternalTensor(f"unread:{tensor.name}", offset=None, length=None, dtype=tensor.dtype,
+                                              shape=tensor.shape, name=tensor.name)
+    try:
+        yield
+    finally:
+        for value, tensor in swapped:
+            value.const_value = tensor
 
 
 def release_external(values: Iterable[ir.Value]) -> None:
@@ -248,10 +356,12 @@ def release_external(values: Iterable[ir.Value]) -> None:
 
 
 def initializer_expert(value: ir.Value, e: int) -> np.ndarray:
-    """Slice ``e`` of the first axis of an initializer; a lazy one computes that slice alone, any other is
+    """Slice ``e`` of the first axis of an initializer; a sliced one computes that slice alone, any other is
     read with :func:`_source_array`."""
     tensor = value.const_value
-    return tensor._slice(e) if isinstance(tensor, _StreamedTensor) else _source_array(tensor)[e]
+    if isinstance(tensor, _StreamedTensor):
+        return tensor._slice(e)
+    return tensor.rows(e, e + 1)[0] if isinstance(tensor, SlicedTensor) else _source_array(tensor)[e]
 
 
 def streamed_initializer(graph: ir.Graph, name: str, expert_slice: Callable[[int], np.ndarray], dtype: ir.DataType,

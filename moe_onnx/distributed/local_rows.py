@@ -13,10 +13,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, int64s
-from .._ir.nodes import standard
+from .._ir.nodes import constant, skip_reshapes, standard
 from ..ops import DOMAIN
 from ..ops.layout import Layout
-from ..rewrite._match import constant, skip_reshapes
 
 _UNARY = {"Identity", "Cast", "Sigmoid", "Relu", "Tanh", "Exp", "Log", "Neg", "Abs", "Sqrt", "Reciprocal", "Softplus",
           "Erf"}

@@ -119,23 +119,23 @@ class Manifest:
     def read(cls, directory: str | os.PathLike) -> Manifest:
         """The manifest of a shard directory; ManifestError naming the file and what is wrong."""
         path = Path(directory) / MANIFEST_NAME
+        if not path.exists():
+            raise ManifestError(f"{path}: no such file; expected a directory written by `moe-onnx shard`")
         try:
-            document = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ManifestError(f"{path}: no such file; expected a directory written by `moe-onnx shard`") from None
-        except (OSError, ValueError) as error:
-            raise ManifestError(f"{path}: cannot read it: {error}") from None
-        try:
-            if document["format"] != MANIFEST_FORMAT:
-                raise ManifestError(f"{path}: format {document['format']}; this moe-onnx reads format "
+            document = model_files.read_json(path)
+            if document.integer("format") != MANIFEST_FORMAT:
+                raise ManifestError(f"{path}: format {document.data['format']}; this moe-onnx reads format "
                                     f"{MANIFEST_FORMAT} (shard the model again)")
-            ranks = sorted(document["ranks"], key=lambda r: r["rank"])
-            manifest = cls(document["source"], document["source_fingerprint"], int(document["tp"]),
-                           int(document["ep"]), [r["file"] for r in ranks], [r["fingerprint"] for r in ranks])
-        except (KeyError, TypeError) as error:
-            raise ManifestError(f"{path}: not a shard manifest (missing or bad entry {error})") from None
-        if [r["rank"] for r in ranks] != list(range(manifest.world)) or document["world"] != manifest.world:
-            raise ManifestError(f"{path}: lists ranks {[r['rank'] for r in ranks]} for world {document['world']} = "
+            ranks = sorted(document.objects("ranks"), key=lambda r: r.integer("rank"))
+            manifest = cls(document.string("source"), document.string("source_fingerprint"), document.integer("tp"),
+                           document.integer("ep"), [r.string("file") for r in ranks],
+                           [r.string("fingerprint") for r in ranks])
+            world = document.integer("world")
+        except model_files.ModelFileError as error:
+            raise ManifestError(str(error)) from None
+        listed = [r.data["rank"] for r in ranks]
+        if listed != list(range(manifest.world)) or world != manifest.world:
+            raise ManifestError(f"{path}: lists ranks {listed} for world {world} = "
                                 f"tp {manifest.tp} x ep {manifest.ep}; expected ranks 0..{manifest.world - 1}")
         return manifest
 

@@ -32,13 +32,12 @@ import onnx_ir.passes.common as common_passes
 
 from .._ir import model_files
 from .._ir.builder import TapeBuilder, const, insert, int64s, replace
-from .._ir.nodes import attribute_value
+from .._ir.nodes import attribute_value, constant
 from .._ir.weights import initializer_expert, streamed_initializer, weight
 from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.layout import Layout
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
 from ..ops.signatures import QMOE
-from ..rewrite._match import constant
 from .local_rows import LocalRows, last_dim
 from .manifest import METADATA_KEY, Manifest, nodes_fingerprint, rank_file
 

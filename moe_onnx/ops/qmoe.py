@@ -9,7 +9,7 @@ exactly, as 0. :func:`dequantize` and :func:`quantize` are the layout's two dire
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from onnx import TensorProto
@@ -206,6 +206,16 @@ def block_params(scales: np.ndarray, zero_points: np.ndarray | None, *, bits: in
     else:
         zp = unpack_codes(zero_points, bits, n).astype(np.int32)[..., None]
     return scale, zp
+
+
+@runtime_checkable
+class StoredMxfp4(Protocol):
+    """A weight tensor in MOE's layout [E, K, N] whose values are MXFP4 as stored (a checkpoint's experts): each
+    expert's codes and scales as QMOE takes them, without requantizing."""
+
+    def mxfp4_expert(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """Expert ``e``'s transposed matrix [N, K] as quant_type mxfp4: codes uint8 [N, K / 2] (the even k in the
+        low nibble) and E8M0 scales uint8 [N, K / 32]."""
 
 
 def dequantize(weight: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *, bits: int,

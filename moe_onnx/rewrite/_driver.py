@@ -1,4 +1,4 @@
-"""The optimization pass: run every fusion family in a fixed order and report what changed."""
+"""The optimization: its passes in a fixed order (:func:`optimize_passes`), their results added up in a report."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import MatchingTracer, MatchStatus, RewriteRuleSet
+from onnxscript.rewriter._basics import MatchInfo  # pinned onnxscript 0.7 (pyproject)
 
 from .._ir import model_files
 from .._ir.inference import declare_runtime_domains, infer_shapes, lower_versions
-from ..check import read_valid
+from .._ir.passes import RewritePass, RewriteResult, rewritten
+from .._ir.weights import sliced_as_references
+from ..check import require_valid
 from ..ops import DOMAIN, OPSET_VERSION
 from ..runtime.versions import onnxruntime_versions
 from . import (batched_mm, compute as compute_pass, gating, grouped, grouped_query, loop, loop_dynamo, ort_export,
@@ -22,7 +26,7 @@ from . import (batched_mm, compute as compute_pass, gating, grouped, grouped_que
 from ._match import MoeFusion
 from ._ort_contrib import CONTRIB_OPS, ORT_DOMAIN
 from ._unfused import PartialMatch, unfused_blocks
-from .portable import add_function_bodies, require_opset, summary
+from .portable import AddFunctionBodies, require_opset
 from .targets import TARGETS
 
 
@@ -110,95 +114,171 @@ def _parameters(model: ir.Model) -> int:
     return sum(v.const_value.size for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
-                fuse_routers: bool = True, portable: bool = False, compute: str = "fp32") -> OptimizeReport:
-    """Fuse the MoE blocks of ``model`` in place; returns the report. ``progress`` receives stage messages;
-    ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK (gating.py); ``portable``
-    adds each moe_onnx node's function body (:func:`moe_onnx.rewrite.portable.add_function_bodies`);
-    ``compute`` sets the accuracy_level of our expert nodes (:mod:`moe_onnx.rewrite.compute`)."""
+def optimize_passes(target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
+                    compute: str = "fp32", inferred: onnx.ModelProto | None = None) -> list[RewritePass]:
+    """The passes of :func:`optimize_ir`, in the order they run (its arguments' meaning). Raises ValueError for
+    an unknown target or compute."""
     _check_settings(target, compute)
+    passes = [DeclareRuntimeDomains(), InferShapes(inferred),
+              ort_import.ImportOrtNodes(),  # first: the passes below see the imported ops
+              FuseBlocks()]
+    if fuse_routers:
+        passes.append(gating.FuseRouters())
+    if target != "ort":  # the contrib MoE has no experts every token takes: the shared MLP stays beside it
+        passes.append(shared_expert.FoldSharedExperts())
+    passes += [grouped_query.UngroupRepeatedKv(),
+               # before the target's passes: the grouped chain and the contrib ops take the level from the MOE nodes
+               compute_pass.ApplyCompute(compute)]
+    if target == "grouped":
+        passes.append(grouped.ExpandToGrouped())
+    elif target == "ort":
+        passes.append(ort_export.ExportToOrt(compute))
+    passes.append(Tidy())
+    if portable:
+        passes.append(AddFunctionBodies())
+    return passes
+
+
+def optimize_ir(model: ir.Model, target: str = "moe", progress: Callable[[str], None] | None = None, *,
+                fuse_routers: bool = True, portable: bool = False, compute: str = "fp32",
+                inferred: onnx.ModelProto | None = None) -> OptimizeReport:
+    """Fuse the MoE blocks of ``model`` in place (:func:`optimize_passes`); returns the report. ``progress``
+    receives stage messages; ``fuse_routers`` also replaces each fused block's router by MoeGatingTopK
+    (gating.py); ``portable`` adds each moe_onnx node's function body
+    (:func:`moe_onnx.rewrite.portable.add_function_bodies`); ``compute`` sets the accuracy_level of our expert
+    nodes (:mod:`moe_onnx.rewrite.compute`); ``inferred`` is the model as the input check's shape inference typed
+    it, taken instead of inferring again (:class:`InferShapes`)."""
+    passes = optimize_passes(target, fuse_routers=fuse_routers, portable=portable, compute=compute,
+                             inferred=inferred)
     say = progress or (lambda message: None)
     if portable:
         require_opset(model)  # before the work, not after it
     nodes_before, parameters_before = _node_counts(model), _parameters(model)
-    fused, notes = {}, declare_runtime_domains(model)
-    missed: list[tuple[ir.Node | None, dict[str, str]]] = []  # (root node, near-miss)
-    say("shape inference")  # static shapes let the rules check weight layouts without loading data
-    _infer_shapes(model)
-    say("onnxruntime MoE/QMoE nodes")  # first: the passes below see the imported ops
-    fused[ort_import.RULE], refused = ort_import.import_ort_nodes(model)
-    missed += [(None, miss) for miss in refused]
+    fused: dict[str, int] = {}
+    near_misses: list[dict[str, str]] = []
+    notes: list[str] = []
+    for graph_pass in passes:
+        if graph_pass.stage:
+            say(graph_pass.stage)
+        result = graph_pass(model)
+        fused.update(result.fused)
+        near_misses += result.near_misses
+        notes += result.notes
+    return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
+                          parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
 
-    partial: list[PartialMatch] = []
-    for fusion in fusions():
-        say(f"rule {fusion.name}")
-        rules = RewriteRuleSet([fusion.as_rule()])
-        count = rules.apply_to_model(model)
-        # with a tracer onnxscript only records matches and rewrites nothing: a second pass finds
-        # the blocks left unfused and the check that failed (or, for a pattern that did not match
-        # all the way, how far it got)
-        tracer = MatchingTracer()
-        rules.apply_to_model(model, tracer=tracer)
-        fused[fusion.name] = count
-        notes += fusion.notes
-        live = set(ir.traversal.RecursiveGraphIterator(model.graph))
-        for matches in tracer.best_matches_map.values():
-            for match in matches:
-                if match.root_node not in live:
+
+class DeclareRuntimeDomains(RewritePass):
+    """Import the domains the model uses that onnxruntime registers (a note each;
+    :func:`moe_onnx._ir.inference.declare_runtime_domains`)."""
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        notes = declare_runtime_domains(model)
+        return rewritten(model, notes=notes, modified=bool(notes))
+
+
+class InferShapes(RewritePass):
+    """onnx shape inference, copied onto the IR values that lack a static shape: the one inference of the
+    optimize path (the rules check weight layouts on static shapes without loading data; the passes after it
+    type the values they make where a later pass reads the type).
+
+    Serializing keeps external tensors as references, so no weight is loaded. Raises
+    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails. ``inferred``, the model
+    as onnx shape inference typed it already (with data propagation: the input check's,
+    :func:`moe_onnx.check.require_valid`), is taken instead of inferring again.
+    """
+
+    stage = "shape inference"
+
+    def __init__(self, inferred: onnx.ModelProto | None = None) -> None:
+        self.inferred = inferred
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        inferred = self.inferred
+        if inferred is None:
+            with sliced_as_references(model):
+                proto = ir.serde.serialize_model(model)
+            inferred = infer_shapes(proto, data_prop=True)
+        known = {info.name: info for info in inferred.graph.value_info}
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            for value in node.outputs:
+                info = known.get(value.name)
+                if info is None or not info.type.HasField("tensor_type"):
                     continue
+                if value.type is None:
+                    value.type = ir.serde.deserialize_type_proto_for_type(info.type)
+                shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+                if shape is not None and (value.shape is None or not value.shape.is_static()):
+                    value.shape = shape
+        return rewritten(model, modified=True)
+
+
+class _NearMissTracer(MatchingTracer):
+    """Records, per rule and root node, the furthest match that failed (a success is no near-miss). onnxscript
+    rewrites nothing when a rule set is applied with a tracer, so each rule logs here itself
+    (:meth:`MoeFusion.as_rule`) while its set rewrites: one pass over the graph fuses and traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: dict[object, dict[ir.Node, MatchInfo]] = collections.defaultdict(dict)
+
+    def log(self, rule, container, node, match_result, status) -> None:
+        if status == MatchStatus.SUCCESS:
+            return
+        info = MatchInfo(match_result, node, container, status)
+        best = self.failures[rule].get(node)
+        if info.score() > (0 if best is None else best.score()):
+            self.failures[rule][node] = info
+
+    def furthest(self, rule, live: set[ir.Node]) -> list[MatchInfo]:
+        """The failed matches of ``rule`` rooted at ``live`` nodes that got furthest (ties kept)."""
+        found = [info for node, info in self.failures[rule].items() if node in live]
+        top = max((info.score() for info in found), default=0)
+        return [info for info in found if info.score() == top]
+
+
+class FuseBlocks(RewritePass):
+    """Every fusion rule in one rule set, applied once (for each node the rules in :data:`FAMILIES`' order): the
+    blocks fused per rule, the rules' notes, and as near-misses each rule's failed checks on the nodes still in
+    the graph, then every MoE block left unfused (:func:`moe_onnx.rewrite._unfused.unfused_blocks`, told how far
+    each pattern got)."""
+
+    stage = "fusing the MoE blocks"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        tracer = _NearMissTracer()
+        rules = {fusion.as_rule(tracer): fusion for fusion in fusions()}
+        RewriteRuleSet(list(rules)).apply_to_model(model)
+        live = set(ir.traversal.RecursiveGraphIterator(model.graph))
+        fused, notes, near_misses, roots, partial = {}, [], [], [], []
+        for rule, fusion in rules.items():
+            fused[fusion.name] = fusion.fused
+            notes += fusion.notes
+            for match in tracer.furthest(rule, live):
                 reason = match.match_result.reason or "check failed"
                 if match.status == MatchStatus.CONDITION_FAILED:
-                    missed.append((match.root_node, {"rule": fusion.name, "node": match.root_node.name or "",
-                                                     "reason": reason}))
+                    roots.append(match.root_node)
+                    near_misses.append({"rule": fusion.name, "node": match.root_node.name or "", "reason": reason})
                 elif match.status == MatchStatus.NO_MATCH:
                     partial.append(PartialMatch(fusion.name, match.root_node, tuple(match.match_result.nodes),
                                                 reason))
-    if fuse_routers:
-        say("routers")
-        fused[gating.RULE], router_notes = gating.fuse_routers(model)
-        notes += router_notes
-    if target != "ort":  # the contrib MoE has no experts every token takes: the shared MLP stays beside it
-        say("folding shared experts")
-        fused[shared_expert.RULE_NAME], fold_notes = shared_expert.fold_shared_experts(model)
-        notes += fold_notes
-    say("attention reading the kv heads unrepeated")
-    notes += grouped_query.ungroup_repeated_kv(model)
-    fused = {name: count for name, count in fused.items() if count}
-    common_passes.RemoveUnusedNodesPass()(model)
-    say("looking for MoE blocks left unfused")
-    roots = [root for root, _ in missed if root is not None]
-    near_misses = [miss for _, miss in missed] + unfused_blocks(model, roots, partial)
-    # before the target's passes: the grouped chain and the contrib ops take the level from the MOE nodes
-    changed, compute_notes = compute_pass.apply_compute(model, compute)
-    notes += compute_notes
-    if changed and compute == "fp32":
-        notes.append("compute fp32: accuracy_level 3 (bf16 operands) reset to 0 on "
-                     + ", ".join(f"{count} {op_type}" for op_type, count in changed.items()))
-    if target == "grouped":
-        say("expanding MOE nodes into the grouped chain")
-        fused.update(grouped.expand_moe_nodes(model))
-        notes += [f"QMOE node '{node.name}' stays QMOE: the grouped chain has no quantized linear"
-                  for node in model.graph if node.domain == DOMAIN and node.op_type == "QMOE"]
-    elif target == "ort":
-        say("writing onnxruntime's com.microsoft::MoE")
-        exported, refused = ort_export.export_moe_nodes(model)
-        fused.update(exported)
-        near_misses += refused
-        if compute == "bf16":
-            notes += ort_export.accuracy_notes(model)
-    common_passes.RemoveUnusedNodesPass()(model)
-    common_passes.RemoveUnusedFunctionsPass()(model)
-    common_passes.RemoveUnusedOpsetsPass()(model)
-    if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
-        model.opset_imports[DOMAIN] = OPSET_VERSION
-    notes += [note for note in [lower_versions(model, *onnxruntime_versions())] if note]
-    if portable:
-        say("portable function bodies")
-        _infer_shapes(model)  # the element types some bodies depend on
-        add_function_bodies(model)
-        notes.append(summary(model))
-    return OptimizeReport(target, fused, near_misses, notes, nodes_before, _node_counts(model),
-                          parameters_before, _parameters(model), compute, compute_pass.bf16_blocks(model))
+        common_passes.RemoveUnusedNodesPass()(model)  # what the fused blocks no longer read
+        near_misses += unfused_blocks(model, roots, partial)
+        return rewritten(model, fused, near_misses=near_misses, notes=notes)
+
+
+class Tidy(RewritePass):
+    """Drop the nodes, functions and opset imports nothing uses, import our domain where our ops are, and
+    write the model with the versions the installed onnxruntime loads where it means the same (a note)."""
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        common_passes.RemoveUnusedNodesPass()(model)
+        common_passes.RemoveUnusedFunctionsPass()(model)
+        common_passes.RemoveUnusedOpsetsPass()(model)
+        if any(node.domain == DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+            model.opset_imports[DOMAIN] = OPSET_VERSION
+        note = lower_versions(model, *onnxruntime_versions())
+        return rewritten(model, notes=[note] if note else [], modified=True)
 
 
 def _check_settings(target: str, compute: str) -> None:
@@ -207,33 +287,13 @@ def _check_settings(target: str, compute: str) -> None:
     compute_pass.check_compute(compute)
 
 
-def _infer_shapes(model: ir.Model) -> None:
-    """onnx shape inference, copied onto the IR values that lack a static shape.
-
-    Serializing keeps external tensors as references, so no weight is loaded. Raises
-    :class:`moe_onnx._ir.inference.ShapeInferenceError` (one line) when inference fails.
-    """
-    inferred = infer_shapes(ir.serde.serialize_model(model), data_prop=True)
-    known = {info.name: info for info in inferred.graph.value_info}
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        for value in node.outputs:
-            info = known.get(value.name)
-            if info is None or not info.type.HasField("tensor_type"):
-                continue
-            if value.type is None:
-                value.type = ir.serde.deserialize_type_proto_for_type(info.type)
-            shape = ir.serde.deserialize_type_proto_for_shape(info.type)
-            if shape is not None and (value.shape is None or not value.shape.is_static()):
-                value.shape = shape
-
-
 def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, portable: bool = False,
              compute: str = "fp32") -> tuple[Any, OptimizeReport]:
     """Fuse the MoE blocks of an exported model into moe_onnx ops.
 
     ``model`` is a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; the result has the same kind
     and comes with an :class:`OptimizeReport`. A path is read as ``moe-onnx optimize`` reads it
-    (:func:`moe_onnx.check.read_valid`) and gives a ModelProto that holds every weight, those of its external data
+    (:func:`moe_onnx.check.require_valid`) and gives a ModelProto that holds every weight, those of its external data
     included (:func:`moe_onnx._ir.model_files.with_data`), so it saves anywhere; a ModelProto or ``onnx_ir.Model``
     keeps its tensors as they were, external ones included. ``target="moe"`` makes one
     MOE node per block; ``"grouped"`` makes MoeInitRouting -> MoeRowParallelLinear -> activation ->
@@ -256,8 +316,10 @@ def optimize(model: Any, target: str = "moe", *, fuse_routers: bool = True, port
         return model, optimize_ir(model, target, **options)
     if isinstance(model, (str, os.PathLike)):
         _check_settings(target, compute)  # before reading the file
-        ir_model = model_files.load(model, read_valid(model))  # weights stay on disk while the rules run
-        report = optimize_ir(ir_model, target, **options)
+        proto = model_files.read_proto(model)
+        inferred = require_valid(model, proto)
+        ir_model = model_files.load(model, proto)  # weights stay on disk while the rules run
+        report = optimize_ir(ir_model, target, inferred=inferred, **options)
         return model_files.with_data(ir.serde.serialize_model(ir_model), model), report
     ir_model = ir.serde.deserialize_model(model)
     report = optimize_ir(ir_model, target, **options)

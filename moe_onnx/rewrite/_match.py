@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
+from onnxscript.rewriter import MatchingTracer, MatchResult, RewriteRule, RewriteRuleClassBase
 from onnxscript.rewriter._pattern_ir import GraphPattern, _to_graph_pattern  # pinned onnxscript 0.7 (pyproject)
 
-from .._ir.nodes import standard
+from .._ir.nodes import constant, standard
 from ..ops import IN_OUR_DOMAIN
 
 
@@ -52,19 +52,25 @@ class MoeFusion(RewriteRuleClassBase):
     collects remarks about fused blocks (for example experts missing from a loop export).
     """
 
+    #: onnxscript's matcher class for this pattern (None: its default); False keeps the matched nodes for the
+    #: rule set to drop once it is done (a chain whose earlier links must not be matched again)
+    matcher: type | None = None
+    removes_matched_nodes = True
+
     def __init__(self) -> None:
-        super().__init__(name=type(self).__name__)
+        super().__init__(name=type(self).__name__, remove_nodes=self.removes_matched_nodes)
         self.notes: list[str] = []
+        self.fused = 0  # the blocks this instance has rewritten
         self._block: Any = None
 
-    def as_rule(self) -> RewriteRule:
-        """This fusion as onnxscript's rule; its pattern graph is traced once per class (``pattern`` reads
-        nothing from the instance), not once per optimize."""
+    def as_rule(self, tracer: MatchingTracer | None = None) -> RewriteRule:
+        """This fusion as onnxscript's rule, logging every match it tries to ``tracer`` while its rule set
+        rewrites. Its pattern graph is traced once per class (``pattern`` reads nothing from the instance)."""
         pattern = _PATTERNS.get(type(self))
         if pattern is None:
             pattern = _PATTERNS[type(self)] = _to_graph_pattern(self.pattern)
-        return RewriteRule(pattern, self.rewrite, self.check, name=self.name,
-                           remove_nodes=self.remove_nodes, as_function=self.as_function)
+        return _TracedRule(pattern, self.rewrite, self.check, matcher=self.matcher, name=self.name,
+                           remove_nodes=self.remove_nodes, as_function=self.as_function, tracer=tracer)
 
     def read(self, context, **bindings) -> Any:
         raise NotImplementedError
@@ -81,7 +87,19 @@ class MoeFusion(RewriteRuleClassBase):
 
     def rewrite(self, op, **_) -> ir.Value:
         block, self._block = self._block, None
+        self.fused += 1
         return self.emit(op, block)
+
+
+class _TracedRule(RewriteRule):
+    """A rule that logs its matches to its own tracer: given to a rule set, onnxscript's tracer turns rewriting off."""
+
+    def __init__(self, *args, tracer: MatchingTracer | None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._tracer = tracer
+
+    def try_rewrite(self, model, graph_or_function, node, *, verbose=None, tracer=None):
+        return super().try_rewrite(model, graph_or_function, node, verbose=verbose, tracer=tracer or self._tracer)
 
 
 # ----------------------------------------------------------------------------- nodes and constants
@@ -122,13 +140,6 @@ def static_last_dim(value: ir.Value) -> int | None:
     return shape[-1] if shape else None
 
 
-def skip_reshapes(value: ir.Value) -> ir.Value:
-    """``value`` before the Reshape, Squeeze and Unsqueeze nodes that made it (the same elements in order)."""
-    while any(standard(value.producer(), op) for op in ("Reshape", "Squeeze", "Unsqueeze")):
-        value = value.producer().inputs[0]
-    return value
-
-
 def unsqueezed_last(value: ir.Value, rank: int, what: str) -> ir.Value:
     """x of ``value = Unsqueeze(x, -1)`` with a result of ``rank``."""
     unsqueeze = producer(value, "Unsqueeze", what)
@@ -141,17 +152,6 @@ def nonzero_of(value: ir.Value, what: str) -> ir.Value:
     transpose = producer(value, "Transpose", what)
     require(list(transpose.attributes.get_ints("perm", [])) == [1, 0], f"{what}: Transpose perm is not [1, 0]")
     return producer(transpose.inputs[0], "NonZero", what).inputs[0]
-
-
-def constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of an initializer or Constant output, also behind Identity nodes (the TorchScript
-    exporter shares equal initializers through them); None when not constant. Loads its data."""
-    while value is not None and standard(value.producer(), "Identity"):
-        value = value.producer().inputs[0]
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None else tensor.numpy()
 
 
 def constant_ints(value: ir.Value | None) -> list[int] | None:

@@ -13,10 +13,10 @@ import math
 
 import onnx_ir as ir
 
+from .._ir.inference import ORT_DOMAIN
 from ..ops.qmoe import QUANT_INT, QUANT_MXFP4
 from ..ops.signatures import MOE, QMOE
 
-ORT_DOMAIN = "com.microsoft"
 ORT_OPSET_VERSION = 1
 
 #: our op -> the contrib op

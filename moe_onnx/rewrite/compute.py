@@ -15,6 +15,7 @@ import collections
 import onnx_ir as ir
 
 from .._ir.nodes import attribute_value
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from ..ops import DOMAIN
 from ..ops._common import BF16_OPERANDS, EXACT
 from ..ops.moe import MOE
@@ -48,32 +49,41 @@ def check_compute(compute: str) -> None:
         raise ValueError(f"optimize: compute is {compute!r}; expected one of {', '.join(COMPUTES)}")
 
 
-def apply_compute(model: ir.Model, compute: str) -> tuple[dict[str, int], list[str]]:
-    """Give every MOE, QMOE and MoeRowParallelLinear node of ``model`` the accuracy_level of ``compute``
-    (in place; see the module's doc); returns the nodes changed per op type and notes on those kept.
-    Raises ValueError for an unknown ``compute``."""
-    check_compute(compute)
-    level = LEVELS[compute]
-    changed: collections.Counter[str] = collections.Counter()
-    kept = []
-    for node in _nodes(model):
-        current = attribute_value(node, ATTRIBUTE, EXACT)
-        if current == level:
-            continue
-        if _keeps_its_level(node):
-            kept.append(node)
-            continue
-        if level == EXACT:
-            node.attributes.pop(ATTRIBUTE, None)  # the default
-        else:
-            node.attributes[ATTRIBUTE] = ir.AttrInt64(ATTRIBUTE, level)
-        changed[node.op_type] += 1
-    notes = [f"compute {compute}: {node.op_type} node '{node.name}' keeps accuracy_level "
-             f"{attribute_value(node, ATTRIBUTE, EXACT)} ("
-             + ("int8 X: its int32 product is exact" if node.op_type == ROW_PARALLEL_LINEAR.name
-                else "int8 activations") + ")"
-             for node in kept if level != EXACT]
-    return dict(sorted(changed.items())), notes
+class ApplyCompute(RewritePass):
+    """Give every MOE, QMOE and MoeRowParallelLinear node the accuracy_level of ``compute`` (see the module's
+    doc); the notes name the nodes that keep theirs and, for fp32, the nodes reset from bf16. Raises ValueError
+    for an unknown ``compute``."""
+
+    def __init__(self, compute: str) -> None:
+        check_compute(compute)
+        self.compute = compute
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        level = LEVELS[self.compute]
+        changed: collections.Counter[str] = collections.Counter()
+        kept = []
+        for node in _nodes(model):
+            current = attribute_value(node, ATTRIBUTE, EXACT)
+            if current == level:
+                continue
+            if _keeps_its_level(node):
+                kept.append(node)
+                continue
+            if level == EXACT:
+                node.attributes.pop(ATTRIBUTE, None)  # the default
+            else:
+                node.attributes[ATTRIBUTE] = ir.AttrInt64(ATTRIBUTE, level)
+            changed[node.op_type] += 1
+        notes = [f"compute {self.compute}: {node.op_type} node '{node.name}' keeps accuracy_level "
+                 f"{attribute_value(node, ATTRIBUTE, EXACT)} ("
+                 + ("int8 X: its int32 product is exact" if node.op_type == ROW_PARALLEL_LINEAR.name
+                    else "int8 activations") + ")"
+                 for node in kept if level != EXACT]
+        if changed and level == EXACT:
+            notes.append("compute fp32: accuracy_level 3 (bf16 operands) reset to 0 on "
+                         + ", ".join(f"{count} {op_type}" for op_type, count in sorted(changed.items())))
+        # levels are no fused blocks: the result counts none
+        return rewritten(model, notes=notes, modified=bool(changed))
 
 
 def bf16_blocks(model: ir.Model) -> int:

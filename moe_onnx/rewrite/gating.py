@@ -38,6 +38,7 @@ from onnx.reference import ReferenceEvaluator
 
 from .._ir.builder import TapeBuilder, const, insert, typed
 from .._ir.nodes import standard
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from ..ops import DOMAIN, IN_OUR_DOMAIN
 from ._match import (
     MatchFailure, constant, constant_ints, constant_scalar, constant_text, fill_value, ints_input_or_attr, is_zeros,
@@ -372,18 +373,22 @@ def _emit(moe: ir.Node, router: Router) -> None:
     moe.replace_input_with(2, indices)
 
 
-def fuse_routers(model: ir.Model) -> tuple[int, list[str]]:
-    """Replace the router of every MOE node that has a recognized one; returns the count and notes
-    naming the MOE nodes whose router stays, with the reason."""
-    count, notes = 0, []
-    for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type not in ("MOE", "QMOE"):
-            continue
-        try:
-            router = read_router(node.inputs[1], node.inputs[2])
-        except MatchFailure as failure:
-            notes.append(f"{node.op_type} node '{node.name or ''}': the router stays as exported ({failure})")
-            continue
-        _emit(node, router)
-        count += 1
-    return count, notes
+class FuseRouters(RewritePass):
+    """Replace the router of every MOE (and QMOE) node that has a recognized one; the notes name the nodes
+    whose router stays, with the reason."""
+
+    stage = "routers"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count, notes = 0, []
+        for node in list(model.graph):
+            if node.domain != DOMAIN or node.op_type not in ("MOE", "QMOE"):
+                continue
+            try:
+                router = read_router(node.inputs[1], node.inputs[2])
+            except MatchFailure as failure:
+                notes.append(f"{node.op_type} node '{node.name or ''}': the router stays as exported ({failure})")
+                continue
+            _emit(node, router)
+            count += 1
+        return rewritten(model, {RULE: count}, notes=notes)

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, const, int64s, replace
 from .._ir.nodes import attribute_value
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from .._ir.weights import Weight, weight, weight_value
 from ..ops import DOMAIN, IN_OUR_DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, MOE, W0, W1, W2, expert_layer
@@ -63,6 +64,8 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     accuracy = {name: attr.value for name, attr in node.attributes.items() if name == "accuracy_level"}
 
     def linear(weight_input: int, bias_input: int | None, a: ir.Value) -> ir.Value:
+        if a.dtype is None and dtype is not None:  # the chain's rows have the block's type (portable bodies read it)
+            a.dtype = dtype
         name = f"moe_{MOE.inputs[weight_input].name}" + ("_enk" if transposed else "")
         return _grouped_linear(op, a, offsets, weight_of[weight_input], name, transposed, bias_of.get(bias_input),
                                accuracy)
@@ -77,17 +80,24 @@ def _expand(node: ir.Node) -> tuple[TapeBuilder, ir.Value] | None:
     return op, y
 
 
-def expand_moe_nodes(model: ir.Model) -> dict[str, int]:
-    """Replace every MOE node whose weights are constants by the grouped chain; returns the count."""
-    count = 0
-    graph = model.graph
-    for node in list(graph):
-        if node.domain != DOMAIN or node.op_type != "MOE":
-            continue
-        expansion = _expand(node)
-        if expansion is None:
-            continue
-        op, y = expansion
-        replace(node, y, op)
-        count += 1
-    return {"MoeToGrouped": count} if count else {}
+class ExpandToGrouped(RewritePass):
+    """Replace every MOE node whose weights are constants by the grouped chain; a note for each QMOE node (the
+    grouped chain has no quantized linear)."""
+
+    stage = "expanding MOE nodes into the grouped chain"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count = 0
+        graph = model.graph
+        for node in list(graph):
+            if node.domain != DOMAIN or node.op_type != "MOE":
+                continue
+            expansion = _expand(node)
+            if expansion is None:
+                continue
+            op, y = expansion
+            replace(node, y, op)
+            count += 1
+        notes = [f"QMOE node '{node.name}' stays QMOE: the grouped chain has no quantized linear"
+                 for node in graph if node.domain == DOMAIN and node.op_type == "QMOE"]
+        return rewritten(model, {"MoeToGrouped": count}, notes=notes)

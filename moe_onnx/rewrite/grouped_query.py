@@ -23,6 +23,7 @@ import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, int64s, replace
 from .._ir.nodes import attribute_value, standard
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from ._match import MatchFailure, axes, producer, require, static_shape
 
 RULE = "GroupedQueryMatMul"
@@ -77,30 +78,35 @@ def _rows_shape_fits(matmul: ir.Node, heads: int, groups: int) -> bool:
     return rows is not None and len(rows) == 4 and rows[1] == heads * groups
 
 
-def ungroup_repeated_kv(model: ir.Model) -> list[str]:
-    """Rewrites every MatMul that reads transformers' repeated kv heads to read the cache itself (see the module's
-    doc), in place; returns the report's notes: the MatMuls rewritten, and each repeat left as exported with the
-    reason."""
-    count, notes = 0, []
-    expands = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
-               if standard(node, "Expand") and standard(node.inputs[0].producer(), "Unsqueeze")]
-    for expand in expands:
-        for repeated in [user.outputs[0] for user, _ in expand.outputs[0].uses() if standard(user, "Reshape")]:
-            readers = _reading_matmuls(repeated)
-            if not readers:
-                continue
-            try:
-                kv, heads, groups = _unrepeated(repeated)
-            except MatchFailure as failure:
-                notes.append(f"{RULE}: the repeated kv heads '{repeated.name}' stay: {failure}")
-                continue
-            for matmul, transpose in readers:
-                if _rows_shape_fits(matmul, heads, groups):
-                    _rewrite(matmul, kv, heads, transpose)
-                    count += 1
-                else:
-                    notes.append(f"{RULE}: MatMul '{matmul.name}' keeps the repeated kv heads: its first input's "
-                                 f"shape {static_shape(matmul.inputs[0])} is not [B, {heads * groups}, S, X]")
-    if count:
-        notes.insert(0, f"{RULE}: {count} attention MatMul{'s' if count != 1 else ''} read the kv heads unrepeated")
-    return notes
+class UngroupRepeatedKv(RewritePass):
+    """Rewrite every MatMul that reads transformers' repeated kv heads to read the cache itself (see the module's
+    doc); the notes: the MatMuls rewritten, and each repeat left as exported with the reason."""
+
+    stage = "attention reading the kv heads unrepeated"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count, notes = 0, []
+        expands = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+                   if standard(node, "Expand") and standard(node.inputs[0].producer(), "Unsqueeze")]
+        for expand in expands:
+            for repeated in [user.outputs[0] for user, _ in expand.outputs[0].uses() if standard(user, "Reshape")]:
+                readers = _reading_matmuls(repeated)
+                if not readers:
+                    continue
+                try:
+                    kv, heads, groups = _unrepeated(repeated)
+                except MatchFailure as failure:
+                    notes.append(f"{RULE}: the repeated kv heads '{repeated.name}' stay: {failure}")
+                    continue
+                for matmul, transpose in readers:
+                    if _rows_shape_fits(matmul, heads, groups):
+                        _rewrite(matmul, kv, heads, transpose)
+                        count += 1
+                    else:
+                        notes.append(f"{RULE}: MatMul '{matmul.name}' keeps the repeated kv heads: its first input's "
+                                     f"shape {static_shape(matmul.inputs[0])} is not [B, {heads * groups}, S, X]")
+        if count:
+            notes.insert(0, f"{RULE}: {count} attention MatMul{'s' if count != 1 else ''} read the kv heads "
+                            "unrepeated")
+        # the count is a note, not a fused block: the report's blocks are MoE blocks
+        return rewritten(model, notes=notes, modified=count > 0)

@@ -50,15 +50,15 @@ import dataclasses
 import re
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule
+from onnxscript.rewriter import MatchResult
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
-from .._ir.nodes import standard
+from .._ir.nodes import skip_reshapes, standard
 from .._ir.weights import Weight, weight
 from ._activation import read_clamped_swiglu, read_swiglu
 from ._match import (
     MatchFailure, axes, constant_ints, constant_scalar, failing_in, ints_input_or_attr, is_zeros, nonzero_of, producer,
-    require, shape_dims, skip_reshapes, static_shape,
+    require, shape_dims, static_shape,
 )
 from ._router import one_hot_dense_route, one_hot_route, route as _route
 from ._unrolled import GatheredExpert, LinearExpert, LoopBlock, UnrolledLoopFusion, mask_row
@@ -588,14 +588,13 @@ class LoopMoeFusion(UnrolledLoopFusion):
     (:class:`UnrolledLoopFusion`'s) writes the MOE.
     """
 
+    # the rule set drops the whole dead chain once it is done, so the earlier accumulations are never "last" ones
+    matcher = _LastAccumulationMatcher
+    removes_matched_nodes = False
+
     def pattern(self, op, acc_TH, token_NH, updates_NH):
         return op.Add(acc_TH, op.ScatterElements(op.ConstantOfShape(op.Shape(acc_TH)), token_NH, updates_NH))
 
-    def as_rule(self) -> RewriteRule:
-        # remove_nodes=False: the rule set then drops the whole dead chain at once, so the earlier
-        # accumulations do not become "last" ones for a later matching pass
-        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_LastAccumulationMatcher,
-                           name=self.name, remove_nodes=False)
 
     def read(self, context, **_) -> LoopBlock:
         return _block(context.root)

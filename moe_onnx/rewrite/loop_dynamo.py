@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 import onnx_ir as ir
-from onnxscript.rewriter import MatchResult, RewriteRule
+from onnxscript.rewriter import MatchResult
 from onnxscript.rewriter.pattern import SimplePatternMatcher
 
 from .._ir.nodes import standard
@@ -229,12 +229,12 @@ class LoopDynamoMoeFusion(UnrolledLoopFusion):
     ``acc_TH = ScatterND(acc_TH, token_N1, updates_NH, reduction="add")``; ``read`` walks the chain back
     to its zeros; ``emit`` is :class:`UnrolledLoopFusion`'s, as for the TorchScript loop (one MOE GEMM3_SWIGLU)."""
 
+    matcher = AccumulatingScatterMatcher
+    removes_matched_nodes = False
+
     def pattern(self, op, acc_TH, token_N1, updates_NH):
         return op.ScatterND(acc_TH, token_N1, updates_NH)
 
-    def as_rule(self) -> RewriteRule:
-        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=AccumulatingScatterMatcher,
-                           name=self.name, remove_nodes=False)
 
     def read(self, context, **_) -> LoopBlock:
         return _block(context.root)

@@ -49,6 +49,7 @@ import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, const, int64s, replace
 from .._ir.nodes import attribute_value
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from .._ir.weights import Weight, lazy_initializer, weight
 from ..ops import DOMAIN
 from ..ops.moe import B0, B1, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU, MOE, W0, W1, W2
@@ -356,21 +357,29 @@ def accuracy_notes(model: ir.Model) -> list[str]:
             "compute in float32 (exact, which bf16 compute allows; QMoE nodes take accuracy_level 3)"]
 
 
-def export_moe_nodes(model: ir.Model) -> tuple[dict[str, int], list[dict[str, str]]]:
-    """Replace every MOE (QMOE) node the contrib ops express by com.microsoft::MoE (QMoE); returns the count
-    and a near-miss (rule, node, reason) for each node that stays."""
-    count, refused = 0, []
-    for node in list(model.graph):
-        if node.domain != DOMAIN or node.op_type not in CONTRIB_OPS:
-            continue
-        try:
-            op, y = _convert(node)
-            replace(node, y, op)
-        except MatchFailure as failure:
-            refused.append({"rule": RULE, "node": node.name or "",
-                            "reason": f"stays a {DOMAIN} {node.op_type} (needs our library): {failure}"})
-            continue
-        count += 1
-    if count:
-        model.opset_imports[ORT_DOMAIN] = ORT_OPSET_VERSION
-    return ({RULE: count} if count else {}), refused
+class ExportToOrt(RewritePass):
+    """Replace every MOE (QMOE) node the contrib ops express by com.microsoft::MoE (QMoE); a near-miss (rule,
+    node, reason) for each node that stays; with ``compute`` bf16, a note on what the MoE nodes make of it."""
+
+    stage = "writing onnxruntime's com.microsoft::MoE"
+
+    def __init__(self, compute: str = "fp32") -> None:
+        self.compute = compute
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count, refused = 0, []
+        for node in list(model.graph):
+            if node.domain != DOMAIN or node.op_type not in CONTRIB_OPS:
+                continue
+            try:
+                op, y = _convert(node)
+                replace(node, y, op)
+            except MatchFailure as failure:
+                refused.append({"rule": RULE, "node": node.name or "",
+                                "reason": f"stays a {DOMAIN} {node.op_type} (needs our library): {failure}"})
+                continue
+            count += 1
+        if count:
+            model.opset_imports[ORT_DOMAIN] = ORT_OPSET_VERSION
+        notes = accuracy_notes(model) if self.compute == "bf16" else []
+        return rewritten(model, {RULE: count}, near_misses=refused, notes=notes)

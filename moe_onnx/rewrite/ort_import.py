@@ -56,6 +56,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, const, int64s, replace, typed
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from .._ir.weights import fresh_name, initializer_expert, streamed_initializer
 from ..ops import DOMAIN, IN_OUR_DOMAIN, OPSET_VERSION
 from ..ops.moe import GEMM2_ACT, GEMM2_BIAS_SWIGLU_CLAMP, GEMM3_SWIGLU
@@ -560,25 +561,29 @@ def _check_shapes(n: _Node) -> None:
                     f"block_size is {block_size}; it does not divide {name} = {size}")
 
 
-def import_ort_nodes(model: ir.Model) -> tuple[int, list[dict[str, str]]]:
-    """Replace every com.microsoft::MoE/QMoE node that our ops express exactly; returns the count and a
-    near-miss (rule, node, reason) for each node left as it is."""
-    count, misses = 0, []
-    nodes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
-             if node.domain == ORT_DOMAIN and node.op_type in OUR_OPS]
-    for node in nodes:
-        n = _read_node(node)
-        try:
-            _check_shapes(n)
-            require(n.inputs["input"].dtype in _FLOATS,
-                    f"input 'input' has type {n.inputs['input'].dtype}; expected a float type")
-            plan = _plan(n)
-            _check_routing(n, plan.k)
-        except MatchFailure as failure:
-            misses.append({"rule": RULE, "node": node.name or "", "reason": f"{node.op_type}: {failure}"})
-            continue
-        _write(n, plan)
-        count += 1
-    if count:
-        model.opset_imports[DOMAIN] = OPSET_VERSION
-    return count, misses
+class ImportOrtNodes(RewritePass):
+    """Replace every com.microsoft::MoE/QMoE node that our ops express exactly; a near-miss (rule, node, reason)
+    for each node left as it is."""
+
+    stage = "onnxruntime MoE/QMoE nodes"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count, misses = 0, []
+        nodes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+                 if node.domain == ORT_DOMAIN and node.op_type in OUR_OPS]
+        for node in nodes:
+            n = _read_node(node)
+            try:
+                _check_shapes(n)
+                require(n.inputs["input"].dtype in _FLOATS,
+                        f"input 'input' has type {n.inputs['input'].dtype}; expected a float type")
+                plan = _plan(n)
+                _check_routing(n, plan.k)
+            except MatchFailure as failure:
+                misses.append({"rule": RULE, "node": node.name or "", "reason": f"{node.op_type}: {failure}"})
+                continue
+            _write(n, plan)
+            count += 1
+        if count:
+            model.opset_imports[DOMAIN] = OPSET_VERSION
+        return rewritten(model, {RULE: count}, near_misses=misses)

@@ -33,16 +33,15 @@ import dataclasses
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRule
 
-from .._ir.nodes import standard
+from .._ir.nodes import skip_reshapes, standard
 from .._ir.weights import Weight, lazy_initializer
 from ..ops.moe import GEMM3_SWIGLU
 from ._activation import read_swiglu
 from ._linear import read_linear
 from ._match import (
     MoeFusion, axes, constant_ints, constant_scalar, emit_moe, failing_in, fill_value, is_zeros, producer, require,
-    skip_reshapes, static_shape, unsqueezed_last,
+    static_shape, unsqueezed_last,
 )
 from ._router import Route, route
 from .loop_dynamo import AccumulatingScatterMatcher
@@ -231,12 +230,11 @@ class ParallelExpertsFusion(MoeFusion):
     up_EIH, -, down_EHI)``.
     """
 
+    matcher = _SortedScatterMatcher
+
     def pattern(self, op, zeros_TH, token_Tk1, updates_TkH):
         return op.ScatterND(zeros_TH, token_Tk1, updates_TkH)
 
-    def as_rule(self) -> RewriteRule:
-        return RewriteRule(self.pattern, self.rewrite, self.check, matcher=_SortedScatterMatcher,
-                           name=self.name)
 
     def read(self, context, **_) -> _Block:
         return _block(context.root)

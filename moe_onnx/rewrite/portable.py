@@ -24,11 +24,12 @@ import onnx
 import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from ..ops import DOMAIN, OPS
 from ..ops._body import CANNOT_COMMUNICATE, MIN_OPSET, Config
 
-__all__ = ["PortableError", "add_function_bodies", "configurations", "function_for", "portable_model",
-           "require_opset", "summary"]
+__all__ = ["AddFunctionBodies", "PortableError", "add_function_bodies", "configurations", "function_for",
+           "portable_model", "require_opset", "summary"]
 
 
 class PortableError(ValueError):
@@ -100,6 +101,18 @@ def require_opset(model: ir.Model) -> int:
         raise PortableError(f"portable function bodies need the default ONNX opset >= {MIN_OPSET}; the model "
                             f"imports {opset or 'none'}")
     return opset
+
+
+class AddFunctionBodies(RewritePass):
+    """:func:`add_function_bodies` as the last pass of ``optimize --portable``; its note is :func:`summary`. The
+    element types it reads are those of the optimize path's one shape inference and of the values the passes
+    made (a grouped chain's rows have its block's type)."""
+
+    stage = "portable function bodies"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        add_function_bodies(model)
+        return rewritten(model, notes=[summary(model)], modified=True)
 
 
 def portable_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from .._ir.builder import TapeBuilder, const, insert, int64s, replace
 from .._ir.nodes import standard
+from .._ir.passes import RewritePass, RewriteResult, rewritten
 from .._ir.weights import initializer_expert, streamed_initializer
 from ..ops import DOMAIN
 from ._activation import read_swiglu
@@ -170,20 +171,24 @@ def _fold(fold: _Fold) -> None:
     replace(fold.add, fold.routed)  # the Add's readers (and its name, maybe a graph output's) take the MOE's output
 
 
-def fold_shared_experts(model: ir.Model) -> tuple[int, list[str]]:
-    """Folds every foldable shared expert beside an MOE node; returns the count and the notes for
-    shared experts left beside their MOE (with the reason)."""
-    count, notes = 0, []
-    moes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
-            if node.domain == DOMAIN and node.op_type == "MOE"]
-    for moe in moes:
-        try:
-            fold = _read_fold(moe)
-        except MatchFailure as failure:
-            notes.append(f"{RULE_NAME}: the shared expert beside MOE node '{moe.name}' stays unfused: {failure}")
-            continue
-        if fold is not None:
-            _fold(fold)
-            moe.graph.sort()  # the shared scale is computed after the MOE in the export's order
-            count += 1
-    return count, notes
+class FoldSharedExperts(RewritePass):
+    """Fold every foldable shared expert beside an MOE node into it; the notes name the shared experts left
+    beside their MOE, with the reason."""
+
+    stage = "folding shared experts"
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        count, notes = 0, []
+        moes = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+                if node.domain == DOMAIN and node.op_type == "MOE"]
+        for moe in moes:
+            try:
+                fold = _read_fold(moe)
+            except MatchFailure as failure:
+                notes.append(f"{RULE_NAME}: the shared expert beside MOE node '{moe.name}' stays unfused: {failure}")
+                continue
+            if fold is not None:
+                _fold(fold)
+                moe.graph.sort()  # the shared scale is computed after the MOE in the export's order
+                count += 1
+        return rewritten(model, {RULE_NAME: count}, notes=notes)

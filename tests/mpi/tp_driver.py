@@ -12,6 +12,7 @@ Writes OUT_DIR/rank<r>.json: a list of {"name", "ok", "max_error" or "error"}.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import traceback
@@ -32,6 +33,7 @@ from moe_onnx.runtime import run, session  # noqa: E402
 WORLD = MPI.COMM_WORLD
 HIDDEN, INTER, EXPERTS, K_TOP = 8, 6, 4, 2
 RPL_K, RPL_OFFSETS = 10, (1, 3, 3, 9, 11)  # rows 0 and 11.. belong to no expert, expert 1 is empty
+MOE_CONSTANT = (3, 4, 5, 6, 7)  # the MOE inputs given as initializers
 EXTRA_ATTRS = {moe_cases.GEMM2: {"expert_beta": 7.0}, moe_cases.GEMM2_ACT: {"activation": "gelu"}}
 # Slices of I per TP group size: as moe-onnx shard cuts it ([I * q // tp, I * (q + 1) // tp)), and
 # one where rank 0, which adds the down bias, has none.
@@ -86,23 +88,36 @@ def moe_configs(tp: int):
                         yield widths, expert_type, dtype, bias, tokens
 
 
+@functools.cache
+def moe_reference(expert_type: str, dtype: type, bias: bool, tokens: int) -> tuple[list, np.ndarray]:
+    """A MOE case's inputs and its output on one process over the full weights (the same for every slicing)."""
+    inputs = moe_cases.make_inputs(tokens=tokens, hidden=HIDDEN, inter=INTER, experts=EXPERTS, k=K_TOP,
+                                   expert_type=expert_type, dtype=dtype, bias=bias)
+    attrs = {"expert_type": expert_type, **EXTRA_ATTRS.get(expert_type, {})}
+    return inputs, run_node("MOE", inputs, attrs, MOE_CONSTANT)
+
+
 def check_moe(tp: int, q: int) -> list[dict]:
     results = []
     for widths, expert_type, dtype, bias, tokens in moe_configs(tp):
         name = (f"MOE-{expert_type}-{np.dtype(dtype).name}-{'bias' if bias else 'nobias'}-T{tokens}-"
                 f"{'x'.join(map(str, widths))}")
         try:
-            inputs = moe_cases.make_inputs(tokens=tokens, hidden=HIDDEN, inter=INTER, experts=EXPERTS, k=K_TOP,
-                                           expert_type=expert_type, dtype=dtype, bias=bias)
+            inputs, expected = moe_reference(expert_type, dtype, bias, tokens)
             attrs = {"expert_type": expert_type, **EXTRA_ATTRS.get(expert_type, {})}
-            weights = (3, 4, 5, 6, 7)
-            expected = run_node("MOE", inputs, attrs, weights)
             mine = moe_rank_inputs(inputs, expert_type, rank_slice(widths, q))
-            got = run_node("MOE", mine, {**attrs, "tp_world_size": tp, "tp_rank_id": q}, weights)
+            got = run_node("MOE", mine, {**attrs, "tp_world_size": tp, "tp_rank_id": q}, MOE_CONSTANT)
             results.append(compare(name, got, expected, 1e-5 if dtype == np.float32 else 2e-3))
         except Exception:
             results.append({"name": name, "ok": False, "error": traceback.format_exc(limit=2)})
     return results
+
+
+@functools.cache
+def rpl_reference(dtype: type, bias: bool, constant: tuple[int, ...]) -> tuple[list, np.ndarray]:
+    """A MoeRowParallelLinear case's inputs and its output on one process over the full weights."""
+    inputs = rpl_cases.make_inputs(offsets=RPL_OFFSETS, lead=(3, 4), k=RPL_K, n=6, dtype=dtype, bias=bias)
+    return inputs, run_node("MoeRowParallelLinear", inputs, {}, constant)
 
 
 def check_row_parallel_linear(tp: int, q: int) -> list[dict]:
@@ -116,9 +131,7 @@ def check_row_parallel_linear(tp: int, q: int) -> list[dict]:
                         name = (f"RPL-{np.dtype(dtype).name}-par{parallel}-{'bias' if bias else 'nobias'}-"
                                 f"{'constW' if constant else 'inputW'}-{'x'.join(map(str, widths))}")
                         try:
-                            x, offsets, w, b = rpl_cases.make_inputs(offsets=RPL_OFFSETS, lead=(3, 4), k=RPL_K, n=6,
-                                                                     dtype=dtype, bias=bias)
-                            expected = run_node("MoeRowParallelLinear", [x, offsets, w, b], {}, constant)
+                            (x, offsets, w, b), expected = rpl_reference(dtype, bias, constant)
                             attrs = {"input_is_parallel": parallel, "in_features": RPL_K, "tp_world_size": tp,
                                      "tp_rank_id": q}
                             mine = [x[..., cols] if parallel else x, offsets, w[..., cols], b]

@@ -149,16 +149,11 @@ AssistInfo read_assist_info(const Input& info, const ExpertLayout& layout, int64
 
 }  // namespace
 
-DistributeCombineKernel::DistributeCombineKernel(const OrtKernelInfo* info) {
+DistributeCombineKernel::DistributeCombineKernel(const OrtKernelInfo* info) : NodeKernel(signatures::MoeDistributeCombine, info) {
   const OpSignature& sig = signatures::MoeDistributeCombine;
-  where = node_where(sig.name, Ort::ConstKernelInfo(info));
   const Attributes attrs(info, sig, where);
   layout = read_layout(attrs);
   gather_tokens = attrs.choice("gather_tokens", {0, 1}) == 1;
-}
-
-OrtStatusPtr DistributeCombineKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void DistributeCombineKernel::Compute(OrtKernelContext* context) {

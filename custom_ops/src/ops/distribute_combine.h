@@ -7,15 +7,14 @@
 
 #include "exchange.h"
 #include "op_signatures.h"
+#include "signature_op.h"
 
 namespace moe_onnx {
 
-struct DistributeCombineKernel {
+struct DistributeCombineKernel : NodeKernel<DistributeCombineKernel> {
   DistributeCombineKernel(const OrtKernelInfo* info);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   ExpertLayout layout;
   bool gather_tokens = false;
 };

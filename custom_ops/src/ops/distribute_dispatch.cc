@@ -175,9 +175,8 @@ void write_assist_info(const Plan& plan, const ExpertLayout& layout, int64_t cap
 
 }  // namespace
 
-DistributeDispatchKernel::DistributeDispatchKernel(const OrtKernelInfo* info) {
+DistributeDispatchKernel::DistributeDispatchKernel(const OrtKernelInfo* info) : NodeKernel(signatures::MoeDistributeDispatch, info) {
   const OpSignature& sig = signatures::MoeDistributeDispatch;
-  where = node_where(sig.name, Ort::ConstKernelInfo(info));
   const Attributes attrs(info, sig, where);
   layout = read_layout(attrs);
   capacity = attrs.get_int("expert_capacity");
@@ -189,10 +188,6 @@ DistributeDispatchKernel::DistributeDispatchKernel(const OrtKernelInfo* info) {
                                       "; expected E_local * expert_capacity (the rows of expand_x) <= " +
                                       std::to_string(std::numeric_limits<int64_t>::max()) + " (E_local " +
                                       std::to_string(layout.local_experts()) + ")");
-}
-
-OrtStatusPtr DistributeDispatchKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void DistributeDispatchKernel::Compute(OrtKernelContext* context) {

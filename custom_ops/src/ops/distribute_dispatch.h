@@ -7,15 +7,14 @@
 
 #include "exchange.h"
 #include "op_signatures.h"
+#include "signature_op.h"
 
 namespace moe_onnx {
 
-struct DistributeDispatchKernel {
+struct DistributeDispatchKernel : NodeKernel<DistributeDispatchKernel> {
   DistributeDispatchKernel(const OrtKernelInfo* info);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   ExpertLayout layout;
   int64_t capacity = 0;  // 0: dropless
 };

@@ -8,6 +8,7 @@
 
 #include "attributes.h"
 #include "comm.h"
+#include "signature_op.h"
 #include "status.h"
 #include "workspace.h"
 
@@ -62,23 +63,11 @@ std::vector<T> buffer(int64_t count, const char* what) {
 // and shared by every dispatch and combine node of the process: a call leases one for its buffers.
 WorkspacePool& exchange_workspaces();
 
-// One registration per element type of input 0 (every numeric type, so that a wrong type reaches
-// Compute and gets the op's own message): output 0 has that type, the others are int64.
-template <class Kernel, const OpSignature& Sig>
-struct DistributeOp : Ort::CustomOpBase<DistributeOp<Kernel, Sig>, Kernel, true> {
-  explicit DistributeOp(ElemType type) : type_(type) {}
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    return create_kernel_status(api, Sig.name, info, kernel, [&] { return new Kernel(info); });
-  }
-  const char* GetName() const { return Sig.name; }
-  size_t GetInputTypeCount() const { return Sig.inputs.size(); }
-  ElemType GetInputType(size_t i) const { return i == 0 ? type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return Sig.outputs.size(); }
-  ElemType GetOutputType(size_t i) const { return i == 0 ? type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
-
- private:
-  ElemType type_;
+// One registration per element type of input 0 (SignatureOp): output 0 has that type, the others are int64.
+template <class Kernel, const OpSignature& kSignature>
+struct DistributeOp : SignatureOp<DistributeOp<Kernel, kSignature>, Kernel, kSignature> {
+  using SignatureOp<DistributeOp<Kernel, kSignature>, Kernel, kSignature>::SignatureOp;
+  ElemType GetOutputType(size_t i) const { return i == 0 ? this->type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
 };
 
 }  // namespace moe_onnx

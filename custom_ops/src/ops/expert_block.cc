@@ -67,6 +67,29 @@ struct MoeRun {
     return make_tasks(sorted.start.data(), d.E, w.panels(), kTaskShape);
   }
 
+  // For every task of w's plan, on the pool: C = the task's rows of A times its panels of the expert's
+  // matrix w (A's rows in the form w takes: bf16 a16, quantized aq at level 4, or fp32 a; ld apart), a
+  // tile of the task's scratch (`what`), then epilogue(t, slot, C, ldc, scratch).
+  template <class Epilogue>
+  void for_each_tile(const PackedWeights& w, const char* what, const float* a, const uint16_t* a16, const Int8Rows& aq,
+                     int64_t ld, Epilogue&& epilogue) {
+    const std::vector<Task> plan = tasks(w);
+    parallel_for(ctx, plan.size(), [&](size_t ti) {
+      const Task& t = plan[ti];
+      const int64_t slot = weights.slots.slot_of_expert[t.expert];
+      const int64_t ldc = (t.p1 - t.p0) * kPanel;
+      Scratch scratch;
+      float* C = scratch.take<float>(t.rows * ldc, what);
+      if (a16)
+        w.multiply(slot, a16 + t.row0 * ld, ld, t.rows, t.p0, t.p1, C, ldc);
+      else if (aq.qa)
+        w.multiply(slot, aq.from(t.row0), t.rows, t.p0, t.p1, C, ldc);
+      else
+        w.multiply(slot, a + t.row0 * ld, ld, t.rows, t.p0, t.p1, C, ldc);
+      epilogue(t, slot, C, ldc, scratch);
+    });
+  }
+
   // xs[position] = the hidden_states row of the slot at that sorted position, as fp32.
   // (bf16 rows: xs16, zero padded to bf16_padded_k(H); level 4: only xq, each row quantized from
   // hidden_states' row, fp32 as it is, else widened into a scratch row first.)
@@ -125,19 +148,7 @@ struct MoeRun {
       act16 = ws.take<uint16_t>(slots() * ldact, "the activations");
     else
       act = ws.take<float>(slots() * ldact, "the activations");
-    const std::vector<Task> plan = tasks(w);
-    parallel_for(ctx, plan.size(), [&](size_t ti) {
-      const Task& t = plan[ti];
-      const int64_t slot = weights.slots.slot_of_expert[t.expert];
-      const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      Scratch scratch;
-      float* C = scratch.take<float>(t.rows * ldc, "a task's gate/up tile");
-      if (bf16)
-        w.multiply(slot, xs16 + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
-      else if (xq.qa)
-        w.multiply(slot, xq.from(t.row0), t.rows, t.p0, t.p1, C, ldc);
-      else
-        w.multiply(slot, xs + t.row0 * ldx, ldx, t.rows, t.p0, t.p1, C, ldc);
+    const auto activate = [&](const Task& t, int64_t slot, const float* C, int64_t ldc, Scratch& scratch) {
       const float* bias = w.bias_at(slot);
       if (bias) bias += t.p0 * kPanel;
       const int64_t width = (t.p1 - t.p0) * act_columns;  // the task's activations per row
@@ -155,7 +166,8 @@ struct MoeRun {
         round_to_bf16(FloatType::kF32, dst + r * width, width, row);
         std::fill(row + width, row + width + pad, uint16_t{0});
       }
-    });
+    };
+    for_each_tile(w, "a task's gate/up tile", xs, xs16, xq, ldx, activate);
   }
 
   // y[slot] = (act @ W1 (+ b1)) * the slot's routing weight, per slot (tokens-major: y[t*k + j]).
@@ -165,19 +177,7 @@ struct MoeRun {
     y = ws.take<float>(slots() * H, "the weighted expert outputs");
     const FloatType routing_type = float_type(routing.type);
     if (w.takes_int8_rows()) quantize_activations();
-    const std::vector<Task> plan = tasks(w);
-    parallel_for(ctx, plan.size(), [&](size_t ti) {
-      const Task& t = plan[ti];
-      const int64_t slot = weights.slots.slot_of_expert[t.expert];
-      const int64_t ldc = (t.p1 - t.p0) * kPanel;
-      Scratch scratch;
-      float* C = scratch.take<float>(t.rows * ldc, "a task's down tile");
-      if (bf16_rows())
-        w.multiply(slot, act16 + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
-      else if (actq.qa)
-        w.multiply(slot, actq.from(t.row0), t.rows, t.p0, t.p1, C, ldc);
-      else
-        w.multiply(slot, act + t.row0 * ldact, ldact, t.rows, t.p0, t.p1, C, ldc);
+    const auto weigh = [&](const Task& t, int64_t slot, const float* C, int64_t ldc, Scratch&) {
       const int64_t h0 = t.p0 * kPanel, h1 = std::min(H, t.p1 * kPanel);
       const float* b = add_bias ? w.bias_at(slot) + h0 : nullptr;
       for (int64_t r = 0; r < t.rows; ++r) {
@@ -190,7 +190,8 @@ struct MoeRun {
         else
           for (int64_t h = 0; h < h1 - h0; ++h) dst[h] = src[h] * weight;
       }
-    });
+    };
+    for_each_tile(w, "a task's down tile", act, act16, actq, ldact, weigh);
   }
 
   // store(t, row) for every token t, row = sum over j of y[t*k + j] (float32, j in order).

@@ -125,12 +125,8 @@ void check_bias_experts(const Input& experts, int64_t n_bias, const std::vector<
 
 }  // namespace
 
-OrtStatusPtr FinalizeRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MoeFinalizeRouting.name, info, kernel, [&] { return new FinalizeRoutingKernel(info); });
-}
-
-FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info) {
-  where = node_where(signatures::MoeFinalizeRouting.name, Ort::ConstKernelInfo(info));
+FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info)
+    : NodeKernel(signatures::MoeFinalizeRouting, info) {
   const Attributes attrs(info, signatures::MoeFinalizeRouting, where);
   drop_pad = attrs.choice("drop_pad_mode", {0, 1}) == 1;
   scatter = attrs.choice("row_idx_type", {0, 1}) == 1;
@@ -138,10 +134,6 @@ FinalizeRoutingKernel::FinalizeRoutingKernel(const OrtKernelInfo* info) {
     attrs.fail("row_idx_type",
                "is 1 (scatter); expected 0 (gather) for drop_pad_mode 1, the only form MoeInitRouting gives in "
                "drop/pad mode");
-}
-
-OrtStatusPtr FinalizeRoutingKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void FinalizeRoutingKernel::Compute(OrtKernelContext* context) {

@@ -140,20 +140,10 @@ OrtCustomOpInputOutputCharacteristic GatingTopKOp::GetOutputCharacteristic(size_
   return i == SCORES ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
-OrtStatusPtr GatingTopKOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MoeGatingTopK.name, info, kernel,
-                              [&] { return new GatingTopKKernel(info); });
-}
-
-GatingTopKKernel::GatingTopKKernel(const OrtKernelInfo* info) {
+GatingTopKKernel::GatingTopKKernel(const OrtKernelInfo* info) : NodeKernel(signatures::MoeGatingTopK, info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where(signatures::MoeGatingTopK.name, kinfo);
   mode = read_mode(Attributes(info, signatures::MoeGatingTopK, where));
   scores_named = node_has_output(kinfo, SCORES);
-}
-
-OrtStatusPtr GatingTopKKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void GatingTopKKernel::Compute(OrtKernelContext* context) {

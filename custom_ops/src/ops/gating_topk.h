@@ -5,6 +5,7 @@
 #include <string>
 
 #include "op_signatures.h"
+#include "signature_op.h"
 #include "status.h"
 
 namespace moe_onnx {
@@ -21,31 +22,20 @@ struct GatingMode {
   float scale = 1.0f;
 };
 
-struct GatingTopKKernel {
+struct GatingTopKKernel : NodeKernel<GatingTopKKernel> {
   GatingTopKKernel(const OrtKernelInfo* info);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   GatingMode mode;
   bool scores_named = false;  // the node names output 2 (scores)
 };
 
-// One registration per element type of logits (every numeric type, so that a wrong type reaches
-// Compute and gets the op's own message): weights and scores have that type, indices int64.
-struct GatingTopKOp : Ort::CustomOpBase<GatingTopKOp, GatingTopKKernel, true> {
-  explicit GatingTopKOp(ElemType type) : type_(type) {}
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return signatures::MoeGatingTopK.name; }
-  size_t GetInputTypeCount() const { return signatures::MoeGatingTopK.inputs.size(); }
-  ElemType GetInputType(size_t i) const { return i == 0 ? type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return signatures::MoeGatingTopK.outputs.size(); }
+// One registration per element type of logits (SignatureOp): weights and scores have that type, indices
+// int64.
+struct GatingTopKOp : SignatureOp<GatingTopKOp, GatingTopKKernel, signatures::MoeGatingTopK> {
+  using SignatureOp::SignatureOp;
   ElemType GetOutputType(size_t i) const;
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const;
-
- private:
-  ElemType type_;
 };
 
 }  // namespace moe_onnx

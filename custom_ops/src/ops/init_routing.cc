@@ -205,7 +205,7 @@ void write_counts(const RoutingMode& mode, const std::vector<int64_t>& counts, i
 
 ElemType InitRoutingOp::GetOutputType(size_t i) const {
   switch (i) {
-    case EXPANDED_X: return quantized_ ? kInt8 : x_type_;
+    case EXPANDED_X: return quantized_ ? kInt8 : type_;
     case EXPANDED_ROW_IDX: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     case TOKEN_COUNTS: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     default: return kF32;
@@ -216,20 +216,11 @@ OrtCustomOpInputOutputCharacteristic InitRoutingOp::GetOutputCharacteristic(size
   return i >= TOKEN_COUNTS ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
 }
 
-OrtStatusPtr InitRoutingOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  const ElemType out = GetOutputType(EXPANDED_X);
-  return create_kernel_status(api, signatures::MoeInitRouting.name, info, kernel, [&] { return new InitRoutingKernel(info, out); });
-}
-
-InitRoutingKernel::InitRoutingKernel(const OrtKernelInfo* info, ElemType out_type) : output_type(out_type) {
+InitRoutingKernel::InitRoutingKernel(const OrtKernelInfo* info, ElemType out_type)
+    : NodeKernel(signatures::MoeInitRouting, info), output_type(out_type) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where(signatures::MoeInitRouting.name, kinfo);
   mode = read_mode(Attributes(info, signatures::MoeInitRouting, where));
   count_output_named = node_has_output(kinfo, TOKEN_COUNTS);
-}
-
-OrtStatusPtr InitRoutingKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void InitRoutingKernel::Compute(OrtKernelContext* context) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "op_signatures.h"
+#include "signature_op.h"
 #include "status.h"
 
 namespace moe_onnx {
@@ -23,12 +24,10 @@ struct RoutingMode {
   int64_t active_experts() const { return end - start; }
 };
 
-struct InitRoutingKernel {
+struct InitRoutingKernel : NodeKernel<InitRoutingKernel> {
   InitRoutingKernel(const OrtKernelInfo* info, ElemType output_type);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   RoutingMode mode;
   ElemType output_type;       // of expanded_x, as this registration declares it
   bool count_output_named;    // the node names output 2 (expert_tokens_count_or_cumsum)
@@ -38,19 +37,15 @@ struct InitRoutingKernel {
 // read quant_mode. So there are two sets of registrations, one per element type of x each:
 // in domain "moe_onnx" expanded_x has x's type (quant_mode -1), in the library's private domain
 // "moe_onnx.cpp" it is int8 (quant_mode 0 and 1; moe_onnx.runtime moves such nodes there).
-struct InitRoutingOp : Ort::CustomOpBase<InitRoutingOp, InitRoutingKernel, true> {
-  InitRoutingOp(ElemType x_type, bool quantized) : x_type_(x_type), quantized_(quantized) {}
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return signatures::MoeInitRouting.name; }
-  size_t GetInputTypeCount() const { return signatures::MoeInitRouting.inputs.size(); }
-  ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return signatures::MoeInitRouting.outputs.size(); }
+struct InitRoutingOp : SignatureOp<InitRoutingOp, InitRoutingKernel, signatures::MoeInitRouting> {
+  InitRoutingOp(ElemType x_type, bool quantized) : SignatureOp(x_type), quantized_(quantized) {}
+  InitRoutingKernel* make_kernel(const OrtKernelInfo* info) const {
+    return new InitRoutingKernel(info, GetOutputType(0));  // expanded_x
+  }
   ElemType GetOutputType(size_t i) const;
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const;
 
  private:
-  ElemType x_type_;
   bool quantized_;
 };
 

@@ -148,16 +148,8 @@ void check_constant_weights(ExpertType type, const Checker& v, DimBinder& dims) 
 
 }  // namespace
 
-// Every input is optional for onnxruntime, so that a missing one gets the op's own message.
-OrtCustomOpInputOutputCharacteristic MoeOp::GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-
-OrtStatusPtr MoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MOE.name, info, kernel, [&] { return new MoeKernel(info, files_); });
-}
-
-MoeKernel::MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files) {
+MoeKernel::MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files) : NodeKernel(signatures::MOE, info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where(signatures::MOE.name, kinfo);
   const Attributes attrs(info, signatures::MOE, where);
   config = ExpertConfig::read(attrs);
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
@@ -167,10 +159,6 @@ MoeKernel::MoeKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files)
   constant = constant_experts(
       kinfo, signatures::MOE, where, {W0, B0, W1, B1, W2},
       [type](const Checker& v, DimBinder& dims) { check_constant_weights(type, v, dims); }, packing, files);
-}
-
-OrtStatusPtr MoeKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void MoeKernel::Compute(OrtKernelContext* context) {

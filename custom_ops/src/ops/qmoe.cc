@@ -293,14 +293,9 @@ Quantization read_quantization(const Attributes& attrs) {
 
 }  // namespace
 
-OrtStatusPtr QMoeOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::QMOE.name, info, kernel,
-                              [&] { return new QMoeKernel(info, hidden_type_, files_); });
-}
-
-QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const PackedWeightsFiles* files) {
+QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const PackedWeightsFiles* files)
+    : NodeKernel(signatures::QMOE, info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where(signatures::QMOE.name, kinfo);
   const Attributes attrs(info, signatures::QMOE, where);
   config = ExpertConfig::read(attrs);
   quant = read_quantization(attrs);
@@ -318,10 +313,6 @@ QMoeKernel::QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const Pa
         validate_weights(*this, v, dims, hidden_type);
       },
       packing, files);
-}
-
-OrtStatusPtr QMoeKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 void QMoeKernel::Compute(OrtKernelContext* context) {

@@ -10,6 +10,7 @@
 #include "expert_block.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
+#include "signature_op.h"
 #include "status.h"
 #include "workspace.h"
 
@@ -24,12 +25,10 @@ struct Quantization {
   bool bf16_prefill = false;      // accuracy_level 3 where the ISA table has a bf16 GEMM (qgemm.h)
 };
 
-struct QMoeKernel {
+struct QMoeKernel : NodeKernel<QMoeKernel> {
   QMoeKernel(const OrtKernelInfo* info, ElemType hidden_type, const PackedWeightsFiles* files);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   ExpertConfig config;
   Quantization quant;
   ExpertPacker packing;
@@ -37,22 +36,14 @@ struct QMoeKernel {
   WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 
-// One registration per element type of hidden_states, as MoeOp.
-struct QMoeOp : Ort::CustomOpBase<QMoeOp, QMoeKernel, true> {
+// One registration per element type of hidden_states (SignatureOp): the output has that type.
+struct QMoeOp : SignatureOp<QMoeOp, QMoeKernel, signatures::QMOE> {
   // files: the packed-weights files of the sessions this op is registered for (null: none)
-  QMoeOp(ONNXTensorElementDataType hidden_type, const PackedWeightsFiles* files) : hidden_type_(hidden_type), files_(files) {}
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return signatures::QMOE.name; }
-  size_t GetInputTypeCount() const { return signatures::QMOE.inputs.size(); }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 ? hidden_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return signatures::QMOE.outputs.size(); }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return hidden_type_; }
+  QMoeOp(ElemType hidden_type, const PackedWeightsFiles* files) : SignatureOp(hidden_type), files_(files) {}
+  QMoeKernel* make_kernel(const OrtKernelInfo* info) const { return new QMoeKernel(info, type_, files_); }
+  ElemType GetOutputType(size_t) const { return type_; }
 
  private:
-  ONNXTensorElementDataType hidden_type_;
   const PackedWeightsFiles* files_;
 };
 

@@ -320,15 +320,11 @@ void reduce_partial(const Ort::KernelContext& ctx, const comm::Group& tp, const 
 
 }  // namespace
 
-ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(x_type_); }
+ElemType RowParallelLinearOp::GetOutputType(size_t) const { return output_elem(type_); }
 
-OrtStatusPtr RowParallelLinearOp::CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-  return create_kernel_status(api, signatures::MoeRowParallelLinear.name, info, kernel, [&] { return new RowParallelLinearKernel(info, files_); });
-}
-
-RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files) {
+RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files)
+    : NodeKernel(signatures::MoeRowParallelLinear, info) {
   Ort::ConstKernelInfo kinfo(info);
-  where = node_where(signatures::MoeRowParallelLinear.name, kinfo);
   const Attributes attrs(info, signatures::MoeRowParallelLinear, where);
   input_is_parallel = attrs.choice("input_is_parallel", {0, 1}) == 1;  // no effect on one process
   std::tie(tp_size, tp_rank) = read_group(attrs, "tp_world_size", "tp_rank_id");
@@ -349,10 +345,6 @@ RowParallelLinearKernel::RowParallelLinearKernel(const OrtKernelInfo* info, cons
       w.shape[0], [&](ExpertSlots slots) { return empty_pack(w, accuracy_level, std::move(slots)); },
       [w](PackedExperts& p, int64_t slot) { pack_slot(w, p, slot); }, std::vector<Input>{w},
       packed_file_request(files, kinfo, signatures::MoeRowParallelLinear.name, where, {W}));
-}
-
-OrtStatusPtr RowParallelLinearKernel::ComputeV2(OrtKernelContext* context) {
-  return compute_status(where, [&] { Compute(context); });
 }
 
 std::vector<int64_t> RowParallelLinearKernel::group_widths(const comm::Group& group, int64_t K_q) {

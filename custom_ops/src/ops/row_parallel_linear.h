@@ -11,17 +11,16 @@
 #include "constant_experts.h"
 #include "op_signatures.h"
 #include "packed_weights.h"
+#include "signature_op.h"
 #include "status.h"
 #include "workspace.h"
 
 namespace moe_onnx {
 
-struct RowParallelLinearKernel {
+struct RowParallelLinearKernel : NodeKernel<RowParallelLinearKernel> {
   RowParallelLinearKernel(const OrtKernelInfo* info, const PackedWeightsFiles* files);
   void Compute(OrtKernelContext* context);
-  OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
-  std::string where;
   // num_experts, in_features, out_features as given (has_size false: absent)
   bool has_size[3] = {false, false, false};
   int64_t size[3] = {0, 0, 0};
@@ -37,21 +36,16 @@ struct RowParallelLinearKernel {
   std::vector<int64_t> group_widths(const comm::Group& group, int64_t K_q);
 };
 
-// One registration per element type of X (every numeric type, so that a wrong type reaches Compute
-// and gets the op's own message): Y has X's type, int32 for int8 X.
-struct RowParallelLinearOp : Ort::CustomOpBase<RowParallelLinearOp, RowParallelLinearKernel, true> {
+// One registration per element type of X (SignatureOp): Y has X's type, int32 for int8 X.
+struct RowParallelLinearOp : SignatureOp<RowParallelLinearOp, RowParallelLinearKernel, signatures::MoeRowParallelLinear> {
   // files: the packed-weights files of the sessions this op is registered for (null: none)
-  RowParallelLinearOp(ElemType x_type, const PackedWeightsFiles* files) : x_type_(x_type), files_(files) {}
-  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
-  const char* GetName() const { return signatures::MoeRowParallelLinear.name; }
-  size_t GetInputTypeCount() const { return signatures::MoeRowParallelLinear.inputs.size(); }
-  ElemType GetInputType(size_t i) const { return i == 0 ? x_type_ : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t) const { return INPUT_OUTPUT_OPTIONAL; }
-  size_t GetOutputTypeCount() const { return signatures::MoeRowParallelLinear.outputs.size(); }
+  RowParallelLinearOp(ElemType x_type, const PackedWeightsFiles* files) : SignatureOp(x_type), files_(files) {}
+  RowParallelLinearKernel* make_kernel(const OrtKernelInfo* info) const {
+    return new RowParallelLinearKernel(info, files_);
+  }
   ElemType GetOutputType(size_t) const;
 
  private:
-  ElemType x_type_;
   const PackedWeightsFiles* files_;
 };
 

@@ -149,7 +149,8 @@ std::string PackedFileLayout::header() const {
 
 std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path, const PackedFileLayout& layout,
                                                          std::string* why) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO put in the file's place returns at once (reads of a regular file ignore it)
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     *why = errno == ENOENT ? "there is no " + path : system_error("cannot open", path);
     return nullptr;
@@ -161,6 +162,10 @@ std::unique_ptr<MappedPackedFile> MappedPackedFile::open(const std::string& path
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     *why = system_error("cannot stat", path);
+    return nullptr;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    *why = path + " is not a regular file";
     return nullptr;
   }
   char fixed[kFixedHeader];

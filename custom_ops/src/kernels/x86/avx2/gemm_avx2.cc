@@ -3,6 +3,7 @@
 
 #include "gemm.h"
 #include "row_dispatch.h"
+#include "x86/avx2/simd_avx2.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -13,19 +14,16 @@ namespace {
 // (a float stored and loaded back is exact, so the sum over k keeps its order and its bits).
 constexpr int64_t kKBlock = 512;
 
-// One 16-wide panel row widened to fp32 (exact for fp16 and bf16): lo = columns 0-7, hi = 8-15.
-// bf16 rows are stored interleaved (bf16_lane): the even 16-bit lanes shifted up are
-// columns 0-7, the odd lanes masked are columns 8-15.
+// One 16-wide panel row widened to fp32 (exact for fp16 and bf16): lo = columns 0-7, hi = 8-15 (bf16
+// rows are stored in bf16_lane's order: the even elements are columns 0-7, the odd ones 8-15).
 template <FloatType W>
 inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
+  const uint16_t* row16 = static_cast<const uint16_t*>(B) + i;
   if (W == FloatType::kF16) {
-    const __m128i* p = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(B) + i);
-    lo = _mm256_cvtph_ps(_mm_loadu_si128(p));
-    hi = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+    lo = Avx2::widen_f16(row16);
+    hi = Avx2::widen_f16(row16 + 8);
   } else if (W == FloatType::kBF16) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i));
-    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    Avx2::widen_bf16_pairs(row16, lo, hi);
   } else {
     lo = _mm256_loadu_ps(static_cast<const float*>(B) + i);
     hi = _mm256_loadu_ps(static_cast<const float*>(B) + i + 8);

@@ -9,6 +9,7 @@
 
 #include "gemm.h"
 #include "row_dispatch.h"
+#include "x86/avx512/simd_avx512.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -31,27 +32,13 @@ inline const void* advance(const void* B, int64_t elems) {
   return static_cast<const char*>(B) + elems * elem_bytes<W>();
 }
 
-// Panel row k of B (16 elements from element offset i) widened to fp32 (exact for fp16 and bf16).
-// bf16 rows are interleaved (bf16_lane: columns 0, 8, 1, 9, ...): the row is loaded into both
-// 256-bit halves and one byte shuffle moves each column's two bytes to the high half of its lane
-// (the low half zeroed), the even 16-bit elements into the low 8 lanes, the odd into the high 8.
+// Panel row k of B (16 elements from element offset i) widened to fp32 (exact for fp16 and bf16; bf16
+// rows are stored in bf16_lane's order).
 template <FloatType W>
 inline __m512 load16(const void* B, int64_t i) {
-  if (W == FloatType::kF16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i)));
-  } else if (W == FloatType::kBF16) {
-    const __m512i row =
-        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(B) + i)));
-    // Per 128-bit lane (each a copy of 8 elements): lanes 0-1 take the even elements, lanes 2-3
-    // the odd ones; -1 zeroes a byte.
-    const __m512i order = _mm512_set_epi8(15, 14, -1, -1, 11, 10, -1, -1, 7, 6, -1, -1, 3, 2, -1, -1,  //
-                                          15, 14, -1, -1, 11, 10, -1, -1, 7, 6, -1, -1, 3, 2, -1, -1,  //
-                                          13, 12, -1, -1, 9, 8, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1,    //
-                                          13, 12, -1, -1, 9, 8, -1, -1, 5, 4, -1, -1, 1, 0, -1, -1);
-    return _mm512_castsi512_ps(_mm512_shuffle_epi8(row, order));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(B) + i);
-  }
+  if (W == FloatType::kF16) return Avx512::widen_f16(static_cast<const uint16_t*>(B) + i);
+  if (W == FloatType::kBF16) return Avx512::widen_bf16_interleaved(static_cast<const uint16_t*>(B) + i);
+  return _mm512_loadu_ps(static_cast<const float*>(B) + i);
 }
 
 // C[r, 16j + c] (+)= sum_k A[r, k] * panel_j[k][c] for r < MR, j < NP; panel j at B + j * bstride

@@ -1,11 +1,12 @@
-// transpose_tile with AVX-512; this file alone is compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma
-// -mf16c and is only called after a run-time check of the CPU. Elements of 1 or 2 bytes are widened to 32 bits,
-// transposed as 32-bit ones and narrowed again.
+// transpose_tile and quant_code_groups (transpose_tile_simd.h on 16 lanes) with AVX-512; this file alone is
+// compiled with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c and is only called after a run-time
+// check of the CPU. transpose_tile widens elements of 1 or 2 bytes to 32 bits, transposes them as 32-bit ones
+// and narrows them again.
 #include <immintrin.h>
 
-#include <algorithm>
-
 #include "transpose_tile.h"
+#include "x86/avx512/simd_avx512.h"
+#include "x86/transpose_tile_simd.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -36,14 +37,6 @@ void transpose_32bit(__m512i a[16]) {
   }
 }
 
-// interleave_nibbles (transpose_tile.h) on each 32-bit element.
-__m512i interleave_nibbles(__m512i x) {
-  __m512i t = _mm512_and_si512(_mm512_xor_si512(x, _mm512_srli_epi32(x, 8)), _mm512_set1_epi32(0x0000FF00));
-  x = _mm512_xor_si512(x, _mm512_xor_si512(t, _mm512_slli_epi32(t, 8)));
-  t = _mm512_and_si512(_mm512_xor_si512(x, _mm512_srli_epi32(x, 4)), _mm512_set1_epi32(0x00F000F0));
-  return _mm512_xor_si512(x, _mm512_xor_si512(t, _mm512_slli_epi32(t, 4)));
-}
-
 }  // namespace
 
 void transpose_tile_avx512(const void* const* columns, int bytes, void* rows) {
@@ -62,33 +55,9 @@ void transpose_tile_avx512(const void* const* columns, int bytes, void* rows) {
   }
 }
 
-// Four groups of every lane at a time (fewer at the end: masked loads): z[i] holds lanes i, i + 4, i + 8,
-// i + 12 in its 128-bit parts, so a 4x4 transpose of 32-bit elements within the parts leaves group m of
-// lanes 0..15 in order in g[m].
 void quant_code_groups_avx512(const uint8_t* const* lanes, int64_t groups, int64_t per_block, int64_t block_bytes,
                               bool nibbles, uint8_t* out) {
-  GroupPlaces places(out, per_block, block_bytes);
-  for (int64_t j = 0; j < groups; j += 4) {
-    const int64_t n = std::min<int64_t>(4, groups - j);
-    const auto mask = static_cast<__mmask8>((1u << n) - 1);
-    const auto load = [&](int lane) {
-      const uint8_t* p = lanes[lane] + 4 * j;
-      return n == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi32(mask, p);
-    };
-    __m512i z[4];
-    for (int i = 0; i < 4; ++i) {
-      __m512i v = _mm512_castsi128_si512(load(i));
-      v = _mm512_inserti32x4(v, load(i + 4), 1);
-      v = _mm512_inserti32x4(v, load(i + 8), 2);
-      v = _mm512_inserti32x4(v, load(i + 12), 3);
-      z[i] = nibbles ? interleave_nibbles(v) : v;
-    }
-    const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    const __m512i g[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2), _mm512_unpacklo_epi64(t1, t3),
-                          _mm512_unpackhi_epi64(t1, t3)};
-    for (int64_t m = 0; m < n; ++m) _mm512_storeu_si512(places.next(), g[m]);
-  }
+  quant_code_groups_simd<Avx512>(lanes, groups, per_block, block_bytes, nibbles, out);
 }
 
 }  // namespace detail

@@ -1,4 +1,5 @@
-"""Quantizing a fused model's experts: each MOE node becomes a QMOE, and the error is measured.
+"""The Quantize pass: each MOE node of a fused model becomes a QMOE (and, when asked, each linear layer a
+MatMulNBits, the token embedding a GatherBlockQuantized).
 
 Each MOE weight becomes QMOE's ``[E, N, K]`` layout (GEMM2_BIAS_SWIGLU_CLAMP's two weights are
 transposed from MOE's ``[E, K, N]``) and is quantized by :func:`moe_onnx.ops.qmoe.quantize` (int8 or
@@ -6,39 +7,32 @@ int4, per column or block-wise, symmetric or with zero points). An MOE whose wei
 MXFP4 values (every block of 32 along K an E2M1 value times one power of two, as GPT-OSS's
 checkpoint is once transformers dequantizes it) is repacked as quant_type mxfp4 instead: no
 requantization, no error. The quantized initializers are computed while the model is written, one
-expert at a time, like the rewriter's (``_ir/weights.py``). :func:`measure_error` runs the fp32
-and the quantized model on the same random inputs, one session after the other, and reports the error of every
-output and of every quantized layer's output.
+expert at a time, like the rewriter's (``_ir/weights.py``). The error against the fp32 model is measured by the
+quantize job (``moe_onnx/pipeline/quantize.py``); its report types are here, in the :class:`QuantizeReport`.
 
 The weight formats (the packing, the E2M1 table, the rounding) live in ``moe_onnx/ops/qmoe.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
-from ._ir import model_files
-from ._ir.builder import TapeBuilder, replace
-from ._ir.nodes import attribute_value
-from ._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
-from ._ir.weights import weight as constant_weight
-from .check import read_valid
-from .compare import Difference, compare_arrays, worst
-from .ops import DOMAIN, IN_OUR_DOMAIN, signatures
-from .ops._common import EXACT
-from .ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
-from .ops.qmoe import (
+from .._ir.builder import TapeBuilder, replace
+from .._ir.inference import ORT_DOMAIN
+from .._ir.nodes import attribute_value
+from .._ir.passes import RewritePass, RewriteResult, rewritten
+from .._ir.weights import Weight, initializer_expert, release_external, streamed_initializer
+from .._ir.weights import weight as constant_weight
+from ..ops import DOMAIN, IN_OUR_DOMAIN, signatures
+from ..ops._common import EXACT
+from ..ops.moe import GEMM2_BIAS_SWIGLU_CLAMP, LINEARS
+from ..ops.qmoe import (
     ACCURACY_LEVELS,
     E2M1_VALUES,
     E8M0_BIAS,
@@ -48,14 +42,14 @@ from .ops.qmoe import (
     QUANT_MXFP4,
     SCALES,
     ZERO_POINTS,
+    StoredMxfp4,
     pack_codes,
     quantize as quantize_weight,
 )
-from .runtime import session
-from .verify import DEFAULT_SIZES, InputDrawer, format_sizes
+from ..verify import format_sizes
 
-__all__ = ["ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped", "QuantizeError",
-           "QuantizeReport", "QuantizeSettings", "measure_error", "mxfp4_exact", "quantize", "quantize_ir"]
+__all__ = ["EmbeddingReport", "ErrorReport", "ErrorStat", "LayerReport", "LinearReport", "LinearSkipped",
+           "Quantize", "QuantizeError", "QuantizeReport", "QuantizeSettings", "keep_stored_mxfp4", "mxfp4_exact"]
 
 BITS = (4, 8)
 
@@ -72,7 +66,8 @@ class QuantizeSettings:
     ``repack_mxfp4``: an MOE whose weights are exactly MXFP4 becomes quant_type mxfp4 whatever the bits asked
     for; ``linears``: the other linear layers (MatMul and Gemm with a constant weight matrix) become
     com.microsoft::MatMulNBits too, with the same bits, block size (required: MatMulNBits has no per-column
-    scales) and zero points."""
+    scales) and zero points; ``embedding``: the token embedding table (a Gather of the token ids from a constant
+    matrix) becomes com.microsoft::GatherBlockQuantized with the same bits and block size (required)."""
 
     bits: int = 8
     block_size: int = 0
@@ -80,6 +75,7 @@ class QuantizeSettings:
     accuracy_level: int | None = None
     repack_mxfp4: bool = True
     linears: bool = False
+    embedding: bool = False
 
     def check(self) -> None:
         """QuantizeError naming the first setting out of range."""
@@ -95,6 +91,9 @@ class QuantizeSettings:
         if self.linears and block == 0:
             raise QuantizeError("linears: MatMulNBits quantizes in blocks along K; block_size 0 (per column) is "
                                 "not available: give a block size (a power of two in [16, 256])")
+        if self.embedding and block == 0:
+            raise QuantizeError("embedding: GatherBlockQuantized quantizes each row in blocks; block_size 0 (per "
+                                "column) is not available: give a block size (a power of two in [16, 256])")
 
     @property
     def level(self) -> int | None:
@@ -180,20 +179,27 @@ class _ExpertWeight:
         matrix = np.asarray(initializer_expert(self.value, e), dtype=np.float32)
         return matrix.T if self.transposed else matrix
 
+    @property
+    def stored_mxfp4(self) -> StoredMxfp4 | None:
+        """The initializer when it holds MXFP4 codes and scales as stored (a checkpoint's experts, read by
+        moe_onnx.export) in MOE's [E, K, N] layout, which QMOE's [E, N, K] transposes; else None."""
+        tensor = self.value.const_value
+        return tensor if self.transposed and isinstance(tensor, StoredMxfp4) else None
+
 
 class _QuantizedParts:
     """The QMOE inputs made from one weight (packed weight, scales[, zero points]), one expert at a
-    time: ``encode`` quantizes an expert's matrix into its parts, and each part's slice is kept until
-    that part's initializer takes it, so an expert is quantized once while the model is written."""
+    time: ``encode(e)`` gives expert ``e``'s parts, and each part's slice is kept until that part's
+    initializer takes it, so an expert is quantized once while the model is written."""
 
-    def __init__(self, weight: _ExpertWeight, encode: Callable[[np.ndarray], Sequence[np.ndarray | None]]):
-        self._weight, self._encode = weight, encode
+    def __init__(self, experts: int, encode: Callable[[int], Sequence[np.ndarray | None]]):
+        self._encode = encode
         first = self._encode_expert(0)  # the parts' shapes; kept for the writer
-        self.shapes = [None if part is None else (weight.shape[0], *part.shape) for part in first]
+        self.shapes = [None if part is None else (experts, *part.shape) for part in first]
         self._pending: list[dict[int, np.ndarray]] = [{} if part is None else {0: part} for part in first]
 
     def _encode_expert(self, e: int) -> list[np.ndarray | None]:
-        return list(self._encode(self._weight.expert(e)))
+        return list(self._encode(e))
 
     def slice(self, part: int, e: int) -> np.ndarray:
         if e not in self._pending[part]:
@@ -226,9 +232,12 @@ class LayerReport(_QuantizedLayer):
     indices: str  # the node's router_topk_output_indices
     expert_type: str
     quant_type: str
+    stored: bool = False  # MXFP4 codes and scales taken as stored (a checkpoint's), not found by a scan
 
     def describe(self) -> str:
-        if self.quant_type == QUANT_MXFP4:
+        if self.stored:
+            how = "mxfp4 (the checkpoint's codes and scales, as stored)"
+        elif self.quant_type == QUANT_MXFP4:
             how = "mxfp4 (the weights are exactly MXFP4: repacked, not requantized)"
         else:
             block = "per column" if self.block_size == 0 else f"block {self.block_size}"
@@ -275,35 +284,46 @@ def _is_mxfp4(weights: Sequence[_ExpertWeight]) -> bool:
     return True
 
 
-def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], bool]:
-    """The node's weights and whether they are repacked as MXFP4; QuantizeError when the settings cannot
-    quantize them."""
+#: how a node's experts are stored in its QMOE: as the MXFP4 tensors hold them, repacked as exactly MXFP4, or
+#: quantized to int
+_STORED, _EXACT, _INT = "stored", "exact", "int"
+
+
+def _plan(graph: ir.Graph, node: ir.Node, settings: QuantizeSettings) -> tuple[list[_ExpertWeight], str]:
+    """The node's weights and how they are stored (_STORED, _EXACT or _INT); QuantizeError when the settings
+    cannot quantize them."""
     weights = _expert_weights(node, graph)
-    mxfp4 = settings.repack_mxfp4 and _is_mxfp4(weights)
-    if not mxfp4:
-        _check_divides(node, weights, settings)
-    return weights, mxfp4
+    if settings.repack_mxfp4 and all(w.stored_mxfp4 is not None for w in weights):
+        return weights, _STORED
+    if settings.repack_mxfp4 and _is_mxfp4(weights):
+        return weights, _EXACT
+    _check_divides(node, weights, settings)
+    return weights, _INT
 
 
-def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], mxfp4: bool,
+def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeight], how: str,
                    settings: QuantizeSettings) -> LayerReport:
     """Replace MOE ``node`` by a QMOE with lazily quantized ``weights``; returns what was done."""
+    mxfp4 = how != _INT
     layer = LayerReport(
         node=node.name or node.outputs[0].name, output=node.outputs[0].name, routing_weights=node.inputs[1].name,
         indices=node.inputs[2].name, expert_type=node.attributes["expert_type"].as_string(),
         quant_type=QUANT_MXFP4 if mxfp4 else QUANT_INT, bits=4 if mxfp4 else settings.bits,
         block_size=MXFP4_BLOCK if mxfp4 else settings.block_size, zero_points=not mxfp4 and settings.zero_points,
         accuracy_level=settings.level_for(attribute_value(node, "accuracy_level", EXACT), mxfp4),
-        weight_bytes_before=0, weight_bytes_after=0)
+        weight_bytes_before=0, weight_bytes_after=0, stored=how == _STORED)
 
-    def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
-        if mxfp4:
-            return mxfp4_exact(matrix)
-        return quantize_weight(matrix, bits=layer.bits, block_size=layer.block_size, symmetric=not layer.zero_points)
+    def encoder(w: _ExpertWeight) -> Callable[[int], Sequence[np.ndarray | None]]:
+        if how == _STORED:
+            return lambda e: (*w.stored_mxfp4.mxfp4_expert(e), None)
+        if how == _EXACT:
+            return lambda e: mxfp4_exact(w.expert(e))
+        return lambda e: quantize_weight(w.expert(e), bits=layer.bits, block_size=layer.block_size,
+                                         symmetric=not layer.zero_points)
 
     inputs = list(node.inputs) + [None] * (len(signatures.QMOE.inputs) - len(node.inputs))
     for w in weights:
-        parts = _QuantizedParts(w, encode)
+        parts = _QuantizedParts(w.shape[0], encoder(w))
         positions = (w.index, SCALES[w.index], ZERO_POINTS[w.index])
         for part, (position, shape) in enumerate(zip(positions, parts.shapes)):
             if shape is None:
@@ -329,8 +349,6 @@ def _quantize_node(graph: ir.Graph, node: ir.Node, weights: Sequence[_ExpertWeig
 
 # ----------------------------------------------------------------------------- linear layers
 
-#: onnxruntime's contrib domain, where MatMulNBits lives
-ORT_DOMAIN = "com.microsoft"
 #: the weight types MatMulNBits' CPU kernel takes (its scales have the activations' type)
 _LINEAR_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 #: the ops that end the search for a router's consumer: another layer starts there
@@ -474,12 +492,14 @@ class _LinearRows:
         self.shape = (-(-linear.n // _ROWS_PER_CHUNK), _ROWS_PER_CHUNK, self.padded_k)
 
     def expert(self, chunk: int) -> np.ndarray:
-        rows = slice(chunk * _ROWS_PER_CHUNK, (chunk + 1) * _ROWS_PER_CHUNK)
-        whole = self._linear.weight.array()
-        matrix = np.zeros((len(range(self._linear.n)[rows]), self.padded_k), np.float32)
-        matrix[:, :self._linear.k] = whole[rows] if self._linear.transposed else whole[:, rows].T
-        del whole  # a view of the memory-mapped source, which is unmapped next
-        release_external([self._linear.weight.source])
+        start = chunk * _ROWS_PER_CHUNK
+        stop = min(self._linear.n, start + _ROWS_PER_CHUNK)
+        weight = self._linear.weight
+        matrix = np.zeros((stop - start, self.padded_k), np.float32)
+        # the chunk's rows alone: a view of a memory-mapped source (unmapped next), or a lazy source's range
+        matrix[:, :self._linear.k] = weight.rows(0, start, stop) if self._linear.transposed else \
+            weight.rows(1, start, stop).T
+        release_external([weight.source])
         return matrix
 
 
@@ -498,20 +518,23 @@ def _row_slices(parts: _QuantizedParts, part: int) -> Callable[[int], np.ndarray
     return row
 
 
-def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSettings) -> list[ir.Value | None]:
+def _linear_initializers(graph: ir.Graph, linear: _Linear, settings: QuantizeSettings, *,
+                         rows_shape: bool = False) -> list[ir.Value | None]:
     """MatMulNBits' initializers for ``linear``'s weight, computed while the model is written: B [N, blocks,
-    block_size * bits / 8] uint8, scales [N, blocks] of the weight's type, zero points [N, ceil(blocks * bits
-    / 8)] uint8 (None when symmetric), packed low bits first as QMOE's."""
+    block_size * bits / 8] uint8 (with ``rows_shape``, GatherBlockQuantized's [N, blocks * block_size * bits / 8]),
+    scales [N, blocks] of the weight's type, zero points [N, ceil(blocks * bits / 8)] uint8 (None when
+    symmetric), packed low bits first as QMOE's."""
     rows = _LinearRows(linear, settings.block_size)
     blob = settings.block_size * settings.bits // 8
+    row_shape = (rows.blocks * blob,) if rows_shape else (rows.blocks, blob)
 
     def encode(matrix: np.ndarray) -> Sequence[np.ndarray | None]:
         packed, scales, zero_points = quantize_weight(matrix, bits=settings.bits, block_size=settings.block_size,
                                                       symmetric=not settings.zero_points)
-        return packed.reshape(len(matrix), rows.blocks, blob), scales, zero_points
+        return packed.reshape(len(matrix), *row_shape), scales, zero_points
 
-    parts = _QuantizedParts(rows, encode)
-    shapes = [(linear.n, rows.blocks, blob), (linear.n, rows.blocks),
+    parts = _QuantizedParts(rows.shape[0], lambda chunk: encode(rows.expert(chunk)))
+    shapes = [(linear.n, *row_shape), (linear.n, rows.blocks),
               (linear.n, -(-rows.blocks * settings.bits // 8)) if settings.zero_points else None]
     dtypes = [ir.DataType.UINT8, linear.weight.dtype, ir.DataType.UINT8]
     return [None if shape is None else streamed_initializer(
@@ -547,6 +570,77 @@ def _quantize_linears(graph: ir.Graph, linears: Sequence[_Linear], settings: Qua
         matmul = op.MatMulNBits(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, K=linear.k, N=linear.n,
                                 bits=settings.bits, block_size=settings.block_size, accuracy_level=settings.level)
         replace(node, matmul, op)
+    return reports
+
+
+# ----------------------------------------------------------------------------- the token embedding
+
+@dataclasses.dataclass
+class EmbeddingReport(_QuantizedLayer):
+    """The token embedding's Gather made a com.microsoft::GatherBlockQuantized: its table's bytes before and
+    after; ``float_kept``: another node reads the float table too (an lm_head tied to it, left float)."""
+
+    vocabulary: int
+    hidden: int
+    float_kept: bool = False
+
+    def describe(self) -> str:
+        kept = " (the float table stays for its other readers: quantize them too with --linears)" \
+            if self.float_kept else ""
+        return (f"{self.node}: embedding [{self.vocabulary}, {self.hidden}] -> GatherBlockQuantized int{self.bits} "
+                f"block {self.block_size}, {self.weight_bytes_before:,} -> {self.weight_bytes_after:,} bytes{kept}")
+
+
+def _embeddings(graph: ir.Graph, settings: QuantizeSettings) -> tuple[list[_Linear], list[LinearSkipped]]:
+    """The main graph's token embeddings: Gathers on axis 0 of a graph input's integer ids from a constant float
+    matrix [vocabulary, hidden] (an initializer, possibly behind layout ops), as linears whose weight is [N, K] =
+    [vocabulary, hidden]; and those left float, with the reason."""
+    found, skipped = [], []
+    inputs = set(graph.inputs)
+    for node in graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type != "Gather" or node.inputs[1] not in inputs \
+                or node.attributes.get_int("axis", 0) != 0:
+            continue
+        table = constant_weight(node.inputs[0])
+        if table is None or len(table.shape) != 2 or graph.initializers.get(table.source.name) is not table.source:
+            continue
+        linear = _Linear(node, table, transposed=True)
+        name = node.name or node.outputs[0].name
+        if table.dtype not in _LINEAR_TYPES:
+            skipped.append(LinearSkipped(name, table.source.name, f"its table is {table.dtype.name.lower()} "
+                                         "(GatherBlockQuantized's CPU kernel takes float32 or float16 scales)"))
+        elif linear.k % settings.block_size:
+            skipped.append(LinearSkipped(name, table.source.name, f"hidden size {linear.k} is not a multiple of the "
+                                         f"block size {settings.block_size}"))
+        else:
+            found.append(linear)
+    return found, skipped
+
+
+def _quantize_embeddings(graph: ir.Graph, tables: Sequence[_Linear], settings: QuantizeSettings
+                         ) -> list[EmbeddingReport]:
+    """Replace each embedding Gather by a com.microsoft::GatherBlockQuantized of its table quantized along the
+    hidden axis (gather_axis 0, quantize_axis 1; MatMulNBits' packing: the data [vocabulary, hidden * bits / 8],
+    scales [vocabulary, hidden / block_size], zero points 2^(bits-1) when symmetric)."""
+    reports = []
+    for table in tables:
+        node = table.node
+        packed, scales, zero_points = _linear_initializers(graph, table, settings, rows_shape=True)
+        report = EmbeddingReport(node=node.name or node.outputs[0].name, output=node.outputs[0].name,
+                                 bits=settings.bits, block_size=settings.block_size,
+                                 zero_points=settings.zero_points, accuracy_level=EXACT,
+                                 weight_bytes_before=table.weight.source.const_value.nbytes,
+                                 weight_bytes_after=sum(math.prod(v.shape.numpy()) * int(v.dtype.itemsize)
+                                                        for v in (packed, scales, zero_points) if v is not None),
+                                 vocabulary=table.n, hidden=table.k)
+        inputs = [packed, node.inputs[1], scales, zero_points]
+        while inputs[-1] is None:
+            inputs.pop()
+        op = TapeBuilder()
+        gathered = op.GatherBlockQuantized(*inputs, _domain=ORT_DOMAIN, _version=1, _name=node.name, gather_axis=0,
+                                           quantize_axis=1, block_size=settings.block_size, bits=settings.bits)
+        replace(node, gathered, op)
+        reports.append(report)
     return reports
 
 
@@ -593,6 +687,8 @@ class QuantizeReport:
     error: ErrorReport | None = None
     linears: list[LinearReport] = dataclasses.field(default_factory=list)
     linears_float: list[LinearSkipped] = dataclasses.field(default_factory=list)
+    embeddings: list[EmbeddingReport] = dataclasses.field(default_factory=list)
+    embeddings_float: list[LinearSkipped] = dataclasses.field(default_factory=list)
 
     @property
     def weight_bytes_before(self) -> int:
@@ -616,6 +712,12 @@ class QuantizeReport:
             lines += [f"  {linear.describe()}" for linear in self.linears]
             lines += [f"  left float: {skipped.node} (weight {skipped.weight}): {skipped.reason}"
                       for skipped in self.linears_float]
+        if self.settings.embedding:
+            lines.append(f"quantize: {len(self.embeddings)} token embedding"
+                         f"{'s' if len(self.embeddings) != 1 else ''} -> com.microsoft::GatherBlockQuantized")
+            lines += [f"  {embedding.describe()}" for embedding in self.embeddings]
+            lines += [f"  left float: {skipped.node} (table {skipped.weight}): {skipped.reason}"
+                      for skipped in self.embeddings_float]
         lines += [f"  note: {note}" for note in self.notes]
         before, after = self.weight_bytes_before, self.weight_bytes_after
         if experts:
@@ -649,8 +751,7 @@ def _is_moe(node: ir.Node) -> bool:
     return node.domain == DOMAIN and node.op_type == "MOE"
 
 
-def quantize_ir(model: ir.Model, settings: QuantizeSettings,
-                progress: Callable[[str], None] | None = None) -> QuantizeReport:
+def _quantize(model: ir.Model, settings: QuantizeSettings, progress: Callable[[str], None] | None) -> QuantizeReport:
     """Replace every MOE node of ``model``'s main graph by a QMOE, in place (MOE nodes inside subgraphs
     are left as they are, with a note), and with ``settings.linears`` every MatMul and Gemm of the main
     graph whose weight is a constant float32/float16 matrix by a com.microsoft::MatMulNBits (K padded with
@@ -665,23 +766,22 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
     nested = [node for node in ir.traversal.RecursiveGraphIterator(model.graph) if _is_moe(node)
               and node.graph is not model.graph]
     linears, left_float = _plan_linears(model.graph, settings) if settings.linears else ([], [])
-    if not nodes and not linears:
-        if settings.linears:
-            why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
-            raise QuantizeError("the model has no MOE node and no linear layer (MatMul or Gemm with a constant "
-                                f"weight matrix) to quantize{why}")
-        raise QuantizeError("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a "
-                            "model fused by `moe-onnx optimize` (target moe): run that first")
+    tables, tables_float = _embeddings(model.graph, settings) if settings.embedding else ([], [])
+    if not nodes and not linears and not tables:
+        raise QuantizeError(_nothing_to_quantize(model.graph, settings, left_float + tables_float))
     if nodes:
-        say("reading the expert weights")
+        say(f"planning {len(nodes)} MOE node{'s' if len(nodes) != 1 else ''} (their weights are quantized as they "
+            "are written)")
     plans = [(node, *_plan(model.graph, node, settings)) for node in nodes]
-    report = QuantizeReport(settings, [], linears_float=left_float)
-    for node, weights, mxfp4 in plans:
-        say(f"quantizing MOE node '{node.name}'")
-        report.layers.append(_quantize_node(model.graph, node, weights, mxfp4, settings))
+    report = QuantizeReport(settings, [], linears_float=left_float, embeddings_float=tables_float)
+    for node, weights, how in plans:
+        report.layers.append(_quantize_node(model.graph, node, weights, how, settings))
     if linears:
-        say(f"quantizing {len(linears)} linear layers")
+        say(f"planning {len(linears)} linear layers")
         report.linears = _quantize_linears(model.graph, linears, settings)
+    if tables:
+        report.embeddings = _quantize_embeddings(model.graph, tables, settings)
+    if linears or tables:
         model.opset_imports.setdefault(ORT_DOMAIN, 1)
     if nested:
         report.notes.append(f"{len(nested)} MOE node(s) inside subgraphs (If/Loop/Scan bodies) stay unquantized: "
@@ -691,141 +791,63 @@ def quantize_ir(model: ir.Model, settings: QuantizeSettings,
         report.notes.append(f"accuracy_level {settings.level} does not apply to the MXFP4 nodes "
                             f"({', '.join(repacked)}): they keep their MOE's")
     common_passes.RemoveUnusedNodesPass()(model)  # drops the float weights
-    for linear, report_line in zip(linears, report.linears):
+    for linear, report_line in (*zip(linears, report.linears), *zip(tables, report.embeddings)):
         report_line.float_kept = linear.weight.source.name in model.graph.initializers
     return report
 
 
-def quantize(model, settings: QuantizeSettings, *, measure: bool = True, backend: str = "cpp",
-             sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0,
-             progress: Callable[[str], None] | None = None):
-    """:func:`moe_onnx.quantize` in memory: quantize ``model`` (a path, read as ``moe-onnx quantize`` reads it
-    (:func:`moe_onnx.check.read_valid`) and loaded whole with its external data, an ``onnx.ModelProto`` or an
-    ``onnx_ir.Model``, changed in place) with ``settings`` (:func:`quantize_ir`)
-    and, with ``measure``, put its error against the model as it was into the report (:func:`measure_error`
-    on ``backend`` at ``sizes``, inputs seeded by ``seed``). Returns ``(quantized, report)``: an
-    ``onnx_ir.Model`` for one, else a ModelProto. Both models are serialized to protos, so the model must be
-    under 2 GB; ``moe_onnx.pipeline.quantize_file`` streams larger ones to disk. Raises QuantizeError as
-    :func:`quantize_ir` does, :class:`moe_onnx._ir.model_files.ModelFileError` for a path the command line
-    refuses (with its message), and what onnxruntime raises when the error cannot be measured."""
-    settings.check()
-    if isinstance(model, ir.Model):
-        ir_model = model
-    elif isinstance(model, onnx.ModelProto):
-        ir_model = ir.serde.deserialize_model(model)
-    else:  # loaded whole (external data included), so that both models run from memory
-        ir_model = ir.serde.deserialize_model(model_files.with_data(read_valid(model), model))
-    original = ir.serde.serialize_model(ir_model) if measure else None
-    report = quantize_ir(ir_model, settings, progress=progress)
-    quantized = ir.serde.serialize_model(ir_model)
-    if measure:
-        report.error = measure_error(original, quantized, report.layers, linears=report.linears, backend=backend,
-                                     sizes=sizes, seed=seed)
-    return (ir_model if isinstance(model, ir.Model) else quantized), report
+class Quantize(RewritePass):
+    """Quantizing a model in place as a pass (the pass protocol of ``moe_onnx/_ir/passes.py``; :func:`_quantize`
+    says what it does and raises): the MOE nodes made QMOE, the linears made MatMulNBits and the embedding made
+    GatherBlockQuantized as rewrites, those left float as near-misses; the whole :class:`QuantizeReport` in
+    ``report`` once it ran."""
+
+    def __init__(self, settings: QuantizeSettings, progress: Callable[[str], None] | None = None) -> None:
+        self.settings, self.progress = settings, progress
+        self.report: QuantizeReport | None = None
+
+    def call(self, model: ir.Model) -> RewriteResult:
+        self.report = report = _quantize(model, self.settings, self.progress)
+        skipped = [{"rule": rule, "node": line.node, "reason": line.reason}
+                   for rule, lines in (("MatMulNBits", report.linears_float),
+                                       ("GatherBlockQuantized", report.embeddings_float)) for line in lines]
+        return rewritten(model, {"QMOE": len(report.layers), "MatMulNBits": len(report.linears),
+                                 "GatherBlockQuantized": len(report.embeddings)},
+                         near_misses=skipped, notes=report.notes)
 
 
-# ----------------------------------------------------------------------------- the error
-
-def measure_error(original, quantized, layers: Sequence[LayerReport] = (), *, linears: Sequence[LinearReport] = (),
-                  backend: str = "cpp", sizes: Sequence[Sequence[int]] = DEFAULT_SIZES, seed: int = 0) -> ErrorReport:
-    """Run ``original`` and ``quantized`` (paths or ModelProtos) on the same random inputs at each size
-    (values of the symbolic input dims, in order; drawn by :class:`moe_onnx.verify.InputDrawer`: a model with a
-    cache runs each size as a prompt and as the next token) on ``backend``: the error of every floating-point
-    graph output, of each of ``layers``' and ``linears``' outputs, and the tokens each layer routes to other
-    experts than the original, over all sizes. One session at a time: ``original`` runs on every input first
-    (its outputs kept) and is released before ``quantized`` is loaded, so the peak memory is the larger model's."""
-    proto = _proto_without_data(original)
-    graph_outputs = [o.name for o in proto.graph.output]
-    extra = [name for layer in layers for name in (layer.output, layer.routing_weights, layer.indices)]
-    extra += [linear.output for linear in linears]
-    names = list(dict.fromkeys(graph_outputs + extra))
-    with _with_outputs(original, extra) as original_model:
-        reference_sess = session(original_model, backend=backend)
-        drawer = InputDrawer.of(reference_sess, proto)
-        runs = [dims for size in sizes for dims in drawer.runs(size)]
-        feeds = [drawer.feeds(dims, seed=seed + index) for index, dims in enumerate(runs)]
-        references = [dict(zip(names, reference_sess.run(names, run_feeds))) for run_feeds in feeds]
-        del reference_sess  # one session at a time: the unquantized weights are freed before the quantized load
-    errors = {name: _Error(name) for name in names}
-    with _with_outputs(quantized, extra) as quantized_model:
-        quantized_sess = session(quantized_model, backend=backend)
-        for run_feeds, expected in zip(feeds, references):
-            got = dict(zip(names, quantized_sess.run(names, run_feeds)))
-            for name in names:
-                errors[name].add(expected[name], got[name])
-            for layer in layers:
-                errors[layer.output].add_routing(expected[layer.indices], got[layer.indices],
-                                                 expected[layer.routing_weights], got[layer.routing_weights])
-    float_outputs = [name for name in graph_outputs if errors[name].floating]
-    return ErrorReport(backend, [list(s) for s in sizes], seed, [errors[name].stat() for name in float_outputs],
-                       [errors[layer.output].stat() for layer in layers],
-                       [errors[linear.output].stat() for linear in linears])
+def _nothing_to_quantize(graph: ir.Graph, settings: QuantizeSettings, left_float: Sequence[LinearSkipped]) -> str:
+    """Why a model has nothing to quantize: its experts are QMOE already (quantized before), or it is not fused;
+    and with --linears or --embedding, what stayed float."""
+    quantized = [node for node in graph if node.domain == DOMAIN and node.op_type == "QMOE"]
+    asked = " and ".join(what for what, on in (("no linear layer (MatMul or Gemm with a constant weight matrix)",
+                                                settings.linears),
+                                               ("no token embedding (a Gather of the token ids from a constant "
+                                                "table)", settings.embedding)) if on)
+    why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
+    if quantized:
+        kinds = sorted({f"{attribute_value(n, 'quant_type', QUANT_INT)} {attribute_value(n, 'bits', 0)}-bit"
+                        for n in quantized})
+        more = f"; {asked} to quantize{why}" if asked else (
+            ": nothing is left to quantize (--linears and --embedding quantize the other layers)")
+        return (f"the model's {len(quantized)} expert block{'s are' if len(quantized) != 1 else ' is'} quantized "
+                f"already (QMOE, {', '.join(kinds)}){more}")
+    if asked:
+        return f"the model has no MOE node and {asked} to quantize{why}"
+    return ("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a model fused by "
+            "`moe-onnx optimize` (target moe): run that first")
 
 
-class _Error:
-    """The running error of one tensor (and, for a layer's output, of its routing) over the sizes
-    (:mod:`moe_onnx.compare`'s rule: a NaN or an infinity the unquantized model does not have is an infinite
-    error)."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.difference = Difference()
-        self.floating = False
-        self.tokens = self.rerouted = self.routing_weight_change = None
-
-    def add(self, expected: np.ndarray, got: np.ndarray) -> None:
-        if not np.issubdtype(expected.dtype, np.floating):
-            return
-        self.floating = True
-        self.difference = worst([self.difference, compare_arrays(expected, got, name=self.name)])
-
-    def add_routing(self, indices: np.ndarray, indices_now: np.ndarray, weights: np.ndarray,
-                    weights_now: np.ndarray) -> None:
-        """Count the tokens (rows of the [..., k] expert indices) whose set of experts differs; for the others,
-        the largest change of an expert's routing weight."""
-        k = indices.shape[-1]
-        order, order_now = np.argsort(indices.reshape(-1, k), axis=1), np.argsort(indices_now.reshape(-1, k), axis=1)
-        chosen = np.take_along_axis(indices.reshape(-1, k), order, axis=1)
-        chosen_now = np.take_along_axis(indices_now.reshape(-1, k), order_now, axis=1)
-        same = (chosen == chosen_now).all(axis=1)
-        self.tokens = (self.tokens or 0) + chosen.shape[0]
-        self.rerouted = (self.rerouted or 0) + int((~same).sum())
-        change = compare_arrays(np.take_along_axis(weights.reshape(-1, k), order, axis=1)[same],
-                                np.take_along_axis(weights_now.reshape(-1, k), order_now, axis=1)[same],
-                                name=f"{self.name}'s routing weights")
-        self.routing_weight_change = max(self.routing_weight_change or 0.0, change.max_abs)
-
-    def stat(self) -> ErrorStat:
-        return ErrorStat(self.name, self.difference.max_abs, self.difference.relative_to_peak,
-                         self.difference.reference_peak, self.tokens, self.rerouted, self.routing_weight_change)
-
-
-@contextlib.contextmanager
-def _with_outputs(model, names: Sequence[str]):
-    """``model`` (path or ModelProto) with the values ``names`` added as graph outputs (typed where the
-    graph's value_info says): a ModelProto, or for a path a temporary copy beside it (so that its external
-    data is found), removed afterwards."""
-    if not names:
-        yield model
-        return
-    proto = onnx.ModelProto()
-    proto.CopyFrom(_proto_without_data(model))
-    known = {v.name: v for v in (*proto.graph.value_info, *proto.graph.output)}
-    declared = {o.name for o in proto.graph.output}
-    for name in dict.fromkeys(names):
-        if name not in declared:
-            proto.graph.output.append(known[name] if name in known else onnx.helper.make_empty_tensor_value_info(name))
-    if not isinstance(model, (str, os.PathLike)):
-        yield proto
-        return
-    handle, path = tempfile.mkstemp(suffix=".onnx", prefix=".layers.", dir=Path(model).parent)
-    os.close(handle)
-    try:
-        onnx.save(proto, path)
-        yield path
-    finally:
-        os.unlink(path)
-
-
-def _proto_without_data(model) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else onnx.load(model, load_external_data=False)
+def keep_stored_mxfp4(model: ir.Model) -> list[LayerReport]:
+    """Every MOE node of ``model``'s main graph whose expert weights all hold MXFP4 as stored (a checkpoint's
+    experts, read by moe_onnx.export) becomes a QMOE of quant_type mxfp4 with those codes and scales, bit for
+    bit (never widened); the other nodes stay as they are. Returns what was done, node by node."""
+    settings = QuantizeSettings(bits=4)
+    layers = []
+    for node in [node for node in model.graph if _is_moe(node)]:
+        weights = _expert_weights(node, model.graph)
+        if all(w.stored_mxfp4 is not None for w in weights):
+            layers.append(_quantize_node(model.graph, node, weights, _STORED, settings))
+    if layers:
+        common_passes.RemoveUnusedNodesPass()(model)
+    return layers
