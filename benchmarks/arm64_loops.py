@@ -10,6 +10,8 @@ prints the cycles per iteration and the multiply-adds per cycle. Speed on a real
 and on what runs between the loops: docs/building.md ("aarch64") puts these numbers next to MLAS's and ggml's.
 
 Usage: python benchmarks/arm64_loops.py [--build build/arm64] [--mca llvm-mca-19] [--cpus neoverse-n1 neoverse-v1]
+       python benchmarks/arm64_loops.py --object OTHER.o [--match REGEX] [--mca ...]   (another library's kernels, built
+       for aarch64 with the cross compiler: the same count on them, for docs/building.md's comparison)
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ def main() -> int:
     parser.add_argument("--build", type=Path, default=ROOT / "build" / "arm64")
     parser.add_argument("--mca", help="an llvm-mca with Neoverse models (LLVM 17 or later: llvm-mca-19)")
     parser.add_argument("--cpus", nargs="+", default=["neoverse-n1", "neoverse-v1", "neoverse-v2"])
+    parser.add_argument("--object", type=Path, nargs="+", help="count these objects' functions instead")
+    parser.add_argument("--match", default="", help="with --object: only the functions whose name has this regex")
     args = parser.parse_args()
     if not shutil.which("aarch64-linux-gnu-objdump"):
         print("arm64_loops: aarch64-linux-gnu-objdump not found (scripts/install_arm64_tools.sh)", file=sys.stderr)
@@ -125,12 +129,15 @@ def main() -> int:
     if args.mca:
         header += "".join(f" {cpu + ' cyc':>16s} {'MAC/cyc':>8s}" for cpu in args.cpus)
     print(header)
-    for kernel, relative in OBJECTS.items():
-        obj = args.build / "CMakeFiles" / relative
+    objects = ({path.name: path for path in args.object} if args.object else
+               {kernel: args.build / "CMakeFiles" / relative for kernel, relative in OBJECTS.items()})
+    for kernel, obj in objects.items():
         if not obj.is_file():
             print(f"{kernel:40s} (no {obj})")
             continue
         for name, code in functions(obj).items():
+            if args.match and not re.search(args.match, name):
+                continue
             best = inner_loop(code)
             if best is None:
                 continue

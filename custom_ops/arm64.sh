@@ -5,7 +5,7 @@
 #   kernels   moe_onnx_kernel_check at every aarch64 level: on a plain NEON CPU (-cpu cortex-a57), one with
 #             dotprod (neoverse-n1), and one with dotprod, i8mm and bf16 (max) at each MOE_ONNX_GEMM cap; each
 #             run must report the level and kernels named here, and every kernel must pass its check
-#   sessions  scripts/arm64_sessions.py: fused models in sessions of onnxruntime's aarch64 library (from its
+#   sessions  tests/arm64_sessions.py: fused models in sessions of onnxruntime's aarch64 library (from its
 #             PyPI wheel, kept in build/arm64/onnxruntime) at each level, against this machine's outputs
 # Usage: custom_ops/arm64.sh [kernels|sessions]...   (default: both). CI runs it after the test suite.
 set -euo pipefail
@@ -76,7 +76,7 @@ kernels() {
 
 sessions() {
     local start=$SECONDS
-    "$python" "$root/scripts/arm64_sessions.py" --build "$build" --sysroot "$sysroot"
+    "$python" "$root/tests/arm64_sessions.py" --build "$build" --sysroot "$sysroot"
     echo "arm64.sh: sessions took $((SECONDS - start)) s"
 }
 

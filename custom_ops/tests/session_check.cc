@@ -2,7 +2,7 @@
 // inputs from .npy files, and writes the outputs as .npy files. It loads onnxruntime's shared library
 // by path (dlopen; nothing is linked), so one build runs any onnxruntime >= the headers' version: on an
 // x86-64 machine, custom_ops/arm64.sh runs its aarch64 build under qemu with the aarch64 library of
-// onnxruntime's PyPI wheel, and compares the outputs with the x86-64 ones (scripts/arm64_sessions.py).
+// onnxruntime's PyPI wheel, and compares the outputs with the x86-64 ones (tests/arm64_sessions.py).
 //
 // Usage: moe_onnx_session_check ORT_LIBRARY OPS_LIBRARY MODEL INPUT_DIR OUTPUT_DIR [THREADS]
 //   INPUT_DIR holds <name>.npy for each graph input (its bytes are taken as the input's element type:

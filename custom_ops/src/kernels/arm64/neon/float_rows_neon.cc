@@ -1,28 +1,16 @@
-// widen_row and narrow_row with Advanced SIMD (float_rows.h), the bits of core/float_convert.h's
-// element forms. The hardware conversions (FCVTL, FCVTN: round to nearest even, subnormals kept, as
-// Linux leaves FPCR) give those bits but for NaN: they quiet a signalling NaN and narrowing keeps the
-// payload's top bits, where the element forms keep a widened payload as it is and narrow every NaN to
-// the sign and 0x7e00; NaN lanes take the element forms' bits.
+// widen_row (float_rows_simd.h on 4 lanes) and narrow_row with Advanced SIMD (float_rows.h), the bits of
+// core/float_convert.h's element forms. The hardware conversions (FCVTL, FCVTN: round to nearest even,
+// subnormals kept, as Linux leaves FPCR) give those bits but for NaN: they quiet a signalling NaN and
+// narrowing keeps the payload's top bits, where the element forms keep a widened payload as it is and
+// narrow every NaN to the sign and 0x7e00; NaN lanes take the element forms' bits.
 #include <arm_neon.h>
 
-#include "float_rows.h"
+#include "arm64/neon/simd_neon.h"
+#include "float_rows_simd.h"
 
 namespace moe_onnx {
 namespace detail {
 namespace {
-
-// half_to_float of 4 elements.
-inline float32x4_t widen_f16(uint16x4_t h) {
-  const float32x4_t value = vcvt_f32_f16(vreinterpret_f16_u16(h));
-  const uint32x4_t bits = vshll_n_u16(h, 16);  // the half's bits in the top 16
-  const uint32x4_t magnitude = vandq_u32(bits, vdupq_n_u32(0x7fff0000u));
-  const uint32x4_t nan = vcgtq_u32(magnitude, vdupq_n_u32(0x7c000000u));
-  // sign | 0x7f800000 | mantissa << 13
-  const uint32x4_t nan_bits = vorrq_u32(vandq_u32(bits, vdupq_n_u32(0x80000000u)),
-                                        vorrq_u32(vdupq_n_u32(0x7f800000u),
-                                                  vshrq_n_u32(vandq_u32(bits, vdupq_n_u32(0x03ff0000u)), 3)));
-  return vbslq_f32(nan, vreinterpretq_f32_u32(nan_bits), value);
-}
 
 // float_to_half of 4 elements.
 inline uint16x4_t narrow_f16(float32x4_t x) {
@@ -46,16 +34,7 @@ inline uint16x4_t narrow_bf16(float32x4_t f) {
 
 }  // namespace
 
-void widen_row_neon(FloatType type, const void* src, float* dst, int64_t n) {
-  const auto* s16 = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  if (type == FloatType::kF16) {
-    for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, widen_f16(vld1_u16(s16 + i)));
-  } else if (type == FloatType::kBF16) {
-    for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(s16 + i), 16)));
-  }
-  widen_row_from(type, src, i, dst, n);
-}
+void widen_row_neon(FloatType type, const void* src, float* dst, int64_t n) { widen_row_simd<Neon>(type, src, dst, n); }
 
 void narrow_row_neon(FloatType type, const float* src, void* dst, int64_t n) {
   auto* d16 = static_cast<uint16_t*>(dst);
