@@ -3,8 +3,9 @@
 # has fails.
 #   packages_installed PACKAGE...          true when dpkg lists every one as installed
 #   install_debian_packages TAG PACKAGE...  installs them (as root, or through sudo), printing TAG: ...;
-#                                          returns 1 when it cannot run as root, 2 when apt-get failed
-#                                          after an update (the caller names other ways to install)
+#                                          returns 1 when it cannot run as root, or when apt-get failed
+#                                          after an update (then it calls the caller's other_systems first,
+#                                          which names other ways to install)
 
 packages_installed() {
     local package status
@@ -38,12 +39,13 @@ install_debian_packages() {
         apt-get install -y --no-install-recommends "${packages[@]}"; then
         return 0
     fi
-    if [[ $updated -eq 1 ]]; then
-        echo "$tag: apt-get could not install ${packages[*]}." >&2
-        return 2
+    if [[ $updated -eq 0 ]]; then
+        echo "$tag: the install failed with the package lists apt had; updating them and trying again"
+        "${as_root[@]}" apt-get update
+        "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            "${packages[@]}" && return 0
     fi
-    echo "$tag: the install failed with the package lists apt had; updating them and trying again"
-    "${as_root[@]}" apt-get update
-    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${packages[@]}" ||
-        return 2
+    echo "$tag: apt-get could not install ${packages[*]}." >&2
+    other_systems
+    return 1
 }

@@ -41,10 +41,5 @@ if packages_installed "${PACKAGES[@]}"; then
     exit 0
 fi
 
-status=0
-install_debian_packages install_arm64_tools "${PACKAGES[@]}" || status=$?
-if [[ $status -eq 2 ]]; then
-    other_systems
-fi
-[[ $status -eq 0 ]] || exit 1
+install_debian_packages install_arm64_tools "${PACKAGES[@]}" || exit 1
 echo "install_arm64_tools: installed ${PACKAGES[*]} ($(aarch64-linux-gnu-g++ --version | head -n 1))"

@@ -37,10 +37,5 @@ if packages_installed "${PACKAGES[@]}"; then
     exit 0
 fi
 
-status=0
-install_debian_packages install_mpi "${PACKAGES[@]}" || status=$?
-if [[ $status -eq 2 ]]; then
-    other_systems
-fi
-[[ $status -eq 0 ]] || exit 1
+install_debian_packages install_mpi "${PACKAGES[@]}" || exit 1
 echo "install_mpi: installed ${PACKAGES[*]} ($(mpiexec --version | head -n 1))"

@@ -4,7 +4,9 @@
 // k order, the activations' operations, the float conversions, level 4's dots), within the stated
 // bound otherwise (the bf16 GEMM of accuracy_level 3). Built beside the libraries from the same
 // object libraries (custom_ops/CMakeLists.txt); custom_ops/arm64.sh runs it under qemu at each aarch64
-// level, custom_ops/sanitize.sh at each x86-64 level. Exit status 0 when every check passes.
+// level. (The x86-64 kernels have the pytest suite's checks, tests/test_kernels.py and the others; this
+// program's are aarch64's contract: x86's F16C, for one, quiets a signalling fp16 NaN as it widens it.)
+// Exit status 0 when every check passes.
 //
 // Usage: moe_onnx_kernel_check [--expect key=value,...]
 //   --expect  the kernel report must hold these values (e.g. level=dotprod,int8_gemm=dotprod): a run

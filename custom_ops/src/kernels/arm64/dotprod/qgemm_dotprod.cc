@@ -131,34 +131,19 @@ void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const 
     for (int j = 0; j < 4; ++j) vst1q_f32(C + r * ldc + 4 * j, out[r][j]);
 }
 
-template <QuantCode Q>
-void dots(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa, int64_t M,
-          const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks();
-  for (int64_t m = 0; m < M; m += kMaxRows) {
-    const int rows = M - m < kMaxRows ? static_cast<int>(M - m) : kMaxRows;
-    const int8_t* a = qa + m * ldq;
-    const int32_t* sums = qa_sums + m * blocks;
-    const float* scales = sa + m * blocks;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* panel = B + p * layout.panel_bytes();
-      float* out = C + m * ldc + (p - p0) * kPanel;
-      switch (rows) {
-        case 4: panel_rows<Q, 4>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        case 3: panel_rows<Q, 3>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        case 2: panel_rows<Q, 2>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        default: panel_rows<Q, 1>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void quant_dots_dotprod(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums,
                         const float* sa, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  if (layout.code == QuantCode::kInt8) return dots<QuantCode::kInt8>(layout, qa, ldq, qa_sums, sa, M, B, p0, p1, C, ldc);
-  dots<QuantCode::kInt4>(layout, qa, ldq, qa_sums, sa, M, B, p0, p1, C, ldc);
+  auto dots = [&](auto code) {
+    for_dot_tiles<kMaxRows>(layout, qa, ldq, qa_sums, sa, M, B, p0, p1, C, ldc,
+                            [&](auto rows, const int8_t* a, const int32_t* sums, const float* scales,
+                                const uint8_t* panel, float* out) {
+                              panel_rows<code(), rows()>(layout, a, ldq, sums, scales, panel, out, ldc);
+                            });
+  };
+  if (layout.code == QuantCode::kInt8) return dots(std::integral_constant<QuantCode, QuantCode::kInt8>{});
+  dots(std::integral_constant<QuantCode, QuantCode::kInt4>{});
 }
 
 }  // namespace detail
