@@ -23,10 +23,13 @@ for tool in aarch64-linux-gnu-g++ qemu-aarch64-static cmake; do
     fi
 done
 
-# The onnxruntime headers of this machine's build, where it fetched them (else CMake fetches them again).
+# The onnxruntime headers of this machine's build, where it fetched them (else CMake fetches them again); once
+# configured, the build folder's cache keeps its own (another choice would rebuild everything).
 ort_include=()
-header=$(find "$root/build" -path "$build" -prune -o -name onnxruntime_cxx_api.h -print 2>/dev/null | head -n 1)
-[[ -n $header ]] && ort_include=(-DMOE_ONNX_ORT_INCLUDE_DIR="$(dirname "$header")")
+if [[ ! -f $build/CMakeCache.txt ]]; then
+    header=$(find "$root/build" -path "$build" -prune -o -name onnxruntime_cxx_api.h -print 2>/dev/null | sort | head -n 1)
+    [[ -n $header ]] && ort_include=(-DMOE_ONNX_ORT_INCLUDE_DIR="$(dirname "$header")")
+fi
 
 start=$SECONDS
 generator=()
