@@ -38,6 +38,17 @@ void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t
                  int64_t p1, float* C, int64_t ldc);
 
 namespace detail {
+// A float panel's element size in bytes (fp32: 4; fp16, bf16: 2), and B moved on by `elems` of them: how
+// the SIMD GEMMs step through their panels.
+template <FloatType W>
+constexpr int64_t panel_element_bytes() {
+  return W == FloatType::kF32 ? 4 : 2;
+}
+template <FloatType W>
+inline const void* panel_advance(const void* B, int64_t elems) {
+  return static_cast<const char*>(B) + elems * panel_element_bytes<W>();
+}
+
 // The kernels of gemm_panels (the table's slot), arguments as there (M > 0, K > 0, p1 > p0).
 using GemmFn = void (*)(FloatType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                         int64_t);

@@ -20,16 +20,6 @@ namespace {
 constexpr int64_t kKBlock = 256;
 constexpr int64_t kMaxRows = 5;
 
-template <FloatType W>
-constexpr int64_t elem_bytes() {
-  return W == FloatType::kF32 ? 4 : 2;
-}
-
-template <FloatType W>
-inline const void* advance(const void* B, int64_t elems) {
-  return static_cast<const char*>(B) + elems * elem_bytes<W>();
-}
-
 // Panel row k of B (16 elements from element offset i) widened to fp32 (exact for fp16 and bf16):
 // b[j] holds columns 4j..4j+3. bf16 rows are interleaved (bf16_lane: columns 0, 8, 1, 9, ...): each
 // 32-bit lane of the row holds column c in its low half and c + 8 in its high half.
@@ -140,10 +130,10 @@ void panel(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, flo
   const int64_t base = M / tiles, extra = M % tiles;
   for (int64_t k0 = 0; k0 < K; k0 += kblock) {
     const int64_t kb = K - k0 < kblock ? K - k0 : kblock;
-    const void* Bk = advance<W>(B, k0 * kPanel);
+    const void* Bk = panel_advance<W>(B, k0 * kPanel);
     // The next block follows this one (the next K block, or the next panel's first).
-    const char* next = static_cast<const char*>(advance<W>(Bk, kb * kPanel));
-    const int64_t lines = (kb * kPanel * elem_bytes<W>() + 63) / 64;
+    const char* next = static_cast<const char*>(panel_advance<W>(Bk, kb * kPanel));
+    const int64_t lines = (kb * kPanel * panel_element_bytes<W>() + 63) / 64;
     const int64_t share = (lines + tiles - 1) / tiles;
     const int64_t every = kb / share > 0 ? kb / share : 1;
     int64_t m = 0;
@@ -170,14 +160,14 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
   // rows two panels, whole K (each weight is read once).
   if (M == 1) {
     for (; p + 4 <= p1; p += 4)
-      micro<W, 1, 4>(A, lda, K, advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0,
+      micro<W, 1, 4>(A, lda, K, panel_advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0,
                      0);
   } else if (M == 2) {
     for (; p + 2 <= p1; p += 2)
-      micro<W, 2, 2>(A, lda, K, advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0,
+      micro<W, 2, 2>(A, lda, K, panel_advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0,
                      0);
   }
-  for (; p < p1; ++p) panel<W>(A, lda, M, K, advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
+  for (; p < p1; ++p) panel<W>(A, lda, M, K, panel_advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
 }
 
 }  // namespace
