@@ -7,6 +7,7 @@ a test: numbers depend on the machine and its load (the load average is printed 
   PYTHONPATH=$PWD python benchmarks/bench_int8.py --full     # + GPT-OSS-20B and Qwen3-30B-A3B, T up to 2048
       [--shapes ...] [--tokens ...] [--ops linear qmoe] [--kernels vnni amx avx2] [--threads 2] [--runs 1]
       [--rounds 3]
+  On aarch64 the children are its levels (default --kernels neon dotprod i8mm; a level the CPU lacks fails its child).
 
 The ISA table is filled once per process, so each int8 kernel runs in its own child process: "amx" (nothing switched:
 the tiles for calls from the threshold's rows, VNNI below it), "vnni" (MOE_ONNX_AMX=off) and, asked for, "avx2"
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -47,8 +49,11 @@ SHAPES = {
 }
 QUICK = dict(shapes=["gpt_oss", "qwen3"], tokens=[1, 16, 128, 512])
 FULL = dict(shapes=list(SHAPES), tokens=[1, 16, 128, 512, 2048])
-# a child's environment per int8 kernel: amx (AMX where the call has the rows), vnni, avx2 (int16 pairs)
-KERNELS = {"amx": {}, "vnni": {"MOE_ONNX_AMX": "off"}, "avx2": {"MOE_ONNX_GEMM": "avx2"}}
+# a child's environment per int8 kernel: amx (AMX where the call has the rows), vnni, avx2 (int16 pairs); aarch64's
+# levels: neon (SMULL + SADALP), dotprod (SDOT), i8mm (SMMLA; level 4's dots on SDOT)
+KERNELS = {"amx": {}, "vnni": {"MOE_ONNX_AMX": "off"}, "avx2": {"MOE_ONNX_GEMM": "avx2"},
+           "neon": {"MOE_ONNX_GEMM": "neon"}, "dotprod": {"MOE_ONNX_GEMM": "dotprod"}, "i8mm": {"MOE_ONNX_GEMM": "i8mm"}}
+DEFAULT_KERNELS = ["neon", "dotprod", "i8mm"] if platform.machine().lower() in ("aarch64", "arm64") else ["vnni", "amx"]
 QMOE_BLOCK = 64  # the largest power of two dividing every shape's K (2880 = 45 * 64): AMX takes blocks >= 64
 REPORT_KEYS = ("int8_gemm", "int8_gemm_tiles", "quant_dots", "quant_tiles", "amx", "amx_reason")
 
@@ -138,7 +143,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int)
     ap.add_argument("--ops", nargs="+", choices=list(OPS), default=list(OPS))
-    ap.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=["vnni", "amx"])
+    ap.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=DEFAULT_KERNELS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1, help="child processes per kernel, alternating")
     ap.add_argument("--rounds", type=int, default=3)

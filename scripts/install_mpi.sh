@@ -6,14 +6,10 @@
 set -euo pipefail
 
 PACKAGES=(openmpi-bin libopenmpi-dev)
-
-installed() {
-    local status
-    for package in "${PACKAGES[@]}"; do
-        status=$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null) || return 1
-        [[ $status == "install ok installed" ]] || return 1
-    done
-}
+here=.
+[[ ${BASH_SOURCE[0]} == */* ]] && here=${BASH_SOURCE[0]%/*}
+# shellcheck source=apt_packages.sh
+source "$here/apt_packages.sh"
 
 other_systems() {
     cat >&2 <<'MSG'
@@ -36,46 +32,10 @@ if ! command -v apt-get >/dev/null || ! command -v dpkg-query >/dev/null; then
     exit 1
 fi
 
-if installed; then
+if packages_installed "${PACKAGES[@]}"; then
     echo "install_mpi: ${PACKAGES[*]} already installed ($(mpiexec --version 2>/dev/null | head -n 1))"
     exit 0
 fi
 
-as_root=()
-if [[ $(id -u) -ne 0 ]]; then
-    if ! command -v sudo >/dev/null; then
-        echo "install_mpi: installing ${PACKAGES[*]} needs root; run as root:" >&2
-        echo "  apt-get update && apt-get install -y --no-install-recommends ${PACKAGES[*]}" >&2
-        exit 1
-    fi
-    echo "install_mpi: not root, using sudo"
-    as_root=(sudo)
-fi
-
-apt_install() {
-    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends "${PACKAGES[@]}"
-}
-
-known_to_apt() {
-    for package in "${PACKAGES[@]}"; do
-        apt-cache policy "$package" 2>/dev/null | grep -q 'Candidate: [^(]' || return 1
-    done
-}
-
-updated=0
-if ! known_to_apt; then
-    "${as_root[@]}" apt-get update
-    updated=1
-fi
-if ! apt_install; then
-    if [[ $updated -eq 1 ]]; then
-        echo "install_mpi: apt-get could not install ${PACKAGES[*]}." >&2
-        other_systems
-        exit 1
-    fi
-    echo "install_mpi: the install failed with the package lists apt had; updating them and trying again"
-    "${as_root[@]}" apt-get update
-    apt_install
-fi
+install_debian_packages install_mpi "${PACKAGES[@]}" || exit 1
 echo "install_mpi: installed ${PACKAGES[*]} ($(mpiexec --version | head -n 1))"

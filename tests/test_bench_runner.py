@@ -36,5 +36,6 @@ def test_runs_a_benchmark_with_its_arguments(monkeypatch):
 
 def test_an_unknown_name_is_refused(capsys):
     assert RUNNER["main"](["nope"]) == 2
-    assert capsys.readouterr().err.startswith("benchmarks/run.py: no benchmark 'nope'; `python benchmarks/run.py "
-                                              "--list` lists them (bf16_compute, ")
+    err = capsys.readouterr().err
+    assert err.startswith("benchmarks/run.py: no benchmark 'nope'; `python benchmarks/run.py --list` lists them (")
+    assert "bf16_compute, " in err

@@ -11,7 +11,9 @@ the first only:
   avx512-bf16  MOE_ONNX_AMX=off: vdpbf16ps for every call (where the CPU has AVX512-BF16)
   portable     MOE_ONNX_GEMM=portable MOE_ONNX_AMX=model: vdpbf16ps's arithmetic in portable code below
                the model's tiles
-  fallback     MOE_ONNX_GEMM=avx2: no bf16 instruction, so level 3 computes level 0's kernels
+  fallback     MOE_ONNX_GEMM=avx2 (aarch64: i8mm): no bf16 instruction, so level 3 computes level 0's kernels
+  arm-bf16     aarch64 only, the bf16 level: BFDOT below kBf16TileRows rows, BFMMLA from there (where the CPU
+               has FEAT_BF16); both round to odd, so MoeRowParallelLinear's bound is 2^-23 a step, not 2^-24
 
 Checked: the error against float64 references within a bf16 bound (MoeRowParallelLinear, a bare GEMM:
 within fp32 summation error of the product of the bf16-rounded operands); results the same bits at 1
@@ -28,6 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import isa_levels
 import ml_dtypes
 import numpy as np
 import pytest
@@ -44,12 +47,11 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 BF16_BOUND = 6 * 2.0**-9  # MOE/QMOE: the largest |error| relative to the largest |output| (three bf16 roundings)
 G2 = dict(expert_type=moe_cases.GEMM2, expert_alpha=1.702, expert_beta=7.0)
 G3 = dict(expert_type=moe_cases.GEMM3)
-MODES = {
-    "amx": {},
+MODES = {  # this architecture's
+    **({"arm-bf16": {}} if isa_levels.ARM64 else {"amx": {}, "avx512-bf16": {"MOE_ONNX_AMX": "off"}}),
     "amx-model": {"MOE_ONNX_AMX": "model"},
-    "avx512-bf16": {"MOE_ONNX_AMX": "off"},
     "portable": {"MOE_ONNX_GEMM": "portable", "MOE_ONNX_AMX": "model"},
-    "fallback": {"MOE_ONNX_GEMM": "avx2"},
+    "fallback": {"MOE_ONNX_GEMM": "i8mm" if isa_levels.ARM64 else "avx2"},
 }
 THREADS = (1, 3)
 
@@ -134,6 +136,8 @@ def paths(tmp_path_factory) -> Callable[[str], tuple[dict, dict | None]]:
 
 
 def _usable(paths, mode: str) -> tuple[dict, dict]:
+    if mode not in MODES:
+        pytest.skip(f"{mode} is not a path of this architecture")
     report, outputs = paths(mode)
     if outputs is None:
         pytest.skip(f"{mode}: {report['unsupported']}")
@@ -141,6 +145,8 @@ def _usable(paths, mode: str) -> tuple[dict, dict]:
         pytest.skip(f"AMX-BF16 is not usable here: {report['amx']} ({report['amx_reason']})")
     if mode == "avx512-bf16" and report["avx512_bf16"] != "yes":
         pytest.skip("this CPU has no AVX512-BF16")
+    if mode == "arm-bf16" and report["bf16_gemm"] != "bfdot":
+        pytest.skip(f"this CPU has no FEAT_BF16 (level {report['level']})")
     return report, outputs
 
 
@@ -150,16 +156,17 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32).astype(BF16).astype(np.float64)
 
 
-def linear_bound(case: Case) -> tuple[np.ndarray, np.ndarray]:
+def linear_bound(case: Case, unit: float = 2.0**-24) -> tuple[np.ndarray, np.ndarray]:
     """MoeRowParallelLinear's X @ W^T + B on X and W rounded to bf16, in float64, and the fp32 summation
-    error bound of each element: (K + 2) 2^-24 times the sum of the |terms|."""
+    error bound of each element: (K + 2) `unit` (a rounding's largest relative error: 2^-24 to nearest, 2^-23
+    to odd) times the sum of the |terms|."""
     x, offsets, w, b = case.inputs
     exact, magnitude = np.zeros((x.shape[0], w.shape[1])), np.zeros((x.shape[0], w.shape[1]))
     for e in range(w.shape[0]):
         rows = slice(offsets[e], offsets[e + 1])
         exact[rows] = _bf16(x[rows]) @ _bf16(w[e]).T + b[e]
         magnitude[rows] = np.abs(_bf16(x[rows])) @ np.abs(_bf16(w[e])).T + np.abs(b[e])
-    return exact, (w.shape[2] + 2) * 2.0**-24 * magnitude
+    return exact, (w.shape[2] + 2) * unit * magnitude
 
 
 def oracle(case: Case) -> np.ndarray:
@@ -168,10 +175,10 @@ def oracle(case: Case) -> np.ndarray:
     return module.oracle(*case.padded_inputs(), **case.attrs)
 
 
-def check_error(case: Case, got: np.ndarray) -> None:
+def check_error(case: Case, got: np.ndarray, rounding_unit: float = 2.0**-24) -> None:
     got = (got.view(BF16) if case.inputs[0].dtype == BF16 else got).astype(np.float64)
     if case.op == "MoeRowParallelLinear":
-        exact, bound = linear_bound(case)
+        exact, bound = linear_bound(case, rounding_unit)
         excess = np.abs(got - exact) - bound
         assert excess.max() <= 0, f"{case.id}: beyond the fp32 summation bound by {excess.max():.3g}"
         return
@@ -187,10 +194,12 @@ BF16_KERNELS = {  # mode: (bf16_gemm, bf16_gemm_tiles) in the kernel report
     "amx-model": (None, "amx-model"),  # bf16_gemm: avx512-bf16 where the CPU has it, else portable
     "avx512-bf16": ("avx512-bf16", "none"),
     "portable": ("portable", "amx-model"),
+    "arm-bf16": ("bfdot", "bfmmla"),
 }
+BF16_KERNELS = {mode: kernels for mode, kernels in BF16_KERNELS.items() if mode in MODES}
 
 
-@pytest.mark.parametrize("mode", [mode if mode == "amx" else pytest.param(mode, marks=pytest.mark.slow)
+@pytest.mark.parametrize("mode", [mode if mode in ("amx", "arm-bf16") else pytest.param(mode, marks=pytest.mark.slow)
                                   for mode in BF16_KERNELS])  # the fast lane: this CPU's own path
 def test_bf16_path_within_bf16_error(paths, mode):
     """The path's kernels are the ones named; level 3 rounds (its result is not level 0's) within the
@@ -212,7 +221,7 @@ def test_bf16_path_within_bf16_error(paths, mode):
             assert got.tobytes() == level_0.tobytes(), f"{case.id}: decode is not level 0's"
         else:
             assert got.tobytes() != level_0.tobytes(), f"{case.id}: level 3 gave level 0's bits"
-        check_error(case, got)
+        check_error(case, got, 2.0**-23 if mode == "arm-bf16" else 2.0**-24)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """scripts/install_mpi.sh on stand-in package tools: what it runs (apt-get update only when needed,
-nothing when MPI is installed) and what it says where it cannot install."""
+nothing when MPI is installed) and what it says where it cannot install; and scripts/install_arm64_tools.sh, which
+installs the same way (scripts/apt_packages.sh)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.subprocess  # the script, in bash
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "install_mpi.sh"
+ARM64_SCRIPT = SCRIPT.with_name("install_arm64_tools.sh")
 TOOLS = ("bash", "cat", "env", "grep", "head")  # the real commands the script uses besides the package tools
 
 
@@ -34,6 +36,7 @@ def _machine(tmp_path: Path, *, apt: bool = True, installed: bool = False, known
         state.touch()
     _stub(bin_dir, "id", f"echo {0 if root else 1000}")
     _stub(bin_dir, "mpiexec", "echo 'mpiexec (OpenRTE) 4.1.4'")
+    _stub(bin_dir, "aarch64-linux-gnu-g++", "echo 'aarch64-linux-gnu-g++ (Debian 12.2.0-14) 12.2.0'")
     if sudo:
         _stub(bin_dir, "sudo", '"$@"')
     if apt:
@@ -46,8 +49,8 @@ def _machine(tmp_path: Path, *, apt: bool = True, installed: bool = False, known
     return {"PATH": str(bin_dir), "CALLS": str(tmp_path / "calls")}
 
 
-def _run(env: dict) -> tuple[int, str, list[str]]:
-    result = subprocess.run([shutil.which("bash"), str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+def _run(env: dict, script: Path = SCRIPT) -> tuple[int, str, list[str]]:
+    result = subprocess.run([shutil.which("bash"), str(script)], env=env, capture_output=True, text=True, timeout=60)
     calls = Path(env["CALLS"]).read_text().splitlines() if os.path.exists(env["CALLS"]) else []
     apt_calls = [c for c in calls if c.startswith(("apt-get", "sudo"))]
     return result.returncode, result.stdout + result.stderr, apt_calls
@@ -90,3 +93,24 @@ def test_without_apt_uses_an_mpi_on_path(tmp_path):
     _stub(Path(env["PATH"]), "mpicc", "")
     code, output, _ = _run(env)
     assert code == 0 and "using the MPI already on PATH" in output
+
+
+ARM64_INSTALL = "apt-get install -y --no-install-recommends g++-aarch64-linux-gnu qemu-user-static"
+
+
+@pytest.mark.parametrize("setting, expected_calls, said", [
+    ({"installed": True}, [], "already installed"),
+    ({"known": False}, ["apt-get update", ARM64_INSTALL], "installed g++-aarch64-linux-gnu qemu-user-static"),
+])
+def test_arm64_tools_install_as_mpi_does(tmp_path, setting, expected_calls, said):
+    code, output, calls = _run(_machine(tmp_path, **setting), ARM64_SCRIPT)
+    assert code == 0, output
+    assert calls == expected_calls and said in output
+
+
+def test_arm64_tools_apt_failure_names_other_systems(tmp_path):
+    env = _machine(tmp_path)
+    _stub(Path(env["PATH"]), "apt-get", "exit 100")  # every install fails, before and after an update
+    code, output, calls = _run(env, ARM64_SCRIPT)
+    assert code == 1 and calls == [ARM64_INSTALL, "apt-get update", ARM64_INSTALL]
+    assert "could not install g++-aarch64-linux-gnu qemu-user-static" in output and "Fedora:" in output

@@ -1,6 +1,6 @@
-"""The int8 MoeRowParallelLinear on every int8 GEMM kernel this machine has (AVX512-VNNI `vpdpbusd`
-on quad panels, AVX2 `vpmaddwd` on pair panels, portable), each exactly the numpy reference's int32;
-and the kernel in use is the best one the CPU has.
+"""The int8 MoeRowParallelLinear on every int8 GEMM kernel this machine has (x86-64: AVX512-VNNI `vpdpbusd`
+on quad panels, AVX2 `vpmaddwd` on pair panels; aarch64: SMMLA, SDOT or SMULL + SADALP on octet panels;
+portable), each exactly the numpy reference's int32; and the kernel in use is the best one the CPU has.
 
 The kernel is chosen once per process (MOE_ONNX_GEMM caps it), so each level runs its cases in a
 child process. Besides the case tables' int8 cases and test_kernels' larger ones (several k blocks,
@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import isa_levels
 import numpy as np
 import pytest
 from cases import Case
@@ -23,27 +24,28 @@ from cases import row_parallel_linear as linear_cases
 
 from moe_onnx.runtime import kernel_report, run, session
 
-LEVELS = ("portable", "avx2", "avx512")  # MOE_ONNX_GEMM values with int8 kernels
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
-CPU = _cpu_flags()
+# MOE_ONNX_GEMM values with int8 kernels of their own
+LEVELS = ("portable", "neon", "dotprod", "i8mm") if isa_levels.ARM64 else ("portable", "avx2", "avx512")
+CPU = isa_levels.cpu_flags()
 HAS_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= CPU
 HAS_VNNI = HAS_AVX512 and "avx512_vnni" in CPU
+# What each level needs of the CPU besides the one before it (/proc/cpuinfo's names)
+NEEDS = {"avx2": {"avx2"}, "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "dotprod": {"asimddp"},
+         "i8mm": {"asimddp", "i8mm"}}
 
 
 def _kernel_for(level: str) -> str:
     """The int8 kernel MOE_ONNX_GEMM=level selects on this CPU."""
-    if level == "portable":
-        return "portable"
+    if level == "portable" or isa_levels.ARM64:
+        return level
     return "avx512-vnni" if level == "avx512" and HAS_VNNI else "avx2"
+
+
+def _best_kernel() -> str:
+    """The int8 kernel this CPU's highest level runs."""
+    if isa_levels.ARM64:
+        return next(level for level in ("i8mm", "dotprod", "neon") if NEEDS.get(level, set()) <= CPU)
+    return "avx512-vnni" if HAS_VNNI else "avx2" if "avx2" in CPU else "portable"
 
 
 def _wrapping_case(name: str, k: int) -> Case:
@@ -75,12 +77,11 @@ def run_exact(cases) -> int:
 
 
 def test_best_int8_kernel_in_use():
-    """With no MOE_ONNX_GEMM cap, a CPU with AVX512-VNNI runs the vpdpbusd kernel."""
-    if not HAS_VNNI:
-        pytest.skip("this CPU has no AVX512-VNNI (avx512f/bw/dq/vl + avx512_vnni)")
-    if os.environ.get("MOE_ONNX_GEMM") not in (None, "", "avx512", "amx"):
-        pytest.skip(f"MOE_ONNX_GEMM={os.environ['MOE_ONNX_GEMM']} caps the kernels below avx512")
-    assert int8_gemm_isa() == "avx512-vnni"
+    """With no MOE_ONNX_GEMM cap, a CPU runs its best int8 kernel: vpdpbusd with AVX512-VNNI, SMMLA with
+    aarch64's i8mm, SDOT with its dotprod."""
+    if os.environ.get("MOE_ONNX_GEMM") or os.environ.get("MOE_ONNX_AMX"):
+        pytest.skip("MOE_ONNX_GEMM or MOE_ONNX_AMX chooses the kernels")
+    assert int8_gemm_isa() == _best_kernel()
 
 
 @pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: c.id)
@@ -94,10 +95,8 @@ def test_int8_edge_case(case):
 def test_int8_cases_on_kernel(level):
     """The edge cases, exactly, with MOE_ONNX_GEMM=level (in a fresh process); the case tables' int8
     cases run at every level in test_kernels.py::test_isa_level."""
-    if level == "avx2" and "avx2" not in CPU:
-        pytest.skip("this CPU has no AVX2")
-    if level == "avx512" and not HAS_AVX512:
-        pytest.skip("this CPU has no AVX-512 (avx512f/bw/dq/vl)")
+    if not NEEDS.get(level, set()) <= CPU:
+        pytest.skip(f"this CPU lacks {sorted(NEEDS[level] - CPU)} for the {level} level")
     code = f"""
 import sys
 sys.path.insert(0, sys.argv[1])

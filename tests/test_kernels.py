@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 
+import isa_levels
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -471,9 +472,7 @@ def test_grouped_target_gemm2_act_matches_reference(case):
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=case.atol)
 
 
-ISA_LEVELS = ("portable", "avx2", "avx512", "amx")
-# The float GEMM's kernels at each level (amx has no float kernels of its own: the AVX-512 ones).
-GEMM_KERNELS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
+ISA_LEVELS = isa_levels.LEVELS  # this architecture's
 
 # What test_isa_level runs at each other level: the cases of test_cpp, test_cpp_larger and test_cpp_tile_paths that
 # are valid MOE, QMOE and MoeRowParallelLinear cases (float and int8), the ops whose GEMMs and activations each level
@@ -535,7 +534,7 @@ def test_isa_level(level):
         assert f"MOE_ONNX_GEMM={level}: this CPU (or this build of the library) supports up to" in out.stdout
         pytest.skip(f"ISA level '{level}' is not supported here: {out.stdout.strip()}")
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["gemm:", GEMM_KERNELS[level]]
+    assert lines[0].split() == ["gemm:", isa_levels.gemm_kernel(level)]
     assert lines[1:] == ([] if mode == "probe" else [f"passed: {len(ISA_LEVEL_CASES)}"]), out.stdout[-3000:]
 
 

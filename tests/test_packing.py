@@ -17,6 +17,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import isa_levels
 import numpy as np
 import onnx
 import pytest
@@ -234,17 +235,18 @@ def test_weights_are_resident_once(tmp_path, inline):
 
 # ----------------------------------------------------------------------------- the panels' bytes
 
-LEVELS = ("portable", "avx2", "avx512", "amx")  # isa.h's levels, in order
+LEVELS = isa_levels.LEVELS  # isa.h's levels of this architecture, in order
 #: the fast lane packs at the lowest and the highest level (the element path and the tile copies); the rest is slow
-LEVEL_LANES = [level if level in ("portable", "amx") else pytest.param(level, marks=pytest.mark.slow)
+LEVEL_LANES = [level if level in (LEVELS[0], LEVELS[-1]) else pytest.param(level, marks=pytest.mark.slow)
                for level in LEVELS]
 # packed_weights.h's WeightFormat, as ints
-F32, F16, BF16_PANELS, INT8_PAIRS, INT8_QUADS, BF16_PAIRS = 0, 1, 2, 3, 4, 6
+F32, F16, BF16_PANELS, INT8_PAIRS, INT8_QUADS, BF16_PAIRS, INT8_OCTETS = 0, 1, 2, 3, 4, 6, 7
 _ONNX_TYPE = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
               np.dtype(BF16): TensorProto.BFLOAT16, np.dtype(np.int8): TensorProto.INT8}
 # (format, source type, N, K): whole 16-column panels and a part one; K of whole tiles, with a tail, below one tile
 PANEL_CASES = [(fmt, dtype, n, k) for fmt, dtypes in ((F32, [np.float32]), (F16, [np.float16]), (BF16_PANELS, [BF16]),
                                                       (INT8_PAIRS, [np.int8]), (INT8_QUADS, [np.int8]),
+                                                      (INT8_OCTETS, [np.int8]),
                                                       (BF16_PAIRS, [np.float32, np.float16, BF16]))
                for dtype in dtypes for n, k in ((37, 128), (32, 100), (16, 13))]
 
@@ -253,13 +255,14 @@ def _expected_panels(fmt: int, w: np.ndarray) -> bytes:
     """The panels of W [N, K] (x @ W^T) in `fmt`, as packed_weights.h lays them out."""
     n, k = w.shape
     panels = -(-n // 16)
-    rows = {INT8_PAIRS: -(-k // 2) * 2, INT8_QUADS: -(-k // 4) * 4, BF16_PAIRS: -(-k // 32) * 32}.get(fmt, k)
+    rows = {INT8_PAIRS: -(-k // 2) * 2, INT8_QUADS: -(-k // 4) * 4, INT8_OCTETS: -(-k // 8) * 8,
+            BF16_PAIRS: -(-k // 32) * 32}.get(fmt, k)
     if fmt == BF16_PAIRS:
         w = w.astype(np.float32).astype(BF16)
     dtype = np.int16 if fmt == INT8_PAIRS else w.dtype
     columns = np.zeros((panels * 16, rows), dtype)
     columns[:n, :k] = w
-    per_element = {INT8_PAIRS: 2, INT8_QUADS: 4, BF16_PAIRS: 2}.get(fmt, 1)  # k side by side in a lane
+    per_element = {INT8_PAIRS: 2, INT8_QUADS: 4, INT8_OCTETS: 8, BF16_PAIRS: 2}.get(fmt, 1)  # k side by side in a lane
     body = columns.reshape(panels, 16, rows // per_element, per_element).transpose(0, 2, 1, 3)
     if fmt == BF16_PANELS:  # lanes interleaved: column c at 2c (c < 8), 2(c - 8) + 1
         body = body[:, :, [c // 2 + 8 * (c % 2) for c in range(16)]]
@@ -307,7 +310,7 @@ def test_panels_are_the_layouts_bytes(level):
     packed_weights.h describes, whether the tile copy (transpose_tile.h) or the element-by-element path writes
     them; the AVX-512 tile copy runs from the avx512 level up."""
     kernel, mismatches = _at_level(level, "transpose_tile", "packing_mismatches")
-    assert kernel == ("avx512" if LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
+    assert kernel == ("avx512" if "avx512" in LEVELS and LEVELS.index(level) >= LEVELS.index("avx512") else "portable")
     assert mismatches == []
 
 
@@ -511,7 +514,8 @@ def test_quantized_panels_are_the_layouts_bytes(level):
     (transpose_tile.h: AVX2 from the avx2 level, AVX-512 from avx512) or the element-by-element path writes
     them."""
     kernel, mismatches = _at_level(level, "quant_code_groups", "quant_packing_mismatches")
-    assert kernel == {"portable": "portable", "avx2": "avx2"}.get(level, "avx512")
+    assert kernel == {"portable": "portable", "avx2": "avx2", **{arm: "portable" for arm in isa_levels.ARM64_LEVELS}}.get(
+        level, "avx512")
     assert mismatches == []
 
 

@@ -35,7 +35,7 @@ def moe_case(**kw) -> Case:
 def test_library_paths_exist():
     assert os.path.isfile(moe_onnx.custom_ops_library())
     assert os.path.isfile(runtime.python_host_library())
-    assert runtime.kernel_report()["gemm_panels"] in ("avx512", "avx2", "portable")
+    assert runtime.kernel_report()["gemm_panels"] in ("avx512", "avx2", "neon", "portable")
 
 
 def test_library_missing_says_how_to_build(monkeypatch):

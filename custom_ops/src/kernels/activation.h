@@ -1,8 +1,8 @@
 // The activations of MOE's expert types (moe_onnx/ops/moe.py), applied as the epilogue of the first
 // GEMM: the gated ones (SwiGLU) on results laid out as gate/up panels, 8 gate columns then the 8
 // matching up columns (moe.cc packs the weights so); GEMM2_ACT's pointwise ones on plain panels.
-// AVX-512, AVX2/FMA and portable kernels: the ISA table's gated_activation and pointwise_activation
-// slots (isa.h).
+// AVX-512, AVX2/FMA, NEON and portable kernels: the ISA table's gated_activation and pointwise_activation
+// slots (isa.h); the SIMD ones share one algorithm (the same operations in the same order: the same bits).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +63,9 @@ PointwiseKernel pointwise_activation_avx2;
 #if defined(MOE_ONNX_HAVE_AVX512)
 PointwiseKernel pointwise_activation_avx512;
 #endif
+#if defined(MOE_ONNX_HAVE_NEON)
+PointwiseKernel pointwise_activation_neon;
+#endif
 // Calls body(std::integral_constant<Form, form>{}): the SIMD files instantiate their row loop per form.
 template <class Body>
 void with_pointwise_form(PointwiseActivation::Form form, Body&& body) {
@@ -89,6 +92,9 @@ GatedKernel gated_activation_avx2;
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
 GatedKernel gated_activation_avx512;
+#endif
+#if defined(MOE_ONNX_HAVE_NEON)
+GatedKernel gated_activation_neon;
 #endif
 }  // namespace detail
 

@@ -77,6 +77,11 @@ void bf16_gemm_amx(const uint16_t*, int64_t, int64_t, int64_t, const void*, int6
 void bf16_gemm_avx512bf16(const uint16_t*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                           int64_t);
 #endif
+#if defined(MOE_ONNX_HAVE_ARM_BF16)
+// aarch64's bf16 level: BFDOT (bf16_gemm) and BFMMLA (bf16_gemm_tiles), the same bits (arm64/bf16/).
+void bf16_gemm_bfdot(const uint16_t*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*, int64_t);
+void bf16_gemm_bfmmla(const uint16_t*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*, int64_t);
+#endif
 }  // namespace detail
 
 }  // namespace moe_onnx

@@ -33,6 +33,10 @@ void widen_row_avx2(FloatType type, const void* src, float* dst, int64_t n);
 void widen_row_avx512(FloatType type, const void* src, float* dst, int64_t n);
 void narrow_row_avx512(FloatType type, const float* src, void* dst, int64_t n);
 #endif
+#if defined(MOE_ONNX_HAVE_NEON)
+void widen_row_neon(FloatType type, const void* src, float* dst, int64_t n);
+void narrow_row_neon(FloatType type, const float* src, void* dst, int64_t n);
+#endif
 }  // namespace detail
 
 }  // namespace moe_onnx

@@ -7,6 +7,16 @@
 namespace moe_onnx {
 namespace detail {
 
+// a * b + c as the portable chain takes it: fused where the architecture's base instruction set has a
+// fused multiply-add (aarch64), else a multiply then an add (x86-64: this file is compiled without -mfma).
+static inline float multiply_add(float a, float b, float c) {
+#if defined(__aarch64__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // Element c of panel row k as fp32 (bf16 rows are stored in bf16_lane order).
 template <FloatType W>
 static inline float panel_element(const void* B, int64_t k, int64_t c) {
@@ -23,7 +33,7 @@ static void micro_portable(const float* A, int64_t lda, int64_t K, const void* B
     for (int c = 0; c < kPanel; ++c) b[c] = panel_element<W>(B, k, c);
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
-      for (int c = 0; c < kPanel; ++c) acc[r][c] += a * b[c];
+      for (int c = 0; c < kPanel; ++c) acc[r][c] = multiply_add(a, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < MR; ++r) std::memcpy(C + r * ldc, acc[r], sizeof acc[r]);

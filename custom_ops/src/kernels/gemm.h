@@ -6,9 +6,11 @@
 // two ymm per row). The panels hold
 // the weights in their own type (fp16 and bf16 stay 16-bit: decode reads half the bytes) and the
 // micro-kernel widens them to fp32, which is exact. Every result element sums over k in increasing
-// order in one fp32 chain (fused multiply-adds in the AVX2 and AVX-512 kernels, a multiply then an add in the
-// portable one), whatever the tile it falls in: results do not depend on how the caller splits rows
-// or panels into tasks. packed_weights.h packs the panels.
+// order in one fp32 chain, whatever the tile it falls in: results do not depend on how the caller splits
+// rows or panels into tasks. The chain's steps are fused multiply-adds in the SIMD kernels (AVX2, AVX-512,
+// NEON: the same bits on x86-64 and aarch64) and in the portable kernel where the target's base
+// instruction set has one (aarch64: every level gives the same bits there), else a multiply then an add
+// (the portable kernel on x86-64). packed_weights.h packs the panels.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +38,17 @@ void gemm_panels(FloatType type, const float* A, int64_t lda, int64_t M, int64_t
                  int64_t p1, float* C, int64_t ldc);
 
 namespace detail {
+// A float panel's element size in bytes (fp32: 4; fp16, bf16: 2), and B moved on by `elems` of them: how
+// the SIMD GEMMs step through their panels.
+template <FloatType W>
+constexpr int64_t panel_element_bytes() {
+  return W == FloatType::kF32 ? 4 : 2;
+}
+template <FloatType W>
+inline const void* panel_advance(const void* B, int64_t elems) {
+  return static_cast<const char*>(B) + elems * panel_element_bytes<W>();
+}
+
 // The kernels of gemm_panels (the table's slot), arguments as there (M > 0, K > 0, p1 > p0).
 using GemmFn = void (*)(FloatType, const float*, int64_t, int64_t, int64_t, const void*, int64_t, int64_t, float*,
                         int64_t);
@@ -49,6 +62,11 @@ void gemm_panels_avx2(FloatType type, const float* A, int64_t lda, int64_t M, in
 void gemm_panels_avx512(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                         int64_t p0, int64_t p1, float* C, int64_t ldc);
 #endif
+#if defined(MOE_ONNX_HAVE_NEON)
+void gemm_panels_neon(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
+                      int64_t p0, int64_t p1, float* C, int64_t ldc);
+#endif
+
 }  // namespace detail
 
 }  // namespace moe_onnx

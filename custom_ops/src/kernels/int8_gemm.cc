@@ -46,12 +46,34 @@ void bias_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* d
   }
 }
 
+void copy_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst) {
+  const int64_t stride = 8 * int8_octets(K);
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* d = static_cast<int8_t*>(dst) + r * stride;
+    std::memcpy(d, src + r * K, static_cast<size_t>(K));
+    std::memset(d + K, 0, static_cast<size_t>(stride - K));
+  }
+}
+
 }  // namespace detail
 
 Int8Layout int8_layout() { return kernels().int8_gemm.layout; }
 
+const char* int8_layout_name(Int8Layout layout) {
+  switch (layout) {
+    case Int8Layout::kPairs: return "pairs";
+    case Int8Layout::kQuads: return "quads";
+    case Int8Layout::kOctets: return "octets";
+  }
+  return "unknown";
+}
+
 int64_t int8_row_bytes(int64_t K) {
-  return int8_layout() == Int8Layout::kQuads ? 4 * int8_quads(K) : 2 * 2 * int8_pairs(K);
+  switch (int8_layout()) {
+    case Int8Layout::kQuads: return 4 * int8_quads(K);
+    case Int8Layout::kOctets: return 8 * int8_octets(K);
+    default: return 2 * 2 * int8_pairs(K);
+  }
 }
 
 void int8_gemm_panels(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0, int64_t p1,

@@ -15,6 +15,11 @@
 //          corrections (int8_gemm_amx.h). The int8 slot then has two kernels: calls of fewer than
 //          kInt8TileRows rows (decode) run on VNNI, the others on AMX; both give the exact int32, so the
 //          choice changes no bit of the result.
+//   octets (aarch64: SMULL/SADALP, SDOT, SMMLA)  X rows as they are (signed), K padded with zeros to a
+//          multiple of 8; W in panels, each [octets][16 columns][8] int8, K padded with zeros: a 16-byte
+//          load holds two columns' 8 k, which is SMMLA's 2 x 8 operand as it is, and for SDOT (and for
+//          SMULL + SADALP) each column's two 4-k halves multiplied by an X octet loaded into both halves
+//          of a register (the halves' sums are added at the end).
 //
 // The caller prepares X rows with prepare_int8_rows (int8_row_bytes(K) bytes each) and packs W in
 // the matching WeightFormat (packed_weights.h asks the slot's layout, int8_layout()); ops multiply
@@ -30,13 +35,16 @@ namespace moe_onnx {
 // Columns per panel: the float GEMM's, so callers split int8 and float work into the same tasks.
 constexpr int64_t kInt8Panel = kPanel;
 
-enum class Int8Layout { kPairs, kQuads };
+enum class Int8Layout { kPairs, kQuads, kOctets };
 
 // The layout of the kernel in use.
 Int8Layout int8_layout();
+// "pairs", "quads" or "octets".
+const char* int8_layout_name(Int8Layout layout);
 
 inline int64_t int8_pairs(int64_t K) { return (K + 1) / 2; }
 inline int64_t int8_quads(int64_t K) { return (K + 3) / 4; }
+inline int64_t int8_octets(int64_t K) { return (K + 7) / 8; }
 // Bytes of a quad panel's corrections (16 int32, in front of its quads), and of the whole panel.
 constexpr int64_t kInt8QuadHeader = kInt8Panel * 4;
 inline int64_t int8_quad_panel_bytes(int64_t K) { return kInt8QuadHeader + int8_quads(K) * 4 * kInt8Panel; }
@@ -76,6 +84,20 @@ void int8_gemm_pairs_avx2(const void* A, int64_t lda, int64_t M, int64_t K, cons
 #endif
 // The quad layout's rows (x ^ 0x80), without AVX-512: for AMX's model on any CPU.
 void bias_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst);
+// The octet layout's rows (x as it is, zero padded).
+void copy_int8_rows_portable(const int8_t* src, int64_t rows, int64_t K, void* dst);
+#if defined(MOE_ONNX_HAVE_NEON)
+void int8_gemm_octets_neon(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                           int64_t p1, int32_t* C, int64_t ldc);
+#endif
+#if defined(MOE_ONNX_HAVE_DOTPROD)
+void int8_gemm_octets_dotprod(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                              int64_t p1, int32_t* C, int64_t ldc);
+#endif
+#if defined(MOE_ONNX_HAVE_I8MM)
+void int8_gemm_octets_i8mm(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
+                           int64_t p1, int32_t* C, int64_t ldc);
+#endif
 // AMX on the quad layout (int8_gemm_amx.h): on the tile instructions and on their model.
 void int8_gemm_quads_amx_model(const void* A, int64_t lda, int64_t M, int64_t K, const void* W_packed, int64_t p0,
                                int64_t p1, int32_t* C, int64_t ldc);

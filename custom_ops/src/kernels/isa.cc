@@ -15,6 +15,9 @@
 #include <cpuid.h>
 #define MOE_ONNX_X86 1
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 namespace moe_onnx {
 namespace {
@@ -35,11 +38,32 @@ struct CpuFeatures {
   bool avx512_bf16 = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
   bool os_tile_state = false;  // XCR0 enables the tile configuration and data state
+  bool neon = false;           // AArch64's Advanced SIMD
+  bool dotprod = false, i8mm = false, bf16 = false;
 };
 
-// AVX512-BF16 and AMX from CPUID itself: not every compiler's __builtin_cpu_supports knows them.
+#if defined(__aarch64__) && defined(__linux__)
+// The bits Linux reports in the auxiliary vector (arch/arm64/include/uapi/asm/hwcap.h), spelled out
+// here so that older C libraries' headers do not hide them.
+constexpr unsigned long kHwcapAsimd = 1ul << 1, kHwcapAsimdDotprod = 1ul << 20;
+constexpr unsigned long kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
+#endif
+
+// x86: AVX512-BF16 and AMX from CPUID itself (not every compiler's __builtin_cpu_supports knows them).
+// aarch64: Linux's hardware capabilities (getauxval); elsewhere Advanced SIMD alone, which every
+// AArch64 CPU has.
 CpuFeatures detect_cpu() {
   CpuFeatures cpu;
+#if defined(__aarch64__)
+  cpu.neon = true;
+#if defined(__linux__)
+  const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+  cpu.neon = (hwcap & kHwcapAsimd) != 0;
+  cpu.dotprod = cpu.neon && (hwcap & kHwcapAsimdDotprod) != 0;
+  cpu.i8mm = cpu.neon && (hwcap2 & kHwcap2I8mm) != 0;
+  cpu.bf16 = cpu.neon && (hwcap2 & kHwcap2Bf16) != 0;
+#endif
+#endif
   cpu.avx2 = MOE_ONNX_CPU_HAS("avx2") && MOE_ONNX_CPU_HAS("fma") && MOE_ONNX_CPU_HAS("f16c");
   cpu.avx512 = MOE_ONNX_CPU_HAS("avx512f") && MOE_ONNX_CPU_HAS("avx512bw") && MOE_ONNX_CPU_HAS("avx512dq") &&
                MOE_ONNX_CPU_HAS("avx512vl");
@@ -86,18 +110,50 @@ const std::string& amx_permission_refusal() {
 
 // ---------------------------------------------------------------------------- the choices
 
+// This architecture's levels, in ascending order of capability.
+#if defined(__aarch64__)
+constexpr const char* kArchitecture = "aarch64";
+constexpr IsaLevel kLevels[] = {IsaLevel::kPortable, IsaLevel::kNeon, IsaLevel::kDotprod, IsaLevel::kI8mm,
+                                IsaLevel::kBf16};
+#elif defined(MOE_ONNX_X86)
+constexpr const char* kArchitecture = "x86-64";
 constexpr IsaLevel kLevels[] = {IsaLevel::kPortable, IsaLevel::kAvx2, IsaLevel::kAvx512, IsaLevel::kAmx};
+#else
+constexpr const char* kArchitecture = "this architecture";
+constexpr IsaLevel kLevels[] = {IsaLevel::kPortable};
+#endif
+constexpr IsaLevel kAllLevels[] = {IsaLevel::kPortable, IsaLevel::kAvx2,    IsaLevel::kAvx512, IsaLevel::kAmx,
+                                   IsaLevel::kNeon,     IsaLevel::kDotprod, IsaLevel::kI8mm,   IsaLevel::kBf16};
 
-bool at_least(IsaLevel level, IsaLevel floor) { return static_cast<int>(level) >= static_cast<int>(floor); }
+// A level's place in kLevels, -1 for another architecture's.
+int rank(IsaLevel level) {
+  for (size_t i = 0; i < sizeof kLevels / sizeof kLevels[0]; ++i)
+    if (kLevels[i] == level) return static_cast<int>(i);
+  return -1;
+}
+
+// Whether `level` includes `floor` (false where floor is another architecture's level).
+bool at_least(IsaLevel level, IsaLevel floor) { return rank(floor) >= 0 && rank(level) >= rank(floor); }
+
+// "'portable', 'neon', ...": this architecture's levels.
+std::string level_names() {
+  std::string names;
+  for (IsaLevel level : kLevels) names += std::string(names.empty() ? "'" : ", '") + isa_name(level) + "'";
+  return names;
+}
 
 // MOE_ONNX_GEMM's level, if set.
 std::optional<IsaLevel> requested_level() {
   const char* force = std::getenv("MOE_ONNX_GEMM");
   if (force == nullptr || *force == '\0') return std::nullopt;
-  for (IsaLevel level : kLevels)
-    if (std::strcmp(force, isa_name(level)) == 0) return level;
-  throw std::invalid_argument(std::string("MOE_ONNX_GEMM='") + force +
-                              "' is not a level; expected one of 'portable', 'avx2', 'avx512', 'amx'");
+  for (IsaLevel level : kAllLevels) {
+    if (std::strcmp(force, isa_name(level)) != 0) continue;
+    if (rank(level) >= 0) return level;
+    throw std::invalid_argument(std::string("MOE_ONNX_GEMM='") + force + "' is a level of another architecture; " +
+                                kArchitecture + "'s levels are " + level_names());
+  }
+  throw std::invalid_argument(std::string("MOE_ONNX_GEMM='") + force + "' is not a level; expected one of " +
+                              level_names());
 }
 
 enum class AmxMode { kHardware, kModel, kOff };
@@ -112,7 +168,7 @@ AmxMode amx_mode() {
                               "instructions) or 'off' (unset: the hardware where it is usable)");
 }
 
-// The highest SIMD level below amx that the CPU and this build support.
+// The highest SIMD level (x86: below amx) that the CPU and this build support.
 IsaLevel simd_level() {
   IsaLevel level = IsaLevel::kPortable;
 #if defined(MOE_ONNX_HAVE_AVX2)
@@ -120,6 +176,18 @@ IsaLevel simd_level() {
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512)
   if (level == IsaLevel::kAvx2 && cpu().avx512) level = IsaLevel::kAvx512;
+#endif
+#if defined(MOE_ONNX_HAVE_NEON)
+  if (cpu().neon) level = IsaLevel::kNeon;
+#endif
+#if defined(MOE_ONNX_HAVE_DOTPROD)
+  if (level == IsaLevel::kNeon && cpu().dotprod) level = IsaLevel::kDotprod;
+#endif
+#if defined(MOE_ONNX_HAVE_I8MM)
+  if (level == IsaLevel::kDotprod && cpu().i8mm) level = IsaLevel::kI8mm;
+#endif
+#if defined(MOE_ONNX_HAVE_ARM_BF16)
+  if (level == IsaLevel::kI8mm && cpu().bf16) level = IsaLevel::kBf16;
 #endif
   return level;
 }
@@ -134,7 +202,7 @@ bool decide_amx(KernelTable& t, AmxMode mode, std::optional<IsaLevel> requested,
   if (mode == AmxMode::kModel) return set(AmxState::kModelled, "MOE_ONNX_AMX=model: the scalar model of the tiles");
   if (!cpu().amx_tile || !cpu().avx512) return set(AmxState::kNotInCpu, "this CPU has no AMX");
 #if defined(MOE_ONNX_HAVE_AMX)
-  const bool built = simd == IsaLevel::kAvx512;
+  const bool built = simd == IsaLevel::kAvx512;  // the tile kernels sit on top of AVX-512
 #else
   const bool built = false;
 #endif
@@ -200,6 +268,43 @@ void fill_avx512(KernelTable& t) {
 #endif
 }
 
+// aarch64's levels (kernels/arm64/): Advanced SIMD's kernels, the int8 GEMM on the octet layout
+// (int8_gemm.h) with the best of SMULL/SADALP, SDOT and SMMLA the level has, level 4's dots on SDOT, and
+// the bf16 GEMM on BFDOT (fewer than kBf16TileRows rows) and BFMMLA.
+void fill_neon(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_NEON)
+  t.gemm_panels = {detail::gemm_panels_neon, "neon"};
+  t.widen_row = {detail::widen_row_neon, "neon"};
+  t.narrow_row = {detail::narrow_row_neon, "neon"};
+  t.gated_activation = {detail::gated_activation_neon, "neon"};
+  t.pointwise_activation = {detail::pointwise_activation_neon, "neon"};
+  t.quant_fused = {detail::quant_fused_neon, "neon"};
+  t.quant_decode = {detail::quant_decode_neon, "neon"};
+  t.int8_gemm = {Int8Layout::kOctets, detail::copy_int8_rows_portable, detail::int8_gemm_octets_neon, "neon", {}};
+#endif
+}
+
+void fill_dotprod(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_DOTPROD)
+  t.int8_gemm = {Int8Layout::kOctets, detail::copy_int8_rows_portable, detail::int8_gemm_octets_dotprod, "dotprod",
+                 {}};
+  t.quant_dots = {detail::quant_dots_dotprod, "dotprod"};
+#endif
+}
+
+void fill_i8mm(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_I8MM)
+  t.int8_gemm = {Int8Layout::kOctets, detail::copy_int8_rows_portable, detail::int8_gemm_octets_i8mm, "i8mm", {}};
+#endif
+}
+
+void fill_arm_bf16(KernelTable& t) {
+#if defined(MOE_ONNX_HAVE_ARM_BF16)
+  t.bf16_gemm = {detail::bf16_gemm_bfdot, "bfdot"};
+  t.bf16_gemm_tiles = {detail::bf16_gemm_bfmmla, "bfmmla"};
+#endif
+}
+
 // The bf16 GEMM's slots (bf16_gemm.h): vdpbf16ps where the table has AVX512-BF16; AMX-BF16's tiles
 // (the hardware, or the model) with, below their rows, vdpbf16ps or, without it, its arithmetic in
 // portable code. Neither: no bf16 GEMM, and accuracy_level 3 runs level 0's kernels.
@@ -257,6 +362,10 @@ KernelTable fill() {
   fill_portable(t);
   if (at_least(t.level, IsaLevel::kAvx2)) fill_avx2(t);
   if (at_least(t.level, IsaLevel::kAvx512)) fill_avx512(t);
+  if (at_least(t.level, IsaLevel::kNeon)) fill_neon(t);
+  if (at_least(t.level, IsaLevel::kDotprod)) fill_dotprod(t);
+  if (at_least(t.level, IsaLevel::kI8mm)) fill_i8mm(t);
+  if (at_least(t.level, IsaLevel::kBf16)) fill_arm_bf16(t);
   fill_bf16(t);
   if (t.amx == AmxState::kUsable || t.amx == AmxState::kModelled) fill_amx(t);
   return t;
@@ -272,6 +381,10 @@ const char* isa_name(IsaLevel level) {
     case IsaLevel::kAvx2: return "avx2";
     case IsaLevel::kAvx512: return "avx512";
     case IsaLevel::kAmx: return "amx";
+    case IsaLevel::kNeon: return "neon";
+    case IsaLevel::kDotprod: return "dotprod";
+    case IsaLevel::kI8mm: return "i8mm";
+    case IsaLevel::kBf16: return "bf16";
   }
   return "unknown";
 }
@@ -304,7 +417,7 @@ std::string KernelTable::report() const {
   add("transpose_tile", transpose_tile.name);
   add("quant_code_groups", quant_code_groups.name);
   add("int8_gemm", int8_gemm.name);
-  add("int8_layout", int8_gemm.layout == Int8Layout::kQuads ? "quads" : "pairs");
+  add("int8_layout", int8_layout_name(int8_gemm.layout));
   add("int8_gemm_tiles", int8_gemm.tiles.name);
   add("int8_tile_rows", std::to_string(kInt8TileRows));
   add("quant_fused", quant_fused.name);

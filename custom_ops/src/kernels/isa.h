@@ -2,13 +2,18 @@
 // what the CPU, this build and the OS support. Callers call a slot (kernels().gemm_panels(...)); no
 // caller asks which instruction set is in use.
 //
-// Levels, each including the one before: portable (plain C++), avx2 (AVX2 + FMA + F16C), avx512
-// (AVX-512 F/BW/DQ/VL), amx (AMX tiles, on top of avx512). The table is filled in ascending order of
-// capability, each level's kernels overwriting the slots they have, up to the highest level the CPU,
-// the build and the OS support. MOE_ONNX_GEMM=portable|avx2|avx512|amx caps it; a level not available
-// here, or an unknown name, is an error naming the highest level available. Extensions not every CPU
-// of a level has (AVX512-VNNI, AVX512-BF16) and AMX's int8 and bf16 instructions are capabilities the
-// table records; a kernel that needs one is assigned only where the table has it.
+// Levels, per architecture, each including the one before:
+//   x86-64   portable (plain C++), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/DQ/VL), amx (AMX
+//            tiles, on top of avx512);
+//   aarch64  portable, neon (Advanced SIMD, every AArch64 CPU), dotprod (+ SDOT/UDOT, Armv8.2's
+//            FEAT_DotProd), i8mm (+ SMMLA/USMMLA/USDOT, FEAT_I8MM), bf16 (+ BFDOT/BFMMLA, FEAT_BF16; both
+//            of these last come with Armv8.6, e.g. Neoverse V1/V2).
+// The table is filled in ascending order of capability, each level's kernels overwriting the slots
+// they have, up to the highest level the CPU, the build and the OS support. MOE_ONNX_GEMM (a level of
+// this architecture) caps it; a level not available here, or an unknown name, is an error naming the
+// highest level available. Extensions not every x86 CPU of a level has (AVX512-VNNI, AVX512-BF16) and
+// AMX's int8 and bf16 instructions are capabilities the table records; a kernel that needs one is
+// assigned only where the table has it.
 //
 // AMX needs, on Linux, the OS's permission for the tile data state: arch_prctl(ARCH_REQ_XCOMP_PERM,
 // XFEATURE_XTILEDATA), requested once, when the table is filled, and only when AMX would be used. The
@@ -30,9 +35,9 @@
 
 namespace moe_onnx {
 
-enum class IsaLevel { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+enum class IsaLevel { kPortable, kAvx2, kAvx512, kAmx, kNeon, kDotprod, kI8mm, kBf16 };
 
-// "portable", "avx2", "avx512" or "amx".
+// "portable", "avx2", "avx512", "amx", "neon", "dotprod", "i8mm" or "bf16".
 const char* isa_name(IsaLevel level);
 
 // Where the AMX slots run, and why.

@@ -48,6 +48,7 @@
 #include <type_traits>
 
 #include "gemm.h"
+#include "row_dispatch.h"
 
 namespace moe_onnx {
 
@@ -198,6 +199,32 @@ void with_decoder(const QuantPanels& layout, Body&& body) {
   }
 }
 
+// The loops of the SIMD quant_fused kernels (x86/avx2/qgemm_avx2.cc, arm64/neon/qgemm_neon.cc): every panel
+// of [p0, p1) on the M (1 to kFusedRows) rows, as panel(rows, panel's codes, its C), the row count a
+// std::integral_constant (with_rows).
+template <class Panel>
+void for_fused_panels(const QuantPanels& layout, int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C,
+                      Panel&& panel) {
+  with_rows<kFusedRows>(M, [&](auto rows) {
+    for (int64_t p = p0; p < p1; ++p) panel(rows, B + p * layout.panel_bytes(), C + (p - p0) * kPanel);
+  });
+}
+
+// The loops of the SIMD quant_dots kernels (x86/avx512/qgemm_vnni.cc, arm64/dotprod/qgemm_dotprod.cc): the M
+// rows in tiles of up to kRows, each over the panels of [p0, p1), as tile(rows, the tile's qa, its qa_sums,
+// its sa, the panel's codes, its C), the row count a std::integral_constant (with_rows).
+template <int kRows, class Tile>
+void for_dot_tiles(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
+                   int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc, Tile&& tile) {
+  const int64_t blocks = layout.blocks();
+  for (int64_t m = 0; m < M; m += kRows)
+    with_rows<kRows>(M - m < kRows ? M - m : kRows, [&](auto rows) {
+      for (int64_t p = p0; p < p1; ++p)
+        tile(rows, qa + m * ldq, qa_sums + m * blocks, sa + m * blocks, B + p * layout.panel_bytes(),
+             C + m * ldc + (p - p0) * kPanel);
+    });
+}
+
 void quant_decode_portable(const QuantPanels&, const uint8_t*, float*);
 void quant_activations_portable(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
 void quant_code_rows_portable(const QuantPanels&, const uint8_t*, int64_t, uint8_t*);
@@ -222,6 +249,15 @@ void quant_decode_avx512(const QuantPanels&, const uint8_t*, float*);
 void quant_activations_avx512(const QuantPanels&, const float*, int64_t, int64_t, int8_t*, int64_t, float*, int32_t*);
 void quant_code_rows_avx512(const QuantPanels&, const uint8_t*, int64_t, uint8_t*);
 void quant_add_dots_avx512(const QuantBlockDots&, float*, int64_t);
+#endif
+#if defined(MOE_ONNX_HAVE_NEON)
+void quant_fused_neon(const QuantPanels&, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                      int64_t);
+void quant_decode_neon(const QuantPanels&, const uint8_t*, float*);
+#endif
+#if defined(MOE_ONNX_HAVE_DOTPROD)
+void quant_dots_dotprod(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t,
+                        const uint8_t*, int64_t, int64_t, float*, int64_t);
 #endif
 #if defined(MOE_ONNX_HAVE_AVX512_VNNI)
 void quant_dots_vnni(const QuantPanels&, const int8_t*, int64_t, const int32_t*, const float*, int64_t, const uint8_t*,

@@ -1,6 +1,6 @@
 // A micro-kernel's row count as a template argument: with_rows<kMax>(rows, f) calls
 // f(std::integral_constant<int, rows>{}) for a run-time `rows` in [1, kMax], nothing for another count.
-// The GEMMs that split C's rows into tiles of equal height (gemm_avx2.cc, gemm_avx512.cc,
+// The GEMMs that split C's rows into tiles of equal height (gemm_avx2.cc, gemm_avx512.cc, gemm_neon.cc,
 // bf16_gemm_avx512bf16.cc) instantiate their micro-kernel once per height this way.
 #pragma once
 

@@ -58,7 +58,7 @@ struct MoeRun {
   int64_t ldx = 0, ldact = 0;  // row strides of xs and act (elements)
   float *xs = nullptr, *act = nullptr, *y = nullptr;
   uint16_t *xs16 = nullptr, *act16 = nullptr;  // bf16 rows in place of xs, act
-  Int8Rows xq, actq;                           // level 4: xs and act quantized
+  Int8Rows xq{}, actq{};                       // level 4: xs and act quantized
 
   bool bf16_rows() const { return weights.matrices[GATE_UP].takes_bf16_rows(); }
 

@@ -1,5 +1,5 @@
-// Placement of the formats that hold the weights' elements (panel_layout.h): float panels, int8 pairs
-// and quads, bf16 pairs. Whole tiles of 16 columns go through the ISA table's transpose_tile where
+// Placement of the formats that hold the weights' elements (panel_layout.h): float panels, int8 pairs,
+// quads and octets, bf16 pairs. Whole tiles of 16 columns go through the ISA table's transpose_tile where
 // every lane's column has its k consecutive; the rest element by element in runs of 16 k.
 #include <algorithm>
 #include <cstring>
@@ -16,13 +16,14 @@ namespace moe_onnx {
 namespace {
 
 size_t element_bytes(WeightFormat format) {
-  if (format == WeightFormat::kInt8Quads) return 1;
+  if (format == WeightFormat::kInt8Quads || format == WeightFormat::kInt8Octets) return 1;
   return format == WeightFormat::kF32 ? 4 : 2;
 }
 
 // Packed elements of one expert's B [K, N].
 int64_t slot_elements(WeightFormat format, int64_t N, int64_t K) {
   if (format == WeightFormat::kInt8Quads) return panel_count(N) * int8_quad_panel_bytes(K);
+  if (format == WeightFormat::kInt8Octets) return panel_count(N) * kPanel * 8 * int8_octets(K);
   if (format == WeightFormat::kBF16Pairs) return panel_count(N) * bf16_pair_panel_elements(K);
   return panel_count(N) * kPanel * (format == WeightFormat::kInt8 ? 2 * int8_pairs(K) : K);
 }
@@ -34,6 +35,7 @@ template <WeightFormat F>
 int64_t panel_offset(int64_t K, int64_t panel) {
   if (F == WeightFormat::kInt8) return panel * int8_pairs(K) * 2 * kPanel;
   if (F == WeightFormat::kInt8Quads) return panel * int8_quad_panel_bytes(K);
+  if (F == WeightFormat::kInt8Octets) return panel * int8_octets(K) * 8 * kPanel;
   if (F == WeightFormat::kBF16Pairs) return panel * bf16_pair_panel_elements(K);
   return panel * K * kPanel;
 }
@@ -44,6 +46,7 @@ constexpr int64_t header_elements() {
 template <WeightFormat F>
 int64_t lane_offset(int64_t lane) {
   if (F == WeightFormat::kInt8Quads) return lane * 4;
+  if (F == WeightFormat::kInt8Octets) return lane * 8;
   if (F == WeightFormat::kInt8 || F == WeightFormat::kBF16Pairs) return lane * 2;
   if (F == WeightFormat::kBF16) return bf16_lane(lane);
   return lane;
@@ -51,6 +54,7 @@ int64_t lane_offset(int64_t lane) {
 template <WeightFormat F>
 int64_t row_offset(int64_t k) {
   if (F == WeightFormat::kInt8Quads) return (k / 4) * 4 * kPanel + k % 4;
+  if (F == WeightFormat::kInt8Octets) return (k / 8) * 8 * kPanel + k % 8;
   const bool pairs = F == WeightFormat::kInt8 || F == WeightFormat::kBF16Pairs;
   return pairs ? (k / 2) * 2 * kPanel + k % 2 : k * kPanel;
 }
@@ -101,6 +105,7 @@ template <WeightFormat F>
 int64_t padded_rows(int64_t K) {
   if (F == WeightFormat::kInt8) return 2 * int8_pairs(K);
   if (F == WeightFormat::kInt8Quads) return 4 * int8_quads(K);
+  if (F == WeightFormat::kInt8Octets) return 8 * int8_octets(K);
   if (F == WeightFormat::kBF16Pairs) return bf16_padded_k(K);
   return K;
 }
@@ -119,11 +124,13 @@ struct Cast {
 // serve: a lane without a column, columns whose k are not consecutive, or a format that changes the
 // elements (int8 pairs widen them; bf16 pairs from fp32 are rounded first, 32 k of each column at a
 // time, as float_to_bf16 rounds them). A tile element is the k of a row pair (bf16 pairs) or quad
-// (int8 quads) side by side; bf16 panels take their columns in bf16_lane's order.
+// (int8 quads) side by side; bf16 panels take their columns in bf16_lane's order. (int8 octets, 8-byte
+// elements, which the tile copies do not take, go element by element.)
 template <WeightFormat F, class Src, class Dst, class Convert>
 int64_t place_whole_tiles(const PanelLanes& lanes, int64_t K, Dst* body) {
   constexpr bool rounded = F == WeightFormat::kBF16Pairs && std::is_same_v<Src, float>;
-  constexpr bool copied = std::is_same_v<Src, Dst> && std::is_same_v<std::decay_t<Convert>, Cast<Dst>>;
+  constexpr bool copied = std::is_same_v<Src, Dst> && std::is_same_v<std::decay_t<Convert>, Cast<Dst>> &&
+                          F != WeightFormat::kInt8Octets;
   if constexpr (!rounded && !copied) {
     return 0;
   } else {
@@ -214,6 +221,8 @@ void place_panels(WeightFormat format, FloatType source, std::initializer_list<C
     case WeightFormat::kInt8: return place<WeightFormat::kInt8, int8_t>(sources, N, K, static_cast<int16_t*>(dst));
     case WeightFormat::kInt8Quads:
       return place<WeightFormat::kInt8Quads, int8_t>(sources, N, K, static_cast<int8_t*>(dst));
+    case WeightFormat::kInt8Octets:
+      return place<WeightFormat::kInt8Octets, int8_t>(sources, N, K, static_cast<int8_t*>(dst));
     case WeightFormat::kBF16Pairs: return place_bf16_pairs(source, sources, N, K, static_cast<uint16_t*>(dst));
     case WeightFormat::kQuantized:
       throw std::logic_error("internal: quantized panels are placed by place_quantized_panels");

@@ -22,7 +22,9 @@ FloatType panel_type(WeightFormat format) {
   }
 }
 
-bool is_int8(WeightFormat format) { return format == WeightFormat::kInt8 || format == WeightFormat::kInt8Quads; }
+bool is_int8(WeightFormat format) {
+  return format == WeightFormat::kInt8 || format == WeightFormat::kInt8Quads || format == WeightFormat::kInt8Octets;
+}
 
 }  // namespace
 
@@ -36,7 +38,11 @@ WeightFormat weight_format(ElemType weights, int64_t accuracy_level) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return WeightFormat::kF16;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return WeightFormat::kBF16;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8:
-      return int8_layout() == Int8Layout::kQuads ? WeightFormat::kInt8Quads : WeightFormat::kInt8;
+      switch (int8_layout()) {
+        case Int8Layout::kQuads: return WeightFormat::kInt8Quads;
+        case Int8Layout::kOctets: return WeightFormat::kInt8Octets;
+        default: return WeightFormat::kInt8;
+      }
     default: return WeightFormat::kF32;
   }
 }
@@ -66,7 +72,8 @@ PackedWeights::PackedWeights(WeightFormat format, const QuantPanels& layout, int
 }
 
 std::string PackedWeights::layout() const {
-  static const char* const kNames[] = {"f32", "f16", "bf16", "int8_pairs", "int8_quads", "quantized", "bf16_pairs"};
+  static const char* const kNames[] = {"f32",       "f16",        "bf16",       "int8_pairs",
+                                       "int8_quads", "quantized", "bf16_pairs", "int8_octets"};
   std::string s = std::string("format:") + kNames[static_cast<int>(format_)] + ",N:" + std::to_string(N_) +
                   ",K:" + std::to_string(K_) + ",slot_bytes:" + std::to_string(slot_bytes_) +
                   ",bias:" + std::to_string(bias_bytes()) + ",source:" + std::to_string(static_cast<int>(source_));

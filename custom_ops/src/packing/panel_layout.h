@@ -29,7 +29,9 @@ namespace moe_onnx {
 //   kBF16Pairs         the bf16 GEMM's pair panels (bf16_gemm.h, accuracy_level 3): [pairs][16][2]
 //                      bf16, the weights rounded to bf16 (nearest even), K padded with zeros to a
 //                      multiple of 32; the activation rows are bf16 too (bf16_row).
-enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized, kBF16Pairs };
+//   kInt8Octets        the int8 GEMM's octet panels (int8_gemm.h, aarch64): [octets][16][8] int8, K
+//                      padded to a multiple of 8 with zeros.
+enum class WeightFormat { kF32, kF16, kBF16, kInt8, kInt8Quads, kQuantized, kBF16Pairs, kInt8Octets };
 
 // Where one expert's columns come from in a weight tensor of the format's element type, and where
 // they go: column c (c < columns) of B has element (k, c) at data[first + k * k_stride + c * c_stride]

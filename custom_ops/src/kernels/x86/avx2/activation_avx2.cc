@@ -1,7 +1,7 @@
 // The activations (activation.h) on AVX2 + FMA: activation_simd.h on 8 lanes, one gate/up panel at a
 // time (its 8 gate columns in one ymm, its 8 up columns in another). This file alone is compiled with
 // -mavx2 -mfma -mf16c and is only called after a run-time check of the CPU.
-#include "x86/activation_simd.h"
+#include "activation_simd.h"
 #include "x86/avx2/simd_avx2.h"
 
 namespace moe_onnx {

@@ -1,7 +1,7 @@
 // widen_row with AVX2 + F16C (float_rows_simd.h on 8 lanes); this file alone is compiled with -mavx2 -mfma
 // -mf16c and is only called after a run-time check of the CPU.
 #include "x86/avx2/simd_avx2.h"
-#include "x86/float_rows_simd.h"
+#include "float_rows_simd.h"
 
 namespace moe_onnx {
 namespace detail {

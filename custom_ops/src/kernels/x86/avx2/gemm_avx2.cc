@@ -30,11 +30,6 @@ inline void load16(const void* B, int64_t i, __m256& lo, __m256& hi) {
   }
 }
 
-template <FloatType W>
-inline const void* advance(const void* B, int64_t elems) {
-  return static_cast<const char*>(B) + elems * static_cast<int64_t>(W == FloatType::kF32 ? 4 : 2);
-}
-
 // Accumulators are named variables, not arrays: with arrays GCC writes them back to the stack on
 // every k step.
 //
@@ -175,14 +170,15 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
   int64_t p = p0;
   if (M == 1) {
     for (; p + 4 <= p1; p += 4) {
-      const void* B = advance<W>(B_packed, p * stride);
-      const void *B1 = advance<W>(B, stride), *B2 = advance<W>(B, 2 * stride), *B3 = advance<W>(B, 3 * stride);
+      const void* B = panel_advance<W>(B_packed, p * stride);
+      const void *B1 = panel_advance<W>(B, stride), *B2 = panel_advance<W>(B, 2 * stride),
+                 *B3 = panel_advance<W>(B, 3 * stride);
       micro_one_row<W>(A, K, B, B1, B2, B3, C + (p - p0) * kPanel);
     }
   } else if (M == 2) {
     for (; p + 2 <= p1; p += 2) {
-      const void* B = advance<W>(B_packed, p * stride);
-      micro_two_rows<W>(A, lda, K, B, advance<W>(B, stride), C + (p - p0) * kPanel, ldc);
+      const void* B = panel_advance<W>(B_packed, p * stride);
+      micro_two_rows<W>(A, lda, K, B, panel_advance<W>(B, stride), C + (p - p0) * kPanel, ldc);
     }
   }
   const int64_t tiles = (M + 5) / 6;
@@ -191,14 +187,14 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
     float* Cp = C + (p - p0) * kPanel;
     for (int64_t k0 = 0; k0 < K; k0 += kblock) {
       const int64_t kb = K - k0 < kblock ? K - k0 : kblock;
-      const void* B = advance<W>(B_packed, p * stride + k0 * kPanel);
+      const void* B = panel_advance<W>(B_packed, p * stride + k0 * kPanel);
       const float* Ak = A + k0;
       const bool acc = k0 > 0;
       // The next block's lines, shared out over the tiles (each prefetches `share` lines).
       const int64_t lines = (kb * kPanel * static_cast<int64_t>(W == FloatType::kF32 ? 4 : 2) + 63) / 64;
       const int64_t share = (lines + tiles - 1) / tiles;
       const int64_t every = kb / share > 0 ? kb / share : 1;
-      const char* next = static_cast<const char*>(advance<W>(B, kb * kPanel));
+      const char* next = static_cast<const char*>(panel_advance<W>(B, kb * kPanel));
       // Row tiles of equal height (16 rows: 6 + 5 + 5, not 6 + 6 + 4; 7 rows: 4 + 3, not 6 + 1): a
       // short tile has too few FMA chains to hide the FMA latency.
       const int64_t base = M / tiles, extra = M % tiles;

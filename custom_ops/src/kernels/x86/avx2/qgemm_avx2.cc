@@ -91,21 +91,6 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
 }
 
 template <QuantCode Q, bool ZP>
-void fused(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0, int64_t p1,
-           float* C, int64_t ldc) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* panel = B + p * layout.panel_bytes();
-    float* Cp = C + (p - p0) * kPanel;
-    switch (M) {
-      case 1: fused_panel<Q, ZP, 1>(layout, A, lda, panel, Cp, ldc); break;
-      case 2: fused_panel<Q, ZP, 2>(layout, A, lda, panel, Cp, ldc); break;
-      case 3: fused_panel<Q, ZP, 3>(layout, A, lda, panel, Cp, ldc); break;
-      default: fused_panel<Q, ZP, 4>(layout, A, lda, panel, Cp, ldc); break;
-    }
-  }
-}
-
-template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
   const Decoder<Q, ZP> d[2] = {Decoder<Q, ZP>(block, 0), Decoder<Q, ZP>(block, 1)};
@@ -124,7 +109,11 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
 
 void quant_fused_avx2(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, const uint8_t* B, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
-  with_decoder(layout, [&](auto q, auto zp) { fused<q(), zp()>(layout, A, lda, M, B, p0, p1, C, ldc); });
+  with_decoder(layout, [&](auto q, auto zp) {
+    for_fused_panels(layout, M, B, p0, p1, C, [&](auto rows, const uint8_t* panel, float* Cp) {
+      fused_panel<q(), zp(), rows()>(layout, A, lda, panel, Cp, ldc);
+    });
+  });
 }
 
 void quant_decode_avx2(const QuantPanels& layout, const uint8_t* block, float* out) {

@@ -2,7 +2,7 @@
 // time (their 8 gate columns side by side in one zmm, their 8 up columns in another). The same
 // operations as the AVX2 kernels in the same order, so the same results. This file alone is compiled
 // with the AVX-512 flags and is only called after a run-time check of the CPU.
-#include "x86/activation_simd.h"
+#include "activation_simd.h"
 #include "x86/avx512/simd_avx512.h"
 
 namespace moe_onnx {

@@ -4,7 +4,7 @@
 
 #include "float_rows.h"
 #include "x86/avx512/simd_avx512.h"
-#include "x86/float_rows_simd.h"
+#include "float_rows_simd.h"
 
 namespace moe_onnx {
 namespace detail {

@@ -22,16 +22,6 @@ constexpr int64_t kKBlock = 256;
 // Row tiles are at most this tall (12 x 2 panels = 24 accumulators).
 constexpr int64_t kMaxRows = 12;
 
-template <FloatType W>
-constexpr int64_t elem_bytes() {
-  return W == FloatType::kF32 ? 4 : 2;
-}
-
-template <FloatType W>
-inline const void* advance(const void* B, int64_t elems) {
-  return static_cast<const char*>(B) + elems * elem_bytes<W>();
-}
-
 // Panel row k of B (16 elements from element offset i) widened to fp32 (exact for fp16 and bf16; bf16
 // rows are stored in bf16_lane's order).
 template <FloatType W>
@@ -89,11 +79,11 @@ void panels(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, fl
   const int64_t kblocks = (K + kKBlock - 1) / kKBlock, kblock = (K + kblocks - 1) / kblocks;  // equal blocks
   for (int64_t k0 = 0; k0 < K; k0 += kblock) {
     const int64_t kb = K - k0 < kblock ? K - k0 : kblock;
-    const void* Bk = advance<W>(B, k0 * kPanel);
+    const void* Bk = panel_advance<W>(B, k0 * kPanel);
     // The next block of each panel follows its block, and after the last block the next NP panels
     // follow the last of these.
-    const char* next = static_cast<const char*>(advance<W>(Bk, kb * kPanel + (k0 + kb < K ? 0 : (NP - 1) * stride)));
-    const int64_t lines = (kb * kPanel * elem_bytes<W>() + 63) / 64;
+    const char* next = static_cast<const char*>(panel_advance<W>(Bk, kb * kPanel + (k0 + kb < K ? 0 : (NP - 1) * stride)));
+    const int64_t lines = (kb * kPanel * panel_element_bytes<W>() + 63) / 64;
     const int64_t share = (lines + tiles - 1) / tiles;
     const int64_t every = kb / share > 0 ? kb / share : 1;
     const int64_t base = M / tiles, extra = M % tiles;
@@ -103,7 +93,7 @@ void panels(const float* A, int64_t lda, int64_t M, int64_t K, const void* B, fl
       const float* At = A + m * lda + k0;
       float* Ct = C + m * ldc;
       const char* pf = next + t * share * 64;
-      const int64_t pfs = stride * elem_bytes<W>();
+      const int64_t pfs = stride * panel_element_bytes<W>();
       const bool acc = k0 > 0;
       with_rows<kMaxRows>(rows, [&](auto r) {
         micro<W, decltype(r)::value, NP>(At, lda, kb, Bk, stride, Ct, ldc, acc, pf, pfs, every);
@@ -122,13 +112,13 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packe
   // AVX2 kernels: eight measured 3-6% slower on Zen 4), whole K (each weight is read once).
   if (M == 1) {
     for (; p + 4 <= p1; p += 4)
-      micro<W, 1, 4>(A, lda, K, advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
+      micro<W, 1, 4>(A, lda, K, panel_advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
   } else if (M == 2) {
     for (; p + 4 <= p1; p += 4)
-      micro<W, 2, 4>(A, lda, K, advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
+      micro<W, 2, 4>(A, lda, K, panel_advance<W>(B_packed, p * stride), stride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
   }
-  for (; p + 2 <= p1; p += 2) panels<W, 2>(A, lda, M, K, advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
-  if (p < p1) panels<W, 1>(A, lda, M, K, advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
+  for (; p + 2 <= p1; p += 2) panels<W, 2>(A, lda, M, K, panel_advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
+  if (p < p1) panels<W, 1>(A, lda, M, K, panel_advance<W>(B_packed, p * stride), C + (p - p0) * kPanel, ldc);
 }
 
 }  // namespace

@@ -67,24 +67,9 @@ void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const 
 
 void quant_dots_vnni(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* qa_sums, const float* sa,
                      int64_t M, const uint8_t* B, int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks();
-  constexpr int kRows = 4;
-  for (int64_t m = 0; m < M; m += kRows) {
-    const int rows = M - m < kRows ? static_cast<int>(M - m) : kRows;
-    const int8_t* a = qa + m * ldq;
-    const int32_t* sums = qa_sums + m * blocks;
-    const float* scales = sa + m * blocks;
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* panel = B + p * layout.panel_bytes();
-      float* out = C + m * ldc + (p - p0) * kPanel;
-      switch (rows) {
-        case 4: panel_rows<4>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        case 3: panel_rows<3>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        case 2: panel_rows<2>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-        default: panel_rows<1>(layout, a, ldq, sums, scales, panel, out, ldc); break;
-      }
-    }
-  }
+  for_dot_tiles<4>(layout, qa, ldq, qa_sums, sa, M, B, p0, p1, C, ldc,
+                   [&](auto rows, const int8_t* a, const int32_t* sums, const float* scales, const uint8_t* panel,
+                       float* out) { panel_rows<rows()>(layout, a, ldq, sums, scales, panel, out, ldc); });
 }
 
 }  // namespace detail
