@@ -66,6 +66,7 @@ def one_process(tp: int, timeouts: tuple[str, ...] = (), **env: str) -> list[tup
     return list(zip(lines[::2], lines[1::2]))
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 @pytest.mark.subprocess
 def test_one_rank_layout_loads_no_mpi():
     [(outcome, loaded)] = one_process(1)

@@ -227,6 +227,7 @@ def test_command_errors_are_one_line(tmp_path, capsys, case):
     assert capsys.readouterr().err == f"moe-onnx generate: {message}\n"
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 @pytest.mark.subprocess  # onnxruntime's logger, which the tests' conftest silences, left as a user has it
 def test_a_run_onnxruntime_fails_is_one_line():
     """The builder's fp16 LFM2-MoE fails in onnxruntime on CPU once it has a past (an fp16 Cast onnxruntime

@@ -160,6 +160,7 @@ def test_model_gives_the_bits_of_the_kernels_it_replaces(without_amx, gemm, tmp_
     assert_same_bits(model, without_amx(gemm))
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 def test_hardware_gives_the_bits_of_the_kernels_it_replaces(without_amx, tmp_path):
     """Where AMX-INT8 is usable (no switches set), the instructions give the same bits."""
     hardware = outputs_with({}, tmp_path)

@@ -91,6 +91,7 @@ def test_a_two_rank_node_in_one_process_says_how_to_run_it(mpirun):
            "not on one process" in done.stdout, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 @pytest.mark.subprocess
 def test_a_two_rank_node_without_mpi4py_says_what_is_missing():
     done = subprocess.run([sys.executable, "-c", TWO_RANK_NODE_ALONE, "no-mpi4py"], capture_output=True, text=True,

@@ -90,6 +90,7 @@ def test_single_process_never_imports_mpi4py_nor_loads_mpi():
     assert "single process ok" in out.stdout.splitlines(), out.stdout
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 def test_a_node_of_two_ranks_says_what_it_needs():
     """python: the node needs 2 MPI ranks and mpi4py does not import; cpp: the node needs 2 ranks, which a build
     without MPI cannot give and a process outside mpirun (an MPI world of one) does not have."""

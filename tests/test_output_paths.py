@@ -180,6 +180,7 @@ except model_files.ModelFileError as error:
 """
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 @pytest.mark.subprocess
 def test_a_write_that_fills_the_disk_leaves_the_old_file(tmp_path):
     """The writer every output goes through (reports, manifests, run's outputs, models) under a file-size limit."""

@@ -241,6 +241,7 @@ def test_a_file_replaced_under_a_running_session_changes_nothing(tmp_path, capfd
         replaced == "written in place"), err
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 def test_the_weights_are_held_as_the_files_pages(tmp_path):
     """A session on a packed model (external data) holds almost no anonymous memory for the weights after a run
     on every expert: they are the file's pages (RssFile grows by about the packed bytes)."""

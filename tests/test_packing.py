@@ -236,8 +236,9 @@ def test_weights_are_resident_once(tmp_path, inline):
 # ----------------------------------------------------------------------------- the panels' bytes
 
 LEVELS = isa_levels.LEVELS  # isa.h's levels of this architecture, in order
-#: the fast lane packs at the lowest and the highest level (the element path and the tile copies); the rest is slow
-LEVEL_LANES = [level if level in (LEVELS[0], LEVELS[-1]) else pytest.param(level, marks=pytest.mark.slow)
+#: the fast lane packs at the level this process's kernels run (this CPU's best: its tile copies where it has them);
+#: the other levels are slow
+LEVEL_LANES = [level if level == kernel_report()["level"] else pytest.param(level, marks=pytest.mark.slow)
                for level in LEVELS]
 # packed_weights.h's WeightFormat, as ints
 F32, F16, BF16_PANELS, INT8_PAIRS, INT8_QUADS, BF16_PAIRS, INT8_OCTETS = 0, 1, 2, 3, 4, 6, 7

@@ -220,6 +220,7 @@ def run_python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # a fresh process or a measurement: seconds, outside the fast lane
 @pytest.mark.subprocess
 def test_python_exception_message_not_utf8_encodable():
     """A kernel's message with a lone surrogate becomes an onnxruntime error (escaped), not a crash."""
