@@ -20,7 +20,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ._ir import model_files
 from .compare import OutputMismatch, compare_outputs, worst
 from .runtime import session
 
@@ -417,7 +416,11 @@ def _first_line(error: Exception) -> str:
 
 
 def _proto(model) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else model_files.read_proto(model)
+    if isinstance(model, onnx.ModelProto):
+        return model
+    from ._ir import model_files  # onnx_ir (and sympy under it) only where a path is read: not for the tolerances
+
+    return model_files.read_proto(model)
 
 
 def _as_input(model):
