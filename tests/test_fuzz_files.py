@@ -103,6 +103,13 @@ def _fields(node: object, path: tuple = ()) -> list[tuple]:
     return paths
 
 
+def _holds(container: object, key: object) -> bool:
+    """Whether ``container[key]`` exists (a dict's key, or a list's index)."""
+    if isinstance(container, dict):
+        return key in container
+    return isinstance(container, list) and isinstance(key, int) and key < len(container)
+
+
 def _changed(document: dict, changes: list[tuple[tuple, object]]) -> dict:
     """A copy of ``document`` with each (key path, value) change made where the path still leads ("remove": the
     key or item removed)."""
@@ -110,20 +117,14 @@ def _changed(document: dict, changes: list[tuple[tuple, object]]) -> dict:
     for path, value in changes:
         parent = document
         for key in path[:-1]:
-            if not (isinstance(parent, dict) and key in parent or isinstance(parent, list) and isinstance(key, int)
-                    and key < len(parent)):
-                break
-            parent = parent[key]
+            parent = parent[key] if _holds(parent, key) else None
+        if not _holds(parent, path[-1]):
+            continue
+        if value == "remove":
+            del parent[path[-1]]
         else:
-            key = path[-1]
-            if isinstance(parent, dict) and key in parent or isinstance(parent, list) and isinstance(key, int) \
-                    and key < len(parent):
-                if value == "remove":
-                    del parent[key]
-                else:
-                    parent[key] = value
+            parent[path[-1]] = value
     return document
-
 
 CONFIG = json.loads((GENAI / "genai_config.json").read_text())
 FIELDS = _fields(CONFIG)
