@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchingTracer, MatchResult, RewriteRule, RewriteRuleClassBase
-from onnxscript.rewriter._pattern_ir import GraphPattern, _to_graph_pattern  # pinned onnxscript 0.7 (pyproject)
+from onnxscript.rewriter._pattern_ir import (  # pinned onnxscript 0.7 (pyproject)
+    GraphPattern, StringConstantPattern, _to_graph_pattern)
 
 from .._ir.nodes import constant, standard
 from ..ops import IN_OUR_DOMAIN
@@ -92,13 +93,22 @@ class MoeFusion(RewriteRuleClassBase):
 
 
 class _TracedRule(RewriteRule):
-    """A rule that logs its matches to its own tracer: given to a rule set, onnxscript's tracer turns rewriting off."""
+    """A rule that logs its matches to its own tracer: given to a rule set, onnxscript's tracer turns rewriting off.
 
-    def __init__(self, *args, tracer: MatchingTracer | None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    A node of another op type than the pattern's first output node is not tried: onnxscript's matcher (every
+    fusion's matcher is one, or a subclass that only fails more) roots the pattern there and fails such a node at
+    its first check, with nothing matched, which is no near-miss. The rule set tries every rule on every node:
+    most tries end here, without the matcher's set-up and the tracer's log."""
+
+    def __init__(self, pattern: GraphPattern, *args, tracer: MatchingTracer | None, **kwargs) -> None:
+        super().__init__(pattern, *args, **kwargs)
         self._tracer = tracer
+        root = pattern.output_nodes[0].op if pattern.output_nodes else None
+        self._root_op = root.value() if isinstance(root, StringConstantPattern) else None
 
     def try_rewrite(self, model, graph_or_function, node, *, verbose=None, tracer=None):
+        if self._root_op is not None and node.op_type != self._root_op:
+            return None
         return super().try_rewrite(model, graph_or_function, node, verbose=verbose, tracer=tracer or self._tracer)
 
 
