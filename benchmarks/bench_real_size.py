@@ -185,16 +185,21 @@ class Bench:
         self.session(f"{what}, packed file", folder, "cpp")
         shutil.rmtree(model.with_name(model.name + ".packed"))
 
-    def run(self, smoke: bool) -> None:
+    def run(self, smoke: bool, exported: Path | None = None) -> None:
+        """Every step; from a copy of ``exported`` (what `moe-onnx export --no-optimize` wrote before) instead of
+        the checkpoint and export steps where given."""
         cli = [sys.executable, "-m", "moe_onnx.cli"]
         checkpoint, original = self.folder / "checkpoint", self.folder / "original"
         fused, int4, shards = self.folder / "fused", self.folder / "int4", self.folder / "shards"
-        self.command("checkpoint (copied)" if self.shape.committed else "checkpoint (transformers, random weights)",
-                     [sys.executable, __file__, "checkpoint", str(checkpoint), "--shape", self.shape.name.split()[0]]
-                     + (["--smoke"] if smoke else []))
-        self.command("moe-onnx export --no-optimize (the original)",
-                     cli + ["export", str(checkpoint), "-o", str(original), "--no-optimize"])
-        shutil.rmtree(checkpoint)
+        if exported is not None:
+            shutil.copytree(exported, original)
+        else:
+            self.command("checkpoint (copied)" if self.shape.committed else "checkpoint (transformers, random weights)",
+                         [sys.executable, __file__, "checkpoint", str(checkpoint), "--shape",
+                          self.shape.name.split()[0]] + (["--smoke"] if smoke else []))
+            self.command("moe-onnx export --no-optimize (the original)",
+                         cli + ["export", str(checkpoint), "-o", str(original), "--no-optimize"])
+            shutil.rmtree(checkpoint)
         self.weights = _data_bytes(original)
         self.session("plain onnxruntime, original", original, "ort")
         fused.mkdir()
@@ -246,7 +251,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seconds)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/moe-real-size"))
+    parser.add_argument("--original", type=Path, metavar="FOLDER",
+                        help="start from this export of the shape's checkpoint (`moe-onnx export --no-optimize`'s "
+                             "folder, copied; one --shape): the checkpoint and export steps are not run")
     args = parser.parse_args()
+    if args.original is not None and len(args.shape) != 1:
+        parser.error("--original is the export of one shape's checkpoint: give one --shape")
     if args.child == "checkpoint":
         make_checkpoint((SMOKE_SHAPES if args.smoke else SHAPES)[args.shape], args.folder)
         return
@@ -261,7 +271,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}; onnxruntime {onnxruntime.__version__}", flush=True)
     for name in args.shape:
         bench = Bench((SMOKE_SHAPES if args.smoke else SHAPES)[name], args.work_dir / name, args.threads)
-        bench.run(args.smoke)
+        bench.run(args.smoke, args.original)
         print(bench.table(), flush=True)
 
 
