@@ -207,9 +207,10 @@ class InferShapes(RewritePass):
                     continue
                 if value.type is None:
                     value.type = ir.serde.deserialize_type_proto_for_type(info.type)
-                shape = ir.serde.deserialize_type_proto_for_shape(info.type)
-                if shape is not None and (value.shape is None or not value.shape.is_static()):
-                    value.shape = shape
+                if value.shape is None or not value.shape.is_static():
+                    shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+                    if shape is not None:
+                        value.shape = shape
         return rewritten(model, modified=True)
 
 
