@@ -17,14 +17,16 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
-import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from .graph import graphs
 from .progress import counter
+
+if TYPE_CHECKING:
+    import onnx_ir as ir  # imported where a model is loaded or saved: reading a file's proto needs only onnx
 
 #: models whose weights exceed this are written with external data (protobuf's limit is 2 GB)
 EXTERNAL_DATA_THRESHOLD = 1 << 30
@@ -306,6 +308,8 @@ def with_data(proto: onnx.ModelProto, path: str | os.PathLike) -> onnx.ModelProt
 def load(path: str | os.PathLike, proto: onnx.ModelProto | None = None) -> ir.Model:
     """The model at ``path`` (``proto``: its content already read by :func:`read_proto`); external
     tensors stay lazy (memory-mapped when read)."""
+    import onnx_ir as ir
+
     model = ir.serde.deserialize_model(read_proto(path) if proto is None else proto)
     ir.external_data.set_base_dir(model.graph, os.path.dirname(path))
     return model
@@ -391,6 +395,8 @@ def save(model: ir.Model, path: str | os.PathLike, progress: Callable[[str], Non
 
 def _write(model: ir.Model, path: Path, progress: Callable[[str], None] | None, external_data: bool) -> None:
     """Write the model to ``path`` (and its external data beside it)."""
+    import onnx_ir as ir
+
     external = external_data or any(isinstance(v.const_value, ir.ExternalTensor)
                                     for v in model.graph.initializers.values())
     if not external and weight_bytes(model) < EXTERNAL_DATA_THRESHOLD:
