@@ -201,8 +201,14 @@ def _collect() -> tuple[list[Case], dict]:
     return cases, oracles
 
 
-ALL_CASES, ORACLES = _collect()
-VALID_CASES = [c for c in ALL_CASES if c.error is None]
+def __getattr__(name: str):
+    """``ALL_CASES``, ``ORACLES`` and ``VALID_CASES``, made from every op's module on first use: a process that
+    needs one op's table (an MPI rank's driver: ``from cases import moe``) imports only that module."""
+    if name not in ("ALL_CASES", "ORACLES", "VALID_CASES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cases, oracles = _collect()
+    globals().update(ALL_CASES=cases, ORACLES=oracles, VALID_CASES=[c for c in cases if c.error is None])
+    return globals()[name]
 
 
 def covering(cases: Sequence[Case], features: Callable[[Case], Iterable[Hashable]]) -> list[Case]:
