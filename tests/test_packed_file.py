@@ -157,7 +157,7 @@ def _edited_weights(case: Case) -> Case:
 DAMAGES = {"other weights": "packed from other weights", "cut short": "truncated or damaged",
            "garbage": "not a packed-weights file", "empty": "not a packed-weights file",
            "another layout": "packed for another layout", "fifo": "is not a regular file",
-           "older version": "has packing layout version 1; this library reads version 2",
+           "older version": "has packing layout version 1; this library reads version 3",
            "weights edited outside the fingerprint": "'s weights differ from those the file was packed from",
            "flipped panel byte": "'s packed panels of matrix 0 differ from their checksum (the file is damaged)",
            "flipped checksum byte": "differ from their checksum (the file is damaged)"}

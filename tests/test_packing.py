@@ -435,17 +435,12 @@ def _expected_quant_panels(case: QuantCase, sources: list[dict]) -> bytes:
     blocks, group = K // block, 8 if bits == 4 else 4
     groups = -(-block // group)
     panels = max(-(-src["columns"] // src["width"]) for src in sources)
-    scales = np.zeros((panels * 16, blocks), np.float32)
+    scales = np.zeros((panels * 16, blocks), np.uint8 if case.code == E2M1 else np.float32)  # E2M1: E8M0 bytes
     zero_points = np.zeros((panels * 16, blocks), np.uint8)
     codes = np.zeros((panels * 16, blocks, groups * group), np.uint8)
     for src in sources:
         all_codes = _elements(src["codes"], bits)
-        if case.code == E2M1:  # 2^(s - 127); 2^-127 subnormal, 255 NaN
-            bits32 = np.where(src["scales"] == 255, 0x7FC00000, np.where(src["scales"] == 0, 0x00400000,
-                                                                          src["scales"].astype(np.uint32) << 23))
-            all_scales = bits32.astype(np.uint32).view(np.float32).reshape(-1)
-        else:
-            all_scales = src["scales"].astype(np.float32).reshape(-1)
+        all_scales = src["scales"].astype(scales.dtype).reshape(-1)
         for c in range(src["columns"]):
             lane = (c // src["width"]) * 16 + src["lane0"] + c % src["width"]
             first = src["codes_first"] + c * src["codes_stride"]

@@ -65,7 +65,7 @@ def _decode(weight, scales, zero_points, k_dim, bits, block_size, quant_type):
     scale = (scales[n, block] if block_size else scales[n]).astype(np.float64)
     if quant_type == "mxfp4":
         magnitude = np.array(E2M1_MAGNITUDES)[code & 7]
-        return np.where(code & 8, -magnitude, magnitude) * np.exp2(scale - 127)
+        return np.where(code & 8, -magnitude, magnitude) * np.where(scale == 255, np.nan, np.exp2(scale - 127))
     return (code - _zero_point(zero_points, n, block, bits, block_size)) * scale
 
 
@@ -185,11 +185,23 @@ def _garbage_high_nibbles(case):
 _three_blocks = _case("gemm2_int4_three_blocks_zero_points", G2, hidden=48, inter=48, block_size=16,
                       zero_points=True)
 
+def _extreme_scales(case, name):
+    """``case`` with E8M0 scales at their ends, which the kernels widen with exceptions: 0 (2^-127, a subnormal
+    float) on expert 1's first gate/up block, 1 (2^-126) on a row of expert 0, 255 (NaN) on one block of
+    expert 2's down linear (NaN in that output column of its tokens)."""
+    gate_up, down = _input(case, "scales_0").copy(), _input(case, "scales_1").copy()
+    gate_up[1, :, 0], gate_up[0, 5, :], down[2, 3, 0] = 0, 1, 255
+    return case.mutated(name, None, scales_0=gate_up, scales_1=down)
+
+
 CASES = [
     _base2,
     _base3,
     _base_act,
     _mx,
+    _extreme_scales(_mx, "gemm2_mxfp4_extreme_scales"),  # up to 4 rows an expert: decoded in registers
+    _extreme_scales(_case("gemm2_mxfp4_more_tokens", G2, tokens=40, quant_type="mxfp4", block_size=32),
+                    "gemm2_mxfp4_extreme_scales_more_tokens"),  # dequantized panels, then the fp32 GEMM
     # int4 / int8, per column / block-wise (16, 32, 256), with and without zero points
     _case("gemm2_int4_zero_points", G2, zero_points=True),
     _case("gemm2_int4_block16", G2, block_size=16),

@@ -6,8 +6,9 @@
 //     thread's workspace (task_workspace()). Scratches nest: a GEMM called inside a task takes its
 //     buffers after the task's, and each Scratch gives back what it took when it ends.
 //   - a run or a call (MOE's gathered rows, dispatch/combine's exchange buffers, the MPI staging
-//     copies): a Lease from a WorkspacePool that its owner (a kernel, the exchange, the MPI layer)
-//     keeps between calls; its buffers go back when the Lease ends.
+//     copies): a Lease from a WorkspacePool that its owner (every MOE and QMOE node of the process
+//     together, a kernel, the exchange, the MPI layer) keeps between calls; its buffers go back when
+//     the Lease ends.
 // Buffers are 64-byte aligned and never zeroed: every use writes a buffer before reading it, so no
 // result depends on them, nor on which thread's workspace served a task. Standard library only:
 // libmoe_onnx_mpi uses it too.

@@ -21,9 +21,15 @@ int32_t code_at(const QuantPanels& layout, const uint8_t* codes, int64_t kk, int
   return i < 4 ? lane[i] & 15 : lane[i - 4] >> 4;
 }
 
-float scale_at(const uint8_t* block, int64_t c) {
+// Column c's scale in a block's header: fp32, or E8M0 for E2M1 codes.
+float scale_at(const QuantPanels& layout, const uint8_t* block, int64_t c) {
   float s;
-  std::memcpy(&s, block + 4 * c, 4);
+  if (layout.code == QuantCode::kE2M1) {
+    const uint32_t bits = e8m0_scale_bits(block[c]);
+    std::memcpy(&s, &bits, 4);
+  } else {
+    std::memcpy(&s, block + 4 * c, 4);
+  }
   return s;
 }
 
@@ -40,7 +46,7 @@ void quant_decode_portable(const QuantPanels& layout, const uint8_t* block, floa
       const int32_t q = code_at(layout, codes, kk, c);
       const float value = layout.code == QuantCode::kE2M1 ? kE2M1Values[q]
                                                           : static_cast<float>(q - zero_point_at(layout, block, c));
-      out[kk * kPanel + c] = value * scale_at(block, c);
+      out[kk * kPanel + c] = value * scale_at(layout, block, c);
     }
 }
 
@@ -84,7 +90,7 @@ void quant_dots_portable(const QuantPanels& layout, const int8_t* qa, int64_t ld
           for (int64_t kk = 0; kk < layout.block; ++kk)
             dot += static_cast<uint32_t>(a[kk] * code_at(layout, codes, kk, c));
           dot -= static_cast<uint32_t>(zero_point_at(layout, block, c)) * static_cast<uint32_t>(qa_sums[m * blocks + b]);
-          out[c] += (sa[m * blocks + b] * scale_at(block, c)) * static_cast<float>(static_cast<int32_t>(dot));
+          out[c] += (sa[m * blocks + b] * scale_at(layout, block, c)) * static_cast<float>(static_cast<int32_t>(dot));
         }
       }
     }

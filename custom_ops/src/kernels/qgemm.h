@@ -4,8 +4,11 @@
 // Packed B ([K, N] logically, N outputs, K inputs): ceil(N / 16) panels of 16 columns; each panel is
 // its K blocks (block_size rows; one block of K rows for per-column scales) one after the other, and
 // each block is
-//   header  16 fp32 scales (one per column; MXFP4: 2^(s - 127)), then 16 uint8 zero points when the
-//           weights have them (int only; else every column's zero point is 2^(bits - 1))
+//   header  int: 16 fp32 scales (one per column), then 16 uint8 zero points when the weights have them
+//           (else every column's zero point is 2^(bits - 1)); MXFP4: the 16 columns' uint8 E8M0 scales s
+//           as stored (the scale 2^(s - 127), e8m0_scale_bits), so a panel is as large as the codes and
+//           scales it is packed from, and the kernels widen them at the block's end (its code groups
+//           then start 16 bytes into a cache line: unaligned loads)
 //   codes   groups of G rows (G = 8 for 4-bit codes, 4 for 8-bit), 64 bytes each: 16 columns x 4 bytes
 //           (the column's 32-bit lane). 8-bit: byte i of a lane is row i of the group; 4-bit: byte i
 //           holds row i in its low nibble and row 4 + i in its high nibble. A block's last group is
@@ -70,7 +73,7 @@ struct QuantPanels {
   int64_t group_rows() const { return code == QuantCode::kInt8 ? 4 : 8; }
   int64_t blocks() const { return block > 0 ? K / block : 0; }
   int64_t groups_per_block() const { return (block + group_rows() - 1) / group_rows(); }
-  int64_t header_bytes() const { return 64 + (zero_points ? 16 : 0); }
+  int64_t header_bytes() const { return code == QuantCode::kE2M1 ? 16 : 64 + (zero_points ? 16 : 0); }
   int64_t block_bytes() const { return header_bytes() + groups_per_block() * 64; }
   int64_t panel_bytes() const { return blocks() * block_bytes(); }
   // Level 4: a block's k in the quantized activation rows, zero padded: whole groups, and for blocks
@@ -100,6 +103,11 @@ constexpr float kInt4Values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
 constexpr float kInt4CentredValues[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 constexpr float kE2M1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// The bits of an E8M0 scale as fp32: 2^(s - 127) (s = 0: 2^-127, a subnormal float), NaN for 255. The SIMD
+// kernels widen a header's 16 with the same two exceptions.
+constexpr uint32_t kE8M0Zero = 0x00400000u, kE8M0NaN = 0x7FC00000u;
+inline uint32_t e8m0_scale_bits(uint8_t s) { return s == 255 ? kE8M0NaN : s == 0 ? kE8M0Zero : uint32_t{s} << 23; }
 
 // C[m, 16 * (p - p0) + c] = sum_k A[m, k] * W_p[k, c] for m < M, p in [p0, p1), c < 16 (the layout's
 // accuracy level decides how; level 4 takes quantized rows: quant_gemm_int8_rows). A: fp32 rows of

@@ -304,15 +304,20 @@ std::unique_ptr<ConstantExperts> constant_experts(const Ort::ConstKernelInfo& ki
       packed_file_request(files, kinfo, op.name, where, weights));
 }
 
+WorkspacePool& run_workspaces() {
+  static auto* pool = new WorkspacePool(2);  // never destroyed: a lease may end during exit
+  return *pool;
+}
+
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
-                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
-                 const ExpertWeights& experts, char* out, const TensorParallel& tp) {
+                 const Input& routing, const Input& indices, bool down_bias, const ExpertWeights& experts,
+                 char* out, const TensorParallel& tp) {
   if (d.T == 0 || d.H == 0) return;  // the same on every TP rank (the same tokens)
   const bool add_down_bias = down_bias && (!tp.group || tp.group->rank() == 0);
   // Whether some expert output reaches a token (this rank's I-slice may be empty, its bias absent).
   const bool any_output = d.k > 0 && (d.I > 0 || add_down_bias);
   if (!tp.group && !any_output) return write_zeros(hidden.type, d, out);
-  const WorkspacePool::Lease buffers = workspaces.lease();
+  const WorkspacePool::Lease buffers = run_workspaces().lease();
   float* partial = nullptr;  // TP: this rank's y in float32, then the group's sum
   if (tp.group) {
     partial = buffers->take<float>(d.T * d.H, "the partial outputs");

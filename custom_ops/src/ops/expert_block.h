@@ -55,10 +55,12 @@ ElemType validate_tokens(const Checker& v, std::initializer_list<int> same_type,
 // Every index in [0, E), else moe.py's message.
 void check_indices(const Input& indices, int64_t E, const std::string& where);
 
-// How many idle workspaces a kernel keeps for its runs' buffers, O(T*k*max(H, 2I)): gathered rows,
-// activations, weighted expert outputs, a TP rank's float32 sums. A run leases one (a run that finds
-// none idle gets a new one), so a run in steady state neither allocates nor page-faults them.
-constexpr size_t kKeptRunWorkspaces = 1;
+// The workspaces of the runs' buffers, O(T*k*max(H, 2I)): gathered rows, activations, weighted expert
+// outputs, a TP rank's float32 sums. Shared by every MOE and QMOE node of the process (a model's layers
+// run one after the other: one workspace serves them all, rather than one per layer, each as large as
+// the longest prompt's); a run leases one (a run that finds none idle gets a new one, as concurrent runs
+// do), so a run in steady state neither allocates nor page-faults them. Two idle ones are kept.
+WorkspacePool& run_workspaces();
 
 // How MOE or QMOE packs its experts from the node's inputs: room for the experts of `slots` (the gate/up
 // and down matrices of sizes H and I, not yet packed), and the packing of one slot.
@@ -96,7 +98,7 @@ struct TensorParallel {
 // Steps 2-5 of a Compute on checked inputs: writes y (hidden_states' shape and type) to `out`.
 // `down_bias`: whether the down linear has a bias (with I == 0 it alone reaches the output).
 void run_experts(Ort::KernelContext& ctx, const ExpertConfig& config, const MoeDims& d, const Input& hidden,
-                 const Input& routing, const Input& indices, bool down_bias, WorkspacePool& workspaces,
-                 const ExpertWeights& experts, char* out, const TensorParallel& tp = {});
+                 const Input& routing, const Input& indices, bool down_bias, const ExpertWeights& experts,
+                 char* out, const TensorParallel& tp = {});
 
 }  // namespace moe_onnx

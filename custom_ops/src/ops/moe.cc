@@ -169,7 +169,7 @@ void MoeKernel::Compute(OrtKernelContext* context) {
   const comm::Group* group = tp.get(tp_size, tp_rank, where);
   check_indices(inputs[INDICES], d.E, where);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
-  run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
+  run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present,
               {constant.get(), packing, inputs}, static_cast<char*>(out_value.GetTensorMutableRawData()),
               TensorParallel{group, where.c_str()});
 }

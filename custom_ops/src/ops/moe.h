@@ -10,7 +10,6 @@
 #include "packed_weights.h"
 #include "signature_op.h"
 #include "status.h"
-#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -24,7 +23,6 @@ struct MoeKernel : NodeKernel<MoeKernel> {
   comm::TpGroup tp;  // with tp_size > 1, made at the first run (after the inputs' checks, as the reference)
   ExpertPacker packing;
   std::unique_ptr<ConstantExperts> constant;  // when the weights are initializers: packed on first use
-  WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 
 // One registration per element type of hidden_states (SignatureOp): the output has that type.

@@ -5,7 +5,8 @@
 //    Compute's checks of them (validate_weights), each expert once, by the first run that uses it (for
 //    the life of the session: ConstantExperts), else packed per run for the experts in use.
 //    Each linear is packed as quantized panels (qgemm.h): the codes stay 4 or 8 bits, the scales
-//    become fp32 block headers, and GEMM2's interleaved gate/up rows go to MOE's gate/up panels.
+//    become block headers (int: fp32; mxfp4: the E8M0 bytes), and GEMM2's interleaved gate/up rows go
+//    to MOE's gate/up panels.
 // 3. run_experts: MOE's routing, tasks, activations and sums; the GEMMs decode the panels (accuracy_level
 //    3, where the ISA table has a bf16 GEMM: prefill-sized tasks into bf16 pair panels, qgemm.h).
 #include "qmoe.h"
@@ -320,7 +321,7 @@ void QMoeKernel::Compute(OrtKernelContext* context) {
   const std::vector<Input> inputs = read_inputs(ctx, N_INPUTS);
   const MoeDims d = check_inputs(*this, inputs);
   Ort::UnownedValue out_value = ctx.GetOutput(0, inputs[HIDDEN].shape);
-  run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present, workspaces,
+  run_experts(ctx, config, d, inputs[HIDDEN], inputs[ROUTING], inputs[INDICES], inputs[B1].present,
               {constant.get(), packing, inputs}, static_cast<char*>(out_value.GetTensorMutableRawData()));
 }
 

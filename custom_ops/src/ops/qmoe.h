@@ -12,7 +12,6 @@
 #include "packed_weights.h"
 #include "signature_op.h"
 #include "status.h"
-#include "workspace.h"
 
 namespace moe_onnx {
 
@@ -33,7 +32,6 @@ struct QMoeKernel : NodeKernel<QMoeKernel> {
   Quantization quant;
   ExpertPacker packing;
   std::unique_ptr<ConstantExperts> constant;  // when the weights are initializers: packed on first use
-  WorkspacePool workspaces{kKeptRunWorkspaces};
 };
 
 // One registration per element type of hidden_states (SignatureOp): the output has that type.

@@ -31,8 +31,9 @@ constexpr const char* kPackedWeightsWriteKey = "moe_onnx.packed_weights_write";
 constexpr const char* kPackedWeightsThreadsKey = "moe_onnx.packed_weights_threads";
 
 // Bump on any change to where pack puts a weight (a panel layout, a WeightFormat's meaning) or to the
-// file's format: files of another version are not used. 2: the weights' files and the checksum table.
-constexpr uint32_t kPackedLayoutVersion = 2;
+// file's format: files of another version are not used. 2: the weights' files and the checksum table;
+// 3: E2M1 panels keep their E8M0 scale bytes (qgemm.h).
+constexpr uint32_t kPackedLayoutVersion = 3;
 
 // The packed-weights settings of the sessions of one registration.
 struct PackedWeightsFiles {

@@ -1,7 +1,8 @@
 // Placement of QMOE's quantized panels (panel_layout.h; their layout: qgemm.h): per panel, its blocks'
-// headers (scales widened to fp32, zero points) and code groups. The 16 lanes' code groups go through
-// the ISA table's quant_code_groups, and the headers 16 blocks at a time through transpose_tile, where
-// every lane has a column whose codes start at a byte; the rest element by element.
+// headers (int: scales widened to fp32, zero points; E2M1: the E8M0 scale bytes as stored) and code
+// groups. The 16 lanes' code groups go through the ISA table's quant_code_groups, and the headers 16
+// blocks at a time through transpose_tile, where every lane has a column whose codes start at a byte;
+// the rest element by element.
 #include <cstring>
 
 #include "float_rows.h"
@@ -10,15 +11,6 @@
 
 namespace moe_onnx {
 namespace {
-
-// An E8M0 scale: 2^(s - 127) (s = 0: 2^-127, a subnormal float), NaN for 255; as bits, so that a
-// panel's 16 scales convert without a call each.
-float e8m0_to_float(uint8_t s) {
-  const uint32_t bits = s == 255 ? 0x7FC00000u : s == 0 ? 0x00400000u : uint32_t{s} << 23;
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
 
 // Element i of a tensor of `bits`-bit elements (4: the low nibble of a byte first).
 int quant_element(const uint8_t* data, int64_t i, int bits) {
@@ -59,11 +51,11 @@ struct QuantLanes {
     if (full && one_scale_type) scale_bytes = e8m0 ? 1 : scale_type[0] == FloatType::kF32 ? 4 : 2;
   }
 
-  // Block b's scale of a lane (with a column), as fp32.
-  float scale(QuantCode code, int64_t lane, int64_t b) const {
-    const void* all = source[lane]->scales;
-    if (code == QuantCode::kE2M1) return e8m0_to_float(static_cast<const uint8_t*>(all)[scales[lane] + b]);
-    return load_float(scale_type[lane], all, scales[lane] + b);
+  // Block b's scale of a lane (with a column) of int codes, as fp32.
+  float scale(int64_t lane, int64_t b) const { return load_float(scale_type[lane], source[lane]->scales, scales[lane] + b); }
+  // Block b's E8M0 scale of a lane (with a column) of E2M1 codes.
+  uint8_t e8m0_scale(int64_t lane, int64_t b) const {
+    return static_cast<const uint8_t*>(source[lane]->scales)[scales[lane] + b];
   }
   // Block b's zero point of a lane (with a column): its own, or 2^(bits - 1) for a linear without zero
   // points that shares the panels with one that has them.
@@ -115,13 +107,8 @@ void place_quant_headers(const QuantPanels& q, const QuantLanes& lanes, uint8_t*
       for (int64_t i = 0; i < kTile; ++i) {
         const uint8_t* row = scale_rows + i * kPanel * scale_bytes;
         uint8_t* header = panel + (b0 + i) * block_bytes;
-        if (q.code == QuantCode::kE2M1) {
-          for (int64_t lane = 0; lane < kPanel; ++lane) {
-            const float scale = e8m0_to_float(row[lane]);
-            std::memcpy(header + 4 * lane, &scale, 4);
-          }
-        } else if (scale_bytes == 4) {
-          std::memcpy(header, row, kPanel * 4);
+        if (q.code == QuantCode::kE2M1 || scale_bytes == 4) {  // E8M0 bytes or fp32 scales as they are
+          std::memcpy(header, row, kPanel * scale_bytes);
         } else {
           widen_row(lanes.scale_type[0], row, reinterpret_cast<float*>(header), kPanel);
         }
@@ -140,7 +127,11 @@ void place_quant_headers(const QuantPanels& q, const QuantLanes& lanes, uint8_t*
     uint8_t* header = panel + b * block_bytes;
     for (int64_t lane = 0; lane < kPanel; ++lane) {
       if (!lanes.source[lane]) continue;
-      const float scale = lanes.scale(q.code, lane, b);
+      if (q.code == QuantCode::kE2M1) {
+        header[lane] = lanes.e8m0_scale(lane, b);
+        continue;
+      }
+      const float scale = lanes.scale(lane, b);
       std::memcpy(header + 4 * lane, &scale, 4);
       if (q.zero_points) header[64 + lane] = lanes.zero_point(bits, lane, b);
     }

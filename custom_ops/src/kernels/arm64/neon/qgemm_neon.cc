@@ -99,6 +99,18 @@ struct Tile {
   }
 };
 
+// Columns 4j to 4j + 3 of a block's scales as fp32: its header's (E2M1: the E8M0 bytes widened,
+// e8m0_scale_bits).
+template <QuantCode Q>
+inline float32x4_t block_scales(const uint8_t* block, int j) {
+  if (Q != QuantCode::kE2M1) return vld1q_f32(reinterpret_cast<const float*>(block) + 4 * j);
+  const uint32x4_t s = {block[4 * j], block[4 * j + 1], block[4 * j + 2], block[4 * j + 3]};
+  uint32x4_t bits = vshlq_n_u32(s, 23);
+  bits = vbslq_u32(vceqq_u32(s, vdupq_n_u32(0)), vdupq_n_u32(kE8M0Zero), bits);
+  bits = vbslq_u32(vceqq_u32(s, vdupq_n_u32(255)), vdupq_n_u32(kE8M0NaN), bits);
+  return vreinterpretq_f32_u32(bits);
+}
+
 inline void load_group(const uint8_t* codes, uint32x4_t (&g)[4]) {
   for (int j = 0; j < 4; ++j) g[j] = vld1q_u32(reinterpret_cast<const uint32_t*>(codes + 16 * j));
 }
@@ -135,7 +147,7 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
       }
     }
     for (int j = 0; j < 4; ++j) {
-      const float32x4_t scale = vld1q_f32(reinterpret_cast<const float*>(block) + 4 * j);
+      const float32x4_t scale = block_scales<Q>(block, j);
       for (int r = 0; r < MR; ++r) t.acc[r][j] = vfmaq_f32(t.acc[r][j], scale, t.dot[r][j]);
     }
   }
@@ -149,7 +161,7 @@ void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   const Decoder<Q, ZP> d(block);
   const uint8_t* codes = block + layout.header_bytes();
   float32x4_t scale[4];
-  for (int j = 0; j < 4; ++j) scale[j] = vld1q_f32(reinterpret_cast<const float*>(block) + 4 * j);
+  for (int j = 0; j < 4; ++j) scale[j] = block_scales<Q>(block, j);
   for (int64_t k0 = 0; k0 < layout.block; k0 += G) {
     uint32x4_t g[4];
     load_group(codes + (k0 / G) * kQuantGroupBytes, g);

@@ -47,6 +47,20 @@ struct Decoder {
   }
 };
 
+// Half h (columns 8h to 8h + 7) of a block's scales as fp32: its header's (E2M1: the E8M0 bytes widened,
+// e8m0_scale_bits).
+template <QuantCode Q>
+inline __m256 block_scales(const uint8_t* block, int h) {
+  if (Q != QuantCode::kE2M1) return _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h);
+  const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * h)));
+  __m256i bits = _mm256_slli_epi32(s, 23);
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(static_cast<int>(kE8M0Zero)),
+                            _mm256_cmpeq_epi32(s, _mm256_setzero_si256()));
+  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(static_cast<int>(kE8M0NaN)),
+                            _mm256_cmpeq_epi32(s, _mm256_set1_epi32(255)));
+  return _mm256_castsi256_ps(bits);
+}
+
 // MR rows x one panel; each row of the panel decoded once for the MR rows.
 template <QuantCode Q, bool ZP, int MR>
 void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* panel, float* C, int64_t ldc) {
@@ -78,7 +92,7 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h);
+      const __m256 scale = block_scales<Q>(block, h);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_fmadd_ps(scale, dot[r][h], acc[r][h]);
     }
@@ -94,13 +108,13 @@ template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
   const Decoder<Q, ZP> d[2] = {Decoder<Q, ZP>(block, 0), Decoder<Q, ZP>(block, 1)};
+  const __m256 scales[2] = {block_scales<Q>(block, 0), block_scales<Q>(block, 1)};
   const uint8_t* codes = block + layout.header_bytes();
   for (int64_t kk = 0; kk < layout.block; ++kk) {
     const __m256i* group = reinterpret_cast<const __m256i*>(codes + (kk / G) * kQuantGroupBytes);
     for (int h = 0; h < 2; ++h) {
       const __m256 value = d[h].row(Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + h)), static_cast<int>(kk % G));
-      _mm256_storeu_ps(out + kk * kPanel + 8 * h,
-                       _mm256_mul_ps(value, _mm256_loadu_ps(reinterpret_cast<const float*>(block) + 8 * h)));
+      _mm256_storeu_ps(out + kk * kPanel + 8 * h, _mm256_mul_ps(value, scales[h]));
     }
   }
 }

@@ -69,6 +69,19 @@ struct Decoder {
   }
 };
 
+// A block's 16 scales as fp32: its header's (E2M1: the E8M0 bytes widened, e8m0_scale_bits).
+template <QuantCode Q>
+inline __m512 block_scales(const uint8_t* block) {
+  if (Q != QuantCode::kE2M1) return _mm512_loadu_ps(reinterpret_cast<const float*>(block));
+  const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+  __m512i bits = _mm512_slli_epi32(s, 23);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
+                               _mm512_set1_epi32(static_cast<int>(kE8M0Zero)));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)),
+                               _mm512_set1_epi32(static_cast<int>(kE8M0NaN)));
+  return _mm512_castsi512_ps(bits);
+}
+
 // The decoders of NP panels' blocks (panel j's block at block + j * panel_bytes).
 template <QuantCode Q, bool ZP, int NP>
 using Decoders = std::array<Decoder<Q, ZP>, NP>;
@@ -146,7 +159,7 @@ void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const ui
     }
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
-      const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block + j * panel_bytes));
+      const __m512 scale = block_scales<Q>(block + j * panel_bytes);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) t.acc[r][j] = _mm512_fmadd_ps(scale, t.dot[r][j], t.acc[r][j]);
     }
@@ -185,7 +198,7 @@ template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
   constexpr int G = group_rows(Q);
   const Decoder<Q, ZP> d(block);
-  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block));
+  const __m512 scale = block_scales<Q>(block);
   const uint8_t* codes = block + layout.header_bytes();
   for (int64_t kk = 0; kk < layout.block; ++kk) {
     const __m512i group = Decoder<Q, ZP>::prepare(_mm512_loadu_si512(codes + (kk / G) * kQuantGroupBytes));
