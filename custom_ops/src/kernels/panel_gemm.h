@@ -56,10 +56,12 @@ inline void store_accumulators(const typename V::F (&acc)[MR][NV], float* C, int
     for (int j = 0; j < NV; ++j) V::store(C + r * ldc + j * V::kLanes, acc[r][j]);
 }
 
-// Whether a row tile is a function of its own. x86-64 has 16 general registers: inlined into the driver's
-// loops, a 6-row tile's k loop ran out of them under GCC 12 and reloaded a loop-invariant pointer from the
-// stack at every step (bf16 weights on AVX2, most tiles on AVX-512). aarch64 has 31: inlined, its loops are
-// as tight as the kernels' own (arm64_loops.py).
+// Kernel::micro as a function of its own, where inlining it into the driver's loops makes its k loop worse:
+// a decode tile (one or two rows over several panels, whole K) always; a row tile on x86-64 only
+// (kRowTileCall). x86-64 has 16 general registers: inlined, a 6-row tile's loop ran out of them under
+// GCC 12 and reloaded a loop-invariant pointer from the stack at every k step (bf16 weights on AVX2, most
+// tiles on AVX-512); aarch64 has 31, and its inlined row tiles are as tight as its kernels' own
+// (benchmarks/arm64_loops.py).
 #if defined(__x86_64__)
 constexpr bool kRowTileCall = true;
 #else
@@ -67,9 +69,9 @@ constexpr bool kRowTileCall = false;
 #endif
 
 template <class Kernel, int MR, int NP>
-[[gnu::noinline]] void row_tile_call(const typename Kernel::AElement* A, int64_t lda, int64_t steps, const void* B,
-                                     int64_t bstride, float* C, int64_t ldc, bool accumulate, const char* pf,
-                                     int64_t pf_stride, int64_t pf_every) {
+[[gnu::noinline]] void tile_call(const typename Kernel::AElement* A, int64_t lda, int64_t steps, const void* B,
+                                 int64_t bstride, float* C, int64_t ldc, bool accumulate, const char* pf,
+                                 int64_t pf_stride, int64_t pf_every) {
   Kernel::template micro<MR, NP>(A, lda, steps, B, bstride, C, ldc, accumulate, pf, pf_stride, pf_every);
 }
 
@@ -89,8 +91,8 @@ inline void panel_tiles(const typename Kernel::AElement* A, int64_t lda, int64_t
       constexpr int MR = decltype(rows)::value;
       const char* pf = Kernel::kPrefetch ? next + t * share * 64 : nullptr;
       if constexpr (kRowTileCall)
-        row_tile_call<Kernel, MR, NP>(A + m * lda + s0 * Kernel::kStepA, lda, sb, Bs, bstride, C + m * ldc, ldc, s0 > 0,
-                                      pf, panel_bytes, every);
+        tile_call<Kernel, MR, NP>(A + m * lda + s0 * Kernel::kStepA, lda, sb, Bs, bstride, C + m * ldc, ldc, s0 > 0, pf,
+                                  panel_bytes, every);
       else
         Kernel::template micro<MR, NP>(A + m * lda + s0 * Kernel::kStepA, lda, sb, Bs, bstride, C + m * ldc, ldc,
                                        s0 > 0, pf, panel_bytes, every);
@@ -110,14 +112,12 @@ void panel_gemm(const typename Kernel::AElement* A, int64_t lda, int64_t M, int6
   if constexpr (kOne > 0) {
     if (M == 1)
       for (; p + kOne <= p1; p += kOne)
-        Kernel::template micro<1, kOne>(A, lda, steps, panel(p), bstride, C + (p - p0) * kPanel, ldc, false, nullptr,
-                                        0, 0);
+        tile_call<Kernel, 1, kOne>(A, lda, steps, panel(p), bstride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
   }
   if constexpr (kTwo > 0) {
     if (M == 2)
       for (; p + kTwo <= p1; p += kTwo)
-        Kernel::template micro<2, kTwo>(A, lda, steps, panel(p), bstride, C + (p - p0) * kPanel, ldc, false, nullptr,
-                                        0, 0);
+        tile_call<Kernel, 2, kTwo>(A, lda, steps, panel(p), bstride, C + (p - p0) * kPanel, ldc, false, nullptr, 0, 0);
   }
   for (; p + kNP <= p1; p += kNP) panel_tiles<Kernel, kNP>(A, lda, M, steps, panel(p), C + (p - p0) * kPanel, ldc);
   if constexpr (kNP > 1) {

@@ -10,12 +10,14 @@
 
 namespace moe_onnx::detail::arm64 {
 
-inline int32x4_t join_rows(const int32_t* top, const int32_t* bottom) {
-  return vcombine_s32(top ? vld1_s32(top) : vdup_n_s32(0), bottom ? vld1_s32(bottom) : vdup_n_s32(0));
-}
-inline float32x4_t join_rows(const float* top, const float* bottom) {
-  return vcombine_f32(top ? vld1_f32(top) : vdup_n_f32(0.0f), bottom ? vld1_f32(bottom) : vdup_n_f32(0.0f));
-}
+// The moves below for each element type: a row's two lanes of a register, zeros, two rows' halves joined,
+// a register as its two 64-bit halves, a row's four lanes stored.
+inline int32x2_t load_half(const int32_t* p) { return vld1_s32(p); }
+inline float32x2_t load_half(const float* p) { return vld1_f32(p); }
+inline int32x2_t zero_half(const int32_t*) { return vdup_n_s32(0); }
+inline float32x2_t zero_half(const float*) { return vdup_n_f32(0.0f); }
+inline int32x4_t join_halves(int32x2_t top, int32x2_t bottom) { return vcombine_s32(top, bottom); }
+inline float32x4_t join_halves(float32x2_t top, float32x2_t bottom) { return vcombine_f32(top, bottom); }
 inline uint64x2_t as_row_halves(int32x4_t v) { return vreinterpretq_u64_s32(v); }
 inline uint64x2_t as_row_halves(float32x4_t v) { return vreinterpretq_u64_f32(v); }
 inline void store_row(int32_t* p, uint64x2_t v) { vst1q_s32(p, vreinterpretq_s32_u64(v)); }
@@ -28,9 +30,11 @@ inline void load_row_pairs(Vector (&acc)[(MR + 1) / 2][8], const T* C, int64_t l
   for (int p = 0; p < (MR + 1) / 2; ++p) {
     const bool second = 2 * p + 1 < MR;
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-      acc[p][j] = join_rows(accumulate ? C + 2 * p * ldc + 2 * j : nullptr,
-                            accumulate && second ? C + (2 * p + 1) * ldc + 2 * j : nullptr);
+    for (int j = 0; j < 8; ++j) {
+      const auto top = accumulate ? load_half(C + 2 * p * ldc + 2 * j) : zero_half(C);
+      const auto bottom = accumulate && second ? load_half(C + (2 * p + 1) * ldc + 2 * j) : zero_half(C);
+      acc[p][j] = join_halves(top, bottom);
+    }
   }
 }
 
