@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace moe_onnx {
 
@@ -88,13 +89,19 @@ inline float to_fp32(const void* p, int64_t i) {
   return static_cast<const float*>(p)[i];
 }
 
+// A run-time element type as a template argument: f(std::integral_constant<FloatType, type>{}), f's result.
+template <class F>
+inline decltype(auto) with_float_type(FloatType type, F&& f) {
+  switch (type) {
+    case FloatType::kF16: return f(std::integral_constant<FloatType, FloatType::kF16>{});
+    case FloatType::kBF16: return f(std::integral_constant<FloatType, FloatType::kBF16>{});
+    default: return f(std::integral_constant<FloatType, FloatType::kF32>{});
+  }
+}
+
 // Element i of a buffer of `type` elements, as fp32.
 inline float load_float(FloatType type, const void* p, int64_t i) {
-  switch (type) {
-    case FloatType::kF16: return to_fp32<FloatType::kF16>(p, i);
-    case FloatType::kBF16: return to_fp32<FloatType::kBF16>(p, i);
-    default: return to_fp32<FloatType::kF32>(p, i);
-  }
+  return with_float_type(type, [&](auto t) { return to_fp32<decltype(t)::value>(p, i); });
 }
 
 }  // namespace moe_onnx

@@ -55,11 +55,8 @@ static void gemm_portable(const float* A, int64_t lda, int64_t M, int64_t K, con
 
 void gemm_panels_portable(FloatType type, const float* A, int64_t lda, int64_t M, int64_t K, const void* B_packed,
                           int64_t p0, int64_t p1, float* C, int64_t ldc) {
-  switch (type) {
-    case FloatType::kF16: return gemm_portable<FloatType::kF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    case FloatType::kBF16: return gemm_portable<FloatType::kBF16>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-    default: return gemm_portable<FloatType::kF32>(A, lda, M, K, B_packed, p0, p1, C, ldc);
-  }
+  with_float_type(type,
+                  [&](auto w) { gemm_portable<decltype(w)::value>(A, lda, M, K, B_packed, p0, p1, C, ldc); });
 }
 
 }  // namespace detail

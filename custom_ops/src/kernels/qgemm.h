@@ -60,6 +60,9 @@ enum class QuantCode { kInt4, kInt8, kE2M1 };
 // Level 4's tiles take blocks of kQuantTileBlock k or more (below, qgemm.cc's threshold).
 constexpr int64_t kQuantTileBlock = 64;
 
+// Rows of a code group (the layout above): 4 of 8-bit codes, 8 of 4-bit.
+constexpr int quant_group_rows(QuantCode code) { return code == QuantCode::kInt8 ? 4 : 8; }
+
 // The layout of one expert's quantized panels.
 struct QuantPanels {
   QuantCode code = QuantCode::kInt8;
@@ -70,7 +73,7 @@ struct QuantPanels {
   bool bf16_prefill = false;      // accuracy level 3 where the table has a bf16 GEMM
 
   int bits() const { return code == QuantCode::kInt8 ? 8 : 4; }
-  int64_t group_rows() const { return code == QuantCode::kInt8 ? 4 : 8; }
+  int64_t group_rows() const { return quant_group_rows(code); }
   int64_t blocks() const { return block > 0 ? K / block : 0; }
   int64_t groups_per_block() const { return (block + group_rows() - 1) / group_rows(); }
   int64_t header_bytes() const { return code == QuantCode::kE2M1 ? 16 : 64 + (zero_points ? 16 : 0); }

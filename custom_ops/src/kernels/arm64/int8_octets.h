@@ -5,7 +5,10 @@
 // tile type, compiled with its own flags.
 #pragma once
 
+#include <arm_neon.h>
+
 #include <cstdint>
+#include <cstring>
 
 #include "int8_gemm.h"
 #include "row_dispatch.h"
@@ -33,6 +36,13 @@ struct Prefetch {
   }
 };
 
+// The 8 int8 of a row's octet at p in both halves of a q register (the SMULL and SDOT tiles' A operand).
+inline int8x16_t octet_in_both_halves(const int8_t* p) {
+  uint64_t octet;
+  std::memcpy(&octet, p, 8);
+  return vreinterpretq_s8_u64(vdupq_n_u64(octet));
+}
+
 // C[m, 16 (p - p0) + c] = sum_k X[m, k] * W[16 p + c, k] for m < M, p in [p0, p1), c < 16 (int32, wrapping).
 // Tile::kMaxRows rows at most per tile; Tile::run<MR>(A, lda, octets, B, C, ldc, accumulate, prefetch)
 // writes to C the sums over `octets` octets of MR rows (A: their first octet, lda bytes apart) times
@@ -44,31 +54,22 @@ void octet_gemm(const void* A_rows, int64_t lda, int64_t M, int64_t K, const voi
   const auto* A = static_cast<const int8_t*>(A_rows);
   const auto* W = static_cast<const int8_t*>(W_packed);
   const int64_t octets = int8_octets(K), panel_bytes = octets * kOctetRowBytes;
-  const int64_t blocks = (octets + kOctetBlock - 1) / kOctetBlock, block = (octets + blocks - 1) / blocks;
-  // Row tiles of equal height (13 rows of at most 4: 4 + 3 + 3 + 3, not 4 + 4 + 4 + 1).
-  const int64_t tiles = (M + Tile::kMaxRows - 1) / Tile::kMaxRows, base = M / tiles, extra = M % tiles;
   for (int64_t p = p0; p < p1; ++p) {
     int32_t* Cp = C + (p - p0) * kInt8Panel;
-    for (int64_t o0 = 0; o0 < octets; o0 += block) {
-      const int64_t ob = octets - o0 < block ? octets - o0 : block;
+    equal_blocks(octets, kOctetBlock, 1, [&](int64_t o0, int64_t ob) {
       const int8_t* B = W + p * panel_bytes + o0 * kOctetRowBytes;
       // The next block follows (this panel's next one, or the next panel's first): each tile fetches
       // its share of its lines.
-      const int64_t lines = ob * kOctetRowBytes / 64, share = (lines + tiles - 1) / tiles;
-      int64_t m = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = base + (t < extra ? 1 : 0);
-        const int64_t first = t * share, count = first < lines ? (lines - first < share ? lines - first : share) : 0;
+      const int64_t lines = ob * kOctetRowBytes / 64;
+      row_tiles<Tile::kMaxRows>(M, [&](auto rows, int64_t m, int64_t t, int64_t tiles) {
+        const int64_t share = (lines + tiles - 1) / tiles, first = t * share;
+        const int64_t count = first < lines ? (lines - first < share ? lines - first : share) : 0;
         Prefetch prefetch{reinterpret_cast<const char*>(B + ob * kOctetRowBytes) + first * 64,
                           count > 0 && ob / count > 0 ? ob / count : 1, count};
-        const int8_t* At = A + m * lda + 8 * o0;
-        int32_t* Ct = Cp + m * ldc;
-        with_rows<Tile::kMaxRows>(rows, [&](auto r) {
-          Tile::template run<decltype(r)::value>(At, lda, ob, B, Ct, ldc, o0 > 0, prefetch);
-        });
-        m += rows;
-      }
-    }
+        Tile::template run<decltype(rows)::value>(A + m * lda + 8 * o0, lda, ob, B, Cp + m * ldc, ldc, o0 > 0,
+                                                  prefetch);
+      });
+    });
   }
 }
 

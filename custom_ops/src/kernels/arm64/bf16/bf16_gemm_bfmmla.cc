@@ -11,15 +11,14 @@
 // columns (24 accumulators); an odd row is paired with zeros.
 #include <arm_neon.h>
 
+#include "arm64/row_pairs.h"
 #include "bf16_gemm.h"
-#include "row_dispatch.h"
+#include "panel_gemm.h"
 
 namespace moe_onnx {
 namespace detail {
 namespace {
 
-constexpr int64_t kKBlockPairs = 128;     // a panel's block of pairs: 8 KB, in L1 while the row tiles pass
-constexpr int64_t kMaxRows = 6;
 constexpr int64_t kPairRow = 2 * kPanel;  // bf16 elements of a pair row
 
 // Rows 2p, 2p + 1 (or zeros) of MR: their k [k, k + 4) side by side.
@@ -30,75 +29,49 @@ inline bfloat16x8_t row_pair(const uint16_t* A, int64_t lda, int p, int64_t k) {
   return vreinterpretq_bf16_u16(vcombine_u16(top, bottom));
 }
 
-// C[r, c] (+)= pairs [0, pairs) of rows r < MR times the panel at B; `pairs` is even.
-template <int MR>
-void micro(const uint16_t* A, int64_t lda, int64_t pairs, const uint16_t* B, float* C, int64_t ldc, bool accumulate) {
-  constexpr int kPairs = (MR + 1) / 2;
-  // acc[p][j]: rows 2p, 2p + 1 x columns 2j, 2j + 1, lanes (2p, 2j), (2p, 2j + 1), (2p + 1, 2j), (2p + 1, 2j + 1)
-  float32x4_t acc[kPairs][8];
+// The driver's kernel (panel_gemm.h): K blocks of at most 128 pairs (a panel's block, 8 KB, stays in L1), an
+// even number (a step of the loop takes two pair rows); row tiles of up to 6 rows x one panel (3 row pairs:
+// 24 accumulators), whatever the call's rows.
+struct BfmmlaGemm : PairPanelSteps {
+  static constexpr int64_t kBlockSteps = 128, kBlockMultiple = 2;
+  static constexpr int kMaxRows = 6, kPanels = 1, kOneRowPanels = 0, kTwoRowPanels = 0;
+  static constexpr bool kPrefetch = false;
+
+  // As panel_gemm.h says, over `pairs` pairs (even) of one panel.
+  template <int MR, int NP>
+  static void micro(const uint16_t* A, int64_t lda, int64_t pairs, const void* B_panel, int64_t bstride, float* C,
+                    int64_t ldc, bool accumulate, const char* pf, int64_t pf_stride, int64_t pf_every) {
+    static_assert(NP == 1, "the BFMMLA tiles are one panel wide");
+    constexpr int kPairs = (MR + 1) / 2;
+    const auto* B = static_cast<const uint16_t*>(B_panel);
+    float32x4_t acc[kPairs][8];  // arm64/row_pairs.h
+    arm64::load_row_pairs<MR>(acc, C, ldc, accumulate);
+    for (int64_t j = 0; j < pairs; j += 2, B += 2 * kPairRow) {  // k [2j, 2j + 4): pair rows j and j + 1
+      bfloat16x8_t a[kPairs];
 #pragma GCC unroll 4
-  for (int p = 0; p < kPairs; ++p) {
-    const bool second = 2 * p + 1 < MR;
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const float32x2_t top = accumulate ? vld1_f32(C + 2 * p * ldc + 2 * j) : vdup_n_f32(0.0f);
-      const float32x2_t bottom = accumulate && second ? vld1_f32(C + (2 * p + 1) * ldc + 2 * j) : vdup_n_f32(0.0f);
-      acc[p][j] = vcombine_f32(top, bottom);
-    }
-  }
-  for (int64_t j = 0; j < pairs; j += 2, B += 2 * kPairRow) {  // k [2j, 2j + 4): pair rows j and j + 1
-    bfloat16x8_t a[kPairs];
+      for (int p = 0; p < kPairs; ++p) a[p] = row_pair<MR>(A, lda, p, 2 * j);
 #pragma GCC unroll 4
-    for (int p = 0; p < kPairs; ++p) a[p] = row_pair<MR>(A, lda, p, 2 * j);
+      for (int q = 0; q < 4; ++q) {  // columns 4q .. 4q + 3
+        const uint32x4_t first = vreinterpretq_u32_u16(vld1q_u16(B + 8 * q));
+        const uint32x4_t second = vreinterpretq_u32_u16(vld1q_u16(B + kPairRow + 8 * q));
+        const bfloat16x8_t left = vreinterpretq_bf16_u32(vzip1q_u32(first, second));   // columns 4q, 4q + 1
+        const bfloat16x8_t right = vreinterpretq_bf16_u32(vzip2q_u32(first, second));  // columns 4q + 2, 4q + 3
 #pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {  // columns 4q .. 4q + 3
-      const uint32x4_t first = vreinterpretq_u32_u16(vld1q_u16(B + 8 * q));
-      const uint32x4_t second = vreinterpretq_u32_u16(vld1q_u16(B + kPairRow + 8 * q));
-      const bfloat16x8_t left = vreinterpretq_bf16_u32(vzip1q_u32(first, second));    // columns 4q, 4q + 1
-      const bfloat16x8_t right = vreinterpretq_bf16_u32(vzip2q_u32(first, second));   // columns 4q + 2, 4q + 3
-#pragma GCC unroll 4
-      for (int p = 0; p < kPairs; ++p) {
-        acc[p][2 * q] = vbfmmlaq_f32(acc[p][2 * q], a[p], left);
-        acc[p][2 * q + 1] = vbfmmlaq_f32(acc[p][2 * q + 1], a[p], right);
+        for (int p = 0; p < kPairs; ++p) {
+          acc[p][2 * q] = vbfmmlaq_f32(acc[p][2 * q], a[p], left);
+          acc[p][2 * q + 1] = vbfmmlaq_f32(acc[p][2 * q + 1], a[p], right);
+        }
       }
     }
+    arm64::store_row_pairs<MR>(acc, C, ldc);
   }
-#pragma GCC unroll 4
-  for (int p = 0; p < kPairs; ++p) {
-    const bool second = 2 * p + 1 < MR;
-#pragma GCC unroll 4
-    for (int j = 0; j < 8; j += 2) {
-      const float64x2_t left = vreinterpretq_f64_f32(acc[p][j]), right = vreinterpretq_f64_f32(acc[p][j + 1]);
-      vst1q_f32(C + 2 * p * ldc + 2 * j, vreinterpretq_f32_f64(vzip1q_f64(left, right)));
-      if (second) vst1q_f32(C + (2 * p + 1) * ldc + 2 * j, vreinterpretq_f32_f64(vzip2q_f64(left, right)));
-    }
-  }
-}
+};
 
 }  // namespace
 
 void bf16_gemm_bfmmla(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                       int64_t p1, float* C, int64_t ldc) {
-  const auto* B = static_cast<const uint16_t*>(B_packed);
-  const int64_t stride = K * kPanel, pairs = K / 2;  // elements per pair panel
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
-  const int64_t blocks = (pairs + kKBlockPairs - 1) / kKBlockPairs, block = (pairs + blocks - 1) / blocks / 2 * 2;
-  for (int64_t p = p0; p < p1; ++p) {
-    float* Cp = C + (p - p0) * kPanel;
-    for (int64_t j0 = 0; j0 < pairs; j0 += block) {
-      const int64_t jb = pairs - j0 < block ? pairs - j0 : block;
-      int64_t m = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t rows = base + (t < extra ? 1 : 0);
-        const uint16_t* At = A + m * lda + 2 * j0;
-        float* Ct = Cp + m * ldc;
-        with_rows<kMaxRows>(rows, [&](auto r) {
-          micro<decltype(r)::value>(At, lda, jb, B + p * stride + j0 * kPairRow, Ct, ldc, j0 > 0);
-        });
-        m += rows;
-      }
-    }
-  }
+  panel_gemm<BfmmlaGemm>(A, lda, M, K / 2, B_packed, p0, p1, C, ldc);
 }
 
 }  // namespace detail

@@ -8,8 +8,6 @@
 // accumulators).
 #include <arm_neon.h>
 
-#include <cstring>
-
 #include "arm64/int8_octets.h"
 
 namespace moe_onnx {
@@ -38,11 +36,7 @@ struct DotprodTile {
       prefetch.step();
       int8x16_t a[MR];
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        uint64_t octet;
-        std::memcpy(&octet, A + r * lda + 8 * o, 8);
-        a[r] = vreinterpretq_s8_u64(vdupq_n_u64(octet));
-      }
+      for (int r = 0; r < MR; ++r) a[r] = arm64::octet_in_both_halves(A + r * lda + 8 * o);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const int8x16_t w = vld1q_s8(B + 16 * j);

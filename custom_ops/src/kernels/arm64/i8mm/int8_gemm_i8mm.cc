@@ -10,6 +10,7 @@
 #include <arm_neon.h>
 
 #include "arm64/int8_octets.h"
+#include "arm64/row_pairs.h"
 
 namespace moe_onnx {
 namespace detail {
@@ -22,25 +23,14 @@ struct I8mmTile {
   static void run(const int8_t* A, int64_t lda, int64_t octets, const int8_t* B, int32_t* C, int64_t ldc,
                   bool accumulate, arm64::Prefetch& prefetch) {
     constexpr int kPairs = (MR + 1) / 2;
-    constexpr bool kOdd = MR % 2 == 1;  // the last pair's second row is zeros
-    // acc[p][j]: rows 2p, 2p + 1 x columns 2j, 2j + 1, lanes (2p, 2j), (2p, 2j + 1), (2p + 1, 2j), (2p + 1, 2j + 1)
-    int32x4_t acc[kPairs][8];
-#pragma GCC unroll 2
-    for (int p = 0; p < kPairs; ++p) {
-      const bool second = !(kOdd && p == kPairs - 1);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const int32x2_t top = accumulate ? vld1_s32(C + 2 * p * ldc + 2 * j) : vdup_n_s32(0);
-        const int32x2_t bottom = accumulate && second ? vld1_s32(C + (2 * p + 1) * ldc + 2 * j) : vdup_n_s32(0);
-        acc[p][j] = vcombine_s32(top, bottom);
-      }
-    }
+    int32x4_t acc[kPairs][8];  // arm64/row_pairs.h
+    arm64::load_row_pairs<MR>(acc, C, ldc, accumulate);
     for (int64_t o = 0; o < octets; ++o, B += arm64::kOctetRowBytes) {
       prefetch.step();
       int8x16_t a[kPairs];
 #pragma GCC unroll 2
       for (int p = 0; p < kPairs; ++p) {
-        const bool second = !(kOdd && p == kPairs - 1);
+        const bool second = 2 * p + 1 < MR;
         const int8x8_t top = vld1_s8(A + 2 * p * lda + 8 * o);
         a[p] = vcombine_s8(top, second ? vld1_s8(A + (2 * p + 1) * lda + 8 * o) : vdup_n_s8(0));
       }
@@ -51,16 +41,7 @@ struct I8mmTile {
         for (int p = 0; p < kPairs; ++p) acc[p][j] = vmmlaq_s32(acc[p][j], a[p], w);
       }
     }
-#pragma GCC unroll 2
-    for (int p = 0; p < kPairs; ++p) {
-      const bool second = !(kOdd && p == kPairs - 1);
-#pragma GCC unroll 4
-      for (int j = 0; j < 8; j += 2) {
-        const int64x2_t left = vreinterpretq_s64_s32(acc[p][j]), right = vreinterpretq_s64_s32(acc[p][j + 1]);
-        vst1q_s32(C + 2 * p * ldc + 2 * j, vreinterpretq_s32_s64(vzip1q_s64(left, right)));
-        if (second) vst1q_s32(C + (2 * p + 1) * ldc + 2 * j, vreinterpretq_s32_s64(vzip2q_s64(left, right)));
-      }
-    }
+    arm64::store_row_pairs<MR>(acc, C, ldc);
   }
 };
 

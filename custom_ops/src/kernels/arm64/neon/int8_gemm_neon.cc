@@ -6,8 +6,6 @@
 // int16 (SMLAL2 would overflow at (-128)^2 * 2).
 #include <arm_neon.h>
 
-#include <cstring>
-
 #include "arm64/int8_octets.h"
 
 namespace moe_onnx {
@@ -29,11 +27,7 @@ struct NeonTile {
       for (int64_t o = 0; o < octets; ++o, b += arm64::kOctetRowBytes) {
         if (half == 0) prefetch.step();
         int8x16_t a[MR];
-        for (int r = 0; r < MR; ++r) {
-          uint64_t octet;
-          std::memcpy(&octet, A + r * lda + 8 * o, 8);
-          a[r] = vreinterpretq_s8_u64(vdupq_n_u64(octet));  // the row's octet in both halves
-        }
+        for (int r = 0; r < MR; ++r) a[r] = arm64::octet_in_both_halves(A + r * lda + 8 * o);
         for (int q = 0; q < 4; ++q) {  // columns 2q, 2q + 1 of the half
           const int8x16_t w = vld1q_s8(b + 16 * q);
           for (int r = 0; r < MR; ++r) {

@@ -18,8 +18,6 @@ namespace moe_onnx {
 namespace detail {
 namespace {
 
-constexpr int group_rows(QuantCode Q) { return Q == QuantCode::kInt8 ? 4 : 8; }
-
 // How a block's rows become fp32 values v(q), four columns (part j of the panel) at a time.
 template <QuantCode Q, bool ZP>
 struct Decoder {
@@ -117,7 +115,7 @@ inline void load_group(const uint8_t* codes, uint32x4_t (&g)[4]) {
 
 template <QuantCode Q, bool ZP, int MR>
 void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* panel, float* C, int64_t ldc) {
-  constexpr int G = group_rows(Q);
+  constexpr int G = quant_group_rows(Q);
   Tile<Q, ZP, MR> t;
   t.A = A;
   t.lda = lda;
@@ -157,7 +155,7 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
 
 template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
-  constexpr int G = group_rows(Q);
+  constexpr int G = quant_group_rows(Q);
   const Decoder<Q, ZP> d(block);
   const uint8_t* codes = block + layout.header_bytes();
   float32x4_t scale[4];

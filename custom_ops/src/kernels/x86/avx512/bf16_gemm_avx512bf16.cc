@@ -3,7 +3,7 @@
 //
 // A pair row of a panel (16 columns x 2 k) is one zmm and vdpbf16ps multiplies it by a row's pair
 // broadcast to every lane (32 products per instruction): a tile is rows x panels accumulators, as in
-// the fp32 kernel (gemm_avx512.cc): up to 12 rows x 2 panels, 1 or 2 rows x 4 panels for decode.
+// the fp32 kernel (gemm_avx512.cc).
 // Each result element is one chain over the pairs in increasing k (the odd k's product, then the
 // even k's), whatever the tile it falls in; partial sums cross the K blocks through C (exact).
 #include <immintrin.h>
@@ -11,16 +11,13 @@
 #include <cstring>
 
 #include "bf16_gemm.h"
-#include "row_dispatch.h"
+#include "panel_gemm.h"
+#include "x86/avx512/simd_avx512.h"
 
 namespace moe_onnx {
 namespace detail {
 namespace {
 
-// K is split into equal blocks of at most kKBlockPairs pairs so the block of the two panels a tile
-// reads (16 KB) stays in L1 while every row tile of the call passes over it.
-constexpr int64_t kKBlockPairs = 128;
-constexpr int64_t kMaxRows = 12;          // 12 rows x 2 panels = 24 accumulators
 constexpr int64_t kPairRow = 2 * kPanel;  // bf16 elements of a pair row
 // Decode streams each panel once: its pair rows are prefetched this many pair rows (1 KB) ahead.
 constexpr int64_t kPrefetchPairs = 16;
@@ -33,15 +30,11 @@ inline __m512bh pair_of(const uint16_t* row, int64_t j) {
 
 // C[r, 16 jj + c] (+)= the pairs [0, pairs) of A's rows r < MR times panel jj < NP (at B + jj *
 // bstride elements).
-template <int MR, int NP, bool kPrefetch = false>
-inline void micro(const uint16_t* A, int64_t lda, int64_t pairs, const uint16_t* B, int64_t bstride, float* C,
-                  int64_t ldc, bool accumulate) {
+template <int MR, int NP, bool kPrefetch>
+inline void pair_tile(const uint16_t* A, int64_t lda, int64_t pairs, const uint16_t* B, int64_t bstride, float* C,
+                      int64_t ldc, bool accumulate) {
   __m512 acc[MR][NP];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int jj = 0; jj < NP; ++jj)
-      acc[r][jj] = accumulate ? _mm512_loadu_ps(C + r * ldc + jj * kPanel) : _mm512_setzero_ps();
+  load_accumulators<Avx512>(acc, C, ldc, accumulate);
   for (int64_t j = 0; j < pairs; ++j) {
     __m512bh b[NP];
 #pragma GCC unroll 16
@@ -58,52 +51,29 @@ inline void micro(const uint16_t* A, int64_t lda, int64_t pairs, const uint16_t*
       for (int jj = 0; jj < NP; ++jj) acc[r][jj] = _mm512_dpbf16_ps(acc[r][jj], a, b[jj]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int jj = 0; jj < NP; ++jj) _mm512_storeu_ps(C + r * ldc + jj * kPanel, acc[r][jj]);
+  store_accumulators<Avx512>(acc, C, ldc);
 }
 
-// Rows [0, M) x NP panels from panel B on: K in blocks, rows in tiles of equal height.
-template <int NP>
-void panels(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* B, float* C, int64_t ldc) {
-  const int64_t stride = K * kPanel;  // elements per panel
-  const int64_t pairs = K / 2;
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  const int64_t blocks = (pairs + kKBlockPairs - 1) / kKBlockPairs, block = (pairs + blocks - 1) / blocks;
-  const int64_t base = M / tiles, extra = M % tiles;
-  for (int64_t j0 = 0; j0 < pairs; j0 += block) {
-    const int64_t jb = pairs - j0 < block ? pairs - j0 : block;
-    const uint16_t* Bk = B + j0 * kPairRow;
-    const bool acc = j0 > 0;
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = base + (t < extra ? 1 : 0);
-      const uint16_t* At = A + m * lda + 2 * j0;
-      float* Ct = C + m * ldc;
-      with_rows<kMaxRows>(rows, [&](auto r) {
-        micro<decltype(r)::value, NP>(At, lda, jb, Bk, stride, Ct, ldc, acc);
-      });
-      m += rows;
-    }
+// The driver's kernel (panel_gemm.h): K blocks of at most 128 pairs (the block of the two panels a tile
+// reads, 16 KB, stays in L1), row tiles of up to 12 rows x two panels (24 accumulators); one or two rows
+// stream four panels at once, whole K (each weight read once), each panel's rows prefetched ahead.
+struct Avx512Bf16Gemm : PairPanelSteps {
+  static constexpr int64_t kBlockSteps = 128, kBlockMultiple = 1;
+  static constexpr int kMaxRows = 12, kPanels = 2, kOneRowPanels = 4, kTwoRowPanels = 4;
+  static constexpr bool kPrefetch = false;
+
+  template <int MR, int NP>
+  static void micro(const uint16_t* A, int64_t lda, int64_t pairs, const void* B, int64_t bstride, float* C,
+                    int64_t ldc, bool accumulate, const char* pf, int64_t pf_stride, int64_t pf_every) {
+    pair_tile<MR, NP, NP == kOneRowPanels>(A, lda, pairs, static_cast<const uint16_t*>(B), bstride, C, ldc, accumulate);
   }
-}
+};
 
 }  // namespace
 
 void bf16_gemm_avx512bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const void* B_packed, int64_t p0,
                           int64_t p1, float* C, int64_t ldc) {
-  const auto* B = static_cast<const uint16_t*>(B_packed);
-  const int64_t stride = K * kPanel;
-  int64_t p = p0;
-  // Decode: one or two rows stream four panels at once, whole K (each weight read once).
-  if (M == 1) {
-    for (; p + 4 <= p1; p += 4) micro<1, 4, true>(A, lda, K / 2, B + p * stride, stride, C + (p - p0) * kPanel, ldc, false);
-  } else if (M == 2) {
-    for (; p + 4 <= p1; p += 4) micro<2, 4, true>(A, lda, K / 2, B + p * stride, stride, C + (p - p0) * kPanel, ldc, false);
-  }
-  for (; p + 2 <= p1; p += 2) panels<2>(A, lda, M, K, B + p * stride, C + (p - p0) * kPanel, ldc);
-  if (p < p1) panels<1>(A, lda, M, K, B + p * stride, C + (p - p0) * kPanel, ldc);
+  panel_gemm<Avx512Bf16Gemm>(A, lda, M, K / 2, B_packed, p0, p1, C, ldc);
 }
 
 }  // namespace detail

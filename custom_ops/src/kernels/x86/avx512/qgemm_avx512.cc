@@ -19,8 +19,6 @@ namespace moe_onnx {
 namespace detail {
 namespace {
 
-constexpr int group_rows(QuantCode Q) { return Q == QuantCode::kInt8 ? 4 : 8; }
-
 // How a block's rows become fp32 values v(q): the 4-bit codes' table (q, q - 8 or E2M1) and the zero
 // points subtracted after it (ZP: explicit zero points), or for 8-bit codes without them the flip
 // of each byte (q ^ 0x80 read as a signed byte is q - 128).
@@ -121,7 +119,7 @@ struct Tile {
 
 template <QuantCode Q, bool ZP, int MR, int NP>
 void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* B, float* C, int64_t ldc) {
-  constexpr int G = group_rows(Q);
+  constexpr int G = quant_group_rows(Q);
   Tile<Q, ZP, MR, NP> t;
   t.A = A;
   t.lda = lda;
@@ -196,7 +194,7 @@ void fused(const QuantPanels& layout, const float* A, int64_t lda, int64_t M, co
 
 template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
-  constexpr int G = group_rows(Q);
+  constexpr int G = quant_group_rows(Q);
   const Decoder<Q, ZP> d(block);
   const __m512 scale = block_scales<Q>(block);
   const uint8_t* codes = block + layout.header_bytes();
