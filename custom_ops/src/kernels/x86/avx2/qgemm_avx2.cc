@@ -64,7 +64,7 @@ inline __m256 block_scales(const uint8_t* block, int h) {
 // MR rows x one panel; each row of the panel decoded once for the MR rows.
 template <QuantCode Q, bool ZP, int MR>
 void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const uint8_t* panel, float* C, int64_t ldc) {
-  constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
+  constexpr int G = quant_group_rows(Q);
   __m256 acc[MR][2], dot[MR][2];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -106,7 +106,7 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
 
 template <QuantCode Q, bool ZP>
 void decode(const QuantPanels& layout, const uint8_t* block, float* out) {
-  constexpr int G = Q == QuantCode::kInt8 ? 4 : 8;
+  constexpr int G = quant_group_rows(Q);
   const Decoder<Q, ZP> d[2] = {Decoder<Q, ZP>(block, 0), Decoder<Q, ZP>(block, 1)};
   const __m256 scales[2] = {block_scales<Q>(block, 0), block_scales<Q>(block, 1)};
   const uint8_t* codes = block + layout.header_bytes();
