@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import backends
 import onnxruntime as ort
 import pytest
 from _pytest import nodes
@@ -48,6 +49,8 @@ sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 ort.set_default_logger_severity(4)  # the tests assert onnxruntime's errors; they are not logged
+
+backends.sessions_do_not_spin()  # every session the tests build, moe_onnx's and plain onnxruntime's
 
 
 def pytest_configure(config: pytest.Config) -> None:

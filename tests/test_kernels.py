@@ -499,6 +499,8 @@ except Exception as error:
 print("gemm:", kernel_report()["gemm_panels"], flush=True)
 if sys.argv[1] == "run":
     ort.set_default_logger_severity(4)
+    import backends
+    backends.sessions_do_not_spin()
     import test_kernels
     for case in test_kernels.ISA_LEVEL_CASES:
         test_kernels.check_cpp(case)
