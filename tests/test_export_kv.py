@@ -263,14 +263,17 @@ def test_committed_checkpoint_is_the_fixtures():
 @pytest.mark.slow
 @_NEEDS_TORCH
 @pytest.mark.xdist_group("export")
-def test_export_from_checkpoint(exported):
-    """Where torch is installed: `moe-onnx export` of the README's quick start checkpoint (qwen3_moe's, committed)
-    writes a folder fused as the committed one that generates the committed torch tokens. (Every family's committed
-    fixture is this exporter's output, checked against transformers above without torch; one export per format and
-    dtype runs here: test_export_shipped.py, the fp16 test below.)"""
+def test_export_from_checkpoint(exported, tmp_path):
+    """Where torch is installed: `moe-onnx export --no-optimize` of the README's quick start checkpoint (qwen3_moe's,
+    committed), then `moe-onnx optimize` of its folder, write a folder fused as the committed one that generates the
+    committed torch tokens. (Every family's committed fixture is this exporter's output, checked against
+    transformers above without torch; export's own fusing runs on every other export here: one per format and dtype,
+    test_export_shipped.py and the fp16 test below. The unfused export is the one the benchmark smoke times:
+    test_bench_real_size.py, one trace for both.)"""
     family = "qwen3_moe"
     checkpoint = CHECKPOINTS / family
-    out = exported(checkpoint)
+    out = tmp_path / "fused"
+    assert cli(["optimize", str(exported(checkpoint, "--no-optimize")), "-o", str(out)]) == 0
     config = _config(out)
     assert (out / config["model"]["decoder"]["session_options"]["custom_ops_library"]).is_file()
     assert (out / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()

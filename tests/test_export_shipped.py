@@ -418,7 +418,7 @@ def test_export_holds_a_few_tensors_not_the_model(exported, tmp_path):
     (WRITE_CHUNK_BYTES: 16 MiB), whatever the checkpoint's size: here under half of it, where loading the model
     would hold it twice. Measured in this process after a first export of the same family (the quick start's,
     shared with the other export tests), which loads torch's exporter."""
-    exported(QUICK_START)
+    exported(QUICK_START, "--no-optimize")
     checkpoint = tmp_path / "checkpoint"
     _one_layer_qwen3_moe(checkpoint, hidden=512, inter=1024, experts=64)
     checkpoint_mib = (checkpoint / "model.safetensors").stat().st_size / 2**20
