@@ -17,14 +17,21 @@ import onnxruntime as ort
 from onnx import TensorProto
 
 
-def session_options(threads: int) -> ort.SessionOptions:
+def session_options(threads: int, spin_in_runs: bool = False) -> ort.SessionOptions:
+    """``threads`` intra-op threads whose pool does not spin between runs: the variants' sessions are alive side
+    by side and run in turn, and a spinning pool of one would steal the cores from the next. Without
+    ``spin_in_runs`` it never spins; with it, it spins for work while a run lasts (onnxruntime's default, what
+    `moe-onnx generate` gets) and stops when the run returns (``session.force_spinning_stop``): a decode step's
+    hundreds of small nodes then hand work to the pool thread without waking it each time (measured on the
+    Qwen3-30B-A3B decoder at 2 threads: decode 1.13x, docs/benchmarks.md)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Idle pool threads must not spin: the variants' sessions are alive side by side and run in turn,
-    # and a spinning pool of one would steal the cores from the next.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if spin_in_runs:
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
+    else:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return opts
 
 

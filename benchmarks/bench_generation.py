@@ -30,8 +30,10 @@ rounds of each round's ratio, so a slow spell of a shared machine slows both sid
 export run through moe_onnx.generation's decoder loop (session.run time only; eos never stops it),
 onnxruntime-genai through its Generator (append_tokens, generate_next_token), llama.cpp through
 llama_cpp.Llama.eval (n_threads = n_threads_batch = threads; OMP_WAIT_POLICY=passive unless set: its
-default spin collapses decode on shared cores). Every onnxruntime session has idle pool threads that do not
-spin. A benchmark, not a test: the figures depend on the machine and its load.
+default spin collapses decode on shared cores; within one eval its threads wait for each other spinning).
+Our sessions' pool threads spin for work while a run lasts and stop when it returns (`_timing.session_options`'
+spin_in_runs): no session takes the cores between its runs. A benchmark, not a test: the figures depend on the
+machine and its load.
 
 Full depth (--shipped NAME, issue 34): a random checkpoint at the real shape, as it ships (benchmarks/_checkpoints.py:
 GPT-OSS-20B, 24 layers, MXFP4 experts; Qwen3-30B-A3B, 48 layers, bf16; --layers for fewer), then `moe-onnx export`
@@ -277,7 +279,8 @@ class OrtContender:
     def __init__(self, folder: Path, threads: int, chunk: int | None = None):
         genai = GenaiFolder(folder)
         genai.eos = set()  # random weights: never stop early
-        self.decoder = _Decoder(genai, moe_onnx.session(genai.decoder_path, sess_options=session_options(threads)))
+        options = session_options(threads, spin_in_runs=True)
+        self.decoder = _Decoder(genai, moe_onnx.session(genai.decoder_path, sess_options=options))
         self.chunk = chunk
 
     def prefill(self, ids: list[int]) -> float:
@@ -450,7 +453,7 @@ def contenders(models: Models, precision: str, unfused: bool = False
 def profile(folder: Path, shape: Shape, threads: int, top: int = 6) -> list[str]:
     """onnxruntime's profile of one generation (a `prompt_tokens` prefill, then `decode_tokens` decode runs) of the
     decoder in `folder`: per phase, the share of each op type's kernel time and the slowest nodes."""
-    options = session_options(threads)
+    options = session_options(threads, spin_in_runs=True)
     options.enable_profiling = True
     options.profile_file_prefix = str(folder.parent / f"profile_{folder.name}")
     genai = GenaiFolder(folder)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -52,3 +54,20 @@ def test_shipped_report_names_each_target_against_the_like_for_like_gguf(monkeyp
     assert "- [met] RSS generating (1 thread(s)) 7.50 GiB = 1.07x the file (<= 1.15x)" in lines
     assert ("- [NOT met] 1 thread(s), ours / llama.cpp Q4_0 in tokens/s (>= 1.0x): prefill_short 2.00x, "
             "prefill_long 0.75x, decode 2.00x") in lines
+
+
+def test_our_sessions_spin_for_work_only_while_a_run_lasts(monkeypatch):
+    """Our contenders' pool threads spin within a run (a decode step's small nodes do not wake a sleeping thread
+    each) and stop when it returns, so a session alive beside another takes no core between its runs; the other
+    benchmarks' sessions never spin."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+    from _timing import session_options
+
+    contender = bench_generation.OrtContender(bench_generation.KV_FIXTURES / "qwen3_moe", threads=2)
+    options = contender.decoder.decoder.get_session_options()
+    assert options.intra_op_num_threads == 2
+    assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+    with pytest.raises(RuntimeError, match="allow_spinning"):  # unset: onnxruntime's default, spinning allowed
+        options.get_session_config_entry("session.intra_op.allow_spinning")
+    assert session_options(2).get_session_config_entry("session.intra_op.allow_spinning") == "0"
