@@ -29,6 +29,9 @@ def options(threads: int | None = None) -> ort.SessionOptions:
     return opts
 
 
+ONNXRUNTIME_SESSION_CLASSES = (ort.SessionOptions, ort.InferenceSession)  # before sessions_do_not_spin
+
+
 class _NoSpinOptions(ort.SessionOptions):
     """Session options whose intra-op pool threads sleep when out of work instead of spinning for it
     (onnxruntime's default)."""
@@ -51,6 +54,13 @@ def sessions_do_not_spin() -> None:
     after each run of a small model takes the core the other worker's test needs (measured: the kernel tables
     ran 2x as long; the export, generation and packing tests took ~25% more CPU time)."""
     ort.SessionOptions, ort.InferenceSession = _NoSpinOptions, _NoSpinSession
+
+
+def sessions_as_onnxruntime_makes_them(monkeypatch) -> None:
+    """For one test (``monkeypatch``): onnxruntime's own session classes again, for a test of the options our code
+    sets (spinning included)."""
+    monkeypatch.setattr(ort, "SessionOptions", ONNXRUNTIME_SESSION_CLASSES[0])
+    monkeypatch.setattr(ort, "InferenceSession", ONNXRUNTIME_SESSION_CLASSES[1])
 
 
 PLAIN = "plain"  # onnxruntime without our library

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import backends
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -61,6 +62,7 @@ def test_our_sessions_spin_for_work_only_while_a_run_lasts(monkeypatch):
     each) and stop when it returns, so a session alive beside another takes no core between its runs; the other
     benchmarks' sessions never spin."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    backends.sessions_as_onnxruntime_makes_them(monkeypatch)  # not the suite's sessions that never spin
     import bench_generation
     from _timing import session_options
 
