@@ -42,7 +42,7 @@ class OrtContender:
     """A genai folder run through moe_onnx.generation's decoder loop on our session (any decoder: fused or not).
     With `chunk`, the prompt runs `chunk` tokens a run, each run's presents fed back (the unfused export: its
     experts gather every (token, expert) pair's weights, T * k expert matrices at once, more memory than the
-    machine has at T = 128)."""
+    machine has at T = 128). `session`: more keyword arguments of moe_onnx.session (e.g. packed_weights=None)."""
 
     def __init__(self, folder: Path, threads: int, chunk: int | None = None, **session: object):
         genai = GenaiFolder(folder)
