@@ -707,6 +707,14 @@ def compare_rounds(workers: dict[str, Worker], prompt: list[int], prefill_tokens
     return out
 
 
+def start_order_halves(rounds: int) -> list[tuple[tuple[str, str], int]]:
+    """A row's rounds in two halves, each (the order its workers start in, its rounds): the second half on fresh
+    workers started the other way round, so that what the start order does (whose memory is placed first) falls on
+    both sides alike."""
+    halves = ((("before", "after"), rounds - rounds // 2), (("after", "before"), rounds // 2))
+    return [(start, count) for start, count in halves if count]
+
+
 def compare_rows(label: str, threads: int, shape: Shape, rounds: dict[str, list[dict[str, float]]]) -> list[str]:
     """One row a metric: each side's median and min tokens/s, after / before as the median of the rounds' ratios
     (each round's two runs side by side) with their min-max, and whether every round went the same way."""
@@ -756,7 +764,8 @@ def compare_models(args: argparse.Namespace) -> list[tuple[str, Path, Shape]]:
 
 def compare_main(args: argparse.Namespace) -> int:
     """--compare-with: each of our models timed by the other checkout's code ("before") and this one's ("after"),
-    each side a worker process of its own Python, in alternating rounds (`compare_rounds`); one table."""
+    each side a worker process of its own Python, in alternating rounds (`compare_rounds`), half of them on workers
+    started in the other order (`start_order_halves`); one table."""
     checkouts = {"before": args.compare_with, "after": REPO}
     pythons = {"before": str(args.compare_python or args.compare_with / ".venv" / "bin" / "python"),
                "after": sys.executable}
@@ -769,25 +778,30 @@ def compare_main(args: argparse.Namespace) -> int:
     for label, folder, shape in models:
         prompt = prompt_ids(shape.vocab, shape.prompt_tokens)
         for threads in args.threads:
-            with contextlib.ExitStack() as stack:
-                workers = {}
-                for side in ("before", "after"):
-                    workers[side] = stack.enter_context(contextlib.closing(
-                        Worker(side, pythons[side], folder, threads)))
-                identities = {side: worker.identity for side, worker in workers.items()}
-                try:
-                    check_sides(identities, checkouts)
-                except ValueError as error:
-                    print(f"bench_generation: {error}", file=sys.stderr)
-                    return 2
-                if not shown:
-                    for side, identity in identities.items():
-                        print(f"{side} ({checkouts[side]}): {identity['python']}, moe_onnx {identity['moe_onnx']}, "
-                              f"library {identity['library']}, level {identity['level']}", flush=True)
-                    print("\n".join(COMPARE_HEAD), flush=True)
-                    shown = True
-                result = compare_rounds(workers, prompt, shape.prefill_tokens, shape.decode_tokens, rounds)
+            result = {"before": [], "after": []}
+            for start, count in start_order_halves(rounds):
+                with contextlib.ExitStack() as stack:
+                    started = {side: stack.enter_context(contextlib.closing(
+                        Worker(side, pythons[side], folder, threads))) for side in start}
+                    workers = {side: started[side] for side in ("before", "after")}
+                    identities = {side: worker.identity for side, worker in workers.items()}
+                    try:
+                        check_sides(identities, checkouts)
+                    except ValueError as error:
+                        print(f"bench_generation: {error}", file=sys.stderr)
+                        return 2
+                    if not shown:
+                        for side, identity in identities.items():
+                            print(f"{side} ({checkouts[side]}): {identity['python']}, moe_onnx "
+                                  f"{identity['moe_onnx']}, library {identity['library']}, level {identity['level']}",
+                                  flush=True)
+                        print("\n".join(COMPARE_HEAD), flush=True)
+                        shown = True
+                    half = compare_rounds(workers, prompt, shape.prefill_tokens, shape.decode_tokens, count)
+                for side in result:
+                    result[side] += half[side]
             print("\n".join(compare_rows(label, threads, shape, result)), flush=True)
+    print(f"done: {machine()}", flush=True)
     return 0
 
 

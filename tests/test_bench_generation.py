@@ -123,3 +123,12 @@ def test_compare_refuses_a_before_side_that_runs_other_code(tmp_path, monkeypatc
     mixed = dict(identity(other), library=identity(this)["library"])
     with pytest.raises(ValueError, match="loads library"):
         bench_generation.check_sides({"before": mixed, "after": identity(this)}, {"before": other, "after": this})
+
+
+def test_compare_starts_half_the_rounds_workers_the_other_way_round(monkeypatch):
+    """A row's rounds in two halves, the second on fresh workers started after-first (an odd round to the first)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    assert bench_generation.start_order_halves(1) == [(("before", "after"), 1)]
+    assert bench_generation.start_order_halves(7) == [(("before", "after"), 4), (("after", "before"), 3)]
