@@ -451,6 +451,17 @@ struct QuantCase {
   QuantCode code;
   int64_t K, block;
   bool zero_points;
+
+  // Its panels' layout, with fp32 (level 0) or int8 (level 4) activations.
+  QuantPanels layout(bool int8_activations) const {
+    QuantPanels out;
+    out.code = code;
+    out.K = K;
+    out.block = block;
+    out.zero_points = zero_points;
+    out.int8_activations = int8_activations;
+    return out;
+  }
 };
 
 // Random codes, scales (E2M1: E8M0 codes) and zero points of N columns in QMOE's layout, packed for
@@ -504,11 +515,7 @@ void check_quant_level0() {
   int64_t cases = 0;
   std::string detail;
   for (const QuantCase& q : layouts) {
-    QuantPanels layout;
-    layout.code = q.code;
-    layout.K = q.K;
-    layout.block = q.block;
-    layout.zero_points = q.zero_points;
+    const QuantPanels layout = q.layout(false);
     const int64_t N = 40, panels = panel_count(N);
     QuantWeights weights(layout, N);
     for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{9}}) {
@@ -554,12 +561,7 @@ void check_quant_level4() {
   int64_t cases = 0;
   std::string detail;
   for (const QuantCase& q : layouts) {
-    QuantPanels layout;
-    layout.code = q.code;
-    layout.K = q.K;
-    layout.block = q.block;
-    layout.zero_points = q.zero_points;
-    layout.int8_activations = true;
+    const QuantPanels layout = q.layout(true);
     const int64_t N = 40, panels = panel_count(N), blocks = layout.blocks(), ldq = layout.activation_row_bytes();
     QuantWeights weights(layout, N);
     for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{9}}) {
