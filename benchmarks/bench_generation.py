@@ -45,6 +45,17 @@ kept in WORK_DIR/NAME/results.json; the work folder needs about 2.3x the checkpo
   python benchmarks/bench_generation.py --shipped gpt_oss_20b --work-dir /big --rounds 1 \
       --llama-cpp-source llama_cpp_python-0.3.36/vendor/llama.cpp
 
+Before and after a change (--compare-with CHECKOUT): the models of ours this run would time (--shape or --smoke at
+--precision: fused fp32, int4 experts only and whole-model; --shipped's export; `--shape example`: the bundled
+Qwen3-MoE decoder), made by this checkout's code, each timed by the other checkout's code ("before": its Python,
+CHECKOUT/.venv/bin/python unless --compare-python, must import moe_onnx and its library from CHECKOUT) and by this
+one's ("after"), each side a worker process (_contenders.py) holding its own session (no packed-weights file: each
+library packs the weights in its own layout), in alternating rounds (ABAB..., the order swapped each round). Per
+model, thread count and metric: each side's median (min) tokens/s, and after / before as the median of the rounds'
+ratios with their min-max. `--compare-with .` runs this checkout against itself: the noise of the machine.
+
+  python benchmarks/bench_generation.py --shape example --compare-with ../before --rounds 15
+
 llama.cpp for both modes (docs/benchmarks.md has the commands): `pip install gguf` and llama-cpp-python built from
 its source package (`pip install llama-cpp-python==0.3.36 --no-binary :all:`), whose unpacked sdist's
 vendor/llama.cpp is the --llama-cpp-source.
@@ -53,6 +64,7 @@ vendor/llama.cpp is the --llama-cpp-source.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -64,16 +76,18 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moe_onnx  # noqa: E402
 from _checkpoints import save_bpe_tokenizer  # noqa: E402
+from _contenders import (  # noqa: E402
+    METRICS, WORKER_LINE, GenaiContender, LlamaContender, OrtContender, measure, prompt_ids)
 from _memory import run_child, status_mb  # noqa: E402
 from _models import save_random_checkpoint  # noqa: E402
 from _timing import session_options  # noqa: E402
@@ -84,7 +98,8 @@ from moe_onnx.generation import _Decoder  # noqa: E402
 # llama.cpp's OpenMP pool otherwise spins between runs, taking the shared cores from the contender beside it
 # (libgomp reads this when llama_cpp loads it)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 KV_FIXTURES = REPO / "models" / "fixtures" / "kv"
 VOCAB = 8192
 
@@ -120,6 +135,10 @@ SHAPES = {
         num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
         layer_types=["sliding_attention", "full_attention"]), unfused_chunk=8),
 }
+# the bundled example (the committed decoder of models/fixtures/checkpoints/qwen3_moe: H=32, E=4, k=2, context 256)
+# at as many tokens as its context holds; no torch needed
+SHAPES["example"] = Shape("example", "qwen3_moe", {"vocab_size": 96}, prefill_tokens=64, prompt_tokens=192,
+                          decode_tokens=32, block=0, fixture="qwen3_moe")
 SMOKE_SHAPES = {name: Shape(f"{name} (smoke)", SHAPES[name].model_type, {"vocab_size": 96}, prefill_tokens=8,
                             prompt_tokens=16, decode_tokens=4, block=0, fixture=fixture)
                 for name, fixture in (("qwen3", "qwen3_moe"), ("gpt_oss", "gpt_oss"))}
@@ -268,124 +287,6 @@ def _llama_cpp_available() -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------- contenders
-
-class OrtContender:
-    """A genai folder run through moe_onnx.generation's decoder loop on our session (any decoder: fused or not).
-    With `chunk`, the prompt runs `chunk` tokens a run, each run's presents fed back (the unfused export: its
-    experts gather every (token, expert) pair's weights, T * k expert matrices at once, more memory than the
-    machine has at T = 128)."""
-
-    def __init__(self, folder: Path, threads: int, chunk: int | None = None):
-        genai = GenaiFolder(folder)
-        genai.eos = set()  # random weights: never stop early
-        options = session_options(threads, spin_in_runs=True)
-        self.decoder = _Decoder(genai, moe_onnx.session(genai.decoder_path, sess_options=options))
-        self.chunk = chunk
-
-    def prefill(self, ids: list[int]) -> float:
-        return self.generate(ids, 0)[0]
-
-    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        if self.chunk is None:
-            seconds = self.decoder.run(ids, new_tokens + 1, None)[2]
-            return seconds[0], sum(seconds[1:])
-        d = self.decoder
-        pasts = {c.past: ort.OrtValue.ortvalue_from_numpy(np.zeros(c.initial_shape, c.dtype)) for c in d.caches}
-        chunks = [ids[i:i + self.chunk] for i in range(0, len(ids), self.chunk)]
-        seconds, length, outputs = [], 0, None
-        for run in range(len(chunks) + new_tokens):
-            step = chunks[run] if run < len(chunks) else [int(np.argmax(outputs[0].numpy()[0, -1]))]
-            feeds = {**pasts, **d._token_feeds(step, length)}
-            start = time.perf_counter()
-            outputs = d.decoder.run_with_ort_values(d.output_names, feeds)
-            seconds.append(time.perf_counter() - start)
-            pasts = {c.past: value for c, value in zip(d.caches, outputs[1:], strict=True)}
-            length += len(step)
-        return sum(seconds[:len(chunks)]), sum(seconds[len(chunks):])
-
-
-class GenaiContender:
-    """An onnxruntime-genai model folder through its Generator (greedy; min_length keeps eos from stopping it)."""
-
-    def __init__(self, folder: Path, threads: int):
-        import onnxruntime_genai as og
-
-        self.og = og
-        config = og.Config(str(folder))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))  # no key to stop its pool spinning
-        self.model = og.Model(config)
-
-    def _generator(self, length: int):
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=length, min_length=length)
-        return self.og.Generator(self.model, params)
-
-    def prefill(self, ids: list[int]) -> float:
-        generator = self._generator(len(ids) + 1)
-        start = time.perf_counter()
-        generator.append_tokens(np.array([ids], np.int32))
-        generator.generate_next_token()
-        return time.perf_counter() - start
-
-    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        generator = self._generator(len(ids) + new_tokens + 1)
-        start = time.perf_counter()
-        generator.append_tokens(np.array([ids], np.int32))
-        generator.generate_next_token()
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            generator.generate_next_token()
-        return prefill, time.perf_counter() - start
-
-
-class LlamaContender:
-    """A GGUF through llama_cpp.Llama: eval of the prompt, then one eval per greedy token."""
-
-    def __init__(self, path: Path, threads: int, context: int):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                                   n_batch=512, n_ubatch=512, verbose=False)
-
-    def _eval(self, ids: list[int]) -> float:
-        start = time.perf_counter()
-        self.llm.eval(ids)
-        return time.perf_counter() - start
-
-    def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()
-        return self._eval(ids)
-
-    def generate(self, ids: list[int], new_tokens: int) -> tuple[float, float]:
-        self.llm.reset()
-        prefill, decode = self._eval(ids), 0.0
-        for _ in range(new_tokens):
-            decode += self._eval([int(np.argmax(self._last_logits()))])
-        return prefill, decode
-
-    def _last_logits(self) -> np.ndarray:
-        import llama_cpp
-
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
-
-
-# ----------------------------------------------------------------------------- timing
-
-METRICS = ("prefill_short", "prefill_long", "decode")
-
-
-def measure(contender, shape: Shape, prompt: list[int]) -> dict[str, float]:
-    """One round of a contender: tokens/s of each metric."""
-    short = shape.prefill_tokens
-    prefill_short = contender.prefill(prompt[:short])
-    prefill_long, decode = contender.generate(prompt, shape.decode_tokens)
-    return {"prefill_short": short / prefill_short, "prefill_long": len(prompt) / prefill_long,
-            "decode": shape.decode_tokens / decode}
-
-
 def load(kind: str, path: Path, threads: int, shape: Shape):
     if kind == "unfused":
         return OrtContender(path, threads, chunk=shape.unfused_chunk)
@@ -400,30 +301,30 @@ def run_pairs(shape: Shape, reference: tuple[str, Path], others: list[tuple[str,
               rounds: int) -> dict:
     """The reference (ours) and each other contender in turn beside it, `rounds` alternating rounds per pair.
     Returns {name: {metric: median tokens/s}} and {name: {metric: median of the rounds' ours/theirs}}."""
-    prompt = [int(t) for t in np.random.default_rng(0).integers(4, shape.vocab, shape.prompt_tokens)]
+    prompt = prompt_ids(shape.vocab, shape.prompt_tokens)
     ref_name, ref_path = reference
     ours = load("ours", ref_path, threads, shape)
-    measure(ours, shape, prompt)  # warm-up
+    measure(ours, prompt, shape.prefill_tokens, shape.decode_tokens)  # warm-up
     ours_rounds, speeds, ratios = [], {}, {}
     for name, kind, path in others:
         print(f"  {threads} thread(s): {ref_name} vs {name}", flush=True)
         try:
             theirs = load(kind, path, threads, shape)
-            measure(theirs, shape, prompt)
+            measure(theirs, prompt, shape.prefill_tokens, shape.decode_tokens)
         except Exception as error:  # noqa: BLE001 - a contender that does not run is a row, not a crash
             print(f"  {name} does not run: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
             continue
         pair_ours, pair_theirs = [], []
         for _ in range(rounds):
-            pair_ours.append(measure(ours, shape, prompt))
-            pair_theirs.append(measure(theirs, shape, prompt))
+            pair_ours.append(measure(ours, prompt, shape.prefill_tokens, shape.decode_tokens))
+            pair_theirs.append(measure(theirs, prompt, shape.prefill_tokens, shape.decode_tokens))
         del theirs
         gc.collect()
         ours_rounds += pair_ours
         speeds[name] = {m: statistics.median(r[m] for r in pair_theirs) for m in METRICS}
         ratios[name] = {m: statistics.median(a[m] / b[m] for a, b in zip(pair_ours, pair_theirs)) for m in METRICS}
     if not ours_rounds:
-        ours_rounds = [measure(ours, shape, prompt) for _ in range(rounds)]
+        ours_rounds = [measure(ours, prompt, shape.prefill_tokens, shape.decode_tokens) for _ in range(rounds)]
     speeds = {ref_name: {m: statistics.median(r[m] for r in ours_rounds) for m in METRICS}, **speeds}
     return {"speeds": speeds, "ratios": ratios}
 
@@ -459,7 +360,7 @@ def profile(folder: Path, shape: Shape, threads: int, top: int = 6) -> list[str]
     genai = GenaiFolder(folder)
     genai.eos = set()
     session = moe_onnx.session(genai.decoder_path, sess_options=options)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(4, shape.vocab, shape.prompt_tokens)]
+    prompt = prompt_ids(shape.vocab, shape.prompt_tokens)
     _Decoder(genai, session).run(prompt, shape.decode_tokens + 1, None)
     trace = Path(session.end_profiling())
     events = json.loads(trace.read_text())
@@ -636,8 +537,9 @@ def contend(kind: str, path: Path, threads: int, rounds: int, vocab: int) -> dic
     start = time.perf_counter()
     contender = load(kind, path, threads, shape)
     loaded = {"seconds": time.perf_counter() - start, **status_mb()}
-    prompt = [int(t) for t in np.random.default_rng(0).integers(4, vocab, shape.prompt_tokens)]
-    speeds = [measure(contender, shape, prompt) for _ in range(rounds + 1)][1:]  # the first round warms up
+    prompt = prompt_ids(vocab, shape.prompt_tokens)
+    # the first round warms up
+    speeds = [measure(contender, prompt, shape.prefill_tokens, shape.decode_tokens) for _ in range(rounds + 1)][1:]
     return {"loaded": loaded, "speeds": speeds, "generating": status_mb()}
 
 
@@ -745,6 +647,166 @@ def shipped_targets(spec: Shipped, results: dict, files: dict, export: dict | No
     return out
 
 
+# ----------------------------------------------------------------------------- before/after: another checkout's code
+
+class Worker:
+    """One of our genai folders served by `_contenders.py` in a process of `python` (whose moe_onnx package and
+    library it times): the worker's identity (its Python, package, library and ISA level), then a round per call."""
+
+    def __init__(self, side: str, python: str, folder: Path, threads: int):
+        self.side, self.log = side, tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen([python, str(HERE / "_contenders.py"), str(folder), "--threads", str(threads)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.identity = self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(WORKER_LINE):
+                return json.loads(line.removeprefix(WORKER_LINE))
+        self.process.wait()
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().strip().splitlines()[-3:])
+        raise RuntimeError(f"the {self.side} worker ({self.process.args[0]}) ended, exit {self.process.returncode}: "
+                           f"{tail}")
+
+    def round(self, prompt: list[int], prefill_tokens: int, decode_tokens: int) -> dict[str, float]:
+        """Tokens/s of each metric (`_contenders.measure`) of one round."""
+        request = {"prompt": prompt, "prefill_tokens": prefill_tokens, "decode_tokens": decode_tokens}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        self.process.wait()
+        self.log.close()
+
+
+def check_sides(identities: dict[str, dict], checkouts: dict[str, Path]) -> None:
+    """Refuses a comparison whose "before" worker does not run the other checkout's code: its moe_onnx package and
+    C++ library must lie in that checkout, unless the other checkout is this one (an A/A run: the same code on both
+    sides, the machine's noise). Raises ValueError saying what it ran instead."""
+    before, after = identities["before"], identities["after"]
+    if checkouts["before"].resolve() == checkouts["after"].resolve() and before == after:
+        return
+    for key in ("moe_onnx", "library"):
+        if not Path(before[key]).resolve().is_relative_to(checkouts["before"].resolve()):
+            raise ValueError(f"--compare-with {checkouts['before']}: its Python ({before['python']}) loads {key} "
+                             f"{before[key]}, not the checkout's (install it there: docs/benchmarks.md)")
+
+
+def compare_rounds(workers: dict[str, Worker], prompt: list[int], prefill_tokens: int, decode_tokens: int,
+                   rounds: int) -> dict[str, list[dict[str, float]]]:
+    """A warm-up round of each worker, then `rounds` rounds of both back to back, the order alternating (the first
+    worker first in even rounds): each side's rounds (tokens/s of each metric)."""
+    for worker in workers.values():
+        worker.round(prompt, prefill_tokens, decode_tokens)
+    sides, out = list(workers), {side: [] for side in workers}
+    for index in range(rounds):
+        for side in sides if index % 2 == 0 else sides[::-1]:
+            out[side].append(workers[side].round(prompt, prefill_tokens, decode_tokens))
+    return out
+
+
+def start_order_halves(rounds: int) -> list[tuple[tuple[str, str], int]]:
+    """A row's rounds in two halves, each (the order its workers start in, its rounds): the second half on fresh
+    workers started the other way round, so that what the start order does (whose memory is placed first) falls on
+    both sides alike."""
+    halves = ((("before", "after"), rounds - rounds // 2), (("after", "before"), rounds // 2))
+    return [(start, count) for start, count in halves if count]
+
+
+def compare_rows(label: str, threads: int, shape: Shape, rounds: dict[str, list[dict[str, float]]]) -> list[str]:
+    """One row a metric: each side's median and min tokens/s, after / before as the median of the rounds' ratios
+    (each round's two runs side by side) with their min-max, and whether every round went the same way."""
+    metric_names = {"prefill_short": f"prefill T={shape.prefill_tokens}",
+                    "prefill_long": f"prefill T={shape.prompt_tokens}",
+                    "decode": f"decode {shape.decode_tokens} after {shape.prompt_tokens}"}
+    lines = []
+    for metric in METRICS:
+        before = [r[metric] for r in rounds["before"]]
+        after = [r[metric] for r in rounds["after"]]
+        ratios = [a / b for a, b in zip(after, before, strict=True)]
+        same_way = "" if len(ratios) < 3 else ("after faster every round" if min(ratios) > 1 else
+                                                "after slower every round" if max(ratios) < 1 else "")
+        lines.append(f"| {label} | {threads} | {metric_names[metric]} | {statistics.median(before):.1f} "
+                     f"({min(before):.1f}) | {statistics.median(after):.1f} ({min(after):.1f}) | "
+                     f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}) | {same_way} |")
+    return lines
+
+
+COMPARE_HEAD = ["| model | threads | metric | before tok/s median (min) | after tok/s median (min) | "
+                "after / before median (min-max over rounds) | |",
+                "|---|---|---|---|---|---|---|"]
+
+
+def compare_models(args: argparse.Namespace) -> list[tuple[str, Path, Shape]]:
+    """The models a comparison times, made by this checkout's code when missing: --shipped's export of ours, or each
+    shape's models of ours at each precision (fused fp32; int4 experts only and whole-model)."""
+    if args.shipped:
+        from _checkpoints import SHIPPED as MAKERS
+
+        spec, folder = SHIPPED[args.shipped], args.work_dir / args.shipped
+        if not (folder / "ours" / "genai_config.json").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            shipped_prepare(spec, folder, args.layers or MAKERS[spec.name][1], None, {})
+        config = json.loads((folder / "ours" / "genai_config.json").read_text())["model"]
+        shape = Shape(args.shipped, "", {"vocab_size": config["vocab_size"]}, **SHIPPED_TOKENS)
+        label = f"{args.shipped}, {config['decoder']['num_hidden_layers']} layers"
+        return [(label, folder / "ours", shape)]
+    out = []
+    for shape in [SMOKE_SHAPES[name] if args.smoke else SHAPES[name] for name in args.shape]:
+        folder = args.work_dir / (f"smoke_{shape.fixture}" if args.smoke else shape.name)
+        models = Models(shape, folder, None)
+        out += [(f"{shape.name} {name}", path, shape) for precision in args.precision
+                for name, path in models.ours(precision).items()]
+    return out
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    """--compare-with: each of our models timed by the other checkout's code ("before") and this one's ("after"),
+    each side a worker process of its own Python, in alternating rounds (`compare_rounds`), half of them on workers
+    started in the other order (`start_order_halves`); one table."""
+    checkouts = {"before": args.compare_with, "after": REPO}
+    pythons = {"before": str(args.compare_python or args.compare_with / ".venv" / "bin" / "python"),
+               "after": sys.executable}
+    rounds = 1 if args.smoke else args.rounds
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}; {rounds} rounds", flush=True)
+    models, shown = compare_models(args), False
+    if not models:
+        print("no model to compare (see above)", file=sys.stderr)
+        return 1
+    for label, folder, shape in models:
+        prompt = prompt_ids(shape.vocab, shape.prompt_tokens)
+        for threads in args.threads:
+            result = {"before": [], "after": []}
+            for start, count in start_order_halves(rounds):
+                with contextlib.ExitStack() as stack:
+                    started = {side: stack.enter_context(contextlib.closing(
+                        Worker(side, pythons[side], folder, threads))) for side in start}
+                    workers = {side: started[side] for side in ("before", "after")}
+                    identities = {side: worker.identity for side, worker in workers.items()}
+                    try:
+                        check_sides(identities, checkouts)
+                    except ValueError as error:
+                        print(f"bench_generation: {error}", file=sys.stderr)
+                        return 2
+                    if not shown:
+                        for side, identity in identities.items():
+                            print(f"{side} ({checkouts[side]}): {identity['python']}, moe_onnx "
+                                  f"{identity['moe_onnx']}, library {identity['library']}, level {identity['level']}",
+                                  flush=True)
+                        print("\n".join(COMPARE_HEAD), flush=True)
+                        shown = True
+                    half = compare_rounds(workers, prompt, shape.prefill_tokens, shape.decode_tokens, count)
+                for side in result:
+                    result[side] += half[side]
+            print("\n".join(compare_rows(label, threads, shape, result)), flush=True)
+    print(f"done: {machine()}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["qwen3", "gpt_oss"])
@@ -774,6 +836,13 @@ def main(argv: list[str] | None = None) -> int:
                              "(the checkpoint unless kept, our export, llama.cpp's conversion; the checkpoint deleted "
                              "after), time them, print the table (results kept in WORK_DIR/<name>/results.json "
                              "between steps)")
+    parser.add_argument("--compare-with", type=Path, metavar="CHECKOUT",
+                        help="time our models (those of --shape/--smoke at --precision, or --shipped's) by another "
+                             "checkout's code (\"before\") and this one's (\"after\") side by side instead: each "
+                             "side a worker process of its own Python, alternating rounds; no other contender")
+    parser.add_argument("--compare-python", type=Path, metavar="PYTHON",
+                        help="with --compare-with: the Python whose moe_onnx is that checkout's (default: "
+                             "CHECKOUT/.venv/bin/python)")
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "contend":
         child = argparse.ArgumentParser()
         child.add_argument("kind")
@@ -790,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(contend(c.kind, c.path, c.threads, c.rounds, c.vocab)))
         return 0
     args = parser.parse_args(argv)
+    if args.compare_with:
+        return compare_main(args)
     if args.shipped:
         return _shipped_main(args)
     shapes = [SMOKE_SHAPES[name] if args.smoke else SHAPES[name] for name in args.shape]

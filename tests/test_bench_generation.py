@@ -5,6 +5,7 @@ the side-by-side ratios. (The real-shape run needs torch and minutes: docs/bench
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import backends
@@ -73,3 +74,81 @@ def test_our_sessions_spin_for_work_only_while_a_run_lasts(monkeypatch):
     with pytest.raises(RuntimeError, match="allow_spinning"):  # unset: onnxruntime's default, spinning allowed
         options.get_session_config_entry("session.intra_op.allow_spinning")
     assert session_options(2).get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_compare_with_times_each_model_by_both_checkouts_side_by_side(tmp_path, capsys, monkeypatch):
+    """--compare-with: the other checkout's side runs in its own Python (here a wrapper of this one that leaves a
+    mark: an A/A run of this checkout), each row both sides' tokens/s and after / before (one round: the ratio of
+    the two figures)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    mark = tmp_path / "before_python_ran"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ntouch "{mark}"\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    assert bench_generation.main(["--smoke", "--shape", "qwen3", "--precision", "fp32", "--threads", "1",
+                                  "--work-dir", str(tmp_path), "--compare-with", str(BENCHMARKS.parent),
+                                  "--compare-python", str(python)]) == 0
+    out = capsys.readouterr().out
+    assert mark.is_file()
+    rows = re.findall(r"^\| qwen3 \(smoke\) ours fused \| 1 \| ([^|]+) \| ([\d.]+) \(([\d.]+)\) \| ([\d.]+) \(([\d.]+)\) "
+                      r"\| ([\d.]+)x \(([\d.]+)-([\d.]+)\) \|", out, flags=re.M)
+    assert [row[0].strip() for row in rows] == ["prefill T=8", "prefill T=16", "decode 4 after 16"], out
+    for _, before, before_min, after, after_min, ratio, low, high in rows:
+        assert float(before) == float(before_min) > 0 and float(after) == float(after_min) > 0
+        # after / before, not inverted (the ratio printed to 3 decimals)
+        assert float(ratio) == pytest.approx(float(after) / float(before), rel=1e-3, abs=6e-4)
+        assert float(low) == float(high) == float(ratio)
+
+
+def test_compare_rounds_alternate_which_side_runs_first(monkeypatch):
+    """A warm-up round of each side, then the rounds back to back, the order alternating (a slow spell of the shared
+    machine falls on both sides alike)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    calls = []
+
+    class Fake:
+        def __init__(self, side, speed):
+            self.side, self.speed = side, speed
+
+        def round(self, prompt, prefill_tokens, decode_tokens):
+            calls.append(self.side)
+            return dict.fromkeys(bench_generation.METRICS, self.speed)
+
+    rounds = bench_generation.compare_rounds({"before": Fake("before", 1.0), "after": Fake("after", 2.0)},
+                                             [5, 6], 1, 1, rounds=3)
+    assert calls == ["before", "after", "before", "after", "after", "before", "before", "after"]
+    assert [r["decode"] for r in rounds["after"]] == [2.0] * 3 and len(rounds["before"]) == 3
+
+
+def test_compare_refuses_a_before_side_that_runs_other_code(tmp_path, monkeypatch):
+    """The "before" worker's package and library must be the other checkout's, unless it is this checkout (A/A)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    other, this = tmp_path / "other", BENCHMARKS.parent
+
+    def identity(root):
+        return {"python": f"{root}/.venv/bin/python", "moe_onnx": f"{root}/moe_onnx/__init__.py",
+                "library": f"{root}/moe_onnx/_lib/libmoe_onnx_ops.so", "level": "avx2"}
+
+    bench_generation.check_sides({"before": identity(other), "after": identity(this)}, {"before": other, "after": this})
+    bench_generation.check_sides({"before": identity(this), "after": identity(this)}, {"before": this, "after": this})
+    with pytest.raises(ValueError, match=r"--compare-with .*other: its Python .* loads moe_onnx .*, not the checkout's"):
+        bench_generation.check_sides({"before": identity(this), "after": identity(this)},
+                                     {"before": other, "after": this})
+    mixed = dict(identity(other), library=identity(this)["library"])
+    with pytest.raises(ValueError, match="loads library"):
+        bench_generation.check_sides({"before": mixed, "after": identity(this)}, {"before": other, "after": this})
+
+
+def test_compare_starts_half_the_rounds_workers_the_other_way_round(monkeypatch):
+    """A row's rounds in two halves, the second on fresh workers started after-first (an odd round to the first)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_generation
+
+    assert bench_generation.start_order_halves(1) == [(("before", "after"), 1)]
+    assert bench_generation.start_order_halves(7) == [(("before", "after"), 4), (("after", "before"), 3)]

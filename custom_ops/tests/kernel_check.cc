@@ -48,17 +48,6 @@ void report(const std::string& what, int64_t cases, const std::string& detail) {
   std::fflush(stdout);
 }
 
-uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-float float_of(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
-}
-
 std::string hex(uint32_t b) {
   char s[16];
   std::snprintf(s, sizeof s, "0x%08x", b);
@@ -71,10 +60,10 @@ std::string hex(uint32_t b) {
 std::string first_difference(const float* got, const float* want, int64_t n, const std::string& where,
                              bool any_nan = false) {
   for (int64_t i = 0; i < n; ++i)
-    if (bits_of(got[i]) != bits_of(want[i]) && !(any_nan && std::isnan(got[i]) && std::isnan(want[i]))) {
+    if (float_bits(got[i]) != float_bits(want[i]) && !(any_nan && std::isnan(got[i]) && std::isnan(want[i]))) {
       std::ostringstream s;
-      s << where << ": element " << i << " is " << got[i] << " (" << hex(bits_of(got[i])) << "), expected " << want[i]
-        << " (" << hex(bits_of(want[i])) << ")";
+      s << where << ": element " << i << " is " << got[i] << " (" << hex(float_bits(got[i])) << "), expected "
+        << want[i] << " (" << hex(float_bits(want[i])) << ")";
       return s.str();
     }
   return "";
@@ -185,8 +174,8 @@ void check_float_rows() {
   for (uint32_t b : {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u,
                      0x7fbfffffu, 0x00000001u, 0x807fffffu, 0x477fe000u, 0x477ff000u, 0x477fefffu, 0x38800000u,
                      0x387fffffu, 0x33000000u, 0x33000001u, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f7fffffu})
-    values.push_back(float_of(b));
-  for (int i = 0; i < 200000; ++i) values.push_back(float_of(static_cast<uint32_t>(rng())));
+    values.push_back(float_from_bits(b));
+  for (int i = 0; i < 200000; ++i) values.push_back(float_from_bits(static_cast<uint32_t>(rng())));
   for (int i = 0; i < 20000; ++i) values.push_back(uniform(-70000.0f, 70000.0f));
   for (FloatType type : {FloatType::kF16, FloatType::kBF16}) {
     std::vector<uint16_t> got(values.size()), want(values.size());
@@ -194,7 +183,8 @@ void check_float_rows() {
     detail::narrow_row_portable(type, values.data(), want.data(), static_cast<int64_t>(values.size()));
     std::string detail;
     for (size_t i = 0; i < values.size() && detail.empty(); ++i)
-      if (got[i] != want[i]) detail = "input " + hex(bits_of(values[i])) + " gives " + hex(got[i]) + ", expected " + hex(want[i]);
+      if (got[i] != want[i])
+        detail = "input " + hex(float_bits(values[i])) + " gives " + hex(got[i]) + ", expected " + hex(want[i]);
     report(std::string("narrow_row ") + (type == FloatType::kF16 ? "fp16" : "bf16") + " [" + kernels().narrow_row.name +
                "]",
            static_cast<int64_t>(values.size()), detail);
@@ -225,7 +215,7 @@ float exp_model(float x) {
   y = std::fma(y, x2, xc + 1.0f);
   if (std::isnan(fx)) return y;  // y is NaN
   const int n = std::min(std::max(static_cast<int>(fx) + 127, 1), 254);
-  y = y * float_of(static_cast<uint32_t>(n) << 23);
+  y = y * float_from_bits(static_cast<uint32_t>(n) << 23);
   return over ? INFINITY : y;
 }
 float sigmoid_model(float z) { return 1.0f / (1.0f + exp_model(0.0f - z)); }
@@ -387,7 +377,7 @@ float round_to_odd_add(float a, float b) {
   const float e = (a - (s - bb)) + (b - bb);  // a + b = s + e exactly (no overflow)
   if (e == 0.0f || std::isinf(s)) return s;
   const float truncated = (e > 0.0f) == (s > 0.0f) ? s : std::nextafter(s, 0.0f);
-  return float_of(bits_of(truncated) | 1u);
+  return float_from_bits(float_bits(truncated) | 1u);
 }
 float bfdot_step(float acc, uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1) {
   const float sum = round_to_odd_add(bf16_to_float(a0) * bf16_to_float(b0), bf16_to_float(a1) * bf16_to_float(b1));
@@ -443,8 +433,9 @@ void check_bf16_gemm() {
             if (!(std::fabs(got - exact) <= bound)) {
               s << ", beyond " << bound << " of the exact " << exact;
               detail = s.str();
-            } else if (arm && bits_of(got) != bits_of(model)) {
-              s << " (" << hex(bits_of(got)) << "), BFDOT's chain gives " << model << " (" << hex(bits_of(model)) << ")";
+            } else if (arm && float_bits(got) != float_bits(model)) {
+              s << " (" << hex(float_bits(got)) << "), BFDOT's chain gives " << model << " ("
+                << hex(float_bits(model)) << ")";
               detail = s.str();
             }
           }
@@ -460,6 +451,17 @@ struct QuantCase {
   QuantCode code;
   int64_t K, block;
   bool zero_points;
+
+  // Its panels' layout, with fp32 (level 0) or int8 (level 4) activations.
+  QuantPanels layout(bool int8_activations) const {
+    QuantPanels out;
+    out.code = code;
+    out.K = K;
+    out.block = block;
+    out.zero_points = zero_points;
+    out.int8_activations = int8_activations;
+    return out;
+  }
 };
 
 // Random codes, scales (E2M1: E8M0 codes) and zero points of N columns in QMOE's layout, packed for
@@ -513,11 +515,7 @@ void check_quant_level0() {
   int64_t cases = 0;
   std::string detail;
   for (const QuantCase& q : layouts) {
-    QuantPanels layout;
-    layout.code = q.code;
-    layout.K = q.K;
-    layout.block = q.block;
-    layout.zero_points = q.zero_points;
+    const QuantPanels layout = q.layout(false);
     const int64_t N = 40, panels = panel_count(N);
     QuantWeights weights(layout, N);
     for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{9}}) {
@@ -563,12 +561,7 @@ void check_quant_level4() {
   int64_t cases = 0;
   std::string detail;
   for (const QuantCase& q : layouts) {
-    QuantPanels layout;
-    layout.code = q.code;
-    layout.K = q.K;
-    layout.block = q.block;
-    layout.zero_points = q.zero_points;
-    layout.int8_activations = true;
+    const QuantPanels layout = q.layout(true);
     const int64_t N = 40, panels = panel_count(N), blocks = layout.blocks(), ldq = layout.activation_row_bytes();
     QuantWeights weights(layout, N);
     for (int64_t M : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{9}}) {

@@ -15,6 +15,21 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-2, 2e-2), BF16: (5e-2, 5e-2)}
 
 
+def routed_tokens(rng, tokens, hidden, experts, k, dtype, index_dtype, lead=None, indices=None, scale=1.0):
+    """The routed inputs of MOE and QMOE, drawn from ``rng`` in this order: hidden_states [tokens, hidden] (reshaped
+    to ``lead`` + [hidden] when given), indices [tokens, k] (``indices`` when given, else k distinct experts a
+    token) and routing weights [tokens, k], each row summing to 1."""
+    x = (rng.standard_normal((tokens, hidden)) * scale).astype(np.float32).astype(dtype)
+    if lead is not None:
+        x = x.reshape(*lead, hidden)
+    if indices is None:
+        indices = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k))
+    indices = np.asarray(indices).astype(index_dtype).reshape(tokens, k)
+    weights = rng.random((tokens, k)).astype(np.float32)
+    weights = (weights / np.maximum(weights.sum(-1, keepdims=True), 1e-6)).astype(dtype)
+    return x, weights, indices
+
+
 def make_inputs(tokens=7, hidden=8, inter=6, experts=4, k=2, expert_type=GEMM2, dtype=np.float32,
                 index_dtype=np.int64, bias=True, lead=None, indices=None, seed=0, scale=1.0):
     """Random MOE inputs: hidden_states, routing_weights, indices, weight_0, bias_0, weight_1, bias_1, weight_2."""
@@ -24,14 +39,7 @@ def make_inputs(tokens=7, hidden=8, inter=6, experts=4, k=2, expert_type=GEMM2, 
     def rand(*shape, s=1.0):
         return (rng.standard_normal(shape) * s).astype(np.float32).astype(dtype)
 
-    x = rand(tokens, hidden, s=scale)
-    if lead is not None:
-        x = x.reshape(*lead, hidden)
-    if indices is None:
-        indices = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k))
-    indices = np.asarray(indices).astype(index_dtype).reshape(tokens, k)
-    weights = rng.random((tokens, k)).astype(np.float32)
-    weights = (weights / np.maximum(weights.sum(-1, keepdims=True), 1e-6)).astype(dtype)
+    x, weights, indices = routed_tokens(rng, tokens, hidden, experts, k, dtype, index_dtype, lead, indices, scale)
     if expert_type == GEMM2:
         w0, w1 = rand(experts, hidden, 2 * inter, s=0.3), rand(experts, inter, hidden, s=0.3)
         b0 = rand(experts, 2 * inter, s=0.3) if bias else None

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from . import Case, bf16_compute
-from .moe import BF16, GEMM2, GEMM2_ACT, GEMM3, SCALAR_ACTIVATIONS, TOL
+from .moe import BF16, GEMM2, GEMM2_ACT, GEMM3, SCALAR_ACTIVATIONS, TOL, routed_tokens
 
 OP = "QMOE"
 CONSTANT = tuple(range(3, 14))  # weights, biases, scales, zero points
@@ -22,14 +22,7 @@ def make_inputs(tokens=7, hidden=32, inter=32, experts=4, k=2, expert_type=GEMM2
     rng = np.random.default_rng(seed)
     dtype = np.dtype(dtype)
     scale_dtype = np.dtype(np.uint8 if quant_type == "mxfp4" else scale_dtype or dtype)
-    x = (rng.standard_normal((tokens, hidden)) * scale).astype(np.float32).astype(dtype)
-    if lead is not None:
-        x = x.reshape(*lead, hidden)
-    if indices is None:
-        indices = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k))
-    indices = np.asarray(indices).astype(index_dtype).reshape(tokens, k)
-    weights = rng.random((tokens, k)).astype(np.float32)
-    weights = (weights / np.maximum(weights.sum(-1, keepdims=True), 1e-6)).astype(dtype)
+    x, weights, indices = routed_tokens(rng, tokens, hidden, experts, k, dtype, index_dtype, lead, indices, scale)
 
     shapes = {GEMM2: [(2 * inter, hidden), (hidden, inter)], GEMM3: [(inter, hidden), (inter, hidden), (hidden, inter)],
               GEMM2_ACT: [(inter, hidden), (hidden, inter)]}[expert_type]

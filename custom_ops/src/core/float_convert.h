@@ -20,6 +20,19 @@ constexpr size_t float_size(FloatType type) { return type == FloatType::kF32 ? 4
 
 // ---------------------------------------------------------------------------- one element
 
+// The bits of an fp32 value, and the fp32 value of 32 bits (C++20's std::bit_cast).
+inline uint32_t float_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+inline float float_from_bits(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
@@ -39,14 +52,11 @@ inline float half_to_float(uint16_t h) {
     }
     bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
   }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+  return float_from_bits(bits);
 }
 
 inline uint16_t float_to_half(float f) {  // round to nearest even
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  const uint32_t x = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   const uint32_t ax = x & 0x7fffffffu;
   if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u);
@@ -66,16 +76,10 @@ inline uint16_t float_to_half(float f) {  // round to nearest even
   return sign | static_cast<uint16_t>(r >> 13);
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float bf16_to_float(uint16_t b) { return float_from_bits(static_cast<uint32_t>(b) << 16); }
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
+  uint32_t x = float_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
   x += 0x7fffu + ((x >> 16) & 1u);
   return static_cast<uint16_t>(x >> 16);

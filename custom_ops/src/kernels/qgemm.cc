@@ -23,13 +23,9 @@ int32_t code_at(const QuantPanels& layout, const uint8_t* codes, int64_t kk, int
 
 // Column c's scale in a block's header: fp32, or E8M0 for E2M1 codes.
 float scale_at(const QuantPanels& layout, const uint8_t* block, int64_t c) {
+  if (layout.code == QuantCode::kE2M1) return float_from_bits(e8m0_scale_bits(block[c]));
   float s;
-  if (layout.code == QuantCode::kE2M1) {
-    const uint32_t bits = e8m0_scale_bits(block[c]);
-    std::memcpy(&s, &bits, 4);
-  } else {
-    std::memcpy(&s, block + 4 * c, 4);
-  }
+  std::memcpy(&s, block + 4 * c, 4);
   return s;
 }
 

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <initializer_list>
 
+#include "float_convert.h"
+
 namespace moe_onnx::amx::model {
 namespace {
 
@@ -81,19 +83,8 @@ uint32_t dword(const uint8_t* p) {
 constexpr uint32_t kDefaultNan = 0xffc00000u;  // x86's default (negative quiet) NaN
 constexpr uint32_t kQuietBit = 0x00400000u;
 
-float from_bits(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-uint32_t to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return bits;
-}
-
 // DAZ: a denormal reads as a zero of its sign.
-float read_fp32(uint32_t bits) { return from_bits((bits & 0x7f800000u) == 0 ? bits & 0x80000000u : bits); }
+float read_fp32(uint32_t bits) { return float_from_bits((bits & 0x7f800000u) == 0 ? bits & 0x80000000u : bits); }
 float read_bf16(uint16_t bits) { return read_fp32(static_cast<uint32_t>(bits) << 16); }
 
 // FTZ as the hardware detects it, after rounding: a result whose rounding to 24 bits with an unbounded
@@ -112,7 +103,7 @@ float flush(float r, Rescaled rescaled) {
 bool first_nan(std::initializer_list<float> operands, float& nan) {
   for (float x : operands)
     if (std::isnan(x)) {
-      nan = from_bits(to_bits(x) | kQuietBit);
+      nan = float_from_bits(float_bits(x) | kQuietBit);
       return true;
     }
   return false;
@@ -123,7 +114,7 @@ float fma_daz_ftz(float a, float b, float c) {
   float nan;
   if (first_nan({a, b, c}, nan)) return nan;
   const float r = std::fma(a, b, c);  // an invalid operation (inf * 0, inf - inf) gives a NaN here
-  if (std::isnan(r)) return from_bits(kDefaultNan);
+  if (std::isnan(r)) return float_from_bits(kDefaultNan);
   const bool scale_a = std::fabs(a) <= std::fabs(b);  // the smaller factor
   return flush(r, [&] { return std::fma(scale_a ? a * 0x1p64f : a, scale_a ? b : b * 0x1p64f, c * 0x1p64f); });
 }
@@ -132,7 +123,7 @@ float add_daz_ftz(float a, float b) {
   float nan;
   if (first_nan({a, b}, nan)) return nan;
   const float r = a + b;
-  if (std::isnan(r)) return from_bits(kDefaultNan);
+  if (std::isnan(r)) return float_from_bits(kDefaultNan);
   return flush(r, [&] { return a * 0x1p64f + b * 0x1p64f; });
 }
 
@@ -145,7 +136,7 @@ uint32_t dot_bf16(uint32_t c, const uint16_t* a, const uint16_t* b, int pairs) {
     first = fma_daz_ftz(read_bf16(a[2 * k]), read_bf16(b[2 * k]), first);
     second = fma_daz_ftz(read_bf16(a[2 * k + 1]), read_bf16(b[2 * k + 1]), second);
   }
-  return to_bits(add_daz_ftz(read_fp32(c), add_daz_ftz(first, second)));
+  return float_bits(add_daz_ftz(read_fp32(c), add_daz_ftz(first, second)));
 }
 
 // C[m][n] = element(C[m][n]'s bits, A's row m, B, n, A.colsb / 4) for C's configured elements, once the
