@@ -167,7 +167,10 @@ void check_float_rows() {
     detail::widen_row_portable(type, all.data(), want.data(), static_cast<int64_t>(all.size()));
     report(std::string("widen_row ") + (type == FloatType::kF16 ? "fp16" : "bf16") + " [" + kernels().widen_row.name +
                "]",
-           static_cast<int64_t>(all.size()), first_difference(got.data(), want.data(), got.size(), "all patterns"));
+           static_cast<int64_t>(all.size()),
+           // an fp16 NaN widens to a NaN: F16C's conversion quiets a signalling one, as IEEE's does, where the
+           // portable one keeps its bits (bf16 widening is a shift everywhere)
+           first_difference(got.data(), want.data(), got.size(), "all patterns", type == FloatType::kF16));
   }
   // narrow: special values, values at the rounding boundaries, random bit patterns
   std::vector<float> values;
