@@ -41,6 +41,7 @@ struct QuantTiles {
   const QuantTileSteps& steps;
   const QuantPanels& layout;
   int64_t blocks, block_k;  // block_k: a block's k in the rows (activation_block), whole steps
+  int64_t panel_bytes, block_bytes;  // the layout's, computed once: not in the steps' loop (they divide)
   const int8_t* qa;
   int64_t ldq;
   const int32_t* sums;
@@ -57,7 +58,7 @@ struct QuantTiles {
 
   // Panel p's B rows (code_rows' done).
   const uint8_t* codes_of(int64_t p) const {
-    return in_place ? B + p * layout.panel_bytes() + layout.header_bytes()
+    return in_place ? B + p * panel_bytes + layout.header_bytes()
                     : rows + (p - p0) * code_block_stride * blocks;
   }
   void find_codes(int64_t p, int panels) {
@@ -89,7 +90,7 @@ struct QuantTiles {
           for (int64_t q = pair; q < std::min(pair + 2, p1); ++q) {
             const uint8_t* tile = codes_of(q) + next_block * code_block_stride + ahead % per_block * kStepBytes;
             for (int64_t line = 0; line < kStepBytes; line += 64) __builtin_prefetch(tile + line, 0, 3);
-            __builtin_prefetch(B + q * layout.panel_bytes() + next_block * layout.block_bytes(), 0, 3);  // header
+            __builtin_prefetch(B + q * panel_bytes + next_block * block_bytes, 0, 3);  // header
           }
         amx::block_step<Tiles, kTwoRows, kTwoPanels>(a0 + s * kDepth, a1 + s * kDepth, ldq, b0 + s * kStepBytes,
                                                      b1 + s * kStepBytes,
@@ -107,8 +108,8 @@ struct QuantTiles {
                                sums + (m + r0) * blocks + b0,
                                sa + (m + r0) * blocks + b0,
                                blocks,
-                               B + (p + j) * layout.panel_bytes() + b0 * layout.block_bytes(),
-                               layout.block_bytes(),
+                               B + (p + j) * panel_bytes + b0 * block_bytes,
+                               block_bytes,
                                layout.zero_points,
                                layout.default_zero_point()};
         steps.add_dots(d, C + (m + r0) * ldc + (p + j - p0) * kPanel, ldc);
@@ -141,8 +142,8 @@ void quant_dots_tiles(const QuantTileSteps& steps, const QuantPanels& layout, co
   const int64_t blocks = layout.blocks(), block_k = layout.activation_block();
   const bool in_place = layout.code == QuantCode::kInt8 && layout.block % Kernel::kDepth == 0;
   const int64_t code_block_stride = in_place ? layout.block_bytes() : block_k * kPanel;
-  Kernel k{steps, layout, blocks,   block_k,           qa, ldq, qa_sums, sa, B, p0, p1, C, ldc,
-           in_place, code_block_stride, {}, nullptr, nullptr};
+  Kernel k{steps, layout, blocks, block_k, layout.panel_bytes(), layout.block_bytes(), qa, ldq, qa_sums, sa, B, p0, p1,
+           C, ldc, in_place, code_block_stride, {}, nullptr, nullptr};
   Scratch scratch;
   if (!in_place) {
     k.rows = scratch.take<uint8_t>((p1 - p0) * blocks * code_block_stride, "the level-4 tiles' codes");

@@ -27,17 +27,19 @@ inline __m512i broadcast_quad(const int8_t* a) {
 template <int MR>
 void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* sums, const float* sa,
                 const uint8_t* panel, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks(), padded = layout.activation_block();
+  // the layout's sizes once, out of the blocks' loop (each divides or branches on the code)
+  const int64_t blocks = layout.blocks(), padded = layout.activation_block(), block_bytes = layout.block_bytes(),
+                header_bytes = layout.header_bytes(), groups = layout.groups_per_block();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   __m512 out[MR];
   for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
+    const uint8_t* block = panel + b * block_bytes;
+    const uint8_t* codes = block + header_bytes;
     const int8_t* a = qa + b * padded;
     __m512i acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
-    for (int64_t g = 0; g < layout.groups_per_block(); ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
       const __m512i group = _mm512_loadu_si512(codes + g * kQuantGroupBytes);
       if (layout.code == QuantCode::kInt8) {
         for (int r = 0; r < MR; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], group, broadcast_quad(a + r * ldq + 4 * g));
