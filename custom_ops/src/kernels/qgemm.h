@@ -63,6 +63,11 @@ constexpr int64_t kQuantTileBlock = 64;
 // Rows of a code group (the layout above): 4 of 8-bit codes, 8 of 4-bit.
 constexpr int quant_group_rows(QuantCode code) { return code == QuantCode::kInt8 ? 4 : 8; }
 
+// Bytes of a block's header: 16 E8M0 scales for E2M1 codes; 16 fp32 scales, then 16 zero points where present.
+constexpr int64_t quant_header_bytes(QuantCode code, bool zero_points) {
+  return code == QuantCode::kE2M1 ? 16 : 64 + (zero_points ? 16 : 0);
+}
+
 // The layout of one expert's quantized panels.
 struct QuantPanels {
   QuantCode code = QuantCode::kInt8;
@@ -76,7 +81,7 @@ struct QuantPanels {
   int64_t group_rows() const { return quant_group_rows(code); }
   int64_t blocks() const { return block > 0 ? K / block : 0; }
   int64_t groups_per_block() const { return (block + group_rows() - 1) / group_rows(); }
-  int64_t header_bytes() const { return code == QuantCode::kE2M1 ? 16 : 64 + (zero_points ? 16 : 0); }
+  int64_t header_bytes() const { return quant_header_bytes(code, zero_points); }
   int64_t block_bytes() const { return header_bytes() + groups_per_block() * 64; }
   int64_t panel_bytes() const { return blocks() * block_bytes(); }
   // Level 4: a block's k in the quantized activation rows, zero padded: whole groups, and for blocks

@@ -58,15 +58,16 @@ inline void group_codes(const uint8_t* group, int8x16_t (&low)[4], int8x16_t (&h
 template <QuantCode Q, int MR>
 void panel_rows(const QuantPanels& layout, const int8_t* qa, int64_t ldq, const int32_t* sums, const float* sa,
                 const uint8_t* panel, float* C, int64_t ldc) {
-  const int64_t blocks = layout.blocks(), padded = layout.activation_block(), groups = layout.groups_per_block();
+  const int64_t blocks = layout.blocks(), padded = layout.activation_block(), groups = layout.groups_per_block(),
+                block_bytes = layout.block_bytes(), header_bytes = layout.header_bytes();
   // Groups per 16 activation bytes: 4 of 8-bit codes (4 k each), 2 of 4-bit ones (8 k each).
   constexpr int64_t kPerVector = Q == QuantCode::kInt8 ? 4 : 2;
   float32x4_t out[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) out[r][j] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
+    const uint8_t* block = panel + b * block_bytes;
+    const uint8_t* codes = block + header_bytes;
     int32x4_t acc[MR][4];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = vdupq_n_s32(0);

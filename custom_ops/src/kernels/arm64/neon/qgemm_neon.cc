@@ -122,11 +122,12 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) t.acc[r][j] = vdupq_n_f32(0.0f);
   const int64_t full = layout.block / G, rest = layout.block % G;
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
+  const int64_t block_bytes = layout.block_bytes(), blocks = layout.blocks();
+  for (int64_t b = 0; b < blocks; ++b) {
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < 4; ++j) t.dot[r][j] = vdupq_n_f32(0.0f);
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
+    const uint8_t* block = panel + b * block_bytes;
+    const uint8_t* codes = block + quant_header_bytes(Q, ZP);
     const Decoder<Q, ZP> d(block);
     const int64_t k0 = b * layout.block;
     uint32x4_t g[4];

@@ -68,13 +68,14 @@ void fused_panel(const QuantPanels& layout, const float* A, int64_t lda, const u
   __m256 acc[MR][2], dot[MR][2];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
+  const int64_t block_bytes = layout.block_bytes(), blocks = layout.blocks(), groups = layout.groups_per_block();
+  for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_ps();
-    const uint8_t* block = panel + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
+    const uint8_t* block = panel + b * block_bytes;
+    const uint8_t* codes = block + quant_header_bytes(Q, ZP);
     const Decoder<Q, ZP> d0(block, 0), d1(block, 1);
-    for (int64_t g = 0; g < layout.groups_per_block(); ++g) {
+    for (int64_t g = 0; g < groups; ++g) {
       const __m256i* group = reinterpret_cast<const __m256i*>(codes + g * kQuantGroupBytes);
       const __m256i lo = Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group));
       const __m256i hi = Decoder<Q, ZP>::prepare(_mm256_loadu_si256(group + 1));

@@ -127,15 +127,15 @@ void fused_tile(const QuantPanels& layout, const float* A, int64_t lda, const ui
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) t.acc[r][j] = _mm512_setzero_ps();
-  const int64_t panel_bytes = layout.panel_bytes();
+  const int64_t panel_bytes = layout.panel_bytes(), block_bytes = layout.block_bytes(), blocks = layout.blocks();
   const int64_t full = layout.block / G, rest = layout.block % G;
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) t.dot[r][j] = _mm512_setzero_ps();
-    const uint8_t* block = B + b * layout.block_bytes();
-    const uint8_t* codes = block + layout.header_bytes();
+    const uint8_t* block = B + b * block_bytes;
+    const uint8_t* codes = block + quant_header_bytes(Q, ZP);
     const Decoders<Q, ZP, NP> d = decoders<Q, ZP>(block, panel_bytes, std::make_index_sequence<NP>{});
     const int64_t k0 = b * layout.block;
     for (int64_t g = 0; g < full; ++g) {
@@ -310,8 +310,9 @@ void quant_activations_avx512(const QuantPanels& layout, const float* A, int64_t
 void quant_code_rows_avx512(const QuantPanels& layout, const uint8_t* panel, int64_t block_k, uint8_t* rows) {
   // The codes' padding (past the block, to whole groups) is zero; past the groups, to block_k, too.
   const int64_t groups = layout.groups_per_block(), header_bytes = layout.header_bytes();
-  for (int64_t b = 0; b < layout.blocks(); ++b) {
-    const uint8_t* codes = panel + b * layout.block_bytes() + header_bytes;
+  const int64_t block_bytes = layout.block_bytes(), blocks = layout.blocks();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* codes = panel + b * block_bytes + header_bytes;
     uint8_t* out = rows + b * block_k * kPanel;
     int64_t r = 0;
     if (layout.code == QuantCode::kInt8) {
