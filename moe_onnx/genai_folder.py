@@ -136,6 +136,12 @@ def _is_index(value: object, stop: int) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < stop
 
 
+def is_genai_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder holding a genai_config.json (read it with :class:`GenaiFolder`, which says what is
+    wrong with one that is not a regular JSON file)."""
+    return os.path.isdir(path) and os.path.lexists(Path(path) / GENAI_CONFIG)
+
+
 class GenaiFolder:
     """A folder in onnxruntime-genai's format, read and checked: the config as read (``config``), the decoder's
     path, its input and output names, the attention shape (layers, kv heads, head size, sliding window), the stop

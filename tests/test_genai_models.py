@@ -144,8 +144,8 @@ def test_quantize_says_the_builders_int4_experts_are_quantized_already(tmp_path,
 @pytest.mark.parametrize("command", ["optimize", "quantize"])
 @pytest.mark.parametrize("case", ["plain folder", "config is a folder", "OUT is a file", "OUT is the decoder"])
 def test_folder_jobs_name_what_is_wrong_in_one_line(tmp_path, capsys, command, case):
-    """A folder without genai_config.json, a config that is not a file, an OUT_DIR that is a file (the input's
-    decoder too): one line naming it and what was expected, nothing written."""
+    """A folder without genai_config.json (read as a model file, as shard reads it), a config that is not a file,
+    an OUT_DIR that is a file (the input's decoder too): one line naming it, nothing written."""
     folder, out = tmp_path / "in", tmp_path / "out"
     shutil.copytree(FIXTURES / "gpt_oss_fp32", folder)
     if case == "plain folder":
@@ -159,7 +159,7 @@ def test_folder_jobs_name_what_is_wrong_in_one_line(tmp_path, capsys, command, c
         out = folder / "model.onnx"
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     status, message = {
-        "plain folder": (1, f"{folder}: no genai_config.json (a folder in onnxruntime-genai's format)"),
+        "plain folder": (1, f"{folder}: is not a regular file"),  # as a model file: a folder needs a genai config
         "config is a folder": (1, f"{folder / 'genai_config.json'}: is not a regular file; expected a JSON file"),
         "OUT is a file": (2, f"{out}: is a file; expected a directory or a new path"),
         "OUT is the decoder": (2, f"{out}: is a file; expected a directory or a new path"),

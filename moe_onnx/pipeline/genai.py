@@ -8,7 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..genai_folder import GenaiFolder
+from ..genai_folder import GenaiFolder, is_genai_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +24,9 @@ class JobPaths:
 
 def job_paths(source: str | os.PathLike, destination: str | os.PathLike) -> JobPaths:
     """The paths of a job from ``source`` to ``destination``: model files, or genai folders whose decoders the job
-    reads and writes (raises :class:`moe_onnx._ir.model_files.ModelFileError` for a folder without a readable
-    genai_config.json)."""
-    if not os.path.isdir(source):
+    reads and writes (raises :class:`moe_onnx._ir.model_files.ModelFileError` for a folder whose genai_config.json
+    cannot be read)."""
+    if not is_genai_folder(source):
         return JobPaths(source, destination)  # as given: the messages name them so
     genai, folder = GenaiFolder(source), Path(destination)
     return JobPaths(genai.decoder_path, folder / genai.decoder_path.name, genai, folder)
