@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from ._ir.inference import ShapeInferenceError
-from ._ir.model_files import ModelFileError, OutputPathError, output_file, read_complete
+from ._ir.model_files import ModelFileError, OutputPathError, read_complete
 from ._ir.progress import Progress
 from .check import check_file
 from .rewrite.targets import COMPUTES, TARGETS
@@ -69,15 +69,16 @@ def _quantize(args: argparse.Namespace) -> int:
 
 def _run_pipeline(command: str, args: argparse.Namespace, run: Callable) -> int:
     """Run a pipeline function, print its summary and write its --report; the exit code: 2 for an output
-    that would overwrite the input or is not a regular file (OUT or --report) and bad settings, 1 for a file
-    error, a model onnx shape inference rejects or a result that is not ok."""
-    from .pipeline import SameFileError
+    that would overwrite the input or is not a regular file (OUT or --report), a --report that is a file the job
+    reads or writes, and bad settings, 1 for a file error, a model onnx shape inference rejects or a result that is
+    not ok."""
+    from .pipeline import SameFileError, check_report_path
     from .rewrite.quantize import QuantizeError
     from .rewrite.portable import PortableError
 
     try:
         if args.report:
-            output_file(args.report)
+            check_report_path(args.report, args.input, args.output)
         result = run()
     except (SameFileError, QuantizeError, PortableError, OutputPathError) as error:
         print(f"moe-onnx {command}: {error}", file=sys.stderr)
@@ -210,12 +211,20 @@ def _sizes(text: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _positive_int(text: str) -> int:
+    return _int_from(text, 1, "a positive integer")
+
+
+def _seed(text: str) -> int:
+    return _int_from(text, 0, "a seed (an integer >= 0)")
+
+
+def _int_from(text: str, minimum: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
     return value
 
 
@@ -311,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
                        help="values of the symbolic input dims (batch x sequence ...) for the error "
                             f"(default {format_sizes(DEFAULT_SIZES)})")
-    quant.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    quant.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
     quant.add_argument("--report", metavar="FILE.json", help="write the report (with the error) as JSON")
     quant.set_defaults(run=_quantize)
 
@@ -399,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample", action="store_true",
                      help="draw each token (temperature, then top-k, then top-p) instead of taking the largest "
                           "logit; the settings not given come from genai_config.json's search section")
-    gen.add_argument("--seed", type=int, default=None, help="with --sample: the draw's seed (default 0)")
+    gen.add_argument("--seed", type=_seed, default=None, help="with --sample: the draw's seed (default 0)")
     gen.add_argument("--temperature", type=float, default=None, help="with --sample: divides the logits")
     gen.add_argument("--top-k", type=int, default=None, help="with --sample: keep the k largest logits (0: all)")
     gen.add_argument("--top-p", type=float, default=None,

@@ -10,6 +10,7 @@ decoder's input and output names, the attention shape, the special token ids and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -58,11 +59,15 @@ def new_config(config: dict, generation: dict, genai_type: str, decoder: str, ca
     The presents are the pasts with the new tokens appended (they grow each step), so the past and present
     buffers are not shared."""
     context_length = config["max_position_embeddings"]
-    search = {key: generation.get(key, config.get(key, default)) for key, default in _SEARCH_DEFAULTS.items()}
+    search = {}
+    for key, default in _SEARCH_DEFAULTS.items():
+        source = _search_source(config, generation, key)
+        search[key] = default if source is None else source[key]
     search.update(early_stopping=True, max_length=context_length, min_length=0, past_present_share_buffer=False)
     # a special token the checkpoint leaves null (transformers allows it) is left out: genai refuses a null and runs
     # without one (no eos: generation stops at its length only)
-    tokens = {key: generation.get(key, config.get(key)) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    tokens = {key: _token_source(config, generation, key).get(key) for key in ("bos_token_id", "eos_token_id",
+                                                                                 "pad_token_id")}
     return {
         "model": {
             **{key: value for key, value in tokens.items() if value is not None},
@@ -85,14 +90,56 @@ def new_config(config: dict, generation: dict, genai_type: str, decoder: str, ca
     }
 
 
+def check_checkpoint_config(config: model_files.JsonObject, generation: model_files.JsonObject) -> None:
+    """What :func:`new_config` takes from a checkpoint's config.json (``config``) and generation_config.json
+    (``generation``, empty where the checkpoint has none), checked before anything is exported, so that the folder
+    written is one that onnxruntime-genai and ``moe-onnx generate`` read: ModelFileError, naming the file, the key
+    and what was expected, for a hidden size, head count or vocabulary size that is not an integer >= 1, a context
+    length (max_position_embeddings) below 2, an eos_token_id that is not a token id of the vocabulary or a list of
+    them, or a search setting of another type than the builder's default."""
+    for key in ("hidden_size", "num_attention_heads", "vocab_size"):
+        config.integer(key, minimum=1)
+    config.integer("max_position_embeddings", minimum=2)
+    vocab_size = config.integer("vocab_size")
+    tokens = generation if _token_source(config.data, generation.data, "eos_token_id") is generation.data else config
+    if "eos_token_id" in tokens and stop_tokens(tokens.data["eos_token_id"], vocab_size) is None:
+        raise tokens.error("eos_token_id", f"a token id in [0, {vocab_size}) or a list of them")
+    for key, default in _SEARCH_DEFAULTS.items():
+        source = _search_source(config.data, generation.data, key)
+        if source is not None:
+            document = generation if source is generation.data else config
+            look_up = {bool: document.boolean, int: document.integer, float: document.number}[type(default)]
+            look_up(key)
+
+
+def _token_source(config: dict, generation: dict, key: str) -> dict:
+    """The document a special token is taken from: generation_config.json where it has the key (null there: no such
+    token, as transformers' generate reads it), else config.json."""
+    return generation if key in generation else config
+
+
+def _search_source(config: dict, generation: dict, key: str) -> dict | None:
+    """The document a search setting is taken from: the first of generation_config.json and config.json that gives
+    it a value; None where neither does (the builder's default, then)."""
+    return next((document for document in (generation, config) if document.get(key) is not None), None)
+
+
+def stop_tokens(value: object, vocab_size: int) -> set[int] | None:
+    """An eos_token_id as a config holds it (a token id or a list of them) as a set of token ids; None when any of
+    them is not a token id of a vocabulary of ``vocab_size``."""
+    tokens = value if isinstance(value, list) else [value]
+    return {int(token) for token in tokens} if all(_is_index(token, vocab_size) for token in tokens) else None
+
+
 def _is_index(value: object, stop: int) -> bool:
     """Whether ``value`` is an integer (Python's or numpy's, not a bool) in [0, ``stop``)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < stop
 
 
 def is_genai_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder holding genai_config.json (read it with :class:`GenaiFolder`)."""
-    return (Path(path) / GENAI_CONFIG).is_file()
+    """Whether ``path`` is a folder holding a genai_config.json (read it with :class:`GenaiFolder`, which says what is
+    wrong with one that is not a regular JSON file)."""
+    return os.path.isdir(path) and os.path.lexists(Path(path) / GENAI_CONFIG)
 
 
 class GenaiFolder:
@@ -104,7 +151,7 @@ class GenaiFolder:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         config_path = self.folder / GENAI_CONFIG
-        if not config_path.is_file():
+        if not config_path.exists():  # one that is not a regular file: read_json says so
             raise ModelFileError(f"{self.folder}: no {GENAI_CONFIG} (a folder in onnxruntime-genai's format)")
         document = model_files.read_json(config_path)
         self.config = document.data
@@ -120,10 +167,10 @@ class GenaiFolder:
         self.head_size = decoder.integer("head_size", minimum=1)
         self.context_length = model.integer("context_length", minimum=2)
         self.vocab_size = model.integer("vocab_size", minimum=1)
-        eos = model.value("eos_token_id", [])  # none: generation stops at its length only, as in genai
-        self.eos = set(eos if isinstance(eos, list) else [eos])
-        if not all(self.is_token(token) for token in self.eos):
+        eos = stop_tokens(model.value("eos_token_id", []), self.vocab_size)  # none: it stops at its length, as genai
+        if eos is None:
             raise model.error("eos_token_id", f"a token id in [0, {self.vocab_size}) or a list of them")
+        self.eos = eos
         window = decoder.object("sliding_window", required=False)
         self.window_size = window.integer("window_size", minimum=1) if window.data else None
         listed = window.list("layers", []) if window.data else []
@@ -147,6 +194,15 @@ class GenaiFolder:
     def name(self, key: str, default: str) -> str:
         """The decoder input's or output's name the config gives for ``key`` (``default`` where it gives none)."""
         return (self.inputs if key in self.inputs else self.outputs).string(key, default)
+
+    def names_written(self, decoder: str | os.PathLike) -> set[str]:
+        """The names of the files :meth:`copy_to` and the decoder ``decoder`` (with its data file) put in a folder."""
+        decoder = Path(decoder)
+        names = {file.name for file in self.folder.iterdir() if file.is_file()}
+        names |= {decoder.name, model_files.data_file(decoder).name, GENAI_CONFIG}
+        with contextlib.suppress(FileNotFoundError):  # no library built: a job that needs it says so itself
+            names.add(Path(custom_ops_library()).name)
+        return names
 
     def copy_to(self, destination: str | os.PathLike, decoder: str | os.PathLike, *, library: bool) -> None:
         """Complete the folder ``destination`` whose decoder ``decoder`` is written already: the other files of this

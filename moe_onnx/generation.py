@@ -66,6 +66,8 @@ class Sampling:
             raise GenerateError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise GenerateError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed < 0:  # numpy's generators take none
+            raise GenerateError(f"seed must be >= 0, got {self.seed}")
 
 
 @dataclass
@@ -222,7 +224,8 @@ def generate(folder: str | os.PathLike, prompt: str | None = None, *, prompt_ids
     ``prompt_ids`` (token ids): greedy, or drawn when ``sample`` (:func:`search_sampling`: ``seed``, default 0, and
     the settings given, the others from the config's search section). See the module's docstring for what the
     folder gives; :class:`Generation` for the result. Raises ModelFileError (a folder, config, decoder or
-    tokenizer that cannot be read) or GenerateError (bad settings, a prompt that leaves no room in the context)."""
+    tokenizer that cannot be read, a decoder whose logits are NaN) or GenerateError (bad settings, a prompt that
+    leaves no room in the context)."""
     if (prompt is None) == (prompt_ids is None):
         raise GenerateError("give a prompt or prompt_ids (one of them)")
     if max_new_tokens < 1:
@@ -297,6 +300,9 @@ class _Decoder:
             outputs = self.decoder.run_with_ort_values(self.output_names, feeds)
             seconds.append(time.perf_counter() - start)
             logits = outputs[0].numpy()[0, -1].astype(np.float64)
+            if np.isnan(logits).any():  # argmax would take the first NaN's token, as if it were the best
+                raise ModelFileError(f"{self.genai.decoder_path}: its logits at run {len(seconds)} hold NaN; expected "
+                                     "numbers (the decoder's weights are damaged, or its type overflows)")
             token = _sample(logits, sampling, rng) if sampling else int(np.argmax(logits))
             past_length += len(step)
             if token in self.genai.eos:

@@ -193,13 +193,31 @@ def _checkpoint(tmp_path: Path, config: dict) -> Path:
     ({"generation_config.json": "3"}, "{checkpoint}/generation_config.json: expected an object, got 3"),
     ({"model.safetensors.index.json": "{"}, "{checkpoint}/model.safetensors.index.json: expected JSON: "),
     ({"config.json": json.dumps({**QUICK_START_CONFIG, "max_position_embeddings": None})},
-     "{checkpoint}/config.json: max_position_embeddings: missing; expected an integer >= 1"),
+     "{checkpoint}/config.json: max_position_embeddings: missing; expected an integer >= 2"),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "max_position_embeddings": 1})},
+     "{checkpoint}/config.json: max_position_embeddings: expected an integer >= 2, got 1"),
     ({"config.json": json.dumps({**QUICK_START_CONFIG, "vocab_size": "96"})},
      '{checkpoint}/config.json: vocab_size: expected an integer >= 1, got "96"'),
+    *[({"config.json": json.dumps({**QUICK_START_CONFIG, "num_experts_per_tok": k})},
+       "{checkpoint}/config.json: num_experts_per_tok: expected an integer in [1, 4] (num_local_experts), or a list "
+       f"of them per layer, got {'a list' if isinstance(k, list) else json.dumps(k)}")
+      for k in (0, 5, -1, [2, 0], True)],
+    ({"generation_config.json": '{"eos_token_id": [2, 96]}'},
+     "{checkpoint}/generation_config.json: eos_token_id: expected a token id in [0, 96) or a list of them, got a "
+     "list"),
+    ({"config.json": json.dumps({**QUICK_START_CONFIG, "eos_token_id": -1}), "generation_config.json": "{}"},
+     "{checkpoint}/config.json: eos_token_id: expected a token id in [0, 96) or a list of them, got -1"),
+    ({"generation_config.json": '{"temperature": "hot"}'},
+     '{checkpoint}/generation_config.json: temperature: expected a number, got "hot"'),
+    ({"generation_config.json": '{"do_sample": 1}'},
+     "{checkpoint}/generation_config.json: do_sample: expected true or false, got 1"),
 ])
 def test_export_names_the_file_and_key_of_a_malformed_input(tmp_path, capsys, files, message):
     """A config, generation config or index that is not the JSON expected is refused in one line naming the file
-    and the key (exit 1), before torch is imported and before OUT is made."""
+    and the key (exit 1), before torch is imported and before OUT is made: among them the values a genai_config.json
+    written from them would hold and onnxruntime-genai or `moe-onnx generate` refuse (an eos token outside the
+    vocabulary, a context of one token, a search setting of another type), and experts per token outside [1, the
+    experts], which transformers builds (at 0, experts that add nothing)."""
     checkpoint = tmp_path / "checkpoint"
     shutil.copytree(CHECKPOINTS / "qwen3_moe", checkpoint)
     for name, text in files.items():

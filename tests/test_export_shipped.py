@@ -199,6 +199,113 @@ def test_reader_refuses_a_cut_file(tmp_path):
         _sources(folder)
 
 
+def _raw_safetensors(folder: Path, header: object, data: bytes) -> Path:
+    """A checkpoint folder whose model.safetensors holds ``header`` (as JSON) and ``data`` as they are given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    encoded = json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    return folder
+
+
+def _entry(shape: object, offsets: object) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": offsets}
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ([1, 2], b"", "not a safetensors file (its header is JSON but not an object)"),
+    ({"a": _entry([-1, -2], [0, 8])}, bytes(8),
+     "tensor 'a': shape [-1, -2], data_offsets [0, 8]; expected lists of integers >= 0 (the offsets: [begin, end])"),
+    ({"a": _entry("12", [0, 8])}, bytes(8), "tensor 'a': shape '12', data_offsets [0, 8]; expected lists"),
+    ({"a": _entry([2], [0, 4, 8])}, bytes(8), "tensor 'a': shape [2], data_offsets [0, 4, 8]; expected lists"),
+    ({"a": _entry([2], [-8, 0])}, bytes(8), "tensor 'a': shape [2], data_offsets [-8, 0]; expected lists"),
+    ({"a": _entry([2], [0, 8]), "b": _entry([2], [0, 8])}, bytes(8),
+     "tensor 'b' starts at byte 0 of the data; expected 8, where the tensor before it ends (safetensors' tensors lie "
+     "end to end: the header is damaged)"),
+    ({"a": _entry([2], [4, 12])}, bytes(12), "tensor 'a' starts at byte 4 of the data; expected 0"),
+    ({"a": _entry([2], [0, 8])}, bytes(12), "its tensors end at byte {end}, the file at {size}; expected the same "
+                                           "(safetensors' tensors fill the file)"),
+])
+def test_reader_refuses_a_damaged_header(tmp_path, header, data, message):
+    """A header that does not lay its tensors end to end over the data, as the safetensors library requires
+    (overlapping tensors, a gap, a negative offset reading the header itself, bytes after the last tensor), or whose
+    shapes and offsets are not lists of naturals, is refused naming the file and the tensor, never read."""
+    folder = _raw_safetensors(tmp_path, header, data)
+    file = folder / "model.safetensors"
+    size = file.stat().st_size
+    with pytest.raises(CheckpointError) as caught:
+        _sources(folder)
+    assert str(caught.value).startswith(f"{file}: " + message.format(end=size - 4, size=size))
+
+
+def _fp8(folder: Path, weight: np.ndarray, scales: np.ndarray) -> dict:
+    return _sources(_write(folder, {"w.weight": weight, "w.weight_scale_inv": scales}, {"quant_method": "fp8"}))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_reader_refuses_scales_that_are_not_finite(tmp_path, value):
+    """An fp8 weight_scale_inv holding NaN or an infinity, or an MXFP4 scale of E8M0 code 255 (NaN), would make
+    every weight of its block NaN or infinite: the tensor is refused when it is read (the export then writes
+    nothing), naming it and the rows or expert."""
+    scales = np.ones((2, 2), np.float32)
+    scales[1, 0] = value
+    source = _fp8(tmp_path / "fp8", np.ones((16, 16), ml_dtypes.float8_e4m3fn), scales)["w.weight"]
+    np.testing.assert_array_equal(source.rows(0, 8), np.ones((8, 16), np.float32))  # the first block row is fine
+    with pytest.raises(CheckpointError) as caught:
+        source.whole()
+    assert str(caught.value) == (f"w.weight_scale_inv: holds {np.float32(value)} in rows [0, 2); expected finite "
+                                 "scales (the file is damaged)")
+    blocks, codes = np.zeros((2, 3, 1, 16), np.uint8), np.full((2, 3, 1), 127, np.uint8)
+    codes[1, 2, 0] = 255
+    mxfp4 = _sources(_write(tmp_path / "mxfp4", {"x_blocks": blocks, "x_scales": codes}, {"quant_method": "mxfp4"},
+                            "gpt_oss"))["x"]
+    assert mxfp4.mxfp4_expert(0)[1].tobytes() == codes[0].tobytes()
+    for read in (lambda: mxfp4.mxfp4_expert(1), mxfp4.whole):
+        with pytest.raises(CheckpointError) as caught:
+            read()
+        assert str(caught.value) == ("x_scales: expert 1 holds the E8M0 scale 255 (NaN); expected scales in [0, 255) "
+                                     "(the file is damaged)")
+
+
+def test_a_damaged_scale_met_by_a_pass_is_the_readers_error(tmp_path):
+    """A tensor read while the export folds its graph (onnx_ir's initializer dedup reads the small ones) raises the
+    reader's error as itself, not inside onnx_ir's PassError: one line on the command line (exit 1), where it was a
+    traceback."""
+    import onnx_ir as ir
+    from onnx_ir.passes import PassError
+
+    from moe_onnx.export import _checkpoint_errors_as_they_are, _fold
+    from moe_onnx.export.initializers import CheckpointTensor
+
+    scales = np.ones((2, 2), np.float32)
+    scales[1, 1] = np.nan
+    source = _fp8(tmp_path, np.ones((16, 16), ml_dtypes.float8_e4m3fn), scales)["w.weight"]
+
+    def model() -> ir.Model:
+        x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 16]))
+        w = ir.Value(name="w", const_value=CheckpointTensor(source, ir.DataType.FLOAT, "w"))
+        node = ir.node("MatMul", [x, w], outputs=[ir.Value(name="y")])
+        graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 18})
+        return ir.Model(graph, ir_version=10)
+
+    with pytest.raises(PassError):  # what the pass raises
+        _fold(model())
+    with pytest.raises(CheckpointError) as caught, _checkpoint_errors_as_they_are():
+        _fold(model())
+    assert str(caught.value).startswith("w.weight_scale_inv: holds nan in rows [")
+
+
+@pytest.mark.parametrize("weight, scales", [
+    (np.ones((16, 16), ml_dtypes.bfloat16), np.ones((2, 2), np.float32)),
+    (np.ones((16, 16), ml_dtypes.float8_e4m3fn), np.ones((2, 2), np.int32)),
+])
+def test_reader_refuses_fp8_tensors_of_other_types(tmp_path, weight, scales):
+    with pytest.raises(CheckpointError) as caught:
+        _fp8(tmp_path, weight, scales)
+    assert str(caught.value) == (f"w.weight {weight.dtype} and w.weight_scale_inv {scales.dtype}: expected "
+                                 "float8_e4m3fn and float32, bfloat16 or float16 (the fp8 format)")
+
+
 def _indexed(folder: Path, weight_map: dict) -> Path:
     """``folder`` with its tensors a and b in two shards and an index holding ``weight_map`` (the shards' by
     default: {"a": "a.safetensors", "b": "b.safetensors"})."""
@@ -349,6 +456,51 @@ def test_export_reads_the_checkpoint_exactly(tmp_path, capsys, layers, message):
     (checkpoint / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
     assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"moe-onnx export: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def _changed_checkpoint(folder: Path, checkpoint: Path, change: Callable[[dict[str, np.ndarray]], None]) -> Path:
+    """A copy of ``checkpoint`` in ``folder`` whose tensors (by name) ``change`` has changed."""
+    shutil.copytree(checkpoint, folder)
+    with Checkpoint(checkpoint, json.loads((checkpoint / "config.json").read_text())) as read:
+        tensors = {name: StoredSource(tensor).whole() for name, tensor in read.stored.items()}
+    change(tensors)
+    write_safetensors(folder / "model.safetensors", {name: TensorSpec.of(array) for name, array in tensors.items()})
+    return folder
+
+
+def _transposed(tensors: dict[str, np.ndarray], experts: range) -> None:
+    """The gate_proj of ``experts`` in layer 0 transposed."""
+    for expert in experts:
+        tensors[EXPERT.format(expert)] = np.ascontiguousarray(tensors[EXPERT.format(expert)].T)
+
+
+EXPERT = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+
+
+@pytest.mark.slow
+@_NEEDS_TORCH
+@pytest.mark.xdist_group("export")
+@pytest.mark.parametrize("change, message", [
+    (lambda tensors: tensors.update({"model.embed_tokens.weight": np.ones((96, 32), np.int32)}),
+     "checkpoint tensor model.embed_tokens.weight is int32; the model's parameter model.embed_tokens.weight is "
+     "float32: expected a floating-point tensor"),
+    (lambda tensors: _transposed(tensors, range(1)),
+     f"parameter model.layers.0.mlp.experts.gate_up_proj: WeightConverter of the checkpoint tensors {EXPERT.format(0)} "
+     f"[32, 24], {EXPERT.format(1)} [24, 32], {EXPERT.format(2)} [24, 32] ... fails: stack expects each tensor to be "
+     "equal size, but got torch.Size([32, 24]) at entry 0"),
+    (lambda tensors: _transposed(tensors, range(4)),
+     f"parameter model.layers.0.mlp.experts.gate_up_proj: WeightConverter of the checkpoint tensors {EXPERT.format(0)} "
+     f"[32, 24], {EXPERT.format(1)} [32, 24], {EXPERT.format(2)} [32, 24] ... fails: Sizes of tensors must match "
+     "except in dimension 1."),
+], ids=["int32", "one expert transposed", "every expert transposed"])
+def test_export_refuses_tensors_its_parameters_cannot_be_made_from(tmp_path, capsys, change, message):
+    """A tensor that is not floating-point where the parameter is (it would be cast silently) and expert tensors that
+    transformers' weight mapping cannot stack into the parameter (run on their shapes first) are refused in one line,
+    before the trace and before OUT is made; not a traceback while the weights are written."""
+    checkpoint = _changed_checkpoint(tmp_path / "checkpoint", QUICK_START, change)
+    assert cli(["export", str(checkpoint), "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"moe-onnx export: {message}")
     assert not (tmp_path / "out").exists()
 
 

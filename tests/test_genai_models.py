@@ -6,6 +6,7 @@ optimized folder in onnxruntime-genai itself."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,45 @@ def test_quantize_the_optimized_fp32_model(genai_optimized, tmp_path, capsys):
             assert logits["max_abs"] == 0, (name, logits)
         else:  # int4 codes of K = 32 or 64 inputs per column move the logits
             assert 0 < logits["relative"] < 1, (name, logits)
+
+
+def test_quantize_says_the_builders_int4_experts_are_quantized_already(tmp_path, capsys):
+    """The model builder's int4 folder (onnxruntime's QMoE) has nothing left to quantize: said so, not "run optimize
+    first" (which would only make its QMoE our QMOE)."""
+    assert cli(["quantize", str(FIXTURES / "gpt_oss_int4"), "-o", str(tmp_path / "out"), "--bits", "4"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after the progress lines
+        "moe-onnx quantize: the model's 2 expert blocks are quantized already (com.microsoft::QMoE, 4-bit): nothing "
+        "is left to quantize (--linears and --embedding quantize the other layers)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["optimize", "quantize"])
+@pytest.mark.parametrize("case", ["plain folder", "config is a folder", "OUT is a file", "OUT is the decoder"])
+def test_folder_jobs_name_what_is_wrong_in_one_line(tmp_path, capsys, command, case):
+    """A folder without genai_config.json (read as a model file, as shard reads it), a config that is not a file,
+    an OUT_DIR that is a file (the input's decoder too): one line naming it, nothing written."""
+    folder, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(FIXTURES / "gpt_oss_fp32", folder)
+    if case == "plain folder":
+        (folder / "genai_config.json").unlink()
+    elif case == "config is a folder":
+        (folder / "genai_config.json").unlink()
+        (folder / "genai_config.json").mkdir()
+    elif case == "OUT is a file":
+        out.write_text("mine")
+    else:
+        out = folder / "model.onnx"
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    status, message = {
+        "plain folder": (1, f"{folder}: is not a regular file"),  # as a model file: a folder needs a genai config
+        "config is a folder": (1, f"{folder / 'genai_config.json'}: is not a regular file; expected a JSON file"),
+        "OUT is a file": (2, f"{out}: is a file; expected a directory or a new path"),
+        "OUT is the decoder": (2, f"{out}: is a file; expected a directory or a new path"),
+    }[case]
+    assert cli([command, str(folder), "-o", str(out), *(["--bits", "4"] if command == "quantize" else [])]) == status
+    assert [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")] == [
+        f"moe-onnx {command}: {message}"]  # after the progress lines
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
 
 
 @pytest.mark.parametrize("name", NAMES)

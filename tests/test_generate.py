@@ -145,6 +145,22 @@ def test_an_eos_token_outside_the_vocabulary_is_refused(tmp_path, eos):
                                         "[0, 96) or a list of them, got ")
 
 
+@pytest.mark.parametrize("sample", [[], ["--sample"]], ids=["greedy", "sample"])
+def test_logits_that_hold_nan_are_refused_not_read_as_a_token(tmp_path, capsys, sample):
+    """A decoder whose logits hold NaN (damaged weights, or a type that overflows) stops generation in one line
+    naming it (exit 1): greedy search would take the first NaN's token as the best, silently."""
+    folder = _folder_with(tmp_path, "gpt_oss_fp32")
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    producer = next(node for node in model.graph.node if "logits" in node.output)
+    producer.output[list(producer.output).index("logits")] = "logits_before_nan"
+    model.graph.node.append(helper.make_node("Mul", ["logits_before_nan", "nan"], ["logits"]))
+    model.graph.initializer.append(helper.make_tensor("nan", TensorProto.FLOAT, [], [float("nan")]))
+    onnx.save(model, folder / "model.onnx")
+    assert cli(["generate", str(folder), "--prompt-ids", "5,9", "-n", "2", *sample]) == 1
+    assert capsys.readouterr().err == (f"moe-onnx generate: {folder / 'model.onnx'}: its logits at run 1 hold NaN; "
+                                       "expected numbers (the decoder's weights are damaged, or its type overflows)\n")
+
+
 @pytest.mark.parametrize("token", [-1, 96, 2.0, True])
 def test_the_api_and_the_command_refuse_a_prompt_id_outside_the_vocabulary_alike(capsys, token):
     folder = FIXTURES / "gpt_oss_fp32"

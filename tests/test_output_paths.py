@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 from fixture_models import FIXTURES
 
@@ -105,6 +107,53 @@ def test_report_that_is_not_a_file_is_refused_before_any_work(name, tmp_path, ca
     (line,) = _error_lines(capsys.readouterr().err)
     assert line == f"moe-onnx optimize: {report}: {message}; expected a regular file or a new path"
     assert not out.exists()
+
+
+GENAI = REPO / "models" / "fixtures" / "genai" / "gpt_oss_fp32"
+
+
+def _job(kind: str, folder: Path) -> tuple[Path, Path]:
+    """The input and output of an optimize job in ``folder``: a model file with external data (``in.onnx`` ->
+    ``out.onnx``), or an onnxruntime-genai folder (``in`` -> ``out``)."""
+    if kind == "genai":
+        shutil.copytree(GENAI, folder / "in")
+        return folder / "in", folder / "out"
+    model = onnx.load(TINY)
+    onnx.save(model, folder / "in.onnx", save_as_external_data=True, location="in.onnx.data", size_threshold=0)
+    return folder / "in.onnx", folder / "out.onnx"
+
+
+@pytest.mark.parametrize("kind, report, role", [
+    ("file", "in.onnx", "the input model"),
+    ("file", "in.onnx.data", "the input model's external data"),
+    ("file", "out.onnx", "the output"),
+    ("file", "out.onnx.data", "the output's data file"),
+    ("file", "link.json", "the input model"),  # a symbolic link to in.onnx
+    ("genai", "in/genai_config.json", "a file of the input folder"),
+    ("genai", "in/tokenizer.json", "a file of the input folder"),
+    ("genai", "out/genai_config.json", "a file the output folder gets"),
+    ("genai", "out/tokenizer.json", "a file the output folder gets"),
+    ("genai", "out/model.onnx.data", "a file the output folder gets"),
+])
+def test_a_report_over_a_file_of_the_job_is_refused_before_any_work(kind, report, role, tmp_path, capsys):
+    """--report, written last, would replace a file the job reads (the input and its data; any file of an input
+    folder) or writes (the output and its data; any file the output folder gets): refused in one line (exit 2),
+    nothing read or written."""
+    source, out = _job(kind, tmp_path)
+    (tmp_path / "link.json").symlink_to("in.onnx")
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert main(["optimize", str(source), "-o", str(out), "--report", str(tmp_path / report)]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line == (f"moe-onnx optimize: --report {tmp_path / report}: is {role}; expected a path the job neither "
+                    "reads nor writes")
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    assert not out.exists()
+
+
+def test_a_report_beside_the_files_of_an_output_folder_is_written(tmp_path):
+    source, out = _job("genai", tmp_path)
+    assert main(["optimize", str(source), "-o", str(out), "--report", str(out / "report.json")]) == 0
+    assert json.loads((out / "report.json").read_text())["fused"] and (out / "genai_config.json").is_file()
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["inline", "external_data"])

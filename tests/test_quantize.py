@@ -409,12 +409,26 @@ def test_model_without_moe_is_refused():
 @pytest.mark.parametrize("argv, message", [
     (["--bits", "3"], "moe-onnx quantize: bits is 3; expected 4 or 8"),
     (["--bits", "4", "--block-size", "24"], "moe-onnx quantize: block_size is 24"),
+    (["--bits", "4", "--seed", "-1"],
+     "moe-onnx quantize: error: argument --seed: '-1' is not a seed (an integer >= 0)"),
 ])
 def test_cli_bad_settings_exit_2_and_write_nothing(argv, message, tmp_path, capsys):
     source, out = tmp_path / "fused.onnx", tmp_path / "q.onnx"
     onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
-    assert main(["quantize", str(source), "-o", str(out), *argv]) == 2
+    try:
+        status = main(["quantize", str(source), "-o", str(out), *argv])
+    except SystemExit as refused:  # argparse's refusal
+        status = refused.code
+    assert status == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_a_negative_seed_is_refused_before_anything_is_written(tmp_path):
+    source, out = tmp_path / "fused.onnx", tmp_path / "q.onnx"
+    onnx.save(fused(FAMILY_FIXTURES["mixtral"]), source)
+    with pytest.raises(QuantizeError, match=r"^seed is -1; expected an integer >= 0$"):
+        quantize_file(source, out, QuantizeSettings(bits=8), seed=-1)
+    assert not out.exists()
 
 
 def test_a_quantized_model_says_so(tmp_path, capsys):

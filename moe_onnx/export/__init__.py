@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx_ir as ir
 
 from .._ir import model_files
 from ..check import check_model
-from ..genai_folder import copy_tokenizer, new_config, write_config
+from ..genai_folder import check_checkpoint_config, copy_tokenizer, new_config, write_config
 from ..pipeline.optimize import OptimizeResult
 from ..rewrite import optimize_ir
 from ..rewrite.quantize import (
@@ -32,7 +32,7 @@ from ..rewrite.quantize import (
     QuantizeSettings,
     keep_stored_mxfp4,
 )
-from .checkpoint import FORMATS, Checkpoint, CheckpointError, quant_method
+from .checkpoint import FORMATS, Checkpoint, CheckpointError, check_routing, quant_method
 from .families import FAMILIES, REFUSED, ExportFamily
 from .initializers import CheckpointTensor, attach
 
@@ -122,11 +122,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             quantize.check()
         except QuantizeError as error:
             raise ExportError(str(error)) from None
+    if not checkpoint.is_dir():
+        found = "is not a folder" if checkpoint.exists() else "no such folder"
+        raise model_files.ModelFileError(f"{checkpoint}: {found}; expected a Hugging Face checkpoint folder "
+                                         "(config.json, safetensors)")
     document = model_files.read_json(checkpoint / "config.json")
     document.string("model_type")
     config = document.data
-    generation = model_files.read_json(checkpoint / "generation_config.json").data if (
-        checkpoint / "generation_config.json").exists() else {}
+    generation_path = checkpoint / "generation_config.json"
+    generation = model_files.read_json(generation_path) if generation_path.exists() else model_files.JsonObject(
+        generation_path, {}, "")
     family = FAMILIES.get(config["model_type"])
     if config["model_type"] in REFUSED:
         raise ExportError(f"{checkpoint}: model_type {config['model_type']!r} is not exported with a KV cache: "
@@ -142,13 +147,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         raise ExportError(f"{checkpoint}: quantization_config mxfp4 is read for gpt_oss (its experts' blocks and "
                           f"scales), not for model_type {family.model_type!r}")
     with contextlib.ExitStack() as stack:
-        try:
-            tensors = stack.enter_context(Checkpoint(checkpoint, config))
-            sources = tensors.sources()
-        except CheckpointError as error:
-            raise model_files.ModelFileError(str(error)) from None
-        for key in ("hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings"):  # genai_config's
-            document.integer(key, minimum=1)
+        tensors = stack.enter_context(Checkpoint(checkpoint, config))
+        stack.enter_context(_checkpoint_errors_as_they_are())
+        sources = tensors.sources()
+        check_checkpoint_config(document, generation)
+        check_routing(document)
         try:
             from . import _torch
         except ImportError as error:
@@ -171,7 +174,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         _fold(graph)
         _tidy(graph, _torch.dim_names([v.name for v in graph.graph.inputs], [v.name for v in graph.graph.outputs],
                                       last_logits))
-        genai = new_config(config, generation, family.genai_type, DECODER, cache)
+        genai = new_config(config, generation.data, family.genai_type, DECODER, cache)
         report, stored, quantized = None, [], None
         if optimize:
             say("optimizing the decoder (the fusions of moe-onnx optimize)")
@@ -227,6 +230,21 @@ def _tidy(model: ir.Model, names: dict[str, dict[int, str]]) -> None:
         for axis, name in names.get(value.name, {}).items():
             dims[axis] = ir.SymbolicDim(name)
         value.shape = ir.Shape(dims)
+
+
+@contextlib.contextmanager
+def _checkpoint_errors_as_they_are() -> Iterator[None]:
+    """A checkpoint tensor's own error when it is read (a damaged scale, rows of a shape the mapping did not give),
+    raised as itself where a pass of onnxscript or onnx_ir that read the tensor wrapped it in its own error."""
+    try:
+        yield
+    except Exception as error:
+        cause = error
+        while cause is not None and not isinstance(cause, (CheckpointError, ExportError)):
+            cause = cause.__cause__
+        if cause is None or cause is error:
+            raise
+        raise cause from None
 
 
 def _attempt(what: str, function: Callable, *args):

@@ -42,7 +42,7 @@ from transformers.core_model_loading import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from . import ExportError
-from .checkpoint import Mxfp4Source, Source
+from .checkpoint import FLOATS, Mxfp4Source, Source
 from .families import ExportFamily
 from ..genai_folder import INPUT_NAMES, OUTPUT_NAMES, CacheShape
 
@@ -287,6 +287,9 @@ def parameter_sources(model: transformers.PreTrainedModel, sources: dict[str, So
         if renamed not in state:
             unused.append(key)
             continue
+        if state[renamed].is_floating_point() and sources[key].dtype not in FLOATS:  # it would be cast silently
+            raise ExportError(f"checkpoint tensor {key} is {sources[key].dtype}; the model's parameter {renamed} is "
+                              f"{_NUMPY[state[renamed].dtype]}: expected a floating-point tensor")
         converter = by_pattern.get(pattern) if pattern is not None else None
         entry = groups.setdefault(renamed, (copy.deepcopy(converter), {}))
         entry[1].setdefault(pattern if converter is not None else key, []).append(key)
@@ -370,6 +373,29 @@ class _Conversion:
         else:
             self.mode = "whole"
         self._kept: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None  # a range's targets not read yet
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """ExportError, before anything is read, when the converter run on the sources' shapes alone (meta tensors)
+        fails or does not give the parameters' shapes: an expert's tensor transposed or of another size."""
+        def meta(source: Source):
+            return lambda: torch.empty(source.shape, dtype=self.dtype, device="meta")
+
+        given = [source for sources in self.sources.values() for source in sources]
+        what = (f"{type(self.converter).__name__} of the checkpoint tensors "
+                f"{', '.join(f'{source.name} {list(source.shape)}' for source in given[:3])}"
+                f"{' ...' if len(given) > 3 else ''}")
+        try:
+            converted = self._convert({pattern: [meta(source) for source in sources]
+                                       for pattern, sources in self.sources.items()})
+        except Exception as error:  # noqa: BLE001 - torch's shape errors have no one class
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise ExportError(f"parameter {self.first}: {what} fails: {first}") from None
+        for target, shape in self.shapes.items():
+            got = tuple(converted[target].shape) if target in converted else None
+            if got != shape:
+                raise ExportError(f"parameter {target}: {what} gives {list(got) if got else 'nothing'}; expected "
+                                  f"{list(shape)}")
 
     def targets(self) -> list[str]:
         """The parameters this converter makes (its first target's name with each target pattern in its place)."""
@@ -402,6 +428,10 @@ class _Conversion:
                 collected[pattern] = [read(sources[0], start, stop)]
             else:
                 collected[pattern] = [read(source) for source in sources]
+        return self._convert(collected)
+
+    def _convert(self, collected: dict[str, list[Callable[[], torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        """The converter's targets from ``collected``: per source pattern, a callable per tensor giving it."""
         self.converter.collected_tensors = collected  # transformers' loading fills it the same way (callables)
         with torch.no_grad():
             converted = self.converter.convert(self.first, model=self.model, config=self.model.config)

@@ -32,7 +32,7 @@ import numpy as np
 
 from .._ir import model_files
 from .._ir.weights import write_array
-from ..ops.qmoe import MXFP4_BLOCK, QUANT_MXFP4, dequantize
+from ..ops.qmoe import E8M0_NAN, MXFP4_BLOCK, QUANT_MXFP4, dequantize
 
 #: safetensors' element types as numpy reads them (E8M0 scales as their uint8 codes)
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -44,9 +44,11 @@ FORMATS = {None: "unquantized (float32, bfloat16 or float16 tensors)",
            "mxfp4": "MXFP4 experts (GPT-OSS: *_blocks and *_scales)",
            "fp8": "block-scaled float8_e4m3fn linears (weight and weight_scale_inv)"}
 _FP8_SCALE = "_scale_inv"
+#: the floating-point types a checkpoint tensor may hold where the model reads floats
+FLOATS = {np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16)}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(model_files.ModelFileError):
     """A checkpoint ``moe-onnx export`` cannot read: a format it does not know, files or tensors missing or not
     what the format says (the message names the file or tensor, and what was expected)."""
 
@@ -85,6 +87,8 @@ class _SafetensorsFile:
             raise CheckpointError(f"{path}: cannot read it: {error.strerror or error}") from None
         except (ValueError, struct.error) as error:
             raise CheckpointError(f"{path}: not a safetensors file ({error})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: not a safetensors file (its header is JSON but not an object)")
         self.data_start = 8 + size
         self.tensors = {}
         for name, entry in header.items():
@@ -92,11 +96,14 @@ class _SafetensorsFile:
                 continue
             try:
                 dtype = np.dtype(DTYPES[entry["dtype"]])
-                shape = tuple(int(d) for d in entry["shape"])
-                begin, end = (int(offset) for offset in entry["data_offsets"])
-            except (KeyError, TypeError, ValueError) as error:
+                shape, offsets = entry["shape"], entry["data_offsets"]
+            except (KeyError, TypeError) as error:
                 raise CheckpointError(f"{path}: tensor {name!r}: element type or layout not readable "
                                       f"({type(error).__name__}: {error})") from None
+            if not (_naturals(shape) and _naturals(offsets) and len(offsets) == 2):
+                raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r}, data_offsets {offsets!r}; expected "
+                                      "lists of integers >= 0 (the offsets: [begin, end])")
+            shape, (begin, end) = tuple(shape), offsets
             if end - begin != math.prod(shape) * dtype.itemsize:
                 raise CheckpointError(f"{path}: tensor {name!r} holds {end - begin} bytes; its shape "
                                       f"{list(shape)} of {entry['dtype']} needs {math.prod(shape) * dtype.itemsize}")
@@ -104,6 +111,17 @@ class _SafetensorsFile:
                 raise CheckpointError(f"{path}: tensor {name!r} ends at byte {self.data_start + end}, past the "
                                       f"file's end ({file_size} bytes): the file is cut short")
             self.tensors[name] = _Stored(self, name, dtype, shape, begin, end)
+        # as the safetensors library checks: the tensors lie end to end, from the data's first byte to the file's end
+        position = 0
+        for tensor in sorted(self.tensors.values(), key=lambda tensor: (tensor.begin, tensor.end)):
+            if tensor.begin != position:
+                raise CheckpointError(f"{path}: tensor {tensor.name!r} starts at byte {tensor.begin} of the data; "
+                                      f"expected {position}, where the tensor before it ends (safetensors' tensors "
+                                      "lie end to end: the header is damaged)")
+            position = tensor.end
+        if self.data_start + position != file_size:
+            raise CheckpointError(f"{path}: its tensors end at byte {self.data_start + position}, the file at "
+                                  f"{file_size}; expected the same (safetensors' tensors fill the file)")
 
     def read(self, tensor: _Stored, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of ``tensor``'s first axis (a scalar: all of it)."""
@@ -123,6 +141,11 @@ class _SafetensorsFile:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+
+def _naturals(value: object) -> bool:
+    """Whether ``value`` is a JSON list of integers >= 0 (not bools)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 #: the safetensors name of each numpy type (the inverse of DTYPES; E8M0 codes are written as U8)
@@ -202,6 +225,9 @@ class Fp8Source(Source):
     def __init__(self, weight: _Stored, scale: _Stored, block: tuple[int, int] | None):
         self.weight, self.scale = weight, scale
         self.name, self.shape, self.dtype = weight.name, weight.shape, np.dtype(np.float32)
+        if weight.dtype != np.dtype(ml_dtypes.float8_e4m3fn) or scale.dtype not in FLOATS:
+            raise CheckpointError(f"{weight.name} {weight.dtype} and {scale.name} {scale.dtype}: expected "
+                                  "float8_e4m3fn and float32, bfloat16 or float16 (the fp8 format)")
         if len(weight.shape) < 2 or len(scale.shape) != len(weight.shape) or scale.shape[:-2] != weight.shape[:-2]:
             raise CheckpointError(f"{weight.name}: weight {list(weight.shape)} and {scale.name} "
                                   f"{list(scale.shape)}: expected [..., N, K] and [..., N/bn, K/bk]")
@@ -216,12 +242,19 @@ class Fp8Source(Source):
         bn, bk = self.block
         if len(self.shape) > 2:  # stacked experts: whole matrices
             weights = self.weight.file.read(self.weight, start, stop).astype(np.float32)
-            scales = self.scale.file.read(self.scale, start, stop)
-            return weights * _blocks(scales, bn, bk, self.shape[-2:])
+            return weights * _blocks(self._scales(start, stop), bn, bk, self.shape[-2:])
         first, last = start // bn, -(-stop // bn)
         weights = self.weight.file.read(self.weight, start, stop).astype(np.float32)
-        scales = _blocks(self.scale.file.read(self.scale, first, last), bn, bk, ((last - first) * bn, self.shape[1]))
+        scales = _blocks(self._scales(first, last), bn, bk, ((last - first) * bn, self.shape[1]))
         return weights * scales[start - first * bn:stop - first * bn]
+
+    def _scales(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the scales; CheckpointError for one that is not finite."""
+        scales = self.scale.file.read(self.scale, start, stop).astype(np.float32)
+        if not np.isfinite(scales).all():
+            raise CheckpointError(f"{self.scale.name}: holds {scales[~np.isfinite(scales)][0]} in rows [{start}, "
+                                  f"{stop}); expected finite scales (the file is damaged)")
+        return scales
 
 
 def _blocks(scales: np.ndarray, bn: int, bk: int, shape: tuple[int, int]) -> np.ndarray:
@@ -248,6 +281,9 @@ class Mxfp4Source(Source):
         nibble) and E8M0 scales [N, K/32], the same bytes as the checkpoint's."""
         blocks = self.blocks_tensor.file.read(self.blocks_tensor, e, e + 1)[0]
         scales = self.scales_tensor.file.read(self.scales_tensor, e, e + 1)[0]
+        if (scales == E8M0_NAN).any():
+            raise CheckpointError(f"{self.scales_tensor.name}: expert {e} holds the E8M0 scale {E8M0_NAN} (NaN); "
+                                  f"expected scales in [0, {E8M0_NAN}) (the file is damaged)")
         return blocks.reshape(blocks.shape[0], -1), scales
 
     def rows(self, start: int, stop: int) -> np.ndarray:
@@ -272,6 +308,33 @@ def quant_method(config: dict) -> str | None:
     if method == "fp8" and quantization.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"quantization_config: fp8 fmt {quantization.get('fmt')!r} is not read (e4m3 is)")
     return method
+
+
+#: config.json's keys (transformers' names, by family) for the experts a token takes and for a layer's experts
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k")
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_routing(config: model_files.JsonObject) -> None:
+    """ModelFileError, naming the key, for experts per token (:data:`TOP_K_KEYS`: an integer, or a list of them per
+    layer) that are not in [1, the layer's experts] (:data:`EXPERTS_KEYS`, where config.json gives them as one
+    integer; 0 experts, a dense model, takes any): transformers builds such a model, but its experts add nothing
+    (0 per token) or its trace fails."""
+    experts = next((key for key in EXPERTS_KEYS if _is_count(config.data.get(key), 0)), None)
+    if experts is not None and config.data[experts] == 0:
+        return
+    bound = f"in [1, {config.data[experts]}] ({experts})" if experts else ">= 1"
+    for key in TOP_K_KEYS:
+        value = config.data.get(key)
+        counts = value if isinstance(value, list) and value else [value]
+        if value is not None and not all(_is_count(k, 1) and (experts is None or k <= config.data[experts])
+                                         for k in counts):
+            raise config.error(key, f"an integer {bound}, or a list of them per layer")
+
+
+def _is_count(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer >= ``minimum`` (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class Checkpoint:

@@ -6,8 +6,10 @@ output written). Each reads its input, runs its passes, writes the result and ch
 
 from shutil import SameFileError
 
+from ._files import check_report_path
 from .optimize import OptimizeResult, optimize_file
 from .quantize import QuantizeResult, quantize_file
 from .shard import shard_file
 
-__all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "optimize_file", "quantize_file", "shard_file"]
+__all__ = ["OptimizeResult", "QuantizeResult", "SameFileError", "check_report_path", "optimize_file", "quantize_file",
+           "shard_file"]

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from .._ir import model_files
 from ..check import require_valid
-from .genai import JobPaths
+from .genai import JobPaths, job_paths
 
 
 def load_input(paths: JobPaths, say: Callable[[str], None]) -> tuple[ir.Model, onnx.ModelProto | None]:
@@ -23,13 +23,12 @@ def load_input(paths: JobPaths, say: Callable[[str], None]) -> tuple[ir.Model, o
     it (:func:`moe_onnx.check.require_valid`); OutputPathError when a genai job's output folder is not a folder."""
     say(f"loading {paths.source}")
     proto = model_files.read_proto(paths.source)
+    if paths.genai is not None:  # before any work; the folder is written when the job completes (write_output)
+        model_files.refuse_other_than_a_folder(paths.folder)
     _refuse_overwriting_input(paths.source, paths.destination, proto)
     say(f"checking {paths.source}")
     inferred = require_valid(paths.source, proto)
-    model = model_files.load(paths.source, proto)
-    if paths.genai is not None:  # before any work; the folder is written when the job completes (write_output)
-        model_files.refuse_other_than_a_folder(paths.folder)
-    return model, inferred
+    return model_files.load(paths.source, proto), inferred
 
 
 def write_output(model: ir.Model, paths: JobPaths, progress: Callable[[str], None] | None, *,
@@ -55,6 +54,32 @@ def write_json(document: dict, path: str | os.PathLike) -> None:
     """Write ``document`` to ``path`` through :func:`moe_onnx._ir.model_files.replacing`."""
     with model_files.replacing(path) as staged:
         staged.write_text(json.dumps(document, indent=2))
+
+
+def check_report_path(report: str | os.PathLike, source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Before a job from ``source`` to ``destination`` runs: OutputPathError when ``report`` (or a genai job's output
+    folder) is not a regular file (:func:`moe_onnx._ir.model_files.output_file`), SameFileError when it is a file the
+    job reads or writes, which the report, written last, would replace: the input model or its external data, the
+    output or its data file; for an onnxruntime-genai folder, a file of the input folder or one the output folder
+    gets."""
+    target = Path(os.path.realpath(model_files.output_file(report)))
+    paths = job_paths(source, destination)
+    files = [(Path(paths.source), "the input model")]
+    try:
+        files += [(file, "the input model's external data") for file in
+                  model_files.external_data_files(model_files.read_proto(paths.source), Path(paths.source).parent)]
+    except model_files.ModelFileError:
+        pass  # the job refuses the input itself, before any report is written
+    if paths.genai is not None:
+        model_files.refuse_other_than_a_folder(paths.folder)
+        if target.exists() and target.is_relative_to(os.path.realpath(paths.genai.folder)):
+            files.append((target, "a file of the input folder"))
+        files += [(paths.folder / name, "a file the output folder gets")
+                  for name in paths.genai.names_written(paths.destination)]
+    files += zip(model_files.model_output_files(paths.destination), ("the output", "the output's data file"))
+    for file, role in files:
+        if target == Path(os.path.realpath(file)):
+            raise SameFileError(f"--report {report}: is {role}; expected a path the job neither reads nor writes")
 
 
 def _refuse_overwriting_input(source: str | os.PathLike, destination: str | os.PathLike,

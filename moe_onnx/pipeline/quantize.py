@@ -26,6 +26,7 @@ from ..rewrite.quantize import (
     LayerReport,
     LinearReport,
     Quantize,
+    QuantizeError,
     QuantizeReport,
     QuantizeSettings,
 )
@@ -81,6 +82,8 @@ def quantize_file(source: str | os.PathLike, destination: str | os.PathLike, set
     (nothing is written then).
     """
     settings.check()
+    if measure and seed < 0:  # refused before anything is written, not when the error is measured
+        raise QuantizeError(f"seed is {seed}; expected an integer >= 0")
     say = progress or (lambda message: None)
     paths = job_paths(source, destination)
     model, _ = load_input(paths, say)

@@ -827,21 +827,26 @@ class Quantize(RewritePass):
 
 
 def _nothing_to_quantize(graph: ir.Graph, settings: QuantizeSettings, left_float: Sequence[LinearSkipped]) -> str:
-    """Why a model has nothing to quantize: its experts are QMOE already (quantized before), or it is not fused;
-    and with --linears or --embedding, what stayed float."""
-    quantized = [node for node in graph if node.domain == DOMAIN and node.op_type == "QMOE"]
+    """Why a model has nothing to quantize: its experts are QMOE already (quantized before; or onnxruntime's QMoE, as
+    onnxruntime-genai's model builder writes int4 models), or it is not fused; and with --linears or --embedding,
+    what stayed float."""
+    quantized = [node for node in graph if (node.domain, node.op_type) in ((DOMAIN, "QMOE"), (ORT_DOMAIN, "QMoE"))]
     asked = " and ".join(what for what, on in (("no linear layer (MatMul or Gemm with a constant weight matrix)",
                                                 settings.linears),
                                                ("no token embedding (a Gather of the token ids from a constant "
                                                 "table)", settings.embedding)) if on)
     why = f" ({len(left_float)} left float; '{left_float[0].node}': {left_float[0].reason})" if left_float else ""
     if quantized:
-        kinds = sorted({f"{attribute_value(n, 'quant_type', QUANT_INT)} {attribute_value(n, 'bits', 0)}-bit"
-                        for n in quantized})
+        ours = sorted({f"{attribute_value(n, 'quant_type', QUANT_INT)} {attribute_value(n, 'bits', 0)}-bit"
+                       for n in quantized if n.domain == DOMAIN})
+        contrib = sorted({f"{attribute_value(n, 'expert_weight_bits', 4)}-bit" for n in quantized
+                          if n.domain == ORT_DOMAIN})
+        kinds = "; ".join(f"{op}, {', '.join(bits)}" for op, bits in (("QMOE", ours), ("com.microsoft::QMoE", contrib))
+                          if bits)
         more = f"; {asked} to quantize{why}" if asked else (
             ": nothing is left to quantize (--linears and --embedding quantize the other layers)")
         return (f"the model's {len(quantized)} expert block{'s are' if len(quantized) != 1 else ' is'} quantized "
-                f"already (QMOE, {', '.join(kinds)}){more}")
+                f"already ({kinds}){more}")
     if asked:
         return f"the model has no MOE node and {asked} to quantize{why}"
     return ("the model has no MOE node (moe_onnx domain) to quantize; quantize takes a model fused by "
