@@ -12,15 +12,26 @@ between phases (/proc/self/clear_refs): reading the checkpoint's headers, the tr
 constant folding, the optimize pass, the write (where every weight is read and converted). The figure is the peak
 above the imports against the checkpoint's bytes; beside it, the peak above the tiny checkpoint's (what any model
 costs: the exporter's own memory) against the checkpoint's bytes.
+
+  python benchmarks/export_memory.py capped CHECKPOINT OUT --cap 2 -- --bits 4 --block-size 32 --linears --embedding
+
+`capped`: `moe-onnx export CHECKPOINT -o OUT` (the options after --) in a memory cgroup (v1) made below this
+process's, capped at --cap GiB of anonymous memory and page cache together, without swap: the export of a
+checkpoint many times that size must finish within it, the page cache of what it read reclaimed as it goes. The
+page cache is dropped first where this process may (root), so that the checkpoint is read from disk and charged to
+the cap. Prints the wall time, the export's peak RSS, the cgroup's peak usage and how often it reached the cap. On
+cgroup v2 run the export under `systemd-run --scope -p MemoryMax=2G -p MemorySwapMax=0` instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _memory import status_mb
@@ -95,6 +106,54 @@ def measure(size: str, dtype: str, work: Path) -> dict:
     return report
 
 
+def memory_cgroup() -> Path:
+    """This process's memory cgroup (v1) as a folder of /sys/fs/cgroup/memory; SystemExit, saying why, where there
+    is none this process can make groups in."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            group = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            if group.is_dir() and os.access(group, os.W_OK):
+                return group
+            sys.exit(f"export_memory.py capped: {group}: cannot make a cgroup there (not a folder this process may "
+                     "write)")
+    sys.exit("export_memory.py capped: this process has no cgroup v1 memory controller (on cgroup v2: systemd-run "
+             "--scope -p MemoryMax=... -p MemorySwapMax=0 moe-onnx export ...)")
+
+
+def capped(checkpoint: Path, out: Path, cap_gib: float, options: list[str]) -> None:
+    """`moe-onnx export checkpoint -o out *options` in a cgroup of its own capped at ``cap_gib`` (module docstring)."""
+    group = memory_cgroup() / f"moe-onnx-export-{os.getpid()}"
+    group.mkdir()
+    try:
+        limit = str(int(cap_gib * 2**30))
+        (group / "memory.limit_in_bytes").write_text(limit)
+        if (group / "memory.memsw.limit_in_bytes").exists():  # no swap either, where the kernel accounts it
+            (group / "memory.memsw.limit_in_bytes").write_text(limit)
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("1")
+            print("page cache dropped: the checkpoint is read from disk", flush=True)
+        except OSError:
+            print("page cache kept (not root): pages of the checkpoint already in it are not charged to the cap",
+                  flush=True)
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "moe_onnx.cli", "export", str(checkpoint), "-o", str(out),
+                                  *options],
+                                 preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        _, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - start
+        peak = int((group / "memory.max_usage_in_bytes").read_text()) / 2**30
+        hits = int((group / "memory.failcnt").read_text())
+    finally:
+        group.rmdir()
+    print(f"moe-onnx export: exit status {os.waitstatus_to_exitcode(status)} in {seconds:.0f} s; its peak RSS "
+          f"{usage.ru_maxrss / 2**20:.2f} GiB; the cgroup capped at {cap_gib:g} GiB: peak {peak:.2f} GiB, at the cap "
+          f"{hits} times (page cache reclaimed)")
+    if status:
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="child")
@@ -102,12 +161,22 @@ def main() -> None:
     e.add_argument("checkpoint", type=Path)
     e.add_argument("out", type=Path)
     e.add_argument("--dtype", required=True)
+    c = sub.add_parser("capped", help="moe-onnx export in a memory cgroup capped at --cap GiB (cgroup v1); its "
+                                      "options after --")
+    c.add_argument("checkpoint", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--cap", type=float, required=True, help="GiB of anonymous memory and page cache together")
     parser.add_argument("--size", nargs="+", choices=SIZES, default=["tiny", "small", "large"])
     parser.add_argument("--dtype", nargs="+", choices=("fp32", "fp16"), default=["fp32"])
     parser.add_argument("--work-dir", type=Path, help="keeps the checkpoints there (default: a temporary folder)")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)  # capped: moe-onnx export's options after --
+    args = parser.parse_args(argv[:split])
     if args.child == "export":
         print(json.dumps(export_child(args.checkpoint, args.out, args.dtype)))
+        return
+    if args.child == "capped":
+        capped(args.checkpoint, args.out, args.cap, argv[split + 1:])
         return
     with tempfile.TemporaryDirectory() as temporary:
         work = args.work_dir or Path(temporary)
