@@ -145,7 +145,7 @@ class _SafetensorsFile:
 
 def _naturals(value: object) -> bool:
     """Whether ``value`` is a JSON list of integers >= 0 (not bools)."""
-    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    return isinstance(value, list) and all(_is_count(v, 0) for v in value)
 
 
 #: the safetensors name of each numpy type (the inverse of DTYPES; E8M0 codes are written as U8)

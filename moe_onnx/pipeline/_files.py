@@ -65,11 +65,14 @@ def check_report_path(report: str | os.PathLike, source: str | os.PathLike, dest
     target = Path(os.path.realpath(model_files.output_file(report)))
     paths = job_paths(source, destination)
     files = [(Path(paths.source), "the input model")]
-    try:
-        files += [(file, "the input model's external data") for file in
-                  model_files.external_data_files(model_files.read_proto(paths.source), Path(paths.source).parent)]
-    except model_files.ModelFileError:
-        pass  # the job refuses the input itself, before any report is written
+    # only an existing file can be the input's external data: the input is read for them only then (the job reads
+    # it again)
+    if target.exists():
+        try:
+            files += [(file, "the input model's external data") for file in
+                      model_files.external_data_files(model_files.read_proto(paths.source), Path(paths.source).parent)]
+        except model_files.ModelFileError:
+            pass  # the job refuses the input itself, before any report is written
     if paths.genai is not None:
         model_files.refuse_other_than_a_folder(paths.folder)
         if target.exists() and target.is_relative_to(os.path.realpath(paths.genai.folder)):
